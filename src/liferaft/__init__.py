@@ -1,0 +1,22 @@
+"""liferaft: checkpoints that let distributed PyTorch training survive failures.
+
+The public API is this module's ``__all__``; everything else is private and may change.
+"""
+
+from liferaft.api import load, save
+from liferaft.errors import (CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, DistributedError,
+                             FormatVersionError, IncompleteCheckpointError, InvalidStateError, LiferaftError,
+                             PickleNotAllowedError, StateMismatchError, StorageError, UnsafePathError)
+from liferaft.options import LoadOptions, LoadResult, SaveOptions, SaveResult
+from liferaft.reading import CheckpointInfo, PerRank, TensorInfo, VerifyReport, inspect, read, verify
+from liferaft.state.sharded import Sharded
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "save", "load", "read", "inspect", "verify", "Sharded", "SaveOptions", "LoadOptions", "SaveResult",
+    "LoadResult", "CheckpointInfo", "TensorInfo", "VerifyReport", "PerRank",
+    "LiferaftError", "CheckpointNotFoundError", "IncompleteCheckpointError", "CheckpointExistsError",
+    "CorruptCheckpointError", "FormatVersionError", "UnsafePathError", "StateMismatchError", "InvalidStateError",
+    "PickleNotAllowedError", "DistributedError", "StorageError", "__version__",
+]

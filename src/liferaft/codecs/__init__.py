@@ -1,0 +1,1 @@
+"""Per-chunk transforms. Today: block checksums (xxh3_64)."""

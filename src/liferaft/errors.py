@@ -1,0 +1,54 @@
+"""Every error liferaft raises on purpose is a :class:`LiferaftError`.
+
+Each message says what happened, to which key or file, and what to do about it.
+"""
+
+from __future__ import annotations
+
+
+class LiferaftError(Exception):
+    """Base class of all liferaft errors."""
+
+
+class CheckpointNotFoundError(LiferaftError):
+    """Nothing (no commit marker, no files) exists at the given path."""
+
+
+class IncompleteCheckpointError(LiferaftError):
+    """The path holds checkpoint files but no commit marker: a save did not finish."""
+
+
+class CheckpointExistsError(LiferaftError):
+    """A save targets a path that already holds a committed checkpoint (pass overwrite=True)."""
+
+
+class CorruptCheckpointError(LiferaftError):
+    """Stored bytes do not match their checksum, a file is truncated or the manifest is damaged."""
+
+
+class FormatVersionError(LiferaftError):
+    """The checkpoint was written by a newer (or unknown) format version."""
+
+
+class UnsafePathError(LiferaftError):
+    """A path in a manifest would leave the checkpoint directory."""
+
+
+class StateMismatchError(LiferaftError):
+    """The state passed to load does not match the checkpoint (missing/unexpected keys, shape, dtype)."""
+
+
+class InvalidStateError(LiferaftError):
+    """The state passed to save cannot be saved as given (overlapping shards, unsupported objects, ...)."""
+
+
+class PickleNotAllowedError(InvalidStateError):
+    """A value would need pickle but pickle was not allowed by the options."""
+
+
+class DistributedError(LiferaftError):
+    """Another rank failed, or a collective timed out. The message names the rank and its error."""
+
+
+class StorageError(LiferaftError):
+    """The storage backend failed (I/O error, unknown URL scheme, ...)."""

@@ -1,0 +1,305 @@
+"""The manifest and the commit marker: frozen dataclasses and their JSON codec.
+
+This module is the on-disk contract (docs/FORMAT.md). It imports neither torch nor other liferaft layers
+(only the leaf module ``liferaft.errors``). Decoding validates everything a reader relies on: the format
+version, types and ranges of every number, and that every file name stays inside the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from liferaft.errors import CorruptCheckpointError, FormatVersionError, UnsafePathError
+
+FORMAT_NAME = "liferaft"
+FORMAT_VERSION = 1
+COMMIT_MARKER = "COMMIT"
+CHECKSUM_ALGO = "xxh3_64"
+
+PathPart = str | int
+
+# dtype names stored in the manifest (torch names without the "torch." prefix).
+DTYPE_ITEMSIZE: dict[str, int] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1,
+    "uint16": 2, "uint32": 4, "uint64": 8, "bool": 1,
+    "complex64": 8, "complex128": 16,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
+}
+
+TENSOR_KINDS = ("tensor", "numpy", "bytes")
+CONTAINER_KINDS = ("dict", "list", "tuple", "stateful")
+
+
+def check_relative_path(name: str, what: str = "file") -> str:
+    """Return ``name`` if it is a safe relative POSIX path inside the checkpoint, else raise UnsafePathError."""
+    if not isinstance(name, str) or not name:
+        raise UnsafePathError(f"manifest {what} name {name!r} is not a non-empty string")
+    if "\\" in name or "\x00" in name or name.startswith("/") or posixpath.isabs(name):
+        raise UnsafePathError(f"manifest {what} path {name!r} is absolute or malformed; refusing to read outside the checkpoint")
+    norm = posixpath.normpath(name)
+    if norm != name or norm == "." or norm.startswith("../") or norm == ".." or "/../" in f"/{norm}/":
+        raise UnsafePathError(f"manifest {what} path {name!r} points outside the checkpoint; refusing to read it")
+    return name
+
+
+@dataclass(frozen=True)
+class ChunkRecord:
+    """One stored box of a global tensor: ``sizes`` elements starting at ``offsets`` (row-major, raw bytes).
+
+    The bytes live in ``file`` at ``[byte_offset, byte_offset + length)``. They are hashed in blocks of
+    ``block_size`` bytes (the last one may be shorter); ``hashes[i]`` is the xxh3_64 hex digest of block i.
+    """
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str
+    byte_offset: int
+    length: int
+    block_size: int
+    hashes: tuple[str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"offsets": list(self.offsets), "sizes": list(self.sizes), "file": self.file,
+                "byte_offset": self.byte_offset, "length": self.length, "block_size": self.block_size,
+                "hashes": list(self.hashes)}
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """A global tensor (or a numpy array / bytes value stored as one) and the chunks that cover it."""
+
+    key: str
+    path: tuple[PathPart, ...]
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    chunks: tuple[ChunkRecord, ...]
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_ITEMSIZE[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        n = self.itemsize
+        for s in self.shape:
+            n *= s
+        return n
+
+    def to_json(self) -> dict[str, Any]:
+        return {"key": self.key, "path": list(self.path), "kind": self.kind, "dtype": self.dtype,
+                "shape": list(self.shape), "chunks": [c.to_json() for c in self.chunks]}
+
+
+@dataclass(frozen=True)
+class ValueEntry:
+    """A plain (non-tensor) value, encoded as tagged JSON (see ``liferaft.state.values``).
+
+    ``per_rank`` is None when every rank held the same value (stored once in ``value``); otherwise it holds one
+    encoded value per saving rank and ``value`` is None.
+    """
+
+    key: str
+    path: tuple[PathPart, ...]
+    value: Any = None
+    per_rank: tuple[Any, ...] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"key": self.key, "path": list(self.path)}
+        if self.per_rank is None:
+            out["value"] = self.value
+        else:
+            out["per_rank"] = list(self.per_rank)
+        return out
+
+
+@dataclass(frozen=True)
+class ContainerEntry:
+    """A dict / list / tuple / stateful object in the saved tree (so that empty containers survive)."""
+
+    path: tuple[PathPart, ...]
+    kind: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": list(self.path), "kind": self.kind}
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Everything a reader needs: entries, files and who wrote the checkpoint."""
+
+    save_id: str
+    world_size: int
+    created_unix: float
+    liferaft_version: str
+    torch_version: str
+    files: Mapping[str, int]
+    tensors: tuple[TensorEntry, ...]
+    values: tuple[ValueEntry, ...]
+    containers: tuple[ContainerEntry, ...]
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    version: int = FORMAT_VERSION
+
+    def to_json_bytes(self) -> bytes:
+        doc = {
+            "format": FORMAT_NAME, "version": self.version, "save_id": self.save_id,
+            "world_size": self.world_size, "created_unix": self.created_unix,
+            "liferaft_version": self.liferaft_version, "torch_version": self.torch_version,
+            "checksum": CHECKSUM_ALGO, "files": dict(sorted(self.files.items())),
+            "tensors": [t.to_json() for t in self.tensors], "values": [v.to_json() for v in self.values],
+            "containers": [c.to_json() for c in self.containers], "extra": dict(self.extra),
+        }
+        return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+
+    def tensor_map(self) -> dict[str, TensorEntry]:
+        return {t.key: t for t in self.tensors}
+
+
+@dataclass(frozen=True)
+class CommitMarker:
+    """The last object written: names the manifest and pins its size and checksum."""
+
+    manifest: str
+    manifest_size: int
+    manifest_hash: str
+    version: int = FORMAT_VERSION
+
+    def to_json_bytes(self) -> bytes:
+        return json.dumps({"format": FORMAT_NAME, "version": self.version, "manifest": self.manifest,
+                           "manifest_size": self.manifest_size, "manifest_hash": self.manifest_hash,
+                           "checksum": CHECKSUM_ALGO}).encode()
+
+
+# ----------------------------------------------------------------------------------------------- decoding
+
+
+def _fail(where: str, msg: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"{where}: {msg}; the checkpoint is damaged or not a liferaft checkpoint")
+
+
+def _int(v: Any, where: str, lo: int = 0) -> int:
+    if type(v) is not int or v < lo:
+        raise _fail(where, f"expected an integer >= {lo}, got {v!r}")
+    return v
+
+
+def _ints(v: Any, where: str, lo: int = 0) -> tuple[int, ...]:
+    if not isinstance(v, list):
+        raise _fail(where, f"expected a list of integers, got {v!r}")
+    return tuple(_int(x, where, lo) for x in v)
+
+
+def _str(v: Any, where: str) -> str:
+    if not isinstance(v, str):
+        raise _fail(where, f"expected a string, got {v!r}")
+    return v
+
+
+def _path(v: Any, where: str) -> tuple[PathPart, ...]:
+    if not isinstance(v, list) or not all(type(p) in (str, int) for p in v):
+        raise _fail(where, f"expected a list of str/int path parts, got {v!r}")
+    return tuple(v)
+
+
+def _check_version(doc: Mapping[str, Any], what: str) -> int:
+    if doc.get("format") != FORMAT_NAME:
+        raise _fail(what, f"format field is {doc.get('format')!r}, expected {FORMAT_NAME!r}")
+    version = doc.get("version")
+    if type(version) is not int:
+        raise _fail(what, f"version field is {version!r}")
+    if version > FORMAT_VERSION:
+        raise FormatVersionError(
+            f"{what} has format version {version}, but this liferaft reads versions up to {FORMAT_VERSION}; "
+            "upgrade liferaft to read it")
+    if version < 1:
+        raise _fail(what, f"unknown format version {version}")
+    return version
+
+
+def _loads(data: bytes, what: str) -> dict[str, Any]:
+    try:
+        doc = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _fail(what, f"not valid JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise _fail(what, "top level is not an object")
+    return doc
+
+
+def decode_commit_marker(data: bytes) -> CommitMarker:
+    doc = _loads(data, COMMIT_MARKER)
+    version = _check_version(doc, COMMIT_MARKER)
+    return CommitMarker(manifest=check_relative_path(_str(doc.get("manifest"), COMMIT_MARKER), "manifest"),
+                        manifest_size=_int(doc.get("manifest_size"), COMMIT_MARKER),
+                        manifest_hash=_str(doc.get("manifest_hash"), COMMIT_MARKER), version=version)
+
+
+def _decode_chunk(c: Any, where: str, ndim: int, files: Mapping[str, int], itemsize: int) -> ChunkRecord:
+    if not isinstance(c, dict):
+        raise _fail(where, "chunk is not an object")
+    rec = ChunkRecord(
+        offsets=_ints(c.get("offsets"), where), sizes=_ints(c.get("sizes"), where),
+        file=check_relative_path(_str(c.get("file"), where)), byte_offset=_int(c.get("byte_offset"), where),
+        length=_int(c.get("length"), where), block_size=_int(c.get("block_size"), where, 1),
+        hashes=tuple(_str(h, where) for h in (c.get("hashes") or [])))
+    if len(rec.offsets) != ndim or len(rec.sizes) != ndim:
+        raise _fail(where, f"chunk has {len(rec.offsets)}-d offsets / {len(rec.sizes)}-d sizes for a {ndim}-d tensor")
+    numel = 1
+    for s in rec.sizes:
+        numel *= s
+    if rec.length != numel * itemsize:
+        raise _fail(where, f"chunk length {rec.length} != {numel} elements x {itemsize} bytes")
+    if rec.file not in files:
+        raise _fail(where, f"chunk refers to file {rec.file!r} that the manifest does not list")
+    if rec.byte_offset + rec.length > files[rec.file]:
+        raise _fail(where, f"chunk [{rec.byte_offset}, +{rec.length}) lies beyond the end of {rec.file!r}")
+    nblocks = -(-rec.length // rec.block_size) if rec.length else 0
+    if len(rec.hashes) != nblocks:
+        raise _fail(where, f"chunk has {len(rec.hashes)} block hashes, expected {nblocks}")
+    return rec
+
+
+def decode_manifest(data: bytes, name: str = "manifest") -> Manifest:
+    """Parse and validate a manifest. Raises CorruptCheckpointError, FormatVersionError or UnsafePathError."""
+    doc = _loads(data, name)
+    version = _check_version(doc, name)
+    files_raw = doc.get("files")
+    if not isinstance(files_raw, dict):
+        raise _fail(name, "files is not an object")
+    files = {check_relative_path(k): _int(v, f"{name} files[{k!r}]") for k, v in files_raw.items()}
+    tensors = []
+    for t in doc.get("tensors") or []:
+        key = _str(t.get("key"), f"{name} tensor")
+        where = f"{name} tensor {key!r}"
+        dtype = _str(t.get("dtype"), where)
+        if dtype not in DTYPE_ITEMSIZE:
+            raise _fail(where, f"unknown dtype {dtype!r}")
+        kind = _str(t.get("kind", "tensor"), where)
+        if kind not in TENSOR_KINDS:
+            raise _fail(where, f"unknown kind {kind!r}")
+        shape = _ints(t.get("shape"), where)
+        chunks = tuple(_decode_chunk(c, where, len(shape), files, DTYPE_ITEMSIZE[dtype]) for c in t.get("chunks") or [])
+        tensors.append(TensorEntry(key=key, path=_path(t.get("path"), where), kind=kind, dtype=dtype,
+                                   shape=shape, chunks=chunks))
+    values = []
+    for v in doc.get("values") or []:
+        key = _str(v.get("key"), f"{name} value")
+        per_rank = v.get("per_rank")
+        values.append(ValueEntry(key=key, path=_path(v.get("path"), f"{name} value {key!r}"), value=v.get("value"),
+                                 per_rank=tuple(per_rank) if isinstance(per_rank, list) else None))
+    containers = []
+    for c in doc.get("containers") or []:
+        kind = _str(c.get("kind"), f"{name} container")
+        if kind not in CONTAINER_KINDS:
+            raise _fail(name, f"unknown container kind {kind!r}")
+        containers.append(ContainerEntry(path=_path(c.get("path"), f"{name} container"), kind=kind))
+    extra = doc.get("extra") or {}
+    return Manifest(
+        save_id=_str(doc.get("save_id"), name), world_size=_int(doc.get("world_size"), name, 1),
+        created_unix=float(doc.get("created_unix") or 0.0), liferaft_version=str(doc.get("liferaft_version", "")),
+        torch_version=str(doc.get("torch_version", "")), files=files, tensors=tuple(tensors), values=tuple(values),
+        containers=tuple(containers), extra=extra if isinstance(extra, dict) else {}, version=version)

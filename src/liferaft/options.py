@@ -1,0 +1,66 @@
+"""The options objects and result types of the public API."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from liferaft.codecs.checksum import DEFAULT_BLOCK_SIZE
+from liferaft.planning.load_plan import DEFAULT_MAX_READ
+
+
+@dataclass(frozen=True)
+class SaveOptions:
+    """How to save.
+
+    overwrite: replace a committed checkpoint at the path. The old one stays loadable until the new one is
+        committed; there is never a mix of the two.
+    allow_pickle: store values that are not plain data with pickle (loading them needs allow_pickle too).
+    timeout: seconds any rank waits for the others at each step before raising DistributedError.
+    block_size: bytes per checksum block (a resharding load reads and verifies whole blocks).
+    alignment: byte alignment of every chunk in the data files.
+    metadata: JSON-compatible data stored in the manifest as ``extra`` (e.g. the training step).
+    """
+
+    overwrite: bool = False
+    allow_pickle: bool = False
+    timeout: float = 600.0
+    block_size: int = DEFAULT_BLOCK_SIZE
+    alignment: int = 64
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How to load: ``allow_pickle`` (trust pickled values), ``timeout`` (seconds, as for save) and
+    ``max_read_bytes`` (largest single read, i.e. the scratch buffer a load allocates)."""
+
+    allow_pickle: bool = False
+    timeout: float = 600.0
+    max_read_bytes: int = DEFAULT_MAX_READ
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """What a save did. ``timings`` holds seconds per phase on this rank: plan, stage, write, commit, total."""
+
+    path: str
+    save_id: str
+    world_size: int
+    rank: int
+    bytes_written: int          # by this rank
+    total_bytes: int            # by all ranks
+    files: int                  # data files in the checkpoint
+    timings: Mapping[str, float]
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """What a load did. Keys missing from the checkpoint or unexpected in it are listed (strict=False)."""
+
+    path: str
+    rank: int
+    bytes_read: int             # by this rank
+    missing_keys: tuple[str, ...]
+    unexpected_keys: tuple[str, ...]
+    timings: Mapping[str, float]

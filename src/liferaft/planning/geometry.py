@@ -1,0 +1,118 @@
+"""Box arithmetic on row-major tensors. Pure functions of tuples; no torch.
+
+A *box* is ``(offsets, sizes)``: the elements ``offsets[d] <= i[d] < offsets[d] + sizes[d]`` of a tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def numel(sizes: Sequence[int]) -> int:
+    n = 1
+    for s in sizes:
+        n *= s
+    return n
+
+
+def strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """Row-major element strides of ``shape``."""
+    out = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        out[d] = out[d + 1] * shape[d + 1]
+    return tuple(out)
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    """The common box of ``a`` and ``b``, or None if they share no element."""
+    offs, sizes = [], []
+    for ao, asz, bo, bsz in zip(a[0], a[1], b[0], b[1]):
+        lo, hi = max(ao, bo), min(ao + asz, bo + bsz)
+        if hi <= lo:
+            return None
+        offs.append(lo)
+        sizes.append(hi - lo)
+    return tuple(offs), tuple(sizes)
+
+
+def in_bounds(box: Box, shape: Sequence[int]) -> bool:
+    return len(box[0]) == len(shape) == len(box[1]) and all(
+        o >= 0 and s >= 0 and o + s <= n for o, s, n in zip(box[0], box[1], shape))
+
+
+def check_chunks_tile(shape: Sequence[int], boxes: Iterable[Box]) -> str | None:
+    """Return a description of the problem unless the distinct boxes tile ``shape`` exactly, else None.
+
+    Identical boxes count once (replicas). Checks bounds, pairwise overlap (sweep along the dimension with
+    the most distinct starts, so 1-D shardings of thousands of chunks stay fast) and full coverage.
+    """
+    distinct = sorted({(tuple(o), tuple(s)) for o, s in boxes if numel(s) > 0})
+    for box in distinct:
+        if not in_bounds(box, shape):
+            return f"chunk at offsets {list(box[0])} with sizes {list(box[1])} lies outside the global shape {list(shape)}"
+    total = numel(shape)
+    if not shape:
+        return None if len(distinct) == 1 else "no chunk covers the scalar"
+    dim = max(range(len(shape)), key=lambda d: len({b[0][d] for b in distinct}))
+    order = sorted(distinct, key=lambda b: b[0][dim])
+    active: list[Box] = []
+    for box in order:
+        start = box[0][dim]
+        active = [a for a in active if a[0][dim] + a[1][dim] > start]
+        for other in active:
+            if intersect(other, box) is not None:
+                return (f"chunks at offsets {list(other[0])} (sizes {list(other[1])}) and {list(box[0])} "
+                        f"(sizes {list(box[1])}) overlap without being identical")
+        active.append(box)
+    covered = sum(numel(b[1]) for b in distinct)
+    if covered != total:
+        return f"chunks cover {covered} of {total} elements of the global shape {list(shape)}"
+    return None
+
+
+def byte_span(box: Box, chunk_sizes: Sequence[int], itemsize: int) -> tuple[int, int]:
+    """[start, end) byte range, within a row-major chunk of ``chunk_sizes``, spanned by the (chunk-local) box."""
+    st = strides(chunk_sizes)
+    first = sum(o * s for o, s in zip(box[0], st))
+    last = sum((o + n - 1) * s for o, n, s in zip(box[0], box[1], st))
+    return first * itemsize, (last + 1) * itemsize
+
+
+def _max_gap(box: Box, chunk_sizes: Sequence[int], itemsize: int) -> int:
+    """Largest run of unneeded bytes between two needed bytes inside the box's span."""
+    st = strides(chunk_sizes)
+    gap = 0
+    for d in range(len(chunk_sizes)):
+        if box[1][d] > 1:
+            # two consecutive indices along d: the gap is the stride minus what one slice spans
+            inner = (box[0][:d] + (box[0][d],) + box[0][d + 1:], box[1][:d] + (1,) + box[1][d + 1:])
+            lo, hi = byte_span(inner, chunk_sizes, itemsize)
+            gap = max(gap, st[d] * itemsize - (hi - lo))
+    return gap
+
+
+def split_for_reading(box: Box, chunk_sizes: Sequence[int], itemsize: int, block: int, max_read: int) -> list[Box]:
+    """Split a chunk-local box into sub-boxes that are each read as one contiguous byte range.
+
+    Each piece spans at most ``max_read`` bytes (unless a single element row is larger, in which case the
+    contiguous innermost run is split) and contains no hole of ``block`` bytes or more, so reading it (rounded
+    out to whole hash blocks) fetches little more than the needed bytes.
+    """
+    out: list[Box] = []
+    stack = [box]
+    while stack:
+        b = stack.pop()
+        lo, hi = byte_span(b, chunk_sizes, itemsize)
+        if (hi - lo <= max_read and _max_gap(b, chunk_sizes, itemsize) < block) or numel(b[1]) <= 1:
+            out.append(b)
+            continue
+        d = next(i for i, s in enumerate(b[1]) if s > 1)
+        half = b[1][d] // 2
+        o, s = list(b[0]), list(b[1])
+        first = (tuple(o), tuple(s[:d] + [half] + s[d + 1:]))
+        second = (tuple(o[:d] + [o[d] + half] + o[d + 1:]), tuple(s[:d] + [s[d] - half] + s[d + 1:]))
+        stack.append(second)
+        stack.append(first)
+    return out

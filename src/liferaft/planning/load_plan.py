@@ -1,0 +1,102 @@
+"""Load planning: intersect the boxes a rank wants with the chunks that were saved → byte-range reads.
+
+Pure functions on manifest entries and boxes. A read covers whole hash blocks (so every byte read is
+verified) and only the blocks that hold wanted bytes; each read carries the strided copies that move its
+bytes into the destination boxes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from liferaft.format.manifest import ChunkRecord, TensorEntry
+from liferaft.planning.geometry import Box, byte_span, intersect, split_for_reading, strides
+
+DEFAULT_MAX_READ = 32 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class CopySpec:
+    """Copy ``sizes`` elements from the read buffer into destination ``target``.
+
+    The source elements start at element ``src_offset`` of the buffer with element ``src_strides``; the
+    destination box starts at ``dest_offsets`` inside the target's local box.
+    """
+
+    target: int
+    dest_offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    src_offset: int
+    src_strides: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ReadUnit:
+    """Read ``length`` bytes of ``file`` at ``file_offset`` (whole hash blocks of one chunk), verify, copy."""
+
+    key: str
+    file: str
+    file_offset: int
+    length: int
+    block_size: int
+    hashes: tuple[str, ...]
+    copies: tuple[CopySpec, ...]
+
+
+def _units_for_chunk(key: str, chunk: ChunkRecord, itemsize: int, wanted: Sequence[tuple[int, Box]],
+                     max_read: int) -> list[ReadUnit]:
+    bs = chunk.block_size
+    cstr = strides(chunk.sizes)
+    pieces: list[tuple[int, int, int, Box, Box]] = []   # (block_lo, block_hi, target, piece_local_box, dest_box)
+    for target, dest in wanted:
+        inter = intersect((chunk.offsets, chunk.sizes), dest)
+        if inter is None:
+            continue
+        local = (tuple(o - c for o, c in zip(inter[0], chunk.offsets)), inter[1])
+        for piece in split_for_reading(local, chunk.sizes, itemsize, bs, max_read):
+            lo, hi = byte_span(piece, chunk.sizes, itemsize)
+            glob = tuple(p + c for p, c in zip(piece[0], chunk.offsets))
+            dest_off = tuple(g - d for g, d in zip(glob, dest[0]))
+            pieces.append((lo // bs, -(-hi // bs), target, piece, (dest_off, piece[1])))
+    pieces.sort(key=lambda p: (p[0], p[1]))
+    units: list[ReadUnit] = []
+    group: list[tuple[int, int, int, Box, Box]] = []
+
+    def flush() -> None:
+        if not group:
+            return
+        b_lo = group[0][0]
+        b_hi = max(p[1] for p in group)
+        start = b_lo * bs
+        end = min(b_hi * bs, chunk.length)
+        copies = []
+        for _, _, target, piece, dbox in group:
+            first_elem = sum(o * s for o, s in zip(piece[0], cstr))
+            copies.append(CopySpec(target=target, dest_offsets=dbox[0], sizes=piece[1],
+                                   src_offset=first_elem - start // itemsize, src_strides=cstr))
+        units.append(ReadUnit(key=key, file=chunk.file, file_offset=chunk.byte_offset + start, length=end - start,
+                              block_size=bs, hashes=chunk.hashes[b_lo:b_hi], copies=tuple(copies)))
+        group.clear()
+
+    for p in pieces:
+        if group:
+            g_lo = group[0][0]
+            g_hi = max(q[1] for q in group)
+            if p[0] > g_hi or (max(g_hi, p[1]) - g_lo) * bs > max_read:
+                flush()
+        group.append(p)
+    flush()
+    return units
+
+
+def plan_reads(entry: TensorEntry, wanted: Sequence[tuple[int, Box]], max_read: int = DEFAULT_MAX_READ) -> list[ReadUnit]:
+    """Reads that fill the ``wanted`` boxes (``(target index, global box)``) of tensor ``entry``.
+
+    ``max_read`` bounds the bytes of one read (the scratch buffer a reader needs), except that a read always
+    holds at least one whole hash block.
+    """
+    units: list[ReadUnit] = []
+    for chunk in entry.chunks:
+        units.extend(_units_for_chunk(entry.key, chunk, entry.itemsize, wanted, max(max_read, chunk.block_size)))
+    return units

@@ -1,0 +1,202 @@
+"""Save planning: from every rank's description of what it holds to who writes which bytes where.
+
+Pure functions on frozen data; every rank runs :func:`plan_save` on the same gathered input and gets the same
+plan, so no rank has to broadcast it. Replicated chunks (plain tensors, ``Replicate()`` placements, hand-made
+shards held by several ranks, identical plain values) are written once, and the bytes to write are balanced
+across the ranks that hold them (largest chunk first, to the holder with the fewest bytes so far).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from liferaft.errors import InvalidStateError
+from liferaft.format.manifest import (DTYPE_ITEMSIZE, ChunkRecord, ContainerEntry, Manifest, PathPart, TensorEntry,
+                                      ValueEntry)
+from liferaft.planning.geometry import Box, check_chunks_tile, in_bounds, numel
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """What one rank holds of one global tensor: its local boxes (usually one)."""
+
+    key: str
+    path: tuple[PathPart, ...]
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    boxes: tuple[Box, ...]
+
+
+@dataclass(frozen=True)
+class ValueMeta:
+    """A plain value as this rank encoded it (tagged JSON) and a digest to compare across ranks cheaply."""
+
+    key: str
+    path: tuple[PathPart, ...]
+    encoded: Any
+    digest: str
+
+
+@dataclass(frozen=True)
+class RankMeta:
+    rank: int
+    tensors: tuple[TensorMeta, ...]
+    values: tuple[ValueMeta, ...]
+    containers: tuple[ContainerEntry, ...]
+
+
+@dataclass(frozen=True)
+class WriteItem:
+    """One chunk this rank writes: the box of tensor ``key`` to ``file`` at ``byte_offset``."""
+
+    key: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str
+    byte_offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class SavePlan:
+    world_size: int
+    writes: tuple[tuple[WriteItem, ...], ...]       # indexed by rank
+    files: Mapping[str, int]                        # file name -> final size in bytes
+    tensors: tuple[TensorMeta, ...]                 # global entries (boxes = distinct chunks), manifest order
+    values: tuple[ValueEntry, ...]
+    containers: tuple[ContainerEntry, ...]
+
+    def bytes_for_rank(self, rank: int) -> int:
+        return sum(w.length for w in self.writes[rank])
+
+
+def data_file_name(save_id: str, rank: int) -> str:
+    return f"data/{save_id}/r{rank:05d}.bin"
+
+
+def _align(n: int, alignment: int) -> int:
+    return -(-n // alignment) * alignment
+
+
+def plan_save(metas: Sequence[RankMeta], save_id: str, alignment: int = 64) -> SavePlan:
+    """Build the global save plan. Raises InvalidStateError for inconsistent or overlapping input."""
+    world = len(metas)
+    if [m.rank for m in metas] != list(range(world)):
+        raise InvalidStateError("rank metadata must be given for ranks 0..N-1 in order")
+    # ---- merge tensor metadata across ranks
+    first: dict[str, TensorMeta] = {}
+    holders: dict[tuple[str, Box], list[int]] = {}
+    order: list[str] = []
+    for m in metas:
+        for t in m.tensors:
+            if t.dtype not in DTYPE_ITEMSIZE:
+                raise InvalidStateError(f"key {t.key!r}: dtype {t.dtype} cannot be saved")
+            f = first.get(t.key)
+            if f is None:
+                first[t.key] = t
+                order.append(t.key)
+            elif (f.shape, f.dtype, f.kind, f.path) != (t.shape, t.dtype, t.kind, t.path):
+                raise InvalidStateError(
+                    f"key {t.key!r}: rank {m.rank} holds global shape {list(t.shape)} {t.dtype} but another rank "
+                    f"holds {list(f.shape)} {f.dtype}; every rank must describe the same global tensor")
+            for box in t.boxes:
+                if not in_bounds(box, t.shape):
+                    raise InvalidStateError(
+                        f"key {t.key!r}: rank {m.rank} holds a shard at offsets {list(box[0])} with sizes "
+                        f"{list(box[1])} that lies outside the global shape {list(t.shape)}")
+                holders.setdefault((t.key, box), []).append(m.rank)
+    tensors: list[TensorMeta] = []
+    by_key: dict[str, list[Box]] = {k: [] for k in order}
+    for (k, b) in holders:
+        by_key[k].append(b)
+    for key in order:
+        f = first[key]
+        boxes = tuple(sorted(by_key[key]))
+        problem = check_chunks_tile(f.shape, boxes)
+        if problem:
+            raise InvalidStateError(f"key {key!r}: {problem}; shards on save must tile the global tensor exactly "
+                                    "(identical replicas are fine)")
+        tensors.append(TensorMeta(key=key, path=f.path, kind=f.kind, dtype=f.dtype, shape=f.shape,
+                                  boxes=tuple(b for b in boxes if numel(b[1]) > 0)))
+    # ---- assign each distinct chunk to one holder, largest first, to the least-loaded holder
+    jobs = []
+    for t in tensors:
+        isz = DTYPE_ITEMSIZE[t.dtype]
+        for box in t.boxes:
+            jobs.append((numel(box[1]) * isz, t.key, box))
+    jobs.sort(key=lambda j: (-j[0], j[1], j[2]))
+    load = [0] * world
+    assigned: list[list[tuple[str, Box, int]]] = [[] for _ in range(world)]
+    for nbytes, key, box in jobs:
+        cands = holders[(key, box)]
+        rank = min(cands, key=lambda r: (load[r], r))
+        load[rank] += nbytes
+        assigned[rank].append((key, box, nbytes))
+    # ---- lay chunks out in each rank's file (manifest order for locality)
+    key_pos = {k: i for i, k in enumerate(order)}
+    writes: list[tuple[WriteItem, ...]] = []
+    files: dict[str, int] = {}
+    for rank in range(world):
+        items = sorted(assigned[rank], key=lambda a: (key_pos[a[0]], a[1]))
+        fname = data_file_name(save_id, rank)
+        pos, out = 0, []
+        for key, box, nbytes in items:
+            pos = _align(pos, alignment)
+            out.append(WriteItem(key=key, offsets=box[0], sizes=box[1], file=fname, byte_offset=pos, length=nbytes))
+            pos += nbytes
+        if out:
+            files[fname] = pos
+        writes.append(tuple(out))
+    # ---- plain values: once if every rank agrees, else per rank
+    values = _merge_values(metas)
+    containers: dict[tuple, ContainerEntry] = {}
+    for m in metas:
+        for c in m.containers:
+            prev = containers.setdefault(c.path, c)
+            if prev.kind != c.kind:
+                raise InvalidStateError(f"path {list(c.path)}: rank {m.rank} holds a {c.kind} where another rank "
+                                        f"holds a {prev.kind}")
+    return SavePlan(world_size=world, writes=tuple(writes), files=files, tensors=tuple(tensors),
+                    values=tuple(values), containers=tuple(sorted(containers.values(), key=lambda c: [str(p) for p in c.path])))
+
+
+def _merge_values(metas: Sequence[RankMeta]) -> list[ValueEntry]:
+    seen: dict[str, list[ValueMeta | None]] = {}
+    order: list[str] = []
+    for m in metas:
+        for v in m.values:
+            if v.key not in seen:
+                seen[v.key] = [None] * len(metas)
+                order.append(v.key)
+            seen[v.key][m.rank] = v
+    out = []
+    for key in order:
+        per = seen[key]
+        present = [v for v in per if v is not None]
+        if all(v is not None and v.digest == present[0].digest for v in per):
+            out.append(ValueEntry(key=key, path=present[0].path, value=present[0].encoded))
+        else:
+            out.append(ValueEntry(key=key, path=present[0].path, per_rank=tuple(
+                v.encoded if v is not None else None for v in per)))
+    return out
+
+
+def build_manifest(plan: SavePlan, hashes: Sequence[Sequence[Sequence[str]]], *, save_id: str, block_size: int,
+                   created_unix: float, liferaft_version: str, torch_version: str,
+                   extra: Mapping[str, Any] | None = None) -> Manifest:
+    """Combine the plan with the block hashes each rank computed for its writes (same order as ``plan.writes``)."""
+    records: dict[str, list[ChunkRecord]] = {t.key: [] for t in plan.tensors}
+    for rank, items in enumerate(plan.writes):
+        if len(hashes[rank]) != len(items):
+            raise InvalidStateError(f"rank {rank} reported {len(hashes[rank])} chunk hashes for {len(items)} writes")
+        for w, hs in zip(items, hashes[rank]):
+            records[w.key].append(ChunkRecord(offsets=w.offsets, sizes=w.sizes, file=w.file,
+                                              byte_offset=w.byte_offset, length=w.length, block_size=block_size,
+                                              hashes=tuple(hs)))
+    tensors = tuple(TensorEntry(key=t.key, path=t.path, kind=t.kind, dtype=t.dtype, shape=t.shape,
+                                chunks=tuple(sorted(records[t.key], key=lambda c: c.offsets))) for t in plan.tensors)
+    return Manifest(save_id=save_id, world_size=plan.world_size, created_unix=created_unix,
+                    liferaft_version=liferaft_version, torch_version=torch_version, files=dict(plan.files),
+                    tensors=tensors, values=plan.values, containers=plan.containers, extra=dict(extra or {}))

@@ -1,0 +1,269 @@
+"""Opening a committed checkpoint, and the one-process tools: read, inspect, verify."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+
+import torch
+
+from liferaft.codecs.checksum import digest, verify_blocks
+from liferaft.errors import (CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError,
+                             LiferaftError, StateMismatchError)
+from liferaft.format.manifest import (COMMIT_MARKER, Manifest, PathPart, TensorEntry, ValueEntry,
+                                      decode_commit_marker, decode_manifest)
+from liferaft.options import LoadOptions
+from liferaft.planning.geometry import check_chunks_tile
+from liferaft.planning.load_plan import plan_reads
+from liferaft.state.values import decode_value
+from liferaft.storage import Storage, resolve
+from liferaft.transfer.reader import execute_reads
+from liferaft.transfer.tensors import torch_dtype
+
+
+def open_checkpoint(storage: Storage) -> Manifest:
+    """The verified manifest of the committed checkpoint in ``storage``.
+
+    Raises CheckpointNotFoundError (nothing there), IncompleteCheckpointError (files but no commit marker),
+    CorruptCheckpointError (manifest missing/damaged/not matching the marker, chunks not tiling a tensor),
+    FormatVersionError (written by a newer format) or UnsafePathError (a path leaving the checkpoint).
+    """
+    try:
+        marker_bytes = storage.read_all(COMMIT_MARKER)
+    except (FileNotFoundError, NotADirectoryError):
+        files = storage.list() if _root_exists(storage) else []
+        if files:
+            raise IncompleteCheckpointError(
+                f"{storage.url}: holds {len(files)} file(s) but no {COMMIT_MARKER} marker, so it is not a checkpoint "
+                "(a save did not finish). Load an older checkpoint, or save again") from None
+        raise CheckpointNotFoundError(f"{storage.url}: no checkpoint there (no {COMMIT_MARKER} marker)") from None
+    marker = decode_commit_marker(marker_bytes)
+    try:
+        data = storage.read_all(marker.manifest)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{storage.url}: the commit marker names manifest {marker.manifest!r}, "
+                                     "which is missing") from None
+    if len(data) != marker.manifest_size or digest(data) != marker.manifest_hash:
+        raise CorruptCheckpointError(f"{storage.url}: manifest {marker.manifest!r} does not match the size/checksum "
+                                     "recorded in the commit marker; the checkpoint is damaged")
+    manifest = decode_manifest(data, f"{storage.url}/{marker.manifest}")
+    for entry in manifest.tensors:
+        problem = check_chunks_tile(entry.shape, [(c.offsets, c.sizes) for c in entry.chunks])
+        if problem:
+            raise CorruptCheckpointError(f"{storage.url}: tensor {entry.key!r}: {problem}; the checkpoint is damaged")
+    return manifest
+
+
+def _root_exists(storage: Storage) -> bool:
+    root = getattr(storage, "root", None)
+    return root is None or os.path.isdir(root)
+
+
+def check_files(storage: Storage, manifest: Manifest, names: Iterable[str]) -> None:
+    """Raise CorruptCheckpointError if any of ``names`` is missing or shorter than the manifest says."""
+    for name in sorted(set(names)):
+        try:
+            size = storage.size(name)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{storage.url}: data file {name!r} is missing") from None
+        if size < manifest.files[name]:
+            raise CorruptCheckpointError(f"{storage.url}: data file {name!r} is truncated ({size} bytes, the "
+                                         f"manifest says {manifest.files[name]}); the checkpoint is damaged")
+
+
+class PerRank(tuple):
+    """A plain value that differed between the saving ranks: one item per rank."""
+
+
+def decode_entry_value(v: ValueEntry, allow_pickle: bool) -> Any:
+    if v.per_rank is None:
+        return decode_value(v.value, v.key, allow_pickle)
+    return PerRank(decode_value(x, v.key, allow_pickle) for x in v.per_rank)
+
+
+def as_leaf(entry: TensorEntry, t: torch.Tensor) -> Any:
+    """Convert a loaded full tensor back to what was saved (tensor, numpy array or bytes)."""
+    if entry.kind == "numpy":
+        return t.numpy()
+    if entry.kind == "bytes":
+        return t.numpy().tobytes()
+    return t
+
+
+def read_full(storage: Storage, entries: Sequence[TensorEntry], max_read: int) -> tuple[list[torch.Tensor], int]:
+    """Full tensors for ``entries``, read and verified."""
+    targets = [torch.empty(e.shape, dtype=torch_dtype(e.dtype)) for e in entries]
+    units = []
+    for i, e in enumerate(entries):
+        dt = targets[i].dtype
+        units.extend((u, dt) for u in plan_reads(e, [(i, (tuple(0 for _ in e.shape), e.shape))], max_read))
+    return targets, execute_reads(storage, units, targets)
+
+
+def _select(keys: Sequence[str] | None, all_keys: Iterable[str]) -> set[str]:
+    all_keys = list(all_keys)
+    if keys is None:
+        return set(all_keys)
+    chosen: set[str] = set()
+    for k in keys:
+        hit = {a for a in all_keys if a == k or a.startswith(k + ".")}
+        if not hit:
+            raise StateMismatchError(f"key {k!r} is not in the checkpoint (nor any key under it)")
+        chosen |= hit
+    return chosen
+
+
+def read(path: str | os.PathLike[str], keys: Sequence[str] | None = None, *,
+         options: LoadOptions | None = None) -> Any:
+    """Read a checkpoint in one process, without a template: full tensors, in the saved nesting.
+
+    ``keys`` limits the result to these keys or key prefixes (``"model"`` selects ``model.*``). Stateful
+    objects come back as their state dicts; numpy arrays and bytes as such; a value that differed per
+    saving rank as a :class:`PerRank` tuple.
+    """
+    opts = options or LoadOptions()
+    storage = resolve(path)
+    manifest = open_checkpoint(storage)
+    chosen = _select(keys, [t.key for t in manifest.tensors] + [v.key for v in manifest.values])
+    entries = [t for t in manifest.tensors if t.key in chosen]
+    check_files(storage, manifest, (c.file for e in entries for c in e.chunks))
+    tensors, _ = read_full(storage, entries, opts.max_read_bytes)
+    leaves: dict[tuple[PathPart, ...], Any] = {e.path: as_leaf(e, t) for e, t in zip(entries, tensors)}
+    for v in manifest.values:
+        if v.key in chosen:
+            leaves[v.path] = decode_entry_value(v, opts.allow_pickle)
+    kinds = {c.path: c.kind for c in manifest.containers}
+    if keys is not None:  # keep only containers on the way to chosen leaves
+        needed = {p[:i] for p in leaves for i in range(len(p))}
+        kinds = {p: k for p, k in kinds.items() if p in needed}
+    return build_tree(kinds, leaves)
+
+
+def build_tree(kinds: Mapping[tuple[PathPart, ...], str], leaves: Mapping[tuple[PathPart, ...], Any]) -> Any:
+    """Nested dict/list/tuple from container kinds and leaf values keyed by path."""
+    children: dict[tuple[PathPart, ...], list[PathPart]] = {p: [] for p in kinds}
+    for p in list(kinds) + list(leaves):
+        if p:
+            children.setdefault(p[:-1], []).append(p[-1])
+
+    def node(p: tuple[PathPart, ...]) -> Any:
+        if p in leaves:
+            return leaves[p]
+        kind = kinds.get(p, "dict")
+        parts = children.get(p, [])
+        if kind in ("list", "tuple"):
+            items = [node(p + (k,)) for k in sorted(parts, key=lambda x: int(x))]
+            return items if kind == "list" else tuple(items)
+        return {k: node(p + (k,)) for k in parts}
+
+    return node(())
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    key: str
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    chunks: int
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """Summary of a committed checkpoint (from its manifest only)."""
+
+    path: str
+    format_version: int
+    save_id: str
+    world_size: int
+    created_unix: float
+    liferaft_version: str
+    torch_version: str
+    tensors: tuple[TensorInfo, ...]
+    values: tuple[str, ...]
+    files: Mapping[str, int]
+    metadata: Mapping[str, Any]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.files.values())
+
+    def __str__(self) -> str:
+        lines = [f"checkpoint {self.path}: format v{self.format_version}, written by {self.world_size} rank(s), "
+                 f"liferaft {self.liferaft_version}, torch {self.torch_version}",
+                 f"{len(self.tensors)} tensors, {len(self.values)} values, {len(self.files)} data files, "
+                 f"{self.total_bytes / 2**20:.1f} MiB"]
+        for t in self.tensors:
+            lines.append(f"  {t.key:<50} {t.dtype:<9} {str(list(t.shape)):<20} {t.chunks:>4} chunk(s) "
+                         f"{t.nbytes / 2**20:10.3f} MiB")
+        for v in self.values:
+            lines.append(f"  {v:<50} value")
+        return "\n".join(lines)
+
+
+def inspect(path: str | os.PathLike[str]) -> CheckpointInfo:
+    """Summary of the committed checkpoint at ``path``: keys, shapes, dtypes, chunks and bytes."""
+    storage = resolve(path)
+    m = open_checkpoint(storage)
+    return CheckpointInfo(
+        path=storage.url, format_version=m.version, save_id=m.save_id, world_size=m.world_size,
+        created_unix=m.created_unix, liferaft_version=m.liferaft_version, torch_version=m.torch_version,
+        tensors=tuple(TensorInfo(t.key, t.kind, t.dtype, t.shape, t.nbytes, len(t.chunks)) for t in m.tensors),
+        values=tuple(v.key for v in m.values), files=dict(m.files), metadata=dict(m.extra))
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    path: str
+    chunks: int
+    bytes_checked: int
+
+
+def verify(path: str | os.PathLike[str], *, max_read_bytes: int = 32 << 20) -> VerifyReport:
+    """Re-hash every block of every chunk; raise CorruptCheckpointError listing every fault found."""
+    storage = resolve(path)
+    m = open_checkpoint(storage)
+    faults: list[str] = []
+    for name, size in m.files.items():
+        try:
+            actual = storage.size(name)
+        except FileNotFoundError:
+            faults.append(f"data file {name!r} is missing")
+            continue
+        if actual != size:
+            faults.append(f"data file {name!r} has {actual} bytes, the manifest says {size}")
+    buf = bytearray(max_read_bytes)
+    chunks = checked = 0
+    for t in m.tensors:
+        for c in t.chunks:
+            chunks += 1
+            step = max(c.block_size, max_read_bytes // c.block_size * c.block_size)
+            if len(buf) < step:
+                buf = bytearray(step)
+            for lo in range(0, c.length, step):
+                n_want = min(step, c.length - lo)
+                mv = memoryview(buf)[:n_want]
+                where = f"file {c.file!r} (key {t.key!r}, chunk at {list(c.offsets)})"
+                try:
+                    n = storage.read_into(c.file, c.byte_offset + lo, mv)
+                except FileNotFoundError:
+                    break  # already reported
+                if n != n_want:
+                    faults.append(f"{where}: truncated")
+                    break
+                first = lo // c.block_size
+                try:
+                    verify_blocks(mv, c.hashes[first:first + -(-n_want // c.block_size)], c.block_size, where)
+                except LiferaftError as e:
+                    faults.append(str(e))
+                checked += n
+    if faults:
+        shown = "\n  ".join(faults[:20])
+        more = f"\n  ... and {len(faults) - 20} more" if len(faults) > 20 else ""
+        raise CorruptCheckpointError(f"{storage.url}: verify found {len(faults)} fault(s):\n  {shown}{more}")
+    return VerifyReport(path=storage.url, chunks=chunks, bytes_checked=checked)
+
+

@@ -1,0 +1,1 @@
+"""State layer: flatten nested training state; adapters for modules, optimizers, DTensor and Sharded."""

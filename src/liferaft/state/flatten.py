@@ -1,0 +1,202 @@
+"""Flatten a nested training state into tensor leaves, plain values and containers (and back).
+
+This is the only layer that knows DTensor, ``Sharded``, modules and optimizers. Walking rules:
+
+- ``Sharded`` / ``DTensor`` / ``torch.Tensor`` are tensor leaves (a plain tensor is replicated: every rank
+  holds all of it); numpy arrays and bytes over ``INLINE_LIMIT`` bytes are stored like replicated tensors;
+- objects with ``state_dict()``/``load_state_dict()`` are replaced by their adapter's state dict, which is
+  walked like a dict (container kind ``"stateful"``);
+- dicts / lists / tuples that hold any of the above are walked (keys must be str or int); any other value,
+  including a container of plain values, is one value leaf encoded by ``liferaft.state.values``.
+
+Keys are the path parts joined by ``"."`` (``model.layers.0.weight``); two paths giving the same key are an error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from liferaft.errors import InvalidStateError
+from liferaft.format.manifest import ContainerEntry, PathPart
+from liferaft.planning.geometry import Box
+from liferaft.state.adapters import Adapter, is_stateful, make_adapters
+from liferaft.state.sharded import Sharded
+
+INLINE_LIMIT = 64 * 1024
+
+
+@dataclass
+class TensorLeaf:
+    """One tensor of the state as this rank holds it: local boxes of the global tensor and their tensors."""
+
+    key: str
+    path: tuple[PathPart, ...]
+    kind: str                                 # "tensor" | "numpy" | "bytes"
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    parts: list[tuple[Box, torch.Tensor]]
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+
+@dataclass
+class FlatState:
+    tensors: list[TensorLeaf] = field(default_factory=list)
+    values: list[tuple[str, tuple[PathPart, ...], Any]] = field(default_factory=list)
+    containers: list[ContainerEntry] = field(default_factory=list)
+    statefuls: list[tuple[tuple[PathPart, ...], Adapter, dict]] = field(default_factory=list)
+    nodes: dict[tuple[PathPart, ...], Any] = field(default_factory=dict)   # path -> walked container object
+
+
+def key_of(path: tuple[PathPart, ...]) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def _dtensor_type() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return None
+    return DTensor
+
+
+def _dtensor_parts(dt: Any, key: str) -> list[tuple[Box, torch.Tensor]]:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    for p in dt.placements:
+        if type(p) not in (Shard, Replicate):
+            raise InvalidStateError(
+                f"key {key!r}: DTensor placement {p!r} is not supported yet (Shard and Replicate are); "
+                "redistribute the tensor to Shard/Replicate placements before saving")
+    local = dt.to_local()
+    shape, offsets = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
+    if tuple(local.shape) != tuple(shape):
+        raise InvalidStateError(f"key {key!r}: DTensor local shape {list(local.shape)} differs from the shape "
+                                f"{list(shape)} its placements imply")
+    return [((tuple(offsets), tuple(shape)), local)]
+
+
+def _is_leaf_array(v: Any) -> bool:
+    return isinstance(v, np.ndarray) and not v.dtype.hasobject and v.nbytes > INLINE_LIMIT
+
+
+def _is_leaf_bytes(v: Any) -> bool:
+    return isinstance(v, (bytes, bytearray)) and len(v) > INLINE_LIMIT
+
+
+class _Walker:
+    def __init__(self) -> None:
+        self.flat = FlatState()
+        self.dtensor = _dtensor_type()
+        self.keys: dict[str, tuple[PathPart, ...]] = {}
+        self.adapters: dict[int, Adapter] = {}
+
+    def _claim(self, path: tuple[PathPart, ...]) -> str:
+        key = key_of(path)
+        other = self.keys.get(key)
+        if other is not None and other != path:
+            raise InvalidStateError(f"paths {list(other)} and {list(path)} both map to key {key!r}; rename one")
+        self.keys[key] = path
+        return key
+
+    def needs_walk(self, v: Any) -> bool:
+        if isinstance(v, (torch.Tensor, Sharded)) or is_stateful(v) or _is_leaf_array(v) or _is_leaf_bytes(v):
+            return True
+        if type(v) in (dict,):
+            return any(self.needs_walk(x) for x in v.values())
+        if type(v) in (list, tuple):
+            return any(self.needs_walk(x) for x in v)
+        return False
+
+    def walk(self, v: Any, path: tuple[PathPart, ...]) -> None:
+        if isinstance(v, Sharded):
+            self._tensor(path, "tensor", v.local, v.global_shape, [((v.offsets, tuple(v.local.shape)), v.local)])
+        elif self.dtensor is not None and isinstance(v, self.dtensor):
+            key = key_of(path)
+            self._tensor(path, "tensor", v, tuple(v.shape), _dtensor_parts(v, key))
+        elif isinstance(v, torch.Tensor):
+            self._tensor(path, "tensor", v, tuple(v.shape), [((tuple(0 for _ in v.shape), tuple(v.shape)), v)])
+        elif _is_leaf_array(v):
+            try:
+                t = torch.from_numpy(np.ascontiguousarray(v))
+            except TypeError:
+                self._value(path, v)
+                return
+            self._tensor(path, "numpy", t, tuple(t.shape), [((tuple(0 for _ in t.shape), tuple(t.shape)), t)])
+        elif _is_leaf_bytes(v):
+            t = torch.frombuffer(bytearray(v), dtype=torch.uint8)
+            self._tensor(path, "bytes", t, (len(v),), [(((0,), (len(v),)), t)])
+        elif is_stateful(v):
+            adapter = self.adapters[id(v)]
+            sd = adapter.state_dict()
+            if not isinstance(sd, dict):
+                raise InvalidStateError(f"key {key_of(path)!r}: state_dict() of {type(v).__qualname__} returned "
+                                        f"{type(sd).__qualname__}, expected a dict")
+            self.flat.statefuls.append((path, adapter, sd))
+            self._container(path, "stateful", sd)
+        elif type(v) in (dict, list, tuple) and (not path or self.needs_walk(v)):
+            self._container(path, {dict: "dict", list: "list", tuple: "tuple"}[type(v)], v)
+        else:
+            self._value(path, v)
+
+    def _container(self, path: tuple[PathPart, ...], kind: str, v: Any) -> None:
+        self.flat.containers.append(ContainerEntry(path=path, kind=kind))
+        self.flat.nodes[path] = v
+        items = v.items() if isinstance(v, dict) else enumerate(v)
+        for k, x in items:
+            if type(k) not in (str, int):
+                raise InvalidStateError(f"key {key_of(path)!r}: dict key {k!r} of type {type(k).__qualname__} "
+                                        "is not supported next to tensors; use str or int keys")
+            self.walk(x, path + (k,))
+
+    def _tensor(self, path: tuple[PathPart, ...], kind: str, t: Any, shape: tuple[int, ...],
+                parts: list[tuple[Box, torch.Tensor]]) -> None:
+        key = self._claim(path)
+        if t.dtype not in _SUPPORTED:
+            raise InvalidStateError(f"key {key!r}: tensors of dtype {t.dtype} are not supported")
+        if t.is_meta or any(p.is_meta for _, p in parts):
+            raise InvalidStateError(f"key {key!r}: tensor is on the meta device and has no data")
+        self.flat.tensors.append(TensorLeaf(key=key, path=path, kind=kind, dtype=t.dtype, shape=tuple(shape),
+                                            parts=parts))
+
+    def _value(self, path: tuple[PathPart, ...], v: Any) -> None:
+        self.flat.values.append((self._claim(path), path, v))
+
+
+_SUPPORTED = {torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+              torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128, torch.uint16, torch.uint32,
+              torch.uint64, torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz}
+
+
+def _collect_statefuls(v: Any, out: list[Any], seen: set[int]) -> None:
+    if id(v) in seen:
+        return
+    if is_stateful(v) and not isinstance(v, torch.Tensor):
+        seen.add(id(v))
+        out.append(v)
+    elif type(v) is dict:
+        for x in v.values():
+            _collect_statefuls(x, out, seen)
+    elif type(v) in (list, tuple):
+        for x in v:
+            _collect_statefuls(x, out, seen)
+
+
+def flatten(state: Any) -> FlatState:
+    """Flatten ``state`` (see module doc). Calls ``state_dict()`` on stateful objects once."""
+    if type(state) not in (dict, list, tuple) and not is_stateful(state):
+        raise InvalidStateError(f"state must be a dict, list, tuple or an object with state_dict(); got "
+                                f"{type(state).__qualname__}")
+    w = _Walker()
+    objs: list[Any] = []
+    _collect_statefuls(state, objs, set())
+    w.adapters = make_adapters(objs)
+    w.walk(state, ())
+    return w.flat

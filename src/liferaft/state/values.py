@@ -1,0 +1,150 @@
+"""Plain values ↔ tagged JSON, without pickle unless explicitly allowed.
+
+Supported: None, bool, int, float (incl. nan/inf), complex, str, bytes, list, tuple, dict (any keys of these
+types), set/frozenset, small numpy arrays and numpy scalars, torch.dtype and torch.Size. Anything else is
+refused with PickleNotAllowedError unless ``allow_pickle`` is set; decoding a pickled value also needs
+``allow_pickle``. Tags are objects with a single ``"$..."`` key, so plain JSON stays plain.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import pickle
+from typing import Any
+
+import numpy as np
+
+from liferaft.errors import CorruptCheckpointError, PickleNotAllowedError
+
+
+def _b64(b: bytes) -> str:
+    return base64.b64encode(b).decode("ascii")
+
+
+def encode_value(v: Any, key: str, allow_pickle: bool = False) -> Any:
+    """Encode ``v`` (stored under ``key``) to JSON-compatible data."""
+    if v is None or isinstance(v, (bool, str)):
+        return v
+    if type(v) is int:
+        return v
+    if type(v) is float:
+        return v if math.isfinite(v) else {"$float": repr(v)}
+    if isinstance(v, complex):
+        return {"$complex": [encode_value(v.real, key), encode_value(v.imag, key)]}
+    if isinstance(v, (bytes, bytearray)):
+        return {"$bytes": _b64(bytes(v))}
+    if isinstance(v, np.ndarray):
+        if v.dtype.hasobject:
+            return _pickled(v, key, allow_pickle)
+        return {"$ndarray": {"dtype": v.dtype.str, "shape": list(v.shape),
+                             "data": _b64(np.ascontiguousarray(v).tobytes())}}
+    if isinstance(v, np.generic):
+        return {"$npscalar": {"dtype": v.dtype.str, "data": _b64(v.tobytes())}}
+    if type(v) is list:
+        return [encode_value(x, key, allow_pickle) for x in v]
+    if type(v) is tuple:
+        return {"$tuple": [encode_value(x, key, allow_pickle) for x in v]}
+    if type(v) in (set, frozenset):
+        return {"$set" if type(v) is set else "$frozenset": [encode_value(x, key, allow_pickle) for x in v]}
+    if type(v) is dict:
+        if all(type(k) is str and not k.startswith("$") for k in v):
+            return {k: encode_value(x, key, allow_pickle) for k, x in v.items()}
+        return {"$dict": [[encode_value(k, key, allow_pickle), encode_value(x, key, allow_pickle)] for k, x in v.items()]}
+    tv = _torch_value(v)
+    if tv is not None:
+        return tv
+    return _pickled(v, key, allow_pickle)
+
+
+def _torch_value(v: Any) -> Any:
+    import torch
+
+    if isinstance(v, torch.dtype):
+        return {"$torch_dtype": str(v).removeprefix("torch.")}
+    if isinstance(v, torch.Size):
+        return {"$torch_size": list(v)}
+    return None
+
+
+def _pickled(v: Any, key: str, allow_pickle: bool) -> Any:
+    if not allow_pickle:
+        raise PickleNotAllowedError(
+            f"key {key!r}: a value of type {type(v).__module__}.{type(v).__qualname__} can only be stored with "
+            "pickle; convert it to plain data (numbers, strings, lists, dicts, numpy arrays, tensors) or pass "
+            "SaveOptions(allow_pickle=True) (loading it then needs allow_pickle=True too)")
+    try:
+        return {"$pickle": _b64(pickle.dumps(v, protocol=pickle.HIGHEST_PROTOCOL))}
+    except Exception as e:  # noqa: BLE001 - any pickling failure is reported the same way
+        raise PickleNotAllowedError(f"key {key!r}: value of type {type(v).__qualname__} cannot be pickled: {e}") from None
+
+
+def digest_encoded(encoded: Any) -> str:
+    from liferaft.codecs.checksum import digest
+
+    return digest(json.dumps(encoded, sort_keys=True, separators=(",", ":")).encode())
+
+
+def decode_value(d: Any, key: str, allow_pickle: bool = False) -> Any:
+    """Inverse of :func:`encode_value`; raises CorruptCheckpointError on malformed data."""
+    if d is None or isinstance(d, (bool, int, float, str)):
+        return d
+    if isinstance(d, list):
+        return [decode_value(x, key, allow_pickle) for x in d]
+    if not isinstance(d, dict):
+        raise CorruptCheckpointError(f"key {key!r}: malformed stored value {d!r}")
+    if len(d) == 1:
+        (tag, body), = d.items()
+        if tag.startswith("$"):
+            return _decode_tag(tag, body, key, allow_pickle)
+    return {k: decode_value(x, key, allow_pickle) for k, x in d.items()}
+
+
+def _decode_tag(tag: str, body: Any, key: str, allow_pickle: bool) -> Any:
+    try:
+        if tag == "$float":
+            return float(body)
+        if tag == "$complex":
+            return complex(decode_value(body[0], key), decode_value(body[1], key))
+        if tag == "$bytes":
+            return base64.b64decode(body)
+        if tag == "$ndarray":
+            dt = np.dtype(body["dtype"])
+            if dt.hasobject:
+                raise CorruptCheckpointError(f"key {key!r}: stored array has object dtype")
+            return np.frombuffer(base64.b64decode(body["data"]), dtype=dt).reshape(body["shape"]).copy()
+        if tag == "$npscalar":
+            dt = np.dtype(body["dtype"])
+            if dt.hasobject:
+                raise CorruptCheckpointError(f"key {key!r}: stored scalar has object dtype")
+            return np.frombuffer(base64.b64decode(body["data"]), dtype=dt)[0]
+        if tag == "$tuple":
+            return tuple(decode_value(x, key, allow_pickle) for x in body)
+        if tag in ("$set", "$frozenset"):
+            items = [decode_value(x, key, allow_pickle) for x in body]
+            return set(items) if tag == "$set" else frozenset(items)
+        if tag == "$dict":
+            return {decode_value(k, key, allow_pickle): decode_value(x, key, allow_pickle) for k, x in body}
+        if tag == "$torch_dtype":
+            import torch
+
+            dt = getattr(torch, body, None)
+            if not isinstance(dt, torch.dtype):
+                raise CorruptCheckpointError(f"key {key!r}: unknown torch dtype {body!r}")
+            return dt
+        if tag == "$torch_size":
+            import torch
+
+            return torch.Size(int(x) for x in body)
+        if tag == "$pickle":
+            if not allow_pickle:
+                raise PickleNotAllowedError(
+                    f"key {key!r} holds a pickled value; loading it would run code from the checkpoint. "
+                    "Pass allow_pickle=True only if you trust the checkpoint")
+            return pickle.loads(base64.b64decode(body))  # noqa: S301 - explicit opt-in above
+    except (CorruptCheckpointError, PickleNotAllowedError):
+        raise
+    except Exception as e:  # noqa: BLE001 - malformed data of any shape
+        raise CorruptCheckpointError(f"key {key!r}: malformed stored value with tag {tag}: {e}") from None
+    raise CorruptCheckpointError(f"key {key!r}: unknown value tag {tag!r}; written by a newer liferaft?")

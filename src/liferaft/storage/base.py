@@ -1,0 +1,69 @@
+"""The storage backend contract: bytes and relative names, no tensors, no state.
+
+A backend is rooted at one checkpoint (a directory or object prefix). Names are relative POSIX paths that
+the caller has already checked (``format.check_relative_path``). Implementations: ``posix`` (local files),
+``memory`` (process-local, the test double). Every backend passes ``liferaft.testing.storage_conformance``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+
+class FileWriter(ABC):
+    """Writes one new file by positioned writes; ``close()`` makes its bytes durable."""
+
+    @abstractmethod
+    def pwrite(self, data: memoryview | bytes, offset: int) -> None: ...
+
+    @abstractmethod
+    def close(self) -> None:
+        """Flush and make the file durable (fsync on POSIX). Idempotent."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Close without making durable and remove the partial file. Idempotent."""
+
+
+class Storage(ABC):
+    """One checkpoint location. All methods raise ``FileNotFoundError`` for a missing name."""
+
+    #: True when the bytes live only in this process (other ranks cannot see them).
+    process_local: bool = False
+
+    @property
+    @abstractmethod
+    def url(self) -> str: ...
+
+    @abstractmethod
+    def open_writer(self, name: str) -> FileWriter:
+        """Create (or truncate) ``name`` for writing, creating parent folders."""
+
+    @abstractmethod
+    def read_into(self, name: str, offset: int, out: memoryview) -> int:
+        """Read up to ``len(out)`` bytes at ``offset`` into ``out``; return the count (short only at end of file)."""
+
+    @abstractmethod
+    def read_all(self, name: str) -> bytes: ...
+
+    @abstractmethod
+    def size(self, name: str) -> int: ...
+
+    @abstractmethod
+    def exists(self, name: str) -> bool: ...
+
+    @abstractmethod
+    def list(self) -> list[str]:
+        """Every file name under the root, recursively, sorted."""
+
+    @abstractmethod
+    def delete(self, name: str) -> None:
+        """Remove ``name``; a missing name is not an error. Empty parent folders may be removed."""
+
+    @abstractmethod
+    def put_atomic(self, name: str, data: bytes) -> None:
+        """Write a small file so that readers see either the old content or all of ``data``, durably."""
+
+    @abstractmethod
+    def sync(self) -> None:
+        """Make every file created or renamed so far durable as directory entries (fsync of folders)."""

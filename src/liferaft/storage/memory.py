@@ -1,0 +1,92 @@
+"""In-memory storage: the test double. Process-local: ``memory://name`` is shared by all uses in one process."""
+
+from __future__ import annotations
+
+import threading
+
+from liferaft.storage.base import FileWriter, Storage
+
+_LOCK = threading.Lock()
+_STORES: dict[str, dict[str, bytearray]] = {}
+
+
+class _MemWriter(FileWriter):
+    def __init__(self, files: dict[str, bytearray], name: str) -> None:
+        self.files, self.name = files, name
+        self.buf: bytearray | None = bytearray()
+
+    def pwrite(self, data: memoryview | bytes, offset: int) -> None:
+        assert self.buf is not None, "writer is closed"
+        mv = memoryview(data).cast("B")
+        end = offset + len(mv)
+        if len(self.buf) < end:
+            self.buf.extend(b"\0" * (end - len(self.buf)))
+        self.buf[offset:end] = mv
+
+    def close(self) -> None:
+        if self.buf is not None:
+            with _LOCK:
+                self.files[self.name] = self.buf
+            self.buf = None
+
+    def abort(self) -> None:
+        self.buf = None
+
+
+class MemoryStorage(Storage):
+    process_local = True
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        with _LOCK:
+            self.files = _STORES.setdefault(name, {})
+
+    @property
+    def url(self) -> str:
+        return f"memory://{self.name}"
+
+    def _get(self, name: str) -> bytearray:
+        try:
+            return self.files[name]
+        except KeyError:
+            raise FileNotFoundError(f"{self.url}/{name}") from None
+
+    def open_writer(self, name: str) -> FileWriter:
+        return _MemWriter(self.files, name)
+
+    def read_into(self, name: str, offset: int, out: memoryview) -> int:
+        buf = self._get(name)
+        mv = memoryview(out).cast("B")
+        chunk = buf[offset:offset + len(mv)]
+        mv[:len(chunk)] = chunk
+        return len(chunk)
+
+    def read_all(self, name: str) -> bytes:
+        return bytes(self._get(name))
+
+    def size(self, name: str) -> int:
+        return len(self._get(name))
+
+    def exists(self, name: str) -> bool:
+        return name in self.files
+
+    def list(self) -> list[str]:
+        with _LOCK:
+            return sorted(self.files)
+
+    def delete(self, name: str) -> None:
+        with _LOCK:
+            self.files.pop(name, None)
+
+    def put_atomic(self, name: str, data: bytes) -> None:
+        with _LOCK:
+            self.files[name] = bytearray(data)
+
+    def sync(self) -> None:
+        pass
+
+
+def drop_memory_store(name: str) -> None:
+    """Forget everything stored under ``memory://name`` in this process."""
+    with _LOCK:
+        _STORES.pop(name, None)

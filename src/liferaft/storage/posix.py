@@ -1,0 +1,144 @@
+"""Local files (POSIX): positioned writes, fsync of files and folders, atomic rename for small files."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+from liferaft.storage.base import FileWriter, Storage
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _PosixWriter(FileWriter):
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+
+    def pwrite(self, data: memoryview | bytes, offset: int) -> None:
+        assert self.fd is not None, "writer is closed"
+        mv = memoryview(data).cast("B")
+        while len(mv):
+            n = os.pwrite(self.fd, mv, offset)
+            mv = mv[n:]
+            offset += n
+
+    def close(self) -> None:
+        if self.fd is not None:
+            fd, self.fd = self.fd, None
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def abort(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+class PosixStorage(Storage):
+    """A checkpoint directory on a local (or mounted) file system."""
+
+    def __init__(self, root: str) -> None:
+        self.root = os.path.abspath(root)
+        self._dirty_dirs: set[str] = set()
+
+    @property
+    def url(self) -> str:
+        return self.root
+
+    def _p(self, name: str) -> str:
+        return os.path.join(self.root, *name.split("/"))
+
+    def _mkdirs(self, path: str) -> None:
+        parent = os.path.dirname(path)
+        missing = []
+        while not os.path.isdir(parent):
+            missing.append(parent)
+            parent = os.path.dirname(parent)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        self._dirty_dirs.add(os.path.dirname(path))
+        for m in missing:
+            self._dirty_dirs.add(os.path.dirname(m))
+
+    def open_writer(self, name: str) -> FileWriter:
+        path = self._p(name)
+        self._mkdirs(path)
+        return _PosixWriter(path)
+
+    def read_into(self, name: str, offset: int, out: memoryview) -> int:
+        fd = os.open(self._p(name), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            mv = memoryview(out).cast("B")
+            total = 0
+            while total < len(mv):
+                n = os.preadv(fd, [mv[total:]], offset + total)
+                if n == 0:
+                    break
+                total += n
+            return total
+        finally:
+            os.close(fd)
+
+    def read_all(self, name: str) -> bytes:
+        with open(self._p(name), "rb") as f:
+            return f.read()
+
+    def size(self, name: str) -> int:
+        return os.stat(self._p(name)).st_size
+
+    def exists(self, name: str) -> bool:
+        return os.path.isfile(self._p(name))
+
+    def list(self) -> list[str]:
+        out = []
+        for dirpath, _, files in os.walk(self.root):
+            rel = os.path.relpath(dirpath, self.root)
+            for f in files:
+                out.append(f if rel == "." else f"{rel.replace(os.sep, '/')}/{f}")
+        return sorted(out)
+
+    def delete(self, name: str) -> None:
+        path = self._p(name)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return
+        parent = os.path.dirname(path)
+        while parent != self.root and parent.startswith(self.root):
+            try:
+                os.rmdir(parent)
+            except OSError:
+                break
+            parent = os.path.dirname(parent)
+
+    def put_atomic(self, name: str, data: bytes) -> None:
+        path = self._p(name)
+        self._mkdirs(path)
+        tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
+        w = _PosixWriter(tmp)
+        try:
+            w.pwrite(data, 0)
+            w.close()
+            os.replace(tmp, path)
+        except BaseException:
+            w.abort()
+            raise
+        _fsync_dir(os.path.dirname(path))
+
+    def sync(self) -> None:
+        for d in sorted(self._dirty_dirs, key=len, reverse=True):
+            if os.path.isdir(d):
+                _fsync_dir(d)
+        self._dirty_dirs.clear()
