@@ -1,0 +1,106 @@
+"""Run a function on N real ranks: one process each, gloo over 127.0.0.1, with a hard timeout.
+
+``run_ranks(fn, world_size, *args)`` calls ``fn(rank, world_size, *args)`` in every rank after
+``torch.distributed.init_process_group("gloo")`` and returns the list of return values (rank order). If a
+rank raises, dies or the run exceeds ``timeout`` seconds, every process is killed and RankFailure is raised
+with each rank's traceback. ``fn`` must be importable (a module-level function). Processes come from a fork
+server that has torch imported already, so a launch costs well under a second.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+
+class RankFailure(AssertionError):
+    """One or more ranks failed; ``errors`` maps rank → traceback text (or exit description)."""
+
+    def __init__(self, errors: dict[int, str]) -> None:
+        self.errors = errors
+        text = "\n".join(f"--- rank {r} ---\n{e}" for r, e in sorted(errors.items()))
+        super().__init__(f"{len(errors)} rank(s) failed:\n{text}")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _context() -> Any:
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "numpy", "liferaft"])
+    return ctx
+
+
+def _child(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple, env: dict[str, str],
+           pg_timeout: float, results: Any) -> None:
+    os.environ.update(env)
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=pg_timeout))
+        try:
+            out = fn(rank, world, *args)
+        finally:
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - teardown after a failure must not mask it
+                pass
+        results.put((rank, True, out))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0,
+              pg_timeout: float = 60.0, env: dict[str, str] | None = None) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes; see the module doc."""
+    ctx = _context()
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, args, dict(env or {}), pg_timeout, results),
+                         daemon=True) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(out) + len(errors) < world_size:
+            try:
+                rank, ok, value = results.get(timeout=0.2)
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    for r in range(world_size):
+                        if r not in out and r not in errors:
+                            errors[r] = f"no result within {timeout:.0f}s (hung?)"
+                    break
+                for r, p in enumerate(procs):
+                    if r not in out and r not in errors and not p.is_alive() and p.exitcode not in (0, None):
+                        # give its queued message a moment to arrive before declaring it dead
+                        time.sleep(0.5)
+                        if results.empty():
+                            errors[r] = f"process died with exit code {p.exitcode}"
+                continue
+            (out if ok else errors)[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 0.5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        raise RankFailure(errors)
+    return [out[r] for r in range(world_size)]
