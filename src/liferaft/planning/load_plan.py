@@ -54,7 +54,7 @@ def _units_for_chunk(key: str, chunk: ChunkRecord, itemsize: int, wanted: Sequen
         if inter is None:
             continue
         local = (tuple(o - c for o, c in zip(inter[0], chunk.offsets)), inter[1])
-        for piece in split_for_reading(local, chunk.sizes, itemsize, bs, max_read):
+        for piece in split_for_reading(local, chunk.sizes, itemsize, bs, max(max_read - 2 * bs, bs)):
             lo, hi = byte_span(piece, chunk.sizes, itemsize)
             glob = tuple(p + c for p, c in zip(piece[0], chunk.offsets))
             dest_off = tuple(g - d for g, d in zip(glob, dest[0]))
