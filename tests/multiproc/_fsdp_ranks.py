@@ -1,0 +1,86 @@
+"""Rank functions for the FSDP2 + Adam tests (imported by child processes as ``multiproc._fsdp_ranks``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+import liferaft
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 33), nn.ReLU(), nn.Linear(33, 10))
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        ids = torch.randint(0, 50, (8, 5), generator=g)
+        loss = model(ids).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def shard(model: nn.Module, world: int) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def full_reference(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """Full (gathered) params and optimizer state keyed by parameter name — for comparison only."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    o = StateDictOptions(full_state_dict=True, cpu_offload=False)
+    msd = get_model_state_dict(model, options=o)
+    osd = get_optimizer_state_dict(model, opt, options=o)
+    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
+    return {"model": {k: full(v).clone() for k, v in msd.items()},
+            "optim": {k: {n: full(t).clone() for n, t in s.items()} for k, s in osd["state"].items()},
+            "lr": [g["lr"] for g in osd["param_groups"]]}
+
+
+def save_fsdp(rank: int, world: int, path: str, ref_path: str) -> None:
+    model = shard(make_model(), world)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    train(model, opt, 3)
+    ref = full_reference(model, opt)
+    if rank == 0:
+        torch.save(ref, ref_path)
+    liferaft.save(path, {"model": model, "optim": opt, "step": 3})
+    # nothing was gathered: each rank's model params are still its own shards
+    return None
+
+
+def compare(ref: dict[str, Any], got: dict[str, Any]) -> list[str]:
+    bad = [k for k in ref["model"] if not torch.equal(ref["model"][k], got["model"][k])]
+    for k, st in ref["optim"].items():
+        bad += [f"{k}.{n}" for n, t in st.items() if not torch.equal(t, got["optim"][k][n])]
+    if ref["lr"] != got["lr"]:
+        bad.append("lr")
+    return bad
+
+
+def load_fsdp(rank: int, world: int, path: str, ref_path: str) -> list[str]:
+    model = shard(make_model(), world)
+    for p in model.parameters():       # make sure values come from the checkpoint
+        p.data.zero_() if not hasattr(p.data, "to_local") else p.data.to_local().zero_()
+    opt = torch.optim.Adam(model.parameters(), lr=0.5)
+    state = {"model": model, "optim": opt, "step": 0}
+    liferaft.load(path, state)
+    got = full_reference(model, opt)
+    bad = compare(torch.load(ref_path), got)
+    if state["step"] != 3:
+        bad.append("step")
+    # and training continues from the loaded state
+    train(model, opt, 1)
+    return bad

@@ -1,0 +1,43 @@
+"""FSDP2 model + Adam saved on 2 ranks; loaded into a plain model in one process and into FSDP2 on 4 ranks."""
+
+from __future__ import annotations
+
+import torch
+
+import liferaft
+from liferaft.testing import run_ranks
+from multiproc._fsdp_ranks import compare, make_model, load_fsdp, save_fsdp, train
+
+
+def _saved(tmp_path):
+    path, ref = str(tmp_path / "ck"), str(tmp_path / "ref.pt")
+    run_ranks(save_fsdp, 2, path, ref)
+    liferaft.verify(path)
+    return path, ref
+
+
+def test_fsdp2_adam_2_ranks_to_plain_model_1_process_and_to_fsdp2_4_ranks(tmp_path):
+    path, ref_path = _saved(tmp_path)
+    info = liferaft.inspect(path)
+    keys = {t.key for t in info.tensors}
+    assert "model.1.weight" in keys and "optim.state.1.weight.exp_avg" in keys   # optimizer keyed by param name
+    assert max(t.chunks for t in info.tensors) == 2                             # saved as shards, not gathered
+
+    # -> plain model + Adam in one process, no process group
+    model = make_model()
+    for p in model.parameters():
+        p.data.zero_()
+    opt = torch.optim.Adam(model.parameters(), lr=0.5)
+    state = {"model": model, "optim": opt, "step": 0}
+    liferaft.load(path, state)
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    osd = get_optimizer_state_dict(model, opt)
+    got = {"model": dict(model.state_dict()), "optim": osd["state"], "lr": [g["lr"] for g in osd["param_groups"]]}
+    assert compare(torch.load(ref_path), got) == []
+    assert state["step"] == 3
+    train(model, opt, 1)
+
+    # -> FSDP2 on 4 ranks
+    for rank, bad in enumerate(run_ranks(load_fsdp, 4, path, ref_path)):
+        assert bad == [], f"rank {rank}: {bad}"
