@@ -6,6 +6,7 @@ The public API is this module's ``__all__``; everything else is private and may 
 from liferaft.api import load, save
 from liferaft.errors import (CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, DistributedError,
                              FormatVersionError, IncompleteCheckpointError, InvalidStateError, LiferaftError,
+                             OptionsError,
                              PickleNotAllowedError, StateMismatchError, StorageError, UnsafePathError)
 from liferaft.options import LoadOptions, LoadResult, SaveOptions, SaveResult
 from liferaft.reading import CheckpointInfo, PerRank, TensorInfo, VerifyReport, inspect, read, verify
@@ -18,5 +19,5 @@ __all__ = [
     "LoadResult", "CheckpointInfo", "TensorInfo", "VerifyReport", "PerRank",
     "LiferaftError", "CheckpointNotFoundError", "IncompleteCheckpointError", "CheckpointExistsError",
     "CorruptCheckpointError", "FormatVersionError", "UnsafePathError", "StateMismatchError", "InvalidStateError",
-    "PickleNotAllowedError", "DistributedError", "StorageError", "__version__",
+    "PickleNotAllowedError", "OptionsError", "DistributedError", "StorageError", "__version__",
 ]

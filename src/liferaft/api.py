@@ -96,7 +96,7 @@ def save(path: PathLike, state: Any, *, process_group: Any = None, options: Save
     t0 = time.perf_counter()
     try:
         if coord.rank == 0:
-            manifest = build_manifest(plan, hashes, save_id=save_id, block_size=opts.block_size,
+            manifest = build_manifest(plan, hashes, save_id=save_id,
                                       created_unix=time.time(), liferaft_version=_version(),
                                       torch_version=torch.__version__, extra=opts.metadata)
             data = manifest.to_json_bytes()

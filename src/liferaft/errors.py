@@ -50,5 +50,9 @@ class DistributedError(LiferaftError):
     """Another rank failed, or a collective timed out. The message names the rank and its error."""
 
 
+class OptionsError(LiferaftError, ValueError):
+    """An options object holds an invalid setting."""
+
+
 class StorageError(LiferaftError):
     """The storage backend failed (I/O error, unknown URL scheme, ...)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from liferaft.codecs.checksum import DEFAULT_BLOCK_SIZE
+from liferaft.errors import OptionsError
 from liferaft.planning.load_plan import DEFAULT_MAX_READ
 
 
@@ -17,7 +17,8 @@ class SaveOptions:
         committed; there is never a mix of the two.
     allow_pickle: store values that are not plain data with pickle (loading them needs allow_pickle too).
     timeout: seconds any rank waits for the others at each step before raising DistributedError.
-    block_size: bytes per checksum block (a resharding load reads and verifies whole blocks).
+    block_size: bytes per checksum block (a resharding load reads and verifies whole blocks); None (default)
+        picks per chunk about 1/64 of its size, as a power of two between 64 KiB and 4 MiB.
     alignment: byte alignment of every chunk in the data files.
     metadata: JSON-compatible data stored in the manifest as ``extra`` (e.g. the training step).
     """
@@ -25,9 +26,15 @@ class SaveOptions:
     overwrite: bool = False
     allow_pickle: bool = False
     timeout: float = 600.0
-    block_size: int = DEFAULT_BLOCK_SIZE
+    block_size: int | None = None
     alignment: int = 64
     metadata: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.block_size is not None and (self.block_size < 16 or self.block_size % 16):
+            raise OptionsError(f"SaveOptions.block_size must be a positive multiple of 16, got {self.block_size}")
+        if self.alignment < 1 or self.alignment & (self.alignment - 1):
+            raise OptionsError(f"SaveOptions.alignment must be a power of two, got {self.alignment}")
 
 
 @dataclass(frozen=True)

@@ -199,8 +199,8 @@ def test_build_manifest_records_every_chunk():
     boxes = shard_boxes(shape, (3, 1))
     metas = [meta(r, [tmeta("w", shape, [boxes[r]])]) for r in range(3)]
     plan = plan_save(metas, "abc")
-    hashes = [[["h"] for _ in plan.writes[r]] for r in range(3)]
-    m = build_manifest(plan, hashes, save_id="abc", block_size=1 << 20, created_unix=0.0, liferaft_version="x",
+    hashes = [[(1 << 20, ["h"]) for _ in plan.writes[r]] for r in range(3)]
+    m = build_manifest(plan, hashes, save_id="abc", created_unix=0.0, liferaft_version="x",
                        torch_version="y")
     assert [c.offsets for c in m.tensors[0].chunks] == [(0, 0), (4, 0), (8, 0)]
     assert set(m.files) == {f"data/abc/r{r:05d}.bin" for r in range(3)}

@@ -11,7 +11,19 @@ import xxhash
 
 from liferaft.errors import CorruptCheckpointError
 
-DEFAULT_BLOCK_SIZE = 1 << 20
+MIN_BLOCK_SIZE = 64 << 10
+MAX_BLOCK_SIZE = 4 << 20
+BLOCKS_PER_CHUNK = 64
+
+
+def choose_block_size(length: int, fixed: int | None = None) -> int:
+    """The checksum block size for a chunk of ``length`` bytes: ``fixed`` if given, else about 1/64 of the
+    chunk rounded up to a power of two, within [64 KiB, 4 MiB] — fine-grained enough that a resharding load
+    reads little beyond what it needs, coarse enough that the manifest stays small (<= ~256 hashes per GiB)."""
+    if fixed is not None:
+        return fixed
+    target = max(1, length // BLOCKS_PER_CHUNK)
+    return min(MAX_BLOCK_SIZE, max(MIN_BLOCK_SIZE, 1 << (target - 1).bit_length()))
 
 
 def digest(data: bytes | memoryview) -> str:

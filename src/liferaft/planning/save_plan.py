@@ -183,15 +183,16 @@ def _merge_values(metas: Sequence[RankMeta]) -> list[ValueEntry]:
     return out
 
 
-def build_manifest(plan: SavePlan, hashes: Sequence[Sequence[Sequence[str]]], *, save_id: str, block_size: int,
+def build_manifest(plan: SavePlan, hashes: Sequence[Sequence[tuple[int, Sequence[str]]]], *, save_id: str,
                    created_unix: float, liferaft_version: str, torch_version: str,
                    extra: Mapping[str, Any] | None = None) -> Manifest:
-    """Combine the plan with the block hashes each rank computed for its writes (same order as ``plan.writes``)."""
+    """Combine the plan with the (block size, block hashes) each rank computed for its writes, in the order of
+    ``plan.writes``."""
     records: dict[str, list[ChunkRecord]] = {t.key: [] for t in plan.tensors}
     for rank, items in enumerate(plan.writes):
         if len(hashes[rank]) != len(items):
             raise InvalidStateError(f"rank {rank} reported {len(hashes[rank])} chunk hashes for {len(items)} writes")
-        for w, hs in zip(items, hashes[rank]):
+        for w, (block_size, hs) in zip(items, hashes[rank]):
             records[w.key].append(ChunkRecord(offsets=w.offsets, sizes=w.sizes, file=w.file,
                                               byte_offset=w.byte_offset, length=w.length, block_size=block_size,
                                               hashes=tuple(hs)))

@@ -8,7 +8,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from liferaft.codecs.checksum import block_hashes
+from liferaft.codecs.checksum import block_hashes, choose_block_size
 from liferaft.planning.geometry import Box
 from liferaft.planning.save_plan import WriteItem
 from liferaft.storage.base import Storage
@@ -17,14 +17,14 @@ from liferaft.transfer.tensors import host_bytes
 
 @dataclass
 class WriteOutcome:
-    hashes: list[list[str]]
+    hashes: list[tuple[int, list[str]]]      # (block size, block hashes) per item
     bytes_written: int
     stage_s: float
     write_s: float
 
 
 def write_items(storage: Storage, items: Sequence[WriteItem], sources: Mapping[tuple[str, Box], torch.Tensor],
-                block_size: int) -> WriteOutcome:
+                block_size: int | None = None) -> WriteOutcome:
     """Write ``items`` (all in one file) from ``sources[(key, box)]``; the file is durable on return.
 
     On any error the partial file is removed and the error re-raised.
@@ -40,7 +40,8 @@ def write_items(storage: Storage, items: Sequence[WriteItem], sources: Mapping[t
             if len(mv) != w.length:
                 raise AssertionError(f"key {w.key!r}: planned {w.length} bytes but the tensor has {len(mv)}")
             t1 = time.perf_counter()
-            out.hashes.append(block_hashes(mv, block_size))
+            bs = choose_block_size(w.length, block_size)
+            out.hashes.append((bs, block_hashes(mv, bs)))
             writer.pwrite(mv, w.byte_offset)
             del keep, mv
             out.stage_s += t1 - t0
