@@ -1,7 +1,7 @@
 """Collectives for metadata: work with no process group, raise every rank's error on every rank, time out.
 
-Metadata goes over a gloo group made for it (never the NCCL group): if the job's group is gloo it is used
-as is; otherwise a gloo group over the same ranks is created once and cached. Each call exchanges
+Metadata goes over a gloo group made for it (never the NCCL group), created once per (group, timeout) and
+cached, so that every exchange times out after ``timeout`` seconds whatever the job's own group uses. Each call exchanges
 ``(error or None, payload)``: if any rank failed, every rank raises — the failing rank its own exception,
 the others a DistributedError naming the failed ranks and their errors.
 """
@@ -20,10 +20,13 @@ _GLOO_GROUPS: dict[tuple[int, float], Any] = {}
 def _gloo_group(pg: Any, timeout: float) -> Any:
     import torch.distributed as dist
 
-    if dist.get_backend(pg) == "gloo":
-        return pg
     cache_key = (id(pg), timeout)
     group = _GLOO_GROUPS.get(cache_key)
+    if group is not None:
+        try:
+            dist.get_rank(group)
+        except (ValueError, RuntimeError):  # destroyed with its parent: make a new one
+            group = None
     if group is None:
         ranks = dist.get_process_group_ranks(pg)
         group = dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout),

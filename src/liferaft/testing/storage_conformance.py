@@ -1,0 +1,77 @@
+"""Conformance suite for storage backends: subclass ``StorageConformance`` and provide ``make_storage``.
+
+Every backend (``liferaft.storage.base.Storage``) must pass it; liferaft's own backends do in
+tests/unit/test_storage.py. Requires pytest.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from liferaft.storage.base import Storage
+
+
+class StorageConformance:
+    """Mix into a pytest test class; implement ``make_storage(self, tmp_path) -> Storage`` (a fresh, empty root)."""
+
+    def make_storage(self, tmp_path) -> Storage:  # pragma: no cover - provided by subclasses
+        raise NotImplementedError
+
+    @pytest.fixture
+    def st(self, tmp_path) -> Storage:
+        return self.make_storage(tmp_path)
+
+    def test_write_read_roundtrip_with_positioned_writes(self, st: Storage) -> None:
+        w = st.open_writer("data/a/r0.bin")
+        w.pwrite(b"world", 5)
+        w.pwrite(memoryview(b"hello"), 0)
+        w.close()
+        w.close()  # idempotent
+        assert st.read_all("data/a/r0.bin") == b"helloworld"
+        assert st.size("data/a/r0.bin") == 10
+        buf = bytearray(4)
+        assert st.read_into("data/a/r0.bin", 3, memoryview(buf)) == 4 and bytes(buf) == b"lowo"
+
+    def test_short_read_at_end_of_file(self, st: Storage) -> None:
+        st.put_atomic("x", b"abc")
+        buf = bytearray(10)
+        assert st.read_into("x", 1, memoryview(buf)) == 2
+        assert bytes(buf[:2]) == b"bc"
+
+    def test_missing_names_raise_file_not_found(self, st: Storage) -> None:
+        assert not st.exists("nope")
+        for call in (lambda: st.read_all("nope"), lambda: st.size("nope"),
+                     lambda: st.read_into("nope", 0, memoryview(bytearray(1)))):
+            with pytest.raises(FileNotFoundError):
+                call()
+        st.delete("nope")  # not an error
+
+    def test_put_atomic_replaces(self, st: Storage) -> None:
+        st.put_atomic("COMMIT", b"one")
+        st.put_atomic("COMMIT", b"two!")
+        assert st.read_all("COMMIT") == b"two!"
+        st.sync()
+
+    def test_list_and_delete(self, st: Storage) -> None:
+        assert st.list() == []
+        st.put_atomic("m.json", b"{}")
+        w = st.open_writer("data/s/r00001.bin")
+        w.pwrite(b"x", 0)
+        w.close()
+        assert st.list() == ["data/s/r00001.bin", "m.json"]
+        st.delete("data/s/r00001.bin")
+        assert st.list() == ["m.json"] and not st.exists("data/s/r00001.bin")
+
+    def test_abort_leaves_nothing(self, st: Storage) -> None:
+        w = st.open_writer("data/s/r0.bin")
+        w.pwrite(b"partial", 0)
+        w.abort()
+        w.abort()
+        assert not st.exists("data/s/r0.bin")
+
+    def test_large_write_is_complete(self, st: Storage) -> None:
+        blob = bytes(range(256)) * (3 * 4096 + 7)
+        w = st.open_writer("big")
+        w.pwrite(memoryview(blob), 0)
+        w.close()
+        assert st.size("big") == len(blob) and st.read_all("big") == blob

@@ -1,0 +1,28 @@
+"""Collectives: no hang when a rank stops answering; the previous checkpoint survives."""
+
+import torch
+
+import liferaft
+from liferaft.dist import Coordinator
+from liferaft.testing import run_ranks
+from multiproc._dist_ranks import hang_on_second_save
+
+
+def test_a_silent_rank_makes_save_time_out_instead_of_hanging(tmp_path):
+    path = str(tmp_path / "ck")
+    out = run_ranks(hang_on_second_save, 2, path, timeout=120)
+    assert out[1] == "slept"
+    assert out[0].startswith("DistributedError") and "rank 0 of 2" in out[0], out[0]
+    assert torch.equal(liferaft.read(path)["w"], torch.ones(4))     # the committed checkpoint is intact
+
+
+def test_coordinator_without_process_group():
+    c = Coordinator()
+    assert (c.rank, c.world) == (0, 1)
+    assert c.exchange(5) == [5]
+    try:
+        c.exchange(None, ValueError("boom"))
+    except ValueError as e:
+        assert str(e) == "boom"
+    else:
+        raise AssertionError("expected the local error")
