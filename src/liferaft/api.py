@@ -9,15 +9,17 @@ replaces the ``COMMIT`` marker that names it, then removes the files of the chec
 from __future__ import annotations
 
 import os
+import sys
 import time
 import uuid
+import warnings
 from typing import Any
 
 import torch
 
 from liferaft.dist import Coordinator
-from liferaft.errors import CheckpointExistsError, StateMismatchError, StorageError
-from liferaft.format.manifest import COMMIT_MARKER, CommitMarker, Manifest, PathPart
+from liferaft.errors import CheckpointExistsError, LiferaftError, StateMismatchError, StorageError
+from liferaft.format.manifest import COMMIT_MARKER, CommitMarker, Manifest, PathPart, decode_commit_marker
 from liferaft.codecs.checksum import digest
 from liferaft.options import LoadOptions, LoadResult, SaveOptions, SaveResult
 from liferaft.planning.load_plan import plan_reads
@@ -66,6 +68,8 @@ def save(path: PathLike, state: Any, *, process_group: Any = None, options: Save
     payload: tuple[RankMeta | None, str | None] = (None, None)
     err: BaseException | None = None
     try:
+        if sys.byteorder != "little":
+            raise StorageError("liferaft stores little-endian bytes; big-endian hosts are not supported")
         if storage.process_local and coord.world > 1:
             raise StorageError(f"{storage.url} is process-local; a save from {coord.world} ranks needs a shared "
                                "backend (a local path, file:// or an object store)")
@@ -83,13 +87,19 @@ def save(path: PathLike, state: Any, *, process_group: Any = None, options: Save
     timings["plan"] = time.perf_counter() - t_start
 
     outcome = None
+    my_file = plan.writes[coord.rank][0].file if plan.writes[coord.rank] else None
     try:
         assert flat is not None
         sources = {(t.key, box): local for t in flat.tensors for box, local in t.parts}
         outcome = write_items(storage, plan.writes[coord.rank], sources, opts.block_size)
+        storage.sync()   # this rank's new folder entries are durable too, not only its file
     except BaseException as e:  # noqa: BLE001
         err = e
-    hashes = coord.exchange(outcome.hashes if outcome else None, err, "save (write)")
+    try:
+        hashes = coord.exchange(outcome.hashes if outcome else None, err, "save (write)")
+    except BaseException:
+        _abandon(storage, my_file)
+        raise
     timings["stage"] = outcome.stage_s if outcome else 0.0
     timings["write"] = outcome.write_s if outcome else 0.0
 
@@ -105,19 +115,33 @@ def save(path: PathLike, state: Any, *, process_group: Any = None, options: Save
             storage.sync()
             marker = CommitMarker(manifest=name, manifest_size=len(data), manifest_hash=digest(data))
             storage.put_atomic(COMMIT_MARKER, marker.to_json_bytes())
-            _remove_stale(storage, keep=save_id)
     except BaseException as e:  # noqa: BLE001
         err = e
     try:
         coord.exchange(None, err, "save (commit)")
     except BaseException:
-        _abandon(storage, plan.writes[coord.rank][0].file if plan.writes[coord.rank] else None)
+        # A peer may have died after rank 0 committed: never delete files a committed checkpoint needs.
+        if not _is_committed(storage, save_id):
+            _abandon(storage, my_file)
         raise
+    if coord.rank == 0:
+        try:
+            _remove_stale(storage, keep=save_id)
+        except OSError as e:
+            warnings.warn(f"{storage.url}: checkpoint committed, but removing files of the checkpoint it replaced "
+                          f"failed ({e}); they are unused and can be deleted", stacklevel=2)
     timings["commit"] = time.perf_counter() - t0
     timings["total"] = time.perf_counter() - t_start
     return SaveResult(path=storage.url, save_id=save_id, world_size=coord.world, rank=coord.rank,
                       bytes_written=outcome.bytes_written if outcome else 0, total_bytes=sum(plan.files.values()),
                       files=len(plan.files), timings=timings)
+
+
+def _is_committed(storage: Storage, save_id: str) -> bool:
+    try:
+        return decode_commit_marker(storage.read_all(COMMIT_MARKER)).manifest == f"manifest-{save_id}.json"
+    except (OSError, LiferaftError):
+        return False
 
 
 def _abandon(storage: Storage, name: str | None) -> None:
@@ -133,7 +157,8 @@ def _remove_stale(storage: Storage, keep: str) -> None:
     for name in storage.list():
         stale_data = name.startswith("data/") and not name.startswith(f"data/{keep}/")
         stale_manifest = name.startswith("manifest-") and name != f"manifest-{keep}.json"
-        if stale_data or stale_manifest:
+        stale_temp = ".tmp-" in name.rsplit("/", 1)[-1] and not name.startswith("data/")
+        if stale_data or stale_manifest or stale_temp:
             storage.delete(name)
 
 
@@ -145,7 +170,9 @@ def load(path: PathLike, state: Any, *, process_group: Any = None, strict: bool 
     (only those byte ranges are read, every byte verified); plain values are replaced in their containers;
     stateful objects get ``load_state_dict`` with the loaded values. With ``strict`` (default) a key missing
     from the checkpoint or present in it but absent from every rank's state raises StateMismatchError before
-    anything is changed; otherwise they are listed in the result. Shape/dtype mismatches always raise.
+    anything is changed; otherwise they are listed in the result. Shape/dtype mismatches always raise. Every
+    check that needs no data (keys, shapes, dtypes, files present and long enough, format version, paths) runs
+    on every rank before any byte is copied; ``LoadOptions(atomic=True)`` extends that to the checksums.
     """
     opts = options or LoadOptions()
     t_start = time.perf_counter()
@@ -181,6 +208,14 @@ def load(path: PathLike, state: Any, *, process_group: Any = None, strict: bool 
 
     t0 = time.perf_counter()
     nbytes = 0
+    if opts.atomic:
+        try:
+            execute_reads(storage, plan.units, plan.targets, copy=False)
+        except BaseException as e:  # noqa: BLE001
+            err = e
+        coord.exchange(None, err, "load (verify)")
+        timings["verify"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
     try:
         nbytes = execute_reads(storage, plan.units, plan.targets)
     except BaseException as e:  # noqa: BLE001

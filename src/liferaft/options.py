@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -35,14 +36,28 @@ class SaveOptions:
             raise OptionsError(f"SaveOptions.block_size must be a positive multiple of 16, got {self.block_size}")
         if self.alignment < 1 or self.alignment & (self.alignment - 1):
             raise OptionsError(f"SaveOptions.alignment must be a power of two, got {self.alignment}")
+        try:
+            json.dumps(dict(self.metadata), allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise OptionsError(f"SaveOptions.metadata must be plain JSON data (str keys, numbers, strings, lists, "
+                               f"dicts): {e}") from None
 
 
 @dataclass(frozen=True)
 class LoadOptions:
-    """How to load: ``allow_pickle`` (trust pickled values), ``timeout`` (seconds, as for save) and
-    ``max_read_bytes`` (largest single read, i.e. the scratch buffer a load allocates)."""
+    """How to load.
+
+    allow_pickle: trust and unpickle pickled values.
+    timeout: seconds any rank waits for the others at each step, as for save.
+    max_read_bytes: largest single read, i.e. the scratch buffer a load allocates.
+    atomic: read and verify every byte on every rank before any byte is copied into the state, so that even a
+        checksum failure leaves the state untouched; costs a second read of the data (usually from the page
+        cache). Without it, a checksum failure still stops the load before the bad bytes land, but tensors
+        filled earlier already hold loaded values.
+    """
 
     allow_pickle: bool = False
+    atomic: bool = False
     timeout: float = 600.0
     max_read_bytes: int = DEFAULT_MAX_READ
 

@@ -8,6 +8,7 @@ version, types and ranges of every number, and that every file name stays inside
 from __future__ import annotations
 
 import json
+from collections import Counter
 import posixpath
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
@@ -149,7 +150,7 @@ class Manifest:
             "format": FORMAT_NAME, "version": self.version, "save_id": self.save_id,
             "world_size": self.world_size, "created_unix": self.created_unix,
             "liferaft_version": self.liferaft_version, "torch_version": self.torch_version,
-            "checksum": CHECKSUM_ALGO, "files": dict(sorted(self.files.items())),
+            "checksum": CHECKSUM_ALGO, "byte_order": "little", "files": dict(sorted(self.files.items())),
             "tensors": [t.to_json() for t in self.tensors], "values": [v.to_json() for v in self.values],
             "containers": [c.to_json() for c in self.containers], "extra": dict(self.extra),
         }
@@ -199,6 +200,12 @@ def _str(v: Any, where: str) -> str:
     return v
 
 
+def _hashes(v: Any, where: str) -> tuple[str, ...]:
+    if not isinstance(v, list) or not all(isinstance(h, str) for h in v):
+        raise _fail(where, f"chunk hashes must be a list of hex strings, got {v!r:.80}")
+    return tuple(v)
+
+
 def _path(v: Any, where: str) -> tuple[PathPart, ...]:
     if not isinstance(v, list) or not all(type(p) in (str, int) for p in v):
         raise _fail(where, f"expected a list of str/int path parts, got {v!r}")
@@ -245,7 +252,7 @@ def _decode_chunk(c: Any, where: str, ndim: int, files: Mapping[str, int], items
         offsets=_ints(c.get("offsets"), where), sizes=_ints(c.get("sizes"), where),
         file=check_relative_path(_str(c.get("file"), where)), byte_offset=_int(c.get("byte_offset"), where),
         length=_int(c.get("length"), where), block_size=_int(c.get("block_size"), where, 1),
-        hashes=tuple(_str(h, where) for h in (c.get("hashes") or [])))
+        hashes=_hashes(c.get("hashes"), where))
     if len(rec.offsets) != ndim or len(rec.sizes) != ndim:
         raise _fail(where, f"chunk has {len(rec.offsets)}-d offsets / {len(rec.sizes)}-d sizes for a {ndim}-d tensor")
     numel = 1
@@ -253,6 +260,8 @@ def _decode_chunk(c: Any, where: str, ndim: int, files: Mapping[str, int], items
         numel *= s
     if rec.length != numel * itemsize:
         raise _fail(where, f"chunk length {rec.length} != {numel} elements x {itemsize} bytes")
+    if rec.block_size % itemsize:
+        raise _fail(where, f"block size {rec.block_size} is not a multiple of the item size {itemsize}")
     if rec.file not in files:
         raise _fail(where, f"chunk refers to file {rec.file!r} that the manifest does not list")
     if rec.byte_offset + rec.length > files[rec.file]:
@@ -267,6 +276,15 @@ def decode_manifest(data: bytes, name: str = "manifest") -> Manifest:
     """Parse and validate a manifest. Raises CorruptCheckpointError, FormatVersionError or UnsafePathError."""
     doc = _loads(data, name)
     version = _check_version(doc, name)
+    if doc.get("checksum") != CHECKSUM_ALGO:
+        raise _fail(name, f"checksum algorithm {doc.get('checksum')!r} is not {CHECKSUM_ALGO!r}")
+    if doc.get("byte_order", "little") != "little":
+        raise _fail(name, f"byte order {doc.get('byte_order')!r} is not supported")
+    for section in ("tensors", "values", "containers"):
+        if not isinstance(doc.get(section) or [], list) or not all(isinstance(x, dict) for x in doc.get(section) or []):
+            raise _fail(name, f"{section} is not a list of objects")
+    if not isinstance(doc.get("created_unix", 0.0), (int, float)):
+        raise _fail(name, "created_unix is not a number")
     files_raw = doc.get("files")
     if not isinstance(files_raw, dict):
         raise _fail(name, "files is not an object")
@@ -297,6 +315,10 @@ def decode_manifest(data: bytes, name: str = "manifest") -> Manifest:
         if kind not in CONTAINER_KINDS:
             raise _fail(name, f"unknown container kind {kind!r}")
         containers.append(ContainerEntry(path=_path(c.get("path"), f"{name} container"), kind=kind))
+    keys = [t.key for t in tensors] + [v.key for v in values]
+    if len(set(keys)) != len(keys):
+        dup = sorted(k for k, n in Counter(keys).items() if n > 1)
+        raise _fail(name, f"keys {dup[:5]} appear more than once")
     extra = doc.get("extra") or {}
     return Manifest(
         save_id=_str(doc.get("save_id"), name), world_size=_int(doc.get("world_size"), name, 1),

@@ -84,7 +84,7 @@ def _dtensor_parts(dt: Any, key: str) -> list[tuple[Box, torch.Tensor]]:
 
 
 def _is_leaf_array(v: Any) -> bool:
-    return isinstance(v, np.ndarray) and not v.dtype.hasobject and v.nbytes > INLINE_LIMIT
+    return isinstance(v, np.ndarray) and not v.dtype.hasobject and v.dtype.isnative and v.nbytes > INLINE_LIMIT
 
 
 def _is_leaf_bytes(v: Any) -> bool:

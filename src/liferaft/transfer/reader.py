@@ -16,8 +16,11 @@ from liferaft.storage.base import Storage
 
 
 def execute_reads(storage: Storage, units: Sequence[tuple[ReadUnit, torch.dtype]],
-                  targets: Sequence[torch.Tensor]) -> int:
-    """Run ``units`` (each with the dtype of its tensor) into ``targets``; return the bytes read."""
+                  targets: Sequence[torch.Tensor], copy: bool = True) -> int:
+    """Run ``units`` (each with the dtype of its tensor) into ``targets``; return the bytes read.
+
+    With ``copy=False`` the bytes are only read and verified (the first pass of an atomic load).
+    """
     if not units:
         return 0
     scratch = torch.empty(max(u.length for u, _ in units), dtype=torch.uint8)
@@ -34,6 +37,8 @@ def execute_reads(storage: Storage, units: Sequence[tuple[ReadUnit, torch.dtype]
             raise CorruptCheckpointError(f"{where}: the file is truncated (got {n} of {unit.length} bytes)")
         verify_blocks(mv, unit.hashes, unit.block_size, where)
         total += n
+        if not copy:
+            continue
         flat = scratch[:unit.length].view(dtype)
         with torch.no_grad():
             for c in unit.copies:
