@@ -240,6 +240,8 @@ def _loads(data: bytes, what: str) -> dict[str, Any]:
 def decode_commit_marker(data: bytes) -> CommitMarker:
     doc = _loads(data, COMMIT_MARKER)
     version = _check_version(doc, COMMIT_MARKER)
+    if doc.get("checksum") != CHECKSUM_ALGO:
+        raise _fail(COMMIT_MARKER, f"checksum algorithm {doc.get('checksum')!r} is not {CHECKSUM_ALGO!r}")
     return CommitMarker(manifest=check_relative_path(_str(doc.get("manifest"), COMMIT_MARKER), "manifest"),
                         manifest_size=_int(doc.get("manifest_size"), COMMIT_MARKER),
                         manifest_hash=_str(doc.get("manifest_hash"), COMMIT_MARKER), version=version)
