@@ -196,11 +196,11 @@ def load(path: PathLike, state: Any, *, process_group: Any = None, strict: bool 
         err = e
     gathered = coord.exchange((plan.covered, plan.missing) if plan else None, err, "load (planning)")
     assert plan is not None
-    covered = 0
-    for c, _ in gathered:
-        covered |= c
     all_keys = [t.key for t in manifest.tensors] + [v.key for v in manifest.values]
-    unexpected = tuple(k for i, k in enumerate(all_keys) if not covered >> i & 1)
+    covered = bytearray(len(all_keys))
+    for c, _ in gathered:
+        covered = bytearray(a | b for a, b in zip(covered, c))
+    unexpected = tuple(k for k, hit in zip(all_keys, covered) if not hit)
     missing = tuple(sorted({k for _, m in gathered for k in m}))
     if strict and (missing or unexpected):
         raise StateMismatchError(_mismatch_message(storage.url, missing, unexpected))
@@ -256,7 +256,7 @@ class _LoadPlan:
         self.targets: list[torch.Tensor] = []
         self.assign: list[tuple[tuple[PathPart, ...], Any]] = []
         self.fresh: list[tuple[tuple[PathPart, ...], Any, int]] = []   # (path, entry, target index)
-        self.covered = 0
+        self.covered = bytearray()     # one byte per manifest key (tensors, then values): 1 = this rank loads it
         self.missing: list[str] = []
 
     def apply(self) -> None:
@@ -274,6 +274,7 @@ def _plan_load(storage: Storage, manifest: Manifest, flat: FlatState, coord: Coo
     tensors = manifest.tensor_map()
     values = {v.key: v for v in manifest.values}
     index = {k: i for i, k in enumerate([t.key for t in manifest.tensors] + [v.key for v in manifest.values])}
+    plan.covered = bytearray(len(index))
     files: set[str] = set()
 
     def want(entry: Any, boxes: list[tuple[tuple, torch.Tensor]]) -> None:
@@ -296,7 +297,7 @@ def _plan_load(storage: Storage, manifest: Manifest, flat: FlatState, coord: Coo
                 raise StateMismatchError(
                     f"key {leaf.key!r}: the checkpoint holds {entry.kind} {list(entry.shape)} {entry.dtype} but "
                     f"the state holds {list(leaf.shape)} {leaf.dtype_name}; nothing was loaded")
-            plan.covered |= 1 << index[leaf.key]
+            plan.covered[index[leaf.key]] = 1
             want(entry, leaf.parts)
         else:
             _plan_value(plan, leaf.key, leaf.path, tensors, values, index, want, coord, opts)
@@ -329,7 +330,7 @@ def _plan_value(plan: _LoadPlan, key: str, path: tuple, tensors: dict, values: d
     else:
         plan.missing.append(key)
         return
-    plan.covered |= 1 << index[key]
+    plan.covered[index[key]] = 1
 
 
 def _assign(flat: FlatState, path: tuple[PathPart, ...], value: Any) -> None:
