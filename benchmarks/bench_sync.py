@@ -1,0 +1,252 @@
+"""Synchronous save and load: liferaft vs PyTorch DCP (and torch.save, safetensors), same state, same run.
+
+What is measured (wall seconds of the call; 2-rank figures are the max over ranks):
+
+- 1 process, no process group: save incl. fsync (DCP's FileSystemWriter fsyncs by default; torch.save and
+  safetensors get an explicit fsync of the file and its folder), and load from disk: liferaft.load and DCP
+  load in place into pre-allocated tensors, safetensors load_file + copy_ into them, torch.load (new tensors).
+- 2 ranks (gloo on 127.0.0.1, CPU DeviceMesh): every rank holds DTensor Shard(0) shards of the same global
+  state (0-dim step tensors are plain, replicated). Save with liferaft and DCP; load into the same layout;
+  resharding load into Shard(1) (2-D) / Replicate (1-D); and a 2→1 load in one process with no process
+  group into full plain tensors.
+
+State: GPT-like fp32 params + Adam exp_avg/exp_avg_sq + a 0-dim step per param (d=768, L=9 ≈ 1.07 GB for
+``--size-gib 1``), a plain dict of tensors so every method gets the same bytes. Every load is checked
+bit-exact against the reference and a wrong load aborts the benchmark.
+
+Protocol ("cold", as in /work/shared/research/peer-baselines.md): every timed operation runs in a fresh
+process, after a tiny untimed warm-up save/load with the same method and an idle of ``--idle`` seconds (on
+the project VMs idle memory goes back to the host and first touch is ~1 GB/s); before each load every file of
+the checkpoint is fsynced and dropped from the page cache with posix_fadvise(DONTNEED). Checkpoints are deleted
+after each rep. Extra RSS is the peak RSS (sampled every 10 ms) above the RSS before the call, max over ranks.
+Output: a markdown table on stdout, progress on stderr, one JSON line per measurement and per summary appended
+to ``bench-out/bench_sync.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import multiprocessing as mp
+import os
+import platform
+import shutil
+import statistics
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any, Callable
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH", "")) if p)
+
+import psutil  # noqa: E402
+import torch  # noqa: E402
+
+import _bench_ranks as W  # noqa: E402
+from liferaft.testing import run_ranks  # noqa: E402
+
+# (case, op, label) in table order
+ROWS = [("1p", "save", "1 process: save (+fsync)"), ("1p", "load", "1 process: load from disk"),
+        ("2r", "save", "2 ranks: save Shard(0)"), ("2r", "load_same", "2 ranks: load same layout"),
+        ("2r", "load_reshard", "2 ranks: reshard load → Shard(1)/Replicate"),
+        ("2r", "load_2to1", "2→1: load into full tensors, 1 process")]
+COLUMNS = ["liferaft", "dcp", "torch", "safetensors"]
+COLUMN_TITLE = {"liferaft": "liferaft", "dcp": "DCP", "torch": "torch.save / torch.load",
+                "safetensors": "safetensors"}
+
+
+def run_solo(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` in a fresh process (forkserver child, no process group)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "numpy", "liferaft"])
+    with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as ex:
+        return ex.submit(fn, *args).result()
+
+
+def drop_cache(root: str) -> None:
+    """fsync every file under ``root`` and drop it from the page cache."""
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def dir_bytes(root: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.cfg = W.pick_config(args.size_gib)
+        self.nbytes = self.cfg.nbytes()
+        self.tmp = os.path.join(ROOT, "bench-out", "tmp", f"sync-{os.getpid()}")
+        self.jsonl = os.path.join(ROOT, "bench-out", "bench_sync.jsonl")
+        self.run_id = datetime.datetime.now().strftime("%Y%m%dT%H%M%S")
+        self.samples: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+        self.timeout = 300.0 + 120.0 * args.size_gib
+
+    def record(self, case: str, op: str, method: str, rep: int, per_rank: list[dict[str, Any]],
+               extra: dict[str, Any] | None = None) -> None:
+        sec = max(r["seconds"] for r in per_rank)
+        row = {"kind": "sample", "run": self.run_id, "case": case, "op": op, "method": method, "rep": rep,
+               "seconds": sec, "per_rank_seconds": [r["seconds"] for r in per_rank], "bytes": self.nbytes,
+               "gb_per_s": self.nbytes / sec / 1e9, "extra_rss": max(r["extra_rss"] for r in per_rank),
+               "detail": [r["detail"] for r in per_rank], **(extra or {})}
+        self.samples.setdefault((case, op, method), []).append(row)
+        self.write(row)
+        print(f"  rep {rep} {case:>2} {op:<12} {method:<11} {sec:8.3f} s {row['gb_per_s']:6.2f} GB/s "
+              f"+{row['extra_rss'] / 2**20:7.1f} MiB RSS", file=sys.stderr, flush=True)
+
+    def write(self, row: dict[str, Any]) -> None:
+        with open(self.jsonl, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def solo(self, op: str, method: str, path: str) -> list[dict[str, Any]]:
+        warm = os.path.join(self.tmp, f"warm-{method}")
+        try:
+            return [run_solo(W.solo_op, op, method, path, warm, self.cfg, self.args.idle)]
+        finally:
+            shutil.rmtree(warm, ignore_errors=True)
+
+    def ranks(self, op: str, method: str, path: str, layout: str) -> list[dict[str, Any]]:
+        warm = os.path.join(self.tmp, f"warm-{method}")
+        try:
+            return run_ranks(W.rank_op, 2, op, method, path, warm, self.cfg, self.args.idle, layout,
+                             timeout=self.timeout, pg_timeout=self.timeout,
+                             env={"PYTHONPATH": os.environ["PYTHONPATH"]})
+        finally:
+            shutil.rmtree(warm, ignore_errors=True)
+
+    def one_process(self, rep: int, method: str) -> None:
+        path = os.path.join(self.tmp, f"{method}-1p")
+        os.makedirs(path)
+        try:
+            self.record("1p", "save", method, rep, self.solo("save", method, path), {"ckpt_bytes": dir_bytes(path)})
+            drop_cache(path)
+            self.record("1p", "load", method, rep, self.solo("load", method, path))
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def two_ranks(self, rep: int, method: str) -> None:
+        path = os.path.join(self.tmp, f"{method}-2r")
+        os.makedirs(path)
+        try:
+            self.record("2r", "save", method, rep, self.ranks("save", method, path, "shard0"),
+                        {"ckpt_bytes": dir_bytes(path)})
+            for op, layout in (("load_same", "shard0"), ("load_reshard", "shard1")):
+                drop_cache(path)
+                self.record("2r", op, method, rep, self.ranks("load", method, path, layout))
+            drop_cache(path)
+            self.record("2r", "load_2to1", method, rep, self.solo("load", method, path))
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def run(self) -> None:
+        os.makedirs(self.tmp, exist_ok=True)
+        methods = [m for m in COLUMNS if m in self.args.methods]
+        try:
+            for rep in range(self.args.reps):
+                order = methods[rep % len(methods):] + methods[:rep % len(methods)]   # rotate: spread drift
+                if "1p" in self.args.cases:
+                    for m in order:
+                        self.one_process(rep, m)
+                if "2r" in self.args.cases:
+                    for m in order:
+                        if m in ("liferaft", "dcp"):
+                            self.two_ranks(rep, m)
+        finally:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+    # ------------------------------------------------------------ reporting
+
+    def summary(self, key: tuple[str, str, str]) -> dict[str, Any] | None:
+        rows = self.samples.get(key)
+        if not rows:
+            return None
+        secs = [r["seconds"] for r in rows]
+        med = statistics.median(secs)
+        return {"kind": "summary", "run": self.run_id, "case": key[0], "op": key[1], "method": key[2],
+                "reps": len(secs), "median_s": med, "min_s": min(secs), "max_s": max(secs),
+                "gb_per_s": self.nbytes / med / 1e9,
+                "extra_rss_median": statistics.median(r["extra_rss"] for r in rows)}
+
+    def header(self) -> str:
+        mem = psutil.virtual_memory().total / 2**30
+        cfg = self.cfg
+        n = len(cfg.leaves())
+        return (f"### Sync save/load, {datetime.date.today().isoformat()}: Linux {platform.release()}, "
+                f"{len(os.sched_getaffinity(0))} CPUs, {mem:.1f} GiB RAM, torch {torch.__version__}\n\n"
+                f"State: d={cfg.d}, L={cfg.layers}, {n} fp32 tensors, {self.nbytes / 1e9:.2f} GB. "
+                f"{self.args.reps} reps, seconds median [min–max] and GB/s at the median; idle "
+                f"{self.args.idle:g} s before each op; each op in a fresh process; loads after "
+                f"fadvise(DONTNEED); 2-rank times are the max over ranks; every load verified bit-exact. "
+                f"DCP/liferaft > 1 means liferaft is faster.\n")
+
+    def table(self) -> str:
+        cols = [m for m in COLUMNS if any(k[2] == m for k in self.samples)]
+        titles = [COLUMN_TITLE[m] for m in cols]
+        if "liferaft" in cols and "dcp" in cols:
+            titles.insert(cols.index("dcp") + 1, "DCP/liferaft")
+        lines = ["| operation | " + " | ".join(titles) + " |", "|---" * (len(titles) + 1) + "|"]
+        rss = ["", "Extra peak RSS, MiB (median):", "",
+               "| operation | " + " | ".join(COLUMN_TITLE[m] for m in cols) + " |", "|---" * (len(cols) + 1) + "|"]
+        for case, op, label in ROWS:
+            sums = {m: self.summary((case, op, m)) for m in cols}
+            if not any(sums.values()):
+                continue
+            cells, rcells = [], []
+            for m in cols:
+                s = sums[m]
+                cells.append(f"{s['median_s']:.2f} [{s['min_s']:.2f}–{s['max_s']:.2f}] · {s['gb_per_s']:.2f} GB/s"
+                             if s else "–")
+                rcells.append(f"{s['extra_rss_median'] / 2**20:.0f}" if s else "–")
+                if m == "dcp" and "liferaft" in cols:
+                    a, b = sums["liferaft"], sums["dcp"]
+                    cells.append(f"**{b['median_s'] / a['median_s']:.2f}×**" if a and b else "–")
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+            rss.append(f"| {label} | " + " | ".join(rcells) + " |")
+        return "\n".join(lines + rss)
+
+    def report(self) -> None:
+        for key in self.samples:
+            s = self.summary(key)
+            if s:
+                self.write(s)
+        print(self.header())
+        print(self.table())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size-gib", type=float, default=1.0, help="state size in GiB (default 1: d=768, L=9)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--idle", type=float, default=4.0, help="seconds of idle before each timed op (default 4)")
+    ap.add_argument("--cases", default="1p,2r", help="comma list of 1p (one process), 2r (two ranks)")
+    ap.add_argument("--methods", default=",".join(COLUMNS), help="comma list of " + ", ".join(COLUMNS))
+    args = ap.parse_args(argv)
+    args.cases = set(args.cases.split(","))
+    args.methods = set(args.methods.split(","))
+    if not args.methods <= set(COLUMNS) or not args.cases <= {"1p", "2r"}:
+        ap.error("unknown case or method")
+    bench = Bench(args)
+    os.makedirs(os.path.dirname(bench.jsonl), exist_ok=True)
+    print(f"state: d={bench.cfg.d} L={bench.cfg.layers} {bench.nbytes / 1e9:.3f} GB; tmp {bench.tmp}",
+          file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    bench.run()
+    bench.report()
+    print(f"\n(run {bench.run_id} took {time.perf_counter() - t0:.0f} s; raw data in {bench.jsonl})", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
