@@ -115,6 +115,8 @@ def save(path: PathLike, state: Any, *, process_group: Any = None, options: Save
             storage.sync()
             marker = CommitMarker(manifest=name, manifest_size=len(data), manifest_hash=digest(data))
             storage.put_atomic(COMMIT_MARKER, marker.to_json_bytes())
+    except OSError as e:
+        err = StorageError(f"{storage.url}: writing the manifest or the commit marker failed: {e}")
     except BaseException as e:  # noqa: BLE001
         err = e
     try:

@@ -135,18 +135,25 @@ def read(path: str | os.PathLike[str], keys: Sequence[str] | None = None, *,
         if v.key in chosen:
             leaves[v.path] = decode_entry_value(v, opts.allow_pickle)
     kinds = {c.path: c.kind for c in manifest.containers}
+    orders = {c.path: c.children for c in manifest.containers if c.children is not None}
     if keys is not None:  # keep only containers on the way to chosen leaves
         needed = {p[:i] for p in leaves for i in range(len(p))}
         kinds = {p: k for p, k in kinds.items() if p in needed}
-    return build_tree(kinds, leaves)
+    return build_tree(kinds, leaves, orders)
 
 
-def build_tree(kinds: Mapping[tuple[PathPart, ...], str], leaves: Mapping[tuple[PathPart, ...], Any]) -> Any:
-    """Nested dict/list/tuple from container kinds and leaf values keyed by path."""
+def build_tree(kinds: Mapping[tuple[PathPart, ...], str], leaves: Mapping[tuple[PathPart, ...], Any],
+               orders: Mapping[tuple[PathPart, ...], Sequence[PathPart]] | None = None) -> Any:
+    """Nested dict/list/tuple from container kinds and leaf values keyed by path, children in saved order."""
     children: dict[tuple[PathPart, ...], list[PathPart]] = {p: [] for p in kinds}
     for p in list(kinds) + list(leaves):
         if p:
             children.setdefault(p[:-1], []).append(p[-1])
+    for p, order in (orders or {}).items():
+        if p in children:
+            present = set(children[p])
+            rank = {k: i for i, k in enumerate(order)}
+            children[p] = sorted(present, key=lambda k: (rank.get(k, len(rank)), str(k)))
 
     def node(p: tuple[PathPart, ...]) -> Any:
         if p in leaves:

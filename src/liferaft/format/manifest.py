@@ -120,13 +120,20 @@ class ValueEntry:
 
 @dataclass(frozen=True)
 class ContainerEntry:
-    """A dict / list / tuple / stateful object in the saved tree (so that empty containers survive)."""
+    """A dict / list / tuple / stateful object in the saved tree (so that empty containers survive).
+
+    ``children`` lists the keys/indices under it in the order they were saved (None: unknown, sort them).
+    """
 
     path: tuple[PathPart, ...]
     kind: str
+    children: tuple[PathPart, ...] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"path": list(self.path), "kind": self.kind}
+        out: dict[str, Any] = {"path": list(self.path), "kind": self.kind}
+        if self.children is not None:
+            out["children"] = list(self.children)
+        return out
 
 
 @dataclass(frozen=True)
@@ -316,7 +323,9 @@ def decode_manifest(data: bytes, name: str = "manifest") -> Manifest:
         kind = _str(c.get("kind"), f"{name} container")
         if kind not in CONTAINER_KINDS:
             raise _fail(name, f"unknown container kind {kind!r}")
-        containers.append(ContainerEntry(path=_path(c.get("path"), f"{name} container"), kind=kind))
+        children = c.get("children")
+        containers.append(ContainerEntry(path=_path(c.get("path"), f"{name} container"), kind=kind,
+                                         children=None if children is None else _path(children, f"{name} container")))
     keys = [t.key for t in tensors] + [v.key for v in values]
     if len(set(keys)) != len(keys):
         dup = sorted(k for k, n in Counter(keys).items() if n > 1)

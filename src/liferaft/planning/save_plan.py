@@ -158,8 +158,13 @@ def plan_save(metas: Sequence[RankMeta], save_id: str, alignment: int = 64) -> S
             if prev.kind != c.kind:
                 raise InvalidStateError(f"path {list(c.path)}: rank {m.rank} holds a {c.kind} where another rank "
                                         f"holds a {prev.kind}")
+            if prev is not c and c.children and prev.children != c.children:
+                # ranks may hold different children (pipeline stages): keep rank order of first appearance
+                known = set(prev.children or ())
+                merged = tuple(prev.children or ()) + tuple(k for k in c.children if k not in known)
+                containers[c.path] = ContainerEntry(path=c.path, kind=c.kind, children=merged)
     return SavePlan(world_size=world, writes=tuple(writes), files=files, tensors=tuple(tensors),
-                    values=tuple(values), containers=tuple(sorted(containers.values(), key=lambda c: [str(p) for p in c.path])))
+                    values=tuple(values), containers=tuple(containers.values()))
 
 
 def _merge_values(metas: Sequence[RankMeta]) -> list[ValueEntry]:

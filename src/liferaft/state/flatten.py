@@ -147,9 +147,9 @@ class _Walker:
             self._value(path, v)
 
     def _container(self, path: tuple[PathPart, ...], kind: str, v: Any) -> None:
-        self.flat.containers.append(ContainerEntry(path=path, kind=kind))
+        items = list(v.items() if isinstance(v, dict) else enumerate(v))
+        self.flat.containers.append(ContainerEntry(path=path, kind=kind, children=tuple(k for k, _ in items)))
         self.flat.nodes[path] = v
-        items = v.items() if isinstance(v, dict) else enumerate(v)
         for k, x in items:
             if type(k) not in (str, int):
                 raise InvalidStateError(f"key {key_of(path)!r}: dict key {k!r} of type {type(k).__qualname__} "

@@ -38,8 +38,16 @@ class MemoryStorage(Storage):
 
     def __init__(self, name: str) -> None:
         self.name = name
+
+    @property
+    def files(self) -> dict[str, bytearray]:
+        """The store's files; reading a store that was never written creates nothing."""
         with _LOCK:
-            self.files = _STORES.setdefault(name, {})
+            return _STORES.get(self.name, {})
+
+    def _writable(self) -> dict[str, bytearray]:
+        with _LOCK:
+            return _STORES.setdefault(self.name, {})
 
     @property
     def url(self) -> str:
@@ -52,7 +60,7 @@ class MemoryStorage(Storage):
             raise FileNotFoundError(f"{self.url}/{name}") from None
 
     def open_writer(self, name: str) -> FileWriter:
-        return _MemWriter(self.files, name)
+        return _MemWriter(self._writable(), name)
 
     def read_into(self, name: str, offset: int, out: memoryview) -> int:
         buf = self._get(name)
@@ -71,16 +79,17 @@ class MemoryStorage(Storage):
         return name in self.files
 
     def list(self) -> list[str]:
-        with _LOCK:
-            return sorted(self.files)
+        return sorted(self.files)
 
     def delete(self, name: str) -> None:
+        files = self.files
         with _LOCK:
-            self.files.pop(name, None)
+            files.pop(name, None)
 
     def put_atomic(self, name: str, data: bytes) -> None:
+        files = self._writable()
         with _LOCK:
-            self.files[name] = bytearray(data)
+            files[name] = bytearray(data)
 
     def sync(self) -> None:
         pass

@@ -9,6 +9,7 @@ from typing import Mapping, Sequence
 import torch
 
 from liferaft.codecs.checksum import block_hashes, choose_block_size
+from liferaft.errors import StorageError
 from liferaft.planning.geometry import Box
 from liferaft.planning.save_plan import WriteItem
 from liferaft.storage.base import Storage
@@ -32,7 +33,10 @@ def write_items(storage: Storage, items: Sequence[WriteItem], sources: Mapping[t
     out = WriteOutcome(hashes=[], bytes_written=0, stage_s=0.0, write_s=0.0)
     if not items:
         return out
-    writer = storage.open_writer(items[0].file)
+    try:
+        writer = storage.open_writer(items[0].file)
+    except OSError as e:
+        raise StorageError(f"{storage.url}: cannot create data file {items[0].file!r}: {e}") from e
     try:
         for w in items:
             t0 = time.perf_counter()
@@ -50,6 +54,9 @@ def write_items(storage: Storage, items: Sequence[WriteItem], sources: Mapping[t
         t0 = time.perf_counter()
         writer.close()
         out.write_s += time.perf_counter() - t0
+    except OSError as e:
+        writer.abort()
+        raise StorageError(f"{storage.url}: writing data file {items[0].file!r} failed: {e}") from e
     except BaseException:
         writer.abort()
         raise
