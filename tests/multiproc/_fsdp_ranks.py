@@ -10,9 +10,10 @@ from torch import nn
 import liferaft
 
 
-def make_model() -> nn.Module:
+def make_model(hidden: int = 33) -> nn.Module:
+    """33 hidden units: FSDP2 shards unevenly; TP needs a size its ranks divide (32)."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 33), nn.ReLU(), nn.Linear(33, 10))
+    return nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, hidden), nn.ReLU(), nn.Linear(hidden, 10))
 
 
 def train(model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
@@ -84,3 +85,29 @@ def load_fsdp(rank: int, world: int, path: str, ref_path: str) -> list[str]:
     # and training continues from the loaded state
     train(model, opt, 1)
     return bad
+
+
+def tensor_parallel(model: nn.Module, world: int) -> nn.Module:
+    """Megatron-style TP of the MLP part: layer 1 column-wise, layer 3 row-wise (DTensor parameters)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (world,))
+    return parallelize_module(model, mesh, {"1": ColwiseParallel(), "3": RowwiseParallel()})
+
+
+def save_tp(rank: int, world: int, path: str, ref_path: str) -> None:
+    model = tensor_parallel(make_model(32), world)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    train(model, opt, 2)
+    ref = full_reference(model, opt)
+    if rank == 0:
+        torch.save(ref, ref_path)
+    liferaft.save(path, {"model": model, "optim": opt})
+
+
+def load_tp(rank: int, world: int, path: str, ref_path: str) -> list[str]:
+    model = tensor_parallel(make_model(32), world)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.5)
+    liferaft.load(path, {"model": model, "optim": opt})
+    return compare(torch.load(ref_path), full_reference(model, opt))

@@ -41,3 +41,22 @@ def test_fsdp2_adam_2_ranks_to_plain_model_1_process_and_to_fsdp2_4_ranks(tmp_pa
     # -> FSDP2 on 4 ranks
     for rank, bad in enumerate(run_ranks(load_fsdp, 4, path, ref_path)):
         assert bad == [], f"rank {rank}: {bad}"
+
+
+def test_tensor_parallel_2_ranks_to_plain_1_process_and_to_tp_4_ranks(tmp_path):
+    from multiproc._fsdp_ranks import load_tp, save_tp
+
+    path, ref_path = str(tmp_path / "ck"), str(tmp_path / "ref.pt")
+    run_ranks(save_tp, 2, path, ref_path)
+    info = {t.key: t for t in liferaft.inspect(path).tensors}
+    assert info["model.1.weight"].chunks == 2 and info["model.3.weight"].chunks == 2   # colwise / rowwise shards
+    model = make_model(32)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.5)
+    liferaft.load(path, {"model": model, "optim": opt})
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    osd = get_optimizer_state_dict(model, opt)
+    got = {"model": dict(model.state_dict()), "optim": osd["state"], "lr": [g["lr"] for g in osd["param_groups"]]}
+    assert compare(torch.load(ref_path), got) == []
+    for rank, bad in enumerate(run_ranks(load_tp, 4, path, ref_path)):
+        assert bad == [], f"rank {rank}: {bad}"
