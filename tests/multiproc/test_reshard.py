@@ -17,6 +17,7 @@ LAYOUTS = {
     "S0S1@2x2": (4, {"kind": "dtensor", "mesh": (2, 2), "placements": ["S0", "S1"]}),
     "R@2": (2, {"kind": "dtensor", "mesh": (2,), "placements": ["R"]}),
     "S0@4": (4, {"kind": "dtensor", "mesh": (4,), "placements": ["S0"]}),
+    "S0S0@2x2": (4, {"kind": "dtensor", "mesh": (2, 2), "placements": ["S0", "S0"]}),
     "RS1@2x2": (4, {"kind": "dtensor", "mesh": (2, 2), "placements": ["R", "S1"]}),
     "sharded2x2": (4, {"kind": "sharded", "parts": 2}),
     "sharded3@3": (3, {"kind": "sharded", "parts": 3}),
@@ -32,6 +33,7 @@ MATRIX = [
     ("sharded3@3", "RS1@2x2"),
     ("plain@1", "S0@4"),         # one process -> 4 ranks
     ("S0@4", "sharded2x2"),
+    ("S0S0@2x2", "S1@3"),        # one dim sharded over both mesh dims
 ]
 
 
