@@ -33,7 +33,7 @@ def open_checkpoint(storage: Storage) -> Manifest:
     try:
         marker_bytes = storage.read_all(COMMIT_MARKER)
     except (FileNotFoundError, NotADirectoryError):
-        files = storage.list() if _root_exists(storage) else []
+        files = storage.list()
         if files:
             raise IncompleteCheckpointError(
                 f"{storage.url}: holds {len(files)} file(s) but no {COMMIT_MARKER} marker, so it is not a checkpoint "
@@ -54,11 +54,6 @@ def open_checkpoint(storage: Storage) -> Manifest:
         if problem:
             raise CorruptCheckpointError(f"{storage.url}: tensor {entry.key!r}: {problem}; the checkpoint is damaged")
     return manifest
-
-
-def _root_exists(storage: Storage) -> bool:
-    root = getattr(storage, "root", None)
-    return root is None or os.path.isdir(root)
 
 
 def check_files(storage: Storage, manifest: Manifest, names: Iterable[str]) -> None:
