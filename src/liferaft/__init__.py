@@ -3,8 +3,8 @@
 The public API is this module's ``__all__``; everything else is private and may change.
 """
 
-from liferaft.api import load, save
-from liferaft.errors import (CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, DistributedError,
+from liferaft.api import AsyncSaveHandle, async_save, load, save
+from liferaft.errors import (CheckpointBusyError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, DistributedError,
                              FormatVersionError, IncompleteCheckpointError, InvalidStateError, LiferaftError,
                              OptionsError,
                              PickleNotAllowedError, StateMismatchError, StorageError, UnsafePathError)
@@ -15,9 +15,9 @@ from liferaft.state.sharded import Sharded
 __version__ = "0.1.0"
 
 __all__ = [
-    "save", "load", "read", "inspect", "verify", "Sharded", "SaveOptions", "LoadOptions", "SaveResult",
+    "save", "async_save", "AsyncSaveHandle", "load", "read", "inspect", "verify", "Sharded", "SaveOptions", "LoadOptions", "SaveResult",
     "LoadResult", "CheckpointInfo", "TensorInfo", "VerifyReport", "PerRank",
-    "LiferaftError", "CheckpointNotFoundError", "IncompleteCheckpointError", "CheckpointExistsError",
+    "LiferaftError", "CheckpointNotFoundError", "IncompleteCheckpointError", "CheckpointExistsError", "CheckpointBusyError",
     "CorruptCheckpointError", "FormatVersionError", "UnsafePathError", "StateMismatchError", "InvalidStateError",
     "PickleNotAllowedError", "OptionsError", "DistributedError", "StorageError", "__version__",
 ]

@@ -1,54 +1,36 @@
-"""save and load: plan → stage → write → commit, and open → plan → read → apply, as readable sequences.
+"""The public entry points: save, async_save and load.
 
-Every step that can fail on one rank is followed by an exchange, so that every rank raises when any rank
-fails and nothing hangs (collectives time out). Commit protocol (docs/FORMAT.md): every rank writes and
-fsyncs its data file; after all ranks reported success, rank 0 writes the manifest, then atomically
-replaces the ``COMMIT`` marker that names it, then removes the files of the checkpoint it replaced.
+save: prepare (flatten, exchange, plan) → write → finish (hashes, manifest, ``COMMIT``), see ``_save``;
+async_save: the same with a snapshot into a buffer pool and the rest in the background, see ``_async``;
+load: open → plan → read → apply, below. Every step that can fail on one rank is followed by an exchange, so
+that every rank raises when any rank fails and nothing hangs (collectives time out).
 """
 
 from __future__ import annotations
 
 import os
-import sys
 import time
-import uuid
-import warnings
 from typing import Any
 
 import torch
 
+from liferaft._async import AsyncSaveHandle, async_save, settle_previous
+from liferaft._save import finish_save, prepare_save
 from liferaft.dist import Coordinator
-from liferaft.errors import CheckpointExistsError, LiferaftError, StateMismatchError, StorageError
-from liferaft.format.manifest import COMMIT_MARKER, CommitMarker, Manifest, PathPart, decode_commit_marker
-from liferaft.codecs.checksum import digest
+from liferaft.errors import StateMismatchError
+from liferaft.format.manifest import Manifest, PathPart
 from liferaft.options import LoadOptions, LoadResult, SaveOptions, SaveResult
 from liferaft.planning.load_plan import plan_reads
-from liferaft.planning.save_plan import RankMeta, TensorMeta, ValueMeta, build_manifest, plan_save
-from liferaft.reading import as_leaf, check_files, decode_entry_value, open_checkpoint, PerRank
+from liferaft.reading import PerRank, as_leaf, check_files, decode_entry_value, open_checkpoint
 from liferaft.state.flatten import FlatState, flatten
-from liferaft.state.values import digest_encoded, encode_value
 from liferaft.storage import Storage, resolve
 from liferaft.transfer.reader import execute_reads
 from liferaft.transfer.tensors import torch_dtype
 from liferaft.transfer.writer import write_items
 
+__all__ = ["AsyncSaveHandle", "async_save", "load", "save"]
+
 PathLike = str | os.PathLike[str]
-
-
-def _version() -> str:
-    from liferaft import __version__
-
-    return __version__
-
-
-def _rank_meta(rank: int, flat: FlatState, allow_pickle: bool) -> RankMeta:
-    tensors = tuple(TensorMeta(key=t.key, path=t.path, kind=t.kind, dtype=t.dtype_name, shape=t.shape,
-                               boxes=tuple(b for b, _ in t.parts)) for t in flat.tensors)
-    values = []
-    for key, path, v in flat.values:
-        enc = encode_value(v, key, allow_pickle)
-        values.append(ValueMeta(key=key, path=path, encoded=enc, digest=digest_encoded(enc)))
-    return RankMeta(rank=rank, tensors=tensors, values=tuple(values), containers=tuple(flat.containers))
 
 
 def save(path: PathLike, state: Any, *, process_group: Any = None, options: SaveOptions | None = None) -> SaveResult:
@@ -57,111 +39,21 @@ def save(path: PathLike, state: Any, *, process_group: Any = None, options: Save
     ``state`` is any nesting of dict/list/tuple holding tensors (replicated), DTensors, :class:`Sharded`
     shards, objects with ``state_dict()``/``load_state_dict()`` and plain values. The checkpoint exists only
     once every rank's data is durable and the commit marker is written; on any failure every rank raises and
-    a checkpoint previously at ``path`` is untouched.
+    a checkpoint previously at ``path`` is untouched. Waits for (or skips / refuses, per
+    ``SaveOptions.if_busy``) an ``async_save`` of this process still in flight.
     """
     opts = options or SaveOptions()
-    t_start = time.perf_counter()
+    if not settle_previous(opts, process_group):
+        return None  # type: ignore[return-value]  # if_busy="skip"
     coord = Coordinator(process_group, opts.timeout)
-    storage = resolve(path)
-    timings: dict[str, float] = {}
-    flat = meta = None
-    payload: tuple[RankMeta | None, str | None] = (None, None)
-    err: BaseException | None = None
+    prep = prepare_save(state, coord, resolve(path), opts)
+    outcome, err = None, None
     try:
-        if sys.byteorder != "little":
-            raise StorageError("liferaft stores little-endian bytes; big-endian hosts are not supported")
-        if storage.process_local and coord.world > 1:
-            raise StorageError(f"{storage.url} is process-local; a save from {coord.world} ranks needs a shared "
-                               "backend (a local path, file:// or an object store)")
-        flat = flatten(state)
-        meta = _rank_meta(coord.rank, flat, opts.allow_pickle)
-        if coord.rank == 0 and not opts.overwrite and storage.exists(COMMIT_MARKER):
-            raise CheckpointExistsError(f"{storage.url} already holds a committed checkpoint; pass "
-                                        "SaveOptions(overwrite=True) to replace it, or save to a new path")
-        payload = (meta, uuid.uuid4().hex[:16] if coord.rank == 0 else None)
+        outcome = write_items(prep.storage, prep.writes, prep.sources, opts.block_size)
+        prep.storage.sync()   # this rank's new folder entries are durable too, not only its file
     except BaseException as e:  # noqa: BLE001 - reported to every rank
         err = e
-    gathered = coord.exchange(payload, err, "save (planning)")
-    save_id = gathered[0][1]
-    plan = plan_save([g[0] for g in gathered], save_id, opts.alignment)
-    timings["plan"] = time.perf_counter() - t_start
-
-    outcome = None
-    my_file = plan.writes[coord.rank][0].file if plan.writes[coord.rank] else None
-    try:
-        assert flat is not None
-        sources = {(t.key, box): local for t in flat.tensors for box, local in t.parts}
-        outcome = write_items(storage, plan.writes[coord.rank], sources, opts.block_size)
-        storage.sync()   # this rank's new folder entries are durable too, not only its file
-    except BaseException as e:  # noqa: BLE001
-        err = e
-    try:
-        hashes = coord.exchange(outcome.hashes if outcome else None, err, "save (write)")
-    except BaseException:
-        _abandon(storage, my_file)
-        raise
-    timings["stage"] = outcome.stage_s if outcome else 0.0
-    timings["write"] = outcome.write_s if outcome else 0.0
-
-    t0 = time.perf_counter()
-    try:
-        if coord.rank == 0:
-            manifest = build_manifest(plan, hashes, save_id=save_id,
-                                      created_unix=time.time(), liferaft_version=_version(),
-                                      torch_version=torch.__version__, extra=opts.metadata)
-            data = manifest.to_json_bytes()
-            name = f"manifest-{save_id}.json"
-            storage.put_atomic(name, data)
-            storage.sync()
-            marker = CommitMarker(manifest=name, manifest_size=len(data), manifest_hash=digest(data))
-            storage.put_atomic(COMMIT_MARKER, marker.to_json_bytes())
-    except OSError as e:
-        err = StorageError(f"{storage.url}: writing the manifest or the commit marker failed: {e}")
-    except BaseException as e:  # noqa: BLE001
-        err = e
-    try:
-        coord.exchange(None, err, "save (commit)")
-    except BaseException:
-        # A peer may have died after rank 0 committed: never delete files a committed checkpoint needs.
-        if not _is_committed(storage, save_id):
-            _abandon(storage, my_file)
-        raise
-    if coord.rank == 0:
-        try:
-            _remove_stale(storage, keep=save_id)
-        except OSError as e:
-            warnings.warn(f"{storage.url}: checkpoint committed, but removing files of the checkpoint it replaced "
-                          f"failed ({e}); they are unused and can be deleted", stacklevel=2)
-    timings["commit"] = time.perf_counter() - t0
-    timings["total"] = time.perf_counter() - t_start
-    return SaveResult(path=storage.url, save_id=save_id, world_size=coord.world, rank=coord.rank,
-                      bytes_written=outcome.bytes_written if outcome else 0, total_bytes=sum(plan.files.values()),
-                      files=len(plan.files), timings=timings)
-
-
-def _is_committed(storage: Storage, save_id: str) -> bool:
-    try:
-        return decode_commit_marker(storage.read_all(COMMIT_MARKER)).manifest == f"manifest-{save_id}.json"
-    except (OSError, LiferaftError):
-        return False
-
-
-def _abandon(storage: Storage, name: str | None) -> None:
-    if name is not None:
-        try:
-            storage.delete(name)
-        except OSError:
-            pass
-
-
-def _remove_stale(storage: Storage, keep: str) -> None:
-    """After a commit: remove liferaft files of other saves (the replaced checkpoint, interrupted saves)."""
-    for name in storage.list():
-        stale_data = name.startswith("data/") and not name.startswith(f"data/{keep}/")
-        stale_manifest = name.startswith("manifest-") and name != f"manifest-{keep}.json"
-        stale_temp = ".tmp-" in name.rsplit("/", 1)[-1] and not name.startswith("data/")
-        if stale_data or stale_manifest or stale_temp:
-            storage.delete(name)
+    return finish_save(coord, prep, outcome, err, opts)
 
 
 def load(path: PathLike, state: Any, *, process_group: Any = None, strict: bool = True,

@@ -17,10 +17,10 @@ from liferaft.errors import DistributedError
 _GLOO_GROUPS: dict[tuple[int, float], Any] = {}
 
 
-def _gloo_group(pg: Any, timeout: float) -> Any:
+def _gloo_group(pg: Any, timeout: float, channel: str) -> Any:
     import torch.distributed as dist
 
-    cache_key = (id(pg), timeout)
+    cache_key = (id(pg), timeout, channel)
     group = _GLOO_GROUPS.get(cache_key)
     if group is not None:
         try:
@@ -36,9 +36,14 @@ def _gloo_group(pg: Any, timeout: float) -> Any:
 
 
 class Coordinator:
-    """The ranks of one save or load. ``rank``/``world`` are within ``process_group`` (default: the world)."""
+    """The ranks of one save or load. ``rank``/``world`` are within ``process_group`` (default: the world).
 
-    def __init__(self, process_group: Any = None, timeout: float = 600.0) -> None:
+    ``channel`` names an independent gloo group: the background thread of an async save uses "bg", so that its
+    exchanges never interleave with those of the caller's thread ("fg"). Groups are created (collectively) the
+    first time a channel is used, always from the caller's thread.
+    """
+
+    def __init__(self, process_group: Any = None, timeout: float = 600.0, channel: str = "fg") -> None:
         import torch.distributed as dist
 
         self.timeout = timeout
@@ -50,7 +55,7 @@ class Coordinator:
         pg = process_group if process_group is not None else dist.group.WORLD
         self.rank = dist.get_rank(pg)
         self.world = dist.get_world_size(pg)
-        self.group = _gloo_group(pg, timeout) if self.world > 1 else None
+        self.group = _gloo_group(pg, timeout, channel) if self.world > 1 else None
 
     def exchange(self, payload: Any, error: BaseException | None = None, what: str = "") -> list[Any]:
         """All-gather ``payload`` from every rank; raise on every rank if any rank passed an ``error``."""

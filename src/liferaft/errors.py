@@ -50,6 +50,10 @@ class DistributedError(LiferaftError):
     """Another rank failed, or a collective timed out. The message names the rank and its error."""
 
 
+class CheckpointBusyError(LiferaftError):
+    """A save was asked for while an async save of this process was in flight and ``if_busy="raise"``."""
+
+
 class OptionsError(LiferaftError, ValueError):
     """An options object holds an invalid setting."""
 

@@ -22,6 +22,14 @@ class SaveOptions:
         picks per chunk about 1/64 of its size, as a power of two between 64 KiB and 4 MiB.
     alignment: byte alignment of every chunk in the data files.
     metadata: JSON-compatible data stored in the manifest as ``extra`` (e.g. the training step).
+    memory_budget: bytes of host memory ``async_save`` may use for snapshots (its buffer pool, reused across
+        saves). None (default): as much as this rank writes, so the snapshot is taken in one go. A smaller budget
+        takes the snapshot in waves: the stall grows, memory does not.
+    staging: ``async_save`` only. "blocking" (default): return once the snapshot is taken, after which the state
+        may change freely. "overlapped": return at once and copy in the background; call
+        ``handle.wait_staged()`` before changing any tensor of the state (e.g. right before ``optimizer.step()``).
+    if_busy: what a save does while an ``async_save`` of this process is still in flight: "wait" for it (default),
+        "skip" this save (it returns None, on every rank), or "raise" CheckpointBusyError (on every rank).
     """
 
     overwrite: bool = False
@@ -30,8 +38,17 @@ class SaveOptions:
     block_size: int | None = None
     alignment: int = 64
     metadata: Mapping[str, Any] = field(default_factory=dict)
+    memory_budget: int | None = None
+    staging: str = "blocking"
+    if_busy: str = "wait"
 
     def __post_init__(self) -> None:
+        if self.staging not in ("blocking", "overlapped"):
+            raise OptionsError(f"SaveOptions.staging must be 'blocking' or 'overlapped', got {self.staging!r}")
+        if self.if_busy not in ("wait", "skip", "raise"):
+            raise OptionsError(f"SaveOptions.if_busy must be 'wait', 'skip' or 'raise', got {self.if_busy!r}")
+        if self.memory_budget is not None and self.memory_budget < (1 << 20):
+            raise OptionsError(f"SaveOptions.memory_budget must be at least 1 MiB, got {self.memory_budget}")
         if self.block_size is not None and (self.block_size < 16 or self.block_size % 16):
             raise OptionsError(f"SaveOptions.block_size must be a positive multiple of 16, got {self.block_size}")
         if self.alignment < 1 or self.alignment & (self.alignment - 1):
@@ -64,7 +81,8 @@ class LoadOptions:
 
 @dataclass(frozen=True)
 class SaveResult:
-    """What a save did. ``timings`` holds seconds per phase on this rank: plan, stage, write, commit, total."""
+    """What a save did. ``timings`` holds seconds per phase on this rank: plan, stage, write, commit, total,
+    and for ``async_save`` also ``blocked`` (how long the call held the caller)."""
 
     path: str
     save_id: str
@@ -74,6 +92,7 @@ class SaveResult:
     total_bytes: int            # by all ranks
     files: int                  # data files in the checkpoint
     timings: Mapping[str, float]
+    staging_bytes: int = 0      # host memory of the snapshot buffer pool (async_save), 0 for a sync save
 
 
 @dataclass(frozen=True)

@@ -48,3 +48,37 @@ def verify_blocks(data: memoryview, hashes: Sequence[str], block_size: int, wher
             raise CorruptCheckpointError(
                 f"{where}: checksum mismatch in block {i} (bytes {lo}..{min(lo + block_size, n)} of this read); "
                 "the stored data is corrupt. Restore from another checkpoint or copy")
+
+
+class BlockHasher:
+    """Streaming block hashes: feed a chunk's bytes in pieces of any size, in order; same result as
+    :func:`block_hashes` over the whole chunk."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._h = xxhash.xxh3_64()
+        self._filled = 0
+        self._out: list[str] = []
+
+    def update(self, data: memoryview) -> None:
+        pos, n = 0, len(data)
+        if self._filled == 0:                      # whole blocks straight from the piece
+            whole = (n // self.block_size) * self.block_size
+            self._out.extend(block_hashes(data[:whole], self.block_size) if whole else [])
+            pos = whole
+        while pos < n:
+            take = min(self.block_size - self._filled, n - pos)
+            self._h.update(data[pos:pos + take])
+            self._filled += take
+            pos += take
+            if self._filled == self.block_size:
+                self._out.append(self._h.hexdigest())
+                self._h.reset()
+                self._filled = 0
+
+    def finish(self) -> list[str]:
+        if self._filled:
+            self._out.append(self._h.hexdigest())
+            self._h.reset()
+            self._filled = 0
+        return self._out

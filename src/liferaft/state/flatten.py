@@ -14,6 +14,7 @@ Keys are the path parts joined by ``"."`` (``model.layers.0.weight``); two paths
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,11 +60,9 @@ def key_of(path: tuple[PathPart, ...]) -> str:
 
 
 def _dtensor_type() -> type | None:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch built without distributed
-        return None
-    return DTensor
+    """DTensor, if anything imported it (a state cannot hold one otherwise): saves the import on first use."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None) if module is not None else None
 
 
 def _dtensor_parts(dt: Any, key: str) -> list[tuple[Box, torch.Tensor]]:

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import queue
 import time
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
-from liferaft.codecs.checksum import block_hashes, choose_block_size
+from liferaft.codecs.checksum import BlockHasher, block_hashes, choose_block_size
 from liferaft.errors import StorageError
 from liferaft.planning.geometry import Box
 from liferaft.planning.save_plan import WriteItem
+from liferaft.staging.pool import BufferPool
+from liferaft.staging.stager import StageFailed
 from liferaft.storage.base import Storage
 from liferaft.transfer.tensors import host_bytes
 
@@ -60,4 +63,52 @@ def write_items(storage: Storage, items: Sequence[WriteItem], sources: Mapping[t
     except BaseException:
         writer.abort()
         raise
+    return out
+
+
+def write_staged(storage: Storage, items: Sequence[WriteItem], pieces: "queue.Queue[Any]", pool: BufferPool,
+                 block_size: int | None = None) -> WriteOutcome:
+    """Write staged pieces (see ``staging.stager``) as they arrive, hashing on the fly; durable on return.
+
+    Each piece's pool region is released once written. On error the partial file is removed, the pool is
+    reset (waking a stager that waits for room) and the error re-raised.
+    """
+    out = WriteOutcome(hashes=[], bytes_written=0, stage_s=0.0, write_s=0.0)
+    hashers = [BlockHasher(choose_block_size(w.length, block_size)) for w in items]
+    writer = None
+    try:
+        if items:
+            try:
+                writer = storage.open_writer(items[0].file)
+            except OSError as e:
+                raise StorageError(f"{storage.url}: cannot create data file {items[0].file!r}: {e}") from e
+        while True:
+            piece = pieces.get()
+            if piece is None:
+                break
+            if isinstance(piece, StageFailed):
+                raise piece.error
+            if piece.event is not None:
+                piece.event.synchronize()
+            t0 = time.perf_counter()
+            mv = memoryview(piece.data.numpy()).cast("B")
+            hashers[piece.item].update(mv)
+            assert writer is not None
+            writer.pwrite(mv, items[piece.item].byte_offset + piece.offset)
+            out.write_s += time.perf_counter() - t0
+            out.bytes_written += len(mv)
+            del mv
+            pool.release(piece.region)
+        t0 = time.perf_counter()
+        if writer is not None:
+            writer.close()
+        out.write_s += time.perf_counter() - t0
+    except BaseException as e:
+        if writer is not None:
+            writer.abort()
+        pool.reset()
+        if isinstance(e, OSError):
+            raise StorageError(f"{storage.url}: writing data file {items[0].file!r} failed: {e}") from e
+        raise
+    out.hashes = [(h.block_size, h.finish()) for h in hashers]
     return out

@@ -1,0 +1,175 @@
+"""async_save: training stalls only for the snapshot; hashing, writing and the commit run in the background.
+
+Sequence on every rank: settle the previous async save (``if_busy``) → prepare (collective, caller's thread)
+→ start the writer thread → stage the snapshot into the process's buffer pool (in the caller's thread for
+"blocking" staging, in a staging thread for "overlapped") → the writer writes pieces as they arrive, then runs
+the exchanges and the commit on the "bg" gloo channel. Errors of any rank surface on ``wait()`` on every rank,
+and at the next save if nobody waited.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from typing import Any
+
+import torch
+
+from liferaft._save import PreparedSave, finish_save, prepare_save
+from liferaft.dist import Coordinator
+from liferaft.errors import CheckpointBusyError, LiferaftError
+from liferaft.options import SaveOptions, SaveResult
+from liferaft.staging.pool import BufferPool, PoolClosedError
+from liferaft.staging.stager import stage
+from liferaft.storage import resolve
+from liferaft.transfer.writer import write_staged
+
+PIECE_LIMIT = 64 << 20
+
+
+class AsyncSaveHandle:
+    """A save running in the background. ``wait_staged()``: the snapshot is taken (the state may change);
+    ``wait()``: the checkpoint is committed (returns the SaveResult, or raises what any rank raised)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._staged = threading.Event()
+        self._done = threading.Event()
+        self._stage_error: BaseException | None = None
+        self._error: BaseException | None = None
+        self._result: SaveResult | None = None
+        self._observed = False
+
+    def done(self) -> bool:
+        """True once the save has finished, successfully or not."""
+        return self._done.is_set()
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """Block until this rank's snapshot is complete (immediate for blocking staging)."""
+        if not self._staged.wait(timeout):
+            raise TimeoutError(f"snapshot for {self.path} not complete within {timeout}s")
+        if self._stage_error is not None and not isinstance(self._stage_error, PoolClosedError):
+            raise self._stage_error
+        if self._stage_error is not None:   # the writer failed first; its error is the real one
+            self.wait()
+
+    def wait(self, timeout: float | None = None) -> SaveResult:
+        """Block until the checkpoint is committed; return its SaveResult or raise the save's error."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"async save to {self.path} not finished within {timeout}s")
+        self._observed = True
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+
+class _ProcessState:
+    """What one process keeps between saves: the buffer pool and the save in flight."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.pool: BufferPool | None = None
+        self.inflight: AsyncSaveHandle | None = None
+
+    def pool_for(self, nbytes: int, budget: int | None, pin: bool) -> BufferPool:
+        """The pool for a save of ``nbytes``: one snapshot's worth, or ``budget`` if that is smaller. An
+        existing pool is reused when it is large enough and within the budget."""
+        need = max(1 << 20, nbytes if budget is None else min(budget, nbytes))
+        pool = self.pool
+        if pool is not None and pool.pinned == pin and pool.capacity >= need and \
+                (budget is None or pool.capacity <= budget):
+            return pool
+        self.pool = None                             # drop the old buffer before allocating the new one
+        self.pool = BufferPool(need, pin=pin)
+        return self.pool
+
+
+_PROCESS = _ProcessState()
+
+
+def settle_previous(opts: SaveOptions, process_group: Any) -> bool:
+    """Apply ``if_busy`` to an async save of this process still in flight; surface an unobserved failure.
+
+    Returns False when this save must be skipped. With "skip"/"raise" the ranks agree first (one exchange),
+    so that every rank skips or raises together.
+    """
+    prev = _PROCESS.inflight
+    if opts.if_busy != "wait":
+        coord = Coordinator(process_group, opts.timeout)
+        busy = any(coord.exchange(prev is not None and not prev.done(), None, "save (busy check)"))
+        if busy and opts.if_busy == "skip":
+            return False
+        if busy:
+            raise CheckpointBusyError("an async save is still in flight on some rank (if_busy='raise'); call "
+                                      "handle.wait() first or use if_busy='wait'/'skip'")
+    if prev is not None:
+        prev._done.wait()
+        _PROCESS.inflight = None
+        if prev._error is not None and not prev._observed:
+            prev._observed = True
+            raise LiferaftError(f"the previous async save to {prev.path} failed and nobody waited for it: "
+                                f"{type(prev._error).__name__}: {prev._error}") from prev._error
+    return True
+
+
+def async_save(path: str | os.PathLike[str], state: Any, *, process_group: Any = None,
+               options: SaveOptions | None = None) -> AsyncSaveHandle | None:
+    """Start a save of ``state`` to ``path``; return once this rank's snapshot is taken (``staging="blocking"``)
+    or at once (``"overlapped"``: call ``handle.wait_staged()`` before changing the state). Collective, like
+    ``save``; returns None when skipped by ``if_busy="skip"``. The snapshot lives in a per-process buffer pool
+    of at most ``memory_budget`` bytes that is reused by later saves."""
+    opts = options or SaveOptions()
+    t_call = time.perf_counter()
+    if not settle_previous(opts, process_group):
+        return None
+    coord = Coordinator(process_group, opts.timeout)
+    bg = Coordinator(process_group, opts.timeout, channel="bg")     # created here, used by the writer thread
+    prep = prepare_save(state, coord, resolve(path), opts)
+    items = prep.writes
+    nbytes = sum(w.length for w in items)
+    pin = torch.cuda.is_available() and any(t.is_cuda for t in prep.sources.values())
+    pool = _PROCESS.pool_for(nbytes, opts.memory_budget, pin)
+    handle = AsyncSaveHandle(prep.storage.url)
+    pieces: queue.Queue[Any] = queue.Queue()
+    limit = max(1 << 20, min(PIECE_LIMIT, pool.capacity // 4))
+
+    def run_stage() -> None:
+        t0 = time.perf_counter()
+        try:
+            stage(items, prep.sources, pool, pieces, limit)
+        except BaseException as e:  # noqa: BLE001 - reported via the handle and the writer
+            handle._stage_error = e
+        prep.timings["stage"] = time.perf_counter() - t0
+        handle._staged.set()
+
+    writer = threading.Thread(target=_write_and_commit, args=(bg, prep, pieces, pool, opts, handle),
+                              name="liferaft-writer", daemon=True)
+    _PROCESS.inflight = handle
+    writer.start()
+    if opts.staging == "overlapped":
+        threading.Thread(target=run_stage, name="liferaft-stager", daemon=True).start()
+    else:
+        run_stage()
+    prep.timings["blocked"] = time.perf_counter() - t_call
+    return handle
+
+
+def _write_and_commit(coord: Coordinator, prep: PreparedSave, pieces: "queue.Queue[Any]", pool: BufferPool,
+                      opts: SaveOptions, handle: AsyncSaveHandle) -> None:
+    outcome, err = None, None
+    try:
+        outcome = write_staged(prep.storage, prep.writes, pieces, pool, opts.block_size)
+        prep.storage.sync()
+    except BaseException as e:  # noqa: BLE001 - reported to every rank
+        err = e
+    try:
+        handle._staged.wait()
+        result = finish_save(coord, prep, outcome, err, opts)
+        handle._result = SaveResult(**{**result.__dict__, "staging_bytes": pool.capacity})
+    except BaseException as e:  # noqa: BLE001 - surfaces on wait()
+        handle._error = e
+    finally:
+        handle._done.set()

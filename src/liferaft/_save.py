@@ -1,0 +1,172 @@
+"""The phases of a save, shared by ``save`` (sync) and ``async_save``.
+
+prepare (flatten, exchange metadata, plan) → write this rank's chunks (directly, or from staged copies) →
+finish (exchange hashes; rank 0 writes the manifest, then atomically the ``COMMIT`` marker; final exchange;
+rank 0 removes files of the checkpoint it replaced). Every phase that can fail on one rank is followed by an
+exchange, so every rank raises when any rank fails (docs/FORMAT.md §8).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import uuid
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from liferaft.codecs.checksum import digest
+from liferaft.dist import Coordinator
+from liferaft.errors import CheckpointExistsError, LiferaftError, StorageError
+from liferaft.format.manifest import COMMIT_MARKER, CommitMarker, decode_commit_marker
+from liferaft.options import SaveOptions, SaveResult
+from liferaft.planning.geometry import Box
+from liferaft.planning.save_plan import RankMeta, SavePlan, TensorMeta, ValueMeta, WriteItem, build_manifest, plan_save
+from liferaft.state.flatten import FlatState, flatten
+from liferaft.state.values import digest_encoded, encode_value
+from liferaft.storage import Storage
+from liferaft.transfer.writer import WriteOutcome
+
+
+def _version() -> str:
+    from liferaft import __version__
+
+    return __version__
+
+
+def _rank_meta(rank: int, flat: FlatState, allow_pickle: bool) -> RankMeta:
+    tensors = tuple(TensorMeta(key=t.key, path=t.path, kind=t.kind, dtype=t.dtype_name, shape=t.shape,
+                               boxes=tuple(b for b, _ in t.parts)) for t in flat.tensors)
+    values = []
+    for key, path, v in flat.values:
+        enc = encode_value(v, key, allow_pickle)
+        values.append(ValueMeta(key=key, path=path, encoded=enc, digest=digest_encoded(enc)))
+    return RankMeta(rank=rank, tensors=tensors, values=tuple(values), containers=tuple(flat.containers))
+
+
+@dataclass
+class PreparedSave:
+    """What every later phase needs: the plan, this rank's writes and the tensors they come from."""
+
+    storage: Storage
+    plan: SavePlan
+    save_id: str
+    rank: int
+    world: int
+    sources: dict[tuple[str, Box], torch.Tensor]
+    timings: dict[str, float] = field(default_factory=dict)
+    t_start: float = 0.0
+
+    @property
+    def writes(self) -> tuple[WriteItem, ...]:
+        return self.plan.writes[self.rank]
+
+    @property
+    def my_file(self) -> str | None:
+        return self.writes[0].file if self.writes else None
+
+
+def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOptions) -> PreparedSave:
+    """Flatten, exchange metadata and plan (collective). Raises on every rank if any rank fails."""
+    t_start = time.perf_counter()
+    flat: FlatState | None = None
+    payload: tuple[RankMeta | None, str | None] = (None, None)
+    err: BaseException | None = None
+    try:
+        if sys.byteorder != "little":
+            raise StorageError("liferaft stores little-endian bytes; big-endian hosts are not supported")
+        if storage.process_local and coord.world > 1:
+            raise StorageError(f"{storage.url} is process-local; a save from {coord.world} ranks needs a shared "
+                               "backend (a local path, file:// or an object store)")
+        flat = flatten(state)
+        meta = _rank_meta(coord.rank, flat, opts.allow_pickle)
+        if coord.rank == 0 and not opts.overwrite and storage.exists(COMMIT_MARKER):
+            raise CheckpointExistsError(f"{storage.url} already holds a committed checkpoint; pass "
+                                        "SaveOptions(overwrite=True) to replace it, or save to a new path")
+        payload = (meta, uuid.uuid4().hex[:16] if coord.rank == 0 else None)
+    except BaseException as e:  # noqa: BLE001 - reported to every rank
+        err = e
+    gathered = coord.exchange(payload, err, "save (planning)")
+    save_id = gathered[0][1]
+    plan = plan_save([g[0] for g in gathered], save_id, opts.alignment)
+    assert flat is not None
+    sources = {(t.key, box): local for t in flat.tensors for box, local in t.parts}
+    prepared = PreparedSave(storage=storage, plan=plan, save_id=save_id, rank=coord.rank, world=coord.world,
+                            sources=sources, t_start=t_start)
+    prepared.timings["plan"] = time.perf_counter() - t_start
+    return prepared
+
+
+def finish_save(coord: Coordinator, prep: PreparedSave, outcome: WriteOutcome | None, err: BaseException | None,
+                opts: SaveOptions) -> SaveResult:
+    """Exchange hashes, commit on rank 0, agree; the checkpoint exists when this returns on any rank."""
+    storage, save_id, plan = prep.storage, prep.save_id, prep.plan
+    try:
+        hashes = coord.exchange(outcome.hashes if outcome else None, err, "save (write)")
+    except BaseException:
+        _abandon(storage, prep.my_file)
+        raise
+    timings = prep.timings
+    timings.setdefault("stage", outcome.stage_s if outcome else 0.0)
+    timings["write"] = outcome.write_s if outcome else 0.0
+    t0 = time.perf_counter()
+    try:
+        if coord.rank == 0:
+            manifest = build_manifest(plan, hashes, save_id=save_id,
+                                      created_unix=time.time(), liferaft_version=_version(),
+                                      torch_version=torch.__version__, extra=opts.metadata)
+            data = manifest.to_json_bytes()
+            name = f"manifest-{save_id}.json"
+            storage.put_atomic(name, data)
+            storage.sync()
+            marker = CommitMarker(manifest=name, manifest_size=len(data), manifest_hash=digest(data))
+            storage.put_atomic(COMMIT_MARKER, marker.to_json_bytes())
+    except OSError as e:
+        err = StorageError(f"{storage.url}: writing the manifest or the commit marker failed: {e}")
+    except BaseException as e:  # noqa: BLE001
+        err = e
+    try:
+        coord.exchange(None, err, "save (commit)")
+    except BaseException:
+        # A peer may have died after rank 0 committed: never delete files a committed checkpoint needs.
+        if not _is_committed(storage, save_id):
+            _abandon(storage, prep.my_file)
+        raise
+    if coord.rank == 0:
+        try:
+            _remove_stale(storage, keep=save_id)
+        except OSError as e:
+            warnings.warn(f"{storage.url}: checkpoint committed, but removing files of the checkpoint it replaced "
+                          f"failed ({e}); they are unused and can be deleted", stacklevel=2)
+    timings["commit"] = time.perf_counter() - t0
+    timings["total"] = time.perf_counter() - prep.t_start
+    return SaveResult(path=storage.url, save_id=save_id, world_size=coord.world, rank=coord.rank,
+                      bytes_written=outcome.bytes_written if outcome else 0, total_bytes=sum(plan.files.values()),
+                      files=len(plan.files), timings=timings)
+
+
+def _is_committed(storage: Storage, save_id: str) -> bool:
+    try:
+        return decode_commit_marker(storage.read_all(COMMIT_MARKER)).manifest == f"manifest-{save_id}.json"
+    except (OSError, LiferaftError):
+        return False
+
+
+def _abandon(storage: Storage, name: str | None) -> None:
+    if name is not None:
+        try:
+            storage.delete(name)
+        except OSError:
+            pass
+
+
+def _remove_stale(storage: Storage, keep: str) -> None:
+    """After a commit: remove liferaft files of other saves (the replaced checkpoint, interrupted saves)."""
+    for name in storage.list():
+        stale_data = name.startswith("data/") and not name.startswith(f"data/{keep}/")
+        stale_manifest = name.startswith("manifest-") and name != f"manifest-{keep}.json"
+        stale_temp = ".tmp-" in name.rsplit("/", 1)[-1] and not name.startswith("data/")
+        if stale_data or stale_manifest or stale_temp:
+            storage.delete(name)

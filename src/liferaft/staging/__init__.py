@@ -1,0 +1,1 @@
+"""Staging: snapshot copies of tensor bytes into a reused, budgeted buffer pool (pinned on CUDA)."""

@@ -1,0 +1,101 @@
+"""A ring buffer of host memory, reused across saves, that never holds more than its capacity.
+
+Regions are taken in order by one producer (the stager) and given back in the same order by one consumer
+(the writer), so a ring is exact: a producer that finds no room waits until the consumer frees the oldest
+region. The memory is allocated once and kept, so after the first save no copy touches fresh pages (on these
+VMs first touch runs at ~1 GB/s, a copy into touched memory at ~11 GB/s). On CUDA hosts it is pinned.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+import torch
+
+from liferaft.errors import LiferaftError
+
+ALIGN = 64
+
+
+class PoolClosedError(LiferaftError):
+    """The pool was reset while a producer waited for room (the save it served failed)."""
+
+
+class BufferPool:
+    """``capacity`` bytes of host memory handed out as aligned, FIFO-released regions."""
+
+    def __init__(self, capacity: int, pin: bool = False) -> None:
+        self.capacity = max(ALIGN, -(-capacity // ALIGN) * ALIGN)
+        self.pinned = pin
+        self.buffer = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=pin)
+        self._cond = threading.Condition()
+        self._live: deque[tuple[int, int]] = deque()   # (start, size) in allocation order
+        self._head = 0
+        self._generation = 0                          # bumped by reset(): waiting producers give up
+        self.high_water = 0                           # most bytes in use at once since creation
+
+    @property
+    def in_use(self) -> int:
+        with self._cond:
+            return self._used()
+
+    def _used(self) -> int:
+        if not self._live:
+            return 0
+        start = self._live[0][0]
+        end = self._head
+        return end - start if end > start else self.capacity - start + end
+
+    def _fit(self, n: int) -> int | None:
+        if not self._live:
+            return 0
+        tail = self._live[0][0]
+        if self._head > tail:
+            if self._head + n <= self.capacity:
+                return self._head
+            return 0 if n <= tail else None
+        return self._head if self._head + n <= tail else None
+
+    def acquire(self, nbytes: int, timeout: float | None = None) -> tuple[int, torch.Tensor]:
+        """A region of ``nbytes`` (≤ capacity) as ``(start, uint8 tensor view)``; waits for room."""
+        if nbytes > self.capacity:
+            raise ValueError(f"request of {nbytes} bytes exceeds the pool capacity {self.capacity}")
+        size = -(-max(nbytes, 1) // ALIGN) * ALIGN
+        with self._cond:
+            generation = self._generation
+            while True:
+                if self._generation != generation:
+                    raise PoolClosedError("the buffer pool was reset while waiting for room")
+                start = self._fit(min(size, self.capacity))
+                if start is not None:
+                    break
+                if not self._cond.wait(timeout):
+                    raise TimeoutError(f"no room for {nbytes} bytes in the buffer pool within {timeout}s")
+            size = min(size, self.capacity - start)
+            self._live.append((start, size))
+            self._head = start + size
+            self.high_water = max(self.high_water, self._used())
+        return start, self.buffer[start:start + nbytes]
+
+    def release(self, start: int) -> None:
+        """Give back the oldest region (which must start at ``start``)."""
+        with self._cond:
+            if not self._live or self._live[0][0] != start:
+                raise RuntimeError("buffer pool regions must be released in the order they were acquired")
+            self._live.popleft()
+            if not self._live:
+                self._head = 0
+            self._cond.notify_all()
+
+    def reset(self) -> None:
+        """Drop every region (after a failed save) and wake any waiting producer with PoolClosedError."""
+        with self._cond:
+            self._live.clear()
+            self._head = 0
+            self._generation += 1
+            self._cond.notify_all()
+
+    def touch(self) -> None:
+        """Fault every page in now (one-time cost), so that the first snapshot copies at memory speed."""
+        self.buffer.zero_()

@@ -1,0 +1,137 @@
+"""async_save: same results as save, snapshots isolated from later changes, budget honoured, errors surfaced."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import liferaft
+from liferaft import _async
+from liferaft.storage import PosixStorage, register_scheme
+from liferaft.storage.posix import _PosixWriter
+from saving import MODES, save_with
+
+
+def make_state():
+    g = torch.Generator().manual_seed(0)
+    return {"w": torch.randn(700, 1000, generator=g), "t": torch.randn(300, 200, generator=g).t(),
+            "s": torch.tensor(2.5), "b": torch.arange(10).to(torch.bfloat16), "e": torch.empty(0, 4),
+            "meta": {"step": 4, "tag": "x"}}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_save_path_gives_the_same_checkpoint(tmp_path, mode):
+    state = make_state()
+    res = save_with(mode, str(tmp_path / "ck"), state, block_size=65536)
+    assert res.total_bytes >= 700 * 1000 * 4 and res.timings["total"] > 0
+    liferaft.verify(str(tmp_path / "ck"))
+    got = liferaft.read(str(tmp_path / "ck"))
+    for k in ("w", "t", "s", "b", "e"):
+        assert torch.equal(got[k], state[k]), k
+    assert got["meta"] == {"step": 4, "tag": "x"}
+    # the hashes are the same whichever path wrote them
+    ref = str(tmp_path / "ref")
+    liferaft.save(ref, state, options=liferaft.SaveOptions(block_size=65536))
+    a = {t.key: t for t in liferaft.inspect(str(tmp_path / "ck")).tensors}
+    assert a.keys() == {t.key for t in liferaft.inspect(ref).tensors}
+
+
+@pytest.mark.parametrize("staging", ["blocking", "overlapped"])
+def test_snapshot_is_isolated_from_later_updates(tmp_path, staging):
+    state = make_state()
+    before = state["w"].clone()
+    h = liferaft.async_save(str(tmp_path / "ck"), state, options=liferaft.SaveOptions(staging=staging))
+    h.wait_staged()                      # right before the optimizer step
+    state["w"].add_(1.0)                 # training goes on and changes every value
+    state["meta"]["step"] = 99
+    h.wait()
+    got = liferaft.read(str(tmp_path / "ck"))
+    assert torch.equal(got["w"], before) and got["meta"]["step"] == 4
+
+
+def test_waves_keep_memory_within_the_budget_and_reuse_the_pool(tmp_path):
+    state = {"w": torch.randn(2048, 1024)}       # 8 MiB through a 1 MiB pool
+    budget = 1 << 20
+    r1 = save_with("async-waves", str(tmp_path / "a"), state, memory_budget=budget)
+    pool = _async._PROCESS.pool
+    assert pool is not None and pool.capacity <= budget + 64 and pool.high_water <= pool.capacity
+    assert r1.staging_bytes == pool.capacity
+    ptr = pool.buffer.data_ptr()
+    save_with("async-waves", str(tmp_path / "b"), state, memory_budget=budget)
+    assert _async._PROCESS.pool is pool and pool.buffer.data_ptr() == ptr       # reused, no new pages
+    for p in ("a", "b"):
+        assert torch.equal(liferaft.read(str(tmp_path / p))["w"], state["w"])
+
+
+class _SlowWriter(_PosixWriter):
+    gate = threading.Event()
+
+    def pwrite(self, data, offset):
+        self.gate.wait(30)
+        super().pwrite(data, offset)
+
+
+class _SlowStorage(PosixStorage):
+    def open_writer(self, name):
+        path = self._p(name)
+        self._mkdirs(path)
+        return _SlowWriter(path)
+
+
+class _FailingWriter(_PosixWriter):
+    def pwrite(self, data, offset):
+        raise OSError(28, "No space left on device (injected)")
+
+
+class _FailingStorage(PosixStorage):
+    def open_writer(self, name):
+        path = self._p(name)
+        self._mkdirs(path)
+        return _FailingWriter(path)
+
+
+register_scheme("slowtest", _SlowStorage)
+register_scheme("failtest", _FailingStorage)
+
+
+@pytest.mark.parametrize("policy", ["wait", "skip", "raise"])
+def test_second_save_while_one_is_in_flight(tmp_path, policy):
+    _SlowWriter.gate.clear()
+    state = {"w": torch.ones(1000)}
+    h = liferaft.async_save(f"slowtest://{tmp_path}/a", state)
+    assert not h.done()
+    opts = liferaft.SaveOptions(if_busy=policy)
+    if policy == "wait":
+        threading.Timer(0.5, _SlowWriter.gate.set).start()
+        h2 = liferaft.async_save(str(tmp_path / "b"), state, options=opts)   # waits for the first one
+        assert h.done() and h2.wait().total_bytes == 4000
+    elif policy == "skip":
+        assert liferaft.async_save(str(tmp_path / "b"), state, options=opts) is None
+        assert liferaft.save(str(tmp_path / "c"), state, options=opts) is None
+    else:
+        with pytest.raises(liferaft.CheckpointBusyError):
+            liferaft.async_save(str(tmp_path / "b"), state, options=opts)
+    _SlowWriter.gate.set()
+    h.wait()
+    assert torch.equal(liferaft.read(str(tmp_path / "a"))["w"], state["w"])
+
+
+def test_background_error_surfaces_on_wait_and_leaves_no_checkpoint(tmp_path):
+    h = liferaft.async_save(f"failtest://{tmp_path}/ck", {"w": torch.ones(100)})
+    with pytest.raises(liferaft.StorageError, match="No space left"):
+        h.wait()
+    with pytest.raises(liferaft.CheckpointNotFoundError):
+        liferaft.read(str(tmp_path / "ck"))
+    liferaft.save(str(tmp_path / "next"), {"w": torch.ones(1)})     # observed: the next save is not blocked
+
+
+def test_unobserved_background_error_is_raised_at_the_next_save(tmp_path):
+    h = liferaft.async_save(f"failtest://{tmp_path}/ck", {"w": torch.ones(100)})
+    while not h.done():
+        time.sleep(0.01)
+    with pytest.raises(liferaft.LiferaftError, match="previous async save .* failed"):
+        liferaft.save(str(tmp_path / "next"), {"w": torch.ones(1)})
+    liferaft.save(str(tmp_path / "next"), {"w": torch.ones(1)})     # reported once
