@@ -145,7 +145,10 @@ def async_save(path: str | os.PathLike[str], state: Any, *, process_group: Any =
         prep.timings["stage"] = time.perf_counter() - t0
         handle._staged.set()
 
-    writer = threading.Thread(target=_write_and_commit, args=(bg, prep, pieces, pool, opts, handle),
+    # When the whole snapshot fits, the writer starts after it: on a small machine a concurrent writer takes
+    # memory bandwidth and a core from the copy, and the copy is what the caller waits for.
+    hold = handle._staged if nbytes <= pool.capacity else None
+    writer = threading.Thread(target=_write_and_commit, args=(bg, prep, pieces, pool, opts, handle, hold),
                               name="liferaft-writer", daemon=True)
     _PROCESS.inflight = handle
     writer.start()
@@ -158,9 +161,11 @@ def async_save(path: str | os.PathLike[str], state: Any, *, process_group: Any =
 
 
 def _write_and_commit(coord: Coordinator, prep: PreparedSave, pieces: "queue.Queue[Any]", pool: BufferPool,
-                      opts: SaveOptions, handle: AsyncSaveHandle) -> None:
+                      opts: SaveOptions, handle: AsyncSaveHandle, hold: threading.Event | None) -> None:
     outcome, err = None, None
     try:
+        if hold is not None:
+            hold.wait()
         outcome = write_staged(prep.storage, prep.writes, pieces, pool, opts.block_size)
         prep.storage.sync()
     except BaseException as e:  # noqa: BLE001 - reported to every rank
