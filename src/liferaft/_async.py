@@ -22,7 +22,7 @@ from liferaft.dist import Coordinator
 from liferaft.errors import CheckpointBusyError, LiferaftError
 from liferaft.options import SaveOptions, SaveResult
 from liferaft.staging.pool import BufferPool, PoolClosedError
-from liferaft.staging.stager import stage
+from liferaft.staging.stager import stage, staged_size
 from liferaft.storage import resolve
 from liferaft.transfer.writer import write_staged
 
@@ -129,12 +129,12 @@ def async_save(path: str | os.PathLike[str], state: Any, *, process_group: Any =
     bg = Coordinator(process_group, opts.timeout, channel="bg")     # created here, used by the writer thread
     prep = prepare_save(state, coord, resolve(path), opts)
     items = prep.writes
-    nbytes = sum(w.length for w in items)
     pin = torch.cuda.is_available() and any(t.is_cuda for t in prep.sources.values())
+    nbytes = staged_size(items, prep.sources, PIECE_LIMIT)
     pool = _PROCESS.pool_for(nbytes, opts.memory_budget, pin)
     handle = AsyncSaveHandle(prep.storage.url)
     pieces: queue.Queue[Any] = queue.Queue()
-    limit = max(1 << 20, min(PIECE_LIMIT, pool.capacity // 4))
+    limit = PIECE_LIMIT if nbytes <= pool.capacity else max(1 << 20, min(PIECE_LIMIT, pool.capacity // 4))
 
     def run_stage() -> None:
         t0 = time.perf_counter()
@@ -164,8 +164,9 @@ def _write_and_commit(coord: Coordinator, prep: PreparedSave, pieces: "queue.Que
                       opts: SaveOptions, handle: AsyncSaveHandle, hold: threading.Event | None) -> None:
     outcome, err = None, None
     try:
-        if hold is not None:
-            hold.wait()
+        # (unless the stager runs out of room after all: then the writer must start freeing it)
+        while hold is not None and not hold.wait(0.01) and not pool.waiting:
+            pass
         outcome = write_staged(prep.storage, prep.writes, pieces, pool, opts.block_size)
         prep.storage.sync()
     except BaseException as e:  # noqa: BLE001 - reported to every rank

@@ -33,6 +33,7 @@ class BufferPool:
         self._live: deque[tuple[int, int]] = deque()   # (start, size) in allocation order
         self._head = 0
         self._generation = 0                          # bumped by reset(): waiting producers give up
+        self.waiting = 0                              # producers currently waiting for room
         self.high_water = 0                           # most bytes in use at once since creation
 
     @property
@@ -70,8 +71,12 @@ class BufferPool:
                 start = self._fit(min(size, self.capacity))
                 if start is not None:
                     break
-                if not self._cond.wait(timeout):
-                    raise TimeoutError(f"no room for {nbytes} bytes in the buffer pool within {timeout}s")
+                self.waiting += 1
+                try:
+                    if not self._cond.wait(timeout):
+                        raise TimeoutError(f"no room for {nbytes} bytes in the buffer pool within {timeout}s")
+                finally:
+                    self.waiting -= 1
             size = min(size, self.capacity - start)
             self._live.append((start, size))
             self._head = start + size

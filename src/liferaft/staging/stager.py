@@ -18,7 +18,7 @@ import torch
 
 from liferaft.planning.geometry import Box
 from liferaft.planning.save_plan import WriteItem
-from liferaft.staging.pool import BufferPool
+from liferaft.staging.pool import ALIGN, BufferPool
 
 
 @dataclass
@@ -46,6 +46,15 @@ def _ranges(src: torch.Tensor, length: int, limit: int) -> list[tuple[int, int, 
     rows = max(1, limit // row)
     return [(r * row, min(r + rows, src.shape[0]) * row, slice(r, min(r + rows, src.shape[0])))
             for r in range(0, src.shape[0], rows)]
+
+
+def staged_size(items: Sequence[WriteItem], sources: Mapping[tuple[str, Box], torch.Tensor], piece_limit: int) -> int:
+    """Pool bytes a snapshot of ``items`` takes when staged in one go (pieces rounded up to the pool alignment)."""
+    total = 0
+    for w in items:
+        src = sources[(w.key, (w.offsets, w.sizes))]
+        total += sum(-(-(b - a) // ALIGN) * ALIGN for a, b, _ in _ranges(src, w.length, piece_limit))
+    return total
 
 
 def stage(items: Sequence[WriteItem], sources: Mapping[tuple[str, Box], torch.Tensor], pool: BufferPool,
