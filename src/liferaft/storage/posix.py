@@ -1,11 +1,21 @@
-"""Local files (POSIX): positioned writes, fsync of files and folders, atomic rename for small files."""
+"""Local files (POSIX): positioned writes, fsync of files and folders, atomic rename for small files.
+
+Reads whose offset, length and buffer are all 4 KiB aligned use O_DIRECT where the file system allows it
+(not tmpfs): the bytes go from the device straight into the caller's buffer, without filling the page cache
+(on these VMs every page-cache page is a first touch of fresh memory, ~1 GB/s).
+"""
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import uuid
 
 from liferaft.storage.base import FileWriter, Storage
+
+
+_PAGE = 4096
 
 
 def _fsync_dir(path: str) -> None:
@@ -50,9 +60,10 @@ class _PosixWriter(FileWriter):
 class PosixStorage(Storage):
     """A checkpoint directory on a local (or mounted) file system."""
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, direct_io: bool = True) -> None:
         self.root = os.path.abspath(root)
         self._dirty_dirs: set[str] = set()
+        self.direct_io = direct_io and hasattr(os, "O_DIRECT")
 
     @property
     def url(self) -> str:
@@ -78,15 +89,46 @@ class PosixStorage(Storage):
         return _PosixWriter(path)
 
     def read_into(self, name: str, offset: int, out: memoryview) -> int:
+        mv = memoryview(out).cast("B")
+        if self.direct_io and offset % _PAGE == 0 and len(mv) % _PAGE == 0 and len(mv) \
+                and not mv.readonly and ctypes.addressof(ctypes.c_char.from_buffer(mv)) % _PAGE == 0:
+            n = self._read_direct(name, offset, mv)
+            if n is not None:
+                return n
         fd = os.open(self._p(name), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
-            mv = memoryview(out).cast("B")
             total = 0
             while total < len(mv):
                 n = os.preadv(fd, [mv[total:]], offset + total)
                 if n == 0:
                     break
                 total += n
+            return total
+        finally:
+            os.close(fd)
+
+    def _read_direct(self, name: str, offset: int, mv: memoryview) -> int | None:
+        """Read with O_DIRECT; None if the file system refuses it (then direct I/O is off for this storage)."""
+        try:
+            fd = os.open(self._p(name), os.O_RDONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            self.direct_io = False
+            return None
+        try:
+            total = 0
+            while total < len(mv):
+                try:
+                    n = os.preadv(fd, [mv[total:]], offset + total)
+                except OSError as e:
+                    if e.errno != errno.EINVAL:
+                        raise
+                    self.direct_io = False
+                    return None
+                total += n
+                if n == 0 or n % _PAGE:
+                    break          # end of file
             return total
         finally:
             os.close(fd)
