@@ -20,6 +20,7 @@ test: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_sync.py
+	$(PY) benchmarks/bench_async.py
 
 clean:
 	rm -rf $(VENV) demo-out bench-out

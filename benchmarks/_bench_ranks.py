@@ -14,16 +14,15 @@ from __future__ import annotations
 
 import os
 import shutil
-import threading
 import time
 import warnings
 import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-import psutil
 import torch
 import torch.distributed as dist
+from _common import PeakRss
 
 # DCP warns on every no_dist call that it assumes a single process; that is what we ask for.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -262,26 +261,14 @@ def _warm_up(method: str, path: str, solo: bool, mesh: Any = None) -> None:
 
 def _measure(fn: Callable[[], Any]) -> tuple[float, int, Any]:
     """(seconds, peak RSS above the RSS before the call in bytes, fn's return value); RSS sampled every 10 ms."""
-    proc = psutil.Process()
-    base = proc.memory_info().rss
-    peak = [base]
-    stop = threading.Event()
-
-    def sample() -> None:
-        while not stop.wait(0.01):
-            peak[0] = max(peak[0], proc.memory_info().rss)
-
-    th = threading.Thread(target=sample, daemon=True)
-    th.start()
+    rss = PeakRss().start()
     t0 = time.perf_counter()
     try:
         out = fn()
         dt = time.perf_counter() - t0
     finally:
-        stop.set()
-        th.join()
-    peak[0] = max(peak[0], proc.memory_info().rss)
-    return dt, peak[0] - base, out
+        extra = rss.stop()
+    return dt, extra, out
 
 
 def solo_op(op: str, method: str, path: str, warm_path: str, cfg: Config, idle: float) -> dict[str, Any]:

@@ -27,24 +27,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import multiprocessing as mp
 import os
-import platform
 import shutil
 import statistics
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
-from typing import Any, Callable
+from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
-os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH", "")) if p)
-
-import psutil  # noqa: E402
-import torch  # noqa: E402
+from _common import ROOT, append_jsonl, dir_bytes, drop_cache, machine, run_solo  # sets up the paths
 
 import _bench_ranks as W  # noqa: E402
 from liferaft.testing import run_ranks  # noqa: E402
@@ -57,30 +47,6 @@ ROWS = [("1p", "save", "1 process: save (+fsync)"), ("1p", "load", "1 process: l
 COLUMNS = ["liferaft", "dcp", "torch", "safetensors"]
 COLUMN_TITLE = {"liferaft": "liferaft", "dcp": "DCP", "torch": "torch.save / torch.load",
                 "safetensors": "safetensors"}
-
-
-def run_solo(fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)`` in a fresh process (forkserver child, no process group)."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "numpy", "liferaft"])
-    with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as ex:
-        return ex.submit(fn, *args).result()
-
-
-def drop_cache(root: str) -> None:
-    """fsync every file under ``root`` and drop it from the page cache."""
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
-def dir_bytes(root: str) -> int:
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)
 
 
 class Bench:
@@ -107,8 +73,7 @@ class Bench:
               f"+{row['extra_rss'] / 2**20:7.1f} MiB RSS", file=sys.stderr, flush=True)
 
     def write(self, row: dict[str, Any]) -> None:
-        with open(self.jsonl, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        append_jsonl(self.jsonl, row)
 
     def solo(self, op: str, method: str, path: str) -> list[dict[str, Any]]:
         warm = os.path.join(self.tmp, f"warm-{method}")
@@ -180,11 +145,9 @@ class Bench:
                 "extra_rss_median": statistics.median(r["extra_rss"] for r in rows)}
 
     def header(self) -> str:
-        mem = psutil.virtual_memory().total / 2**30
         cfg = self.cfg
         n = len(cfg.leaves())
-        return (f"### Sync save/load, {datetime.date.today().isoformat()}: Linux {platform.release()}, "
-                f"{len(os.sched_getaffinity(0))} CPUs, {mem:.1f} GiB RAM, torch {torch.__version__}\n\n"
+        return (f"### Sync save/load, {datetime.date.today().isoformat()}: {machine()}\n\n"
                 f"State: d={cfg.d}, L={cfg.layers}, {n} fp32 tensors, {self.nbytes / 1e9:.2f} GB. "
                 f"{self.args.reps} reps, seconds median [min–max] and GB/s at the median; idle "
                 f"{self.args.idle:g} s before each op; each op in a fresh process; loads after "

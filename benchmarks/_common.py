@@ -1,0 +1,113 @@
+"""Helpers shared by the benchmark drivers (``bench_sync.py``, ``bench_async.py``) and their workers.
+
+Importing this module puts ``benchmarks/`` on ``sys.path`` and on ``PYTHONPATH`` so that worker processes
+(forkserver children, ``liferaft.testing.run_ranks`` ranks) can import the worker modules.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import sys
+import threading
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any, Callable, Iterable
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+if HERE not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH", "")) if p)
+
+import psutil  # noqa: E402
+
+
+def run_solo(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` in a fresh process (forkserver child, no process group)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "numpy", "liferaft"])
+    with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as ex:
+        return ex.submit(fn, *args).result()
+
+
+def drop_cache(root: str) -> None:
+    """fsync every file under ``root`` (a folder or one file) and drop it from the page cache."""
+    files = [root] if os.path.isfile(root) else \
+        [os.path.join(d, name) for d, _, names in os.walk(root) for name in names]
+    for file in files:
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def dir_bytes(root: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)
+
+
+def machine() -> str:
+    """'Linux <release>, <n> CPUs, <x> GiB RAM, torch <version>' for table headers."""
+    import torch
+
+    mem = psutil.virtual_memory().total / 2**30
+    return (f"Linux {platform.release()}, {len(os.sched_getaffinity(0))} CPUs, {mem:.1f} GiB RAM, "
+            f"torch {torch.__version__}")
+
+
+def append_jsonl(path: str, row: dict[str, Any]) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def med_range(values: Iterable[float], fmt: str = ".2f") -> str:
+    """'median [min–max]' of ``values``."""
+    v = list(values)
+    return f"{statistics.median(v):{fmt}} [{min(v):{fmt}}–{max(v):{fmt}}]"
+
+
+class PeakRss:
+    """Peak RSS of this process (and, with ``children``, the summed RSS of its child processes), sampled every
+    10 ms in a thread between ``start()`` and ``stop()``; ``base`` is this process's RSS at ``start()``."""
+
+    def __init__(self, children: bool = False) -> None:
+        self.proc = psutil.Process()
+        self.children = children
+        self.base = self.peak = self.child_peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _child_rss(self) -> int:
+        total = 0
+        for c in self.proc.children(recursive=True):
+            try:
+                total += c.memory_info().rss
+            except psutil.Error:
+                pass
+        return total
+
+    def _sample(self) -> None:
+        self.peak = max(self.peak, self.proc.memory_info().rss)
+        if self.children:
+            self.child_peak = max(self.child_peak, self._child_rss())
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.01):
+            self._sample()
+
+    def start(self) -> "PeakRss":
+        self.base = self.peak = self.proc.memory_info().rss
+        self._thread.start()
+        return self
+
+    def stop(self) -> int:
+        """Stop sampling; return the peak RSS above ``base`` in bytes."""
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+        return self.peak - self.base
