@@ -37,6 +37,10 @@ def test_every_save_path_gives_the_same_checkpoint(tmp_path, mode):
     liferaft.save(ref, state, options=liferaft.SaveOptions(block_size=65536))
     a = {t.key: t for t in liferaft.inspect(str(tmp_path / "ck")).tensors}
     assert a.keys() == {t.key for t in liferaft.inspect(ref).tensors}
+    # byte-identical data file, whichever path (buffered / O_DIRECT, whole / pieces) wrote it
+    files = [sorted((p.name, p.read_bytes()) for p in (tmp_path / d).rglob("*.bin"))
+             for d in ("ck", "ref")]
+    assert [b for _, b in files[0]] == [b for _, b in files[1]]
 
 
 @pytest.mark.parametrize("staging", ["blocking", "overlapped"])

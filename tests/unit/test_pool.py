@@ -6,14 +6,14 @@ from liferaft.staging.pool import BufferPool, PoolClosedError
 
 
 def test_ring_never_exceeds_capacity_and_wraps():
-    pool = BufferPool(1024)
-    a, _ = pool.acquire(400)
-    b, _ = pool.acquire(400)
-    assert a == 0 and b == 448  # 400 rounded up to the 64-byte alignment
+    pool = BufferPool(4096)                  # capacities are whole pages
+    a, _ = pool.acquire(1590)
+    b, _ = pool.acquire(1600)
+    assert a == 0 and b == 1600              # 1590 rounded up to the 64-byte alignment
     got = []
 
     def producer():
-        got.append(pool.acquire(440))      # does not fit until the first region is released
+        got.append(pool.acquire(1500))      # does not fit until the first region is released
 
     t = threading.Thread(target=producer)
     t.start()
@@ -22,20 +22,20 @@ def test_ring_never_exceeds_capacity_and_wraps():
     pool.release(a)
     t.join(5)
     start, view = got[0]
-    assert start == 0 and view.numel() == 440          # wrapped to the front
+    assert start == 0 and view.numel() == 1500          # wrapped to the front
     assert pool.high_water <= pool.capacity
 
 
 def test_release_must_be_fifo_and_reset_wakes_waiters():
-    pool = BufferPool(256)
-    a, _ = pool.acquire(200)
+    pool = BufferPool(4096)
+    a, _ = pool.acquire(4000)
     with pytest.raises(RuntimeError):
         pool.release(a + 64)
     errors = []
 
     def producer():
         try:
-            pool.acquire(200)
+            pool.acquire(4000)
         except PoolClosedError as e:
             errors.append(e)
 
@@ -45,9 +45,17 @@ def test_release_must_be_fifo_and_reset_wakes_waiters():
     pool.reset()
     t.join(5)
     assert errors and pool.in_use == 0
-    assert pool.acquire(256)[0] == 0
+    assert pool.acquire(4096)[0] == 0
 
 
 def test_oversized_request_is_refused():
     with pytest.raises(ValueError):
-        BufferPool(128).acquire(129)
+        BufferPool(128).acquire(4097)
+
+
+def test_page_aligned_regions_for_direct_io():
+    pool = BufferPool(1 << 20)
+    assert pool.buffer.data_ptr() % 4096 == 0
+    pool.acquire(100)
+    start, view = pool.acquire(70000, align=4096)
+    assert start == 4096 and view.data_ptr() % 4096 == 0

@@ -1,6 +1,7 @@
 import os
 
 import pytest
+import torch
 
 from liferaft.errors import StorageError
 from liferaft.storage import MemoryStorage, PosixStorage, register_scheme, resolve
@@ -35,3 +36,20 @@ def test_posix_put_atomic_leaves_no_temp_files(tmp_path):
     for i in range(3):
         st.put_atomic("COMMIT", b"x" * i)
     assert st.list() == ["COMMIT"]
+
+
+def test_posix_writer_uses_direct_io_for_aligned_pages_and_buffers_the_rest(tmp_path):
+    from liferaft.staging.pool import BufferPool
+
+    st = PosixStorage(str(tmp_path / "r"))
+    pool = BufferPool(1 << 20)
+    _, view = pool.acquire(3 * 4096 + 100, align=4096)
+    view.copy_(torch.arange(view.numel()).to(torch.uint8))
+    w = st.open_writer("d.bin")
+    w.pwrite(b"head", 0)
+    w.pwrite(memoryview(view.numpy()), 8192)          # 3 pages direct (where supported) + a 100-byte tail
+    direct_used = w._dfd is not None
+    w.close()
+    data = st.read_all("d.bin")
+    assert data[:4] == b"head" and data[8192:] == bytes(view.numpy())
+    assert direct_used == st.direct_io                 # on file systems that allow O_DIRECT it was used

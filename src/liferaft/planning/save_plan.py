@@ -76,6 +76,10 @@ def data_file_name(save_id: str, rank: int) -> str:
     return f"data/{save_id}/r{rank:05d}.bin"
 
 
+PAGE = 4096
+PAGE_ALIGN_MIN = 1 << 20      # chunks this large start on a 4 KiB page: writable and readable with O_DIRECT
+
+
 def _align(n: int, alignment: int) -> int:
     return -(-n // alignment) * alignment
 
@@ -143,7 +147,7 @@ def plan_save(metas: Sequence[RankMeta], save_id: str, alignment: int = 64) -> S
         fname = data_file_name(save_id, rank)
         pos, out = 0, []
         for key, box, nbytes in items:
-            pos = _align(pos, alignment)
+            pos = _align(pos, max(alignment, PAGE) if nbytes >= PAGE_ALIGN_MIN else alignment)
             out.append(WriteItem(key=key, offsets=box[0], sizes=box[1], file=fname, byte_offset=pos, length=nbytes))
             pos += nbytes
         if out:

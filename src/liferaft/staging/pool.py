@@ -15,7 +15,8 @@ import torch
 
 from liferaft.errors import LiferaftError
 
-ALIGN = 64
+ALIGN = 64            # every region starts at a multiple of this
+PAGE = 4096           # regions asked for with align=PAGE can be written with O_DIRECT
 
 
 class PoolClosedError(LiferaftError):
@@ -26,9 +27,11 @@ class BufferPool:
     """``capacity`` bytes of host memory handed out as aligned, FIFO-released regions."""
 
     def __init__(self, capacity: int, pin: bool = False) -> None:
-        self.capacity = max(ALIGN, -(-capacity // ALIGN) * ALIGN)
+        self.capacity = max(PAGE, -(-capacity // PAGE) * PAGE)
         self.pinned = pin
-        self.buffer = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=pin)
+        raw = torch.empty(self.capacity + PAGE, dtype=torch.uint8, pin_memory=pin)
+        skip = (-raw.data_ptr()) % PAGE
+        self.buffer = raw[skip:skip + self.capacity]          # page-aligned base
         self._cond = threading.Condition()
         self._live: deque[tuple[int, int]] = deque()   # (start, size) in allocation order
         self._head = 0
@@ -48,18 +51,20 @@ class BufferPool:
         end = self._head
         return end - start if end > start else self.capacity - start + end
 
-    def _fit(self, n: int) -> int | None:
+    def _fit(self, n: int, align: int) -> int | None:
         if not self._live:
             return 0
         tail = self._live[0][0]
+        head = -(-self._head // align) * align
         if self._head > tail:
-            if self._head + n <= self.capacity:
-                return self._head
+            if head + n <= self.capacity:
+                return head
             return 0 if n <= tail else None
-        return self._head if self._head + n <= tail else None
+        return head if head + n <= tail else None
 
-    def acquire(self, nbytes: int, timeout: float | None = None) -> tuple[int, torch.Tensor]:
-        """A region of ``nbytes`` (≤ capacity) as ``(start, uint8 tensor view)``; waits for room."""
+    def acquire(self, nbytes: int, timeout: float | None = None, align: int = ALIGN) -> tuple[int, torch.Tensor]:
+        """A region of ``nbytes`` (≤ capacity) starting at a multiple of ``align`` (64 or 4096) as
+        ``(start, uint8 tensor view)``; waits for room."""
         if nbytes > self.capacity:
             raise ValueError(f"request of {nbytes} bytes exceeds the pool capacity {self.capacity}")
         size = -(-max(nbytes, 1) // ALIGN) * ALIGN
@@ -68,7 +73,7 @@ class BufferPool:
             while True:
                 if self._generation != generation:
                     raise PoolClosedError("the buffer pool was reset while waiting for room")
-                start = self._fit(min(size, self.capacity))
+                start = self._fit(min(size, self.capacity), align)
                 if start is not None:
                     break
                 self.waiting += 1

@@ -18,7 +18,9 @@ import torch
 
 from liferaft.planning.geometry import Box
 from liferaft.planning.save_plan import WriteItem
-from liferaft.staging.pool import ALIGN, BufferPool
+from liferaft.staging.pool import ALIGN, PAGE, BufferPool
+
+DIRECT_MIN = 64 << 10
 
 
 @dataclass
@@ -53,8 +55,14 @@ def staged_size(items: Sequence[WriteItem], sources: Mapping[tuple[str, Box], to
     total = 0
     for w in items:
         src = sources[(w.key, (w.offsets, w.sizes))]
-        total += sum(-(-(b - a) // ALIGN) * ALIGN for a, b, _ in _ranges(src, w.length, piece_limit))
+        for a, b, _ in _ranges(src, w.length, piece_limit):
+            total = -(-total // _align_of(b - a)) * _align_of(b - a) + -(-(b - a) // ALIGN) * ALIGN
     return total
+
+
+def _align_of(nbytes: int) -> int:
+    """Large pieces start on a page, so that the writer can hand them to O_DIRECT."""
+    return PAGE if nbytes >= DIRECT_MIN else ALIGN
 
 
 def stage(items: Sequence[WriteItem], sources: Mapping[tuple[str, Box], torch.Tensor], pool: BufferPool,
@@ -72,7 +80,7 @@ def stage(items: Sequence[WriteItem], sources: Mapping[tuple[str, Box], torch.Te
                 stream = torch.cuda.Stream(device=src.device)
                 stream.wait_stream(torch.cuda.current_stream(src.device))
             for a, b, rows in _ranges(src, w.length, min(piece_limit, pool.capacity)):
-                region, view = pool.acquire(b - a, timeout)
+                region, view = pool.acquire(b - a, timeout, _align_of(b - a))
                 t0 = time.perf_counter()
                 event = _copy(src, view, a, b, rows, stream)
                 copy_s += time.perf_counter() - t0
