@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
 import liferaft
 from liferaft.storage import PosixStorage, register_scheme
-from liferaft.storage.posix import _PosixWriter
+from liferaft.testing.faults import FailingStorage, GatedStorage
 from multiproc._reshard_ranks import build_state
 
 
@@ -23,20 +21,8 @@ def async_save_layout(rank: int, world: int, path: str, layout: dict, staging: s
     return res.timings["blocked"]
 
 
-class _FailingWriter(_PosixWriter):
-    def pwrite(self, data, offset):
-        raise OSError(5, "injected I/O error")
-
-
-class _FailingStorage(PosixStorage):
-    def open_writer(self, name):
-        path = self._p(name)
-        self._mkdirs(path)
-        return _FailingWriter(path)
-
-
 def rank1_write_fails(rank: int, world: int, path: str) -> str:
-    register_scheme("rankfail", _FailingStorage if rank == 1 else PosixStorage)
+    register_scheme("rankfail", FailingStorage if rank == 1 else PosixStorage)
     h = liferaft.async_save(f"rankfail://{path}", {"w": torch.ones(4096), "x": torch.zeros(4096)})
     try:
         h.wait(timeout=60)
@@ -45,28 +31,12 @@ def rank1_write_fails(rank: int, world: int, path: str) -> str:
     return "no error"
 
 
-_gate = threading.Event()
-
-
-class _SlowWriter(_PosixWriter):
-    def pwrite(self, data, offset):
-        _gate.wait(60)
-        super().pwrite(data, offset)
-
-
-class _SlowStorage(PosixStorage):
-    def open_writer(self, name):
-        path = self._p(name)
-        self._mkdirs(path)
-        return _SlowWriter(path)
-
-
 def skip_is_collective(rank: int, world: int, path: str) -> tuple[bool, bool]:
     """Rank 0's first save is slow; a second save with if_busy="skip" must be skipped on BOTH ranks."""
-    register_scheme("rankslow", _SlowStorage if rank == 0 else PosixStorage)
+    register_scheme("rankslow", GatedStorage if rank == 0 else PosixStorage)
     state = {"w": torch.ones(4096), "x": torch.zeros(4096)}
     h = liferaft.async_save(f"rankslow://{path}/a", state)
     skipped = liferaft.async_save(f"{path}/b", state, options=liferaft.SaveOptions(if_busy="skip")) is None
-    _gate.set()
+    GatedStorage.gate.set()
     h.wait(timeout=60)
     return skipped, liferaft.inspect(f"{path}/a").world_size == world

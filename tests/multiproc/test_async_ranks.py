@@ -25,7 +25,7 @@ def test_async_save_on_2_ranks_then_reshard_to_3(tmp_path, staging, budget):
 
 def test_background_failure_on_one_rank_raises_on_every_rank(tmp_path):
     out = run_ranks(rank1_write_fails, 2, str(tmp_path / "ck"), timeout=120)
-    assert out[1].startswith("StorageError") and "injected I/O error" in out[1], out[1]
+    assert out[1].startswith("StorageError") and "injected" in out[1], out[1]
     assert out[0].startswith("DistributedError") and "rank 1" in out[0], out[0]
     with pytest.raises(liferaft.CheckpointNotFoundError):     # every rank removed its partial file
         liferaft.read(str(tmp_path / "ck"))

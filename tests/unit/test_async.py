@@ -10,8 +10,8 @@ import torch
 
 import liferaft
 from liferaft import _async
-from liferaft.storage import PosixStorage, register_scheme
-from liferaft.storage.posix import _PosixWriter
+from liferaft.storage import register_scheme
+from liferaft.testing.faults import FailingStorage, GatedStorage
 from saving import MODES, save_with
 
 
@@ -70,46 +70,19 @@ def test_waves_keep_memory_within_the_budget_and_reuse_the_pool(tmp_path):
         assert torch.equal(liferaft.read(str(tmp_path / p))["w"], state["w"])
 
 
-class _SlowWriter(_PosixWriter):
-    gate = threading.Event()
-
-    def pwrite(self, data, offset):
-        self.gate.wait(30)
-        super().pwrite(data, offset)
-
-
-class _SlowStorage(PosixStorage):
-    def open_writer(self, name):
-        path = self._p(name)
-        self._mkdirs(path)
-        return _SlowWriter(path)
-
-
-class _FailingWriter(_PosixWriter):
-    def pwrite(self, data, offset):
-        raise OSError(28, "No space left on device (injected)")
-
-
-class _FailingStorage(PosixStorage):
-    def open_writer(self, name):
-        path = self._p(name)
-        self._mkdirs(path)
-        return _FailingWriter(path)
-
-
-register_scheme("slowtest", _SlowStorage)
-register_scheme("failtest", _FailingStorage)
+register_scheme("slowtest", GatedStorage)
+register_scheme("failtest", FailingStorage)
 
 
 @pytest.mark.parametrize("policy", ["wait", "skip", "raise"])
 def test_second_save_while_one_is_in_flight(tmp_path, policy):
-    _SlowWriter.gate.clear()
+    GatedStorage.gate.clear()
     state = {"w": torch.ones(1000)}
     h = liferaft.async_save(f"slowtest://{tmp_path}/a", state)
     assert not h.done()
     opts = liferaft.SaveOptions(if_busy=policy)
     if policy == "wait":
-        threading.Timer(0.5, _SlowWriter.gate.set).start()
+        threading.Timer(0.5, GatedStorage.gate.set).start()
         h2 = liferaft.async_save(str(tmp_path / "b"), state, options=opts)   # waits for the first one
         assert h.done() and h2.wait().total_bytes == 4000
     elif policy == "skip":
@@ -118,7 +91,7 @@ def test_second_save_while_one_is_in_flight(tmp_path, policy):
     else:
         with pytest.raises(liferaft.CheckpointBusyError):
             liferaft.async_save(str(tmp_path / "b"), state, options=opts)
-    _SlowWriter.gate.set()
+    GatedStorage.gate.set()
     h.wait()
     assert torch.equal(liferaft.read(str(tmp_path / "a"))["w"], state["w"])
 
