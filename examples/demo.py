@@ -103,14 +103,19 @@ def train_and_save(rank: int, world: int, path: str, ref_path: str) -> dict[str,
     return {"losses": losses, "bytes": res.bytes_written, "timings": dict(res.timings)}
 
 
-def load_sharded(rank: int, world: int, path: str, ref_path: str) -> dict[str, Any]:
-    model = fsdp(GPT(), world)
+def restore(model: nn.Module, path: str, ref_path: str) -> tuple[Any, dict[str, Any], torch.optim.Optimizer, list[str]]:
+    """Load the checkpoint into ``model`` + a fresh AdamW (wrong lr on purpose); list what differs from the
+    reference fingerprint."""
     opt = torch.optim.AdamW(model.parameters(), lr=1.0)
     state = {"model": model, "optim": opt, "step": 0, "losses": []}
     res = liferaft.load(path, state)
-    ref = torch.load(ref_path)
-    fp = fingerprint(model, opt)
-    bad = [k for k in ref if not torch.equal(ref[k], fp[k])]
+    ref, fp = torch.load(ref_path), fingerprint(model, opt)
+    return res, state, opt, [k for k in ref if not torch.equal(ref[k], fp[k])]
+
+
+def load_sharded(rank: int, world: int, path: str, ref_path: str) -> dict[str, Any]:
+    model = fsdp(GPT(), world)
+    res, state, _, bad = restore(model, path, ref_path)
     loss = loss_of(model, batch(state["step"])).item()
     return {"bad": bad, "bytes": res.bytes_read, "timings": dict(res.timings), "step": state["step"], "loss": loss}
 
@@ -142,12 +147,7 @@ def main() -> int:
 
         print("2. Load into ONE process, plain (unsharded) model + AdamW, no process group ...")
         model = GPT()
-        opt = torch.optim.AdamW(model.parameters(), lr=1.0)
-        state = {"model": model, "optim": opt, "step": 0, "losses": []}
-        res = liferaft.load(path, state)
-        ref = torch.load(ref_path)
-        fp = fingerprint(model, opt)
-        bad = [k for k in ref if not torch.equal(ref[k], fp[k])]
+        res, state, opt, bad = restore(model, path, ref_path)
         print(f"   {res.bytes_read / 2**20:.2f} MiB read; " + " ".join(f"{p}={v * 1000:.1f}ms" for p, v in res.timings.items()))
         print(f"   params + optimizer state bit-exact: {not bad}; step={state['step']}; "
               f"lr restored={opt.param_groups[0]['lr']}; next loss={loss_of(model, batch(6)).item():.4f}")

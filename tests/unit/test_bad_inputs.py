@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import errno
 import json
-import math
 import threading
 
 import pytest
@@ -40,25 +39,7 @@ def template() -> dict:
             "step": -1, "name": "old"}
 
 
-def assert_same(a, b, where="state"):
-    assert type(a) is type(b), f"{where}: {type(a)} != {type(b)}"
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), f"{where}: {a} != {b}"
-    elif isinstance(a, Sharded):
-        assert (a.global_shape, a.offsets) == (b.global_shape, b.offsets), where
-        assert_same(a.local, b.local, f"{where}.local")
-    elif isinstance(a, dict):
-        assert list(a) == list(b), f"{where}: keys {list(a)} != {list(b)}"
-        for k in a:
-            assert_same(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{where}.{i}")
-    elif isinstance(a, float) and math.isnan(a):
-        assert math.isnan(b), where
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
+from compare import assert_same  # noqa: E402
 
 
 def assert_load_fails(path, state, exc, *needles, strict=True, options=None):

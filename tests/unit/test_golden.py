@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 import torch
+
+from compare import assert_same as _assert_same
 import xxhash
 
 import liferaft
@@ -21,25 +22,7 @@ PATH = str(GOLDEN_DIR)
 
 
 def assert_same(a, b, where="state"):
-    assert type(a) is type(b), f"{where}: {type(a).__name__} != {type(b).__name__}"
-    if isinstance(a, torch.Tensor):
-        assert (a.dtype, a.shape) == (b.dtype, b.shape), f"{where}: {a.dtype} {a.shape} != {b.dtype} {b.shape}"
-        assert torch.equal(a, b), f"{where}: {a} != {b}"
-    elif isinstance(a, np.ndarray):
-        assert (a.dtype, a.shape) == (b.dtype, b.shape), where
-        assert np.array_equal(a, b), where
-    elif isinstance(a, dict):
-        assert set(a) == set(b), f"{where}: keys {list(a)} != {list(b)}"   # (key order is not pinned)
-        for k in a:
-            assert_same(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{where}.{i}")
-    elif isinstance(a, float) and math.isnan(a):
-        assert math.isnan(b), where
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
+    _assert_same(a, b, where, ordered=False)   # the golden pins values, not key order
 
 
 def golden_digest() -> dict[str, str]:

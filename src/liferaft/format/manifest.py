@@ -11,7 +11,7 @@ import json
 from collections import Counter
 import posixpath
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 from liferaft.errors import CorruptCheckpointError, FormatVersionError, UnsafePathError
 
