@@ -13,6 +13,7 @@ import platform
 import statistics
 import sys
 import threading
+import time
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any, Callable, Iterable
 
@@ -111,3 +112,15 @@ class PeakRss:
         self._thread.join()
         self._sample()
         return self.peak - self.base
+
+
+def run_and_report(bench: Any) -> int:
+    """Run a benchmark object (``run()``, ``report()``, ``cfg``, ``nbytes``, ``tmp``, ``jsonl``, ``run_id``)."""
+    os.makedirs(os.path.dirname(bench.jsonl), exist_ok=True)
+    print(f"state: d={bench.cfg.d} L={bench.cfg.layers} {bench.nbytes / 1e9:.3f} GB; tmp {bench.tmp}",
+          file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    bench.run()
+    bench.report()
+    print(f"\n(run {bench.run_id} took {time.perf_counter() - t0:.0f} s; raw data in {bench.jsonl})", file=sys.stderr)
+    return 0

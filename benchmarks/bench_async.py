@@ -38,10 +38,9 @@ import os
 import shutil
 import statistics
 import sys
-import time
 from typing import Any
 
-from _common import ROOT, append_jsonl, machine, med_range, run_solo  # sets up the paths
+from _common import ROOT, append_jsonl, machine, med_range, run_and_report, run_solo  # sets up the paths
 
 import _bench_async_ops as O  # noqa: E402
 import _bench_ranks as W  # noqa: E402
@@ -237,15 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     args.methods = set(args.methods.split(","))
     if not args.methods <= set(O.METHODS) or args.save_at >= args.steps:
         ap.error("unknown method, or --save-at not below --steps")
-    bench = Bench(args)
-    os.makedirs(os.path.dirname(bench.jsonl), exist_ok=True)
-    print(f"state: d={bench.cfg.d} L={bench.cfg.layers} {bench.nbytes / 1e9:.3f} GB; tmp {bench.tmp}",
-          file=sys.stderr, flush=True)
-    t0 = time.perf_counter()
-    bench.run()
-    bench.report()
-    print(f"\n(run {bench.run_id} took {time.perf_counter() - t0:.0f} s; raw data in {bench.jsonl})", file=sys.stderr)
-    return 0
+    return run_and_report(Bench(args))
 
 
 if __name__ == "__main__":

@@ -31,10 +31,9 @@ import os
 import shutil
 import statistics
 import sys
-import time
 from typing import Any
 
-from _common import ROOT, append_jsonl, dir_bytes, drop_cache, machine, run_solo  # sets up the paths
+from _common import ROOT, append_jsonl, dir_bytes, drop_cache, machine, run_and_report, run_solo  # sets up the paths
 
 import _bench_ranks as W  # noqa: E402
 from liferaft.testing import run_ranks  # noqa: E402
@@ -200,15 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     args.methods = set(args.methods.split(","))
     if not args.methods <= set(COLUMNS) or not args.cases <= {"1p", "2r"}:
         ap.error("unknown case or method")
-    bench = Bench(args)
-    os.makedirs(os.path.dirname(bench.jsonl), exist_ok=True)
-    print(f"state: d={bench.cfg.d} L={bench.cfg.layers} {bench.nbytes / 1e9:.3f} GB; tmp {bench.tmp}",
-          file=sys.stderr, flush=True)
-    t0 = time.perf_counter()
-    bench.run()
-    bench.report()
-    print(f"\n(run {bench.run_id} took {time.perf_counter() - t0:.0f} s; raw data in {bench.jsonl})", file=sys.stderr)
-    return 0
+    return run_and_report(Bench(args))
 
 
 if __name__ == "__main__":

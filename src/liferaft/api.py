@@ -104,14 +104,14 @@ def load(path: PathLike, state: Any, *, process_group: Any = None, strict: bool 
     nbytes = 0
     if opts.atomic:
         try:
-            execute_reads(storage, plan.units, plan.targets, copy=False)
+            execute_reads(storage, plan.units, plan.targets, copy=False, max_read=opts.max_read_bytes)
         except BaseException as e:  # noqa: BLE001
             err = e
         coord.exchange(None, err, "load (verify)")
         timings["verify"] = time.perf_counter() - t0
         t0 = time.perf_counter()
     try:
-        nbytes = execute_reads(storage, plan.units, plan.targets)
+        nbytes = execute_reads(storage, plan.units, plan.targets, max_read=opts.max_read_bytes)
     except BaseException as e:  # noqa: BLE001
         err = e
     coord.exchange(None, err, "load (read)")

@@ -94,7 +94,7 @@ def read_full(storage: Storage, entries: Sequence[TensorEntry], max_read: int) -
     for i, e in enumerate(entries):
         dt = targets[i].dtype
         units.extend((u, dt) for u in plan_reads(e, [(i, (tuple(0 for _ in e.shape), e.shape))], max_read))
-    return targets, execute_reads(storage, units, targets)
+    return targets, execute_reads(storage, units, targets, max_read=max_read)
 
 
 def _select(keys: Sequence[str] | None, all_keys: Iterable[str]) -> set[str]:

@@ -19,6 +19,13 @@ ALIGN = 64            # every region starts at a multiple of this
 PAGE = 4096           # regions asked for with align=PAGE can be written with O_DIRECT
 
 
+def page_aligned_empty(nbytes: int, pin: bool = False) -> torch.Tensor:
+    """An uninitialised uint8 tensor of ``nbytes`` whose first byte is page aligned (usable with O_DIRECT)."""
+    raw = torch.empty(nbytes + PAGE, dtype=torch.uint8, pin_memory=pin)
+    skip = (-raw.data_ptr()) % PAGE
+    return raw[skip:skip + nbytes]
+
+
 class PoolClosedError(LiferaftError):
     """The pool was reset while a producer waited for room (the save it served failed)."""
 
@@ -29,9 +36,7 @@ class BufferPool:
     def __init__(self, capacity: int, pin: bool = False) -> None:
         self.capacity = max(PAGE, -(-capacity // PAGE) * PAGE)
         self.pinned = pin
-        raw = torch.empty(self.capacity + PAGE, dtype=torch.uint8, pin_memory=pin)
-        skip = (-raw.data_ptr()) % PAGE
-        self.buffer = raw[skip:skip + self.capacity]          # page-aligned base
+        self.buffer = page_aligned_empty(self.capacity, pin)
         self._cond = threading.Condition()
         self._live: deque[tuple[int, int]] = deque()   # (start, size) in allocation order
         self._head = 0

@@ -19,10 +19,8 @@ import torch
 from liferaft.codecs.checksum import verify_blocks
 from liferaft.errors import CorruptCheckpointError
 from liferaft.planning.load_plan import ReadUnit
+from liferaft.staging.pool import PAGE, page_aligned_empty
 from liferaft.storage.base import Storage
-
-PAGE = 4096
-
 
 @dataclass
 class _Batch:
@@ -56,12 +54,6 @@ def _batches(units: Sequence[tuple[ReadUnit, torch.dtype]], max_read: int) -> li
     return out
 
 
-def _aligned_buffer(nbytes: int) -> torch.Tensor:
-    raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
-    skip = (-raw.data_ptr()) % PAGE
-    return raw[skip:skip + nbytes]
-
-
 def execute_reads(storage: Storage, units: Sequence[tuple[ReadUnit, torch.dtype]],
                   targets: Sequence[torch.Tensor], copy: bool = True, max_read: int = 32 << 20) -> int:
     """Run ``units`` (each with the dtype of its tensor) into ``targets``; return the bytes read.
@@ -74,7 +66,7 @@ def execute_reads(storage: Storage, units: Sequence[tuple[ReadUnit, torch.dtype]
     size = max(b.length for b in batches)
     free: queue.Queue[torch.Tensor] = queue.Queue()
     for _ in range(2 if len(batches) > 1 else 1):
-        free.put(_aligned_buffer(size))
+        free.put(page_aligned_empty(size))
     ready: queue.Queue[tuple[_Batch, torch.Tensor, int] | BaseException | None] = queue.Queue()
     stop = threading.Event()
 
