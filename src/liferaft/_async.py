@@ -22,11 +22,11 @@ from liferaft.dist import Coordinator
 from liferaft.errors import CheckpointBusyError, LiferaftError
 from liferaft.options import SaveOptions, SaveResult
 from liferaft.staging.pool import BufferPool, PoolClosedError
-from liferaft.staging.stager import stage, staged_size
+from liferaft.staging.stager import PIECE_LIMIT, stage, staged_size
 from liferaft.storage import resolve
 from liferaft.transfer.writer import write_staged
 
-PIECE_LIMIT = 64 << 20
+SYNC_RING = 64 << 20        # the ring a sync save streams through, unless the async pool is there
 
 
 class AsyncSaveHandle:
@@ -72,6 +72,7 @@ class _ProcessState:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.pool: BufferPool | None = None
+        self.ring: BufferPool | None = None
         self.inflight: AsyncSaveHandle | None = None
 
     def pool_for(self, nbytes: int, budget: int | None, pin: bool) -> BufferPool:
@@ -86,8 +87,25 @@ class _ProcessState:
         self.pool = BufferPool(need, pin=pin)
         return self.pool
 
+    def ring_for(self, nbytes: int, budget: int | None, pin: bool) -> BufferPool:
+        """The pool a sync save streams through (no async save may be in flight): the async pool when there is
+        one of the right kind and size (its pages are already faulted in), else a small ring kept for reuse."""
+        need = max(1 << 20, min(nbytes, SYNC_RING if budget is None else min(budget, SYNC_RING)))
+        for pool in (self.pool, self.ring):
+            if pool is not None and pool.pinned == pin and pool.capacity >= need and \
+                    (budget is None or pool.capacity <= budget):
+                return pool
+        self.ring = None
+        self.ring = BufferPool(need, pin=pin)
+        return self.ring
+
 
 _PROCESS = _ProcessState()
+
+
+def sync_ring(nbytes: int, budget: int | None, pin: bool) -> BufferPool:
+    """The buffer pool a sync ``save`` of ``nbytes`` streams through (see ``_ProcessState.ring_for``)."""
+    return _PROCESS.ring_for(nbytes, budget, pin)
 
 
 def settle_previous(opts: SaveOptions, process_group: Any) -> bool:

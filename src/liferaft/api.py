@@ -8,25 +8,27 @@ that every rank raises when any rank fails and nothing hangs (collectives time o
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import Any
 
 import torch
 
-from liferaft._async import AsyncSaveHandle, async_save, settle_previous
+from liferaft._async import AsyncSaveHandle, async_save, settle_previous, sync_ring
 from liferaft._save import finish_save, prepare_save
 from liferaft.dist import Coordinator
 from liferaft.errors import StateMismatchError
 from liferaft.format.manifest import Manifest, PathPart
 from liferaft.options import LoadOptions, LoadResult, SaveOptions, SaveResult
 from liferaft.planning.load_plan import plan_reads
+from liferaft.planning.share_plan import MIN_SHARED_BYTES, plan_sharing
 from liferaft.reading import PerRank, as_leaf, check_files, decode_entry_value, open_checkpoint
 from liferaft.state.flatten import FlatState, flatten
 from liferaft.storage import Storage, resolve
-from liferaft.transfer.reader import execute_reads
+from liferaft.transfer.reader import ReadStats, execute_reads
 from liferaft.transfer.tensors import torch_dtype
-from liferaft.transfer.writer import write_items
+from liferaft.transfer.writer import write_streamed
 
 __all__ = ["AsyncSaveHandle", "async_save", "load", "save"]
 
@@ -41,19 +43,27 @@ def save(path: PathLike, state: Any, *, process_group: Any = None, options: Save
     once every rank's data is durable and the commit marker is written; on any failure every rank raises and
     a checkpoint previously at ``path`` is untouched. Waits for (or skips / refuses, per
     ``SaveOptions.if_busy``) an ``async_save`` of this process still in flight.
+
+    The bytes stream through a small ring of host memory (64 MiB, or ``memory_budget`` if smaller; the
+    ``async_save`` pool when the process has one), kept for later saves: a copy into it overlaps the direct
+    (O_DIRECT) write of the previous piece, so no page cache is filled and extra memory stays bounded.
     """
     opts = options or SaveOptions()
     if not settle_previous(opts, process_group):
         return None  # type: ignore[return-value]  # if_busy="skip"
     coord = Coordinator(process_group, opts.timeout)
     prep = prepare_save(state, coord, resolve(path), opts)
-    outcome, err = None, None
+    outcome, err, pool = None, None, None
     try:
-        outcome = write_items(prep.storage, prep.writes, prep.sources, opts.block_size)
+        pin = torch.cuda.is_available() and any(t.is_cuda for t in prep.sources.values())
+        nbytes = sum(w.length for w in prep.writes)
+        pool = sync_ring(nbytes, opts.memory_budget, pin)
+        outcome = write_streamed(prep.storage, prep.writes, prep.sources, pool, opts.block_size)
         prep.storage.sync()   # this rank's new folder entries are durable too, not only its file
     except BaseException as e:  # noqa: BLE001 - reported to every rank
         err = e
-    return finish_save(coord, prep, outcome, err, opts)
+    result = finish_save(coord, prep, outcome, err, opts)
+    return dataclasses.replace(result, staging_bytes=pool.capacity if pool is not None else 0)
 
 
 def load(path: PathLike, state: Any, *, process_group: Any = None, strict: bool = True,
@@ -88,30 +98,37 @@ def load(path: PathLike, state: Any, *, process_group: Any = None, strict: bool 
         plan = _plan_load(storage, manifest, flatten(state), coord, opts)
     except BaseException as e:  # noqa: BLE001
         err = e
-    gathered = coord.exchange((plan.covered, plan.missing) if plan else None, err, "load (planning)")
+    share = opts.share_reads if opts.share_reads is not None else storage.remote
+    spans = [] if plan is None or not share else \
+        [(u.file, u.file_offset, u.length) for u, _ in plan.units if u.length >= MIN_SHARED_BYTES]
+    gathered = coord.exchange((plan.covered, plan.missing, spans) if plan else None, err, "load (planning)")
     assert plan is not None
     all_keys = [t.key for t in manifest.tensors] + [v.key for v in manifest.values]
     covered = bytearray(len(all_keys))
-    for c, _ in gathered:
+    for c, _, _ in gathered:
         covered = bytearray(a | b for a, b in zip(covered, c))
     unexpected = tuple(k for k, hit in zip(all_keys, covered) if not hit)
-    missing = tuple(sorted({k for _, m in gathered for k in m}))
+    missing = tuple(sorted({k for _, m, _ in gathered for k in m}))
+    sharing = plan_sharing([g[2] for g in gathered]) if coord.world > 1 else {}
+    peers = coord if sharing else None
     if strict and (missing or unexpected):
         raise StateMismatchError(_mismatch_message(storage.url, missing, unexpected))
     timings["plan"] = time.perf_counter() - t_start
 
     t0 = time.perf_counter()
-    nbytes = 0
+    stats = ReadStats()
     if opts.atomic:
         try:
-            execute_reads(storage, plan.units, plan.targets, copy=False, max_read=opts.max_read_bytes)
+            execute_reads(storage, plan.units, plan.targets, copy=False, max_read=opts.max_read_bytes,
+                          peers=peers, rank=coord.rank, sharing=sharing)
         except BaseException as e:  # noqa: BLE001
             err = e
         coord.exchange(None, err, "load (verify)")
         timings["verify"] = time.perf_counter() - t0
         t0 = time.perf_counter()
     try:
-        nbytes = execute_reads(storage, plan.units, plan.targets, max_read=opts.max_read_bytes)
+        stats = execute_reads(storage, plan.units, plan.targets, max_read=opts.max_read_bytes,
+                              peers=peers, rank=coord.rank, sharing=sharing)
     except BaseException as e:  # noqa: BLE001
         err = e
     coord.exchange(None, err, "load (read)")
@@ -125,8 +142,8 @@ def load(path: PathLike, state: Any, *, process_group: Any = None, strict: bool 
     coord.exchange(None, err, "load (apply)")
     timings["apply"] = time.perf_counter() - t0
     timings["total"] = time.perf_counter() - t_start
-    return LoadResult(path=storage.url, rank=coord.rank, bytes_read=nbytes, missing_keys=missing,
-                      unexpected_keys=unexpected, timings=timings)
+    return LoadResult(path=storage.url, rank=coord.rank, bytes_read=stats.used, bytes_received=stats.received,
+                      missing_keys=missing, unexpected_keys=unexpected, timings=timings)
 
 
 def _mismatch_message(url: str, missing: tuple[str, ...], unexpected: tuple[str, ...]) -> str:

@@ -108,3 +108,15 @@ class Coordinator:
                 raise error
             raise DistributedError(f"{what or 'operation'} failed on rank 0:\n  rank 0: {m}")
         return p
+
+    def isend(self, tensor: Any, rank: int, tag: int) -> Any:
+        """Start sending ``tensor`` to ``rank`` (of this coordinator) on its gloo group; returns the Work."""
+        import torch.distributed as dist
+
+        return dist.isend(tensor, dst=dist.get_global_rank(self.group, rank), group=self.group, tag=tag)
+
+    def irecv(self, tensor: Any, rank: int, tag: int) -> Any:
+        """Start receiving into ``tensor`` from ``rank``; returns the Work (``wait()`` raises on timeout)."""
+        import torch.distributed as dist
+
+        return dist.irecv(tensor, src=dist.get_global_rank(self.group, rank), group=self.group, tag=tag)

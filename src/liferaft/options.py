@@ -22,9 +22,10 @@ class SaveOptions:
         picks per chunk about 1/64 of its size, as a power of two between 64 KiB and 4 MiB.
     alignment: byte alignment of every chunk in the data files.
     metadata: JSON-compatible data stored in the manifest as ``extra`` (e.g. the training step).
-    memory_budget: bytes of host memory ``async_save`` may use for snapshots (its buffer pool, reused across
-        saves). None (default): as much as this rank writes, so the snapshot is taken in one go. A smaller budget
-        takes the snapshot in waves: the stall grows, memory does not.
+    memory_budget: bytes of host memory a save may use for staging (a buffer pool kept and reused across saves).
+        ``async_save``: None (default) means as much as this rank writes, so the snapshot is taken in one go; a
+        smaller budget takes it in waves: the stall grows, memory does not. ``save``: a ring of 64 MiB, or the
+        budget if smaller.
     staging: ``async_save`` only. "blocking" (default): return once the snapshot is taken, after which the state
         may change freely. "overlapped": return at once and copy in the background; call
         ``handle.wait_staged()`` before changing any tensor of the state (e.g. right before ``optimizer.step()``).
@@ -71,10 +72,16 @@ class LoadOptions:
         checksum failure leaves the state untouched; costs a second read of the data (usually from the page
         cache). Without it, a checksum failure still stops the load before the bad bytes land, but tensors
         filled earlier already hold loaded values.
+    share_reads: when several ranks need the same byte range (replicated tensors, or resharding that makes
+        every rank read the same hash blocks), one rank reads it from storage and sends it to the others over the
+        process group (received bytes are verified too), so each byte is read from storage once. None (default):
+        on for remote storage (``Storage.remote``), off for local files, where (measured on one node) each rank
+        reading for itself is faster than copying over loopback.
     """
 
     allow_pickle: bool = False
     atomic: bool = False
+    share_reads: bool | None = None
     timeout: float = 600.0
     max_read_bytes: int = DEFAULT_MAX_READ
 
@@ -92,7 +99,7 @@ class SaveResult:
     total_bytes: int            # by all ranks
     files: int                  # data files in the checkpoint
     timings: Mapping[str, float]
-    staging_bytes: int = 0      # host memory of the snapshot buffer pool (async_save), 0 for a sync save
+    staging_bytes: int = 0      # host memory of the staging buffer pool this save used
 
 
 @dataclass(frozen=True)
@@ -101,7 +108,8 @@ class LoadResult:
 
     path: str
     rank: int
-    bytes_read: int             # by this rank
+    bytes_read: int             # by this rank: the bytes its tensors were filled from (verified)
     missing_keys: tuple[str, ...]
     unexpected_keys: tuple[str, ...]
     timings: Mapping[str, float]
+    bytes_received: int = 0     # of bytes_read, those a peer read and sent (LoadOptions.share_reads)

@@ -70,6 +70,36 @@ def test_waves_keep_memory_within_the_budget_and_reuse_the_pool(tmp_path):
         assert torch.equal(liferaft.read(str(tmp_path / p))["w"], state["w"])
 
 
+def test_sync_save_streams_through_a_bounded_ring(tmp_path):
+    _async._PROCESS.pool = _async._PROCESS.ring = None
+    state = {"w": torch.randn(4096, 1024)}       # 16 MiB
+    liferaft.save(str(tmp_path / "a"), state)
+    ring = _async._PROCESS.ring
+    assert ring is not None and ring.capacity <= _async.SYNC_RING and ring.high_water <= ring.capacity
+    assert _async._PROCESS.pool is None          # a sync save never allocates a whole-snapshot pool
+    liferaft.save(str(tmp_path / "b"), state, options=liferaft.SaveOptions(memory_budget=1 << 20))
+    small = _async._PROCESS.ring
+    assert small is not None and small.capacity <= (1 << 20) and small.high_water <= small.capacity
+    # after an async save, the sync path reuses its (already faulted-in) pool
+    save_with("async-blocking", str(tmp_path / "c"), state)
+    pool = _async._PROCESS.pool
+    liferaft.save(str(tmp_path / "d"), state)
+    assert _async._PROCESS.pool is pool and _async._PROCESS.ring is small
+    for p in "abcd":
+        assert torch.equal(liferaft.read(str(tmp_path / p))["w"], state["w"])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_strided_rows_larger_than_the_budget_are_split(tmp_path, mode):
+    g = torch.Generator().manual_seed(1)
+    state = {"t": torch.randn(300_000, 4, generator=g).t(),          # rows of 1.2 MB, not contiguous
+             "u": torch.randn(3, 2, 200_000, generator=g).transpose(0, 1)}
+    assert not state["t"].is_contiguous() and not state["u"].is_contiguous()
+    save_with(mode, str(tmp_path / "ck"), state, memory_budget=1 << 20)
+    got = liferaft.read(str(tmp_path / "ck"))
+    assert torch.equal(got["t"], state["t"]) and torch.equal(got["u"], state["u"])
+
+
 register_scheme("slowtest", GatedStorage)
 register_scheme("failtest", FailingStorage)
 

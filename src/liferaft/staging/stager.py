@@ -9,10 +9,11 @@ event the writer waits on; there is no per-tensor synchronization of the caller'
 
 from __future__ import annotations
 
+import math
 import queue
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
@@ -21,6 +22,7 @@ from liferaft.planning.save_plan import WriteItem
 from liferaft.staging.pool import ALIGN, PAGE, BufferPool
 
 DIRECT_MIN = 64 << 10
+PIECE_LIMIT = 64 << 20      # largest piece: bounds the latency from copy to write
 
 
 @dataclass
@@ -40,14 +42,25 @@ class StageFailed:
 END = None
 
 
-def _ranges(src: torch.Tensor, length: int, limit: int) -> list[tuple[int, int, slice | None]]:
-    """Byte ranges [a, b) of a chunk; with a row slice when the source must be copied by rows."""
+def _ranges(src: torch.Tensor, length: int, limit: int) -> list[tuple[int, int, tuple[Any, ...] | None]]:
+    """Byte ranges [a, b) of a chunk, each at most ``limit`` bytes, with the index of ``src`` they hold when the
+    source is not contiguous (then ranges follow its leading dimensions: whole rows, or parts of one row)."""
     if src.is_contiguous() or src.dim() == 0:
         return [(a, min(a + limit, length), None) for a in range(0, length, limit)]
-    row = length // src.shape[0]
-    rows = max(1, limit // row)
-    return [(r * row, min(r + rows, src.shape[0]) * row, slice(r, min(r + rows, src.shape[0])))
-            for r in range(0, src.shape[0], rows)]
+    return list(_split(tuple(src.shape), src.element_size(), limit, (), 0))
+
+
+def _split(shape: tuple[int, ...], itemsize: int, limit: int, prefix: tuple[Any, ...],
+           base: int) -> Iterator[tuple[int, int, tuple[Any, ...]]]:
+    row = math.prod(shape[1:]) * itemsize          # bytes per index of the leading dimension
+    if row <= limit or len(shape) == 1:
+        step = max(1, limit // row) if row else max(1, shape[0])
+        for r in range(0, shape[0], step):
+            e = min(r + step, shape[0])
+            yield base + r * row, base + e * row, prefix + (slice(r, e),)
+    else:
+        for r in range(shape[0]):
+            yield from _split(shape[1:], itemsize, limit, prefix + (r,), base + r * row)
 
 
 def staged_size(items: Sequence[WriteItem], sources: Mapping[tuple[str, Box], torch.Tensor], piece_limit: int) -> int:
@@ -94,7 +107,8 @@ def stage(items: Sequence[WriteItem], sources: Mapping[tuple[str, Box], torch.Te
     return copy_s
 
 
-def _copy(src: torch.Tensor, view: torch.Tensor, a: int, b: int, rows: slice | None, stream: Any) -> Any:
+def _copy(src: torch.Tensor, view: torch.Tensor, a: int, b: int, rows: tuple[Any, ...] | None,
+          stream: Any) -> Any:
     if rows is None:
         part = src.reshape(-1).view(torch.uint8)[a:b] if src.numel() else src.reshape(-1).view(torch.uint8)
         dst = view

@@ -30,6 +30,8 @@ class Storage(ABC):
 
     #: True when the bytes live only in this process (other ranks cannot see them).
     process_local: bool = False
+    #: True when reads cross a network to a shared service (object store): loads then share reads between ranks.
+    remote: bool = False
 
     @property
     @abstractmethod

@@ -4,7 +4,8 @@ Units (whole hash blocks of one chunk, see ``planning.load_plan``) are sorted by
 into physical reads of up to ``max_read`` bytes, aligned to 4 KiB so that storage may use direct I/O (no page
 cache: on these VMs the page cache costs a first touch of fresh memory per byte). A reader thread fills one
 of two page-aligned scratch buffers while the caller's thread verifies and copies the other. Every block is
-verified before any of its bytes reach a target tensor, so a corrupt block never lands in the state.
+verified before any of its bytes reach a target tensor, so a corrupt block never lands in the state. Spans that
+several ranks need may be shared (``planning.share_plan``): one rank reads and sends, the others receive.
 """
 
 from __future__ import annotations
@@ -12,28 +13,54 @@ from __future__ import annotations
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 import torch
 
 from liferaft.codecs.checksum import verify_blocks
-from liferaft.errors import CorruptCheckpointError
+from liferaft.errors import CorruptCheckpointError, DistributedError
 from liferaft.planning.load_plan import ReadUnit
+from liferaft.planning.share_plan import SharedSpan, Span
 from liferaft.staging.pool import PAGE, page_aligned_empty
 from liferaft.storage.base import Storage
 
 @dataclass
 class _Batch:
-    """One physical read: ``length`` bytes of ``file`` at ``offset`` (page aligned) holding ``units``."""
+    """One job: ``length`` bytes of ``file`` from ``offset`` (page aligned for a storage read) holding ``units``.
+
+    ``share`` marks a span read by one rank and sent to others: ``send`` (this rank reads it, then sends the
+    span's bytes) or ``recv`` (this rank receives them instead of reading; then ``offset`` is the span's start).
+    """
 
     file: str
     offset: int
     length: int
     units: list[tuple[ReadUnit, torch.dtype]]
+    share: SharedSpan | None = None
+    role: str = "local"
 
     @property
-    def needed_end(self) -> int:
-        return max(u.file_offset + u.length for u, _ in self.units) - self.offset
+    def key(self) -> tuple[str, int, int]:
+        if self.share is not None:
+            return self.file, self.share.start, self.share.length
+        first = min(u.file_offset for u, _ in self.units)
+        return self.file, first, max(u.file_offset + u.length for u, _ in self.units) - first
+
+
+@dataclass
+class ReadStats:
+    """Bytes a rank used for its targets, and how many of them came from peers instead of storage."""
+
+    used: int = 0
+    received: int = 0
+
+
+class Peers(Protocol):
+    """Point-to-point transfers between the ranks of a load (``dist.Coordinator``); both return a Work."""
+
+    def isend(self, tensor: torch.Tensor, rank: int, tag: int) -> Any: ...
+
+    def irecv(self, tensor: torch.Tensor, rank: int, tag: int) -> Any: ...
 
 
 def _batches(units: Sequence[tuple[ReadUnit, torch.dtype]], max_read: int) -> list[_Batch]:
@@ -54,56 +81,110 @@ def _batches(units: Sequence[tuple[ReadUnit, torch.dtype]], max_read: int) -> li
     return out
 
 
-def execute_reads(storage: Storage, units: Sequence[tuple[ReadUnit, torch.dtype]],
-                  targets: Sequence[torch.Tensor], copy: bool = True, max_read: int = 32 << 20) -> int:
-    """Run ``units`` (each with the dtype of its tensor) into ``targets``; return the bytes read.
+def _jobs(units: Sequence[tuple[ReadUnit, torch.dtype]], max_read: int, rank: int,
+          sharing: Mapping[Span, SharedSpan]) -> list[_Batch]:
+    """Local reads coalesced as in ``_batches``; one job per shared span. Ordered by file position, so shared
+    spans come in tag order on every rank."""
+    shared: dict[int, _Batch] = {}
+    local = []
+    for unit, dtype in units:
+        share = sharing.get((unit.file, unit.file_offset, unit.length))
+        if share is None:
+            local.append((unit, dtype))
+        elif share.tag in shared:
+            shared[share.tag].units.append((unit, dtype))
+        elif share.reader == rank:
+            lo = share.start // PAGE * PAGE
+            hi = -(-(share.start + share.length) // PAGE) * PAGE
+            shared[share.tag] = _Batch(unit.file, lo, hi - lo, [(unit, dtype)], share, "send")
+        else:
+            shared[share.tag] = _Batch(unit.file, share.start, share.length, [(unit, dtype)], share, "recv")
+    return sorted(_batches(local, max_read) + list(shared.values()), key=lambda b: b.key)
 
-    With ``copy=False`` the bytes are only read and verified (the first pass of an atomic load).
+
+def execute_reads(storage: Storage, units: Sequence[tuple[ReadUnit, torch.dtype]],
+                  targets: Sequence[torch.Tensor], copy: bool = True, max_read: int = 32 << 20,
+                  peers: Peers | None = None, rank: int = 0,
+                  sharing: Mapping[Span, SharedSpan] | None = None) -> ReadStats:
+    """Run ``units`` (each with the dtype of its tensor) into ``targets``; return the bytes used and received.
+
+    With ``copy=False`` the bytes are only read and verified (the first pass of an atomic load). With
+    ``sharing`` (from ``planning.share_plan.plan_sharing``, the same on every rank) the shared spans this rank
+    reads are sent to ``peers`` and those other ranks read are received instead of read; received bytes are
+    verified like read ones. After a failure the transfers still run to the end (without reading or copying),
+    so that no peer waits for a message that never comes; then the first error is raised.
     """
+    stats = ReadStats()
     if not units:
-        return 0
-    batches = _batches(units, max(max_read, max(-(-(u.length + 2 * PAGE) // PAGE) * PAGE for u, _ in units)))
-    size = max(b.length for b in batches)
+        return stats
+    sharing = sharing or {}
+    jobs = _jobs(units, max(max_read, max(-(-(u.length + 2 * PAGE) // PAGE) * PAGE for u, _ in units)), rank,
+                 sharing)
+    size = max(b.length for b in jobs)
     free: queue.Queue[torch.Tensor] = queue.Queue()
-    for _ in range(2 if len(batches) > 1 else 1):
+    for _ in range(min(len(jobs), 3 if sharing else 2)):
         free.put(page_aligned_empty(size))
-    ready: queue.Queue[tuple[_Batch, torch.Tensor, int] | BaseException | None] = queue.Queue()
-    stop = threading.Event()
+    ready: queue.Queue[tuple[_Batch, torch.Tensor, int, list[Any]]] = queue.Queue()
+    errors: list[BaseException] = []
+    comm_ok = [True]
+
+    def fail(e: BaseException) -> None:
+        errors.append(e)
 
     def read_all() -> None:
-        try:
-            for b in batches:
-                buf = free.get()
-                if stop.is_set():
-                    return
-                try:
-                    n = storage.read_into(b.file, b.offset, memoryview(buf[:b.length].numpy()))
-                except FileNotFoundError:
-                    raise CorruptCheckpointError(f"{storage.url}: data file {b.file!r} is missing") from None
-                ready.put((b, buf, n))
-            ready.put(None)
-        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
-            ready.put(e)
+        for b in jobs:
+            buf = free.get()
+            n, works = 0, []
+            try:
+                if b.role != "recv" and not errors:
+                    try:
+                        n = storage.read_into(b.file, b.offset, memoryview(buf[:b.length].numpy()))
+                    except FileNotFoundError:
+                        raise CorruptCheckpointError(f"{storage.url}: data file {b.file!r} is missing") from None
+                if b.share is not None and comm_ok[0]:
+                    assert peers is not None
+                    if b.role == "send":
+                        (_, start, length) = b.key
+                        part = buf[start - b.offset:start - b.offset + length]
+                        works = [peers.isend(part, r, b.share.tag) for r in b.share.receivers]
+                    else:
+                        works = [peers.irecv(buf[:b.length], b.share.reader, b.share.tag)]
+                        n = b.length
+            except BaseException as e:  # noqa: BLE001 - handed to the caller's thread; transfers go on
+                fail(e)
+            ready.put((b, buf, n, works))
 
     reader = threading.Thread(target=read_all, name="liferaft-reader", daemon=True)
     reader.start()
-    total = 0
+    for _ in jobs:
+        batch, buf, n, works = ready.get()
+        try:
+            for w in works:
+                if comm_ok[0]:
+                    _wait(w, batch)
+            if not errors:
+                _consume(batch, buf, n, targets, copy)
+                stats.used += sum(u.length for u, _ in batch.units)
+                stats.received += batch.length if batch.role == "recv" else 0
+        except DistributedError as e:
+            comm_ok[0] = False
+            fail(e)
+        except BaseException as e:  # noqa: BLE001 - raised below, after the transfers have run to the end
+            fail(e)
+        free.put(buf)
+    reader.join()
+    if errors:
+        raise errors[0]
+    return stats
+
+
+def _wait(work: Any, batch: _Batch) -> None:
     try:
-        while True:
-            item = ready.get()
-            if item is None:
-                break
-            if isinstance(item, BaseException):
-                raise item
-            batch, buf, n = item
-            _consume(batch, buf, n, targets, copy)
-            total += sum(u.length for u, _ in batch.units)
-            free.put(buf)
-    finally:
-        stop.set()
-        free.put(torch.empty(0, dtype=torch.uint8))     # unblock a reader waiting for a buffer
-        reader.join()
-    return total
+        work.wait()
+    except Exception as e:  # noqa: BLE001 - gloo reports a lost or silent peer as RuntimeError
+        raise DistributedError(f"sharing bytes {batch.key[1]}.. of {batch.file!r} with rank(s) "
+                               f"{batch.share and (batch.share.receivers if batch.role == 'send' else batch.share.reader)}"
+                               f" failed (a peer died or did not answer): {e}") from None
 
 
 def _consume(batch: _Batch, buf: torch.Tensor, n: int, targets: Sequence[torch.Tensor], copy: bool) -> None:

@@ -1,22 +1,22 @@
-"""Write this rank's share of a save plan to its data file, hashing each chunk in blocks."""
+"""Write this rank's share of a save plan to its data file from staged pieces, hashing each chunk in blocks."""
 
 from __future__ import annotations
 
 import queue
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import torch
 
-from liferaft.codecs.checksum import BlockHasher, block_hashes, choose_block_size
+from liferaft.codecs.checksum import BlockHasher, choose_block_size
 from liferaft.errors import StorageError
 from liferaft.planning.geometry import Box
 from liferaft.planning.save_plan import WriteItem
 from liferaft.staging.pool import BufferPool
-from liferaft.staging.stager import StageFailed
+from liferaft.staging.stager import PIECE_LIMIT, StageFailed, stage
 from liferaft.storage.base import Storage
-from liferaft.transfer.tensors import host_bytes
 
 
 @dataclass
@@ -27,42 +27,32 @@ class WriteOutcome:
     write_s: float
 
 
-def write_items(storage: Storage, items: Sequence[WriteItem], sources: Mapping[tuple[str, Box], torch.Tensor],
-                block_size: int | None = None) -> WriteOutcome:
-    """Write ``items`` (all in one file) from ``sources[(key, box)]``; the file is durable on return.
+def write_streamed(storage: Storage, items: Sequence[WriteItem], sources: Mapping[tuple[str, Box], torch.Tensor],
+                   pool: BufferPool, block_size: int | None = None) -> WriteOutcome:
+    """Write ``items`` (all in one file) from ``sources[(key, box)]`` through ``pool``; durable on return.
 
-    On any error the partial file is removed and the error re-raised.
+    A staging thread copies pieces of at most a quarter of the pool into it while this thread hashes and writes
+    the previous ones (page-aligned pieces go to storage with O_DIRECT: no page cache is filled), so memory
+    stays within the pool however large the state, and the copy overlaps the I/O. On error the partial file
+    is removed and the error re-raised.
     """
-    out = WriteOutcome(hashes=[], bytes_written=0, stage_s=0.0, write_s=0.0)
-    if not items:
-        return out
+    pieces: queue.Queue[Any] = queue.Queue()
+    limit = max(1 << 20, min(PIECE_LIMIT, pool.capacity // 4))
+    copy_s = [0.0]
+
+    def run_stage() -> None:
+        try:
+            copy_s[0] = stage(items, sources, pool, pieces, limit)
+        except BaseException:  # noqa: BLE001 - queued as StageFailed for the writer, which raises it
+            pass
+
+    stager = threading.Thread(target=run_stage, name="liferaft-stager", daemon=True)
+    stager.start()
     try:
-        writer = storage.open_writer(items[0].file)
-    except OSError as e:
-        raise StorageError(f"{storage.url}: cannot create data file {items[0].file!r}: {e}") from e
-    try:
-        for w in items:
-            t0 = time.perf_counter()
-            keep, mv = host_bytes(sources[(w.key, (w.offsets, w.sizes))])
-            if len(mv) != w.length:
-                raise AssertionError(f"key {w.key!r}: planned {w.length} bytes but the tensor has {len(mv)}")
-            t1 = time.perf_counter()
-            bs = choose_block_size(w.length, block_size)
-            out.hashes.append((bs, block_hashes(mv, bs)))
-            writer.pwrite(mv, w.byte_offset)
-            del keep, mv
-            out.stage_s += t1 - t0
-            out.write_s += time.perf_counter() - t1
-            out.bytes_written += w.length
-        t0 = time.perf_counter()
-        writer.close()
-        out.write_s += time.perf_counter() - t0
-    except OSError as e:
-        writer.abort()
-        raise StorageError(f"{storage.url}: writing data file {items[0].file!r} failed: {e}") from e
-    except BaseException:
-        writer.abort()
-        raise
+        out = write_staged(storage, items, pieces, pool, block_size)
+    finally:
+        stager.join()
+    out.stage_s = copy_s[0]
     return out
 
 

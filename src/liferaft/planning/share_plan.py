@@ -1,0 +1,53 @@
+"""Read sharing: a byte range that several ranks need is read from storage by one of them and sent to the others.
+
+Pure functions on the read spans ``(file, offset, length)`` every rank planned. Typical cases: every data-parallel
+rank loading the same replicated tensors (one read per span instead of one per rank), and resharding that makes
+all ranks read the same hash blocks (Shard(0) → Shard(1): every rank needs every row). Only identical spans are
+shared (load planning cuts a chunk the same way on every rank that wants the same blocks); spans smaller than
+``min_bytes`` are read locally, where one more small read costs less than a message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+Span = tuple[str, int, int]          # (file, byte offset, length)
+
+MIN_SHARED_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class SharedSpan:
+    """A span (the bytes ``[start, start + length)`` of its file) read by ``reader`` and sent to ``receivers``;
+    ``tag`` numbers the transfers in file order, the same on every rank."""
+
+    tag: int
+    reader: int
+    receivers: tuple[int, ...]
+    start: int
+    length: int
+
+
+def plan_sharing(spans_per_rank: Sequence[Sequence[Span]], min_bytes: int = MIN_SHARED_BYTES) -> dict[Span, SharedSpan]:
+    """Which spans are shared, who reads each and who receives it; the same result on every rank.
+
+    Spans needed by two or more ranks and at least ``min_bytes`` long are shared; each goes to the rank that
+    needs it with the fewest bytes assigned so far (in file order, ties to the lower rank), so that the ranks
+    read in turn, all at the same time. Every rank sends and receives in tag (file) order, so the transfers
+    cannot deadlock.
+    """
+    needers: dict[Span, list[int]] = {}
+    for rank, spans in enumerate(spans_per_rank):
+        for span in set(spans):
+            if span[2] >= min_bytes:
+                needers.setdefault(span, []).append(rank)
+    load = [0] * len(spans_per_rank)
+    out: dict[Span, SharedSpan] = {}
+    for span in sorted(s for s, ranks in needers.items() if len(ranks) > 1):
+        ranks = sorted(needers[span])
+        reader = min(ranks, key=lambda r: (load[r], r))
+        load[reader] += span[2]
+        out[span] = SharedSpan(tag=len(out), reader=reader, receivers=tuple(r for r in ranks if r != reader),
+                               start=span[1], length=span[2])
+    return out

@@ -1,0 +1,57 @@
+"""Rank functions for the shared-read tests (imported by child processes as ``multiproc._share_ranks``)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+import liferaft
+from liferaft import LiferaftError, LoadOptions
+
+TIMEOUT = 60.0
+BIG = {"a": (512, 1024), "b": (1024, 512), "c": (300_000,)}     # 2 MiB, 2 MiB, 1.2 MB: shared spans
+SMALL = {"s": (64, 64)}                                          # 16 KiB: read by every rank itself
+
+
+def reference() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return {k: torch.randn(shape, generator=g) for k, shape in {**BIG, **SMALL}.items()}
+
+
+def load_replicated(rank: int, world: int, path: str, share: bool, atomic: bool = False) -> tuple[Any, ...]:
+    """Every rank loads every tensor whole (a data-parallel restart). Returns (outcome, equal, read, received)."""
+    state = {k: torch.full_like(v, -1.0) for k, v in reference().items()}
+    before = copy.deepcopy(state)
+    try:
+        res = liferaft.load(path, state, options=LoadOptions(timeout=TIMEOUT, share_reads=share, atomic=atomic))
+    except LiferaftError as e:
+        unchanged = all(torch.equal(state[k], before[k]) for k in state)
+        return type(e).__name__, str(e), unchanged
+    equal = all(torch.equal(state[k], v) for k, v in reference().items())
+    return "ok", equal, res.bytes_read, res.bytes_received
+
+
+def save_rows(rank: int, world: int, path: str) -> None:
+    """Save the big 2-D tensors as Shard(0) DTensors."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    ref = reference()
+    state = {k: distribute_tensor(ref[k], mesh, [Shard(0)]) for k in ("a", "b")}
+    liferaft.save(path, state, options=liferaft.SaveOptions(timeout=TIMEOUT))
+
+
+def load_columns(rank: int, world: int, path: str) -> tuple[bool, int, int]:
+    """Load them as Shard(1): every rank needs every row, i.e. the same hash blocks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    ref = reference()
+    state = {k: distribute_tensor(torch.zeros_like(ref[k]), mesh, [Shard(1)]) for k in ("a", "b")}
+    res = liferaft.load(path, state, options=LoadOptions(timeout=TIMEOUT, share_reads=True))
+    equal = all(torch.equal(state[k].full_tensor(), ref[k]) for k in ("a", "b"))
+    return equal, res.bytes_read, res.bytes_received

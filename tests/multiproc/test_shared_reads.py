@@ -1,0 +1,84 @@
+"""Shared reads: a span several ranks need is read from storage once and sent to the others; received bytes are
+verified; a corrupt shared span fails every rank without a hang."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import liferaft
+from liferaft.planning.share_plan import plan_sharing
+from liferaft.testing import run_ranks
+from multiproc import _share_ranks as R
+
+
+def _run(fn, world, *args):
+    return run_ranks(fn, world, *args, timeout=150.0, pg_timeout=60.0)
+
+
+def _nbytes(names):
+    ref = R.reference()
+    return sum(ref[k].numel() * 4 for k in names)
+
+
+@pytest.fixture
+def saved(tmp_path):
+    path = str(tmp_path / "ck")
+    liferaft.save(path, R.reference())
+    return path
+
+
+def test_replicated_load_reads_each_span_once(saved):
+    out = _run(R.load_replicated, 3, saved, True)
+    assert all(o[0] == "ok" and o[1] for o in out), out
+    from_storage = sum(o[2] - o[3] for o in out)
+    # each big tensor read once in all, the small one by every rank
+    assert from_storage == _nbytes(R.BIG) + 3 * _nbytes(R.SMALL), out
+    assert sum(1 for o in out if o[3] > 0) >= 2, f"the reads were not spread: {out}"
+    off = _run(R.load_replicated, 3, saved, False)
+    assert all(o[0] == "ok" and o[1] and o[3] == 0 for o in off), off
+    assert sum(o[2] for o in off) == 3 * _nbytes({**R.BIG, **R.SMALL})
+
+
+def test_reshard_rows_to_columns_shares_the_blocks(tmp_path):
+    path = str(tmp_path / "ck")
+    _run(R.save_rows, 2, path)
+    out = _run(R.load_columns, 2, path)
+    assert all(o[0] for o in out), out
+    assert all(o[2] > 0 for o in out), f"each rank should receive half of the rows: {out}"
+    assert sum(o[1] - o[2] for o in out) == _nbytes(("a", "b")), out
+
+
+@pytest.mark.parametrize("atomic", [False, True])
+def test_corrupt_shared_span_fails_every_rank(saved, atomic):
+    manifest = json.loads(open(f"{saved}/{json.load(open(f'{saved}/COMMIT'))['manifest']}").read())
+    (chunk,) = next(t for t in manifest["tensors"] if t["key"] == "b")["chunks"]
+    with open(f"{saved}/{chunk['file']}", "r+b") as f:
+        f.seek(chunk["byte_offset"] + 1000)
+        b = f.read(1)
+        f.seek(chunk["byte_offset"] + 1000)
+        f.write(bytes([b[0] ^ 0x01]))
+    out = _run(R.load_replicated, 3, saved, True, atomic)
+    for o in out:
+        assert o[0] in ("CorruptCheckpointError", "DistributedError"), out
+        assert "'b'" in o[1], out
+        if atomic:
+            assert o[2], f"an atomic load changed the state: {out}"
+    assert any(o[0] == "CorruptCheckpointError" for o in out)
+
+
+def test_plan_sharing_is_balanced_ordered_and_skips_small_or_unique_spans():
+    big = [("f", i * (4 << 20), 4 << 20) for i in range(6)]
+    small = ("f", 1 << 30, 4096)
+    only0 = ("g", 0, 8 << 20)
+    plan = plan_sharing([big + [small, only0], big + [small], big], min_bytes=1 << 20)
+    assert set(plan) == set(big)                      # the small and the single-rank spans are read locally
+    assert [plan[s].tag for s in sorted(plan)] == list(range(6))
+    assert [plan[s].reader for s in sorted(plan)] == [0, 1, 2, 0, 1, 2]     # in turn: all ranks read at once
+    for s in big:
+        p = plan[s]
+        assert p.reader not in p.receivers and len(p.receivers) == 2 and (p.start, p.length) == s[1:]
+    assert plan_sharing([big, [("f", 0, 4 << 20)]])[("f", 0, 4 << 20)].receivers in ((0,), (1,))
+    # every rank computes the same plan from the same inputs, whatever order it lists its spans in
+    assert plan_sharing([big, big[::-1]]) == plan_sharing([big[::-1], big])
