@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from _common import PeakRss, drop_cache
+from _common import PeakRss, drop_cache, med_range
 
 import _bench_ranks as W
 
@@ -281,9 +281,28 @@ def verify_op(method: str, checkpoints: list[tuple[str, int]], cfg: W.Config) ->
         shutil.rmtree(path, ignore_errors=True)
 
 
+LIMITS = [("memcpy_1t_s", "memcpy into prefaulted tensors, 1 thread"),
+          ("memcpy_2t_s", "memcpy into prefaulted tensors, 2 threads"),
+          ("write_fsync_s", "Python write + fsync, one file"),
+          ("direct_write_s", "O_DIRECT write + fsync from an aligned 64 MiB buffer"), ("read_s", "read of that file")]
+
+
+def limits_table(limits: list[dict[str, Any]], nbytes: int) -> str:
+    """Markdown table of the limits measured per rep (median [min–max] seconds, GB/s at the median)."""
+    lines = [f"Physical limits on the same {nbytes / 1e9:.2f} GB (seconds, GB/s at the median):", "",
+             "| limit | seconds | GB/s |", "|---|---|---|"]
+    for key, label in LIMITS:
+        v = [r[key] for r in limits]
+        if key == "read_s":
+            label = f"{limits[0]['read_mode']} {label}"
+        lines.append(f"| {label} | {med_range(v, '.3f')} | {nbytes / statistics.median(v) / 1e9:.2f} |")
+    return "\n".join(lines)
+
+
 def limits_op(tmp: str, cfg: W.Config, idle: float) -> dict[str, Any]:
     """The physical limits on the same bytes: memcpy into prefaulted tensors (torch copy_, 1 and 2 threads),
-    Python write + fsync of every tensor's bytes to one file, O_DIRECT read of that file (buffered if refused)."""
+    Python write + fsync of every tensor's bytes to one file, O_DIRECT write of as many bytes from an aligned
+    buffer, O_DIRECT read of the file (buffered if refused)."""
     state = W.build_state(cfg, "full", filled=True)
     src = [t for _, _, t in W.leaves_of(state, cfg)]
     dst = [torch.empty_like(t) for t in src]
@@ -314,6 +333,7 @@ def limits_op(tmp: str, cfg: W.Config, idle: float) -> dict[str, Any]:
     drop_cache(file)
     buf = mmap.mmap(-1, 64 << 20)
     buf.write(b"\0" * len(buf))              # prefault the (page-aligned) buffer
+    out["direct_write_s"] = _direct_write(os.path.join(tmp, "limits-direct.bin"), buf, out["bytes"])
     time.sleep(idle)
     out["read_mode"] = "O_DIRECT"
     try:
@@ -324,6 +344,25 @@ def limits_op(tmp: str, cfg: W.Config, idle: float) -> dict[str, Any]:
         out["read_s"] = _read_file(file, buf, 0)
     os.unlink(file)
     return out
+
+
+def _direct_write(file: str, buf: mmap.mmap, nbytes: int) -> float:
+    """Seconds to write ``nbytes`` (whole buffers) from a prefaulted aligned buffer with O_DIRECT, plus fsync;
+    NaN where the file system refuses O_DIRECT."""
+    try:
+        fd = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    except OSError:
+        return float("nan")
+    t0 = time.perf_counter()
+    try:
+        done = 0
+        while done < nbytes:
+            done += os.pwrite(fd, buf, done)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        os.unlink(file)
+    return time.perf_counter() - t0
 
 
 def _read_file(file: str, buf: mmap.mmap, flags: int) -> float:

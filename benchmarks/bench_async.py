@@ -55,9 +55,7 @@ LABEL = {"liferaft-blocking": "liferaft async_save, blocking staging",
 PEER = {"dcp-sync": "liferaft-sync", "dcp-thread": "liferaft-blocking",
         "dcp-thread-async-staging": "liferaft-overlapped", "dcp-process-shm": "liferaft-blocking"}
 SYNC = {"liferaft-sync", "dcp-sync"}
-LIMITS = [("memcpy_1t_s", "memcpy into prefaulted tensors, 1 thread"),
-          ("memcpy_2t_s", "memcpy into prefaulted tensors, 2 threads"),
-          ("write_fsync_s", "Python write + fsync, one file"), ("read_s", "read of that file")]
+LIMITS = O.LIMITS
 
 
 def metrics(out: dict[str, Any]) -> dict[str, Any]:
@@ -149,14 +147,7 @@ class Bench:
                 f"verified bit-exact. DCP/liferaft > 1 means liferaft is better.\n")
 
     def limits_table(self) -> str:
-        lines = [f"Physical limits on the same {self.nbytes / 1e9:.2f} GB (seconds, GB/s at the median):", "",
-                 "| limit | seconds | GB/s |", "|---|---|---|"]
-        for key, label in LIMITS:
-            v = [r[key] for r in self.limits]
-            if key == "read_s":
-                label = f"{self.limits[0]['read_mode']} {label}"
-            lines.append(f"| {label} | {med_range(v, '.3f')} | {self.nbytes / statistics.median(v) / 1e9:.2f} |")
-        return "\n".join(lines)
+        return O.limits_table(self.limits, self.nbytes)
 
     def main_table(self) -> str:
         lines = ["| method | stall in loop, 1 thread (s) | stall, 2 threads (s) | call return (s) | slowdown during "
@@ -181,10 +172,11 @@ class Bench:
     def ratio_table(self) -> str:
         memcpy = statistics.median(r["memcpy_1t_s"] for r in self.limits)
         wf = statistics.median(r["write_fsync_s"] for r in self.limits)
-        lines = ["Ratios (medians): stall ÷ prefaulted memcpy (1 thread), total ÷ write + fsync; DCP/liferaft "
-                 "against the liferaft mode named.", "",
-                 "| method | stall ÷ memcpy | total ÷ write+fsync | DCP/liferaft: stall 1 thread | stall 2 threads "
-                 "| total | first-save stall |", "|---" * 7 + "|"]
+        dw = statistics.median(r["direct_write_s"] for r in self.limits)
+        lines = ["Ratios (medians): stall ÷ prefaulted memcpy (1 thread), total ÷ write + fsync and ÷ O_DIRECT "
+                 "write; DCP/liferaft against the liferaft mode named.", "",
+                 "| method | stall ÷ memcpy | call ÷ memcpy | total ÷ write+fsync | total ÷ O_DIRECT write "
+                 "| DCP/liferaft: stall 1 thread | stall 2 threads | total | first-save stall |", "|---" * 9 + "|"]
 
         def ratio(m: str, peer: str, key: str) -> str:
             a, b = self.med(peer, key), self.med(m, key)
@@ -193,8 +185,9 @@ class Bench:
         for m in O.METHODS:
             if m not in self.samples:
                 continue
-            s1, tot = self.med(m, "stall1"), self.med(m, "total")
-            cells = [f"{s1 / memcpy:.1f}" if s1 is not None else "–", f"{tot / wf:.2f}" if tot is not None else "–"]
+            s1, call, tot = self.med(m, "stall1"), self.med(m, "call"), self.med(m, "total")
+            cells = [f"{v / lim:.2f}" if v is not None else "–"
+                     for v, lim in ((s1, memcpy), (call, memcpy), (tot, wf), (tot, dw))]
             peer = PEER.get(m)
             if peer and peer in self.samples:
                 cells += [f"{ratio(m, peer, k)}" for k in ("stall1", "stall2", "total", "cold_stall")]

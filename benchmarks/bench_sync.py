@@ -35,6 +35,7 @@ from typing import Any
 
 from _common import ROOT, append_jsonl, dir_bytes, drop_cache, machine, run_and_report, run_solo  # sets up the paths
 
+import _bench_async_ops as O  # noqa: E402
 import _bench_ranks as W  # noqa: E402
 from liferaft.testing import run_ranks  # noqa: E402
 
@@ -57,6 +58,7 @@ class Bench:
         self.jsonl = os.path.join(ROOT, "bench-out", "bench_sync.jsonl")
         self.run_id = datetime.datetime.now().strftime("%Y%m%dT%H%M%S")
         self.samples: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+        self.limits: list[dict[str, Any]] = []
         self.timeout = 300.0 + 120.0 * args.size_gib
 
     def record(self, case: str, op: str, method: str, rep: int, per_rank: list[dict[str, Any]],
@@ -120,6 +122,11 @@ class Bench:
         try:
             for rep in range(self.args.reps):
                 order = methods[rep % len(methods):] + methods[:rep % len(methods)]   # rotate: spread drift
+                out = run_solo(O.limits_op, os.path.join(self.tmp, "limits"), self.cfg, self.args.idle)
+                self.limits.append(out)
+                self.write({"kind": "limits", "run": self.run_id, "rep": rep, **out})
+                print(f"  rep {rep} limits: write+fsync {out['write_fsync_s']:.3f} s, O_DIRECT write "
+                      f"{out['direct_write_s']:.3f} s, read {out['read_s']:.3f} s", file=sys.stderr, flush=True)
                 if "1p" in self.args.cases:
                     for m in order:
                         self.one_process(rep, m)
@@ -151,13 +158,16 @@ class Bench:
                 f"{self.args.reps} reps, seconds median [min–max] and GB/s at the median; idle "
                 f"{self.args.idle:g} s before each op; each op in a fresh process; loads after "
                 f"fadvise(DONTNEED); 2-rank times are the max over ranks; every load verified bit-exact. "
-                f"DCP/liferaft > 1 means liferaft is faster.\n")
+                f"DCP/liferaft > 1 means liferaft is faster; limit/liferaft is the share of the physical limit "
+                f"reached (saves: Python write + fsync; loads: O_DIRECT read of one file), 1 = at the limit.\n")
 
     def table(self) -> str:
         cols = [m for m in COLUMNS if any(k[2] == m for k in self.samples)]
         titles = [COLUMN_TITLE[m] for m in cols]
         if "liferaft" in cols and "dcp" in cols:
             titles.insert(cols.index("dcp") + 1, "DCP/liferaft")
+        if "liferaft" in cols and self.limits:
+            titles.insert(1, "limit/liferaft")
         lines = ["| operation | " + " | ".join(titles) + " |", "|---" * (len(titles) + 1) + "|"]
         rss = ["", "Extra peak RSS, MiB (median):", "",
                "| operation | " + " | ".join(COLUMN_TITLE[m] for m in cols) + " |", "|---" * (len(cols) + 1) + "|"]
@@ -171,6 +181,9 @@ class Bench:
                 cells.append(f"{s['median_s']:.2f} [{s['min_s']:.2f}–{s['max_s']:.2f}] · {s['gb_per_s']:.2f} GB/s"
                              if s else "–")
                 rcells.append(f"{s['extra_rss_median'] / 2**20:.0f}" if s else "–")
+                if m == "liferaft" and self.limits:
+                    limit = statistics.median(r["write_fsync_s" if op == "save" else "read_s"] for r in self.limits)
+                    cells.append(f"{limit / s['median_s']:.2f}" if s else "–")
                 if m == "dcp" and "liferaft" in cols:
                     a, b = sums["liferaft"], sums["dcp"]
                     cells.append(f"**{b['median_s'] / a['median_s']:.2f}×**" if a and b else "–")
@@ -184,6 +197,8 @@ class Bench:
             if s:
                 self.write(s)
         print(self.header())
+        if self.limits:
+            print(O.limits_table(self.limits, self.nbytes) + "\n")
         print(self.table())
 
 
