@@ -18,8 +18,17 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m pytest -q tests
 
-bench: $(VENV)/.installed
+# Peer libraries the benchmark compares against (not needed by liferaft or its tests). ByteCheckpoint 0.0.2 pins
+# torch<=2.5, so it goes in without its dependencies, which are added here (torch stays 2.13.0).
+$(VENV)/.peers: $(VENV)/.installed
+	$(PY) -m pip install -q --no-deps bytecheckpoint==0.0.2
+	$(PY) -m pip install -q torchsnapshot==0.1.0 "mmh3>=4.1,<=4.2" "universal-pathlib>=0.2.2,<=1.0" "cachetools>=5.4" \
+		grpcio protobuf
+	touch $@
+
+bench: $(VENV)/.peers
 	$(PY) benchmarks/bench_sync.py
+	$(PY) benchmarks/bench_sync.py --size-gib 4 --reps 2 --methods liferaft,dcp,bytecheckpoint
 	$(PY) benchmarks/bench_async.py
 
 clean:

@@ -28,6 +28,9 @@ from _common import PeakRss
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 VOCAB, CONTEXT = 32000, 1024
+# peer libraries (benchmarks/_peers.py) and whether their "fast" mode is used: ByteCheckpoint's fast_saving /
+# fast_loading (its recommended pipelined path; the save still waits until the files are durable)
+PEER_FAST = {"bytecheckpoint": True, "torchsnapshot": False}
 
 
 @dataclass(frozen=True)
@@ -196,6 +199,11 @@ def do_save(method: str, path: str, state: dict[str, Any], cfg: Config | None, s
 
         dcp.save(state, checkpoint_id=path, no_dist=solo)   # FileSystemWriter fsyncs by default (sync_files)
         return {}
+    if method in PEER_FAST:
+        import _peers
+
+        _peers.peer_save(method, path, state, solo, fast=PEER_FAST[method])   # durable on return
+        return {}
     os.makedirs(path, exist_ok=True)
     if method == "torch":
         file = os.path.join(path, "state.pt")
@@ -227,6 +235,11 @@ def do_load(method: str, path: str, targets: dict[str, Any], cfg: Config | None,
         import torch.distributed.checkpoint as dcp
 
         dcp.load(targets, checkpoint_id=path, no_dist=solo)
+        return targets
+    if method in PEER_FAST:
+        import _peers
+
+        _peers.peer_load(method, path, targets, solo, fast=PEER_FAST[method])
         return targets
     if method == "torch":
         return torch.load(os.path.join(path, "state.pt"), map_location="cpu", weights_only=True)
@@ -294,7 +307,9 @@ def rank_op(rank: int, world: int, op: str, method: str, path: str, warm_path: s
 
     mesh = init_device_mesh("cpu", (world,))
     _warm_up(method, warm_path, solo=False, mesh=mesh)
-    state = build_state(cfg, layout, filled=(op == "save"), mesh=mesh)
+    state = build_state(cfg, layout, filled=(op in ("save", "async_save")), mesh=mesh)
+    if op == "async_save":
+        return _async_rank(rank, method, path, state, idle)
     time.sleep(idle)
     dist.barrier()
     if op == "save":
@@ -305,3 +320,40 @@ def rank_op(rank: int, world: int, op: str, method: str, path: str, warm_path: s
         verify(state, cfg, f"rank {rank}: {method} load of {path} into {layout}")
     dist.barrier()
     return {"seconds": dt, "extra_rss": rss, "detail": detail}
+
+
+def _start_async(method: str, path: str, state: dict[str, Any]) -> Callable[[], Any]:
+    """Start an async save; return the function that waits until it is durable."""
+    if method == "liferaft":
+        import liferaft
+
+        h = liferaft.async_save(path, state)
+        assert h is not None
+        return h.wait
+    if method == "dcp":
+        import torch.distributed.checkpoint as dcp
+
+        fut = dcp.async_save(state, checkpoint_id=path)      # thread executor, default stager
+        return fut.result
+    raise ValueError(f"no async save for {method}")
+
+
+def _async_rank(rank: int, method: str, path: str, state: dict[str, Any], idle: float) -> dict[str, Any]:
+    """A warm async save: one untimed full-size save first (pool / stager set up), then the timed one:
+    seconds until the call returns (training may go on) and until the checkpoint is durable."""
+    first = path + "-first"
+    _start_async(method, first, state)()
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(first, ignore_errors=True)
+    time.sleep(idle)
+    dist.barrier()
+    rss = PeakRss().start()
+    t0 = time.perf_counter()
+    wait = _start_async(method, path, state)
+    t_call = time.perf_counter() - t0
+    wait()
+    total = time.perf_counter() - t0
+    extra = rss.stop()
+    dist.barrier()
+    return {"seconds": total, "extra_rss": extra, "detail": {"call_s": t_call}}

@@ -15,32 +15,41 @@ case                          bytecheckpoint        torchsnapshot
 2→1 into full tensors         works                 NO (same; and see the silent wrong data below)
 ============================  ====================  =========================================================
 
-ByteCheckpoint: ``bytecheckpoint.save/load(path, {"model": module}, framework="fsdp2")`` where ``module`` is
-an ``nn.Module`` whose parameters share storage with the state's tensors (DTensor parameters on 2 ranks, as
-FSDP2 makes them; names are the key path joined by "/" with "." replaced by ":", as module names cannot hold
-dots). Notes: it needs ``torch.distributed`` initialised even in one process (a world-1 gloo group on a
-``HashStore`` is created here and left in place: its gRPC coordinator and plan caches are bound to it); it
-accepts torch 2.13 only because its version check compares strings ("2.13.0" < "2.6.0"); its first save
-starts a gRPC server in a *spawned* child, which fails in daemonic processes such as ``run_ranks`` ranks
-("AssertionError: daemonic processes are not allowed to have children"), so the daemon flag is lifted
-around the save; loads use ``torch.load`` and need TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 on torch >= 2.6; its
-logger writes INFO lines to stdout unless BYTECHECKPOINT_LOGGING_LEVEL is set (ERROR here). ``framework="ddp"``
-also works in one process; "fsdp" needs an FSDP1-wrapped module ("KeyError: None" in
-``FSDP.set_state_dict_type`` otherwise). ``fast=True`` passes fast_saving / fast_loading: both work on CPU;
-fast_saving returns before the files are written, so it is saved with ``global_steps=0`` (folder name left
-as is) and rank 0 waits for the completion callback, which ByteCheckpoint only calls when global_steps is set.
+ByteCheckpoint: ``bytecheckpoint.save/load(path, {"model": module}, framework="fsdp2")``, ``module`` an
+``nn.Module`` whose parameters share storage with the state's tensors (DTensor parameters on 2 ranks, as FSDP2
+makes them; named by key path joined by "/", "." replaced by ":" since module names cannot hold dots).
+- It needs ``torch.distributed`` initialised even in one process: a world-1 gloo group on a ``HashStore`` is
+  created here and left in place (its gRPC coordinator and plan caches are bound to it).
+- It accepts torch 2.13 only because its version check compares strings ("2.13.0" < "2.6.0").
+- Its first save starts a gRPC server in a *spawned* child, which fails in daemonic processes such as
+  ``run_ranks`` ranks ("AssertionError: daemonic processes are not allowed to have children"), so the daemon
+  flag is lifted during the save (the server is daemonic itself and ends with the process).
+- Its logger writes INFO lines to *stdout* unless BYTECHECKPOINT_LOGGING_LEVEL is set (ERROR here).
+- TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 is set (as a default): it ``torch.load``s non-tensor items and extra_state,
+  which weights_only refuses on torch >= 2.6; this tensor-only state never reaches those calls (loads pass
+  without it too).
+- ``framework="ddp"`` also works in one process; "fsdp" needs an FSDP1-wrapped module ("KeyError: None" in
+  ``FSDP.set_state_dict_type`` otherwise).
+- ``fast=True`` passes fast_saving / fast_loading; both work on CPU (1 process and 2 ranks, all cases above).
+  fast_saving may return before the files are written (on a plan-cache hit), so it saves with
+  ``global_steps=0`` (folder name unchanged) and rank 0 waits for the completion callback, which
+  ByteCheckpoint only calls when global_steps is set.
 
 torchsnapshot: ``Snapshot.take(path, {"state": StateDict(state)})`` / ``Snapshot(path).restore(...)``. It has
-no DTensor support (its sharded type is the deprecated ShardedTensor): see ``UNSUPPORTED``. Saving each
-rank's local shard as a plain tensor is not a sharded checkpoint (no global shape or offsets), so 2-rank
-cases are refused rather than faked. Such a per-rank snapshot restored in one process gives silently wrong
-data: restore() uses rank 0's manifest, cannot load a (256, 64) shard in place into the (512, 64) target,
-so it allocates a new tensor, puts rank 0's half into the ``StateDict`` and leaves the target untouched,
-with no error or warning. ``peer_load`` refuses snapshots of another world size and checks every tensor.
+no DTensor support (see ``UNSUPPORTED``); its sharded type is the deprecated ShardedTensor. Converting each
+DTensor to one (private ``torch.distributed._shard.sharded_tensor.init_from_local_shards``) works for the
+2-rank save, same-layout load and 2→1 load, but not for the reshard (ShardedTensor cannot express Replicate):
+not done here. Saving each rank's local shard as a plain tensor is not a sharded checkpoint (no global shape
+or offsets), so the 2-rank cases are refused, not faked. Such a per-rank snapshot restored in one process
+gives silently wrong data: restore() uses rank 0's manifest, cannot load the (256, 64) shard in place into the
+(512, 64) target, so it puts rank 0's half, a new tensor, into the ``StateDict`` and leaves the target
+untouched, with no error or warning. ``peer_load`` refuses snapshots of another world size and checks that
+every target tensor was loaded.
 """
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing
 import os
 import threading
@@ -56,7 +65,7 @@ FAST_TIMEOUT_S = 1800.0      # ByteCheckpoint's own default write timeout (BYTEC
 
 UNSUPPORTED: dict[str, str] = {
     "torchsnapshot/dtensor": (
-        "torchsnapshot 0.1.0 cannot save DTensor: Snapshot.take fails with 'RuntimeError: .numpy() is not "
+        "torchsnapshot 0.1.0 has no DTensor support: Snapshot.take fails with 'RuntimeError: .numpy() is not "
         "supported for tensor subclasses.' (torchsnapshot/serialization.py tensor_as_memoryview); its only "
         "sharded type is the deprecated ShardedTensor"),
     "torchsnapshot/world": (
@@ -76,14 +85,9 @@ def available(method: str) -> str | None:
         return f"unknown peer {method!r} (known: {', '.join(PEERS)})"
     _env()
     try:
-        if method == "torchsnapshot":
-            import torchsnapshot  # noqa: F401
-        else:
-            import bytecheckpoint  # noqa: F401
-            from bytecheckpoint.api import save as bcp_save
-
-            if not bcp_save.FSDP2_ENABLED:
-                return "bytecheckpoint: FSDP2Checkpointer failed to import"
+        importlib.import_module(method)
+        if method == "bytecheckpoint" and not importlib.import_module("bytecheckpoint.api.save").FSDP2_ENABLED:
+            return "bytecheckpoint: FSDP2Checkpointer failed to import"
     except Exception as e:  # noqa: BLE001 - any import failure makes the peer unavailable
         return f"{method}: import failed: {type(e).__name__}: {e}".splitlines()[0]
     return None

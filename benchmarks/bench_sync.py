@@ -7,8 +7,10 @@ What is measured (wall seconds of the call; 2-rank figures are the max over rank
   load in place into pre-allocated tensors, safetensors load_file + copy_ into them, torch.load (new tensors).
 - 2 ranks (gloo on 127.0.0.1, CPU DeviceMesh): every rank holds DTensor Shard(0) shards of the same global
   state (0-dim step tensors are plain, replicated). Save with liferaft and DCP; load into the same layout;
-  resharding load into Shard(1) (2-D) / Replicate (1-D); and a 2→1 load in one process with no process
-  group into full plain tensors.
+  resharding load into Shard(1) (2-D) / Replicate (1-D); a 2→1 load in one process with no process
+  group into full plain tensors; and a warm async save (after one untimed full-size async save in the same
+  processes): liferaft.async_save (blocking staging) vs DCP async_save (thread executor, default stager),
+  seconds until the call returns and until the checkpoint is durable.
 
 State: GPT-like fp32 params + Adam exp_avg/exp_avg_sq + a 0-dim step per param (d=768, L=9 ≈ 1.07 GB for
 ``--size-gib 1``), a plain dict of tensors so every method gets the same bytes. Every load is checked
@@ -37,16 +39,23 @@ from _common import ROOT, append_jsonl, dir_bytes, drop_cache, machine, run_and_
 
 import _bench_async_ops as O  # noqa: E402
 import _bench_ranks as W  # noqa: E402
+from _bench_ranks import PEER_FAST  # noqa: E402,F401
 from liferaft.testing import run_ranks  # noqa: E402
 
 # (case, op, label) in table order
 ROWS = [("1p", "save", "1 process: save (+fsync)"), ("1p", "load", "1 process: load from disk"),
         ("2r", "save", "2 ranks: save Shard(0)"), ("2r", "load_same", "2 ranks: load same layout"),
         ("2r", "load_reshard", "2 ranks: reshard load → Shard(1)/Replicate"),
-        ("2r", "load_2to1", "2→1: load into full tensors, 1 process")]
-COLUMNS = ["liferaft", "dcp", "torch", "safetensors"]
+        ("2r", "load_2to1", "2→1: load into full tensors, 1 process"),
+        ("2r", "async_call", "2 ranks: async_save Shard(0), call returns (warm)"),
+        ("2r", "async_save", "2 ranks: async_save Shard(0), until durable (warm)")]
+COLUMNS = ["liferaft", "dcp", "bytecheckpoint", "torchsnapshot", "torch", "safetensors"]
 COLUMN_TITLE = {"liferaft": "liferaft", "dcp": "DCP", "torch": "torch.save / torch.load",
-                "safetensors": "safetensors"}
+                "safetensors": "safetensors", "bytecheckpoint": "ByteCheckpoint 0.0.2 (fast)",
+                "torchsnapshot": "torchsnapshot 0.1.0"}
+PEER_METHODS = {"bytecheckpoint", "torchsnapshot"}
+TWO_RANKS = {"liferaft", "dcp", "bytecheckpoint"}      # torchsnapshot 0.1.0 cannot save DTensors
+ASYNC = {"liferaft", "dcp"}
 
 
 class Bench:
@@ -59,6 +68,7 @@ class Bench:
         self.run_id = datetime.datetime.now().strftime("%Y%m%dT%H%M%S")
         self.samples: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
         self.limits: list[dict[str, Any]] = []
+        self.skipped: dict[str, str] = {}
         self.timeout = 300.0 + 120.0 * args.size_gib
 
     def record(self, case: str, op: str, method: str, rep: int, per_rank: list[dict[str, Any]],
@@ -113,12 +123,30 @@ class Bench:
                 self.record("2r", op, method, rep, self.ranks("load", method, path, layout))
             drop_cache(path)
             self.record("2r", "load_2to1", method, rep, self.solo("load", method, path))
+            shutil.rmtree(path, ignore_errors=True)
+            if method not in ASYNC:
+                return
+            per_rank = self.ranks("async_save", method, path, "shard0")
+            self.record("2r", "async_save", method, rep, per_rank)
+            self.record("2r", "async_call", method, rep, [{**r, "seconds": r["detail"]["call_s"]} for r in per_rank])
         finally:
             shutil.rmtree(path, ignore_errors=True)
+            shutil.rmtree(path + "-first", ignore_errors=True)
+
+    def usable(self, method: str) -> bool:
+        if method not in PEER_METHODS:
+            return True
+        import _peers
+
+        why = _peers.available(method)
+        if why:
+            self.skipped[method] = why
+            print(f"  skipping {method}: {why}", file=sys.stderr, flush=True)
+        return why is None
 
     def run(self) -> None:
         os.makedirs(self.tmp, exist_ok=True)
-        methods = [m for m in COLUMNS if m in self.args.methods]
+        methods = [m for m in COLUMNS if m in self.args.methods and self.usable(m)]
         try:
             for rep in range(self.args.reps):
                 order = methods[rep % len(methods):] + methods[:rep % len(methods)]   # rotate: spread drift
@@ -132,7 +160,7 @@ class Bench:
                         self.one_process(rep, m)
                 if "2r" in self.args.cases:
                     for m in order:
-                        if m in ("liferaft", "dcp"):
+                        if m in TWO_RANKS:
                             self.two_ranks(rep, m)
         finally:
             shutil.rmtree(self.tmp, ignore_errors=True)
@@ -182,8 +210,9 @@ class Bench:
                              if s else "–")
                 rcells.append(f"{s['extra_rss_median'] / 2**20:.0f}" if s else "–")
                 if m == "liferaft" and self.limits:
-                    limit = statistics.median(r["write_fsync_s" if op == "save" else "read_s"] for r in self.limits)
-                    cells.append(f"{limit / s['median_s']:.2f}" if s else "–")
+                    key = {"save": "write_fsync_s", "async_save": "write_fsync_s", "async_call": None}.get(op, "read_s")
+                    limit = statistics.median(r[key] for r in self.limits) if key else None
+                    cells.append(f"{limit / s['median_s']:.2f}" if s and limit else "–")
                 if m == "dcp" and "liferaft" in cols:
                     a, b = sums["liferaft"], sums["dcp"]
                     cells.append(f"**{b['median_s'] / a['median_s']:.2f}×**" if a and b else "–")
@@ -200,6 +229,12 @@ class Bench:
         if self.limits:
             print(O.limits_table(self.limits, self.nbytes) + "\n")
         print(self.table())
+        notes = [f"- {COLUMN_TITLE[m]}: not run ({why})" for m, why in self.skipped.items()]
+        if any(k[2] == "torchsnapshot" for k in self.samples):
+            notes.append("- torchsnapshot 0.1.0: no 2-rank rows, it cannot save DTensors (and a per-rank snapshot of "
+                         "local shards restores into one process with silently wrong data; see benchmarks/_peers.py)")
+        if notes:
+            print("\n" + "\n".join(notes))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,7 +12,7 @@ import sys
 import time
 import uuid
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -23,7 +23,8 @@ from liferaft.errors import CheckpointExistsError, LiferaftError, StorageError
 from liferaft.format.manifest import COMMIT_MARKER, CommitMarker, decode_commit_marker
 from liferaft.options import SaveOptions, SaveResult
 from liferaft.planning.geometry import Box
-from liferaft.planning.save_plan import RankMeta, SavePlan, TensorMeta, ValueMeta, WriteItem, build_manifest, plan_save
+from liferaft.planning.save_plan import (RankMeta, SavePlan, TensorMeta, ValueMeta, WriteItem, build_manifest,
+                                         plan_save, replan)
 from liferaft.state.flatten import FlatState, flatten
 from liferaft.state.values import digest_encoded, encode_value
 from liferaft.storage import Storage
@@ -34,6 +35,12 @@ def _version() -> str:
     from liferaft import __version__
 
     return __version__
+
+
+#: The last tensor layout planned per (gloo group, rank, world, alignment), with this rank's tensor metadata and
+#: the save it was planned for: a save whose tensors every rank describes exactly as then, and for which every
+#: rank holds that same plan, reuses it (planning a large model costs tens of ms per save).
+_PLANS: dict[tuple[int, int, int, int], tuple[tuple[TensorMeta, ...], SavePlan, str]] = {}
 
 
 def _rank_meta(rank: int, flat: FlatState, allow_pickle: bool) -> RankMeta:
@@ -72,8 +79,11 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
     """Flatten, exchange metadata and plan (collective). Raises on every rank if any rank fails."""
     t_start = time.perf_counter()
     flat: FlatState | None = None
-    payload: tuple[RankMeta | None, str | None] = (None, None)
+    meta: RankMeta | None = None
+    payload: tuple[RankMeta | None, str | None, str | None] = (None, None, None)
     err: BaseException | None = None
+    cache_key = (id(coord.group), coord.rank, coord.world, opts.alignment)
+    cached = _PLANS.get(cache_key)
     try:
         if sys.byteorder != "little":
             raise StorageError("liferaft stores little-endian bytes; big-endian hosts are not supported")
@@ -85,13 +95,22 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
         if coord.rank == 0 and not opts.overwrite and storage.exists(COMMIT_MARKER):
             raise CheckpointExistsError(f"{storage.url} already holds a committed checkpoint; pass "
                                         "SaveOptions(overwrite=True) to replace it, or save to a new path")
-        payload = (meta, uuid.uuid4().hex[:16] if coord.rank == 0 else None)
+        # tensors unchanged since the last save planned here: send only the values and the id of that plan
+        reuse = cached[2] if cached is not None and cached[0] == meta.tensors else None
+        payload = (replace(meta, tensors=()) if reuse else meta, uuid.uuid4().hex[:16] if coord.rank == 0 else None,
+                   reuse)
     except BaseException as e:  # noqa: BLE001 - reported to every rank
         err = e
     gathered = coord.exchange(payload, err, "save (planning)")
     save_id = gathered[0][1]
-    plan = plan_save([g[0] for g in gathered], save_id, opts.alignment)
-    assert flat is not None
+    assert flat is not None and meta is not None
+    if cached is not None and all(g[2] == cached[2] for g in gathered):
+        plan = replan(cached[1], [g[0] for g in gathered], save_id)
+    else:
+        if any(g[2] for g in gathered):     # some rank sent no tensor metadata: gather it all again
+            gathered = coord.exchange((meta, None, None), None, "save (planning)")
+        plan = plan_save([g[0] for g in gathered], save_id, opts.alignment)
+        _PLANS[cache_key] = (meta.tensors, plan, save_id)
     sources = {(t.key, box): local for t in flat.tensors for box, local in t.parts}
     prepared = PreparedSave(storage=storage, plan=plan, save_id=save_id, rank=coord.rank, world=coord.world,
                             sources=sources, t_start=t_start)

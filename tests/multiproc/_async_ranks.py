@@ -40,3 +40,30 @@ def skip_is_collective(rank: int, world: int, path: str) -> tuple[bool, bool]:
     GatedStorage.gate.set()
     h.wait(timeout=60)
     return skipped, liferaft.inspect(f"{path}/a").world_size == world
+
+
+def plan_reuse(rank: int, world: int, root: str) -> list[bool]:
+    """Four saves: the same layout twice (the plan is reused), then rank 1 alone adds a tensor (every rank
+    replans), then a shape change. Returns, per save, whether it loaded back exactly, and whether the plans were
+    reused exactly when they should be."""
+    from liferaft import _save
+
+    def state(step: int, extra: bool, rows: int) -> dict:
+        s = {"w": liferaft.Sharded(torch.full((rows, 3), float(step + rank)), (2 * rows, 3), (rank * rows, 0)),
+             "step": step}
+        if extra:
+            s["only1"] = torch.arange(4.0) + step if rank == 1 else None
+        return {k: v for k, v in s.items() if v is not None}
+
+    plans, ok = [], []
+    for i, (extra, rows) in enumerate([(False, 2), (False, 2), (True, 2), (True, 3)]):
+        st = state(i, extra, rows)
+        liferaft.save(f"{root}/{i}", st, options=liferaft.SaveOptions(timeout=60))
+        plans.append(next(v for k, v in _save._PLANS.items() if k[1] == rank)[2])
+        back = state(-100, extra, rows)
+        liferaft.load(f"{root}/{i}", back, options=liferaft.LoadOptions(timeout=60))
+        ok.append(torch.equal(back["w"].local, st["w"].local) and back["step"] == i and
+                  (not extra or rank != 1 or torch.equal(back["only1"], st["only1"])))
+    # saves 0 and 1 share a plan; 2 and 3 were planned anew
+    ok.append(plans[0] == plans[1] and len({plans[1], plans[2], plans[3]}) == 3)
+    return ok

@@ -6,7 +6,7 @@ import pytest
 
 import liferaft
 from liferaft.testing import run_ranks
-from multiproc._async_ranks import async_save_layout, rank1_write_fails, skip_is_collective
+from multiproc._async_ranks import async_save_layout, plan_reuse, rank1_write_fails, skip_is_collective
 from multiproc._reshard_ranks import load_rank
 
 S0 = {"kind": "dtensor", "mesh": (2,), "placements": ["S0"]}
@@ -34,3 +34,8 @@ def test_background_failure_on_one_rank_raises_on_every_rank(tmp_path):
 def test_if_busy_skip_is_agreed_by_all_ranks(tmp_path):
     for skipped, committed in run_ranks(skip_is_collective, 2, str(tmp_path), timeout=120):
         assert skipped and committed
+
+
+def test_save_plan_is_reused_only_while_every_rank_describes_the_same_tensors(tmp_path):
+    for rank, ok in enumerate(run_ranks(plan_reuse, 2, str(tmp_path), timeout=120)):
+        assert all(ok), f"rank {rank}: {ok}"

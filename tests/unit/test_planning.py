@@ -13,7 +13,7 @@ from liferaft.errors import InvalidStateError
 from liferaft.format.manifest import ChunkRecord, TensorEntry
 from liferaft.planning.geometry import byte_span, check_chunks_tile, split_for_reading
 from liferaft.planning.load_plan import plan_reads
-from liferaft.planning.save_plan import RankMeta, TensorMeta, build_manifest, plan_save
+from liferaft.planning.save_plan import RankMeta, TensorMeta, ValueMeta, build_manifest, plan_save, replan
 
 
 def shard_boxes(shape, grid):
@@ -46,6 +46,22 @@ def test_replicated_tensors_written_once_and_balanced_over_64_ranks():
     biggest = max(s[0] * s[1] * 4 for s in shapes)
     assert max(loads) - min(loads) <= biggest                                   # LPT balance bound
     assert min(loads) > 0                                                      # nobody idle, not all on rank 0
+
+
+def test_replan_equals_a_fresh_plan_for_the_same_tensors():
+    tensors = [[tmeta("a", (8, 4), [((4 * r, 0), (4, 4))]), tmeta("b", (300,), [((0,), (300,))])] for r in range(2)]
+
+    def metas(step):
+        return [RankMeta(rank=r, tensors=tuple(tensors[r]), containers=(),
+                         values=(ValueMeta(key="step", path=("step",), encoded=step, digest=str(step)),
+                                 ValueMeta(key="r", path=("r",), encoded=r + step, digest=str(r + step))))
+                for r in range(2)]
+
+    first = plan_save(metas(1), "id1")
+    again = replan(first, metas(2), "id2")
+    assert again == plan_save(metas(2), "id2")
+    assert all(w.file.startswith("data/id2/") for ws in again.writes for w in ws) and set(again.files) == \
+        {"data/id2/r00000.bin", "data/id2/r00001.bin"}
 
 
 def test_sharded_2d_uneven_64_ranks_each_rank_writes_own_chunk():

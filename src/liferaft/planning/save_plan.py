@@ -8,7 +8,7 @@ across the ranks that hold them (largest chunk first, to the holder with the few
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
 from liferaft.errors import InvalidStateError
@@ -85,7 +85,9 @@ def _align(n: int, alignment: int) -> int:
 
 
 def plan_save(metas: Sequence[RankMeta], save_id: str, alignment: int = 64) -> SavePlan:
-    """Build the global save plan. Raises InvalidStateError for inconsistent or overlapping input."""
+    """Build the global save plan. Raises InvalidStateError for inconsistent or overlapping input.
+
+    Plain values are stored once if every rank holds the same, else per rank; containers are merged."""
     world = len(metas)
     if [m.rank for m in metas] != list(range(world)):
         raise InvalidStateError("rank metadata must be given for ranks 0..N-1 in order")
@@ -153,8 +155,22 @@ def plan_save(metas: Sequence[RankMeta], save_id: str, alignment: int = 64) -> S
         if out:
             files[fname] = pos
         writes.append(tuple(out))
-    # ---- plain values: once if every rank agrees, else per rank
-    values = _merge_values(metas)
+    return SavePlan(world_size=world, writes=tuple(writes), files=files, tensors=tuple(tensors),
+                    values=tuple(_merge_values(metas)), containers=_merge_containers(metas))
+
+
+def replan(previous: SavePlan, metas: Sequence[RankMeta], save_id: str) -> SavePlan:
+    """The plan for a save whose tensor metadata (every rank's ``RankMeta.tensors``) equals that of the save
+    ``previous`` was planned for: its tensor layout, with this save's file names, values and containers."""
+    writes = tuple(tuple(replace(w, file=data_file_name(save_id, rank)) for w in items)
+                   for rank, items in enumerate(previous.writes))
+    files = {data_file_name(save_id, rank): items[-1].byte_offset + items[-1].length
+             for rank, items in enumerate(writes) if items}
+    return SavePlan(world_size=previous.world_size, writes=writes, files=files, tensors=previous.tensors,
+                    values=tuple(_merge_values(metas)), containers=_merge_containers(metas))
+
+
+def _merge_containers(metas: Sequence[RankMeta]) -> tuple[ContainerEntry, ...]:
     containers: dict[tuple, ContainerEntry] = {}
     for m in metas:
         for c in m.containers:
@@ -167,8 +183,7 @@ def plan_save(metas: Sequence[RankMeta], save_id: str, alignment: int = 64) -> S
                 known = set(prev.children or ())
                 merged = tuple(prev.children or ()) + tuple(k for k in c.children if k not in known)
                 containers[c.path] = ContainerEntry(path=c.path, kind=c.kind, children=merged)
-    return SavePlan(world_size=world, writes=tuple(writes), files=files, tensors=tuple(tensors),
-                    values=tuple(values), containers=tuple(containers.values()))
+    return tuple(containers.values())
 
 
 def _merge_values(metas: Sequence[RankMeta]) -> list[ValueEntry]:

@@ -14,6 +14,8 @@ Keys are the path parts joined by ``"."`` (``model.layers.0.weight``); two paths
 
 from __future__ import annotations
 
+
+import functools
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,17 +67,31 @@ def _dtensor_type() -> type | None:
     return getattr(module, "DTensor", None) if module is not None else None
 
 
+@functools.lru_cache(maxsize=65536)
+def _local_box(shape: tuple[int, ...], mesh: Any, placements: tuple[Any, ...],
+               coordinate: tuple[int, ...] | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """This rank's (local shape, global offsets) of a DTensor (``coordinate``: this rank's place in ``mesh``, part
+    of the cache key); cached: repeated saves of a model ask for the same few layouts thousands of times."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape_, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
+    return tuple(shape_), tuple(offsets)
+
+
 def _dtensor_parts(dt: Any, key: str) -> list[tuple[Box, torch.Tensor]]:
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     for p in dt.placements:
         if type(p) not in (Shard, Replicate):
             raise InvalidStateError(
                 f"key {key!r}: DTensor placement {p!r} is not supported yet (Shard and Replicate are); "
                 "redistribute the tensor to Shard/Replicate placements before saving")
-    local = dt.to_local()
-    shape, offsets = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
+    local = getattr(dt, "_local_tensor", None)      # what to_local() returns, without its autograd overhead
+    if not isinstance(local, torch.Tensor):
+        local = dt.to_local()
+    coordinate = dt.device_mesh.get_coordinate()
+    shape, offsets = _local_box(tuple(dt.shape), dt.device_mesh, tuple(dt.placements),
+                                tuple(coordinate) if coordinate is not None else None)
     if tuple(local.shape) != tuple(shape):
         raise InvalidStateError(f"key {key!r}: DTensor local shape {list(local.shape)} differs from the shape "
                                 f"{list(shape)} its placements imply")
