@@ -39,7 +39,6 @@ from _common import ROOT, append_jsonl, dir_bytes, drop_cache, machine, run_and_
 
 import _bench_async_ops as O  # noqa: E402
 import _bench_ranks as W  # noqa: E402
-from _bench_ranks import PEER_FAST  # noqa: E402,F401
 from liferaft.testing import run_ranks  # noqa: E402
 
 # (case, op, label) in table order
