@@ -4,6 +4,7 @@ The public API is this module's ``__all__``; everything else is private and may 
 """
 
 from liferaft.api import AsyncSaveHandle, async_save, load, save
+from liferaft.manager.manager import CheckpointManager, StepInfo
 from liferaft.errors import (CheckpointBusyError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, DistributedError,
                              FormatVersionError, IncompleteCheckpointError, InvalidStateError, LiferaftError,
                              OptionsError,
@@ -15,7 +16,7 @@ from liferaft.state.sharded import Sharded
 __version__ = "0.1.0"
 
 __all__ = [
-    "save", "async_save", "AsyncSaveHandle", "load", "read", "inspect", "verify", "Sharded", "SaveOptions", "LoadOptions", "SaveResult",
+    "save", "async_save", "AsyncSaveHandle", "load", "CheckpointManager", "StepInfo", "read", "inspect", "verify", "Sharded", "SaveOptions", "LoadOptions", "SaveResult",
     "LoadResult", "CheckpointInfo", "TensorInfo", "VerifyReport", "PerRank",
     "LiferaftError", "CheckpointNotFoundError", "IncompleteCheckpointError", "CheckpointExistsError", "CheckpointBusyError",
     "CorruptCheckpointError", "FormatVersionError", "UnsafePathError", "StateMismatchError", "InvalidStateError",

@@ -87,14 +87,15 @@ def as_leaf(entry: TensorEntry, t: torch.Tensor) -> Any:
     return t
 
 
-def read_full(storage: Storage, entries: Sequence[TensorEntry], max_read: int) -> tuple[list[torch.Tensor], int]:
+def read_full(storage: Storage, entries: Sequence[TensorEntry], max_read: int) -> list[torch.Tensor]:
     """Full tensors for ``entries``, read and verified."""
     targets = [torch.empty(e.shape, dtype=torch_dtype(e.dtype)) for e in entries]
     units = []
     for i, e in enumerate(entries):
         dt = targets[i].dtype
         units.extend((u, dt) for u in plan_reads(e, [(i, (tuple(0 for _ in e.shape), e.shape))], max_read))
-    return targets, execute_reads(storage, units, targets, max_read=max_read)
+    execute_reads(storage, units, targets, max_read=max_read)
+    return targets
 
 
 def _select(keys: Sequence[str] | None, all_keys: Iterable[str]) -> set[str]:
@@ -124,7 +125,7 @@ def read(path: str | os.PathLike[str], keys: Sequence[str] | None = None, *,
     chosen = _select(keys, [t.key for t in manifest.tensors] + [v.key for v in manifest.values])
     entries = [t for t in manifest.tensors if t.key in chosen]
     check_files(storage, manifest, (c.file for e in entries for c in e.chunks))
-    tensors, _ = read_full(storage, entries, opts.max_read_bytes)
+    tensors = read_full(storage, entries, opts.max_read_bytes)
     leaves: dict[tuple[PathPart, ...], Any] = {e.path: as_leaf(e, t) for e, t in zip(entries, tensors)}
     for v in manifest.values:
         if v.key in chosen:

@@ -69,3 +69,7 @@ class Storage(ABC):
     @abstractmethod
     def sync(self) -> None:
         """Make every file created or renamed so far durable as directory entries (fsync of folders)."""
+
+    def child(self, name: str) -> "Storage":
+        """A Storage rooted at folder ``name`` under this one (whose ``list()`` shows its files as ``name/...``)."""
+        raise NotImplementedError(f"{type(self).__name__} has no child storages")

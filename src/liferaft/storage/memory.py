@@ -34,33 +34,41 @@ class _MemWriter(FileWriter):
 
 
 class MemoryStorage(Storage):
+    """``memory://top/sub``: the files under ``sub/`` of the in-process store ``top`` (a child is a prefix view)."""
+
     process_local = True
 
     def __init__(self, name: str) -> None:
-        self.name = name
+        self.name = name.strip("/")
+        top, _, rest = self.name.partition("/")
+        self._top = top
+        self._prefix = f"{rest}/" if rest else ""
 
     @property
     def files(self) -> dict[str, bytearray]:
-        """The store's files; reading a store that was never written creates nothing."""
+        """The top store's files (keys include this storage's prefix); reading a store never written creates nothing."""
         with _LOCK:
-            return _STORES.get(self.name, {})
+            return _STORES.get(self._top, {})
 
     def _writable(self) -> dict[str, bytearray]:
         with _LOCK:
-            return _STORES.setdefault(self.name, {})
+            return _STORES.setdefault(self._top, {})
 
     @property
     def url(self) -> str:
         return f"memory://{self.name}"
 
+    def child(self, name: str) -> "MemoryStorage":
+        return MemoryStorage(f"{self.name}/{name}")
+
     def _get(self, name: str) -> bytearray:
         try:
-            return self.files[name]
+            return self.files[self._prefix + name]
         except KeyError:
             raise FileNotFoundError(f"{self.url}/{name}") from None
 
     def open_writer(self, name: str) -> FileWriter:
-        return _MemWriter(self._writable(), name)
+        return _MemWriter(self._writable(), self._prefix + name)
 
     def read_into(self, name: str, offset: int, out: memoryview) -> int:
         buf = self._get(name)
@@ -76,20 +84,22 @@ class MemoryStorage(Storage):
         return len(self._get(name))
 
     def exists(self, name: str) -> bool:
-        return name in self.files
+        return self._prefix + name in self.files
 
     def list(self) -> list[str]:
-        return sorted(self.files)
+        n = len(self._prefix)
+        with _LOCK:
+            return sorted(k[n:] for k in _STORES.get(self._top, {}) if k.startswith(self._prefix))
 
     def delete(self, name: str) -> None:
         files = self.files
         with _LOCK:
-            files.pop(name, None)
+            files.pop(self._prefix + name, None)
 
     def put_atomic(self, name: str, data: bytes) -> None:
         files = self._writable()
         with _LOCK:
-            files[name] = bytearray(data)
+            files[self._prefix + name] = bytearray(data)
 
     def sync(self) -> None:
         pass
@@ -97,5 +107,11 @@ class MemoryStorage(Storage):
 
 def drop_memory_store(name: str) -> None:
     """Forget everything stored under ``memory://name`` in this process."""
+    top, _, rest = name.strip("/").partition("/")
     with _LOCK:
-        _STORES.pop(name, None)
+        if not rest:
+            _STORES.pop(top, None)
+            return
+        files = _STORES.get(top, {})
+        for k in [k for k in files if k.startswith(rest + "/")]:
+            del files[k]

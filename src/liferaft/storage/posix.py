@@ -121,6 +121,9 @@ class PosixStorage(Storage):
         for m in missing:
             self._dirty_dirs.add(os.path.dirname(m))
 
+    def child(self, name: str) -> "PosixStorage":
+        return PosixStorage(self._p(name), direct_io=self.direct_io)
+
     def open_writer(self, name: str) -> FileWriter:
         path = self._p(name)
         self._mkdirs(path)

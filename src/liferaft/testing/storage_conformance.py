@@ -75,3 +75,14 @@ class StorageConformance:
         w.pwrite(memoryview(blob), 0)
         w.close()
         assert st.size("big") == len(blob) and st.read_all("big") == blob
+
+    def test_child_is_a_folder_view(self, st: Storage) -> None:
+        c = st.child("step-1")
+        c.put_atomic("COMMIT", b"c")
+        w = c.open_writer("data/x/r0.bin")
+        w.pwrite(b"abc", 0)
+        w.close()
+        assert c.list() == ["COMMIT", "data/x/r0.bin"] and c.read_all("data/x/r0.bin") == b"abc"
+        assert st.list() == ["step-1/COMMIT", "step-1/data/x/r0.bin"] and st.read_all("step-1/COMMIT") == b"c"
+        c.delete("COMMIT")
+        assert st.list() == ["step-1/data/x/r0.bin"] and not c.exists("COMMIT")

@@ -1,0 +1,366 @@
+"""CheckpointManager: when to save, what to keep, what to resume from — three calls in a training script.
+
+Layout: ``root/step-<step, 10 digits>/`` is one liferaft checkpoint per step (committed when it holds ``COMMIT``),
+``root/LEASE`` the lease of the job writing the root, ``root/PINS`` the steps pinned by the user. Rank 0 does
+the listing, the lease and the deletions; every other decision is agreed on collectively, so all ranks save the
+same steps and restore the same step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import uuid
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable, Mapping
+
+from liferaft.api import AsyncSaveHandle, async_save, load, save
+from liferaft.dist import Coordinator
+from liferaft.errors import (CheckpointNotFoundError, CorruptCheckpointError, DistributedError, IncompleteCheckpointError, LiferaftError,
+                             OptionsError)
+from liferaft.format.manifest import COMMIT_MARKER
+from liferaft.manager.lease import LEASE, Lease
+from liferaft.manager.policies import RetentionPolicy, SavePolicy
+from liferaft.options import LoadOptions, SaveOptions
+from liferaft.reading import check_files, open_checkpoint
+from liferaft.storage import Storage, resolve
+
+STEP_PREFIX = "step-"
+_DAMAGE = ("CorruptCheckpointError", "IncompleteCheckpointError")     # load errors that make restore fall back
+PINS = "PINS"
+
+
+def step_name(step: int) -> str:
+    return f"{STEP_PREFIX}{step:010d}"
+
+
+def _parse_step(name: str) -> int | None:
+    head = name.split("/", 1)[0]
+    if head.startswith(STEP_PREFIX) and head[len(STEP_PREFIX):].isdigit():
+        return int(head[len(STEP_PREFIX):])
+    return None
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """One step under the root. ``status``: "committed", "incomplete" (no commit marker: a save that did not
+    finish, or one in flight) or "corrupt" (``reason`` says why)."""
+
+    step: int
+    path: str
+    status: str
+    reason: str = ""
+    nbytes: int = 0
+    created_unix: float | None = None
+    world_size: int | None = None
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    pinned: bool = False
+
+
+class CheckpointManager:
+    """Saves a training state under ``root`` by policy, keeps what the retention policy says, restores the newest
+    step that loads. Collective: every rank of ``process_group`` constructs it and makes the same calls.
+
+    Save policies (any fires): ``every_steps``, ``every_seconds``, ``at_steps``, ``last_step`` (always saved), and
+    preemption (``preemption_signals``, default SIGTERM and SIGUSR1: the next ``maybe_save`` saves at once and
+    sets ``preempted``; the loop should then stop). Retention (any keeps): ``keep_last``, ``keep_every``,
+    ``keep_best`` by ``metric`` (``mode`` "min"/"max"), and pinned steps; the newest committed step is always
+    kept. Deletion runs in a background thread after a save commits and never touches the newest committed step
+    or an unfinished one. ``async_save=True`` returns from ``maybe_save`` once the snapshot is taken.
+
+    ``job_id`` identifies the job across restarts (default: torchrun's TORCHELASTIC_RUN_ID or SLURM_JOB_ID, else
+    a random id); a root used by another live job is refused (CheckpointBusyError, see ``manager.lease``). On
+    construction rank 0 takes the lease and removes leftovers of interrupted saves.
+    """
+
+    def __init__(self, root: str | os.PathLike[str] | Storage, *, every_steps: int | None = None,
+                 every_seconds: float | None = None, at_steps: Iterable[int] = (), last_step: int | None = None,
+                 keep_last: int | None = None, keep_every: int | None = None, keep_best: int | None = None,
+                 metric: str | None = None, mode: str = "min", async_save: bool = True,
+                 process_group: Any = None, save_options: SaveOptions | None = None,
+                 load_options: LoadOptions | None = None, preemption_signals: Iterable[int] | None = None,
+                 job_id: str | None = None, lease_ttl: float = 30.0) -> None:
+        self.save_policy = SavePolicy(every_steps=every_steps, every_seconds=every_seconds,
+                                      at_steps=frozenset(at_steps), last_step=last_step)
+        self.retention = RetentionPolicy(keep_last=keep_last, keep_every=keep_every, keep_best=keep_best,
+                                         metric=metric, mode=mode)
+        self.storage = resolve(root)
+        self.async_save = async_save
+        self.process_group = process_group
+        self.save_options = save_options or SaveOptions()
+        self.load_options = load_options or LoadOptions()
+        if self.save_options.staging != "blocking":
+            raise OptionsError("CheckpointManager takes the snapshot before maybe_save returns; use "
+                               "liferaft.async_save directly for overlapped staging")
+        self.coord = Coordinator(process_group, self.save_options.timeout)
+        self.preempted = False
+        self._signalled = threading.Event()
+        self._inflight: tuple[int, AsyncSaveHandle, Mapping[str, float]] | None = None
+        self._last_step: int | None = None
+        self._last_time = time.monotonic()
+        self._metrics: dict[int, Mapping[str, float]] = {}
+        self._deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="liferaft-retention") \
+            if self.coord.rank == 0 else None
+        self._old_handlers: dict[int, Any] = {}
+        self._closed = False
+        job = job_id or os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID")
+        self.job_id = self.coord.broadcast_from_zero(job or uuid.uuid4().hex, None, "manager (job id)")
+        self._lease = Lease(self.storage, self.job_id, lease_ttl) if self.coord.rank == 0 else None
+        err: BaseException | None = None
+        if self._lease is not None:
+            try:
+                self._lease.acquire()
+                self._cleanup_leftovers()
+            except BaseException as e:  # noqa: BLE001 - every rank raises
+                err = e
+        self.coord.exchange(None, err, "manager (start)")
+        sigs = (signal.SIGTERM, signal.SIGUSR1) if preemption_signals is None else tuple(preemption_signals)
+        if threading.current_thread() is threading.main_thread():
+            for sig in sigs:
+                self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+
+    # ------------------------------------------------------------------ listing
+
+    def _step_storage(self, step: int) -> Storage:
+        return self.storage.child(step_name(step))
+
+    def _pins(self) -> frozenset[int]:
+        try:
+            return frozenset(int(s) for s in json.loads(self.storage.read_all(PINS)))
+        except FileNotFoundError:
+            return frozenset()
+        except (ValueError, TypeError) as e:
+            raise CorruptCheckpointError(f"{self.storage.url}/{PINS}: not a JSON list of steps ({e})") from None
+
+    def _list(self, deep: bool = False) -> list[StepInfo]:
+        """Every step under the root, oldest first (this process; no collective)."""
+        names: dict[int, list[str]] = {}
+        for name in self.storage.list():
+            step = _parse_step(name)
+            if step is not None:
+                names.setdefault(step, []).append(name)
+        pins = self._pins()
+        out = []
+        for step in sorted(names):
+            st = self._step_storage(step)
+            path, pinned = st.url, step in pins
+            if f"{step_name(step)}/{COMMIT_MARKER}" not in names[step]:
+                out.append(StepInfo(step, path, "incomplete", "no commit marker", pinned=pinned))
+                continue
+            try:
+                m = open_checkpoint(st)
+                check_files(st, m, m.files)
+                if deep:
+                    from liferaft.reading import verify
+
+                    verify(st)
+            except LiferaftError as e:
+                out.append(StepInfo(step, path, "corrupt", str(e), pinned=pinned))
+                continue
+            metrics = m.extra.get("metrics") if isinstance(m.extra.get("metrics"), dict) else {}
+            out.append(StepInfo(step, path, "committed", nbytes=sum(m.files.values()), created_unix=m.created_unix,
+                                world_size=m.world_size, metrics=dict(metrics), pinned=pinned))
+        return out
+
+    def steps(self, verify: bool = False) -> list[StepInfo]:
+        """Every step under the root with its status, oldest first. ``verify`` re-hashes every committed step
+        (reads all its data). Not collective."""
+        return self._list(deep=verify)
+
+    def _cleanup_leftovers(self) -> None:
+        """Rank 0, holding the lease: remove steps of saves that never committed (no job writes them now)."""
+        for info in self._list():
+            if info.status == "incomplete":
+                self._delete_step(info.step)
+
+    def _delete_step(self, step: int) -> None:
+        """Marker first, so that a crash halfway leaves an incomplete step (removed at the next start), never
+        a committed step with missing files."""
+        prefix = step_name(step) + "/"
+        self.storage.delete(prefix + COMMIT_MARKER)
+        for name in self.storage.list():
+            if name.startswith(prefix):
+                self.storage.delete(name)           # (through the root: empty folders go too)
+
+    # ------------------------------------------------------------------ restore
+
+    def restore(self, state: Any, step: int | None = None) -> int | None:
+        """Load the newest committed step that loads (or ``step``) into ``state``; return its step, or None when
+        there is none. A step that fails to load (missing files, bad checksum, damaged manifest) is skipped with a
+        warning saying why, and the one before it is tried; a state that does not match raises."""
+        listing: list[StepInfo] | None = None
+        err: BaseException | None = None
+        if self.coord.rank == 0:
+            try:
+                listing = self._list()
+            except BaseException as e:  # noqa: BLE001
+                err = e
+        listing = self.coord.broadcast_from_zero(listing, err, "restore (listing)")
+        assert listing is not None
+        if step is not None:
+            match = [i for i in listing if i.step == step]
+            if not match:
+                raise CheckpointNotFoundError(f"{self.storage.url}: there is no step {step}; steps: "
+                                              f"{[i.step for i in listing]}")
+            if match[0].status != "committed":
+                cls = IncompleteCheckpointError if match[0].status == "incomplete" else CorruptCheckpointError
+                raise cls(f"{self.storage.url}: step {step} cannot be restored ({match[0].reason})")
+            candidates = match
+        else:
+            for info in reversed(listing):
+                if info.status == "corrupt":
+                    warnings.warn(f"liferaft: skipping step {info.step} ({info.path}): {info.reason}", stacklevel=2)
+            candidates = [i for i in reversed(listing) if i.status == "committed"]
+        for i, info in enumerate(candidates):
+            err = None
+            try:
+                load(info.path, state, process_group=self.process_group, options=self.load_options)
+            except LiferaftError as e:
+                err = e
+            # agree: fall back only if some rank found damage and no rank failed for another reason
+            kinds = self.coord.exchange(type(err).__name__ if err else None, None, "restore (outcome)")
+            if err is None and not any(kinds):
+                self._last_step = info.step
+                self._last_time = time.monotonic()
+                return info.step
+            damaged = any(k in _DAMAGE for k in kinds) and all(k is None or k in _DAMAGE or k == "DistributedError"
+                                                               for k in kinds)
+            if not damaged or step is not None or i == len(candidates) - 1:
+                raise err if err is not None else DistributedError(
+                    f"restore of step {info.step} failed on other ranks: {[k for k in kinds if k]}")
+            warnings.warn(f"liferaft: step {info.step} ({info.path}) did not load ({type(err).__name__}: {err}); "
+                          f"trying step {candidates[i + 1].step}", stacklevel=2)
+        return None
+
+    # ------------------------------------------------------------------ saving
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self._signalled.set()
+
+    def maybe_save(self, step: int, state: Any, metrics: Mapping[str, float] | None = None,
+                   force: bool = False) -> bool:
+        """Save ``state`` as ``step`` if a save policy says so (or ``force``, or after a preemption signal);
+        return whether a save started. With ``async_save`` it returns once the snapshot is taken (an earlier
+        save still in flight is waited for first), else once the step is committed."""
+        reason = "force" if force else self.save_policy.due(step, time.monotonic(), self._last_step, self._last_time)
+        preempt = self._signalled.is_set()
+        if self.coord.world > 1 and (self.save_policy.every_seconds is not None or self._old_handlers):
+            votes = self.coord.exchange((reason, preempt), None, "maybe_save (agree)")
+            reason = next((r for r, _ in votes if r), None)
+            preempt = any(p for _, p in votes)
+        self._settle()
+        if preempt:
+            reason = reason or "preemption"
+        if reason is None or (self._last_step == step and not force):
+            return False
+        self._save(step, state, metrics, reason, wait=preempt or not self.async_save)
+        if preempt:
+            self.preempted = True
+        return True
+
+    def save(self, step: int, state: Any, metrics: Mapping[str, float] | None = None) -> None:
+        """Save now, whatever the policies say (same waiting rules as ``maybe_save``)."""
+        self._settle()
+        self._save(step, state, metrics, "explicit", wait=not self.async_save)
+
+    def _save(self, step: int, state: Any, metrics: Mapping[str, float] | None, reason: str, wait: bool) -> None:
+        err: BaseException | None = None
+        if self._lease is not None:
+            try:
+                self._lease.check()
+            except BaseException as e:  # noqa: BLE001
+                err = e
+        self.coord.exchange(None, err, "save (lease)")
+        meta = {**dict(self.save_options.metadata), "step": step, "reason": reason,
+                "metrics": {k: float(v) for k, v in (metrics or {}).items()}, "job_id": self.job_id}
+        opts = replace(self.save_options, metadata=meta, overwrite=True)
+        target = self._step_storage(step)
+        self._last_step, self._last_time = step, time.monotonic()
+        if wait:
+            self.wait()
+            save(target, state, process_group=self.process_group, options=opts)
+            self._committed(step, metrics)
+            return
+        handle = async_save(target, state, process_group=self.process_group, options=opts)
+        assert handle is not None
+        self._inflight = (step, handle, dict(metrics or {}))
+
+    def _settle(self) -> None:
+        """If the save in flight has finished, account for it (raises its error)."""
+        if self._inflight is not None and self._inflight[1].done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Wait for the save in flight (raises what it raised, on every rank)."""
+        if self._inflight is None:
+            return
+        step, handle, metrics = self._inflight
+        self._inflight = None
+        handle.wait()
+        self._committed(step, metrics)
+
+    def _committed(self, step: int, metrics: Mapping[str, float] | None) -> None:
+        if metrics:
+            self._metrics[step] = dict(metrics)
+        if self._deleter is not None and self.retention.deletes_anything:
+            self._deleter.submit(self._apply_retention)     # one worker: passes run one after the other
+
+    def _apply_retention(self) -> None:
+        """Rank 0, background: delete committed steps the retention policy does not keep."""
+        try:
+            listing = self._list()
+            committed = [i.step for i in listing if i.status == "committed"]
+            metrics = {i.step: i.metrics for i in listing if i.metrics}
+            keep = self.retention.keep(committed, {**metrics, **self._metrics}, self._pins())
+            inflight = self._inflight[0] if self._inflight is not None else None
+            for s in committed:
+                if s not in keep and s != inflight:
+                    self._delete_step(s)
+        except Exception as e:  # noqa: BLE001 - retention must not stop training; it runs again after the next save
+            warnings.warn(f"liferaft: removing old checkpoints under {self.storage.url} failed: {e}", stacklevel=2)
+
+    # ------------------------------------------------------------------ pins, close
+
+    def pin(self, step: int) -> None:
+        """Keep ``step`` whatever the retention policy says (recorded under the root; rank 0 writes it)."""
+        if self.coord.rank == 0:
+            self.storage.put_atomic(PINS, json.dumps(sorted(self._pins() | {step})).encode())
+
+    def unpin(self, step: int) -> None:
+        if self.coord.rank == 0:
+            self.storage.put_atomic(PINS, json.dumps(sorted(self._pins() - {step})).encode())
+
+    def close(self) -> None:
+        """Wait for the save in flight and for deletions, restore signal handlers, release the lease. Collective."""
+        if self._closed:
+            return
+        self._closed = True
+        err: BaseException | None = None
+        try:
+            self.wait()
+        except BaseException as e:  # noqa: BLE001 - raised below, after the clean-up
+            err = e
+        for sig, old in self._old_handlers.items():
+            signal.signal(sig, old)
+        self._old_handlers.clear()
+        if self._deleter is not None:
+            self._deleter.shutdown(wait=True)
+        if self._lease is not None:
+            self._lease.release()
+        if err is not None:
+            raise err
+        self.coord.exchange(None, None, "manager (close)")   # every rank returns after the deletions
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+__all__ = ["CheckpointManager", "StepInfo", "LEASE", "PINS", "step_name"]

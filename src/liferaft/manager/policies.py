@@ -1,0 +1,100 @@
+"""When to save and what to keep: pure functions of steps, times and metrics (no I/O, no process group).
+
+``SavePolicy.due`` answers "save at this step?" from the step, the clock and the last save; ``RetentionPolicy.keep``
+picks the steps to keep from the committed ones. The manager (``manager.py``) applies them; tests call them
+directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+from liferaft.errors import OptionsError
+
+
+@dataclass(frozen=True)
+class SavePolicy:
+    """Save policies, combined with OR (any one that fires saves).
+
+    every_steps: save when ``step % every_steps == 0``.
+    every_seconds: save when at least this many seconds passed since the last save (or since the start).
+    at_steps: save at exactly these steps.
+    last_step: the final step of the run (saved always).
+    """
+
+    every_steps: int | None = None
+    every_seconds: float | None = None
+    at_steps: frozenset[int] = field(default_factory=frozenset)
+    last_step: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.every_steps is not None and self.every_steps < 1:
+            raise OptionsError(f"every_steps must be >= 1, got {self.every_steps}")
+        if self.every_seconds is not None and self.every_seconds <= 0:
+            raise OptionsError(f"every_seconds must be > 0, got {self.every_seconds}")
+
+    def due(self, step: int, now: float, last_save_step: int | None, last_save_time: float) -> str | None:
+        """The reason to save at ``step`` ("every_steps", "every_seconds", "at_steps", "last_step"), or None.
+        Never twice for the same step."""
+        if last_save_step == step:
+            return None
+        if self.last_step is not None and step == self.last_step:
+            return "last_step"
+        if step in self.at_steps:
+            return "at_steps"
+        if self.every_steps is not None and step % self.every_steps == 0:
+            return "every_steps"
+        if self.every_seconds is not None and now - last_save_time >= self.every_seconds:
+            return "every_seconds"
+        return None
+
+
+@dataclass(frozen=True)
+class RetentionPolicy:
+    """Retention policies, combined with OR (a step any of them keeps is kept). With none set, everything is kept.
+
+    keep_last: the newest k committed steps.
+    keep_every: steps that are a multiple of n.
+    keep_best: the k best steps by ``metric`` (``mode`` "min" or "max"); steps without the metric do not count.
+    Pinned steps and the newest committed step are always kept.
+    """
+
+    keep_last: int | None = None
+    keep_every: int | None = None
+    keep_best: int | None = None
+    metric: str | None = None
+    mode: str = "min"
+
+    def __post_init__(self) -> None:
+        for name in ("keep_last", "keep_every", "keep_best"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise OptionsError(f"{name} must be >= 1, got {v}")
+        if self.keep_best is not None and not self.metric:
+            raise OptionsError("keep_best needs metric=<name of a metric passed to save/maybe_save>")
+        if self.mode not in ("min", "max"):
+            raise OptionsError(f"mode must be 'min' or 'max', got {self.mode!r}")
+
+    @property
+    def deletes_anything(self) -> bool:
+        return any(v is not None for v in (self.keep_last, self.keep_every, self.keep_best))
+
+    def keep(self, committed: Sequence[int], metrics: Mapping[int, Mapping[str, float]],
+             pinned: frozenset[int] = frozenset()) -> set[int]:
+        """The committed steps to keep (a subset of ``committed``)."""
+        steps = sorted(set(committed))
+        if not self.deletes_anything:
+            return set(steps)
+        kept = set(pinned) & set(steps)
+        if steps:
+            kept.add(steps[-1])
+        if self.keep_last is not None:
+            kept.update(steps[-self.keep_last:])
+        if self.keep_every is not None:
+            kept.update(s for s in steps if s % self.keep_every == 0)
+        if self.keep_best is not None and self.metric:
+            scored = [(m[self.metric], s) for s in steps if (m := metrics.get(s)) and self.metric in m]
+            scored.sort(key=lambda x: (x[0] if self.mode == "min" else -x[0], -x[1]))
+            kept.update(s for _, s in scored[:self.keep_best])
+        return kept

@@ -1,0 +1,51 @@
+"""Rank functions for the manager on real ranks (imported as ``multiproc._manager_ranks``)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import torch
+
+import liferaft
+from liferaft import CheckpointManager, Sharded
+
+ROWS, COLS = 12, 5
+
+
+def full(step: int) -> torch.Tensor:
+    return torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS) * (step + 1)
+
+
+def state_at(rank: int, world: int, step: int) -> dict:
+    rows = ROWS // world
+    return {"w": Sharded(full(step)[rank * rows:(rank + 1) * rows].clone(), (ROWS, COLS), (rank * rows, 0)),
+            "rep": torch.full((3,), float(step)), "step": step}
+
+
+def train_and_preempt(rank: int, world: int, root: str) -> tuple[list[int], bool, int]:
+    """Save every 3 steps; at step 7 only rank 1 gets SIGUSR1: every rank must save step 7 and stop there."""
+    mgr = CheckpointManager(root, every_steps=3, keep_last=2, preemption_signals=[signal.SIGUSR1],
+                            save_options=liferaft.SaveOptions(timeout=60))
+    start = mgr.restore(state_at(rank, world, -1))
+    stopped = -1
+    for step in range(20):
+        if step == 7 and rank == 1:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        mgr.maybe_save(step, state_at(rank, world, step))
+        if mgr.preempted:
+            stopped = step
+            break
+    mgr.close()
+    steps = [i.step for i in mgr.steps() if i.status == "committed"]
+    return steps, start is None, stopped
+
+
+def resume_on_other_layout(rank: int, world: int, root: str) -> tuple[int | None, bool]:
+    """Restore the newest step on ``world`` ranks with another sharding; exact values?"""
+    with CheckpointManager(root, save_options=liferaft.SaveOptions(timeout=60)) as mgr:
+        st = state_at(rank, world, -1)
+        step = mgr.restore(st)
+    ref = state_at(rank, world, step if step is not None else -1)
+    return step, torch.equal(st["w"].local, ref["w"].local) and torch.equal(st["rep"], ref["rep"]) and \
+        st["step"] == step
