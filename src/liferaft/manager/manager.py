@@ -219,7 +219,8 @@ class CheckpointManager:
         for i, info in enumerate(candidates):
             err = None
             try:
-                load(info.path, state, process_group=self.process_group, options=self.load_options)
+                load(self._step_storage(info.step), state, process_group=self.process_group,
+                     options=self.load_options)
             except LiferaftError as e:
                 err = e
             # agree: fall back only if some rank found damage and no rank failed for another reason

@@ -122,7 +122,7 @@ class PosixStorage(Storage):
             self._dirty_dirs.add(os.path.dirname(m))
 
     def child(self, name: str) -> "PosixStorage":
-        return PosixStorage(self._p(name), direct_io=self.direct_io)
+        return type(self)(self._p(name), direct_io=self.direct_io)     # fault-injecting subclasses stay so
 
     def open_writer(self, name: str) -> FileWriter:
         path = self._p(name)

@@ -1,5 +1,6 @@
 """Fault injection for tests of code that checkpoints (shipped for users too): POSIX storage whose data-file
-writes fail, or wait for a gate, so that a test can hold a save in flight or make one rank's save fail.
+writes fail, or wait for a gate, so that a test can hold a save in flight or make one rank's save fail; and
+storage that kills its own process (``kill -9``) at a chosen operation, for crash tests.
 
 Register one under a URL scheme with ``liferaft.storage.register_scheme("name", FailingStorage)`` (in each
 rank's process; a rank may register a plain ``PosixStorage`` under the same name to stay healthy).
@@ -8,8 +9,11 @@ rank's process; a rank may register a plain ``PosixStorage`` under the same name
 from __future__ import annotations
 
 import errno
+import os
+import signal
 import threading
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from liferaft.storage.base import FileWriter
 from liferaft.storage.posix import PosixStorage, _PosixWriter
@@ -49,3 +53,71 @@ class GatedStorage(PosixStorage):
         path = self._p(name)
         self._mkdirs(path)
         return _GatedWriter(path, self.gate)
+
+
+@dataclass(frozen=True)
+class CrashPlan:
+    """Kill this process with SIGKILL at the ``nth`` (1-based) storage operation ``op`` ("pwrite", "put",
+    "delete" or "read") on a name containing ``match``, ``when`` "before" or "after" the operation runs."""
+
+    op: str
+    match: str = ""
+    nth: int = 1
+    when: str = "before"
+
+
+class CrashStorage(PosixStorage):
+    """POSIX storage that ``kill -9``s its process when ``CrashStorage.plan`` says (class-wide, per process: set
+    it in the process that should die, leave it None elsewhere). Child storages inherit the behaviour."""
+
+    plan: ClassVar[CrashPlan | None] = None
+    seen: ClassVar[int] = 0
+    _lock: ClassVar[threading.Lock] = threading.Lock()
+
+    @classmethod
+    def arm(cls, plan: CrashPlan | None) -> None:
+        with cls._lock:
+            cls.plan, cls.seen = plan, 0
+
+    @classmethod
+    def _hit(cls, op: str, name: str, when: str) -> None:
+        plan = cls.plan
+        if plan is None or plan.op != op or plan.match not in name:
+            return
+        with cls._lock:
+            if when == "before":
+                cls.seen += 1
+            if cls.seen == plan.nth and plan.when == when:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    def open_writer(self, name: str) -> FileWriter:
+        path = self._p(name)
+        self._mkdirs(path)
+        return _CrashWriter(path, name, direct=self.direct_io)
+
+    def put_atomic(self, name: str, data: bytes) -> None:
+        self._hit("put", name, "before")
+        super().put_atomic(name, data)
+        self._hit("put", name, "after")
+
+    def delete(self, name: str) -> None:
+        self._hit("delete", name, "before")
+        super().delete(name)
+        self._hit("delete", name, "after")
+
+    def read_into(self, name: str, offset: int, out: memoryview) -> int:
+        self._hit("read", name, "before")
+        n = super().read_into(name, offset, out)
+        self._hit("read", name, "after")
+        return n
+
+
+class _CrashWriter(_PosixWriter):
+    def __init__(self, path: str, name: str, direct: bool) -> None:
+        super().__init__(path, direct=direct)
+        self.name = name
+
+    def pwrite(self, data: Any, offset: int) -> None:
+        CrashStorage._hit("pwrite", self.name, "before")
+        super().pwrite(data, offset)
+        CrashStorage._hit("pwrite", self.name, "after")
