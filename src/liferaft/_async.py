@@ -77,11 +77,12 @@ class _ProcessState:
 
     def pool_for(self, nbytes: int, budget: int | None, pin: bool) -> BufferPool:
         """The pool for a save of ``nbytes``: one snapshot's worth, or ``budget`` if that is smaller. An
-        existing pool is reused when it is large enough and within the budget."""
+        existing pool is reused (emptied: no save is using it) when it is large enough and within the budget."""
         need = max(1 << 20, nbytes if budget is None else min(budget, nbytes))
         pool = self.pool
         if pool is not None and pool.pinned == pin and pool.capacity >= need and \
                 (budget is None or pool.capacity <= budget):
+            pool.reset()                             # regions a failed save left behind
             return pool
         self.pool = None                             # drop the old buffer before allocating the new one
         self.pool = BufferPool(need, pin=pin)
@@ -94,6 +95,7 @@ class _ProcessState:
         for pool in (self.pool, self.ring):
             if pool is not None and pool.pinned == pin and pool.capacity >= need and \
                     (budget is None or pool.capacity <= budget):
+                pool.reset()                         # regions a failed save left behind
                 return pool
         self.ring = None
         self.ring = BufferPool(need, pin=pin)

@@ -133,6 +133,7 @@ def load(path: PathLike, state: Any, *, process_group: Any = None, strict: bool 
         err = e
     coord.exchange(None, err, "load (read)")
     timings["read"] = time.perf_counter() - t0
+    timings["checksum"] = stats.verify_s        # part of "read" (overlapped with the I/O): the cost of verifying
 
     t0 = time.perf_counter()
     try:

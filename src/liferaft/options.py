@@ -104,7 +104,9 @@ class SaveResult:
 
 @dataclass(frozen=True)
 class LoadResult:
-    """What a load did. Keys missing from the checkpoint or unexpected in it are listed (strict=False)."""
+    """What a load did. Keys missing from the checkpoint or unexpected in it are listed (strict=False).
+    ``timings``: seconds of plan, verify (the first pass of an atomic load), read (reading, verifying and copying,
+    pipelined), checksum (the time spent hashing within read), apply, total."""
 
     path: str
     rank: int

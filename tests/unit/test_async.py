@@ -142,3 +142,14 @@ def test_unobserved_background_error_is_raised_at_the_next_save(tmp_path):
     with pytest.raises(liferaft.LiferaftError, match="previous async save .* failed"):
         liferaft.save(str(tmp_path / "next"), {"w": torch.ones(1)})
     liferaft.save(str(tmp_path / "next"), {"w": torch.ones(1)})     # reported once
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_failed_save_leaves_the_pool_usable(tmp_path, mode):
+    """A write error stops the snapshot midway; the next save through the same (kept) pool must work."""
+    state = {f"t{i}": torch.randn(256, 1024) for i in range(12)}        # 12 MiB: many pieces
+    with pytest.raises(liferaft.StorageError):
+        save_with(mode, f"failtest://{tmp_path}/bad", state)
+    save_with(mode, str(tmp_path / "good"), state)
+    got = liferaft.read(str(tmp_path / "good"))
+    assert all(torch.equal(got[k], v) for k, v in state.items())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -12,6 +13,8 @@ import torch
 import liferaft
 from liferaft import CheckpointBusyError, CheckpointManager, CheckpointNotFoundError, OptionsError
 from liferaft.manager.policies import RetentionPolicy, SavePolicy
+from liferaft.storage import register_scheme
+from liferaft.testing.faults import FailingStorage
 
 
 # ---------------------------------------------------------------------------------------------- pure policies
@@ -222,3 +225,48 @@ def test_manager_on_memory_storage():
         fresh = make_state(seed=3)
         assert mgr.restore(fresh) == 2
         assert torch.equal(fresh["model"].a.weight, state["model"].a.weight)
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO, errno.EACCES, errno.EROFS])
+@pytest.mark.parametrize("async_save", [True, False])
+def test_storage_errors_fail_the_save_cleanly_and_training_goes_on(tmp_path, code, async_save):
+    register_scheme("failing", FailingStorage)
+    FailingStorage.errno, FailingStorage.active = code, False
+    root = str(tmp_path / "run")
+    state = make_state()
+    try:
+        with CheckpointManager(f"failing://{root}", every_steps=1, async_save=async_save) as mgr:
+            mgr.maybe_save(0, state)
+            mgr.wait()                                  # step 0 committed before the storage "breaks"
+            FailingStorage.active = True
+            with pytest.raises(liferaft.StorageError, match=os.strerror(code)):
+                mgr.maybe_save(1, state)            # sync: fails here
+                mgr.maybe_save(2, state)            # async: step 1 failed in the background, raised here
+            FailingStorage.active = False
+            train_step(state, 3)
+            assert mgr.maybe_save(3, state)
+            mgr.wait()
+            assert committed(mgr) == [0, 3]         # no partial step visible
+            assert {i.step for i in mgr.steps()} == {0, 3}
+        fresh = make_state(seed=9)
+        with CheckpointManager(root) as mgr:
+            assert mgr.restore(fresh) == 3
+        assert torch.equal(fresh["model"].a.weight, state["model"].a.weight)
+    finally:
+        FailingStorage.active, FailingStorage.errno = True, errno.ENOSPC
+
+
+def test_truncated_data_file_is_skipped_on_restore(tmp_path):
+    root = str(tmp_path / "run")
+    state = make_state()
+    with CheckpointManager(root, every_steps=1, async_save=False) as mgr:
+        mgr.maybe_save(0, state)
+        mgr.maybe_save(1, state)
+    data = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(root, "step-0000000001")) for f in fs
+            if f.endswith(".bin")]
+    with open(data[0], "r+b") as f:
+        f.truncate(10)
+    with CheckpointManager(root) as mgr:
+        assert {i.step: i.status for i in mgr.steps()}[1] == "corrupt"
+        with pytest.warns(UserWarning, match="truncated"):
+            assert mgr.restore(make_state()) == 0

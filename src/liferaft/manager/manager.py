@@ -270,6 +270,7 @@ class CheckpointManager:
         self._save(step, state, metrics, "explicit", wait=not self.async_save)
 
     def _save(self, step: int, state: Any, metrics: Mapping[str, float] | None, reason: str, wait: bool) -> None:
+        self.wait()                 # the previous save first: its error is raised here, as itself
         err: BaseException | None = None
         if self._lease is not None:
             try:
@@ -283,7 +284,6 @@ class CheckpointManager:
         target = self._step_storage(step)
         self._last_step, self._last_time = step, time.monotonic()
         if wait:
-            self.wait()
             save(target, state, process_group=self.process_group, options=opts)
             self._committed(step, metrics)
             return

@@ -67,14 +67,22 @@ class BufferPool:
             return 0 if n <= tail else None
         return head if head + n <= tail else None
 
-    def acquire(self, nbytes: int, timeout: float | None = None, align: int = ALIGN) -> tuple[int, torch.Tensor]:
+    @property
+    def generation(self) -> int:
+        """Bumped by every ``reset()``: a producer that started before a reset must stop."""
+        return self._generation
+
+    def acquire(self, nbytes: int, timeout: float | None = None, align: int = ALIGN,
+                generation: int | None = None) -> tuple[int, torch.Tensor]:
         """A region of ``nbytes`` (≤ capacity) starting at a multiple of ``align`` (64 or 4096) as
-        ``(start, uint8 tensor view)``; waits for room."""
+        ``(start, uint8 tensor view)``; waits for room. Raises PoolClosedError if the pool was reset since
+        ``generation`` (or while waiting)."""
         if nbytes > self.capacity:
             raise ValueError(f"request of {nbytes} bytes exceeds the pool capacity {self.capacity}")
         size = -(-max(nbytes, 1) // ALIGN) * ALIGN
         with self._cond:
-            generation = self._generation
+            if generation is None:
+                generation = self._generation
             while True:
                 if self._generation != generation:
                     raise PoolClosedError("the buffer pool was reset while waiting for room")

@@ -86,6 +86,7 @@ def stage(items: Sequence[WriteItem], sources: Mapping[tuple[str, Box], torch.Te
     """
     stream = None
     copy_s = 0.0
+    generation = pool.generation          # a reset (the writer failed) stops this snapshot at its next piece
     try:
         for idx, w in enumerate(items):
             src = sources[(w.key, (w.offsets, w.sizes))].detach()
@@ -93,7 +94,7 @@ def stage(items: Sequence[WriteItem], sources: Mapping[tuple[str, Box], torch.Te
                 stream = torch.cuda.Stream(device=src.device)
                 stream.wait_stream(torch.cuda.current_stream(src.device))
             for a, b, rows in _ranges(src, w.length, min(piece_limit, pool.capacity)):
-                region, view = pool.acquire(b - a, timeout, _align_of(b - a))
+                region, view = pool.acquire(b - a, timeout, _align_of(b - a), generation)
                 t0 = time.perf_counter()
                 event = _copy(src, view, a, b, rows, stream)
                 copy_s += time.perf_counter() - t0

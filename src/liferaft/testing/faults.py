@@ -21,11 +21,18 @@ from liferaft.storage.posix import PosixStorage, _PosixWriter
 
 class _FailingWriter(_PosixWriter):
     def pwrite(self, data: Any, offset: int) -> None:
-        raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        if FailingStorage.active:
+            raise OSError(FailingStorage.errno, f"{os.strerror(FailingStorage.errno)} (injected)")
+        super().pwrite(data, offset)
 
 
 class FailingStorage(PosixStorage):
-    """Every positioned write to a data file raises ENOSPC; manifest and marker writes work."""
+    """While ``FailingStorage.active`` (class-wide, default True), every positioned write to a data file raises
+    ``OSError(FailingStorage.errno)`` (default ENOSPC; EIO, EROFS, ... as a test needs); manifest and marker
+    writes work. Switch ``active`` off to let the storage "recover"."""
+
+    active: ClassVar[bool] = True
+    errno: ClassVar[int] = errno.ENOSPC
 
     def open_writer(self, name: str) -> FileWriter:
         path = self._p(name)

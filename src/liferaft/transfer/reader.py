@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Protocol, Sequence
 
@@ -49,10 +50,12 @@ class _Batch:
 
 @dataclass
 class ReadStats:
-    """Bytes a rank used for its targets, and how many of them came from peers instead of storage."""
+    """Bytes a rank used for its targets, how many of them came from peers instead of storage, and the seconds
+    spent verifying checksums (in the caller's thread, overlapped with the reads)."""
 
     used: int = 0
     received: int = 0
+    verify_s: float = 0.0
 
 
 class Peers(Protocol):
@@ -163,7 +166,7 @@ def execute_reads(storage: Storage, units: Sequence[tuple[ReadUnit, torch.dtype]
                 if comm_ok[0]:
                     _wait(w, batch)
             if not errors:
-                _consume(batch, buf, n, targets, copy)
+                stats.verify_s += _consume(batch, buf, n, targets, copy)
                 stats.used += sum(u.length for u, _ in batch.units)
                 stats.received += batch.length if batch.role == "recv" else 0
         except DistributedError as e:
@@ -187,7 +190,9 @@ def _wait(work: Any, batch: _Batch) -> None:
                                f" failed (a peer died or did not answer): {e}") from None
 
 
-def _consume(batch: _Batch, buf: torch.Tensor, n: int, targets: Sequence[torch.Tensor], copy: bool) -> None:
+def _consume(batch: _Batch, buf: torch.Tensor, n: int, targets: Sequence[torch.Tensor], copy: bool) -> float:
+    """Verify every unit of ``batch`` in ``buf`` and copy it into its targets; return the seconds verifying."""
+    verify_s = 0.0
     for unit, dtype in batch.units:
         inner = unit.file_offset - batch.offset
         where = f"file {unit.file!r} (key {unit.key!r}, bytes {unit.file_offset}..{unit.file_offset + unit.length})"
@@ -195,7 +200,9 @@ def _consume(batch: _Batch, buf: torch.Tensor, n: int, targets: Sequence[torch.T
             raise CorruptCheckpointError(f"{where}: the file is truncated (read {max(0, n - inner)} of "
                                          f"{unit.length} bytes)")
         view = buf[inner:inner + unit.length]
+        t0 = time.perf_counter()
         verify_blocks(memoryview(view.numpy()), unit.hashes, unit.block_size, where)
+        verify_s += time.perf_counter() - t0
         if not copy:
             continue
         flat = view.view(dtype)
@@ -206,3 +213,4 @@ def _consume(batch: _Batch, buf: torch.Tensor, n: int, targets: Sequence[torch.T
                 for d, (o, s) in enumerate(zip(c.dest_offsets, c.sizes)):
                     dst = dst.narrow(d, o, s)
                 dst.copy_(src)
+    return verify_s
