@@ -104,6 +104,7 @@ class CheckpointManager:
         self._last_step: int | None = None
         self._last_time = time.monotonic()
         self._metrics: dict[int, Mapping[str, float]] = {}
+        self._reading: set[int] = set()
         self._deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="liferaft-retention") \
             if self.coord.rank == 0 else None
         self._old_handlers: dict[int, Any] = {}
@@ -218,11 +219,14 @@ class CheckpointManager:
             candidates = [i for i in reversed(listing) if i.status == "committed"]
         for i, info in enumerate(candidates):
             err = None
+            self._reading.add(info.step)            # retention passes leave it alone meanwhile
             try:
                 load(self._step_storage(info.step), state, process_group=self.process_group,
                      options=self.load_options)
             except LiferaftError as e:
                 err = e
+            finally:
+                self._reading.discard(info.step)
             # agree: fall back only if some rank found damage and no rank failed for another reason
             kinds = self.coord.exchange(type(err).__name__ if err else None, None, "restore (outcome)")
             if err is None and not any(kinds):
@@ -320,7 +324,7 @@ class CheckpointManager:
             keep = self.retention.keep(committed, {**metrics, **self._metrics}, self._pins())
             inflight = self._inflight[0] if self._inflight is not None else None
             for s in committed:
-                if s not in keep and s != inflight:
+                if s not in keep and s != inflight and s not in self._reading:
                     self._delete_step(s)
         except Exception as e:  # noqa: BLE001 - retention must not stop training; it runs again after the next save
             warnings.warn(f"liferaft: removing old checkpoints under {self.storage.url} failed: {e}", stacklevel=2)
