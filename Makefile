@@ -30,6 +30,7 @@ bench: $(VENV)/.peers
 	$(PY) benchmarks/bench_sync.py
 	$(PY) benchmarks/bench_sync.py --size-gib 4 --reps 2 --methods liferaft,dcp,bytecheckpoint
 	$(PY) benchmarks/bench_async.py
+	$(PY) benchmarks/bench_storage.py
 
 clean:
 	rm -rf $(VENV) demo-out bench-out

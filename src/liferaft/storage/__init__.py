@@ -12,9 +12,17 @@ from liferaft.storage.posix import PosixStorage
 
 __all__ = ["FileWriter", "Storage", "MemoryStorage", "PosixStorage", "register_scheme", "resolve"]
 
+
+def _s3(rest: str) -> Storage:
+    from liferaft.storage.s3 import S3Storage   # imports the S3 client only when an s3:// URL is used
+
+    return S3Storage(rest)
+
+
 _SCHEMES: dict[str, Callable[[str], Storage]] = {
     "file": lambda rest: PosixStorage(rest),
     "memory": lambda rest: MemoryStorage(rest),
+    "s3": _s3,
 }
 
 

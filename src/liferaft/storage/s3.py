@@ -1,0 +1,373 @@
+"""S3 and S3-compatible object storage: ``s3://bucket/prefix`` (a checkpoint is an object prefix).
+
+The contract of ``base.Storage`` maps onto S3 like this:
+
+- A data file is written by positioned writes into a buffer of one part (``part_size``). When a write lands
+  beyond the current part, that part is complete: it is handed to a background multipart upload, at most
+  ``max_concurrency`` parts in flight (memory stays under about ``(max_concurrency + 4) × part_size`` per
+  open writer). Writes may go back (out of order) only within the part not yet uploaded; a write into an uploaded
+  part raises ``S3StorageError``. Bytes never written read back as zeros. A file that fits in one part is sent
+  as one PUT at ``close()``; ``close()`` completes the upload, after which the object is durable (S3 acks only
+  stored data), so ``sync()`` has nothing to do. ``abort()`` aborts the multipart upload and deletes the object.
+- ``put_atomic`` is one PUT: S3 never shows a partial object, readers see the old or the new one.
+- ``read_into`` is a ranged GET (reads over ``part_size`` are split into parallel ranged GETs).
+- A missing object raises ``FileNotFoundError``; every other failure raises ``S3StorageError`` (a
+  ``StorageError`` and an ``OSError``, like a failed local write) naming the object.
+- Every request is retried with exponential backoff (jitter) on 5xx (S3 throttles with 503 SlowDown),
+  connection errors and timeouts; one request may take ``timeout`` s, one operation with its retries about
+  ``total_timeout`` s, after which it raises: nothing waits forever.
+
+Credentials, region and endpoint come from the standard AWS environment (``AWS_ACCESS_KEY_ID``,
+``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_REGION``/``AWS_DEFAULT_REGION``,
+``AWS_ENDPOINT_URL_S3``/``AWS_ENDPOINT_URL``), read once when the storage is made; ``endpoint_url`` and
+``region`` override them (an ``http://`` endpoint is allowed, for local S3-compatible servers). The client
+falls back to its own chain (instance/container credentials, web identity) for what the environment lacks.
+
+Client library: obstore (Rust ``object_store``; releases the GIL, multipart uploads, ranged GETs, retries with
+backoff), imported lazily so ``import liferaft`` does not load it. Measured against boto3 on a local moto S3
+server (2026-12-02, 2 CPUs, 256 MiB object, 8 MiB parts, 8 requests in parallel, median of 3 runs; the
+server, pure Python, is the bottleneck). Throughput is the same within noise; obstore uploads with less than
+half the client CPU time, which matters to a training process that shares its cores with the save:
+
+    operation                                  obstore                  boto3
+    multipart upload                           143 MB/s, 0.22 s CPU     130 MB/s, 0.51 s CPU
+    parallel ranged GETs into one buffer        52 MB/s, 0.37 s CPU      56 MB/s, 0.35 s CPU
+    liferaft.save / load via this backend      136 / 56 MB/s            (no boto3 backend built)
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any, Callable, Iterator
+
+from liferaft.errors import OptionsError, StorageError
+from liferaft.storage.base import FileWriter, Storage
+
+MiB = 1 << 20
+_MIN_PART = 5 * MiB          # S3's minimum size of every part but the last
+
+
+class S3StorageError(StorageError, OSError):
+    """An S3 operation failed after its retries or its time ran out. Also an ``OSError``, so that callers
+    handle it like a failed local write (clean up, report the file)."""
+
+
+class _Aborted(Exception):
+    """Raised inside the part iterator: the client then aborts the multipart upload."""
+
+
+_ABORT = object()
+
+
+def _brief(e: BaseException) -> str:
+    """The first paragraph of a client error (obstore appends a long debug dump)."""
+    text = str(e).split("\n\nDebug source", 1)[0].strip()
+    return f"{type(e).__name__}: {text[:400]}"
+
+
+class S3Storage(Storage):
+    """A checkpoint under ``s3://bucket/prefix`` (``prefix`` may be empty). See the module doc."""
+
+    process_local = False
+    remote = True
+
+    def __init__(self, url_or_bucket_prefix: str, *, endpoint_url: str | None = None, region: str | None = None,
+                 part_size: int = 8 * MiB, max_concurrency: int = 8, timeout: float = 60.0,
+                 total_timeout: float = 180.0, retries: int = 10) -> None:
+        """``url_or_bucket_prefix``: ``s3://bucket/prefix`` or ``bucket/prefix``. ``endpoint_url``/``region``
+        override the environment (default region us-east-1). ``part_size`` (≥ 5 MiB): multipart part and
+        parallel read size; ``max_concurrency``: parts in flight per writer, ranged GETs per read. ``timeout``:
+        seconds for one request; ``total_timeout``: seconds for one request with all its retries (at most
+        ``retries``, exponential backoff from 0.1 s), after which it raises ``S3StorageError``."""
+        from obstore.store import S3Store
+
+        spec = url_or_bucket_prefix[5:] if url_or_bucket_prefix.startswith("s3://") else url_or_bucket_prefix
+        bucket, _, prefix = spec.partition("/")
+        if not bucket:
+            raise StorageError(f"{url_or_bucket_prefix!r}: no bucket named; use s3://bucket/prefix")
+        if part_size < _MIN_PART:
+            raise OptionsError(f"S3Storage part_size={part_size}: S3 needs parts of at least {_MIN_PART} bytes")
+        if max_concurrency < 1 or retries < 0 or timeout <= 0 or total_timeout < timeout:
+            raise OptionsError(f"S3Storage: need max_concurrency ≥ 1, retries ≥ 0, 0 < timeout ≤ total_timeout "
+                               f"(got {max_concurrency}, {retries}, {timeout}, {total_timeout})")
+        self.bucket = bucket
+        self.prefix = "/".join(p for p in prefix.split("/") if p)
+        self.part_size, self.max_concurrency = part_size, max_concurrency
+        self.timeout, self.total_timeout = float(timeout), float(total_timeout)
+        env = os.environ
+        self.endpoint_url = endpoint_url or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL") or None
+        self.region = region or env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1"
+        config: dict[str, Any] = {"region": self.region}
+        if self.endpoint_url:
+            config["endpoint"] = self.endpoint_url
+        for key, var in (("access_key_id", "AWS_ACCESS_KEY_ID"), ("secret_access_key", "AWS_SECRET_ACCESS_KEY"),
+                         ("session_token", "AWS_SESSION_TOKEN")):
+            if env.get(var):
+                config[key] = env[var]
+        max_backoff = min(15.0, self.total_timeout / 8)
+        client = {"timeout": timedelta(seconds=self.timeout),
+                  "connect_timeout": timedelta(seconds=min(self.timeout, 10.0)),
+                  "allow_http": bool(self.endpoint_url and self.endpoint_url.startswith("http://"))}
+        retry = {"max_retries": retries,
+                 "retry_timeout": timedelta(seconds=max(0.0, self.total_timeout - self.timeout - max_backoff)),
+                 "backoff": {"init_backoff": timedelta(seconds=0.1), "max_backoff": timedelta(seconds=max_backoff),
+                             "base": 2}}
+        try:
+            self._store = S3Store(bucket, config=config, client_options=client, retry_config=retry)
+        except Exception as e:  # noqa: BLE001 - bad configuration: say which location
+            raise S3StorageError(f"s3://{bucket}: cannot set up the S3 client: {_brief(e)}") from e
+        self._pool_lock = threading.Lock()
+        self._pool_box: list[ThreadPoolExecutor] = []     # shared with children, made on first large read
+
+    # -- naming ------------------------------------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
+
+    def _key(self, name: str) -> str:
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+    def _where(self, name: str) -> str:
+        return f"{self.url}/{name}"
+
+    def child(self, name: str) -> "S3Storage":
+        c = object.__new__(S3Storage)
+        c.__dict__.update(self.__dict__)
+        c.prefix = self._key(name).strip("/")
+        return c
+
+    def __repr__(self) -> str:
+        return f"S3Storage({self.url!r}, endpoint_url={self.endpoint_url!r})"
+
+    # -- one request with error mapping ------------------------------------------------------------------------
+    def _call(self, name: str, what: str, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        try:
+            return fn(self._store, self._key(name), *args, **kw)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{self._where(name)}: no such object") from None
+        except Exception as e:  # noqa: BLE001 - every client failure becomes a StorageError naming the object
+            raise S3StorageError(f"{self._where(name)}: {what} failed after retries: {_brief(e)}") from e
+
+    def _put(self, name: str, data: Any) -> None:
+        import obstore
+
+        self._call(name, "PUT", obstore.put, data, use_multipart=False)
+
+    # -- Storage -----------------------------------------------------------------------------------------------
+    def open_writer(self, name: str) -> FileWriter:
+        return _S3Writer(self, name)
+
+    def read_into(self, name: str, offset: int, out: memoryview) -> int:
+        mv = memoryview(out).cast("B")
+        if len(mv) <= self.part_size:
+            return self._get_into(name, offset, mv)
+        spans = [(o, min(self.part_size, len(mv) - o)) for o in range(0, len(mv), self.part_size)]
+        counts = list(self._pool().map(lambda s: self._get_into(name, offset + s[0], mv[s[0]:s[0] + s[1]]), spans))
+        total = 0
+        for (_, want), got in zip(spans, counts):
+            total += got
+            if got < want:
+                break
+        return total
+
+    def _get_into(self, name: str, offset: int, mv: memoryview) -> int:
+        import obstore
+
+        if not len(mv):
+            return 0
+        try:
+            data = self._call(name, "ranged GET", obstore.get_range, start=offset, length=len(mv))
+        except S3StorageError as e:
+            cause = str(e.__cause__)
+            if "status code: 416" in cause or "<Code>InvalidRange</Code>" in cause:   # starts at or past the end
+                return 0
+            raise
+        n = len(data)
+        mv[:n] = memoryview(data)
+        return n
+
+    def _pool(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if not self._pool_box:
+                self._pool_box.append(ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="liferaft-s3"))
+            return self._pool_box[0]
+
+    def read_all(self, name: str) -> bytes:
+        import obstore
+
+        return bytes(self._call(name, "GET", lambda st, k: obstore.get(st, k).bytes()))
+
+    def size(self, name: str) -> int:
+        import obstore
+
+        return int(self._call(name, "HEAD", obstore.head)["size"])
+
+    def exists(self, name: str) -> bool:
+        try:
+            self.size(name)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def list(self) -> list[str]:
+        import obstore
+
+        p = self.prefix
+        try:
+            keys = [m["path"] for batch in obstore.list(self._store, prefix=p or None) for m in batch]
+        except Exception as e:  # noqa: BLE001
+            raise S3StorageError(f"{self.url}: LIST failed after retries: {_brief(e)}") from e
+        return sorted(k[len(p) + 1:] if p else k for k in keys)
+
+    def delete(self, name: str) -> None:
+        import obstore
+
+        try:
+            self._call(name, "DELETE", obstore.delete)
+        except FileNotFoundError:
+            pass
+
+    def put_atomic(self, name: str, data: bytes) -> None:
+        self._put(name, data)
+
+    def sync(self) -> None:
+        """Nothing to do: a completed upload is durable."""
+
+
+class _S3Writer(FileWriter):
+    """Positioned writes into the current part; complete parts stream to a background multipart upload."""
+
+    def __init__(self, st: S3Storage, name: str) -> None:
+        self._st, self._name = st, name
+        self._ps = st.part_size
+        self._buf = bytearray(self._ps)
+        self._hi = 0                  # bytes of the current part covered by writes (the rest is zeros)
+        self._base = 0                # file offset of the current part (everything before it is uploaded)
+        self._parts: queue.Queue[Any] = queue.Queue(maxsize=1)
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._state = "open"          # open → closed | failed → aborted
+
+    def _where(self) -> str:
+        return self._st._where(self._name)
+
+    # The bound for waiting on the background upload: every request in it is bounded by the client's retry
+    # settings; this only keeps a wedged client from hanging the caller.
+    def _bound(self) -> float:
+        return 2 * self._st.total_timeout + 10.0
+
+    def pwrite(self, data: memoryview | bytes, offset: int) -> None:
+        if self._state != "open":
+            raise S3StorageError(f"{self._where()}: write to a writer that is {self._state}")
+        mv = memoryview(data).cast("B")
+        if offset < self._base and len(mv):
+            raise S3StorageError(
+                f"{self._where()}: write at offset {offset} goes into part {offset // self._ps + 1}, already "
+                f"uploaded; writes may go back only within the last part ({self._ps} bytes from {self._base})")
+        while len(mv):
+            rel = offset - self._base
+            if rel >= self._ps:                   # a write beyond the current part: that part is complete
+                self._ship(self._buf)
+                self._buf, self._hi, self._base = bytearray(self._ps), 0, self._base + self._ps
+                continue
+            n = min(len(mv), self._ps - rel)
+            self._buf[rel:rel + n] = mv[:n]
+            self._hi = max(self._hi, rel + n)
+            mv, offset = mv[n:], offset + n
+
+    def _ship(self, part: Any) -> None:
+        """Hand ``part`` (or the end marker None) to the upload thread, waiting while the pipeline is full."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._upload, name="liferaft-s3-upload", daemon=True)
+            self._thread.start()
+        deadline = time.monotonic() + self._bound()
+        while True:
+            if self._error is not None or not self._thread.is_alive():
+                raise self._failure()
+            try:
+                self._parts.put(part, timeout=0.05)
+                return
+            except queue.Full:
+                if time.monotonic() > deadline:
+                    raise S3StorageError(f"{self._where()}: the upload made no progress for {self._bound():.0f} s")
+
+    def _failure(self) -> S3StorageError:
+        e = self._error
+        if isinstance(e, S3StorageError):
+            return e
+        err = S3StorageError(f"{self._where()}: multipart upload failed after retries: "
+                             f"{_brief(e) if e else 'the upload thread ended'}")
+        err.__cause__ = e
+        return err
+
+    def _upload(self) -> None:
+        import obstore
+
+        try:
+            obstore.put(self._st._store, self._st._key(self._name), self._iter_parts(), use_multipart=True,
+                        chunk_size=self._ps, max_concurrency=self._st.max_concurrency)
+        except _Aborted:
+            pass
+        except BaseException as e:  # noqa: BLE001 - reported by the next pwrite/close
+            self._error = e
+
+    def _iter_parts(self) -> Iterator[Any]:
+        while True:
+            part = self._parts.get()
+            if part is None:
+                return
+            if part is _ABORT:
+                raise _Aborted()          # the client aborts the multipart upload
+            yield part
+
+    def close(self) -> None:
+        """Complete the upload (one PUT for a one-part file); durable on return. Idempotent."""
+        if self._state == "closed":
+            return
+        if self._state != "open":
+            raise S3StorageError(f"{self._where()}: close of a writer that is {self._state}")
+        try:
+            if self._thread is None:
+                self._st._put(self._name, memoryview(self._buf)[:self._hi])
+            else:
+                if self._hi:
+                    self._ship(memoryview(self._buf)[:self._hi])
+                self._ship(None)
+                self._thread.join(self._bound())
+                if self._thread.is_alive():
+                    raise S3StorageError(f"{self._where()}: completing the upload took over {self._bound():.0f} s")
+                if self._error is not None:
+                    raise self._failure()
+        except BaseException:
+            self._state = "failed"
+            raise
+        self._state = "closed"
+        self._buf = bytearray()
+
+    def abort(self) -> None:
+        """Abort the multipart upload and delete the object. Idempotent; best effort (it runs on error paths,
+        so a storage failure here is swallowed: what is left is removed by the next save's cleanup)."""
+        if self._state == "aborted":
+            return
+        self._state = "aborted"
+        self._buf = bytearray()
+        if self._thread is not None and self._thread.is_alive():
+            while True:
+                try:
+                    self._parts.get_nowait()
+                except queue.Empty:
+                    break
+            try:
+                self._parts.put_nowait(_ABORT)
+            except queue.Full:
+                pass
+            self._thread.join(self._bound())
+        try:
+            self._st.delete(self._name)
+        except OSError:
+            pass

@@ -1,0 +1,37 @@
+"""Real ranks against a real S3-compatible server: save DTensor Shard(0) from 2 ranks, load Shard(1) on 3."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("obstore")
+pytest.importorskip("moto")
+
+import liferaft  # noqa: E402
+from liferaft.testing import run_ranks  # noqa: E402
+from liferaft.testing.s3server import MotoS3Server  # noqa: E402
+from multiproc._reshard_ranks import SHAPES, load_rank, reference, save_rank  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def s3():
+    with MotoS3Server() as server:
+        yield server
+
+
+def test_two_rank_shard0_save_to_s3_then_three_rank_shard1_load(s3, monkeypatch):
+    url = f"s3://{s3.bucket}/ranks/ck"
+    env = s3.env()                                   # the ranks find the server through AWS_ENDPOINT_URL
+    written = run_ranks(save_rank, 2, url, {"kind": "dtensor", "mesh": (2,), "placements": ["S0"]}, env=env)
+    assert all(w > 0 for w in written), written
+    results = run_ranks(load_rank, 3, url, {"kind": "dtensor", "mesh": (3,), "placements": ["S1"]}, env=env)
+    for rank, res in enumerate(results):
+        assert all(res.values()), f"rank {rank}: mismatched {[k for k, v in res.items() if not v]}"
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    liferaft.verify(url)
+    tree = liferaft.read(url)
+    for name in SHAPES:
+        assert torch.equal(tree[name], reference(name))
+    assert liferaft.inspect(url).world_size == 2
