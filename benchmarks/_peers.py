@@ -58,6 +58,7 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
+from _bench_ranks import _fsync_path
 
 PEERS = ("bytecheckpoint", "torchsnapshot")
 FRAMEWORK = "fsdp2"          # ByteCheckpoint framework: DTensor parameters, DCP-style resharding planner
@@ -111,14 +112,6 @@ def _rank_world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _fsync_tree(path: str) -> None:
     """Every rank fsyncs its share of the files under ``path``; rank 0 the folders (and ``path``'s parent)."""
     rank, world = _rank_world()
@@ -129,7 +122,7 @@ def _fsync_tree(path: str) -> None:
     mine = files[rank::world] + ([d for d, _, _ in walk] + [os.path.dirname(os.path.abspath(path))]
                                  if rank == 0 else [])
     for p in mine:
-        _fsync(p)
+        _fsync_path(p)
     if world > 1:
         dist.barrier()
 
