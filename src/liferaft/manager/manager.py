@@ -67,7 +67,8 @@ class CheckpointManager:
     step that loads. Collective: every rank of ``process_group`` constructs it and makes the same calls.
 
     Save policies (any fires): ``every_steps``, ``every_seconds``, ``at_steps``, ``last_step`` (always saved), and
-    preemption (``preemption_signals``, default SIGTERM and SIGUSR1: the next ``maybe_save`` saves at once and
+    preemption (``preemption_signals``, default SIGTERM and SIGUSR1: the next ``maybe_save`` saves at once,
+    synchronously, with every collective wait bounded by ``preemption_deadline`` seconds, and
     sets ``preempted``; the loop should then stop). Retention (any keeps): ``keep_last``, ``keep_every``,
     ``keep_best`` by ``metric`` (``mode`` "min"/"max"), and pinned steps; the newest committed step is always
     kept. Deletion runs in a background thread after a save commits and never touches the newest committed step
@@ -84,6 +85,7 @@ class CheckpointManager:
                  metric: str | None = None, mode: str = "min", async_save: bool = True,
                  process_group: Any = None, save_options: SaveOptions | None = None,
                  load_options: LoadOptions | None = None, preemption_signals: Iterable[int] | None = None,
+                 preemption_deadline: float = 120.0,
                  job_id: str | None = None, lease_ttl: float = 30.0) -> None:
         self.save_policy = SavePolicy(every_steps=every_steps, every_seconds=every_seconds,
                                       at_steps=frozenset(at_steps), last_step=last_step)
@@ -99,6 +101,7 @@ class CheckpointManager:
                                "liferaft.async_save directly for overlapped staging")
         self.coord = Coordinator(process_group, self.save_options.timeout)
         self.preempted = False
+        self.preemption_deadline = preemption_deadline
         self._signalled = threading.Event()
         self._inflight: tuple[int, AsyncSaveHandle, Mapping[str, float]] | None = None
         self._last_step: int | None = None
@@ -263,9 +266,16 @@ class CheckpointManager:
             reason = reason or "preemption"
         if reason is None or (self._last_step == step and not force):
             return False
-        self._save(step, state, metrics, reason, wait=preempt or not self.async_save)
         if preempt:
+            t0 = time.monotonic()
+            self._save(step, state, metrics, reason, wait=True, timeout=self.preemption_deadline)
             self.preempted = True
+            spent = time.monotonic() - t0
+            if spent > self.preemption_deadline:
+                warnings.warn(f"liferaft: the preemption save of step {step} took {spent:.0f} s, more than "
+                              f"preemption_deadline={self.preemption_deadline:.0f} s", stacklevel=2)
+            return True
+        self._save(step, state, metrics, reason, wait=not self.async_save)
         return True
 
     def save(self, step: int, state: Any, metrics: Mapping[str, float] | None = None) -> None:
@@ -273,7 +283,8 @@ class CheckpointManager:
         self._settle()
         self._save(step, state, metrics, "explicit", wait=not self.async_save)
 
-    def _save(self, step: int, state: Any, metrics: Mapping[str, float] | None, reason: str, wait: bool) -> None:
+    def _save(self, step: int, state: Any, metrics: Mapping[str, float] | None, reason: str, wait: bool,
+              timeout: float | None = None) -> None:
         self.wait()                 # the previous save first: its error is raised here, as itself
         err: BaseException | None = None
         if self._lease is not None:
@@ -285,6 +296,8 @@ class CheckpointManager:
         meta = {**dict(self.save_options.metadata), "step": step, "reason": reason,
                 "metrics": {k: float(v) for k, v in (metrics or {}).items()}, "job_id": self.job_id}
         opts = replace(self.save_options, metadata=meta, overwrite=True)
+        if timeout is not None:                     # a preemption save: no rank waits past the deadline
+            opts = replace(opts, timeout=min(opts.timeout, timeout))
         target = self._step_storage(step)
         self._last_step, self._last_time = step, time.monotonic()
         if wait:
