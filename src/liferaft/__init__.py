@@ -11,12 +11,13 @@ from liferaft.errors import (CheckpointBusyError, CheckpointExistsError, Checkpo
                              PickleNotAllowedError, StateMismatchError, StorageError, UnsafePathError)
 from liferaft.options import LoadOptions, LoadResult, SaveOptions, SaveResult
 from liferaft.reading import CheckpointInfo, PerRank, TensorInfo, VerifyReport, inspect, read, verify
+from liferaft.state.rng import RNGState
 from liferaft.state.sharded import Sharded
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "save", "async_save", "AsyncSaveHandle", "load", "CheckpointManager", "StepInfo", "read", "inspect", "verify", "Sharded", "SaveOptions", "LoadOptions", "SaveResult",
+    "save", "async_save", "AsyncSaveHandle", "load", "CheckpointManager", "StepInfo", "read", "inspect", "verify", "Sharded", "RNGState", "SaveOptions", "LoadOptions", "SaveResult",
     "LoadResult", "CheckpointInfo", "TensorInfo", "VerifyReport", "PerRank",
     "LiferaftError", "CheckpointNotFoundError", "IncompleteCheckpointError", "CheckpointExistsError", "CheckpointBusyError",
     "CorruptCheckpointError", "FormatVersionError", "UnsafePathError", "StateMismatchError", "InvalidStateError",

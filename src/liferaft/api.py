@@ -225,6 +225,10 @@ def _plan_value(plan: _LoadPlan, key: str, path: tuple, tensors: dict, values: d
     if v is not None:
         value = decode_entry_value(v, opts.allow_pickle)
         if isinstance(value, PerRank):
+            if len(value) != coord.world and _accepts_per_rank(plan.flat, path):
+                plan.assign.append((path, value))       # the object maps the saved ranks' values itself
+                plan.covered[index[key]] = 1
+                return
             if len(value) != coord.world:
                 raise StateMismatchError(
                     f"key {key!r} held a different value on each of the {len(value)} saving ranks; it cannot be "
@@ -243,6 +247,15 @@ def _plan_value(plan: _LoadPlan, key: str, path: tuple, tensors: dict, values: d
         plan.missing.append(key)
         return
     plan.covered[index[key]] = 1
+
+
+def _accepts_per_rank(flat: FlatState, path: tuple) -> bool:
+    """Whether ``path`` lies under a stateful object that takes per-rank values of another world size itself
+    (``accepts_per_rank = True``, e.g. ``RNGState``)."""
+    for spath, adapter, _ in flat.statefuls:
+        if path[:len(spath)] == spath and getattr(getattr(adapter, "obj", None), "accepts_per_rank", False):
+            return True
+    return False
 
 
 def _assign(flat: FlatState, path: tuple[PathPart, ...], value: Any) -> None:

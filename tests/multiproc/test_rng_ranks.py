@@ -1,0 +1,19 @@
+"""RNGState on real ranks: same world size → every rank continues its own stream; another world size → fresh,
+distinct, reproducible streams and a warning, never an error."""
+
+from __future__ import annotations
+
+from liferaft.testing import run_ranks
+from multiproc._rng_ranks import load_and_draw, save_and_draw
+
+
+def test_each_rank_continues_its_stream_and_a_new_world_gets_derived_streams(tmp_path):
+    path = str(tmp_path / "ck")
+    expected = run_ranks(save_and_draw, 2, path)
+    assert expected[0] != expected[1]
+    same = run_ranks(load_and_draw, 2, path)
+    assert [d for d, _ in same] == expected and not any(w for _, w in same)
+    three = run_ranks(load_and_draw, 3, path)
+    draws = [d for d, _ in three]
+    assert all(w for _, w in three) and len({tuple(d) for d in draws}) == 3
+    assert run_ranks(load_and_draw, 3, path) == three          # reproducible
