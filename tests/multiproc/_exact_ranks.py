@@ -1,0 +1,119 @@
+"""Rank functions for the exact-resume test (imported as ``multiproc._exact_ranks``): a small GPT-style model
+with dropout, FSDP2 over the ranks, AdamW + LR schedule, data from ``liferaft.data.GlobalSampler``, RNG in
+``liferaft.RNGState``, checkpoints by ``CheckpointManager``."""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import torch
+from torch import nn
+
+import liferaft
+from liferaft.data import GlobalSampler
+
+VOCAB, SEQ, DIM = 64, 12, 32
+SOURCES = {"prose": 96, "code": 40}
+WEIGHTS = {"prose": 0.7, "code": 0.3}
+
+
+class TinyGPT(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.pos = nn.Parameter(torch.zeros(SEQ, DIM))
+        self.blocks = nn.ModuleList(nn.TransformerEncoderLayer(DIM, 4, 2 * DIM, dropout=0.1, batch_first=True)
+                                    for _ in range(2))
+        self.head = nn.Linear(DIM, VOCAB)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(SEQ), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids) + self.pos
+        for b in self.blocks:
+            x = b(x, src_mask=self.mask, is_causal=True)
+        return self.head(x)
+
+
+def tokens(source: str, index: int) -> torch.Tensor:
+    """The dataset: sample ``index`` of ``source``, a pure function (any rank can make any sample)."""
+    g = torch.Generator().manual_seed((1 + list(SOURCES).index(source)) * 100_003 + index)
+    return torch.randint(0, VOCAB, (SEQ + 1,), generator=g)
+
+
+def build(world: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = TinyGPT()
+    mesh = init_device_mesh("cpu", (world,))
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.8)
+    rank = torch.distributed.get_rank()
+    data = GlobalSampler(SOURCES, weights=WEIGHTS, global_batch_size=8, seed=5, rank=rank, world=world)
+    torch.manual_seed(1000 + rank)                     # per-rank dropout streams
+    return {"model": model, "optim": opt, "sched": sched, "data": data, "rng": liferaft.RNGState(), "step": 0}
+
+
+def train(state: dict[str, Any], start: int, end: int, mgr: Any = None, die_after: int | None = None) -> list[float]:
+    """Steps [start, end); the global mean loss of each step (bitwise comparable)."""
+    model, opt, sched = state["model"], state["optim"], state["sched"]
+    batches = state["data"].batches()
+    losses = []
+    for step in range(start, end):
+        batch = torch.stack([tokens(s.source, s.index) for s in next(batches)])
+        logits = model(batch[:, :-1]).clone()
+        loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        state["step"] = step + 1
+        mean = loss.detach().clone()
+        torch.distributed.all_reduce(mean)
+        losses.append(float(mean))
+        if mgr is not None:
+            mgr.maybe_save(step, state)
+            if step == die_after:
+                mgr.wait()                              # the step-``die_after`` checkpoint is committed
+                os.kill(os.getpid(), signal.SIGKILL)    # then the job "crashes"
+    return losses
+
+
+def params(state: dict[str, Any]) -> dict[str, list[float]]:
+    """This rank's shards of the parameters and of AdamW's moments (bitwise comparable)."""
+    out = {f"p.{k}": v.to_local().flatten().tolist() for k, v in state["model"].state_dict().items()}
+    for j, s in enumerate(state["optim"].state.values()):       # parameter order
+        for n, t in s.items():
+            if t.dim():
+                out[f"o.{j}.{n}"] = t.to_local().flatten().tolist()
+    return out
+
+
+def run_straight(rank: int, world: int, steps: int) -> tuple[list[float], dict]:
+    torch.set_num_threads(1)
+    state = build(world)
+    return train(state, 0, steps), params(state)
+
+
+def run_until_crash(rank: int, world: int, root: str, steps: int, crash_at: int) -> None:
+    torch.set_num_threads(1)
+    state = build(world)
+    mgr = liferaft.CheckpointManager(root, every_steps=5, job_id="exact", save_options=liferaft.SaveOptions(timeout=60))
+    train(state, 0, steps, mgr, die_after=crash_at)
+
+
+def resume(rank: int, world: int, root: str, steps: int) -> tuple[int, list[float], dict]:
+    torch.set_num_threads(1)
+    state = build(world)
+    with liferaft.CheckpointManager(root, every_steps=5, job_id="exact",
+                                    save_options=liferaft.SaveOptions(timeout=60)) as mgr:
+        last = mgr.restore(state)
+        assert last is not None and state["step"] == last + 1
+        losses = train(state, last + 1, steps, mgr)
+    return last, losses, params(state)
