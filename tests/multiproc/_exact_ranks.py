@@ -20,11 +20,11 @@ WEIGHTS = {"prose": 0.7, "code": 0.3}
 
 
 class TinyGPT(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, dropout: float = 0.1) -> None:
         super().__init__()
         self.emb = nn.Embedding(VOCAB, DIM)
         self.pos = nn.Parameter(torch.zeros(SEQ, DIM))
-        self.blocks = nn.ModuleList(nn.TransformerEncoderLayer(DIM, 4, 2 * DIM, dropout=0.1, batch_first=True)
+        self.blocks = nn.ModuleList(nn.TransformerEncoderLayer(DIM, 4, 2 * DIM, dropout=dropout, batch_first=True)
                                     for _ in range(2))
         self.head = nn.Linear(DIM, VOCAB)
         self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(SEQ), persistent=False)
@@ -42,12 +42,12 @@ def tokens(source: str, index: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (SEQ + 1,), generator=g)
 
 
-def build(world: int) -> dict[str, Any]:
+def build(world: int, dropout: float = 0.1) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
-    model = TinyGPT()
+    model = TinyGPT(dropout)
     mesh = init_device_mesh("cpu", (world,))
     for b in model.blocks:
         fully_shard(b, mesh=mesh)
@@ -76,7 +76,7 @@ def train(state: dict[str, Any], start: int, end: int, mgr: Any = None, die_afte
         state["step"] = step + 1
         mean = loss.detach().clone()
         torch.distributed.all_reduce(mean)
-        losses.append(float(mean))
+        losses.append(float(mean) / torch.distributed.get_world_size())
         if mgr is not None:
             mgr.maybe_save(step, state)
             if step == die_after:
@@ -117,3 +117,41 @@ def resume(rank: int, world: int, root: str, steps: int) -> tuple[int, list[floa
         assert last is not None and state["step"] == last + 1
         losses = train(state, last + 1, steps, mgr)
     return last, losses, params(state)
+
+
+def full_params(state: dict[str, Any]) -> dict[str, list[float]]:
+    """Gathered parameters and AdamW moments keyed by parameter name (layout-independent, bitwise comparable)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    o = StateDictOptions(full_state_dict=True, cpu_offload=False)
+    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
+    out = {f"p.{k}": full(v).flatten().tolist() for k, v in get_model_state_dict(state["model"], options=o).items()}
+    for k, s in get_optimizer_state_dict(state["model"], state["optim"], options=o)["state"].items():
+        for n, t in s.items():
+            out[f"o.{k}.{n}"] = full(t).flatten().tolist()
+    return out
+
+
+def save_then_crash(rank: int, world: int, root: str, steps: int) -> tuple[list[float], dict]:
+    """No dropout (a new layout gets new RNG streams); train ``steps`` steps, save, return losses and the full
+    state as saved; the caller's next job loads it on another number of ranks."""
+    torch.set_num_threads(1)
+    state = build(world, dropout=0.0)
+    losses = train(state, 0, steps)
+    liferaft.save(root, state, options=liferaft.SaveOptions(timeout=60))
+    return losses, full_params(state)
+
+
+def load_on_new_layout(rank: int, world: int, root: str, steps: int, more: int) -> tuple[dict, list[float]]:
+    """Load on ``world`` ranks; return the full state right after the load and the losses of ``more`` steps."""
+    torch.set_num_threads(1)
+    state = build(world, dropout=0.0)
+    liferaft.load(root, state, options=liferaft.LoadOptions(timeout=60))
+    assert state["step"] == steps
+    after = full_params(state)
+    return after, train(state, steps, steps + more)
+
+
+def run_straight_no_dropout(rank: int, world: int, steps: int) -> list[float]:
+    torch.set_num_threads(1)
+    return train(build(world, dropout=0.0), 0, steps)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 
 from liferaft.testing import RankFailure, run_ranks
-from multiproc._exact_ranks import resume, run_straight, run_until_crash
+from multiproc._exact_ranks import (load_on_new_layout, resume, run_straight, run_straight_no_dropout,
+                                   run_until_crash, save_then_crash)
 
 
 def test_kill_and_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path):
@@ -26,3 +27,17 @@ def test_kill_and_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path):
         assert last == 20
         assert losses_b == losses_a[21:], (losses_a[21:], losses_b)
         assert params_b == params_a
+
+
+@pytest.mark.parametrize("world", [1, 4])          # ranks that divide the global batch of 8
+def test_resume_on_another_layout_loads_bitwise_and_the_loss_continues(tmp_path, world):
+    """2 ranks FSDP2 → 1 or 4 ranks (dropout off: a new layout gets new RNG streams): params and AdamW state
+    right after the load equal those saved, bit for bit, and the loss curve continues (the data order is the same
+    global order; only the reduction order of the gradients differs)."""
+    root = str(tmp_path / "ck")
+    reference = run_ranks(run_straight_no_dropout, 2, 16, timeout=300)[0]
+    saved = run_ranks(save_then_crash, 2, root, 10, timeout=300)
+    out = run_ranks(load_on_new_layout, world, root, 10, 6, timeout=300)
+    for after, losses in out:
+        assert after == saved[0][1]
+        assert losses == pytest.approx(reference[10:16], rel=1e-4)
