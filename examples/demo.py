@@ -1,13 +1,22 @@
-"""The main job (``make demo``): an FSDP2-sharded GPT-style model trained on 2 ranks is checkpointed with
-liferaft, then loaded into 1 process (plain model) and into 3 ranks (FSDP2 over 3), and checked bit-exact.
+"""The main job (``make demo``): a training run that checkpoints, crashes, and resumes on another layout.
 
-Ranks are real processes talking gloo over 127.0.0.1. Prints what each step did and how long each phase took.
+1. A GPT-style model is trained with FSDP2 on 2 ranks; a ``CheckpointManager`` saves asynchronously every 5 steps
+   (data position in ``GlobalSampler``, random streams in ``RNGState``).
+2. At step 23 one rank is killed (``kill -9``): the job dies.
+3. A new job on 3 ranks restores the newest committed checkpoint (resharding every tensor), checks it bit for
+   bit against what was saved, and trains on to step 40 in the same global data order.
+4. It prints the loss curve across the crash (and saves it as PNG), the steps that were redone, and the save
+   stall and load time of liferaft next to PyTorch DCP on the same state.
+
+Ranks are real processes talking gloo over 127.0.0.1.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -15,69 +24,26 @@ import warnings
 from typing import Any
 
 import torch
-from torch import nn
 
 import liferaft
-from liferaft.testing import run_ranks
+from liferaft.testing import RankFailure, run_ranks
 
-VOCAB, DIM, LAYERS, SEQ = 512, 128, 4, 32
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)                           # the rank processes find it through PYTHONPATH (main())
+from train_gpt import build, train_step  # noqa: E402
+
+STEPS, EVERY, CRASH_AT = 40, 5, 23
 # FSDP2 warns that the root returns a view (the LM head's output); nothing here modifies it in place.
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+# 2 → 3 ranks: RNGState gives each new rank derived streams and warns; the demo says so once itself
+warnings.filterwarnings("ignore", message="liferaft.RNGState: saved by")
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
-        self.attn = nn.MultiheadAttention(DIM, 4, batch_first=True)
-        self.mlp = nn.Sequential(nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, DIM))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.ln1(x)
-        mask = torch.triu(torch.ones(x.shape[1], x.shape[1], dtype=torch.bool), 1)
-        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
-        return x + self.mlp(self.ln2(x))
-
-
-class GPT(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.tok = nn.Embedding(VOCAB, DIM)
-        self.pos = nn.Parameter(torch.randn(SEQ, DIM) * 0.02)
-        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
-        self.head = nn.Linear(DIM, VOCAB)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.tok(ids) + self.pos[: ids.shape[1]]
-        for b in self.blocks:
-            x = b(x)
-        return self.head(x)
-
-
-def batch(step: int) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(step))
-
-
-def loss_of(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    logits = model(ids[:, :-1])
-    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
-
-
-def fsdp(model: GPT, world: int) -> GPT:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (world,))
-    for b in model.blocks:
-        fully_shard(b, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
-
-
-def fingerprint(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """Full parameters and Adam moments by name (gathered only here, for the check)."""
+def fingerprint(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Full parameters and AdamW moments by name (gathered only here, for the check)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
+    model, opt = state["model"], state["optim"]
     o = StateDictOptions(full_state_dict=True)
     full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
     out = {f"p:{k}": full(v).clone() for k, v in get_model_state_dict(model, options=o).items()}
@@ -86,83 +52,157 @@ def fingerprint(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch
     return out
 
 
-def train_and_save(rank: int, world: int, path: str, ref_path: str) -> dict[str, Any]:
-    model = fsdp(GPT(), world)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses = []
-    for step in range(6):
-        loss = loss_of(model, batch(step))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(round(loss.item(), 4))
-    fp = fingerprint(model, opt)
-    if rank == 0:
-        torch.save(fp, ref_path)
-    res = liferaft.save(path, {"model": model, "optim": opt, "step": 6, "losses": losses})
-    return {"losses": losses, "bytes": res.bytes_written, "timings": dict(res.timings)}
+def train(rank: int, state: dict[str, Any], mgr: liferaft.CheckpointManager, log: str, fp_dir: str,
+          crash_at: int | None) -> dict[str, float]:
+    """Train from ``state["step"]`` to STEPS; rank 0 logs each loss; the saves' stalls are timed."""
+    world = torch.distributed.get_world_size()
+    batches = state["data"].batches()
+    stalls = []
+    for step in range(state["step"], STEPS):
+        loss = train_step(state, batches)
+        mean = loss.detach().clone()
+        torch.distributed.all_reduce(mean)
+        if rank == 0:
+            with open(log, "a") as f:
+                f.write(json.dumps({"step": step, "world": world, "loss": float(mean) / world}) + "\n")
+        t0 = time.perf_counter()
+        if mgr.maybe_save(step, state):
+            stalls.append(time.perf_counter() - t0)
+            mgr.wait()                                  # (only so that the fingerprint below matches the save)
+            fp = fingerprint(state)
+            if rank == 0:
+                torch.save(fp, os.path.join(fp_dir, f"{step}.pt"))
+        if crash_at is not None and step == crash_at and rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)        # the crash: rank 1 dies mid-run
+    mgr.close()
+    return {"stall_s": sum(stalls) / max(1, len(stalls))}
 
 
-def restore(model: nn.Module, path: str, ref_path: str) -> tuple[Any, dict[str, Any], torch.optim.Optimizer, list[str]]:
-    """Load the checkpoint into ``model`` + a fresh AdamW (wrong lr on purpose); list what differs from the
-    reference fingerprint."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1.0)
-    state = {"model": model, "optim": opt, "step": 0, "losses": []}
-    res = liferaft.load(path, state)
-    ref, fp = torch.load(ref_path), fingerprint(model, opt)
-    return res, state, opt, [k for k in ref if not torch.equal(ref[k], fp[k])]
+def job(rank: int, world: int, root: str, log: str, fp_dir: str, crash_at: int | None) -> dict[str, Any]:
+    state = build(rank, world)
+    mgr = liferaft.CheckpointManager(root, every_steps=EVERY, keep_last=3, job_id="demo")
+    t0 = time.perf_counter()
+    restored = mgr.restore(state)
+    load_s = time.perf_counter() - t0
+    exact = None
+    if restored is not None:
+        ref = torch.load(os.path.join(fp_dir, f"{restored}.pt"))
+        fp = fingerprint(state)
+        exact = all(torch.equal(ref[k], fp[k]) for k in ref) and ref.keys() == fp.keys()
+    out = train(rank, state, mgr, log, fp_dir, crash_at)
+    return {"restored": restored, "exact": exact, "load_s": load_s, **out}
 
 
-def load_sharded(rank: int, world: int, path: str, ref_path: str) -> dict[str, Any]:
-    model = fsdp(GPT(), world)
-    res, state, _, bad = restore(model, path, ref_path)
-    loss = loss_of(model, batch(state["step"])).item()
-    return {"bad": bad, "bytes": res.bytes_read, "timings": dict(res.timings), "step": state["step"], "loss": loss}
+def versus_dcp(rank: int, world: int, root: str) -> dict[str, float]:
+    """Warm async-save stall and load time of liferaft and DCP on the same state (3 ranks)."""
+    import torch.distributed.checkpoint as dcp
+
+    state = build(rank, world)
+    sd = {"model": state["model"], "optim": state["optim"]}
+    out: dict[str, float] = {}
+    for name in ("liferaft", "dcp"):
+        for i in range(2):                              # the first save of a process sets up; time the second
+            path = os.path.join(root, f"{name}-{i}")
+            torch.distributed.barrier()
+            t0 = time.perf_counter()
+            if name == "liferaft":
+                h = liferaft.async_save(path, sd)
+                out[f"{name}_stall_s"] = time.perf_counter() - t0
+                h.wait()
+            else:
+                from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+                msd, osd = get_state_dict(state["model"], state["optim"])
+                fut = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=path)
+                out[f"{name}_stall_s"] = time.perf_counter() - t0
+                fut.result()
+        torch.distributed.barrier()
+        t0 = time.perf_counter()
+        if name == "liferaft":
+            liferaft.load(path, sd)
+        else:
+            msd, osd = get_state_dict(state["model"], state["optim"])
+            dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
+            set_state_dict(state["model"], state["optim"], model_state_dict=msd, optim_state_dict=osd)
+        out[f"{name}_load_s"] = time.perf_counter() - t0
+    return out
 
 
-def show(title: str, rows: list[dict[str, Any]], key: str) -> None:
-    phases = list(rows[0]["timings"])
-    print(f"  {title}")
-    for r, row in enumerate(rows):
-        t = " ".join(f"{p}={row['timings'][p] * 1000:7.1f}ms" for p in phases)
-        print(f"    rank {r}: {row[key] / 2**20:6.2f} MiB  {t}")
+def plot(points: list[dict[str, Any]], restored: int, crash_at: int, path: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for world, style in ((2, "o-"), (3, "s-")):
+        pts = [p for p in points if p["world"] == world]
+        ax.plot([p["step"] for p in pts], [p["loss"] for p in pts], style, ms=3, label=f"{world} ranks")
+    ax.axvline(crash_at + 0.5, color="red", ls="--", label=f"rank 1 killed after step {crash_at}")
+    ax.axvline(restored + 0.5, color="gray", ls=":", label=f"resumed from step {restored}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
 
 
 def main() -> int:
-    root = tempfile.mkdtemp(prefix="liferaft-demo-")
-    path, ref_path = os.path.join(root, "ckpt"), os.path.join(root, "reference.pt")
+    work = tempfile.mkdtemp(prefix="liferaft-demo-")
+    root, log, fps = os.path.join(work, "ckpt"), os.path.join(work, "loss.jsonl"), os.path.join(work, "fp")
+    os.makedirs(fps)
+    out_dir = os.path.join(os.getcwd(), "demo-out")
+    os.makedirs(out_dir, exist_ok=True)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH", "")) if p)
     try:
-        print("1. Train a GPT-style model (FSDP2, 2 ranks, AdamW) for 6 steps, then liferaft.save ...")
-        t0 = time.perf_counter()
-        saved = run_ranks(train_and_save, 2, path, ref_path)
-        print(f"   losses: {saved[0]['losses']}  ({time.perf_counter() - t0:.1f}s incl. process start)")
-        show("save (each rank writes only its own shards):", saved, "bytes")
-        info = liferaft.inspect(path)
-        print(f"   checkpoint: {len(info.tensors)} tensors, {info.total_bytes / 2**20:.2f} MiB in "
-              f"{len(info.files)} files, written by {info.world_size} ranks")
-        t0 = time.perf_counter()
-        rep = liferaft.verify(path)
-        print(f"   verify: {rep.chunks} chunks, {rep.bytes_checked / 2**20:.2f} MiB re-hashed OK "
-              f"({(time.perf_counter() - t0) * 1000:.0f}ms)")
+        print(f"1. Train a GPT-style model (FSDP2, 2 ranks, AdamW, 2 data sources); async checkpoint every {EVERY} "
+              f"steps; rank 1 is killed after step {CRASH_AT} ...")
+        try:
+            run_ranks(job, 2, root, log, fps, CRASH_AT, timeout=600)
+            print("   the job did not crash?")
+            return 1
+        except RankFailure as e:
+            why = "; ".join(f"rank {r}: {v.strip().splitlines()[-1][:60]}" for r, v in sorted(e.errors.items()))
+            print(f"   the job died as planned ({why})")
+        mgr_view = liferaft.CheckpointManager(root, job_id="demo", lease_ttl=1.0)
+        print("   steps on disk: " + ", ".join(f"{i.step} ({i.status})" for i in mgr_view.steps()))
+        mgr_view.close()
 
-        print("2. Load into ONE process, plain (unsharded) model + AdamW, no process group ...")
-        model = GPT()
-        res, state, opt, bad = restore(model, path, ref_path)
-        print(f"   {res.bytes_read / 2**20:.2f} MiB read; " + " ".join(f"{p}={v * 1000:.1f}ms" for p, v in res.timings.items()))
-        print(f"   params + optimizer state bit-exact: {not bad}; step={state['step']}; "
-              f"lr restored={opt.param_groups[0]['lr']}; next loss={loss_of(model, batch(6)).item():.4f}")
+        print("2. A new job on 3 ranks restores the newest committed step (every shard boundary moves) and trains on ...")
+        res = run_ranks(job, 3, root, log, fps, None, timeout=600)
+        restored = res[0]["restored"]
+        print(f"   restored step {restored} in {max(r['load_s'] for r in res):.2f}s; params + AdamW state bit-exact "
+              f"with what was saved on every rank: {all(r['exact'] for r in res)}; the data order goes on where it "
+              "stopped; the 3 ranks get random streams derived from the 2 saved ones")
+        points = [json.loads(line) for line in open(log)]
+        redone = [p["step"] for p in points if p["world"] == 2 and p["step"] > restored]
+        print(f"   lost work: steps {redone[0]}..{redone[-1]} were trained before the crash and redone after it"
+              if redone else "   lost work: none")
+        print("   loss curve (step: loss [ranks]):")
+        for p in points:
+            mark = "  <- killed here" if p["world"] == 2 and p["step"] == CRASH_AT else \
+                "  <- resumed" if p["world"] == 3 and p["step"] == restored + 1 else ""
+            print(f"     {p['step']:3d}: {p['loss']:.4f} [{p['world']}]{mark}")
+        png = os.path.join(out_dir, "loss.png")
+        if plot(points, restored, CRASH_AT, png):
+            print(f"   plot: {png}")
 
-        print("3. Load into THREE ranks (FSDP2 over 3: every shard boundary moves) ...")
-        loaded = run_ranks(load_sharded, 3, path, ref_path)
-        show("load (each rank reads only the byte ranges of its new shards):", loaded, "bytes")
-        bad3 = [b for row in loaded for b in row["bad"]]
-        print(f"   params + optimizer state bit-exact on all ranks: {not bad3}; "
-              f"next loss on 3 ranks={loaded[0]['loss']:.4f}")
-        ok = not bad and not bad3
-        print("demo: OK" if ok else f"demo: MISMATCH {bad[:5]} {bad3[:5]}")
+        print("3. Save stall and load time on the same state (3 ranks, warm), liferaft vs PyTorch DCP ...")
+        vs = run_ranks(versus_dcp, 3, os.path.join(work, "vs"), timeout=600)
+        worst = {k: max(r[k] for r in vs) for k in vs[0]}
+        for what in ("stall", "load"):
+            a, b = worst[f"liferaft_{what}_s"], worst[f"dcp_{what}_s"]
+            label = "async save stall" if what == "stall" else "load"
+            print(f"   {label:<17} liferaft {a * 1000:7.1f} ms   DCP {b * 1000:7.1f} ms   ({b / a:.1f}x)")
+        ok = restored == (CRASH_AT // EVERY) * EVERY and all(r["exact"] for r in res) and \
+            [p["step"] for p in points if p["world"] == 3] == list(range(restored + 1, STEPS))
+        print("demo: OK" if ok else "demo: FAILED")
         return 0 if ok else 1
     finally:
-        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

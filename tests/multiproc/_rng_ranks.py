@@ -31,3 +31,10 @@ def load_and_draw(rank: int, world: int, path: str) -> tuple[list, bool]:
         warnings.simplefilter("always")
         liferaft.load(path, {"rng": liferaft.RNGState()})
     return draw(), any("fresh random streams" in str(w.message) for w in caught)
+
+
+def save_shared_torch_seed(rank: int, world: int, path: str) -> None:
+    """torch seeded alike on every rank (stored once), numpy left to OS entropy (differs per rank)."""
+    torch.manual_seed(7)
+    np.random.seed(None)
+    liferaft.save(path, {"rng": liferaft.RNGState()})

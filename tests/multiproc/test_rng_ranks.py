@@ -4,7 +4,7 @@ distinct, reproducible streams and a warning, never an error."""
 from __future__ import annotations
 
 from liferaft.testing import run_ranks
-from multiproc._rng_ranks import load_and_draw, save_and_draw
+from multiproc._rng_ranks import load_and_draw, save_and_draw, save_shared_torch_seed
 
 
 def test_each_rank_continues_its_stream_and_a_new_world_gets_derived_streams(tmp_path):
@@ -17,3 +17,11 @@ def test_each_rank_continues_its_stream_and_a_new_world_gets_derived_streams(tmp
     draws = [d for d, _ in three]
     assert all(w for _, w in three) and len({tuple(d) for d in draws}) == 3
     assert run_ranks(load_and_draw, 3, path) == three          # reproducible
+
+
+def test_a_stream_equal_on_all_ranks_next_to_ones_that_differ(tmp_path):
+    path = str(tmp_path / "ck")
+    run_ranks(save_shared_torch_seed, 2, path)
+    assert [w for _, w in run_ranks(load_and_draw, 2, path)] == [False, False]
+    three = run_ranks(load_and_draw, 3, path)
+    assert all(w for _, w in three) and len({tuple(d) for d, _ in three}) == 3

@@ -56,8 +56,9 @@ class RNGState:
         from liferaft.reading import PerRank
 
         rank, world = _rank_world()
-        if isinstance(sd.get("torch"), PerRank):         # saved by another number of ranks
-            saved_world = len(sd["torch"])
+        per_rank = [v for v in sd.values() if isinstance(v, PerRank)]
+        if per_rank:                                      # saved by another number of ranks
+            saved_world = len(per_rank[0])
             warnings.warn(f"liferaft.RNGState: saved by {saved_world} rank(s), loaded on {world}: each rank gets "
                           "fresh random streams derived from the saved ones (a resume with the same layout would "
                           "continue them exactly)", stacklevel=2)
@@ -75,8 +76,8 @@ class RNGState:
 
     def _reseed(self, sd: dict[str, Any], rank: int) -> None:
         h = hashlib.sha256()
-        for b in sd["torch"]:
-            h.update(bytes(b))
+        for key in sorted(sd):                            # every saved stream of every saved rank
+            h.update(key.encode() + repr(sd[key]).encode())
         seed = int.from_bytes(hashlib.sha256(h.digest() + rank.to_bytes(8, "little")).digest()[:8], "little")
         torch.manual_seed(seed)                       # CPU and every CUDA device
         np.random.seed(seed % (1 << 32))
