@@ -111,3 +111,35 @@ def load_tp(rank: int, world: int, path: str, ref_path: str) -> list[str]:
     opt = torch.optim.AdamW(model.parameters(), lr=0.5)
     liferaft.load(path, {"model": model, "optim": opt})
     return compare(torch.load(ref_path), full_reference(model, opt))
+
+
+def fsdp_tp(model: nn.Module, dp: int, tp: int) -> nn.Module:
+    """FSDP2 over ``dp`` on top of TP over ``tp`` (a 2-D mesh): params get a strided shard on the dp dimension."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["tp"], {"1": ColwiseParallel(), "3": RowwiseParallel()})
+    for layer in model:
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer, mesh=mesh["dp"])
+    return fully_shard(model, mesh=mesh["dp"])
+
+
+def save_fsdp_tp(rank: int, world: int, path: str, ref_path: str) -> list[str]:
+    model = fsdp_tp(make_model(32), 2, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    train(model, opt, 2)
+    ref = full_reference(model, opt)
+    if rank == 0:
+        torch.save(ref, ref_path)
+    liferaft.save(path, {"model": model, "optim": opt})
+    return sorted({type(p).__name__ for v in model.parameters() for p in v.placements})
+
+
+def load_fsdp_tp(rank: int, world: int, path: str, ref_path: str) -> list[str]:
+    model = fsdp_tp(make_model(32), 2, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.5)
+    liferaft.load(path, {"model": model, "optim": opt})
+    return compare(torch.load(ref_path), full_reference(model, opt))

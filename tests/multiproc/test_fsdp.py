@@ -60,3 +60,22 @@ def test_tensor_parallel_2_ranks_to_plain_1_process_and_to_tp_4_ranks(tmp_path):
     assert compare(torch.load(ref_path), got) == []
     for rank, bad in enumerate(run_ranks(load_tp, 4, path, ref_path)):
         assert bad == [], f"rank {rank}: {bad}"
+
+
+def test_fsdp2_plus_tp_on_a_2d_mesh_to_plain_to_fsdp2_and_back(tmp_path):
+    from multiproc._fsdp_ranks import load_fsdp_tp, save_fsdp_tp
+
+    path, ref_path = str(tmp_path / "ck"), str(tmp_path / "ref.pt")
+    placements = run_ranks(save_fsdp_tp, 4, path, ref_path)
+    assert "_StridedShard" in placements[0], placements       # what FSDP2 over TP produces
+    liferaft.verify(path)
+    model = make_model(32)                                     # -> one process, plain model
+    opt = torch.optim.AdamW(model.parameters(), lr=0.5)
+    liferaft.load(path, {"model": model, "optim": opt})
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    osd = get_optimizer_state_dict(model, opt)
+    got = {"model": dict(model.state_dict()), "optim": osd["state"], "lr": [g["lr"] for g in osd["param_groups"]]}
+    assert compare(torch.load(ref_path), got) == []
+    for rank, bad in enumerate(run_ranks(load_fsdp_tp, 4, path, ref_path)):  # -> FSDP2 + TP again
+        assert bad == [], f"rank {rank}: {bad}"

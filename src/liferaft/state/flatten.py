@@ -16,6 +16,7 @@ from __future__ import annotations
 
 
 import functools
+import itertools
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,34 +69,69 @@ def _dtensor_type() -> type | None:
 
 
 @functools.lru_cache(maxsize=65536)
-def _local_box(shape: tuple[int, ...], mesh: Any, placements: tuple[Any, ...],
-               coordinate: tuple[int, ...] | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """This rank's (local shape, global offsets) of a DTensor (``coordinate``: this rank's place in ``mesh``, part
-    of the cache key); cached: repeated saves of a model ask for the same few layouts thousands of times."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+def _local_runs(shape: tuple[int, ...], mesh: Any, placements: tuple[Any, ...],
+                coordinate: tuple[int, ...] | None) -> tuple[tuple[int, ...], tuple[tuple[tuple[int, int, int], ...], ...]]:
+    """This rank's local shape of a DTensor and, per dimension, the runs ``(local start, global start, length)``
+    of consecutive global indices its local indices map to (one run per dimension unless a ``_StridedShard``
+    interleaves). Cached on ``coordinate`` (this rank's place in ``mesh``): saves of a model ask for the same few
+    layouts thousands of times."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._utils import _get_shard_size_and_offsets
+    from torch.distributed.tensor.placement_types import _StridedShard
 
-    shape_, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
-    return tuple(shape_), tuple(offsets)
+    assert coordinate is not None, "this rank is not in the DTensor's mesh"
+    local = list(shape)
+    index: dict[int, Any] = {}
+    for mesh_dim, p in enumerate(placements):
+        if not isinstance(p, (Shard, _StridedShard)):      # Replicate
+            continue
+        size, idx = _get_shard_size_and_offsets(local[p.dim], mesh.size(mesh_dim), coordinate[mesh_dim], p,
+                                                index.get(p.dim), shape[p.dim], False)
+        local[p.dim] = size
+        index[p.dim] = idx if size else idx[:0]
+    runs = []
+    for d, n in enumerate(shape):
+        if d not in index:
+            runs.append(((0, 0, n),))
+            continue
+        dim_runs: list[list[int]] = []
+        for li, g in enumerate(int(i) for i in index[d].tolist()):
+            if dim_runs and g == dim_runs[-1][1] + dim_runs[-1][2]:
+                dim_runs[-1][2] += 1
+            else:
+                dim_runs.append([li, g, 1])
+        runs.append(tuple((r[0], r[1], r[2]) for r in dim_runs) or ((0, 0, 0),))
+    return tuple(local), tuple(runs)
 
 
 def _dtensor_parts(dt: Any, key: str) -> list[tuple[Box, torch.Tensor]]:
+    """The boxes of the global tensor this rank holds, each with the local view holding it: one box for Shard and
+    Replicate placements; several when a ``_StridedShard`` (FSDP2 over TP) interleaves rows."""
     from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     for p in dt.placements:
-        if type(p) not in (Shard, Replicate):
+        if not isinstance(p, (Shard, _StridedShard, Replicate)):
             raise InvalidStateError(
-                f"key {key!r}: DTensor placement {p!r} is not supported yet (Shard and Replicate are); "
-                "redistribute the tensor to Shard/Replicate placements before saving")
+                f"key {key!r}: DTensor placement {p!r} is not supported yet (Shard, _StridedShard and Replicate "
+                "are); redistribute the tensor to Shard/Replicate placements before saving")
     local = getattr(dt, "_local_tensor", None)      # what to_local() returns, without its autograd overhead
     if not isinstance(local, torch.Tensor):
         local = dt.to_local()
     coordinate = dt.device_mesh.get_coordinate()
-    shape, offsets = _local_box(tuple(dt.shape), dt.device_mesh, tuple(dt.placements),
-                                tuple(coordinate) if coordinate is not None else None)
+    shape, runs = _local_runs(tuple(dt.shape), dt.device_mesh, tuple(dt.placements),
+                              tuple(coordinate) if coordinate is not None else None)
     if tuple(local.shape) != tuple(shape):
         raise InvalidStateError(f"key {key!r}: DTensor local shape {list(local.shape)} differs from the shape "
                                 f"{list(shape)} its placements imply")
-    return [((tuple(offsets), tuple(shape)), local)]
+    parts = []
+    for combo in itertools.product(*runs):
+        view = local
+        for d, (lo, _, n) in enumerate(combo):
+            if (lo, n) != (0, local.shape[d]):
+                view = view.narrow(d, lo, n)
+        parts.append(((tuple(g for _, g, _ in combo), tuple(n for _, _, n in combo)), view))
+    return parts
 
 
 def _is_leaf_array(v: Any) -> bool:
