@@ -143,3 +143,34 @@ def load_fsdp_tp(rank: int, world: int, path: str, ref_path: str) -> list[str]:
     opt = torch.optim.AdamW(model.parameters(), lr=0.5)
     liferaft.load(path, {"model": model, "optim": opt})
     return compare(torch.load(ref_path), full_reference(model, opt))
+
+
+def shard_mp(model: nn.Module, world: int, reshard: bool) -> nn.Module:
+    """FSDP2 with a bf16 compute / fp32 reduce mixed-precision policy; ``reshard`` = reshard_after_forward."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model:
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    return fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+
+
+def mp_roundtrip(rank: int, world: int, path: str, reshard: bool) -> list[str]:
+    """Train 2 steps, save, train 2 more (the reference); load the save into a fresh model with the same policy,
+    train the same 2 steps: everything bitwise equal."""
+    model = shard_mp(make_model(), world, reshard)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    train(model, opt, 2)
+    liferaft.save(path, {"model": model, "optim": opt})
+    train(model, opt, 2)
+    ref = full_reference(model, opt)
+    torch.manual_seed(5)
+    fresh = shard_mp(nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 33), nn.ReLU(), nn.Linear(33, 10)), world,
+                     reshard)
+    opt2 = torch.optim.AdamW(fresh.parameters(), lr=0.5)
+    liferaft.load(path, {"model": fresh, "optim": opt2})
+    train(fresh, opt2, 2)
+    return compare(ref, full_reference(fresh, opt2))

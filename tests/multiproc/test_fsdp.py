@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import liferaft
@@ -79,3 +80,14 @@ def test_fsdp2_plus_tp_on_a_2d_mesh_to_plain_to_fsdp2_and_back(tmp_path):
     assert compare(torch.load(ref_path), got) == []
     for rank, bad in enumerate(run_ranks(load_fsdp_tp, 4, path, ref_path)):  # -> FSDP2 + TP again
         assert bad == [], f"rank {rank}: {bad}"
+
+
+
+@pytest.mark.parametrize("reshard", [True, False], ids=["reshard_after_forward", "keep_unsharded"])
+def test_fsdp2_mixed_precision_resume_is_bitwise(tmp_path, reshard):
+    from multiproc._fsdp_ranks import mp_roundtrip
+
+    for rank, bad in enumerate(run_ranks(mp_roundtrip, 2, str(tmp_path / "ck"), reshard)):
+        assert bad == [], f"rank {rank}: {bad}"
+    dtypes = {t.dtype for t in liferaft.inspect(str(tmp_path / "ck")).tensors}
+    assert dtypes == {"float32"}                   # fp32 master params and moments are saved, not the bf16 copies
