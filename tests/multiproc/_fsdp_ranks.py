@@ -96,8 +96,8 @@ def tensor_parallel(model: nn.Module, world: int) -> nn.Module:
     return parallelize_module(model, mesh, {"1": ColwiseParallel(), "3": RowwiseParallel()})
 
 
-def save_tp(rank: int, world: int, path: str, ref_path: str) -> None:
-    model = tensor_parallel(make_model(32), world)
+def _train_and_save(model: nn.Module, rank: int, path: str, ref_path: str) -> None:
+    """AdamW, 2 steps, the gathered reference to ``ref_path`` (rank 0), then liferaft.save of the shards."""
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     train(model, opt, 2)
     ref = full_reference(model, opt)
@@ -106,11 +106,18 @@ def save_tp(rank: int, world: int, path: str, ref_path: str) -> None:
     liferaft.save(path, {"model": model, "optim": opt})
 
 
-def load_tp(rank: int, world: int, path: str, ref_path: str) -> list[str]:
-    model = tensor_parallel(make_model(32), world)
+def _load_and_compare(model: nn.Module, path: str, ref_path: str) -> list[str]:
     opt = torch.optim.AdamW(model.parameters(), lr=0.5)
     liferaft.load(path, {"model": model, "optim": opt})
     return compare(torch.load(ref_path), full_reference(model, opt))
+
+
+def save_tp(rank: int, world: int, path: str, ref_path: str) -> None:
+    _train_and_save(tensor_parallel(make_model(32), world), rank, path, ref_path)
+
+
+def load_tp(rank: int, world: int, path: str, ref_path: str) -> list[str]:
+    return _load_and_compare(tensor_parallel(make_model(32), world), path, ref_path)
 
 
 def fsdp_tp(model: nn.Module, dp: int, tp: int) -> nn.Module:
@@ -129,20 +136,12 @@ def fsdp_tp(model: nn.Module, dp: int, tp: int) -> nn.Module:
 
 def save_fsdp_tp(rank: int, world: int, path: str, ref_path: str) -> list[str]:
     model = fsdp_tp(make_model(32), 2, 2)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    train(model, opt, 2)
-    ref = full_reference(model, opt)
-    if rank == 0:
-        torch.save(ref, ref_path)
-    liferaft.save(path, {"model": model, "optim": opt})
+    _train_and_save(model, rank, path, ref_path)
     return sorted({type(p).__name__ for v in model.parameters() for p in v.placements})
 
 
 def load_fsdp_tp(rank: int, world: int, path: str, ref_path: str) -> list[str]:
-    model = fsdp_tp(make_model(32), 2, 2)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.5)
-    liferaft.load(path, {"model": model, "optim": opt})
-    return compare(torch.load(ref_path), full_reference(model, opt))
+    return _load_and_compare(fsdp_tp(make_model(32), 2, 2), path, ref_path)
 
 
 def shard_mp(model: nn.Module, world: int, reshard: bool) -> nn.Module:
