@@ -42,20 +42,31 @@ def tokens(source: str, index: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (SEQ + 1,), generator=g)
 
 
-def build(world: int, dropout: float = 0.1) -> dict[str, Any]:
+def build(world: int, dropout: float = 0.1, tp: int = 1) -> dict[str, Any]:
+    """FSDP2 over all ranks, or with ``tp`` > 1 FSDP2 over ``world // tp`` data-parallel groups on top of tensor
+    parallelism (each block's MLP: linear1 column-wise, linear2 row-wise) on a 2-D mesh."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
     model = TinyGPT(dropout)
-    mesh = init_device_mesh("cpu", (world,))
+    rank = torch.distributed.get_rank()
+    if tp > 1:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        mesh2 = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
+        plan = {f"blocks.{i}.linear1": ColwiseParallel() for i in range(len(model.blocks))}
+        plan.update({f"blocks.{i}.linear2": RowwiseParallel() for i in range(len(model.blocks))})
+        parallelize_module(model, mesh2["tp"], plan)
+        mesh, dp_rank, dp = mesh2["dp"], mesh2["dp"].get_local_rank(), world // tp
+    else:
+        mesh, dp_rank, dp = init_device_mesh("cpu", (world,)), rank, world
     for b in model.blocks:
         fully_shard(b, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.8)
-    rank = torch.distributed.get_rank()
-    data = GlobalSampler(SOURCES, weights=WEIGHTS, global_batch_size=8, seed=5, rank=rank, world=world)
+    data = GlobalSampler(SOURCES, weights=WEIGHTS, global_batch_size=8, seed=5, rank=dp_rank, world=dp)
     torch.manual_seed(1000 + rank)                     # per-rank dropout streams
     return {"model": model, "optim": opt, "sched": sched, "data": data, "rng": liferaft.RNGState(), "step": 0}
 
@@ -142,10 +153,12 @@ def save_then_crash(rank: int, world: int, root: str, steps: int) -> tuple[list[
     return losses, full_params(state)
 
 
-def load_on_new_layout(rank: int, world: int, root: str, steps: int, more: int) -> tuple[dict, list[float]]:
-    """Load on ``world`` ranks; return the full state right after the load and the losses of ``more`` steps."""
+def load_on_new_layout(rank: int, world: int, root: str, steps: int, more: int,
+                       tp: int = 1) -> tuple[dict, list[float]]:
+    """Load on ``world`` ranks (``tp`` > 1: FSDP2 + TP); return the full state right after the load and the losses
+    of ``more`` steps."""
     torch.set_num_threads(1)
-    state = build(world, dropout=0.0)
+    state = build(world, dropout=0.0, tp=tp)
     liferaft.load(root, state, options=liferaft.LoadOptions(timeout=60))
     assert state["step"] == steps
     after = full_params(state)

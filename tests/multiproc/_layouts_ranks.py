@@ -67,3 +67,23 @@ def pipeline_load(rank: int, world: int, path: str) -> list[float]:
     stage = nn.Linear(8, 8)
     liferaft.load(path, {"stages": {str(rank): stage}, "micro_batches": 0})
     return stage.weight.flatten().tolist()
+
+
+def tied_ddp(rank: int, world: int, path: str, phase: str, opt_name: str) -> dict[str, list[float]]:
+    """The model of tests/unit/test_training_state.py (tied weights, a frozen layer, persistent and non-persistent
+    buffers, optimizer + OneCycleLR + GradScaler) under DDP: "save" trains 5 steps, saves, and returns the state
+    after 4 more steps; "resume" (a new job) loads and trains the same 4 steps."""
+    from unit.test_training_state import make, step
+
+    state = make(opt_name, seed=0 if phase == "save" else 1)
+    state["model"] = nn.parallel.DistributedDataParallel(state["model"])
+    if phase == "save":
+        for i in range(5):
+            step(state, i)
+        liferaft.save(path, state)
+    else:
+        liferaft.load(path, state)
+        assert state["model"].module.head.weight is state["model"].module.emb.weight
+    for i in range(5, 9):
+        step(state, i)
+    return {k: v.flatten().tolist() for k, v in state["model"].module.state_dict().items()}

@@ -29,15 +29,16 @@ def test_kill_and_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path):
         assert params_b == params_a
 
 
-@pytest.mark.parametrize("world", [1, 4])          # ranks that divide the global batch of 8
-def test_resume_on_another_layout_loads_bitwise_and_the_loss_continues(tmp_path, world):
-    """2 ranks FSDP2 → 1 or 4 ranks (dropout off: a new layout gets new RNG streams): params and AdamW state
+@pytest.mark.parametrize("world,tp", [(1, 1), (4, 1), (4, 2)],
+                         ids=["1 rank", "4 ranks", "FSDP2 2 x TP 2"])
+def test_resume_on_another_layout_loads_bitwise_and_the_loss_continues(tmp_path, world, tp):
+    """2 ranks FSDP2 → 1 rank, 4 ranks, or FSDP2 + TP on a 2 × 2 mesh (dropout off: a new layout gets new RNG streams): params and AdamW state
     right after the load equal those saved, bit for bit, and the loss curve continues (the data order is the same
     global order; only the reduction order of the gradients differs)."""
     root = str(tmp_path / "ck")
     reference = run_ranks(run_straight_no_dropout, 2, 16, timeout=300)[0]
     saved = run_ranks(save_then_crash, 2, root, 10, timeout=300)
-    out = run_ranks(load_on_new_layout, world, root, 10, 6, timeout=300)
+    out = run_ranks(load_on_new_layout, world, root, 10, 6, tp, timeout=300)
     for after, losses in out:
         assert after == saved[0][1]
         assert losses == pytest.approx(reference[10:16], rel=1e-4)

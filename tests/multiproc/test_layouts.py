@@ -33,3 +33,12 @@ def test_pipeline_stages_owned_by_one_rank_each(tmp_path):
     for r in range(2):
         assert torch.equal(whole["stages"][str(r)].weight, stage_of(r).weight)
     assert whole["micro_batches"] == 4
+
+
+def test_tied_frozen_buffers_optimizer_scheduler_scaler_under_ddp_resume_bitwise(tmp_path):
+    from multiproc._layouts_ranks import tied_ddp
+
+    for opt_name in ("sgd-momentum", "adamw-fused"):
+        path = str(tmp_path / opt_name)
+        reference = run_ranks(tied_ddp, 2, path, "save", opt_name)
+        assert run_ranks(tied_ddp, 2, path, "resume", opt_name) == reference

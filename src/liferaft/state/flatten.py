@@ -70,7 +70,8 @@ def _dtensor_type() -> type | None:
 
 @functools.lru_cache(maxsize=65536)
 def _local_runs(shape: tuple[int, ...], mesh: Any, placements: tuple[Any, ...],
-                coordinate: tuple[int, ...] | None) -> tuple[tuple[int, ...], tuple[tuple[tuple[int, int, int], ...], ...]]:
+                coordinate: tuple[int, ...] | None
+                ) -> tuple[tuple[int, ...], tuple[tuple[tuple[int, int, int], ...], ...]]:
     """This rank's local shape of a DTensor and, per dimension, the runs ``(local start, global start, length)``
     of consecutive global indices its local indices map to (one run per dimension unless a ``_StridedShard``
     interleaves). Cached on ``coordinate`` (this rank's place in ``mesh``): saves of a model ask for the same few
