@@ -1,14 +1,15 @@
 """liferaft: checkpoints that let distributed PyTorch training survive failures.
 
-The public API is this module's ``__all__``; everything else is private and may change.
+The public API is this module's ``__all__``; everything else is private and may change. (``liferaft.data`` holds
+the data-position sampler; ``liferaft.storage`` and ``liferaft.testing`` the backends and test helpers.)
 """
 
 from liferaft.api import AsyncSaveHandle, async_save, load, save
+from liferaft.errors import (CheckpointBusyError, CheckpointExistsError, CheckpointNotFoundError,
+                             CorruptCheckpointError, DistributedError, FormatVersionError, IncompleteCheckpointError,
+                             InvalidStateError, LiferaftError, OptionsError, PickleNotAllowedError,
+                             StateMismatchError, StorageError, UnsafePathError)
 from liferaft.manager.manager import CheckpointManager, StepInfo
-from liferaft.errors import (CheckpointBusyError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, DistributedError,
-                             FormatVersionError, IncompleteCheckpointError, InvalidStateError, LiferaftError,
-                             OptionsError,
-                             PickleNotAllowedError, StateMismatchError, StorageError, UnsafePathError)
 from liferaft.options import LoadOptions, LoadResult, SaveOptions, SaveResult
 from liferaft.reading import CheckpointInfo, PerRank, TensorInfo, VerifyReport, inspect, read, verify
 from liferaft.state.rng import RNGState
@@ -17,9 +18,10 @@ from liferaft.state.sharded import Sharded
 __version__ = "0.1.0"
 
 __all__ = [
-    "save", "async_save", "AsyncSaveHandle", "load", "CheckpointManager", "StepInfo", "read", "inspect", "verify", "Sharded", "RNGState", "SaveOptions", "LoadOptions", "SaveResult",
-    "LoadResult", "CheckpointInfo", "TensorInfo", "VerifyReport", "PerRank",
-    "LiferaftError", "CheckpointNotFoundError", "IncompleteCheckpointError", "CheckpointExistsError", "CheckpointBusyError",
-    "CorruptCheckpointError", "FormatVersionError", "UnsafePathError", "StateMismatchError", "InvalidStateError",
-    "PickleNotAllowedError", "OptionsError", "DistributedError", "StorageError", "__version__",
+    "save", "async_save", "AsyncSaveHandle", "load", "read", "inspect", "verify",
+    "CheckpointManager", "StepInfo", "Sharded", "RNGState",
+    "SaveOptions", "LoadOptions", "SaveResult", "LoadResult", "CheckpointInfo", "TensorInfo", "VerifyReport", "PerRank",
+    "LiferaftError", "CheckpointNotFoundError", "IncompleteCheckpointError", "CheckpointExistsError",
+    "CheckpointBusyError", "CorruptCheckpointError", "FormatVersionError", "UnsafePathError", "StateMismatchError",
+    "InvalidStateError", "PickleNotAllowedError", "OptionsError", "DistributedError", "StorageError", "__version__",
 ]
