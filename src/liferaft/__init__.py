@@ -7,7 +7,7 @@ the data-position sampler; ``liferaft.storage`` and ``liferaft.testing`` the bac
 from liferaft.api import AsyncSaveHandle, async_save, load, save
 from liferaft.errors import (CheckpointBusyError, CheckpointExistsError, CheckpointNotFoundError,
                              CorruptCheckpointError, DistributedError, FormatVersionError, IncompleteCheckpointError,
-                             InvalidStateError, LiferaftError, OptionsError, PickleNotAllowedError,
+                             InvalidStateError, LiferaftError, LossyCheckpointError, OptionsError, PickleNotAllowedError,
                              StateMismatchError, StorageError, UnsafePathError)
 from liferaft.manager.manager import CheckpointManager, StepInfo
 from liferaft.options import LoadOptions, LoadResult, SaveOptions, SaveResult
@@ -23,5 +23,6 @@ __all__ = [
     "SaveOptions", "LoadOptions", "SaveResult", "LoadResult", "CheckpointInfo", "TensorInfo", "VerifyReport", "PerRank",
     "LiferaftError", "CheckpointNotFoundError", "IncompleteCheckpointError", "CheckpointExistsError",
     "CheckpointBusyError", "CorruptCheckpointError", "FormatVersionError", "UnsafePathError", "StateMismatchError",
-    "InvalidStateError", "PickleNotAllowedError", "OptionsError", "DistributedError", "StorageError", "__version__",
+    "InvalidStateError", "PickleNotAllowedError", "OptionsError", "DistributedError", "StorageError", "LossyCheckpointError",
+    "__version__",
 ]

@@ -187,7 +187,7 @@ def _write_and_commit(coord: Coordinator, prep: PreparedSave, pieces: "queue.Que
         # (unless the stager runs out of room after all: then the writer must start freeing it)
         while hold is not None and not hold.wait(0.01) and not pool.waiting:
             pass
-        outcome = write_staged(prep.storage, prep.writes, pieces, pool, opts.block_size)
+        outcome = write_staged(prep.storage, prep.writes, pieces, pool, prep.policy)
         prep.storage.sync()
     except BaseException as e:  # noqa: BLE001 - reported to every rank
         err = e

@@ -20,7 +20,7 @@ import torch
 from liferaft.codecs.checksum import digest
 from liferaft.dist import Coordinator
 from liferaft.errors import CheckpointExistsError, LiferaftError, StorageError
-from liferaft.format.manifest import COMMIT_MARKER, CommitMarker, decode_commit_marker
+from liferaft.format.manifest import COMMIT_MARKER, CommitMarker, Manifest, decode_commit_marker
 from liferaft.options import SaveOptions, SaveResult
 from liferaft.planning.geometry import Box
 from liferaft.planning.save_plan import (RankMeta, SavePlan, TensorMeta, ValueMeta, WriteItem, build_manifest,
@@ -28,7 +28,7 @@ from liferaft.planning.save_plan import (RankMeta, SavePlan, TensorMeta, ValueMe
 from liferaft.state.flatten import FlatState, flatten
 from liferaft.state.values import digest_encoded, encode_value
 from liferaft.storage import Storage
-from liferaft.transfer.writer import WriteOutcome
+from liferaft.transfer.writer import ChunkPolicy, WriteOutcome
 
 
 def _version() -> str:
@@ -63,8 +63,10 @@ class PreparedSave:
     rank: int
     world: int
     sources: dict[tuple[str, Box], torch.Tensor]
+    policy: ChunkPolicy
     timings: dict[str, float] = field(default_factory=dict)
     t_start: float = 0.0
+    lossy: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def writes(self) -> tuple[WriteItem, ...]:
@@ -80,9 +82,9 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
     t_start = time.perf_counter()
     flat: FlatState | None = None
     meta: RankMeta | None = None
-    payload: tuple[RankMeta | None, str | None, str | None] = (None, None, None)
+    payload: tuple[Any, ...] = (None, None, None, None)
     err: BaseException | None = None
-    cache_key = (id(coord.group), coord.rank, coord.world, opts.alignment)
+    cache_key = (id(coord.group), coord.rank, coord.world, opts.alignment, opts.chunk_bytes)
     cached = _PLANS.get(cache_key)
     try:
         if sys.byteorder != "little":
@@ -97,23 +99,29 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
                                         "SaveOptions(overwrite=True) to replace it, or save to a new path")
         # tensors unchanged since the last save planned here: send only the values and the id of that plan
         reuse = cached[2] if cached is not None and cached[0] == meta.tensors else None
+        base = open_base(storage, opts.incremental_base) if coord.rank == 0 and opts.incremental_base else None
         payload = (replace(meta, tensors=()) if reuse else meta, uuid.uuid4().hex[:16] if coord.rank == 0 else None,
-                   reuse)
+                   reuse, base)
     except BaseException as e:  # noqa: BLE001 - reported to every rank
         err = e
     gathered = coord.exchange(payload, err, "save (planning)")
-    save_id = gathered[0][1]
+    save_id, base = gathered[0][1], gathered[0][3]
     assert flat is not None and meta is not None
     if cached is not None and all(g[2] == cached[2] for g in gathered):
         plan = replan(cached[1], [g[0] for g in gathered], save_id)
     else:
         if any(g[2] for g in gathered):     # some rank sent no tensor metadata: gather it all again
-            gathered = coord.exchange((meta, None, None), None, "save (planning)")
-        plan = plan_save([g[0] for g in gathered], save_id, opts.alignment)
+            gathered = coord.exchange((meta, None, None, None), None, "save (planning)")
+        plan = plan_save([g[0] for g in gathered], save_id, opts.alignment, opts.chunk_bytes)
         _PLANS[cache_key] = (meta.tensors, plan, save_id)
     sources = {(t.key, box): local for t in flat.tensors for box, local in t.parts}
+    for w in plan.writes[coord.rank]:
+        if w.parent is not None:
+            sources[(w.key, (w.offsets, w.sizes))] = sub_view(sources[(w.key, w.parent)], w.parent,
+                                                              (w.offsets, w.sizes))
+    policy, lossy = chunk_policy(plan, storage, opts, base, sources, coord.rank)
     prepared = PreparedSave(storage=storage, plan=plan, save_id=save_id, rank=coord.rank, world=coord.world,
-                            sources=sources, t_start=t_start)
+                            sources=sources, policy=policy, t_start=t_start, lossy=lossy)
     prepared.timings["plan"] = time.perf_counter() - t_start
     return prepared
 
@@ -123,24 +131,30 @@ def finish_save(coord: Coordinator, prep: PreparedSave, outcome: WriteOutcome | 
     """Exchange hashes, commit on rank 0, agree; the checkpoint exists when this returns on any rank."""
     storage, save_id, plan = prep.storage, prep.save_id, prep.plan
     try:
-        hashes = coord.exchange(outcome.hashes if outcome else None, err, "save (write)")
+        stored = coord.exchange((outcome.chunks, outcome.file_size) if outcome else None, err, "save (write)")
     except BaseException:
         _abandon(storage, prep.my_file)
         raise
     timings = prep.timings
     timings.setdefault("stage", outcome.stage_s if outcome else 0.0)
     timings["write"] = outcome.write_s if outcome else 0.0
+    timings["encode"] = outcome.encode_s if outcome else 0.0
+    if outcome is not None and not outcome.bytes_encoded and not outcome.bytes_reused:
+        from liferaft.codecs import advisor
+
+        advisor.record_write(outcome.bytes_written, outcome.write_s)
     t0 = time.perf_counter()
     try:
         if coord.rank == 0:
-            manifest = build_manifest(plan, hashes, save_id=save_id,
+            manifest = build_manifest(plan, [s[0] for s in stored], [s[1] for s in stored], save_id=save_id,
                                       created_unix=time.time(), liferaft_version=_version(),
-                                      torch_version=torch.__version__, extra=opts.metadata)
+                                      torch_version=torch.__version__, extra=opts.metadata, lossy=prep.lossy)
             data = manifest.to_json_bytes()
             name = f"manifest-{save_id}.json"
             storage.put_atomic(name, data)
             storage.sync()
-            marker = CommitMarker(manifest=name, manifest_size=len(data), manifest_hash=digest(data))
+            marker = CommitMarker(manifest=name, manifest_size=len(data), manifest_hash=digest(data),
+                                  version=manifest.needs_version())
             storage.put_atomic(COMMIT_MARKER, marker.to_json_bytes())
     except OSError as e:
         err = StorageError(f"{storage.url}: writing the manifest or the commit marker failed: {e}")
@@ -162,8 +176,67 @@ def finish_save(coord: Coordinator, prep: PreparedSave, outcome: WriteOutcome | 
     timings["commit"] = time.perf_counter() - t0
     timings["total"] = time.perf_counter() - prep.t_start
     return SaveResult(path=storage.url, save_id=save_id, world_size=coord.world, rank=coord.rank,
-                      bytes_written=outcome.bytes_written if outcome else 0, total_bytes=sum(plan.files.values()),
-                      files=len(plan.files), timings=timings)
+                      bytes_written=outcome.bytes_written if outcome else 0, total_bytes=sum(s[1] for s in stored),
+                      files=sum(1 for s in stored if s[1]), timings=timings,
+                      bytes_reused=outcome.bytes_reused if outcome else 0,
+                      bytes_encoded=outcome.bytes_encoded if outcome else 0)
+
+
+def sub_view(local: torch.Tensor, held: Box, box: Box) -> torch.Tensor:
+    """The part of ``local`` (this rank's tensor for the box ``held``) that covers ``box`` inside it."""
+    view = local
+    for d, (o, h, n) in enumerate(zip(box[0], held[0], box[1])):
+        view = view.narrow(d, o - h, n)
+    return view
+
+
+def open_base(storage: Storage, name: str) -> tuple[str, Manifest] | None:
+    """The committed manifest of the incremental save's base ``name`` (a sibling of ``storage``); None (with a
+    warning: the save is then a full one) when it cannot be opened."""
+    from liferaft.reading import open_checkpoint
+
+    try:
+        return name, open_checkpoint(storage.sibling(name))
+    except (LiferaftError, OSError, NotImplementedError) as e:
+        warnings.warn(f"{storage.url}: incremental base {name!r} cannot be used ({e}); saving every chunk",
+                      stacklevel=3)
+        return None
+
+
+def chunk_policy(plan: SavePlan, storage: Storage, opts: SaveOptions, base: tuple[str, Manifest] | None,
+                 sources: dict[tuple[str, Box], torch.Tensor], rank: int
+                 ) -> tuple[ChunkPolicy, dict[str, dict[str, Any]]]:
+    """How this rank's writer stores each chunk (compression, lossy keys, reusable chunks of the base), and
+    the lossy entries the manifest will describe."""
+    from fnmatch import fnmatchcase
+
+    from liferaft.codecs import advisor
+    from liferaft.format.manifest import DTYPE_ITEMSIZE
+
+    dtypes = {t.key: t.dtype for t in plan.tensors}
+    lossy = {t.key: "q8-block" for t in plan.tensors if t.dtype in QUANTIZABLE and t.kind == "tensor"
+             and any(fnmatchcase(t.key, p) for p in opts.quantize)}
+    reuse = {}
+    if base is not None:
+        name, manifest = base
+        for t in manifest.tensors:
+            if dtypes.get(t.key) != t.dtype:
+                continue
+            for c in t.chunks:
+                ref = c.file if c.is_reference else f"../{name}/{c.file}"
+                reuse[(t.key, c.offsets, c.sizes)] = (replace(c, file=ref), manifest.files[c.file])
+    if opts.compression == "auto":
+        mine = [sources[(w.key, (w.offsets, w.sizes))] for w in plan.writes[rank]]
+        compress = advisor.should_compress(storage.remote, mine)
+    else:
+        compress = opts.compression == "on"
+    policy = ChunkPolicy(dtypes=dtypes, itemsizes={k: DTYPE_ITEMSIZE[d] for k, d in dtypes.items()},
+                         block_size=opts.block_size, alignment=opts.alignment, compress=compress, lossy=lossy,
+                         reuse=reuse)
+    return policy, {k: {"method": c, "group": 256} for k, c in lossy.items()}
+
+
+QUANTIZABLE = ("float32", "bfloat16", "float16", "float64")
 
 
 def _is_committed(storage: Storage, save_id: str) -> bool:

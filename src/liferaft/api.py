@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -18,7 +19,7 @@ import torch
 from liferaft._async import AsyncSaveHandle, async_save, settle_previous, sync_ring
 from liferaft._save import finish_save, prepare_save
 from liferaft.dist import Coordinator
-from liferaft.errors import StateMismatchError
+from liferaft.errors import LossyCheckpointError, StateMismatchError
 from liferaft.format.manifest import Manifest, PathPart
 from liferaft.options import LoadOptions, LoadResult, SaveOptions, SaveResult
 from liferaft.planning.load_plan import plan_reads
@@ -26,6 +27,7 @@ from liferaft.planning.share_plan import MIN_SHARED_BYTES, plan_sharing
 from liferaft.reading import PerRank, as_leaf, check_files, decode_entry_value, open_checkpoint
 from liferaft.state.flatten import FlatState, flatten
 from liferaft.storage import Storage, resolve
+from liferaft.storage.refs import with_references
 from liferaft.transfer.reader import ReadStats, execute_reads
 from liferaft.transfer.tensors import torch_dtype
 from liferaft.transfer.writer import write_streamed
@@ -58,7 +60,7 @@ def save(path: PathLike, state: Any, *, process_group: Any = None, options: Save
         pin = torch.cuda.is_available() and any(t.is_cuda for t in prep.sources.values())
         nbytes = sum(w.length for w in prep.writes)
         pool = sync_ring(nbytes, opts.memory_budget, pin)
-        outcome = write_streamed(prep.storage, prep.writes, prep.sources, pool, opts.block_size)
+        outcome = write_streamed(prep.storage, prep.writes, prep.sources, pool, prep.policy)
         prep.storage.sync()   # this rank's new folder entries are durable too, not only its file
     except BaseException as e:  # noqa: BLE001 - reported to every rank
         err = e
@@ -81,7 +83,7 @@ def load(path: PathLike, state: Any, *, process_group: Any = None, strict: bool 
     opts = options or LoadOptions()
     t_start = time.perf_counter()
     coord = Coordinator(process_group, opts.timeout)
-    storage = resolve(path)
+    storage = with_references(resolve(path))
     timings: dict[str, float] = {}
     manifest = None
     err: BaseException | None = None
@@ -143,8 +145,22 @@ def load(path: PathLike, state: Any, *, process_group: Any = None, strict: bool 
     coord.exchange(None, err, "load (apply)")
     timings["apply"] = time.perf_counter() - t0
     timings["total"] = time.perf_counter() - t_start
+    if plan.lossy:
+        shown = "; ".join(f"{k}: {_describe_lossy(v)}" for k, v in list(plan.lossy.items())[:5])
+        more = f" and {len(plan.lossy) - 5} more" if len(plan.lossy) > 5 else ""
+        warnings.warn(f"{storage.url}: {len(plan.lossy)} loaded tensor(s) were stored lossily: {shown}{more}",
+                      stacklevel=2)
     return LoadResult(path=storage.url, rank=coord.rank, bytes_read=stats.used, bytes_received=stats.received,
-                      missing_keys=missing, unexpected_keys=unexpected, timings=timings)
+                      missing_keys=missing, unexpected_keys=unexpected, timings=timings, lossy=plan.lossy)
+
+
+def _describe_lossy(how: Any) -> str:
+    if how.get("method") == "q8-block":
+        return (f"8-bit block quantization, max abs error {how.get('max_abs_error', float('nan')):.3g}, mean "
+                f"{how.get('mean_abs_error', float('nan')):.3g}")
+    if how.get("method") == "selective":
+        return f"not saved at this step: values of {how.get('from')} (relative change {how.get('change', 0):.3g})"
+    return str(how)
 
 
 def _mismatch_message(url: str, missing: tuple[str, ...], unexpected: tuple[str, ...]) -> str:
@@ -170,6 +186,7 @@ class _LoadPlan:
         self.fresh: list[tuple[tuple[PathPart, ...], Any, int]] = []   # (path, entry, target index)
         self.covered = bytearray()     # one byte per manifest key (tensors, then values): 1 = this rank loads it
         self.missing: list[str] = []
+        self.lossy: dict[str, dict[str, Any]] = {}
 
     def apply(self) -> None:
         for path, entry, idx in self.fresh:
@@ -210,6 +227,13 @@ def _plan_load(storage: Storage, manifest: Manifest, flat: FlatState, coord: Coo
                     f"key {leaf.key!r}: the checkpoint holds {entry.kind} {list(entry.shape)} {entry.dtype} but "
                     f"the state holds {list(leaf.shape)} {leaf.dtype_name}; nothing was loaded")
             plan.covered[index[leaf.key]] = 1
+            if entry.lossy is not None:
+                if opts.exact:
+                    raise LossyCheckpointError(
+                        f"key {leaf.key!r} is stored lossily in the checkpoint ({_describe_lossy(entry.lossy)}) and "
+                        "the load asked for an exact resume (LoadOptions(exact=True)); nothing was loaded. Load an "
+                        "exact checkpoint, or load without exact=True to accept the recorded error")
+                plan.lossy[leaf.key] = dict(entry.lossy)
             want(entry, leaf.parts)
         else:
             _plan_value(plan, leaf.key, leaf.path, tensors, values, index, want, coord, opts)

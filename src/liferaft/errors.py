@@ -60,3 +60,8 @@ class OptionsError(LiferaftError, ValueError):
 
 class StorageError(LiferaftError):
     """The storage backend failed (I/O error, unknown URL scheme, ...)."""
+
+
+class LossyCheckpointError(StateMismatchError):
+    """The checkpoint stores some loaded tensor lossily (quantized, or from an older step) and the load asked
+    for an exact resume (``LoadOptions(exact=True)``)."""

@@ -8,6 +8,7 @@ from typing import Any, Mapping
 
 from liferaft.errors import OptionsError
 from liferaft.planning.load_plan import DEFAULT_MAX_READ
+from liferaft.planning.save_plan import DEFAULT_CHUNK_BYTES
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,21 @@ class SaveOptions:
         ``handle.wait_staged()`` before changing any tensor of the state (e.g. right before ``optimizer.step()``).
     if_busy: what a save does while an ``async_save`` of this process is still in flight: "wait" for it (default),
         "skip" this save (it returns None, on every rank), or "raise" CheckpointBusyError (on every rank).
+    compression: "auto" (default), "on" or "off". Lossless: each chunk's hash blocks are stored as byte-plane +
+        zstd frames where a sample block shrinks (else the chunk is stored raw), encoded on worker threads.
+        "auto" compresses for remote storage always, and for local storage only when the codec keeps up with the
+        disk (both measured in this process, ``codecs.advisor``). Loads decode whatever they find.
+    chunk_bytes: largest chunk written; larger boxes are cut into row-major runs of at most this size (the unit
+        an incremental save can skip, and of load balancing between ranks).
+    incremental_base: name of a committed checkpoint next to this one (same parent folder or prefix, e.g.
+        "step-0000000100"): a chunk whose bytes equal that checkpoint's chunk of the same box is not written
+        again; the manifest references it (``../<base>/data/...``). The base must then not be deleted or
+        overwritten while this checkpoint is kept (``CheckpointManager`` takes care of that). A base that
+        cannot be opened is skipped with a warning (the save is then a full one).
+    quantize: glob patterns of tensor keys (e.g. ``"optim.state.*.exp_avg*"``) stored lossily as 8-bit values
+        with a float32 scale per 256 (codec ``q8-block``; floating-point tensors with finite values only). Never
+        the default; the manifest records the codec and the max/mean absolute error, loads warn, and
+        ``LoadOptions(exact=True)`` refuses such a checkpoint.
     """
 
     overwrite: bool = False
@@ -42,8 +58,22 @@ class SaveOptions:
     memory_budget: int | None = None
     staging: str = "blocking"
     if_busy: str = "wait"
+    compression: str = "auto"
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    incremental_base: str | None = None
+    quantize: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.compression not in ("auto", "on", "off"):
+            raise OptionsError(f"SaveOptions.compression must be 'auto', 'on' or 'off', got {self.compression!r}")
+        if self.chunk_bytes < (64 << 10):
+            raise OptionsError(f"SaveOptions.chunk_bytes must be at least 64 KiB, got {self.chunk_bytes}")
+        if self.incremental_base is not None and (not self.incremental_base or "/" in self.incremental_base
+                                                  or self.incremental_base in (".", "..")):
+            raise OptionsError(f"SaveOptions.incremental_base must be the name of a checkpoint in the same folder "
+                               f"(no '/'), got {self.incremental_base!r}")
+        if isinstance(self.quantize, str):
+            object.__setattr__(self, "quantize", (self.quantize,))
         if self.staging not in ("blocking", "overlapped"):
             raise OptionsError(f"SaveOptions.staging must be 'blocking' or 'overlapped', got {self.staging!r}")
         if self.if_busy not in ("wait", "skip", "raise"):
@@ -77,9 +107,13 @@ class LoadOptions:
         process group (received bytes are verified too), so each byte is read from storage once. None (default):
         on for remote storage (``Storage.remote``), off for local files, where (measured on one node) each rank
         reading for itself is faster than copying over loopback.
+    exact: refuse (LossyCheckpointError, before anything is loaded) a checkpoint in which any tensor to load was
+        stored lossily (``SaveOptions.quantize``); without it such a load warns with the recorded error per key
+        and lists them in ``LoadResult.lossy``.
     """
 
     allow_pickle: bool = False
+    exact: bool = False
     atomic: bool = False
     share_reads: bool | None = None
     timeout: float = 600.0
@@ -100,6 +134,8 @@ class SaveResult:
     files: int                  # data files in the checkpoint
     timings: Mapping[str, float]
     staging_bytes: int = 0      # host memory of the staging buffer pool this save used
+    bytes_reused: int = 0       # by this rank: raw bytes of chunks referenced in the incremental base, not written
+    bytes_encoded: int = 0      # by this rank: raw bytes of the chunks it stored encoded (compressed or lossy)
 
 
 @dataclass(frozen=True)
@@ -115,3 +151,4 @@ class LoadResult:
     unexpected_keys: tuple[str, ...]
     timings: Mapping[str, float]
     bytes_received: int = 0     # of bytes_read, those a peer read and sent (LoadOptions.share_reads)
+    lossy: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)   # key -> how it was stored lossily

@@ -10,6 +10,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 
 from liferaft.codecs.checksum import digest, verify_blocks
+from liferaft.codecs.frames import decode_frames
 from liferaft.errors import (CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError,
                              LiferaftError, StateMismatchError)
 from liferaft.format.manifest import (COMMIT_MARKER, Manifest, PathPart, TensorEntry, ValueEntry,
@@ -19,6 +20,7 @@ from liferaft.planning.geometry import check_chunks_tile
 from liferaft.planning.load_plan import plan_reads
 from liferaft.state.values import decode_value
 from liferaft.storage import Storage, resolve
+from liferaft.storage.refs import with_references
 from liferaft.transfer.reader import execute_reads
 from liferaft.transfer.tensors import torch_dtype
 
@@ -120,7 +122,7 @@ def read(path: str | os.PathLike[str], keys: Sequence[str] | None = None, *,
     saving rank as a :class:`PerRank` tuple.
     """
     opts = options or LoadOptions()
-    storage = resolve(path)
+    storage = with_references(resolve(path))
     manifest = open_checkpoint(storage)
     chosen = _select(keys, [t.key for t in manifest.tensors] + [v.key for v in manifest.values])
     entries = [t for t in manifest.tensors if t.key in chosen]
@@ -227,7 +229,7 @@ class VerifyReport:
 
 def verify(path: str | os.PathLike[str], *, max_read_bytes: int = 32 << 20) -> VerifyReport:
     """Re-hash every block of every chunk; raise CorruptCheckpointError listing every fault found."""
-    storage = resolve(path)
+    storage = with_references(resolve(path))
     m = open_checkpoint(storage)
     faults: list[str] = []
     for name, size in m.files.items():
@@ -238,28 +240,33 @@ def verify(path: str | os.PathLike[str], *, max_read_bytes: int = 32 << 20) -> V
             continue
         if actual != size:
             faults.append(f"data file {name!r} has {actual} bytes, the manifest says {size}")
-    buf = bytearray(max_read_bytes)
     chunks = checked = 0
     for t in m.tensors:
         for c in t.chunks:
             chunks += 1
-            step = max(c.block_size, max_read_bytes // c.block_size * c.block_size)
-            if len(buf) < step:
-                buf = bytearray(step)
-            for lo in range(0, c.length, step):
-                n_want = min(step, c.length - lo)
-                mv = memoryview(buf)[:n_want]
-                where = f"file {c.file!r} (key {t.key!r}, chunk at {list(c.offsets)})"
+            per_read = max(1, max_read_bytes // c.block_size)
+            nblocks = len(c.hashes)
+            where = f"file {c.file!r} (key {t.key!r}, chunk at {list(c.offsets)})"
+            for first in range(0, nblocks, per_read):
+                end = min(nblocks, first + per_read)
+                offset, length = c.frame_span(first, end)
+                buf = bytearray(length)
                 try:
-                    n = storage.read_into(c.file, c.byte_offset + lo, mv)
+                    n = storage.read_into(c.file, offset, memoryview(buf))
                 except FileNotFoundError:
                     break  # already reported
-                if n != n_want:
+                if n != length:
                     faults.append(f"{where}: truncated")
                     break
-                first = lo // c.block_size
+                raw: memoryview = memoryview(buf)
                 try:
-                    verify_blocks(mv, c.hashes[first:first + -(-n_want // c.block_size)], c.block_size, where)
+                    if c.codec is not None:
+                        assert c.frames is not None
+                        out = bytearray(min(end * c.block_size, c.length) - first * c.block_size)
+                        decode_frames(raw, c.frames[first:end], c.codec, memoryview(out), c.block_size, t.dtype,
+                                      f"{where} block {first}..")
+                        raw = memoryview(out)
+                    verify_blocks(raw, c.hashes[first:end], c.block_size, where)
                 except LiferaftError as e:
                     faults.append(str(e))
                 checked += n

@@ -13,7 +13,9 @@ from liferaft.errors import InvalidStateError
 from liferaft.format.manifest import ChunkRecord, TensorEntry
 from liferaft.planning.geometry import byte_span, check_chunks_tile, split_for_reading
 from liferaft.planning.load_plan import plan_reads
+from liferaft.planning.geometry import check_chunks_tile, split_box
 from liferaft.planning.save_plan import RankMeta, TensorMeta, ValueMeta, build_manifest, plan_save, replan
+from liferaft.transfer.writer import StoredChunk
 
 
 def shard_boxes(shape, grid):
@@ -215,8 +217,30 @@ def test_build_manifest_records_every_chunk():
     boxes = shard_boxes(shape, (3, 1))
     metas = [meta(r, [tmeta("w", shape, [boxes[r]])]) for r in range(3)]
     plan = plan_save(metas, "abc")
-    hashes = [[(1 << 20, ["h"]) for _ in plan.writes[r]] for r in range(3)]
-    m = build_manifest(plan, hashes, save_id="abc", created_unix=0.0, liferaft_version="x",
+    stored = [[StoredChunk(file=w.file, byte_offset=w.byte_offset, block_size=1 << 20, hashes=("h",))
+               for w in plan.writes[r]] for r in range(3)]
+    m = build_manifest(plan, stored, [64, 64, 64], save_id="abc", created_unix=0.0, liferaft_version="x",
                        torch_version="y")
     assert [c.offsets for c in m.tensors[0].chunks] == [(0, 0), (4, 0), (8, 0)]
     assert set(m.files) == {f"data/abc/r{r:05d}.bin" for r in range(3)}
+
+
+def test_large_boxes_are_cut_into_row_runs_that_tile_them():
+    shape = (1000, 300)                       # 1.2 MB of float32 per rank half
+    boxes = shard_boxes(shape, (2, 1))
+    metas = [meta(r, [tmeta("w", shape, [boxes[r]])]) for r in range(2)]
+    plan = plan_save(metas, "abc", chunk_bytes=100 * 300 * 4)
+    for r in range(2):
+        assert len(plan.writes[r]) == 5 and all(w.length == 100 * 300 * 4 for w in plan.writes[r])
+        assert all(w.parent == boxes[r] for w in plan.writes[r])
+    got = sorted((w.offsets, w.sizes) for r in range(2) for w in plan.writes[r])
+    assert check_chunks_tile(shape, got) is None
+
+
+def test_split_box_cuts_rows_then_within_a_row():
+    assert split_box(((0, 0), (4, 10)), 4, 80) == [((r, 0), (2, 10)) for r in (0, 2)]
+    sub = split_box(((2, 5), (2, 10)), 4, 16)      # a row of 40 bytes > 16: parts of each row
+    assert sub[:3] == [((2, 5), (1, 4)), ((2, 9), (1, 4)), ((2, 13), (1, 2))] and len(sub) == 6
+    assert check_chunks_tile((4, 15), sub + [((0, 0), (2, 15)), ((2, 0), (2, 5))]) is None
+    assert split_box(((0,), (10,)), 8, 24) == [((0,), (3,)), ((3,), (3,)), ((6,), (3,)), ((9,), (1,))]
+    assert split_box(((), ()), 4, 1) == [((), ())]

@@ -10,7 +10,7 @@ when zstd would not shrink it (so random bytes cost a copy, not an expansion). F
 
 mode 0 = raw plane, 1 = zstd frame. A tail of ``length % itemsize`` bytes is stored as one more raw plane.
 Pure functions of bytes; numpy does the grouping and zstd (the ``zstandard`` package) the entropy coding, both
-outside the GIL for large buffers. Not wired into the checkpoint format yet (issue #6).
+outside the GIL for large buffers. Used per hash block by ``codecs.frames`` (codec ``bytegroup-zstd``).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def decode(blob: bytes | memoryview, out: memoryview | None = None, where: str =
     per_plane = whole // itemsize
     target = np.empty(n, dtype=np.uint8) if out is None else np.frombuffer(out, dtype=np.uint8)
     if len(target) != n:
-        raise ValueError(f"{where}: output buffer has {len(target)} bytes, the frame holds {n}")
+        raise CorruptCheckpointError(f"{where}: the frame holds {n} bytes, the block has {len(target)}")
     grid = target[:whole].reshape(-1, itemsize) if itemsize > 1 else None
     dctx = zstandard.ZstdDecompressor()
     for k, (mode, size) in enumerate(specs):

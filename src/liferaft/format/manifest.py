@@ -16,7 +16,7 @@ from typing import Any, Mapping
 from liferaft.errors import CorruptCheckpointError, FormatVersionError, UnsafePathError
 
 FORMAT_NAME = "liferaft"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2          # the newest version this code reads; a save uses 2 only when it needs it (§4.1)
 COMMIT_MARKER = "COMMIT"
 CHECKSUM_ALGO = "xxh3_64"
 
@@ -47,6 +47,25 @@ def check_relative_path(name: str, what: str = "file") -> str:
     return name
 
 
+def check_chunk_file(name: str) -> str:
+    """A chunk's data file: a safe path inside the checkpoint, or ``../<checkpoint>/<safe path>``, a file of a
+    sibling checkpoint under the same root (an incremental save's reference, docs/FORMAT.md §4.2)."""
+    if isinstance(name, str) and name.startswith("../"):
+        sibling, _, rest = name[3:].partition("/")
+        if sibling in ("", ".", "..") or not rest:
+            raise UnsafePathError(f"manifest file path {name!r} points outside the checkpoint's root; refusing "
+                                  "to read it")
+        check_relative_path(sibling, "file")
+        check_relative_path(rest, "file")
+        return name
+    return check_relative_path(name)
+
+
+#: Lossless chunk codecs a reader decodes (``ChunkRecord.codec``); lossy ones are listed in LOSSY_CODECS.
+LOSSLESS_CODECS = ("bytegroup-zstd",)
+LOSSY_CODECS = ("q8-block",)
+
+
 @dataclass(frozen=True)
 class ChunkRecord:
     """One stored box of a global tensor: ``sizes`` elements starting at ``offsets`` (row-major, raw bytes).
@@ -62,11 +81,37 @@ class ChunkRecord:
     length: int
     block_size: int
     hashes: tuple[str, ...]
+    #: None: the bytes are stored raw. Else each hash block is stored as one frame of this codec, ``frames[i]``
+    #: bytes long, back to back from ``byte_offset``; ``hashes`` stay those of the decoded (raw) blocks.
+    codec: str | None = None
+    frames: tuple[int, ...] | None = None
+
+    @property
+    def stored_length(self) -> int:
+        """Bytes the chunk occupies in ``file``."""
+        return self.length if self.frames is None else sum(self.frames)
+
+    @property
+    def is_reference(self) -> bool:
+        """True when the bytes live in another checkpoint (an incremental save reused them)."""
+        return self.file.startswith("../")
+
+    def frame_span(self, first: int, end: int) -> tuple[int, int]:
+        """(offset in the file, length) of the stored bytes of hash blocks ``[first, end)``."""
+        if self.frames is None:
+            lo = first * self.block_size
+            return self.byte_offset + lo, min(end * self.block_size, self.length) - lo
+        lo = sum(self.frames[:first])
+        return self.byte_offset + lo, sum(self.frames[first:end])
 
     def to_json(self) -> dict[str, Any]:
-        return {"offsets": list(self.offsets), "sizes": list(self.sizes), "file": self.file,
-                "byte_offset": self.byte_offset, "length": self.length, "block_size": self.block_size,
-                "hashes": list(self.hashes)}
+        out = {"offsets": list(self.offsets), "sizes": list(self.sizes), "file": self.file,
+               "byte_offset": self.byte_offset, "length": self.length, "block_size": self.block_size,
+               "hashes": list(self.hashes)}
+        if self.codec is not None:
+            out["codec"] = self.codec
+            out["frames"] = list(self.frames or ())
+        return out
 
 
 @dataclass(frozen=True)
@@ -79,6 +124,9 @@ class TensorEntry:
     dtype: str
     shape: tuple[int, ...]
     chunks: tuple[ChunkRecord, ...]
+    #: None when the stored values are exactly those saved; else what was lost and how much (docs/FORMAT.md
+    #: §4.3): ``{"method": "q8-block" | "selective", ...}``.
+    lossy: Mapping[str, Any] | None = None
 
     @property
     def itemsize(self) -> int:
@@ -92,8 +140,11 @@ class TensorEntry:
         return n
 
     def to_json(self) -> dict[str, Any]:
-        return {"key": self.key, "path": list(self.path), "kind": self.kind, "dtype": self.dtype,
-                "shape": list(self.shape), "chunks": [c.to_json() for c in self.chunks]}
+        out = {"key": self.key, "path": list(self.path), "kind": self.kind, "dtype": self.dtype,
+               "shape": list(self.shape), "chunks": [c.to_json() for c in self.chunks]}
+        if self.lossy is not None:
+            out["lossy"] = dict(self.lossy)
+        return out
 
 
 @dataclass(frozen=True)
@@ -150,11 +201,23 @@ class Manifest:
     values: tuple[ValueEntry, ...]
     containers: tuple[ContainerEntry, ...]
     extra: Mapping[str, Any] = field(default_factory=dict)
-    version: int = FORMAT_VERSION
+    version: int = 1
+
+    def needs_version(self) -> int:
+        """The lowest format version that describes this manifest: 2 when a chunk is encoded or lives in another
+        checkpoint, or an entry is lossy; else 1 (readable by liferaft versions that predate them)."""
+        for t in self.tensors:
+            if t.lossy is not None or any(c.codec is not None or c.is_reference for c in t.chunks):
+                return 2
+        return 1
+
+    @property
+    def lossy(self) -> bool:
+        return any(t.lossy is not None for t in self.tensors)
 
     def to_json_bytes(self) -> bytes:
         doc = {
-            "format": FORMAT_NAME, "version": self.version, "save_id": self.save_id,
+            "format": FORMAT_NAME, "version": max(self.version, self.needs_version()), "save_id": self.save_id,
             "world_size": self.world_size, "created_unix": self.created_unix,
             "liferaft_version": self.liferaft_version, "torch_version": self.torch_version,
             "checksum": CHECKSUM_ALGO, "byte_order": "little", "files": dict(sorted(self.files.items())),
@@ -259,9 +322,11 @@ def _decode_chunk(c: Any, where: str, ndim: int, files: Mapping[str, int], items
         raise _fail(where, "chunk is not an object")
     rec = ChunkRecord(
         offsets=_ints(c.get("offsets"), where), sizes=_ints(c.get("sizes"), where),
-        file=check_relative_path(_str(c.get("file"), where)), byte_offset=_int(c.get("byte_offset"), where),
+        file=check_chunk_file(_str(c.get("file"), where)), byte_offset=_int(c.get("byte_offset"), where),
         length=_int(c.get("length"), where), block_size=_int(c.get("block_size"), where, 1),
-        hashes=_hashes(c.get("hashes"), where))
+        hashes=_hashes(c.get("hashes"), where),
+        codec=None if c.get("codec") is None else _str(c.get("codec"), where),
+        frames=None if c.get("frames") is None else _ints(c.get("frames"), where))
     if len(rec.offsets) != ndim or len(rec.sizes) != ndim:
         raise _fail(where, f"chunk has {len(rec.offsets)}-d offsets / {len(rec.sizes)}-d sizes for a {ndim}-d tensor")
     numel = 1
@@ -273,11 +338,16 @@ def _decode_chunk(c: Any, where: str, ndim: int, files: Mapping[str, int], items
         raise _fail(where, f"block size {rec.block_size} is not a multiple of the item size {itemsize}")
     if rec.file not in files:
         raise _fail(where, f"chunk refers to file {rec.file!r} that the manifest does not list")
-    if rec.byte_offset + rec.length > files[rec.file]:
-        raise _fail(where, f"chunk [{rec.byte_offset}, +{rec.length}) lies beyond the end of {rec.file!r}")
+    if rec.byte_offset + rec.stored_length > files[rec.file]:
+        raise _fail(where, f"chunk [{rec.byte_offset}, +{rec.stored_length}) lies beyond the end of {rec.file!r}")
     nblocks = -(-rec.length // rec.block_size) if rec.length else 0
     if len(rec.hashes) != nblocks:
         raise _fail(where, f"chunk has {len(rec.hashes)} block hashes, expected {nblocks}")
+    if rec.codec is not None and rec.codec not in LOSSLESS_CODECS + LOSSY_CODECS:
+        raise _fail(where, f"chunk codec {rec.codec!r} is unknown to this liferaft (known: "
+                           f"{', '.join(LOSSLESS_CODECS + LOSSY_CODECS)}); upgrade liferaft to read it")
+    if (rec.codec is None) != (rec.frames is None) or (rec.frames is not None and len(rec.frames) != nblocks):
+        raise _fail(where, "an encoded chunk needs one frame length per hash block (and a raw chunk none)")
     return rec
 
 
@@ -297,7 +367,7 @@ def decode_manifest(data: bytes, name: str = "manifest") -> Manifest:
     files_raw = doc.get("files")
     if not isinstance(files_raw, dict):
         raise _fail(name, "files is not an object")
-    files = {check_relative_path(k): _int(v, f"{name} files[{k!r}]") for k, v in files_raw.items()}
+    files = {check_chunk_file(k): _int(v, f"{name} files[{k!r}]") for k, v in files_raw.items()}
     tensors = []
     for t in doc.get("tensors") or []:
         key = _str(t.get("key"), f"{name} tensor")
@@ -310,8 +380,11 @@ def decode_manifest(data: bytes, name: str = "manifest") -> Manifest:
             raise _fail(where, f"unknown kind {kind!r}")
         shape = _ints(t.get("shape"), where)
         chunks = tuple(_decode_chunk(c, where, len(shape), files, DTYPE_ITEMSIZE[dtype]) for c in t.get("chunks") or [])
+        lossy = t.get("lossy")
+        if lossy is not None and not (isinstance(lossy, dict) and isinstance(lossy.get("method"), str)):
+            raise _fail(where, f"lossy must be an object with a method, got {lossy!r:.80}")
         tensors.append(TensorEntry(key=key, path=_path(t.get("path"), where), kind=kind, dtype=dtype,
-                                   shape=shape, chunks=chunks))
+                                   shape=shape, chunks=chunks, lossy=lossy))
     values = []
     for v in doc.get("values") or []:
         key = _str(v.get("key"), f"{name} value")

@@ -116,3 +116,22 @@ def split_for_reading(box: Box, chunk_sizes: Sequence[int], itemsize: int, block
         stack.append(second)
         stack.append(first)
     return out
+
+
+def split_box(box: Box, itemsize: int, limit: int) -> list[Box]:
+    """Cut ``box`` into sub-boxes of at most ``limit`` bytes that tile it, each a contiguous run of its row-major
+    elements (whole rows of the leading dimension where a row fits, else parts of one row, recursively), in
+    row-major order. A box within the limit comes back as is."""
+    offsets, sizes = box
+    if numel(sizes) * itemsize <= limit or not sizes:
+        return [box]
+    row = numel(sizes[1:]) * itemsize
+    if row <= limit or len(sizes) == 1:
+        step = max(1, limit // max(row, 1))
+        return [((offsets[0] + r,) + offsets[1:], (min(step, sizes[0] - r),) + sizes[1:])
+                for r in range(0, sizes[0], step)]
+    out: list[Box] = []
+    for r in range(sizes[0]):
+        for sub_off, sub_sizes in split_box((offsets[1:], sizes[1:]), itemsize, limit):
+            out.append(((offsets[0] + r,) + sub_off, (1,) + sub_sizes))
+    return out

@@ -33,7 +33,9 @@ class CopySpec:
 
 @dataclass(frozen=True)
 class ReadUnit:
-    """Read ``length`` bytes of ``file`` at ``file_offset`` (whole hash blocks of one chunk), verify, copy."""
+    """Read ``length`` bytes of ``file`` at ``file_offset`` (the stored bytes of whole hash blocks of one chunk),
+    decode them when ``codec`` is set (``frames``: the stored length of each block; ``raw_length`` bytes come
+    out), verify, copy."""
 
     key: str
     file: str
@@ -42,6 +44,13 @@ class ReadUnit:
     block_size: int
     hashes: tuple[str, ...]
     copies: tuple[CopySpec, ...]
+    codec: str | None = None
+    frames: tuple[int, ...] | None = None
+    raw_length: int = -1
+
+    @property
+    def decoded_length(self) -> int:
+        return self.length if self.raw_length < 0 else self.raw_length
 
 
 def _units_for_chunk(key: str, chunk: ChunkRecord, itemsize: int, wanted: Sequence[tuple[int, Box]],
@@ -75,8 +84,11 @@ def _units_for_chunk(key: str, chunk: ChunkRecord, itemsize: int, wanted: Sequen
             first_elem = sum(o * s for o, s in zip(piece[0], cstr))
             copies.append(CopySpec(target=target, dest_offsets=dbox[0], sizes=piece[1],
                                    src_offset=first_elem - start // itemsize, src_strides=cstr))
-        units.append(ReadUnit(key=key, file=chunk.file, file_offset=chunk.byte_offset + start, length=end - start,
-                              block_size=bs, hashes=chunk.hashes[b_lo:b_hi], copies=tuple(copies)))
+        file_offset, length = chunk.frame_span(b_lo, b_hi)
+        units.append(ReadUnit(key=key, file=chunk.file, file_offset=file_offset, length=length,
+                              block_size=bs, hashes=chunk.hashes[b_lo:b_hi], copies=tuple(copies),
+                              codec=chunk.codec, frames=None if chunk.frames is None else chunk.frames[b_lo:b_hi],
+                              raw_length=-1 if chunk.codec is None else end - start))
         group.clear()
 
     for p in pieces:

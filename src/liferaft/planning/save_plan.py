@@ -14,7 +14,11 @@ from typing import Any, Mapping, Sequence
 from liferaft.errors import InvalidStateError
 from liferaft.format.manifest import (DTYPE_ITEMSIZE, ChunkRecord, ContainerEntry, Manifest, PathPart, TensorEntry,
                                       ValueEntry)
-from liferaft.planning.geometry import Box, check_chunks_tile, in_bounds, numel
+from liferaft.planning.geometry import Box, check_chunks_tile, in_bounds, numel, split_box
+
+#: Largest chunk a save writes: boxes beyond it are cut into row-major runs of at most this many bytes, so that
+#: an incremental save can skip the unchanged parts of a partly changed tensor and the writes spread evenly.
+DEFAULT_CHUNK_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -49,7 +53,9 @@ class RankMeta:
 
 @dataclass(frozen=True)
 class WriteItem:
-    """One chunk this rank writes: the box of tensor ``key`` to ``file`` at ``byte_offset``."""
+    """One chunk this rank writes: the box of tensor ``key`` to ``file`` (``byte_offset``: its place when every
+    chunk is stored raw; the writer lays out what it actually writes). ``parent`` is the box this rank holds
+    that the chunk was cut from (None: the chunk is that box)."""
 
     key: str
     offsets: tuple[int, ...]
@@ -57,6 +63,7 @@ class WriteItem:
     file: str
     byte_offset: int
     length: int
+    parent: Box | None = None
 
 
 @dataclass(frozen=True)
@@ -84,8 +91,12 @@ def _align(n: int, alignment: int) -> int:
     return -(-n // alignment) * alignment
 
 
-def plan_save(metas: Sequence[RankMeta], save_id: str, alignment: int = 64) -> SavePlan:
+def plan_save(metas: Sequence[RankMeta], save_id: str, alignment: int = 64,
+              chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> SavePlan:
     """Build the global save plan. Raises InvalidStateError for inconsistent or overlapping input.
+
+    Each distinct box is cut into chunks of at most ``chunk_bytes`` (``geometry.split_box``), each written by
+    one of the box's holders (largest first, to the least-loaded holder).
 
     Plain values are stored once if every rank holds the same, else per rank; containers are merged."""
     world = len(metas)
@@ -130,16 +141,17 @@ def plan_save(metas: Sequence[RankMeta], save_id: str, alignment: int = 64) -> S
     jobs = []
     for t in tensors:
         isz = DTYPE_ITEMSIZE[t.dtype]
-        for box in t.boxes:
-            jobs.append((numel(box[1]) * isz, t.key, box))
+        for held in t.boxes:
+            for box in split_box(held, isz, chunk_bytes):
+                jobs.append((numel(box[1]) * isz, t.key, box, held))
     jobs.sort(key=lambda j: (-j[0], j[1], j[2]))
     load = [0] * world
-    assigned: list[list[tuple[str, Box, int]]] = [[] for _ in range(world)]
-    for nbytes, key, box in jobs:
-        cands = holders[(key, box)]
+    assigned: list[list[tuple[str, Box, int, Box]]] = [[] for _ in range(world)]
+    for nbytes, key, box, held in jobs:
+        cands = holders[(key, held)]
         rank = min(cands, key=lambda r: (load[r], r))
         load[rank] += nbytes
-        assigned[rank].append((key, box, nbytes))
+        assigned[rank].append((key, box, nbytes, held))
     # ---- lay chunks out in each rank's file (manifest order for locality)
     key_pos = {k: i for i, k in enumerate(order)}
     writes: list[tuple[WriteItem, ...]] = []
@@ -148,9 +160,10 @@ def plan_save(metas: Sequence[RankMeta], save_id: str, alignment: int = 64) -> S
         items = sorted(assigned[rank], key=lambda a: (key_pos[a[0]], a[1]))
         fname = data_file_name(save_id, rank)
         pos, out = 0, []
-        for key, box, nbytes in items:
+        for key, box, nbytes, held in items:
             pos = _align(pos, max(alignment, PAGE) if nbytes >= PAGE_ALIGN_MIN else alignment)
-            out.append(WriteItem(key=key, offsets=box[0], sizes=box[1], file=fname, byte_offset=pos, length=nbytes))
+            out.append(WriteItem(key=key, offsets=box[0], sizes=box[1], file=fname, byte_offset=pos, length=nbytes,
+                                 parent=None if held == box else held))
             pos += nbytes
         if out:
             files[fname] = pos
@@ -207,21 +220,41 @@ def _merge_values(metas: Sequence[RankMeta]) -> list[ValueEntry]:
     return out
 
 
-def build_manifest(plan: SavePlan, hashes: Sequence[Sequence[tuple[int, Sequence[str]]]], *, save_id: str,
+def build_manifest(plan: SavePlan, stored: Sequence[Sequence[Any]], file_sizes: Sequence[int], *, save_id: str,
                    created_unix: float, liferaft_version: str, torch_version: str,
-                   extra: Mapping[str, Any] | None = None) -> Manifest:
-    """Combine the plan with the (block size, block hashes) each rank computed for its writes, in the order of
-    ``plan.writes``."""
+                   extra: Mapping[str, Any] | None = None, lossy: Mapping[str, Mapping[str, Any]] | None = None
+                   ) -> Manifest:
+    """Combine the plan with what each rank's writer did: ``stored[rank][i]`` describes ``plan.writes[rank][i]``
+    (a ``transfer.writer.StoredChunk``: file, byte offset, block size, hashes, codec, frames, reference size,
+    lossy error) and ``file_sizes[rank]`` is the size of that rank's data file (0: it wrote none).
+    ``lossy``: key → what the caller asked to lose (``{"method": ...}``); the measured errors are added."""
     records: dict[str, list[ChunkRecord]] = {t.key: [] for t in plan.tensors}
+    files: dict[str, int] = {}
+    errors: dict[str, list[float]] = {}
     for rank, items in enumerate(plan.writes):
-        if len(hashes[rank]) != len(items):
-            raise InvalidStateError(f"rank {rank} reported {len(hashes[rank])} chunk hashes for {len(items)} writes")
-        for w, (block_size, hs) in zip(items, hashes[rank]):
-            records[w.key].append(ChunkRecord(offsets=w.offsets, sizes=w.sizes, file=w.file,
-                                              byte_offset=w.byte_offset, length=w.length, block_size=block_size,
-                                              hashes=tuple(hs)))
+        if len(stored[rank]) != len(items):
+            raise InvalidStateError(f"rank {rank} reported {len(stored[rank])} stored chunks for {len(items)} writes")
+        if file_sizes[rank]:
+            files[data_file_name(save_id, rank)] = file_sizes[rank]
+        for w, sc in zip(items, stored[rank]):
+            if sc.reference_size is not None:
+                files[sc.file] = sc.reference_size
+            records[w.key].append(ChunkRecord(offsets=w.offsets, sizes=w.sizes, file=sc.file,
+                                              byte_offset=sc.byte_offset, length=w.length, block_size=sc.block_size,
+                                              hashes=tuple(sc.hashes), codec=sc.codec, frames=sc.frames))
+            if sc.error is not None:
+                e = errors.setdefault(w.key, [0.0, 0.0, 0])
+                e[0], e[1], e[2] = max(e[0], sc.error[0]), e[1] + sc.error[1], e[2] + sc.error[2]
+    lossy_out: dict[str, dict[str, Any]] = {}
+    for key, how in (lossy or {}).items():
+        if key in errors:
+            e = errors[key]
+            lossy_out[key] = {**how, "max_abs_error": e[0], "mean_abs_error": e[1] / max(e[2], 1)}
+        elif how.get("method") != "q8-block":      # e.g. "selective": described by the caller
+            lossy_out[key] = dict(how)
     tensors = tuple(TensorEntry(key=t.key, path=t.path, kind=t.kind, dtype=t.dtype, shape=t.shape,
-                                chunks=tuple(sorted(records[t.key], key=lambda c: c.offsets))) for t in plan.tensors)
+                                chunks=tuple(sorted(records[t.key], key=lambda c: c.offsets)),
+                                lossy=lossy_out.get(t.key)) for t in plan.tensors)
     return Manifest(save_id=save_id, world_size=plan.world_size, created_unix=created_unix,
-                    liferaft_version=liferaft_version, torch_version=torch_version, files=dict(plan.files),
+                    liferaft_version=liferaft_version, torch_version=torch_version, files=files,
                     tensors=tensors, values=plan.values, containers=plan.containers, extra=dict(extra or {}))

@@ -61,6 +61,12 @@ class MemoryStorage(Storage):
     def child(self, name: str) -> "MemoryStorage":
         return MemoryStorage(f"{self.name}/{name}")
 
+    def sibling(self, name: str) -> "MemoryStorage":
+        parent = self.name.rpartition("/")[0]
+        if not parent:
+            raise NotImplementedError(f"{self.url} is a whole store; it has no siblings")
+        return MemoryStorage(f"{parent}/{name}")
+
     def _get(self, name: str) -> bytearray:
         try:
             return self.files[self._prefix + name]

@@ -124,6 +124,9 @@ class PosixStorage(Storage):
     def child(self, name: str) -> "PosixStorage":
         return type(self)(self._p(name), direct_io=self.direct_io)     # fault-injecting subclasses stay so
 
+    def sibling(self, name: str) -> "PosixStorage":
+        return type(self)(os.path.join(os.path.dirname(self.root), name), direct_io=self.direct_io)
+
     def open_writer(self, name: str) -> FileWriter:
         path = self._p(name)
         self._mkdirs(path)

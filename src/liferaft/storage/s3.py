@@ -141,6 +141,13 @@ class S3Storage(Storage):
         c.prefix = self._key(name).strip("/")
         return c
 
+    def sibling(self, name: str) -> "S3Storage":
+        c = object.__new__(S3Storage)
+        c.__dict__.update(self.__dict__)
+        parent = self.prefix.rpartition("/")[0]
+        c.prefix = f"{parent}/{name}" if parent else name
+        return c
+
     def __repr__(self) -> str:
         return f"S3Storage({self.url!r}, endpoint_url={self.endpoint_url!r})"
 

@@ -86,3 +86,10 @@ class StorageConformance:
         assert st.list() == ["step-1/COMMIT", "step-1/data/x/r0.bin"] and st.read_all("step-1/COMMIT") == b"c"
         c.delete("COMMIT")
         assert st.list() == ["step-1/data/x/r0.bin"] and not c.exists("COMMIT")
+
+    def test_sibling_is_the_folder_next_to_a_child(self, st: Storage) -> None:
+        a = st.child("step-1")
+        b = a.sibling("step-2")
+        b.put_atomic("COMMIT", b"two")
+        assert st.list() == ["step-2/COMMIT"] and b.read_all("COMMIT") == b"two"
+        assert b.sibling("step-1").list() == [] and b.sibling("step-2").exists("COMMIT")

@@ -19,6 +19,7 @@ from typing import Any, Mapping, Protocol, Sequence
 import torch
 
 from liferaft.codecs.checksum import verify_blocks
+from liferaft.codecs.frames import decode_frames
 from liferaft.errors import CorruptCheckpointError, DistributedError
 from liferaft.planning.load_plan import ReadUnit
 from liferaft.planning.share_plan import SharedSpan, Span
@@ -200,6 +201,12 @@ def _consume(batch: _Batch, buf: torch.Tensor, n: int, targets: Sequence[torch.T
             raise CorruptCheckpointError(f"{where}: the file is truncated (read {max(0, n - inner)} of "
                                          f"{unit.length} bytes)")
         view = buf[inner:inner + unit.length]
+        if unit.codec is not None:
+            assert unit.frames is not None
+            raw = torch.empty(unit.decoded_length, dtype=torch.uint8)
+            decode_frames(memoryview(view.numpy()), unit.frames, unit.codec, memoryview(raw.numpy()),
+                          unit.block_size, str(dtype).removeprefix("torch."), where)
+            view = raw
         t0 = time.perf_counter()
         verify_blocks(memoryview(view.numpy()), unit.hashes, unit.block_size, where)
         verify_s += time.perf_counter() - t0

@@ -1,40 +1,96 @@
-"""Write this rank's share of a save plan to its data file from staged pieces, hashing each chunk in blocks."""
+"""Write this rank's share of a save plan to its data file from staged pieces: hash, reuse, encode, write.
+
+Per chunk, in plan order, the writer
+- hashes the raw bytes in blocks as they arrive from staging (no extra read of old data);
+- if the chunk's box was stored with the same block hashes by the base checkpoint of an incremental save,
+  writes nothing and records a reference to the stored bytes (``ChunkPolicy.reuse``);
+- else encodes it (lossless byte planes + zstd where that pays, or an opt-in lossy codec) on the codec worker
+  threads, or writes the raw pieces straight from the pool (O_DIRECT for page-aligned pieces).
+Chunks are laid out one after the other in the order written, so the file holds only what was written.
+Deciding reuse or encoding needs the whole chunk: a chunk is held in the pool until complete, unless the pool
+is too small for it (then it is written raw as it streams, as every chunk is when nothing is to be decided).
+"""
 
 from __future__ import annotations
 
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import torch
 
+from liferaft.codecs import frames as codecs
 from liferaft.codecs.checksum import BlockHasher, choose_block_size
 from liferaft.errors import StorageError
+from liferaft.format.manifest import ChunkRecord
 from liferaft.planning.geometry import Box
-from liferaft.planning.save_plan import WriteItem
+from liferaft.planning.save_plan import PAGE, PAGE_ALIGN_MIN, WriteItem
 from liferaft.staging.pool import BufferPool
-from liferaft.staging.stager import PIECE_LIMIT, StageFailed, stage
-from liferaft.storage.base import Storage
+from liferaft.staging.stager import PIECE_LIMIT, Piece, StageFailed, stage
+from liferaft.storage.base import FileWriter, Storage
+
+ReuseKey = tuple[str, tuple[int, ...], tuple[int, ...]]       # (tensor key, offsets, sizes)
+
+
+@dataclass
+class ChunkPolicy:
+    """How the writer stores each chunk of one save (decided before it starts, the same on every rank).
+
+    compress: try the lossless codec on every chunk (kept per chunk only where a sample block shrinks).
+    lossy: tensor key → lossy codec (``"q8-block"``) for keys the caller opted in.
+    reuse: (key, offsets, sizes) → the base checkpoint's record of that box (its ``file`` already relative to the
+        new checkpoint) and that file's size; a chunk with the same block hashes is referenced, not written.
+    """
+
+    dtypes: Mapping[str, str]
+    itemsizes: Mapping[str, int]
+    block_size: int | None = None
+    alignment: int = 64
+    compress: bool = False
+    level: int = 1
+    lossy: Mapping[str, str] = field(default_factory=dict)
+    reuse: Mapping[ReuseKey, tuple[ChunkRecord, int]] = field(default_factory=dict)
+
+    def decides(self, item: WriteItem) -> bool:
+        """Whether ``item`` needs its whole bytes before it can be written."""
+        return self.compress or item.key in self.lossy or (item.key, item.offsets, item.sizes) in self.reuse
+
+
+@dataclass
+class StoredChunk:
+    """Where and how one write item was stored (``file`` may be a sibling checkpoint's, for a reference)."""
+
+    file: str
+    byte_offset: int
+    block_size: int
+    hashes: tuple[str, ...]
+    codec: str | None = None
+    frames: tuple[int, ...] | None = None
+    reference_size: int | None = None       # size of ``file`` when it is a reference
+    error: tuple[float, float, int] | None = None   # lossy: (max abs error, sum of abs errors, values)
 
 
 @dataclass
 class WriteOutcome:
-    hashes: list[tuple[int, list[str]]]      # (block size, block hashes) per item
-    bytes_written: int
+    chunks: list[StoredChunk]
+    file_size: int                  # of this rank's data file (0: none written)
+    bytes_written: int              # stored bytes written to it
     stage_s: float
     write_s: float
+    encode_s: float = 0.0
+    bytes_reused: int = 0           # raw bytes of chunks referenced instead of written
+    bytes_encoded: int = 0          # raw bytes of the chunks stored encoded
 
 
 def write_streamed(storage: Storage, items: Sequence[WriteItem], sources: Mapping[tuple[str, Box], torch.Tensor],
-                   pool: BufferPool, block_size: int | None = None) -> WriteOutcome:
+                   pool: BufferPool, policy: ChunkPolicy) -> WriteOutcome:
     """Write ``items`` (all in one file) from ``sources[(key, box)]`` through ``pool``; durable on return.
 
-    A staging thread copies pieces of at most a quarter of the pool into it while this thread hashes and writes
-    the previous ones (page-aligned pieces go to storage with O_DIRECT: no page cache is filled), so memory
-    stays within the pool however large the state, and the copy overlaps the I/O. On error the partial file
-    is removed and the error re-raised.
+    A staging thread copies pieces of at most a quarter of the pool into it while this thread writes the
+    previous ones, so memory stays within the pool however large the state. On error the partial file is
+    removed and the error re-raised.
     """
     pieces: queue.Queue[Any] = queue.Queue()
     limit = max(1 << 20, min(PIECE_LIMIT, pool.capacity // 4))
@@ -49,56 +105,195 @@ def write_streamed(storage: Storage, items: Sequence[WriteItem], sources: Mappin
     stager = threading.Thread(target=run_stage, name="liferaft-stager", daemon=True)
     stager.start()
     try:
-        out = write_staged(storage, items, pieces, pool, block_size)
+        out = write_staged(storage, items, pieces, pool, policy)
     finally:
         stager.join()
     out.stage_s = copy_s[0]
     return out
 
 
-def write_staged(storage: Storage, items: Sequence[WriteItem], pieces: "queue.Queue[Any]", pool: BufferPool,
-                 block_size: int | None = None) -> WriteOutcome:
-    """Write staged pieces (see ``staging.stager``) as they arrive, hashing on the fly; durable on return.
+def _align(n: int, a: int) -> int:
+    return -(-n // a) * a
 
-    Each piece's pool region is released once written. On error the partial file is removed, the pool is
-    reset (waking a stager that waits for room) and the error re-raised.
+
+class _File:
+    """This rank's data file, created at the first write; chunks are appended at aligned positions."""
+
+    def __init__(self, storage: Storage, name: str | None, alignment: int) -> None:
+        self.storage, self.name, self.alignment = storage, name, alignment
+        self.w: FileWriter | None = None
+        self.end = 0
+
+    def start(self, nbytes: int, page: bool) -> int:
+        """Reserve ``nbytes`` at the next aligned position (a page boundary when ``page``); return it."""
+        pos = _align(self.end, max(self.alignment, PAGE) if page else self.alignment)
+        self.end = pos + nbytes
+        return pos
+
+    def pwrite(self, data: memoryview | bytes, offset: int) -> None:
+        if self.w is None:
+            assert self.name is not None
+            self.w = self.storage.open_writer(self.name)
+        self.w.pwrite(data, offset)
+
+
+def write_staged(storage: Storage, items: Sequence[WriteItem], pieces: "queue.Queue[Any]", pool: BufferPool,
+                 policy: ChunkPolicy) -> WriteOutcome:
+    """Write staged pieces (see ``staging.stager``) as they arrive; durable on return.
+
+    Each piece's pool region is released once written (or once its chunk is decided). On error the partial
+    file is removed, the pool is reset (waking a stager that waits for room) and the error re-raised.
     """
-    out = WriteOutcome(hashes=[], bytes_written=0, stage_s=0.0, write_s=0.0)
-    hashers = [BlockHasher(choose_block_size(w.length, block_size)) for w in items]
-    writer = None
+    out = WriteOutcome(chunks=[], file_size=0, bytes_written=0, stage_s=0.0, write_s=0.0)
+    f = _File(storage, items[0].file if items else None, policy.alignment)
+    held: list[Piece] = []          # pieces of the chunk being assembled (decided chunks only)
+    hasher: BlockHasher | None = None
+    base = 0                         # file position of the chunk streamed raw
     try:
-        if items:
-            try:
-                writer = storage.open_writer(items[0].file)
-            except OSError as e:
-                raise StorageError(f"{storage.url}: cannot create data file {items[0].file!r}: {e}") from e
-        while True:
-            piece = pieces.get()
-            if piece is None:
-                break
-            if isinstance(piece, StageFailed):
-                raise piece.error
-            if piece.event is not None:
-                piece.event.synchronize()
-            t0 = time.perf_counter()
-            mv = memoryview(piece.data.numpy()).cast("B")
-            hashers[piece.item].update(mv)
-            assert writer is not None
-            writer.pwrite(mv, items[piece.item].byte_offset + piece.offset)
-            out.write_s += time.perf_counter() - t0
-            out.bytes_written += len(mv)
-            del mv
-            pool.release(piece.region)
+        for idx, w in enumerate(items):
+            hasher = BlockHasher(choose_block_size(w.length, policy.block_size))
+            decide = policy.decides(w) and w.length <= pool.capacity // 2
+            got = 0
+            base = f.start(w.length, w.length >= PAGE_ALIGN_MIN) if not decide else 0
+            while got < w.length:
+                piece = _next(pieces, pool, waiting_ok=not (decide and held))
+                if piece is None:                       # the stager is out of room: stream this chunk raw
+                    decide = False
+                    base = f.start(w.length, w.length >= PAGE_ALIGN_MIN)
+                    for p in held:
+                        _write_raw(f, p, base, out, pool)
+                    held.clear()
+                    continue
+                assert piece.item == idx, "pieces out of order"
+                mv = memoryview(piece.data.numpy()).cast("B")
+                hasher.update(mv)
+                got += len(mv)
+                del mv
+                if decide:
+                    held.append(piece)
+                else:
+                    _write_raw(f, piece, base, out, pool)
+            hashes = tuple(hasher.finish())
+            if decide:
+                out.chunks.append(_decided(f, w, held, hashes, hasher.block_size, policy, out))
+                for p in held:
+                    pool.release(p.region)
+                held.clear()
+            else:
+                out.chunks.append(StoredChunk(file=w.file, byte_offset=base, block_size=hasher.block_size,
+                                              hashes=hashes))
+        end = pieces.get()
+        if isinstance(end, StageFailed):
+            raise end.error
         t0 = time.perf_counter()
-        if writer is not None:
-            writer.close()
+        if f.w is not None:
+            f.w.close()
+            out.file_size = f.end
         out.write_s += time.perf_counter() - t0
     except BaseException as e:
-        if writer is not None:
-            writer.abort()
+        if f.w is not None:
+            f.w.abort()
         pool.reset()
         if isinstance(e, OSError):
-            raise StorageError(f"{storage.url}: writing data file {items[0].file!r} failed: {e}") from e
+            raise StorageError(f"{storage.url}: writing data file {f.name!r} failed: {e}") from e
         raise
-    out.hashes = [(h.block_size, h.finish()) for h in hashers]
     return out
+
+
+def _next(pieces: "queue.Queue[Any]", pool: BufferPool, waiting_ok: bool) -> Piece | None:
+    """The next staged piece; None when the stager waits for room that only this writer can free (while a
+    chunk is being held: ``waiting_ok`` False)."""
+    while True:
+        try:
+            piece = pieces.get(timeout=None if waiting_ok else 0.005)
+        except queue.Empty:
+            if pool.waiting:
+                return None
+            continue
+        if piece is None:
+            raise RuntimeError("staging ended before every chunk was staged")
+        if isinstance(piece, StageFailed):
+            raise piece.error
+        if piece.event is not None:
+            piece.event.synchronize()
+        return piece
+
+
+def _write_raw(f: _File, piece: Piece, base: int, out: WriteOutcome, pool: BufferPool) -> None:
+    t0 = time.perf_counter()
+    mv = memoryview(piece.data.numpy()).cast("B")
+    f.pwrite(mv, base + piece.offset)
+    out.write_s += time.perf_counter() - t0
+    out.bytes_written += len(mv)
+    del mv
+    pool.release(piece.region)
+
+
+def _blocks(held: Sequence[Piece], block_size: int) -> list[memoryview]:
+    """The chunk's raw hash blocks as views into the held pieces (joined where a block spans two pieces)."""
+    views = [memoryview(p.data.numpy()).cast("B") for p in held]
+    if len(views) == 1:
+        v = views[0]
+        return [v[i:i + block_size] for i in range(0, len(v), block_size)]
+    whole = memoryview(b"".join(views))
+    return [whole[i:i + block_size] for i in range(0, len(whole), block_size)]
+
+
+def _decided(f: _File, w: WriteItem, held: Sequence[Piece], hashes: tuple[str, ...], block_size: int,
+             policy: ChunkPolicy, out: WriteOutcome) -> StoredChunk:
+    """Store a whole held chunk: as a reference, encoded, or raw."""
+    base = policy.reuse.get((w.key, w.offsets, w.sizes))
+    if base is not None and base[0].hashes == hashes and base[0].block_size == block_size \
+            and base[0].length == w.length:
+        rec, size = base
+        out.bytes_reused += w.length
+        return StoredChunk(file=rec.file, byte_offset=rec.byte_offset, block_size=rec.block_size, hashes=rec.hashes,
+                           codec=rec.codec, frames=rec.frames, reference_size=size)
+    dtype, itemsize = policy.dtypes[w.key], policy.itemsizes[w.key]
+    codec = policy.lossy.get(w.key) or (codecs.LOSSLESS if policy.compress else None)
+    if codec is not None and w.length:
+        t0 = time.perf_counter()
+        blocks = _blocks(held, block_size)
+        stored = _encode(blocks, codec, itemsize, dtype, policy.level)
+        out.encode_s += time.perf_counter() - t0
+        if stored is not None:
+            frames, new_hashes, error = stored
+            data = b"".join(frames)
+            pos = f.start(len(data), False)
+            t0 = time.perf_counter()
+            f.pwrite(data, pos)
+            out.write_s += time.perf_counter() - t0
+            out.bytes_written += len(data)
+            out.bytes_encoded += w.length
+            return StoredChunk(file=w.file, byte_offset=pos, block_size=block_size, hashes=new_hashes or hashes,
+                               codec=codec, frames=tuple(len(x) for x in frames), error=error)
+    pos = f.start(w.length, w.length >= PAGE_ALIGN_MIN)
+    t0 = time.perf_counter()
+    for p in held:
+        mv = memoryview(p.data.numpy()).cast("B")
+        f.pwrite(mv, pos + p.offset)
+        out.bytes_written += len(mv)
+    out.write_s += time.perf_counter() - t0
+    return StoredChunk(file=w.file, byte_offset=pos, block_size=block_size, hashes=hashes)
+
+
+def _encode(blocks: list[memoryview], codec: str, itemsize: int, dtype: str,
+            level: int) -> tuple[list[bytes], tuple[str, ...] | None, tuple[float, float, int] | None] | None:
+    """(frames, hashes of the decoded blocks for a lossy codec, error stats) or None: store the chunk raw
+    (the lossless codec does not shrink a sample block enough, or a lossy codec cannot take these values)."""
+    if codec == codecs.LOSSLESS:
+        first = codecs.encode_blocks(blocks[:1], codec, itemsize, dtype, level)
+        if len(first[0]) >= codecs.PAYS_RATIO * len(blocks[0]):
+            return None
+        return first + codecs.encode_blocks(blocks[1:], codec, itemsize, dtype, level) if len(blocks) > 1 \
+            else first, None, None
+    from liferaft.codecs import quantize
+
+    try:
+        results = list(codecs.executor().map(lambda b: quantize.encode_checked(b, dtype), blocks))
+    except ValueError:
+        return None
+    frames = [r[0] for r in results]
+    hashes = tuple(r[1] for r in results)
+    err = (max(r[2] for r in results), sum(r[3] for r in results), sum(r[4] for r in results))
+    return frames, hashes, err

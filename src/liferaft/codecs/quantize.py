@@ -1,0 +1,83 @@
+"""Opt-in lossy codec ``q8-block``: floating-point values as int8 with one float32 scale per group of values.
+
+Meant for optimizer moments (Adam's exp_avg / exp_avg_sq), which tolerate 8-bit storage (as in 8-bit optimizers);
+never chosen by default. Frame layout (little endian)::
+
+    b"LRQ8" | u8 version=1 | u8 dtype code | u32 values | u32 group | float32 scales[ceil(values/group)] | int8 q[values]
+
+A value decodes to ``q × scale`` of its group (scale = max |x| / 127 over the group, 0 for an all-zero group),
+cast back to the saved dtype. Non-finite values cannot be quantized: a block holding one is refused
+(``encode`` raises ValueError and the writer stores that chunk losslessly instead).
+"""
+
+from __future__ import annotations
+
+import struct
+
+import torch
+
+from liferaft.errors import CorruptCheckpointError
+
+MAGIC = b"LRQ8"
+GROUP = 256
+_HEAD = struct.Struct("<4sBBII")
+DTYPES = {"float32": (1, torch.float32), "bfloat16": (2, torch.bfloat16), "float16": (3, torch.float16),
+          "float64": (4, torch.float64)}
+_BY_CODE = {code: dt for code, dt in DTYPES.values()}
+
+
+def encode(block: memoryview, dtype: str) -> bytes:
+    """The q8 frame of ``block`` (raw values of ``dtype``)."""
+    code, tdt = DTYPES[dtype]
+    x = torch.frombuffer(bytearray(block), dtype=tdt).float() if len(block) else torch.empty(0)
+    n = x.numel()
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError("block holds non-finite values")
+    pad = (-n) % GROUP
+    g = torch.nn.functional.pad(x, (0, pad)).view(-1, GROUP)
+    scale = g.abs().amax(dim=1) / 127.0
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(g / safe[:, None]).clamp_(-127, 127).to(torch.int8).view(-1)[:n]
+    return _HEAD.pack(MAGIC, 1, code, n, GROUP) + scale.numpy().tobytes() + q.numpy().tobytes()
+
+
+def dequantize(frame: memoryview | bytes, where: str = "chunk") -> torch.Tensor:
+    """The values a q8 frame decodes to, in their saved dtype."""
+    mv = memoryview(frame).cast("B")
+    try:
+        magic, version, code, n, group = _HEAD.unpack_from(mv, 0)
+    except struct.error:
+        raise CorruptCheckpointError(f"{where}: quantized frame too short") from None
+    if magic != MAGIC or version != 1 or code not in _BY_CODE or group < 1:
+        raise CorruptCheckpointError(f"{where}: not a liferaft q8 frame (magic {magic!r}, v{version})")
+    groups = -(-n // group)
+    need = _HEAD.size + 4 * groups + n
+    if len(mv) != need:
+        raise CorruptCheckpointError(f"{where}: quantized frame has {len(mv)} bytes, expected {need}")
+    scale = torch.frombuffer(bytearray(mv[_HEAD.size:_HEAD.size + 4 * groups]), dtype=torch.float32) \
+        if groups else torch.empty(0)
+    q = torch.frombuffer(bytearray(mv[_HEAD.size + 4 * groups:]), dtype=torch.int8) if n else torch.empty(0)
+    vals = torch.nn.functional.pad(q.float(), (0, groups * group - n)).view(-1, group) * scale[:, None]
+    return vals.view(-1)[:n].to(_BY_CODE[code])
+
+
+def decode(frame: memoryview, out: memoryview, dtype: str, where: str = "chunk") -> None:
+    """Dequantize ``frame`` into ``out`` (the raw bytes of the block in ``dtype``)."""
+    vals = dequantize(frame, where)
+    if vals.dtype != DTYPES[dtype][1] or vals.numel() * vals.element_size() != len(out):
+        raise CorruptCheckpointError(f"{where}: quantized frame holds {vals.numel()} {vals.dtype} values, the block "
+                                     f"has {len(out)} bytes of {dtype}")
+    torch.frombuffer(out, dtype=torch.uint8).copy_(vals.view(torch.uint8))
+
+
+def encode_checked(block: memoryview, dtype: str) -> tuple[bytes, str, float, float, int]:
+    """(frame, xxh3_64 of the values it decodes to, max abs error, sum of abs errors, values): what a writer
+    records for a lossy chunk, whose block hashes describe the decoded values."""
+    from liferaft.codecs.checksum import digest
+
+    frame = encode(block, dtype)
+    vals = dequantize(frame)
+    orig = torch.frombuffer(bytearray(block), dtype=DTYPES[dtype][1]).double()
+    diff = (vals.double() - orig).abs()
+    raw = vals.contiguous().view(torch.uint8).numpy()
+    return frame, digest(memoryview(raw)), float(diff.max()) if diff.numel() else 0.0, float(diff.sum()), diff.numel()
