@@ -26,6 +26,7 @@ from liferaft.planning.load_plan import plan_reads
 from liferaft.planning.share_plan import MIN_SHARED_BYTES, plan_sharing
 from liferaft.reading import PerRank, as_leaf, check_files, decode_entry_value, open_checkpoint
 from liferaft.state.flatten import FlatState, flatten
+from liferaft.staging.stager import staged_size
 from liferaft.storage import Storage, resolve
 from liferaft.storage.refs import with_references
 from liferaft.transfer.reader import ReadStats, execute_reads
@@ -58,7 +59,7 @@ def save(path: PathLike, state: Any, *, process_group: Any = None, options: Save
     outcome, err, pool = None, None, None
     try:
         pin = torch.cuda.is_available() and any(t.is_cuda for t in prep.sources.values())
-        nbytes = sum(w.length for w in prep.writes)
+        nbytes = staged_size(prep.writes, prep.sources, 1 << 20)     # (with the padding of the smallest pieces)
         pool = sync_ring(nbytes, opts.memory_budget, pin)
         outcome = write_streamed(prep.storage, prep.writes, prep.sources, pool, prep.policy)
         prep.storage.sync()   # this rank's new folder entries are durable too, not only its file

@@ -1,5 +1,6 @@
 """Rank functions for the crash tests (imported as ``multiproc._crash_ranks``): a job that trains, saves every
-step through the manager on ``crash://`` storage and may be ``kill -9``-ed at a chosen point."""
+step through the manager on ``crash://`` storage and may be ``kill -9``-ed at a chosen point. Its state holds a
+frozen tensor, so every step after step 0 references step 0's chunks of it (incremental saves)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ def state_at(rank: int, world: int, step: int) -> dict[str, Any]:
     rows = ROWS // world
     g = torch.Generator().manual_seed(1000 + step)
     full = torch.randn(ROWS, COLS, generator=g)
+    frozen = torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(7))    # the same at every step
     return {"w": Sharded(full[rank * rows:(rank + 1) * rows].clone(), (ROWS, COLS), (rank * rows, 0)),
+            "frozen": Sharded(frozen[rank * rows:(rank + 1) * rows].clone(), (ROWS, COLS), (rank * rows, 0)),
             "m": Sharded((full[rank * rows:(rank + 1) * rows] * 2).clone(), (ROWS, COLS), (rank * rows, 0)),
             "rep": torch.full((5,), float(step)), "step": step}
 
@@ -62,4 +65,5 @@ def restore_crashing(rank: int, world: int, root: str, plan: dict, crash_ranks: 
 
 def _equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return (torch.equal(a["w"].local, b["w"].local) and torch.equal(a["m"].local, b["m"].local)
+            and torch.equal(a["frozen"].local, b["frozen"].local)
             and torch.equal(a["rep"], b["rep"]) and a["step"] == b["step"])

@@ -2,7 +2,9 @@
 job then restores the newest committed step, bit for bit, and leftovers are cleaned up.
 
 Job 1 saves steps 0-3 normally (keep_last=2), then crashes at step 4 as the case says; job 2 restores (on 2 or 3
-ranks) and must find step 3 (crash before the commit point) or 4 (after it), exact.
+ranks) and must find step 3 (crash before the commit point) or 4 (after it), exact. Every step references
+step 0's chunks of a frozen tensor, so step 0 is kept (reference-aware retention) and a crash while retention
+deletes another step must leave every committed step loadable.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import os
 
 import pytest
+
+import liferaft
 
 from liferaft.testing import RankFailure, run_ranks
 from multiproc._crash_ranks import job, restore_crashing
@@ -39,7 +43,7 @@ def test_kill_9_then_resume(tmp_path, case):
     plan, ranks, kill_after_call, expected = CASES[case]
     root = str(tmp_path / "run")
     run_ranks(job, 2, root, 3, -1, None, [], timeout=120)                 # steps 0..3, committed
-    assert _steps(root) == [2, 3]
+    assert _steps(root) == [0, 2, 3]                                      # 0: referenced by 2 and 3
     with pytest.raises(RankFailure):
         run_ranks(job, 2, root, 5, 4, plan, ranks, kill_after_call, timeout=120)
     # a fresh job on another number of ranks resumes from the newest committed step, exactly
@@ -48,7 +52,11 @@ def test_kill_9_then_resume(tmp_path, case):
     assert len(starts) == 1 and starts <= expected, out
     assert all(exact for _, exact in out), out
     # leftovers of the crash (an uncommitted step, a half-deleted one) are gone after the restart
-    assert _steps(root)[-1] == starts.pop() and len(_steps(root)) <= 3
+    assert _steps(root)[-1] == starts.pop() and len(_steps(root)) <= 4 and _steps(root)[0] == 0
+    for step in _steps(root):           # every committed step verifies, the chunks it references included
+        path = os.path.join(root, f"step-{step:010d}")
+        if os.path.exists(os.path.join(path, "COMMIT")):
+            liferaft.verify(path)
 
 
 def test_kill_9_during_restore_then_resume(tmp_path):

@@ -239,6 +239,7 @@ def test_storage_errors_fail_the_save_cleanly_and_training_goes_on(tmp_path, cod
             mgr.maybe_save(0, state)
             mgr.wait()                                  # step 0 committed before the storage "breaks"
             FailingStorage.active = True
+            train_step(state, 1)                        # (unchanged chunks would be referenced, not written)
             with pytest.raises(liferaft.StorageError, match=os.strerror(code)):
                 mgr.maybe_save(1, state)            # sync: fails here
                 mgr.maybe_save(2, state)            # async: step 1 failed in the background, raised here
@@ -261,6 +262,7 @@ def test_truncated_data_file_is_skipped_on_restore(tmp_path):
     state = make_state()
     with CheckpointManager(root, every_steps=1, async_save=False) as mgr:
         mgr.maybe_save(0, state)
+        train_step(state, 0)
         mgr.maybe_save(1, state)
     data = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(root, "step-0000000001")) for f in fs
             if f.endswith(".bin")]

@@ -25,10 +25,11 @@ from liferaft.errors import (CheckpointNotFoundError, CorruptCheckpointError, Di
                              OptionsError)
 from liferaft.format.manifest import COMMIT_MARKER
 from liferaft.manager.lease import LEASE, Lease
-from liferaft.manager.policies import RetentionPolicy, SavePolicy
+from liferaft.manager.policies import RetentionPolicy, SavePolicy, referenced_closure
 from liferaft.options import LoadOptions, SaveOptions
 from liferaft.reading import check_files, open_checkpoint
 from liferaft.storage import Storage, resolve
+from liferaft.storage.refs import with_references
 
 STEP_PREFIX = "step-"
 _DAMAGE = ("CorruptCheckpointError", "IncompleteCheckpointError")     # load errors that make restore fall back
@@ -60,6 +61,8 @@ class StepInfo:
     world_size: int | None = None
     metrics: Mapping[str, float] = field(default_factory=dict)
     pinned: bool = False
+    depends_on: tuple[int, ...] = ()       # steps holding chunks this one references (incremental saves)
+    since_full: int | None = None          # saves since the last full (self-contained) one; 0: this is one
 
 
 class CheckpointManager:
@@ -74,6 +77,11 @@ class CheckpointManager:
     kept. Deletion runs in a background thread after a save commits and never touches the newest committed step
     or an unfinished one. ``async_save=True`` returns from ``maybe_save`` once the snapshot is taken.
 
+    Incremental saves (``incremental=True``, the default): each save references the chunks that did not change
+    since the previous committed step instead of writing them again; every ``full_every``-th save is a full,
+    self-contained one, so that references never reach further back than the last full save. Retention never
+    deletes a step that a kept step references (it goes once nothing kept refers to it).
+
     ``job_id`` identifies the job across restarts (default: torchrun's TORCHELASTIC_RUN_ID or SLURM_JOB_ID, else
     a random id); a root used by another live job is refused (CheckpointBusyError, see ``manager.lease``). On
     construction rank 0 takes the lease and removes leftovers of interrupted saves.
@@ -86,7 +94,12 @@ class CheckpointManager:
                  process_group: Any = None, save_options: SaveOptions | None = None,
                  load_options: LoadOptions | None = None, preemption_signals: Iterable[int] | None = None,
                  preemption_deadline: float = 120.0,
-                 job_id: str | None = None, lease_ttl: float = 30.0) -> None:
+                 job_id: str | None = None, lease_ttl: float = 30.0, incremental: bool = True,
+                 full_every: int = 10) -> None:
+        if full_every < 1:
+            raise OptionsError(f"full_every must be at least 1, got {full_every}")
+        self.incremental, self.full_every = incremental, full_every
+        self._base: tuple[int, int] | None = None       # (newest committed step, its saves since a full one)
         self.save_policy = SavePolicy(every_steps=every_steps, every_seconds=every_seconds,
                                       at_steps=frozenset(at_steps), last_step=last_step)
         self.retention = RetentionPolicy(keep_last=keep_last, keep_every=keep_every, keep_best=keep_best,
@@ -103,7 +116,7 @@ class CheckpointManager:
         self.preempted = False
         self.preemption_deadline = preemption_deadline
         self._signalled = threading.Event()
-        self._inflight: tuple[int, AsyncSaveHandle, Mapping[str, float]] | None = None
+        self._inflight: tuple[int, AsyncSaveHandle, Mapping[str, float], int] | None = None
         self._last_step: int | None = None
         self._last_time = time.monotonic()
         self._metrics: dict[int, Mapping[str, float]] = {}
@@ -151,7 +164,7 @@ class CheckpointManager:
         pins = self._pins()
         out = []
         for step in sorted(names):
-            st = self._step_storage(step)
+            st = with_references(self._step_storage(step))
             path, pinned = st.url, step in pins
             if f"{step_name(step)}/{COMMIT_MARKER}" not in names[step]:
                 out.append(StepInfo(step, path, "incomplete", "no commit marker", pinned=pinned))
@@ -167,8 +180,11 @@ class CheckpointManager:
                 out.append(StepInfo(step, path, "corrupt", str(e), pinned=pinned))
                 continue
             metrics = m.extra.get("metrics") if isinstance(m.extra.get("metrics"), dict) else {}
-            out.append(StepInfo(step, path, "committed", nbytes=sum(m.files.values()), created_unix=m.created_unix,
-                                world_size=m.world_size, metrics=dict(metrics), pinned=pinned))
+            since = m.extra.get("since_full")
+            out.append(StepInfo(step, path, "committed", nbytes=sum(v for k, v in m.files.items() if k[:3] != "../"),
+                                created_unix=m.created_unix, world_size=m.world_size, metrics=dict(metrics),
+                                pinned=pinned, depends_on=_references(m.files),
+                                since_full=since if type(since) is int else None))
         return out
 
     def steps(self, verify: bool = False) -> list[StepInfo]:
@@ -178,8 +194,13 @@ class CheckpointManager:
 
     def _cleanup_leftovers(self) -> None:
         """Rank 0, holding the lease: remove steps of saves that never committed (no job writes them now)."""
-        for info in self._list():
-            if info.status == "incomplete":
+        listing = self._list()
+        needed = {d for i in listing if i.status == "committed" for d in i.depends_on}
+        for info in listing:
+            if info.status == "incomplete" and info.step in needed:
+                warnings.warn(f"liferaft: step {info.step} has no commit marker but committed steps reference its "
+                              "chunks; keeping its files", stacklevel=2)
+            elif info.status == "incomplete":
                 self._delete_step(info.step)
 
     def _delete_step(self, step: int) -> None:
@@ -235,6 +256,7 @@ class CheckpointManager:
             if err is None and not any(kinds):
                 self._last_step = info.step
                 self._last_time = time.monotonic()
+                self._base = (info.step, info.since_full if info.since_full is not None else self.full_every)
                 return info.step
             damaged = any(k in _DAMAGE for k in kinds) and all(k is None or k in _DAMAGE or k == "DistributedError"
                                                                for k in kinds)
@@ -293,20 +315,24 @@ class CheckpointManager:
             except BaseException as e:  # noqa: BLE001
                 err = e
         self.coord.exchange(None, err, "save (lease)")
+        base = self._base if self.incremental and self._base is not None and self._base[0] != step else None
+        since = base[1] + 1 if base is not None and base[1] + 1 < self.full_every else 0
         meta = {**dict(self.save_options.metadata), "step": step, "reason": reason,
-                "metrics": {k: float(v) for k, v in (metrics or {}).items()}, "job_id": self.job_id}
-        opts = replace(self.save_options, metadata=meta, overwrite=True)
+                "metrics": {k: float(v) for k, v in (metrics or {}).items()}, "job_id": self.job_id,
+                "since_full": since}
+        opts = replace(self.save_options, metadata=meta, overwrite=True,
+                       incremental_base=step_name(base[0]) if base is not None and since else None)
         if timeout is not None:                     # a preemption save: no rank waits past the deadline
             opts = replace(opts, timeout=min(opts.timeout, timeout))
         target = self._step_storage(step)
         self._last_step, self._last_time = step, time.monotonic()
         if wait:
             save(target, state, process_group=self.process_group, options=opts)
-            self._committed(step, metrics)
+            self._committed(step, metrics, since)
             return
         handle = async_save(target, state, process_group=self.process_group, options=opts)
         assert handle is not None
-        self._inflight = (step, handle, dict(metrics or {}))
+        self._inflight = (step, handle, dict(metrics or {}), since)
 
     def _settle(self) -> None:
         """If the save in flight has finished, account for it (raises its error)."""
@@ -317,12 +343,13 @@ class CheckpointManager:
         """Wait for the save in flight (raises what it raised, on every rank)."""
         if self._inflight is None:
             return
-        step, handle, metrics = self._inflight
+        step, handle, metrics, since = self._inflight
         self._inflight = None
         handle.wait()
-        self._committed(step, metrics)
+        self._committed(step, metrics, since)
 
-    def _committed(self, step: int, metrics: Mapping[str, float] | None) -> None:
+    def _committed(self, step: int, metrics: Mapping[str, float] | None, since_full: int) -> None:
+        self._base = (step, since_full)
         if metrics:
             self._metrics[step] = dict(metrics)
         if self._deleter is not None and self.retention.deletes_anything:
@@ -334,10 +361,13 @@ class CheckpointManager:
             listing = self._list()
             committed = [i.step for i in listing if i.status == "committed"]
             metrics = {i.step: i.metrics for i in listing if i.metrics}
-            keep = self.retention.keep(committed, {**metrics, **self._metrics}, self._pins())
+            keep = set(self.retention.keep(committed, {**metrics, **self._metrics}, self._pins()))
             inflight = self._inflight[0] if self._inflight is not None else None
+            keep |= {inflight} if inflight is not None else set()
+            keep |= set(self._reading)
+            keep = referenced_closure(keep, {i.step: i.depends_on for i in listing})
             for s in committed:
-                if s not in keep and s != inflight and s not in self._reading:
+                if s not in keep:
                     self._delete_step(s)
         except Exception as e:  # noqa: BLE001 - retention must not stop training; it runs again after the next save
             warnings.warn(f"liferaft: removing old checkpoints under {self.storage.url} failed: {e}", stacklevel=2)
@@ -379,6 +409,17 @@ class CheckpointManager:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _references(files: Mapping[str, int]) -> tuple[int, ...]:
+    """The steps whose files a manifest's ``files`` table references (``../step-<n>/...``)."""
+    out = set()
+    for name in files:
+        if name.startswith("../"):
+            step = _parse_step(name[3:])
+            if step is not None:
+                out.add(step)
+    return tuple(sorted(out))
 
 
 __all__ = ["CheckpointManager", "StepInfo", "LEASE", "PINS", "step_name"]

@@ -8,7 +8,7 @@ directly.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from liferaft.errors import OptionsError
 
@@ -98,3 +98,14 @@ class RetentionPolicy:
             scored.sort(key=lambda x: (x[0] if self.mode == "min" else -x[0], -x[1]))
             kept.update(s for _, s in scored[:self.keep_best])
         return kept
+
+
+def referenced_closure(keep: Iterable[int], depends_on: Mapping[int, Iterable[int]]) -> set[int]:
+    """``keep`` and every step a kept step references, transitively (pure)."""
+    out, todo = set(keep), list(keep)
+    while todo:
+        for d in depends_on.get(todo.pop(), ()):
+            if d not in out:
+                out.add(d)
+                todo.append(d)
+    return out

@@ -8,7 +8,8 @@ Per chunk, in plan order, the writer
   threads, or writes the raw pieces straight from the pool (O_DIRECT for page-aligned pieces).
 Chunks are laid out one after the other in the order written, so the file holds only what was written.
 Deciding reuse or encoding needs the whole chunk: a chunk is held in the pool until complete, unless the pool
-is too small for it (then it is written raw as it streams, as every chunk is when nothing is to be decided).
+is too small for it, or the stager waits for room that only this chunk's release would make: then it is written
+raw as it streams (as every chunk is when nothing is to be decided).
 """
 
 from __future__ import annotations
@@ -152,7 +153,7 @@ def write_staged(storage: Storage, items: Sequence[WriteItem], pieces: "queue.Qu
     try:
         for idx, w in enumerate(items):
             hasher = BlockHasher(choose_block_size(w.length, policy.block_size))
-            decide = policy.decides(w) and w.length <= pool.capacity // 2
+            decide = policy.decides(w) and w.length <= pool.capacity     # (else it could never be held whole)
             got = 0
             base = f.start(w.length, w.length >= PAGE_ALIGN_MIN) if not decide else 0
             while got < w.length:
