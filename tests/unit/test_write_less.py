@@ -244,3 +244,13 @@ def test_quantized_moments_bounded_error_reported_and_refused_for_exact_resume(t
     liferaft.load(str(tmp_path / "q"), only_exact, strict=False, options=LoadOptions(exact=True))  # w is exact
     assert torch.equal(only_exact["w"], state["w"])
     assert liferaft.verify(str(tmp_path / "q")).chunks == 5
+
+
+def test_an_ordered_dict_state_dict_is_walked_like_a_dict(tmp_path):
+    from collections import OrderedDict
+
+    sd = OrderedDict(w=torch.randn(4, 4), b=torch.zeros(4))
+    liferaft.save(str(tmp_path / "o"), {"model": sd, "step": 3})
+    got = {"model": OrderedDict(w=torch.zeros(4, 4), b=torch.ones(4)), "step": 0}
+    liferaft.load(str(tmp_path / "o"), got)
+    assert torch.equal(got["model"]["w"], sd["w"]) and got["step"] == 3 and isinstance(got["model"], OrderedDict)

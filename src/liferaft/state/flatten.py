@@ -6,7 +6,8 @@ This is the only layer that knows DTensor, ``Sharded``, modules and optimizers. 
   holds all of it); numpy arrays and bytes over ``INLINE_LIMIT`` bytes are stored like replicated tensors;
 - objects with ``state_dict()``/``load_state_dict()`` are replaced by their adapter's state dict, which is
   walked like a dict (container kind ``"stateful"``);
-- dicts / lists / tuples that hold any of the above are walked (keys must be str or int); any other value,
+- dicts (and dict subclasses such as the OrderedDict of ``state_dict()``) / lists / tuples that hold any of the
+  above are walked (keys must be str or int); any other value,
   including a container of plain values, is one value leaf encoded by ``liferaft.state.values``.
 
 Keys are the path parts joined by ``"."`` (``model.layers.0.weight``); two paths giving the same key are an error.
@@ -161,7 +162,7 @@ class _Walker:
     def needs_walk(self, v: Any) -> bool:
         if isinstance(v, (torch.Tensor, Sharded)) or is_stateful(v) or _is_leaf_array(v) or _is_leaf_bytes(v):
             return True
-        if type(v) in (dict,):
+        if isinstance(v, dict):
             return any(self.needs_walk(x) for x in v.values())
         if type(v) in (list, tuple):
             return any(self.needs_walk(x) for x in v)
@@ -193,8 +194,8 @@ class _Walker:
                                         f"{type(sd).__qualname__}, expected a dict")
             self.flat.statefuls.append((path, adapter, sd))
             self._container(path, "stateful", sd)
-        elif type(v) in (dict, list, tuple) and (not path or self.needs_walk(v)):
-            self._container(path, {dict: "dict", list: "list", tuple: "tuple"}[type(v)], v)
+        elif (isinstance(v, dict) or type(v) in (list, tuple)) and (not path or self.needs_walk(v)):
+            self._container(path, "dict" if isinstance(v, dict) else {list: "list", tuple: "tuple"}[type(v)], v)
         else:
             self._value(path, v)
 
@@ -233,7 +234,7 @@ def _collect_statefuls(v: Any, out: list[Any], seen: set[int]) -> None:
     if is_stateful(v) and not isinstance(v, torch.Tensor):
         seen.add(id(v))
         out.append(v)
-    elif type(v) is dict:
+    elif isinstance(v, dict):
         for x in v.values():
             _collect_statefuls(x, out, seen)
     elif type(v) in (list, tuple):
@@ -243,7 +244,7 @@ def _collect_statefuls(v: Any, out: list[Any], seen: set[int]) -> None:
 
 def flatten(state: Any) -> FlatState:
     """Flatten ``state`` (see module doc). Calls ``state_dict()`` on stateful objects once."""
-    if type(state) not in (dict, list, tuple) and not is_stateful(state):
+    if not isinstance(state, dict) and type(state) not in (list, tuple) and not is_stateful(state):
         raise InvalidStateError(f"state must be a dict, list, tuple or an object with state_dict(); got "
                                 f"{type(state).__qualname__}")
     w = _Walker()
