@@ -8,6 +8,7 @@ method, each to its own folder:
 - liferaft full: a self-contained checkpoint, no compression (what ``compression="auto"`` does on this disk);
 - liferaft incremental: ``incremental_base`` = the method's previous checkpoint (what CheckpointManager does);
 - liferaft incr + zstd: the same with ``compression="on"``;
+- liferaft incr + zstd + xor: also ``delta=("*",)``: changed chunks stored as the XOR with the base's bytes;
 - liferaft incr + q8 moments: also ``quantize`` Adam's exp_avg / exp_avg_sq (lossy, opt-in; max error printed);
 - DCP: ``dcp.save`` with FileSystemWriter; DCP + zstd: with its ZStandard stream extension.
 
@@ -34,8 +35,8 @@ from _common import ROOT, append_jsonl, dir_bytes, drop_cache, machine  # sets u
 import _models as M  # noqa: E402
 import torch  # noqa: E402
 
-METHODS = ("liferaft full", "liferaft incremental", "liferaft incr + zstd", "liferaft incr + q8 moments", "DCP",
-           "DCP + zstd")
+METHODS = ("liferaft full", "liferaft incremental", "liferaft incr + zstd", "liferaft incr + zstd + xor",
+           "liferaft incr + q8 moments", "DCP", "DCP + zstd")
 
 
 def _tensors(tree: Any, prefix: str = "") -> dict[str, torch.Tensor]:
@@ -72,7 +73,8 @@ def save(method: str, path: str, prev: str | None, st: dict[str, Any]) -> float:
     else:
         base = None if method == "liferaft full" or prev is None else os.path.basename(prev)
         opts = SaveOptions(compression="on" if "zstd" in method or "q8" in method else "off", incremental_base=base,
-                           quantize=("optim.state.*.exp_avg*",) if "q8" in method else ())
+                           quantize=("optim.state.*.exp_avg*",) if "q8" in method else (),
+                           delta=("*",) if "xor" in method else ())
         liferaft.save(path, st, options=opts)
     return time.perf_counter() - t0
 

@@ -13,14 +13,14 @@ import time
 import uuid
 import warnings
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
 from liferaft.codecs.checksum import digest
 from liferaft.dist import Coordinator
 from liferaft.errors import CheckpointExistsError, LiferaftError, StorageError
-from liferaft.format.manifest import COMMIT_MARKER, CommitMarker, Manifest, decode_commit_marker
+from liferaft.format.manifest import COMMIT_MARKER, ChunkRecord, CommitMarker, Manifest, decode_commit_marker
 from liferaft.options import SaveOptions, SaveResult
 from liferaft.planning.geometry import Box
 from liferaft.planning.save_plan import (RankMeta, SavePlan, TensorMeta, ValueMeta, WriteItem, build_manifest,
@@ -28,6 +28,7 @@ from liferaft.planning.save_plan import (RankMeta, SavePlan, TensorMeta, ValueMe
 from liferaft.state.flatten import FlatState, flatten
 from liferaft.state.values import digest_encoded, encode_value
 from liferaft.storage import Storage
+from liferaft.storage.refs import with_references
 from liferaft.transfer.writer import ChunkPolicy, WriteOutcome
 
 
@@ -216,24 +217,47 @@ def chunk_policy(plan: SavePlan, storage: Storage, opts: SaveOptions, base: tupl
     dtypes = {t.key: t.dtype for t in plan.tensors}
     lossy = {t.key: "q8-block" for t in plan.tensors if t.dtype in QUANTIZABLE and t.kind == "tensor"
              and any(fnmatchcase(t.key, p) for p in opts.quantize)}
-    reuse = {}
+    reuse, delta = {}, {}
     if base is not None:
         name, manifest = base
         for t in manifest.tensors:
             if dtypes.get(t.key) != t.dtype:
                 continue
+            xor = t.kind == "tensor" and any(fnmatchcase(t.key, p) for p in opts.delta)
             for c in t.chunks:
-                ref = c.file if c.is_reference else f"../{name}/{c.file}"
-                reuse[(t.key, c.offsets, c.sizes)] = (replace(c, file=ref), manifest.files[c.file])
+                box = (t.key, c.offsets, c.sizes)
+                reuse[box] = _rebased(c, name, manifest.files)
+                if xor and t.lossy is None:
+                    delta[box] = _rebased(c.delta or c, name, manifest.files)
     if opts.compression == "auto":
         mine = [sources[(w.key, (w.offsets, w.sizes))] for w in plan.writes[rank]]
         compress = advisor.should_compress(storage.remote, mine)
     else:
         compress = opts.compression == "on"
+    selective = {t.key: opts.selective for t in plan.tensors if opts.selective is not None and base is not None
+                 and t.dtype in QUANTIZABLE and t.kind == "tensor" and t.key not in lossy
+                 and any(fnmatchcase(t.key, p) for p in opts.selective_keys)}
     policy = ChunkPolicy(dtypes=dtypes, itemsizes={k: DTYPE_ITEMSIZE[d] for k, d in dtypes.items()},
                          block_size=opts.block_size, alignment=opts.alignment, compress=compress, lossy=lossy,
-                         reuse=reuse)
-    return policy, {k: {"method": c, "group": 256} for k, c in lossy.items()}
+                         reuse=reuse, delta=delta, reader=with_references(storage) if delta or selective else None,
+                         selective=selective)
+    described: dict[str, dict[str, Any]] = {k: {"method": c, "group": 256} for k, c in lossy.items()}
+    described.update({k: {"method": "selective", "threshold": v} for k, v in selective.items()})
+    return policy, described
+
+
+def _rebased(rec: ChunkRecord, base: str, files: Mapping[str, int]) -> tuple[ChunkRecord, dict[str, int]]:
+    """``rec`` of checkpoint ``base`` with its file names made relative to a sibling of ``base``, and the sizes
+    of the files it needs."""
+    def name(f: str) -> str:
+        return f if f.startswith("../") else f"../{base}/{f}"
+
+    sizes = {name(rec.file): files[rec.file]}
+    delta = None
+    if rec.delta is not None:
+        delta = replace(rec.delta, file=name(rec.delta.file))
+        sizes[delta.file] = files[rec.delta.file]
+    return replace(rec, file=name(rec.file), delta=delta), sizes
 
 
 QUANTIZABLE = ("float32", "bfloat16", "float16", "float64")

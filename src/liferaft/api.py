@@ -160,7 +160,8 @@ def _describe_lossy(how: Any) -> str:
         return (f"8-bit block quantization, max abs error {how.get('max_abs_error', float('nan')):.3g}, mean "
                 f"{how.get('mean_abs_error', float('nan')):.3g}")
     if how.get("method") == "selective":
-        return f"not saved at this step: values of {how.get('from')} (relative change {how.get('change', 0):.3g})"
+        return (f"{how.get('chunks')} of {how.get('of_chunks')} chunk(s) not saved at this step but taken from "
+                f"{', '.join(how.get('from') or [])} (relative change up to {how.get('max_change', 0):.3g})")
     return str(how)
 
 

@@ -47,6 +47,17 @@ class SaveOptions:
         with a float32 scale per 256 (codec ``q8-block``; floating-point tensors with finite values only). Never
         the default; the manifest records the codec and the max/mean absolute error, loads warn, and
         ``LoadOptions(exact=True)`` refuses such a checkpoint.
+    delta: glob patterns of tensor keys (e.g. ``"optim.state.*"``) stored, in an incremental save, as the XOR of
+        their bytes with the base's bytes of the same chunk, then compressed (lossless: slowly changing values
+        share sign, exponent and high mantissa bits, so the XOR is mostly zeros). Costs a read of the base's
+        chunk at save time and at load time; deltas are always taken against a chunk stored whole (the base's
+        own, or the one the base's delta refers to), so a load reads at most two chunks per box.
+    selective: lossy, opt-in (LLMTailor-style selective checkpoints), for incremental saves: a floating-point chunk
+        of a key matching ``selective_keys`` whose relative change ‖x − x_base‖ / ‖x_base‖ against the values the
+        base stores for it is below this threshold is not written; the base's chunk is referenced, so a load
+        composes the state from several steps. The tensor's manifest entry says how many chunks came from which
+        checkpoint and the largest change left out; ``LoadOptions(exact=True)`` refuses such a checkpoint. Costs
+        a read of the base's chunks at save time.
     """
 
     overwrite: bool = False
@@ -62,6 +73,9 @@ class SaveOptions:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     incremental_base: str | None = None
     quantize: tuple[str, ...] = ()
+    delta: tuple[str, ...] = ()
+    selective: float | None = None
+    selective_keys: tuple[str, ...] = ("*",)
 
     def __post_init__(self) -> None:
         if self.compression not in ("auto", "on", "off"):
@@ -72,8 +86,11 @@ class SaveOptions:
                                                   or self.incremental_base in (".", "..")):
             raise OptionsError(f"SaveOptions.incremental_base must be the name of a checkpoint in the same folder "
                                f"(no '/'), got {self.incremental_base!r}")
-        if isinstance(self.quantize, str):
-            object.__setattr__(self, "quantize", (self.quantize,))
+        if self.selective is not None and not self.selective > 0:
+            raise OptionsError(f"SaveOptions.selective must be a positive relative change, got {self.selective}")
+        for name in ("quantize", "delta", "selective_keys"):
+            if isinstance(getattr(self, name), str):
+                object.__setattr__(self, name, (getattr(self, name),))
         if self.staging not in ("blocking", "overlapped"):
             raise OptionsError(f"SaveOptions.staging must be 'blocking' or 'overlapped', got {self.staging!r}")
         if self.if_busy not in ("wait", "skip", "raise"):

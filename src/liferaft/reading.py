@@ -9,8 +9,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-from liferaft.codecs.checksum import digest, verify_blocks
-from liferaft.codecs.frames import decode_frames
+from liferaft.codecs.checksum import digest
 from liferaft.errors import (CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError,
                              LiferaftError, StateMismatchError)
 from liferaft.format.manifest import (COMMIT_MARKER, Manifest, PathPart, TensorEntry, ValueEntry,
@@ -21,6 +20,7 @@ from liferaft.planning.load_plan import plan_reads
 from liferaft.state.values import decode_value
 from liferaft.storage import Storage, resolve
 from liferaft.storage.refs import with_references
+from liferaft.transfer.chunks import read_blocks
 from liferaft.transfer.reader import execute_reads
 from liferaft.transfer.tensors import torch_dtype
 
@@ -245,31 +245,14 @@ def verify(path: str | os.PathLike[str], *, max_read_bytes: int = 32 << 20) -> V
         for c in t.chunks:
             chunks += 1
             per_read = max(1, max_read_bytes // c.block_size)
-            nblocks = len(c.hashes)
-            where = f"file {c.file!r} (key {t.key!r}, chunk at {list(c.offsets)})"
-            for first in range(0, nblocks, per_read):
-                end = min(nblocks, first + per_read)
-                offset, length = c.frame_span(first, end)
-                buf = bytearray(length)
+            for first in range(0, len(c.hashes), per_read):
+                end = min(len(c.hashes), first + per_read)
                 try:
-                    n = storage.read_into(c.file, offset, memoryview(buf))
-                except FileNotFoundError:
-                    break  # already reported
-                if n != length:
-                    faults.append(f"{where}: truncated")
-                    break
-                raw: memoryview = memoryview(buf)
-                try:
-                    if c.codec is not None:
-                        assert c.frames is not None
-                        out = bytearray(min(end * c.block_size, c.length) - first * c.block_size)
-                        decode_frames(raw, c.frames[first:end], c.codec, memoryview(out), c.block_size, t.dtype,
-                                      f"{where} block {first}..")
-                        raw = memoryview(out)
-                    verify_blocks(raw, c.hashes[first:end], c.block_size, where)
+                    checked += len(read_blocks(storage, c, first, end, t.dtype, t.key))
                 except LiferaftError as e:
-                    faults.append(str(e))
-                checked += n
+                    if "is missing" not in str(e):          # (missing files are reported above)
+                        faults.append(str(e))
+                    break
     if faults:
         shown = "\n  ".join(faults[:20])
         more = f"\n  ... and {len(faults) - 20} more" if len(faults) > 20 else ""

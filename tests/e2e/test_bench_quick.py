@@ -17,3 +17,13 @@ def test_bench_async_quick_runs_and_verifies(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "liferaft async_save, blocking staging" in out.stdout
     assert out.stderr.count("(verified)") == 4          # one line per method and rep, printed after verification
+
+
+def test_bench_write_less_quick_runs_and_verifies(tmp_path):
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_write_less.py"), "--quick"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "BENCH_TMP": str(tmp_path)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    for regime in ("full", "frozen90", "lora"):          # each table is printed after every load was checked
+        assert f"| {regime}: method |" in out.stdout
+    assert out.stdout.count("| liferaft incremental |") == 3

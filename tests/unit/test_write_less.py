@@ -254,3 +254,80 @@ def test_an_ordered_dict_state_dict_is_walked_like_a_dict(tmp_path):
     got = {"model": OrderedDict(w=torch.zeros(4, 4), b=torch.ones(4)), "step": 0}
     liferaft.load(str(tmp_path / "o"), got)
     assert torch.equal(got["model"]["w"], sd["w"]) and got["step"] == 3 and isinstance(got["model"], OrderedDict)
+
+
+# ---------------------------------------------------------------------------------------------- xor delta
+
+def test_xor_delta_of_slowly_changing_states_round_trips_and_is_smaller(tmp_path):
+    w = weights_like((2048, 1024), torch.float32)
+    m = torch.rand(2048, 1024) * 1e-4
+    state = {"w": w, "optim": {"m": m}}
+    opts = dict(compression="on", delta=("optim.*", "w"))
+    liferaft.save(str(tmp_path / "a"), state, options=SaveOptions(**opts))
+    paths = ["a"]
+    for i in range(1, 4):                                   # small updates, as between checkpoints
+        w.add_(torch.randn_like(w) * 1e-5)
+        m.mul_(0.999).add_(torch.rand_like(m) * 1e-7)
+        paths.append(f"s{i}")
+        r = liferaft.save(str(tmp_path / paths[-1]), state,
+                          options=SaveOptions(**opts, incremental_base=paths[-2]))
+        plain = liferaft.save(str(tmp_path / f"p{i}"), state, options=SaveOptions(compression="on"))
+        assert r.bytes_written < plain.bytes_written
+        c = chunks(str(tmp_path / paths[-1]), "w")[0]
+        assert c["delta"]["file"].startswith("../a/") and "delta" not in c["delta"]     # always against a whole one
+        got = {"w": torch.zeros_like(w), "optim": {"m": torch.zeros_like(m)}}
+        liferaft.load(str(tmp_path / paths[-1]), got)
+        assert torch.equal(got["w"], w) and torch.equal(got["optim"]["m"], m)
+        part = liferaft.Sharded(torch.zeros(100, 1024), (2048, 1024), (1500, 0))
+        liferaft.load(str(tmp_path / paths[-1]), {"w": part}, strict=False)
+        assert torch.equal(part.local, w[1500:1600])
+        liferaft.verify(str(tmp_path / paths[-1]))
+
+
+def test_a_damaged_delta_base_is_detected(tmp_path):
+    w = weights_like((512, 512), torch.float32)
+    liferaft.save(str(tmp_path / "a"), {"w": w}, options=SaveOptions(compression="off"))
+    w.add_(1e-4)
+    liferaft.save(str(tmp_path / "b"), {"w": w}, options=SaveOptions(delta=("w",), incremental_base="a"))
+    (c,) = chunks(str(tmp_path / "a"), "w")
+    with open(tmp_path / "a" / c["file"], "r+b") as f:
+        f.seek(c["byte_offset"] + 1000)
+        f.write(b"\xff\xff")
+    with pytest.raises(CorruptCheckpointError, match=r"\.\./a/data"):
+        liferaft.load(str(tmp_path / "b"), {"w": torch.zeros(512, 512)})
+    with pytest.raises(CorruptCheckpointError):
+        liferaft.verify(str(tmp_path / "b"))
+
+
+# ---------------------------------------------------------------------------------------------- selective
+
+def test_selective_save_skips_chunks_that_barely_changed_and_composes_the_state(tmp_path):
+    layers = {f"layer{i}": weights_like((1024, 1024), torch.float32, seed=i) for i in range(4)}   # 4 MiB each
+    state = {"model": layers, "step": 0}
+    liferaft.save(str(tmp_path / "a"), state)
+    layers["layer0"].add_(torch.randn(1024, 1024) * 1e-2)        # relative change ~0.5: saved
+    layers["layer1"].add_(torch.randn(1024, 1024) * 1e-6)        # ~5e-5: below the threshold, not saved
+    state["step"] = 1
+    opts = SaveOptions(incremental_base="a", selective=1e-3, selective_keys=("model.*",))
+    r = liferaft.save(str(tmp_path / "b"), state, options=opts)
+    assert r.bytes_written == 4 << 20 and r.bytes_reused == 12 << 20
+    m = {t["key"]: t for t in manifest(str(tmp_path / "b"))["tensors"]}
+    assert "lossy" not in m["model.layer0"] and "lossy" not in m["model.layer2"]      # changed / identical
+    stale = m["model.layer1"]["lossy"]
+    assert stale["method"] == "selective" and stale["from"] == ["a"] and 0 < stale["max_change"] < 1e-3
+    got = {"model": {k: torch.zeros_like(v) for k, v in layers.items()}, "step": -1}
+    with pytest.warns(UserWarning, match="taken from a"):
+        res = liferaft.load(str(tmp_path / "b"), got)
+    assert set(res.lossy) == {"model.layer1"} and got["step"] == 1
+    assert torch.equal(got["model"]["layer0"], layers["layer0"])
+    old = liferaft.read(str(tmp_path / "a"))["model"]["layer1"]
+    assert torch.equal(got["model"]["layer1"], old)                 # the composed state: layer1 from step a
+    rel = float((old.double() - layers["layer1"].double()).norm() / old.double().norm())
+    assert rel == pytest.approx(stale["max_change"], rel=1e-6)
+    with pytest.raises(LossyCheckpointError, match="taken from a"):
+        liferaft.load(str(tmp_path / "b"), got, options=LoadOptions(exact=True))
+    # the next save measures the change against what is stored (step a's values), so drift stays bounded
+    layers["layer1"].add_(torch.randn(1024, 1024) * 1e-4)          # now ~5e-3 away from a's values: saved
+    r = liferaft.save(str(tmp_path / "c"), state, options=SaveOptions(incremental_base="b", selective=1e-3))
+    m = {t["key"]: t for t in manifest(str(tmp_path / "c"))["tensors"]}
+    assert "lossy" not in m["model.layer1"] and r.bytes_written == 4 << 20

@@ -85,6 +85,9 @@ class ChunkRecord:
     #: bytes long, back to back from ``byte_offset``; ``hashes`` stay those of the decoded (raw) blocks.
     codec: str | None = None
     frames: tuple[int, ...] | None = None
+    #: When set, the decoded bytes are the XOR of this chunk's values with those of ``delta``, the record of the
+    #: same box in an earlier checkpoint (never itself a delta): read both, XOR, then check ``hashes``.
+    delta: "ChunkRecord | None" = None
 
     @property
     def stored_length(self) -> int:
@@ -111,6 +114,8 @@ class ChunkRecord:
         if self.codec is not None:
             out["codec"] = self.codec
             out["frames"] = list(self.frames or ())
+        if self.delta is not None:
+            out["delta"] = self.delta.to_json()
         return out
 
 
@@ -207,7 +212,8 @@ class Manifest:
         """The lowest format version that describes this manifest: 2 when a chunk is encoded or lives in another
         checkpoint, or an entry is lossy; else 1 (readable by liferaft versions that predate them)."""
         for t in self.tensors:
-            if t.lossy is not None or any(c.codec is not None or c.is_reference for c in t.chunks):
+            if t.lossy is not None or any(c.codec is not None or c.is_reference or c.delta is not None
+                                          for c in t.chunks):
                 return 2
         return 1
 
@@ -317,16 +323,25 @@ def decode_commit_marker(data: bytes) -> CommitMarker:
                         manifest_hash=_str(doc.get("manifest_hash"), COMMIT_MARKER), version=version)
 
 
-def _decode_chunk(c: Any, where: str, ndim: int, files: Mapping[str, int], itemsize: int) -> ChunkRecord:
+def _decode_chunk(c: Any, where: str, ndim: int, files: Mapping[str, int], itemsize: int,
+                  nested: bool = False) -> ChunkRecord:
     if not isinstance(c, dict):
         raise _fail(where, "chunk is not an object")
+    delta = None
+    if c.get("delta") is not None:
+        if nested:
+            raise _fail(where, "a delta chunk's base is itself a delta")
+        delta = _decode_chunk(c["delta"], f"{where} (delta base)", ndim, files, itemsize, nested=True)
     rec = ChunkRecord(
         offsets=_ints(c.get("offsets"), where), sizes=_ints(c.get("sizes"), where),
         file=check_chunk_file(_str(c.get("file"), where)), byte_offset=_int(c.get("byte_offset"), where),
         length=_int(c.get("length"), where), block_size=_int(c.get("block_size"), where, 1),
         hashes=_hashes(c.get("hashes"), where),
         codec=None if c.get("codec") is None else _str(c.get("codec"), where),
-        frames=None if c.get("frames") is None else _ints(c.get("frames"), where))
+        frames=None if c.get("frames") is None else _ints(c.get("frames"), where), delta=delta)
+    if delta is not None and (delta.offsets, delta.sizes, delta.block_size) != (rec.offsets, rec.sizes,
+                                                                               rec.block_size):
+        raise _fail(where, "a delta chunk's base must be the same box with the same block size")
     if len(rec.offsets) != ndim or len(rec.sizes) != ndim:
         raise _fail(where, f"chunk has {len(rec.offsets)}-d offsets / {len(rec.sizes)}-d sizes for a {ndim}-d tensor")
     numel = 1

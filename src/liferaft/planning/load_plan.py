@@ -47,6 +47,8 @@ class ReadUnit:
     codec: str | None = None
     frames: tuple[int, ...] | None = None
     raw_length: int = -1
+    first_block: int = 0
+    delta: ChunkRecord | None = None        # XOR the decoded bytes with these blocks of this chunk (see manifest)
 
     @property
     def decoded_length(self) -> int:
@@ -88,7 +90,8 @@ def _units_for_chunk(key: str, chunk: ChunkRecord, itemsize: int, wanted: Sequen
         units.append(ReadUnit(key=key, file=chunk.file, file_offset=file_offset, length=length,
                               block_size=bs, hashes=chunk.hashes[b_lo:b_hi], copies=tuple(copies),
                               codec=chunk.codec, frames=None if chunk.frames is None else chunk.frames[b_lo:b_hi],
-                              raw_length=-1 if chunk.codec is None else end - start))
+                              raw_length=-1 if chunk.codec is None else end - start, first_block=b_lo,
+                              delta=chunk.delta))
         group.clear()
 
     for p in pieces:

@@ -225,33 +225,41 @@ def build_manifest(plan: SavePlan, stored: Sequence[Sequence[Any]], file_sizes: 
                    extra: Mapping[str, Any] | None = None, lossy: Mapping[str, Mapping[str, Any]] | None = None
                    ) -> Manifest:
     """Combine the plan with what each rank's writer did: ``stored[rank][i]`` describes ``plan.writes[rank][i]``
-    (a ``transfer.writer.StoredChunk``: file, byte offset, block size, hashes, codec, frames, reference size,
-    lossy error) and ``file_sizes[rank]`` is the size of that rank's data file (0: it wrote none).
+    (a ``transfer.writer.StoredChunk``: file, byte offset, block size, hashes, codec, frames, delta base, sizes
+    of the other checkpoints' files it needs, lossy error) and ``file_sizes[rank]`` is the size of that rank's data file (0: it wrote none).
     ``lossy``: key → what the caller asked to lose (``{"method": ...}``); the measured errors are added."""
     records: dict[str, list[ChunkRecord]] = {t.key: [] for t in plan.tensors}
     files: dict[str, int] = {}
     errors: dict[str, list[float]] = {}
+    stale: dict[str, dict[str, Any]] = {}
     for rank, items in enumerate(plan.writes):
         if len(stored[rank]) != len(items):
             raise InvalidStateError(f"rank {rank} reported {len(stored[rank])} stored chunks for {len(items)} writes")
         if file_sizes[rank]:
             files[data_file_name(save_id, rank)] = file_sizes[rank]
         for w, sc in zip(items, stored[rank]):
-            if sc.reference_size is not None:
-                files[sc.file] = sc.reference_size
+            files.update(sc.ref_files or {})
             records[w.key].append(ChunkRecord(offsets=w.offsets, sizes=w.sizes, file=sc.file,
                                               byte_offset=sc.byte_offset, length=w.length, block_size=sc.block_size,
-                                              hashes=tuple(sc.hashes), codec=sc.codec, frames=sc.frames))
+                                              hashes=tuple(sc.hashes), codec=sc.codec, frames=sc.frames,
+                                              delta=sc.delta))
             if sc.error is not None:
                 e = errors.setdefault(w.key, [0.0, 0.0, 0])
                 e[0], e[1], e[2] = max(e[0], sc.error[0]), e[1] + sc.error[1], e[2] + sc.error[2]
+            if sc.stale is not None:
+                st = stale.setdefault(w.key, {"method": "selective", "chunks": 0, "max_change": 0.0, "from": []})
+                st["chunks"] += 1
+                st["max_change"] = max(st["max_change"], sc.stale)
+                src = sc.file.split("/")[1] if sc.file.startswith("../") else save_id
+                st["from"] = sorted(set(st["from"]) | {src})
     lossy_out: dict[str, dict[str, Any]] = {}
     for key, how in (lossy or {}).items():
         if key in errors:
             e = errors[key]
             lossy_out[key] = {**how, "max_abs_error": e[0], "mean_abs_error": e[1] / max(e[2], 1)}
-        elif how.get("method") != "q8-block":      # e.g. "selective": described by the caller
-            lossy_out[key] = dict(how)
+    for key, st in stale.items():                   # selective: chunks not saved at this step
+        lossy_out[key] = {**st, "threshold": (lossy or {}).get(key, {}).get("threshold"),
+                          "of_chunks": len(records[key])}
     tensors = tuple(TensorEntry(key=t.key, path=t.path, kind=t.kind, dtype=t.dtype, shape=t.shape,
                                 chunks=tuple(sorted(records[t.key], key=lambda c: c.offsets)),
                                 lossy=lossy_out.get(t.key)) for t in plan.tensors)

@@ -20,6 +20,7 @@ import torch
 
 from liferaft.codecs.checksum import verify_blocks
 from liferaft.codecs.frames import decode_frames
+from liferaft.transfer.chunks import read_blocks, xor_into
 from liferaft.errors import CorruptCheckpointError, DistributedError
 from liferaft.planning.load_plan import ReadUnit
 from liferaft.planning.share_plan import SharedSpan, Span
@@ -167,7 +168,7 @@ def execute_reads(storage: Storage, units: Sequence[tuple[ReadUnit, torch.dtype]
                 if comm_ok[0]:
                     _wait(w, batch)
             if not errors:
-                stats.verify_s += _consume(batch, buf, n, targets, copy)
+                stats.verify_s += _consume(storage, batch, buf, n, targets, copy)
                 stats.used += sum(u.length for u, _ in batch.units)
                 stats.received += batch.length if batch.role == "recv" else 0
         except DistributedError as e:
@@ -191,7 +192,8 @@ def _wait(work: Any, batch: _Batch) -> None:
                                f" failed (a peer died or did not answer): {e}") from None
 
 
-def _consume(batch: _Batch, buf: torch.Tensor, n: int, targets: Sequence[torch.Tensor], copy: bool) -> float:
+def _consume(storage: Storage, batch: _Batch, buf: torch.Tensor, n: int, targets: Sequence[torch.Tensor],
+             copy: bool) -> float:
     """Verify every unit of ``batch`` in ``buf`` and copy it into its targets; return the seconds verifying."""
     verify_s = 0.0
     for unit, dtype in batch.units:
@@ -207,6 +209,12 @@ def _consume(batch: _Batch, buf: torch.Tensor, n: int, targets: Sequence[torch.T
             decode_frames(memoryview(view.numpy()), unit.frames, unit.codec, memoryview(raw.numpy()),
                           unit.block_size, str(dtype).removeprefix("torch."), where)
             view = raw
+        if unit.delta is not None:
+            if unit.codec is None:
+                view = view.clone()
+            end = unit.first_block + len(unit.hashes)
+            xor_into(memoryview(view.numpy()), read_blocks(storage, unit.delta, unit.first_block, end,
+                                                           str(dtype).removeprefix("torch."), unit.key))
         t0 = time.perf_counter()
         verify_blocks(memoryview(view.numpy()), unit.hashes, unit.block_size, where)
         verify_s += time.perf_counter() - t0

@@ -41,8 +41,11 @@ class ChunkPolicy:
 
     compress: try the lossless codec on every chunk (kept per chunk only where a sample block shrinks).
     lossy: tensor key → lossy codec (``"q8-block"``) for keys the caller opted in.
-    reuse: (key, offsets, sizes) → the base checkpoint's record of that box (its ``file`` already relative to the
-        new checkpoint) and that file's size; a chunk with the same block hashes is referenced, not written.
+    reuse: (key, offsets, sizes) → the base checkpoint's record of that box (its files already relative to the
+        new checkpoint) and the sizes of the files it needs; a chunk with the same block hashes is referenced,
+        not written.
+    delta: the same for the boxes to store as an XOR delta against the base's bytes (never a delta record itself);
+        ``reader`` reads those bytes.
     """
 
     dtypes: Mapping[str, str]
@@ -52,11 +55,16 @@ class ChunkPolicy:
     compress: bool = False
     level: int = 1
     lossy: Mapping[str, str] = field(default_factory=dict)
-    reuse: Mapping[ReuseKey, tuple[ChunkRecord, int]] = field(default_factory=dict)
+    reuse: Mapping[ReuseKey, tuple[ChunkRecord, dict[str, int]]] = field(default_factory=dict)
+    delta: Mapping[ReuseKey, tuple[ChunkRecord, dict[str, int]]] = field(default_factory=dict)
+    reader: Storage | None = None
+    selective: Mapping[str, float] = field(default_factory=dict)     # key -> relative change threshold
 
     def decides(self, item: WriteItem) -> bool:
         """Whether ``item`` needs its whole bytes before it can be written."""
-        return self.compress or item.key in self.lossy or (item.key, item.offsets, item.sizes) in self.reuse
+        box = (item.key, item.offsets, item.sizes)
+        return self.compress or item.key in self.lossy or box in self.reuse or box in self.delta \
+            or item.key in self.selective
 
 
 @dataclass
@@ -69,8 +77,10 @@ class StoredChunk:
     hashes: tuple[str, ...]
     codec: str | None = None
     frames: tuple[int, ...] | None = None
-    reference_size: int | None = None       # size of ``file`` when it is a reference
+    delta: ChunkRecord | None = None
+    ref_files: dict[str, int] | None = None         # sizes of the other checkpoints' files this chunk needs
     error: tuple[float, float, int] | None = None   # lossy: (max abs error, sum of abs errors, values)
+    stale: float | None = None      # selective: not saved; the base's older bytes, this relative change away
 
 
 @dataclass
@@ -246,11 +256,24 @@ def _decided(f: _File, w: WriteItem, held: Sequence[Piece], hashes: tuple[str, .
     base = policy.reuse.get((w.key, w.offsets, w.sizes))
     if base is not None and base[0].hashes == hashes and base[0].block_size == block_size \
             and base[0].length == w.length:
-        rec, size = base
+        rec, sizes = base
         out.bytes_reused += w.length
         return StoredChunk(file=rec.file, byte_offset=rec.byte_offset, block_size=rec.block_size, hashes=rec.hashes,
-                           codec=rec.codec, frames=rec.frames, reference_size=size)
+                           codec=rec.codec, frames=rec.frames, delta=rec.delta, ref_files=sizes)
     dtype, itemsize = policy.dtypes[w.key], policy.itemsizes[w.key]
+    if base is not None and w.key in policy.selective and policy.reader is not None:
+        change = _change(held, base[0], dtype, w.key, policy.reader)
+        if change is not None and change < policy.selective[w.key]:
+            rec, sizes = base
+            out.bytes_reused += w.length
+            return StoredChunk(file=rec.file, byte_offset=rec.byte_offset, block_size=rec.block_size,
+                               hashes=rec.hashes, codec=rec.codec, frames=rec.frames, delta=rec.delta,
+                               ref_files=sizes, stale=change)
+    delta = policy.delta.get((w.key, w.offsets, w.sizes))
+    if delta is not None and w.length and policy.reader is not None:
+        stored = _delta(f, w, held, hashes, block_size, delta, policy, out)
+        if stored is not None:
+            return stored
     codec = policy.lossy.get(w.key) or (codecs.LOSSLESS if policy.compress else None)
     if codec is not None and w.length:
         t0 = time.perf_counter()
@@ -276,6 +299,57 @@ def _decided(f: _File, w: WriteItem, held: Sequence[Piece], hashes: tuple[str, .
         out.bytes_written += len(mv)
     out.write_s += time.perf_counter() - t0
     return StoredChunk(file=w.file, byte_offset=pos, block_size=block_size, hashes=hashes)
+
+
+def _change(held: Sequence[Piece], base: ChunkRecord, dtype: str, key: str, reader: Storage) -> float | None:
+    """‖x − x_base‖ / ‖x_base‖ of this chunk against the base's stored values (None: not comparable)."""
+    from liferaft.errors import LiferaftError
+    from liferaft.transfer.chunks import read_blocks
+    from liferaft.transfer.tensors import torch_dtype
+
+    try:
+        old = read_blocks(reader, base, 0, len(base.hashes), dtype, key)
+    except (LiferaftError, OSError):
+        return None
+    tdt = torch_dtype(dtype)
+    cur = torch.cat([p.data for p in held]).view(tdt).double() if len(held) > 1 else held[0].data.view(tdt).double()
+    ref = torch.frombuffer(old, dtype=tdt).double()
+    if cur.numel() != ref.numel() or not bool(torch.isfinite(cur).all()):
+        return None
+    norm = float(ref.norm())
+    diff = float((cur - ref).norm())
+    return diff / norm if norm > 0 else (0.0 if diff == 0 else float("inf"))
+
+
+def _delta(f: _File, w: WriteItem, held: Sequence[Piece], hashes: tuple[str, ...], block_size: int,
+           delta: tuple[ChunkRecord, dict[str, int]], policy: ChunkPolicy, out: WriteOutcome) -> StoredChunk | None:
+    """Store the chunk as the XOR of its bytes with the base's bytes of the same box, compressed (None: the base
+    cannot be read and verified; the chunk is then stored as if no delta was asked for)."""
+    from liferaft.errors import LiferaftError
+    from liferaft.transfer.chunks import read_blocks, xor_into
+
+    rec, sizes = delta
+    t0 = time.perf_counter()
+    try:
+        assert policy.reader is not None
+        base = read_blocks(policy.reader, rec, 0, len(rec.hashes), policy.dtypes[w.key], w.key)
+    except (LiferaftError, OSError):
+        return None
+    cur = bytearray(b"".join(memoryview(p.data.numpy()).cast("B") for p in held))
+    xor_into(memoryview(cur), base)
+    view = memoryview(cur)
+    frames = codecs.encode_blocks([view[i:i + block_size] for i in range(0, len(view), block_size)],
+                                  codecs.LOSSLESS, policy.itemsizes[w.key], policy.dtypes[w.key], policy.level)
+    out.encode_s += time.perf_counter() - t0
+    data = b"".join(frames)
+    pos = f.start(len(data), False)
+    t0 = time.perf_counter()
+    f.pwrite(data, pos)
+    out.write_s += time.perf_counter() - t0
+    out.bytes_written += len(data)
+    out.bytes_encoded += w.length
+    return StoredChunk(file=w.file, byte_offset=pos, block_size=block_size, hashes=hashes, codec=codecs.LOSSLESS,
+                       frames=tuple(len(x) for x in frames), delta=rec, ref_files=sizes)
 
 
 def _encode(blocks: list[memoryview], codec: str, itemsize: int, dtype: str,
