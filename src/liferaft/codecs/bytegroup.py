@@ -16,6 +16,7 @@ outside the GIL for large buffers. Used per hash block by ``codecs.frames`` (cod
 from __future__ import annotations
 
 import struct
+import threading
 
 import numpy as np
 
@@ -26,30 +27,72 @@ _HEAD = struct.Struct("<4sBBQ")
 _PLANE = struct.Struct("<BQ")
 
 
-def encode(data: memoryview | bytes, itemsize: int, level: int = 1) -> bytes:
-    """The byte-grouped, zstd-compressed frame of ``data`` (elements of ``itemsize`` bytes, 1 to 8)."""
+_LOCAL = threading.local()
+
+
+def _compressor(level: int) -> "zstandard.ZstdCompressor":
+    """This thread's zstd context for ``level`` (creating one per call costs more than compressing 256 KiB, and
+    the allocation serializes the codec threads)."""
     import zstandard
 
+    cache = getattr(_LOCAL, "cctx", None)
+    if cache is None:
+        cache = _LOCAL.cctx = {}
+    cctx = cache.get(level)
+    if cctx is None:
+        cctx = cache[level] = zstandard.ZstdCompressor(level=level)
+    return cctx
+
+
+def _decompressor() -> "zstandard.ZstdDecompressor":
+    import zstandard
+
+    dctx = getattr(_LOCAL, "dctx", None)
+    if dctx is None:
+        dctx = _LOCAL.dctx = zstandard.ZstdDecompressor()
+    return dctx
+
+
+def encode(data: memoryview | bytes, itemsize: int, level: int = 1, raw_planes: frozenset[int] = frozenset()) -> bytes:
+    """The byte-grouped, zstd-compressed frame of ``data`` (elements of ``itemsize`` bytes, 1 to 8). Planes in
+    ``raw_planes`` are stored raw without trying zstd (see ``incompressible``)."""
     if not 1 <= itemsize <= 8:
         raise ValueError(f"itemsize must be 1..8, got {itemsize}")
     buf = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
     n = len(buf)
     whole = n - n % itemsize
-    planes = [np.ascontiguousarray(buf[:whole].reshape(-1, itemsize)[:, k]) for k in range(itemsize)] \
-        if itemsize > 1 else [buf[:whole]]
-    cctx = zstandard.ZstdCompressor(level=level)
+    grid = buf[:whole].reshape(-1, itemsize) if itemsize > 1 else None
+    cctx = _compressor(level)
     payloads: list[tuple[int, bytes | memoryview]] = []
-    for p in planes:
-        raw = memoryview(p).cast("B")
+    for k in range(itemsize):
+        if k in raw_planes and grid is not None:
+            payloads.append((0, memoryview(np.ascontiguousarray(grid[:, k])).cast("B")))
+            continue
+        raw = memoryview(np.ascontiguousarray(grid[:, k]) if grid is not None else buf[:whole]).cast("B")
         packed = cctx.compress(raw) if len(raw) else b""
         payloads.append((1, packed) if len(packed) < len(raw) else (0, raw))
     tail = memoryview(buf[whole:]).cast("B")
-    out = [_HEAD.pack(MAGIC, 1, itemsize, n)]
+    out: list[bytes | memoryview] = [_HEAD.pack(MAGIC, 1, itemsize, n)]
     out += [_PLANE.pack(mode, len(payload)) for mode, payload in payloads]
     out.append(_PLANE.pack(0, len(tail)))
-    out += [bytes(payload) for _, payload in payloads]
-    out.append(bytes(tail))
+    out += [payload for _, payload in payloads]
+    out.append(tail)
     return b"".join(out)
+
+
+def incompressible(frame: bytes | memoryview, threshold: float = 0.97) -> frozenset[int]:
+    """The planes of ``frame`` that zstd shrank to no less than ``threshold`` of their size (or not at all): for a
+    chunk's later blocks, ``encode(..., raw_planes=...)`` then skips trying (low mantissa bytes of trained
+    weights are close to random)."""
+    mv = memoryview(frame).cast("B")
+    _, _, itemsize, n = _HEAD.unpack_from(mv, 0)
+    per_plane = (n - n % itemsize) // itemsize
+    out = set()
+    for k in range(itemsize):
+        mode, size = _PLANE.unpack_from(mv, _HEAD.size + k * _PLANE.size)
+        if mode == 0 or size >= threshold * per_plane:
+            out.add(k)
+    return frozenset(out)
 
 
 def decode(blob: bytes | memoryview, out: memoryview | None = None, where: str = "chunk") -> bytes | None:
@@ -76,7 +119,7 @@ def decode(blob: bytes | memoryview, out: memoryview | None = None, where: str =
     if len(target) != n:
         raise CorruptCheckpointError(f"{where}: the frame holds {n} bytes, the block has {len(target)}")
     grid = target[:whole].reshape(-1, itemsize) if itemsize > 1 else None
-    dctx = zstandard.ZstdDecompressor()
+    dctx = _decompressor()
     for k, (mode, size) in enumerate(specs):
         payload = mv[pos:pos + size]
         pos += size

@@ -35,10 +35,12 @@ def executor() -> ThreadPoolExecutor:
     return _EXECUTOR
 
 
-def encoder(codec: str, itemsize: int, dtype: str, level: int = 1) -> Callable[[memoryview], bytes]:
-    """The function that turns one raw block into one frame of ``codec``."""
+def encoder(codec: str, itemsize: int, dtype: str, level: int = 1,
+            raw_planes: frozenset[int] = frozenset()) -> Callable[[memoryview], bytes]:
+    """The function that turns one raw block into one frame of ``codec`` (``raw_planes``: see
+    ``bytegroup.incompressible``)."""
     if codec == LOSSLESS:
-        return lambda block: bytegroup.encode(block, itemsize, level)
+        return lambda block: bytegroup.encode(block, itemsize, level, raw_planes)
     if codec == "q8-block":
         from liferaft.codecs import quantize
 
@@ -47,9 +49,9 @@ def encoder(codec: str, itemsize: int, dtype: str, level: int = 1) -> Callable[[
 
 
 def encode_blocks(blocks: Sequence[memoryview], codec: str, itemsize: int, dtype: str, level: int = 1,
-                  pool: Executor | None = None) -> list[bytes]:
+                  pool: Executor | None = None, raw_planes: frozenset[int] = frozenset()) -> list[bytes]:
     """Frames of ``blocks``, encoded in parallel on ``pool`` (default: the process's codec threads)."""
-    fn = encoder(codec, itemsize, dtype, level)
+    fn = encoder(codec, itemsize, dtype, level, raw_planes)
     if len(blocks) == 1:
         return [fn(blocks[0])]
     return list((pool or executor()).map(fn, blocks))
