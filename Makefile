@@ -32,6 +32,7 @@ bench: $(VENV)/.peers
 	$(PY) benchmarks/bench_async.py
 	$(PY) benchmarks/bench_storage.py
 	$(PY) benchmarks/bench_codec.py
+	$(PY) benchmarks/bench_write_less.py
 
 clean:
 	rm -rf $(VENV) demo-out bench-out

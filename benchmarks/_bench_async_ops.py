@@ -30,7 +30,7 @@ from _common import PeakRss, drop_cache, med_range
 import _bench_ranks as W
 
 UPDATE_ELEMS = 256
-LIFERAFT = ["liferaft-blocking", "liferaft-overlapped", "liferaft-sync"]
+LIFERAFT = ["liferaft-blocking", "liferaft-overlapped", "liferaft-sync", "liferaft-blocking-zstd"]
 DCP = ["dcp-sync", "dcp-thread", "dcp-thread-async-staging", "dcp-process-shm"]
 METHODS = LIFERAFT + DCP
 
@@ -139,8 +139,9 @@ class Saver:
             return None
 
         m, t0 = self.method, time.perf_counter()
-        if m in ("liferaft-blocking", "liferaft-overlapped"):
-            h = liferaft.async_save(path, state, options=liferaft.SaveOptions(staging=m.split("-")[1]))
+        if m in ("liferaft-blocking", "liferaft-overlapped", "liferaft-blocking-zstd"):
+            h = liferaft.async_save(path, state, options=liferaft.SaveOptions(
+                staging=m.split("-")[1], compression="on" if m.endswith("zstd") else "off"))
             assert h is not None
             run = Running(lambda: h.wait_staged(timeout), lambda: _timings(h.wait()))
         elif m == "liferaft-sync":

@@ -48,6 +48,7 @@ import _bench_ranks as W  # noqa: E402
 LABEL = {"liferaft-blocking": "liferaft async_save, blocking staging",
          "liferaft-overlapped": "liferaft async_save, overlapped staging",
          "liferaft-sync": "liferaft save (sync)",
+         "liferaft-blocking-zstd": "liferaft async_save, blocking staging, compression on",
          "dcp-sync": "DCP save (sync)",
          "dcp-thread": "DCP async_save THREAD, default stager",
          "dcp-thread-async-staging": "DCP async_save THREAD + DefaultStager async staging",

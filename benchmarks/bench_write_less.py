@@ -101,8 +101,8 @@ def run_regime(regime: str, args: argparse.Namespace, tmp: str, jsonl: str, run_
     model, opt, step = M.build(regime, args.size)
     frozen_p, frozen_b = M.frozen_share(model)
     params = sum(p.numel() for p in model.parameters())
-    print(f"\n{regime}: {params / 1e6:.1f} M parameters, {frozen_p:.0%} frozen ({frozen_b:.0%} of the checkpoint's "
-          f"tensor bytes)", file=sys.stderr, flush=True)
+    print(f"{regime}: {params / 1e6:.1f} M parameters, {frozen_p:.0%} frozen ({frozen_b:.0%} of the checkpoint's "
+          f"tensor bytes)\n", flush=True)
     prev: dict[str, str | None] = {m: None for m in METHODS}
     rows = []
     n = 0

@@ -1,15 +1,14 @@
 """``compression="auto"``: compress when it makes the save faster or the checkpoint smaller at no cost in time.
 
 - Remote storage (an object store: bytes cross a network and cost money): always compress.
-- Local storage: compress only when the codec keeps up with the disk, i.e. when the codec threads together
-  encode at least as fast as this process last measured its raw writes (``record_write``). The codec's speed is
+- Local storage: compress only when the codec keeps up with the disk, i.e. when the codec threads
+  (``frames.threads()``) together encode at least as fast as this process last measured its raw writes (``record_write``). The codec's speed is
   measured once per process on a sample of the state (about 1 MiB: a few ms). Until a raw write has been
   measured, the first local save is written raw (and measures the disk).
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from typing import Sequence
@@ -58,7 +57,9 @@ def should_compress(remote: bool, tensors: Sequence[torch.Tensor]) -> bool:
             return False
         with _LOCK:
             _CODEC_BPS = codec
-    return codec * max(1, os.cpu_count() or 1) >= disk
+    from liferaft.codecs.frames import threads
+
+    return codec * threads() >= disk
 
 
 def measured() -> dict[str, float | None]:

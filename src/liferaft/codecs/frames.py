@@ -27,12 +27,30 @@ PAYS_RATIO = 0.97       # a chunk whose sample block does not shrink below this 
 _EXECUTOR: ThreadPoolExecutor | None = None
 
 
+def threads() -> int:
+    """Codec worker threads: half the cores (at least 1, at most 8), so that a background save leaves the other
+    half to training (measured on 2 cores: codec threads on both cores tripled the loop's stall)."""
+    return max(1, min(8, (os.cpu_count() or 1) // 2))
+
+
 def executor() -> ThreadPoolExecutor:
-    """The process's codec worker threads (one per core), created on first use."""
+    """The process's codec worker threads for saves (``threads()``), created on first use."""
     global _EXECUTOR
     if _EXECUTOR is None:
-        _EXECUTOR = ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1), thread_name_prefix="liferaft-codec")
+        _EXECUTOR = ThreadPoolExecutor(max_workers=threads(), thread_name_prefix="liferaft-codec")
     return _EXECUTOR
+
+
+_LOAD_EXECUTOR: ThreadPoolExecutor | None = None
+
+
+def load_executor() -> ThreadPoolExecutor:
+    """Decoding threads for loads, one per core: a load has the machine to itself (training waits for it)."""
+    global _LOAD_EXECUTOR
+    if _LOAD_EXECUTOR is None:
+        _LOAD_EXECUTOR = ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1),
+                                            thread_name_prefix="liferaft-decode")
+    return _LOAD_EXECUTOR
 
 
 def encoder(codec: str, itemsize: int, dtype: str, level: int = 1,
@@ -58,9 +76,10 @@ def encode_blocks(blocks: Sequence[memoryview], codec: str, itemsize: int, dtype
 
 
 def decode_frames(stored: memoryview, frames: Sequence[int], codec: str, out: memoryview, block_size: int,
-                  dtype: str, where: str, pool: Executor | None = None) -> None:
+                  dtype: str, where: str, pool: Executor | None = None, serial: bool = False) -> None:
     """Decode consecutive ``frames`` (their stored lengths) from ``stored`` into ``out`` (the raw blocks, each
-    ``block_size`` bytes except possibly the last). Raises CorruptCheckpointError naming ``where``."""
+    ``block_size`` bytes except possibly the last), in parallel on ``pool`` (default: the codec threads) unless
+    ``serial`` (required when called from a codec thread). Raises CorruptCheckpointError naming ``where``."""
     if sum(frames) > len(stored):
         raise CorruptCheckpointError(f"{where}: the file is truncated (read {len(stored)} of {sum(frames)} bytes)")
     jobs = []
@@ -79,8 +98,9 @@ def decode_frames(stored: memoryview, frames: Sequence[int], codec: str, out: me
             quantize.decode(job[0], job[1], dtype, job[2])
     else:
         raise CorruptCheckpointError(f"{where}: unknown codec {codec!r}")
-    if len(jobs) == 1:
-        run(jobs[0])
+    if len(jobs) == 1 or serial:
+        for job in jobs:
+            run(job)
     else:
-        for _ in (pool or executor()).map(run, jobs):
+        for _ in (pool or load_executor()).map(run, jobs):
             pass

@@ -19,7 +19,7 @@ from typing import Any, Mapping, Protocol, Sequence
 import torch
 
 from liferaft.codecs.checksum import verify_blocks
-from liferaft.codecs.frames import decode_frames
+from liferaft.codecs.frames import decode_frames, load_executor
 from liferaft.transfer.chunks import read_blocks, xor_into
 from liferaft.errors import CorruptCheckpointError, DistributedError
 from liferaft.planning.load_plan import ReadUnit
@@ -192,23 +192,41 @@ def _wait(work: Any, batch: _Batch) -> None:
                                f" failed (a peer died or did not answer): {e}") from None
 
 
+def _where(unit: ReadUnit) -> str:
+    return f"file {unit.file!r} (key {unit.key!r}, bytes {unit.file_offset}..{unit.file_offset + unit.length})"
+
+
+def _decode(unit: ReadUnit, view: torch.Tensor, dtype: torch.dtype, pool: Any) -> torch.Tensor:
+    """The raw bytes of an encoded unit (``pool``: the executor for its frames, or None to decode them here)."""
+    assert unit.frames is not None
+    raw = torch.empty(unit.decoded_length, dtype=torch.uint8)
+    decode_frames(memoryview(view.numpy()), unit.frames, unit.codec or "", memoryview(raw.numpy()),
+                  unit.block_size, str(dtype).removeprefix("torch."), _where(unit), pool, serial=pool is None)
+    return raw
+
+
 def _consume(storage: Storage, batch: _Batch, buf: torch.Tensor, n: int, targets: Sequence[torch.Tensor],
              copy: bool) -> float:
-    """Verify every unit of ``batch`` in ``buf`` and copy it into its targets; return the seconds verifying."""
+    """Decode, verify every unit of ``batch`` in ``buf`` and copy it into its targets; return the seconds
+    verifying. Encoded units are decoded on the codec threads: several units in parallel, or one unit's
+    frames in parallel."""
     verify_s = 0.0
-    for unit, dtype in batch.units:
+    views: list[torch.Tensor] = []
+    for unit, _ in batch.units:
         inner = unit.file_offset - batch.offset
-        where = f"file {unit.file!r} (key {unit.key!r}, bytes {unit.file_offset}..{unit.file_offset + unit.length})"
         if n < inner + unit.length:
-            raise CorruptCheckpointError(f"{where}: the file is truncated (read {max(0, n - inner)} of "
+            raise CorruptCheckpointError(f"{_where(unit)}: the file is truncated (read {max(0, n - inner)} of "
                                          f"{unit.length} bytes)")
-        view = buf[inner:inner + unit.length]
-        if unit.codec is not None:
-            assert unit.frames is not None
-            raw = torch.empty(unit.decoded_length, dtype=torch.uint8)
-            decode_frames(memoryview(view.numpy()), unit.frames, unit.codec, memoryview(raw.numpy()),
-                          unit.block_size, str(dtype).removeprefix("torch."), where)
-            view = raw
+        views.append(buf[inner:inner + unit.length])
+    encoded = [i for i, (u, _) in enumerate(batch.units) if u.codec is not None]
+    if len(encoded) > 1:
+        decoded = load_executor().map(lambda i: _decode(batch.units[i][0], views[i], batch.units[i][1], None), encoded)
+        for i, raw in zip(encoded, decoded):
+            views[i] = raw
+    elif encoded:
+        i = encoded[0]
+        views[i] = _decode(batch.units[i][0], views[i], batch.units[i][1], load_executor())
+    for (unit, dtype), view in zip(batch.units, views):
         if unit.delta is not None:
             if unit.codec is None:
                 view = view.clone()
@@ -216,7 +234,7 @@ def _consume(storage: Storage, batch: _Batch, buf: torch.Tensor, n: int, targets
             xor_into(memoryview(view.numpy()), read_blocks(storage, unit.delta, unit.first_block, end,
                                                            str(dtype).removeprefix("torch."), unit.key))
         t0 = time.perf_counter()
-        verify_blocks(memoryview(view.numpy()), unit.hashes, unit.block_size, where)
+        verify_blocks(memoryview(view.numpy()), unit.hashes, unit.block_size, _where(unit))
         verify_s += time.perf_counter() - t0
         if not copy:
             continue
