@@ -2,7 +2,8 @@
 
 - Remote storage (an object store: bytes cross a network and cost money): always compress.
 - Local storage: compress only when the codec keeps up with the disk, i.e. when the codec threads
-  (``frames.threads()``) together encode at least as fast as this process last measured its raw writes (``record_write``). The codec's speed is
+  (``frames.threads()``) together encode at least as fast as this process last measured its raw writes
+  (``record_write``). The codec's speed is
   measured once per process on a sample of the state (about 1 MiB: a few ms). Until a raw write has been
   measured, the first local save is written raw (and measures the disk).
 """

@@ -3,7 +3,8 @@
 Meant for optimizer moments (Adam's exp_avg / exp_avg_sq), which tolerate 8-bit storage (as in 8-bit optimizers);
 never chosen by default. Frame layout (little endian)::
 
-    b"LRQ8" | u8 version=1 | u8 dtype code | u32 values | u32 group | float32 scales[ceil(values/group)] | int8 q[values]
+    b"LRQ8" | u8 version=1 | u8 dtype code | u32 values | u32 group
+           | float32 scales[ceil(values/group)] | int8 q[values]
 
 A value decodes to ``q × scale`` of its group (scale = max |x| / 127 over the group, 0 for an all-zero group),
 cast back to the saved dtype. Non-finite values cannot be quantized: a block holding one is refused

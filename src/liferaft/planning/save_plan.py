@@ -226,7 +226,8 @@ def build_manifest(plan: SavePlan, stored: Sequence[Sequence[Any]], file_sizes: 
                    ) -> Manifest:
     """Combine the plan with what each rank's writer did: ``stored[rank][i]`` describes ``plan.writes[rank][i]``
     (a ``transfer.writer.StoredChunk``: file, byte offset, block size, hashes, codec, frames, delta base, sizes
-    of the other checkpoints' files it needs, lossy error) and ``file_sizes[rank]`` is the size of that rank's data file (0: it wrote none).
+    of the other checkpoints' files it needs, lossy error) and ``file_sizes[rank]`` is the size of that rank's
+    data file (0: it wrote none).
     ``lossy``: key → what the caller asked to lose (``{"method": ...}``); the measured errors are added."""
     records: dict[str, list[ChunkRecord]] = {t.key: [] for t in plan.tensors}
     files: dict[str, int] = {}

@@ -220,7 +220,8 @@ def _consume(storage: Storage, batch: _Batch, buf: torch.Tensor, n: int, targets
         views.append(buf[inner:inner + unit.length])
     encoded = [i for i, (u, _) in enumerate(batch.units) if u.codec is not None]
     if len(encoded) > 1:
-        decoded = load_executor().map(lambda i: _decode(batch.units[i][0], views[i], batch.units[i][1], None), encoded)
+        decoded = load_executor().map(lambda i: _decode(batch.units[i][0], views[i], batch.units[i][1], None),
+                                      encoded)
         for i, raw in zip(encoded, decoded):
             views[i] = raw
     elif encoded:
