@@ -77,6 +77,10 @@ class CheckpointManager:
     kept. Deletion runs in a background thread after a save commits and never touches the newest committed step
     or an unfinished one. ``async_save=True`` returns from ``maybe_save`` once the snapshot is taken.
 
+    Memory tier (``memory=MemoryTier(...)``, docs/TIERS.md): every ``memory_every`` steps the state is also saved
+    into node-local shared memory with replicas on other nodes (skipped while a save to the root is in flight);
+    ``restore`` loads from there when the memory tier holds a step at least as new as the root's newest.
+
     Incremental saves (``incremental=True``, the default): each save references the chunks that did not change
     since the previous committed step instead of writing them again; every ``full_every``-th save is a full,
     self-contained one, so that references never reach further back than the last full save. Retention never
@@ -95,10 +99,13 @@ class CheckpointManager:
                  load_options: LoadOptions | None = None, preemption_signals: Iterable[int] | None = None,
                  preemption_deadline: float = 120.0,
                  job_id: str | None = None, lease_ttl: float = 30.0, incremental: bool = True,
-                 full_every: int = 10) -> None:
+                 full_every: int = 10, memory: Any = None, memory_every: int = 1) -> None:
         if full_every < 1:
             raise OptionsError(f"full_every must be at least 1, got {full_every}")
         self.incremental, self.full_every = incremental, full_every
+        if memory_every < 1:
+            raise OptionsError(f"memory_every must be at least 1, got {memory_every}")
+        self.memory, self.memory_every = memory, memory_every       # a liferaft.tiers.memory.MemoryTier
         self._base: tuple[int, int] | None = None       # (newest committed step, its saves since a full one)
         self.save_policy = SavePolicy(every_steps=every_steps, every_seconds=every_seconds,
                                       at_steps=frozenset(at_steps), last_step=last_step)
@@ -227,6 +234,10 @@ class CheckpointManager:
                 err = e
         listing = self.coord.broadcast_from_zero(listing, err, "restore (listing)")
         assert listing is not None
+        if step is None and self.memory is not None:
+            got = self._restore_memory(state, listing)
+            if got is not None:
+                return got
         if step is not None:
             match = [i for i in listing if i.step == step]
             if not match:
@@ -267,6 +278,22 @@ class CheckpointManager:
                           f"trying step {candidates[i + 1].step}", stacklevel=2)
         return None
 
+    def _restore_memory(self, state: Any, listing: list[StepInfo]) -> int | None:
+        """Load from the memory tier if it holds a step at least as new as the root's newest committed one."""
+        newest = max((i.step for i in listing if i.status == "committed"), default=None)
+        try:
+            got = self.memory.restore(state, options=self.load_options,
+                                      newer_than=None if newest is None else newest - 1)
+        except LiferaftError as e:          # collective: every rank falls back together
+            warnings.warn(f"liferaft: the memory tier could not be restored ({type(e).__name__}: {e}); "
+                          "restoring from the root", stacklevel=3)
+            return None
+        if got is not None:
+            self._last_step, self._last_time = got, time.monotonic()
+            match = [i for i in listing if i.step == got and i.status == "committed"]
+            self._base = (got, match[0].since_full or 0) if match and match[0].since_full is not None else None
+        return got
+
     # ------------------------------------------------------------------ saving
 
     def _on_signal(self, signum: int, frame: Any) -> None:
@@ -286,6 +313,9 @@ class CheckpointManager:
         self._settle()
         if preempt:
             reason = reason or "preemption"
+        if self.memory is not None and step % self.memory_every == 0 and reason is None and not preempt:
+            # (skipped on every rank while the previous memory save or a save to the root is still running)
+            self.memory.save(step, state, options=replace(self.save_options, if_busy="skip"))
         if reason is None or (self._last_step == step and not force):
             return False
         if preempt:
@@ -393,6 +423,11 @@ class CheckpointManager:
             self.wait()
         except BaseException as e:  # noqa: BLE001 - raised below, after the clean-up
             err = e
+        if self.memory is not None:
+            try:
+                self.memory.wait()
+            except BaseException as e:  # noqa: BLE001
+                err = err or e
         for sig, old in self._old_handlers.items():
             signal.signal(sig, old)
         self._old_handlers.clear()

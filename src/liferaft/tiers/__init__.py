@@ -1,0 +1,1 @@
+"""Checkpoint tiers: node-local shared memory with peer replicas (``memory``)."""

@@ -1,0 +1,330 @@
+"""The memory tier: checkpoints in host shared memory that outlive the training process, replicated on peer nodes.
+
+Layout: ``<base>/<job_id>/<node>/step-<n>/`` is a liferaft checkpoint (docs/FORMAT.md) in a tmpfs folder
+(``/dev/shm`` by default), one namespace per node. Every rank writes its own data file into its node's namespace;
+every node gets the manifest and then ``COMMIT`` (so each node's folder is a committed checkpoint whose data files
+are spread over the nodes); then each rank sends its data file to ``replicas`` ranks on other nodes, which store it
+under the same name in theirs. A process that crashes finds its node's copy when it restarts; a node that is lost
+(its processes and its shared memory) is covered by the replicas on the other nodes.
+
+A restore lists, on every rank, the steps its node holds and the files present (exchanged); picks the newest step
+whose every data file is held by some live node; copies the files a node lacks from a rank that holds them (over
+the process group: on a real cluster a node cannot read another's shared memory), then loads from the node's now
+complete folder with ``liferaft.load`` — every byte verified, any layout and world size. A namespace is per job id:
+a segment of another job is never read, and whatever is read is checked against the manifest's checksums.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+from typing import Any
+
+import torch
+
+from liferaft.dist import Coordinator
+from liferaft.errors import LiferaftError, OptionsError
+from liferaft.format.manifest import COMMIT_MARKER, decode_commit_marker
+from liferaft.options import LoadOptions, SaveOptions
+from liferaft.storage.posix import PosixStorage
+
+DEFAULT_BASE = "/dev/shm/liferaft"
+PIECE = 64 << 20            # bytes per message when copying a file between ranks
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:010d}"
+
+
+def _parse(name: str) -> int | None:
+    if name.startswith("step-") and name[5:].isdigit():
+        return int(name[5:])
+    return None
+
+
+def default_node() -> str:
+    """This process's node: torchrun's GROUP_RANK (the node rank) when set, else the host name."""
+    import socket
+
+    group = os.environ.get("GROUP_RANK")
+    return f"node{group}" if group is not None else socket.gethostname()
+
+
+class MemoryTier:
+    """Checkpoints of the latest step(s) in node-local shared memory plus ``replicas`` copies of every rank's data
+    on other nodes. Collective: every rank of ``process_group`` constructs it and calls ``save``/``restore``.
+
+    ``node`` identifies this process's node (default: ``default_node()``; tests give each simulated node its own
+    name); ``base`` is a tmpfs folder; ``keep`` steps stay in memory (older ones are dropped once a newer one is
+    complete on every node). ``release()`` frees this node's memory (a clean exit).
+    """
+
+    def __init__(self, job_id: str, *, node: str | None = None, base: str = DEFAULT_BASE, replicas: int = 1,
+                 keep: int = 1, process_group: Any = None, timeout: float = 600.0) -> None:
+        if replicas < 0 or keep < 1 or not job_id or "/" in job_id:
+            raise OptionsError(f"MemoryTier: need a job id without '/', replicas ≥ 0, keep ≥ 1 (got {job_id!r}, "
+                               f"{replicas}, {keep})")
+        self.job_id, self.node, self.replicas, self.keep = job_id, node or default_node(), replicas, keep
+        self.process_group, self.timeout = process_group, timeout
+        self.root = os.path.join(base, job_id, self.node)
+        self.storage = PosixStorage(self.root, direct_io=False)
+        self.coord = Coordinator(process_group, timeout)
+        self.bg = Coordinator(process_group, timeout, channel="tier")      # created here, used by the thread
+        self.nodes: list[str] = self.coord.exchange(self.node, None, "memory tier (nodes)")
+        self.rank, self.world = self.coord.rank, self.coord.world
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._handle: Any = None
+
+    # ------------------------------------------------------------------ layout
+
+    def step_storage(self, step: int) -> PosixStorage:
+        return self.storage.child(step_name(step))
+
+    def replica_targets(self, rank: int) -> list[int]:
+        """The ranks holding copies of ``rank``'s data: the same local position on the next ``replicas`` other
+        nodes (in order of first appearance), fewer when there are fewer other nodes."""
+        order = list(dict.fromkeys(self.nodes))
+        members = {n: [r for r, m in enumerate(self.nodes) if m == n] for n in order}
+        mine = self.nodes[rank]
+        pos = members[mine].index(rank)
+        out = []
+        for i in range(1, len(order)):
+            node = order[(order.index(mine) + i) % len(order)]
+            out.append(members[node][pos % len(members[node])])
+            if len(out) == self.replicas:
+                break
+        return out
+
+    def local_steps(self) -> list[int]:
+        """Steps this node holds a commit marker for, oldest first (no collective)."""
+        if not os.path.isdir(self.root):
+            return []
+        return sorted(s for s in (_parse(d) for d in os.listdir(self.root))
+                      if s is not None and os.path.isfile(os.path.join(self.root, step_name(s), COMMIT_MARKER)))
+
+    # ------------------------------------------------------------------ save
+
+    def save(self, step: int, state: Any, *, wait: bool = False, options: SaveOptions | None = None) -> None:
+        """Save ``state`` as ``step`` into the memory tier (collective). Returns once the snapshot is taken; the
+        write to shared memory, the commit on every node and the replication run in the background (``wait=True``:
+        return when done). A save of the tier still running is waited for first; its error is raised here. With
+        ``options.if_busy="skip"`` the step is skipped (on every rank) while another save of this process runs."""
+        from liferaft.api import async_save
+
+        opts = options or SaveOptions()
+        if opts.if_busy == "skip" and self.world > 1:
+            running = self._thread is not None and self._thread.is_alive()
+            if any(self.coord.exchange(running, None, "memory tier (busy)")):
+                return
+        elif opts.if_busy == "skip" and self._thread is not None and self._thread.is_alive():
+            return
+        self.wait()
+        opts = SaveOptions(**{**opts.__dict__, "overwrite": True, "compression": "off", "incremental_base": None,
+                              "metadata": {**dict(opts.metadata), "step": step, "job_id": self.job_id,
+                                           "tier": "memory"}})
+        handle = async_save(self.step_storage(step), state, process_group=self.process_group, options=opts)
+        if handle is None:              # if_busy="skip": another save of this process is in flight
+            return
+        self._handle = handle
+        self._thread = threading.Thread(target=self._finish, args=(step, handle), name="liferaft-memory-tier",
+                                        daemon=True)
+        self._thread.start()
+        if wait:
+            self.wait()
+
+    def wait(self) -> None:
+        """Wait for the tier's save in flight; raise what it raised (on every rank)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        err, self._error = self._error, None
+        if err is not None:
+            raise err
+
+    def _finish(self, step: int, handle: Any) -> None:
+        """Background: wait for the local commit, then commit on every node, replicate, drop old steps."""
+        err: BaseException | None = None
+        try:
+            handle.wait()
+        except BaseException as e:  # noqa: BLE001
+            err = e
+        try:
+            marker, manifest = None, None
+            if self.rank == 0 and err is None:
+                st = self.step_storage(step)
+                marker = st.read_all(COMMIT_MARKER)
+                manifest = (decode_commit_marker(marker).manifest,
+                            st.read_all(decode_commit_marker(marker).manifest))
+            marker, manifest = self.bg.broadcast_from_zero((marker, manifest), err, "memory tier (commit)")
+            self._commit_on_node(step, marker, manifest)
+            self.bg.exchange(None, None, "memory tier (committed)")
+            self._replicate(step)
+            self._drop_old(step)
+        except BaseException as e:  # noqa: BLE001 - raised on the next save/wait
+            self._error = e
+
+    def _commit_on_node(self, step: int, marker: bytes, manifest: tuple[str, bytes]) -> None:
+        """The lowest rank of each node other than rank 0's writes the manifest, then the marker."""
+        if self._leader() and self.node != self.nodes[0]:
+            st = self.step_storage(step)
+            st.put_atomic(manifest[0], manifest[1])
+            st.put_atomic(COMMIT_MARKER, marker)
+
+    def _own_file(self, step: int) -> str | None:
+        prefix = "data/"
+        for name in self.step_storage(step).list():
+            if name.startswith(prefix) and name.endswith(f"/r{self.rank:05d}.bin"):
+                return name
+        return None
+
+    def _replicate(self, step: int) -> None:
+        """Send this rank's data file to its replica targets; receive those it holds copies of."""
+        mine = self._own_file(step)
+        size = os.path.getsize(os.path.join(self.step_storage(step).root, *mine.split("/"))) if mine else 0
+        files = self.bg.exchange((mine, size), None, "memory tier (replicate)")
+        sends = [(t, mine, size) for t in self.replica_targets(self.rank)] if mine else []
+        recvs = [(src, name, n) for src, (name, n) in enumerate(files)
+                 if name and src != self.rank and self.rank in self.replica_targets(src)
+                 and self.nodes[src] != self.node]
+        transfer_files(self.bg, self.step_storage(step), sends, recvs, self.rank)
+
+    def _drop_old(self, newest: int) -> None:
+        """Remove steps beyond ``keep`` from this node once ``newest`` is committed everywhere (rank-local)."""
+        steps = sorted(set(self.local_steps() + [newest]))
+        if not self._leader():
+            return
+        for s in steps[:-self.keep]:
+            shutil.rmtree(os.path.join(self.root, step_name(s)), ignore_errors=True)
+
+    # ------------------------------------------------------------------ restore
+
+    def restore(self, state: Any, *, options: LoadOptions | None = None, newer_than: int | None = None) -> int | None:
+        """Load the newest step that the live nodes hold completely into ``state`` (collective); None if there is
+        none (or none newer than ``newer_than``). Files this node lacks are first copied from a rank that holds
+        them; everything is verified on load (a damaged copy raises CorruptCheckpointError on every rank)."""
+        from liferaft.api import load
+
+        self.wait()
+        listing = {s: self._listing(s) for s in self.local_steps()}
+        everyone = self.coord.exchange({s: v for s, v in listing.items() if v is not None}, None,
+                                       "memory tier (listing)")
+        step, holder = newest_complete(everyone)
+        if step is None or (newer_than is not None and step <= newer_than):
+            return None
+        st = self.step_storage(step)
+        meta = None
+        err: BaseException | None = None
+        if self.rank == holder:
+            marker = st.read_all(COMMIT_MARKER)
+            name = decode_commit_marker(marker).manifest
+            meta = (marker, name, st.read_all(name))
+        meta = self.coord.exchange(meta, None, "memory tier (manifest)")[holder]
+        sends, recvs = fetch_plan(everyone, step, self.nodes, self.rank)
+        try:
+            transfer_files(self.coord, st, sends, recvs, self.rank)
+            if self._leader() and not os.path.isfile(os.path.join(st.root, COMMIT_MARKER)):
+                st.put_atomic(meta[1], meta[2])
+                st.put_atomic(COMMIT_MARKER, meta[0])
+        except BaseException as e:  # noqa: BLE001
+            err = e
+        self.coord.exchange(None, err, "memory tier (fetch)")
+        load(st, state, process_group=self.process_group, options=options)
+        return step
+
+    def _leader(self) -> bool:
+        return min(r for r, m in enumerate(self.nodes) if m == self.node) == self.rank
+
+    def _listing(self, step: int) -> tuple[tuple[str, ...], dict[str, int]] | None:
+        """(data files the step's manifest names, data files this node holds with sizes); None if unreadable."""
+        from liferaft.reading import open_checkpoint
+
+        st = self.step_storage(step)
+        try:
+            m = open_checkpoint(st)
+        except LiferaftError:
+            return None
+        held = {}
+        for name in st.list():
+            if name.startswith("data/"):
+                held[name] = os.path.getsize(os.path.join(st.root, *name.split("/")))
+        return tuple(sorted(m.files)), held
+
+    def release(self) -> None:
+        """Free this node's shared memory of this job (a clean exit). Not collective."""
+        self.wait()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def newest_complete(everyone: list[dict[int, tuple[tuple[str, ...], dict[str, int]]]]) -> tuple[int | None, int]:
+    """The newest step whose every data file some rank holds at the size its manifest needs, and the lowest rank
+    holding its commit ((None, -1) if there is none). Pure: the same on every rank."""
+    for step in sorted({s for held in everyone for s in held}, reverse=True):
+        holders = [r for r, held in enumerate(everyone) if step in held]
+        need = set(everyone[holders[0]][step][0])
+        have = {name for r in holders for name in everyone[r][step][1]}
+        if need <= have:
+            return step, holders[0]
+    return None, -1
+
+
+def fetch_plan(everyone: list[dict[int, tuple[tuple[str, ...], dict[str, int]]]], step: int, nodes: list[str],
+               rank: int) -> tuple[list[tuple[int, str, int]], list[tuple[int, str, int]]]:
+    """(sends, recvs) of ``rank``: for each node lacking a data file of ``step``, its lowest rank receives it from
+    the lowest rank holding it. Pure: the same plan on every rank."""
+    files: dict[str, tuple[int, int]] = {}
+    node_has: dict[str, set[str]] = {}
+    for r, held in enumerate(everyone):
+        if step in held:
+            for name, size in held[step][1].items():
+                files.setdefault(name, (r, size))
+            node_has.setdefault(nodes[r], set()).update(held[step][1])
+    first = {n: min(r for r, m in enumerate(nodes) if m == n) for n in nodes}
+    sends, recvs = [], []
+    for node, leader in first.items():
+        for name in sorted(files):
+            if name in node_has.get(node, set()):
+                continue
+            src, size = files[name]
+            if src == rank:
+                sends.append((leader, name, size))
+            if leader == rank:
+                recvs.append((src, name, size))
+    return sends, recvs
+
+
+def transfer_files(coord: Coordinator, storage: PosixStorage, sends: list[tuple[int, str, int]],
+                   recvs: list[tuple[int, str, int]], rank: int) -> None:
+    """Copy whole files between ranks: ``sends`` (to rank, name, size) are read from ``storage`` and sent in
+    pieces; ``recvs`` (from rank, name, size) are written to ``storage`` under the same name (durable). Every
+    rank must call it with its part of one plan; the order of messages is that of the sorted plan."""
+    if coord.world == 1 or (not sends and not recvs):
+        return
+    ops = sorted([(name, "send", peer, size) for peer, name, size in sends] +
+                 [(name, "recv", peer, size) for peer, name, size in recvs])
+    buf = torch.empty(min(PIECE, max([s for *_, s in ops] + [1])), dtype=torch.uint8)
+    for name, kind, peer, size in ops:
+        tag = 0
+        if kind == "send":
+            path = os.path.join(storage.root, *name.split("/"))
+            with open(path, "rb") as f:
+                for off in range(0, size, PIECE):
+                    n = min(PIECE, size - off)
+                    f.readinto(memoryview(buf.numpy())[:n])
+                    coord.isend(buf[:n], peer, tag).wait()
+        else:
+            w = storage.open_writer(name)
+            try:
+                for off in range(0, size, PIECE):
+                    n = min(PIECE, size - off)
+                    coord.irecv(buf[:n], peer, tag).wait()
+                    w.pwrite(memoryview(buf.numpy())[:n], off)
+                w.close()
+            except BaseException:
+                w.abort()
+                raise
+            storage.sync()
+
+
+__all__ = ["MemoryTier", "default_node", "DEFAULT_BASE", "newest_complete", "fetch_plan", "transfer_files"]

@@ -1,0 +1,81 @@
+"""Rank functions for the memory-tier tests (imported as ``multiproc._tier_ranks``): ranks grouped into simulated
+nodes (each its own shared-memory namespace), saving every step into the memory tier and every few steps to disk."""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import torch
+
+import liferaft
+from liferaft.tiers.memory import MemoryTier
+from multiproc._crash_ranks import _equal, state_at
+
+
+def node_of(rank: int, per_node: int) -> str:
+    return f"n{rank // per_node}"
+
+
+def job(rank: int, world: int, base: str, disk: str, per_node: int, last: int, disk_every: int,
+        kill_at: int = -1) -> tuple[str, int | None, bool]:
+    """Restore (memory tier first, then the newest disk checkpoint), then save steps up to ``last``: memory every
+    step, disk every ``disk_every``; rank 1 kill -9s itself right after the memory save of step ``kill_at``.
+    Returns (where the restore came from, restored step, exact)."""
+    tier = MemoryTier("tier-test", node=node_of(rank, per_node), base=base, replicas=1, keep=2)
+    st = state_at(rank, world, -1)
+    source, start = "none", tier.restore(st)
+    if start is not None:
+        source = "memory"
+    else:
+        steps = sorted(int(d[5:]) for d in os.listdir(disk) if d.startswith("step-")
+                       and os.path.exists(os.path.join(disk, d, "COMMIT"))) if os.path.isdir(disk) else []
+        if steps:
+            liferaft.load(os.path.join(disk, f"step-{steps[-1]:010d}"), st)
+            source, start = "disk", steps[-1]
+    exact = start is None or _equal(st, state_at(rank, world, start))
+    for step in range(0 if start is None else start + 1, last + 1):
+        now = state_at(rank, world, step)
+        tier.save(step, now)
+        if step == kill_at and rank == 1:
+            tier.wait()
+            os.kill(os.getpid(), signal.SIGKILL)
+        if step % disk_every == 0:
+            liferaft.save(os.path.join(disk, f"step-{step:010d}"), now)
+    tier.wait()
+    return source, start, exact
+
+
+def held(base: str) -> dict[str, list[str]]:
+    """node → the files under its namespace (for assertions)."""
+    root = os.path.join(base, "tier-test")
+    out: dict[str, list[str]] = {}
+    for node in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        out[node] = sorted(os.path.relpath(os.path.join(d, f), os.path.join(root, node))
+                           for d, _, fs in os.walk(os.path.join(root, node)) for f in fs)
+    return out
+
+
+def release(rank: int, world: int, base: str, per_node: int) -> None:
+    MemoryTier("tier-test", node=node_of(rank, per_node), base=base).release()
+
+
+def unused(*_: Any) -> None:
+    torch.zeros(1)
+
+
+def managed(rank: int, world: int, base: str, root: str, per_node: int, last: int) -> tuple[int | None, bool]:
+    """CheckpointManager with a memory tier: root every 4 steps, memory at the other steps; restore, go on."""
+    from liferaft import CheckpointManager
+
+    tier = MemoryTier("tier-test", node=node_of(rank, per_node), base=base)
+    st = state_at(rank, world, -1)
+    with CheckpointManager(root, every_steps=4, memory=tier, job_id="tier-job", lease_ttl=5.0) as mgr:
+        start = mgr.restore(st)
+        exact = start is None or _equal(st, state_at(rank, world, start))
+        for step in range(0 if start is None else start + 1, last + 1):
+            mgr.maybe_save(step, state_at(rank, world, step))
+        mgr.wait()
+        tier.wait()
+    return start, exact

@@ -1,0 +1,86 @@
+"""The memory tier on real ranks grouped into simulated nodes (2 ranks per node, each node its own shared-memory
+namespace under /dev/shm): kill a process, lose a node, lose every node, change the world size after a node loss.
+Every restore is checked bit for bit against the state saved at that step."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+
+import pytest
+
+from liferaft.testing import RankFailure, run_ranks
+from multiproc._tier_ranks import held, job, release
+
+
+@pytest.fixture
+def base():
+    path = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else "/tmp", f"liferaft-test-{uuid.uuid4().hex[:8]}")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_every_node_commits_and_holds_replicas_of_the_other(base, tmp_path):
+    out = run_ranks(job, 4, base, str(tmp_path / "disk"), 2, 2, 100, timeout=120)
+    assert out == [("none", None, True)] * 4
+    files = held(base)
+    assert set(files) == {"n0", "n1"}
+    for node, mine, replicas in (("n0", (0, 1), (2, 3)), ("n1", (2, 3), (0, 1))):
+        step2 = [f for f in files[node] if f.startswith("step-0000000002/")]
+        assert "step-0000000002/COMMIT" in step2
+        for r in mine + replicas:
+            assert any(f.endswith(f"/r{r:05d}.bin") for f in step2), (node, r, step2)
+        assert not any(f.startswith("step-0000000000/") for f in files[node])      # keep=2: steps 1, 2
+
+
+def test_a_killed_process_restores_from_its_node_memory(base, tmp_path):
+    disk = str(tmp_path / "disk")
+    with pytest.raises(RankFailure):
+        run_ranks(job, 4, base, disk, 2, 5, 100, 3, timeout=120)      # rank 1 dies after step 3's memory save
+    out = run_ranks(job, 4, base, disk, 2, 4, 100, timeout=120)
+    assert {o[0] for o in out} == {"memory"} and {o[1] for o in out} == {3} and all(o[2] for o in out), out
+
+
+def test_a_lost_node_restores_from_peer_replicas(base, tmp_path):
+    disk = str(tmp_path / "disk")
+    run_ranks(job, 4, base, disk, 2, 3, 2, timeout=120)
+    shutil.rmtree(os.path.join(base, "tier-test", "n1"))                  # node 1 gone: its processes and memory
+    out = run_ranks(job, 4, base, disk, 2, 4, 100, timeout=120)           # a replacement node 1 joins, empty
+    assert out == [("memory", 3, True)] * 4, out
+
+
+def test_losing_both_replicas_falls_back_to_disk(base, tmp_path):
+    disk = str(tmp_path / "disk")
+    run_ranks(job, 4, base, disk, 2, 3, 2, timeout=120)                   # disk has step 2; memory 2 and 3
+    shutil.rmtree(os.path.join(base, "tier-test", "n0"))
+    shutil.rmtree(os.path.join(base, "tier-test", "n1"))
+    out = run_ranks(job, 4, base, disk, 2, 3, 100, timeout=120)
+    assert out == [("disk", 2, True)] * 4, out
+
+
+def test_fewer_ranks_after_a_node_loss_reshard_from_the_survivor(base, tmp_path):
+    disk = str(tmp_path / "disk")
+    run_ranks(job, 4, base, disk, 2, 3, 100, timeout=120)
+    shutil.rmtree(os.path.join(base, "tier-test", "n1"))
+    out = run_ranks(job, 2, base, disk, 2, 3, 100, timeout=120)           # only node 0 left: 2 ranks
+    assert out == [("memory", 3, True)] * 2, out
+
+
+def test_release_frees_the_nodes_memory(base, tmp_path):
+    run_ranks(job, 4, base, str(tmp_path / "disk"), 2, 1, 100, timeout=120)
+    run_ranks(release, 4, base, 2, timeout=60)
+    assert held(base) == {}
+
+
+def test_manager_restores_from_memory_when_it_is_newest_else_from_the_root(base, tmp_path):
+    from multiproc._tier_ranks import managed
+
+    root = str(tmp_path / "root")
+    assert run_ranks(managed, 4, base, root, 2, 6, timeout=120) == [(None, True)] * 4
+    # memory saved steps 1-3, 5, 6 (root: 0 and 4; a memory save is skipped while the previous one still runs)
+    newest = max(int(f[5:15]) for f in held(base)["n0"] if f.endswith("/COMMIT"))
+    assert newest >= 5
+    assert run_ranks(managed, 4, base, root, 2, 6, timeout=120) == [(newest, True)] * 4
+    shutil.rmtree(os.path.join(base, "tier-test"))                       # every node lost
+    assert run_ranks(managed, 4, base, root, 2, 6, timeout=120) == [(4, True)] * 4
