@@ -3,6 +3,7 @@
     liferaft inspect PATH               keys, shapes, dtypes, chunks and bytes (from the manifest only)
     liferaft verify PATH                re-hash every block of every chunk; exit status 1 if anything is wrong
     liferaft read PATH [--key K]...     read the checkpoint and print one line per leaf
+    liferaft plan [--costs F.json] ...  expected goodput of no tiers / remote only / liferaft's tiers at scale
 
 Uses only the public API (``import liferaft``). Errors are printed to stderr as one message and give exit
 status 1; usage errors give exit status 2.
@@ -41,7 +42,40 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="only this key or key prefix ('model' selects model.*); repeatable")
     p.add_argument("--allow-pickle", action="store_true",
                    help="decode pickled values (runs code from the checkpoint: only for trusted checkpoints)")
+    p = sub.add_parser("plan", help="goodput simulator: expected useful share of training time at 1k/16k/100k GPUs")
+    p.add_argument("--costs", metavar="F.json", help="measured costs in seconds: {\"stall\": {\"memory\": s, "
+                   "\"remote\": s}, \"persist\": {...}, \"restore\": {\"memory\": s, \"peer\": s, \"remote\": s}, "
+                   "\"restart\": s}; default: DEFAULT_COSTS in liferaft/cli.py")
+    p.add_argument("--gpus", default="1000,16000,100000", help="comma list of GPU counts")
+    p.add_argument("--failures-per-gpu-hour", type=float, default=2e-5)
+    p.add_argument("--node-share", type=float, default=0.5, help="share of failures that take a node down")
+    p.add_argument("--multi-node-share", type=float, default=0.02,
+                   help="share of failures that take several nodes (and maybe both copies of a replica) down")
     return parser
+
+
+#: Default costs for 1 GiB of state per rank: stalls and memory/peer restores as measured on this project's VM
+#: (README: bench_async, bench_tiers); remote persist and restore assume each rank gets ~50 MB/s of a shared
+#: object store at scale (20 s per GiB); restart = rescheduling and process start. Pass measured ones with --costs.
+DEFAULT_COSTS = {"stall": {"memory": 0.15, "remote": 0.15}, "persist": {"memory": 2.0, "remote": 20.0},
+                 "restore": {"memory": 0.6, "peer": 2.0, "remote": 20.0}, "restart": 120.0}
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from liferaft.planning.goodput import Costs, table
+
+    raw = DEFAULT_COSTS
+    if args.costs:
+        with open(args.costs) as f:
+            raw = json.load(f)
+    costs = Costs(stall=raw["stall"], restore=raw["restore"], restart=float(raw.get("restart", 120.0)),
+                  persist=raw.get("persist", {}))
+    gpus = [int(x) for x in args.gpus.split(",") if x]
+    print(f"costs (s{'' if args.costs else ', defaults'}): stall {dict(costs.stall)}, persist "
+          f"{dict(costs.persist)}, restore {dict(costs.restore)}, restart {costs.restart:.0f}")
+    print(table(costs, gpus, failures_per_gpu_hour=args.failures_per_gpu_hour, node_share=args.node_share,
+                multi_node_share=args.multi_node_share))
+    return 0
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
@@ -118,7 +152,7 @@ def _cmd_read(args: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS = {"inspect": _cmd_inspect, "verify": _cmd_verify, "read": _cmd_read}
+_COMMANDS = {"inspect": _cmd_inspect, "verify": _cmd_verify, "read": _cmd_read, "plan": _cmd_plan}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -25,7 +25,8 @@ from liferaft.errors import (CheckpointNotFoundError, CorruptCheckpointError, Di
                              OptionsError)
 from liferaft.format.manifest import COMMIT_MARKER
 from liferaft.manager.lease import LEASE, Lease
-from liferaft.manager.policies import RetentionPolicy, SavePolicy, referenced_closure
+from liferaft.manager.policies import (AutoInterval, RetentionPolicy, SavePolicy, mtbf_from_starts,
+                                      referenced_closure)
 from liferaft.options import LoadOptions, SaveOptions
 from liferaft.reading import check_files, open_checkpoint
 from liferaft.storage import Storage, resolve
@@ -34,6 +35,8 @@ from liferaft.storage.refs import with_references
 STEP_PREFIX = "step-"
 _DAMAGE = ("CorruptCheckpointError", "IncompleteCheckpointError")     # load errors that make restore fall back
 PINS = "PINS"
+STARTS = "STARTS"              # start times of the jobs' processes on this root (every_seconds="auto" learns from it)
+PRIOR_MTBF_HOURS = 24.0        # assumed mean time between failures until restarts say otherwise
 
 
 def step_name(step: int) -> str:
@@ -69,7 +72,9 @@ class CheckpointManager:
     """Saves a training state under ``root`` by policy, keeps what the retention policy says, restores the newest
     step that loads. Collective: every rank of ``process_group`` constructs it and makes the same calls.
 
-    Save policies (any fires): ``every_steps``, ``every_seconds``, ``at_steps``, ``last_step`` (always saved), and
+    Save policies (any fires): ``every_steps``, ``every_seconds`` (seconds, or "auto": the Young/Daly interval from
+    the measured save stall and time to durability and the mean time between failures, ``mtbf_hours`` or learned
+    from the job starts recorded in root/STARTS; recomputed after every save), ``at_steps``, ``last_step`` (always saved), and
     preemption (``preemption_signals``, default SIGTERM and SIGUSR1: the next ``maybe_save`` saves at once,
     synchronously, with every collective wait bounded by ``preemption_deadline`` seconds, and
     sets ``preempted``; the loop should then stop). Retention (any keeps): ``keep_last``, ``keep_every``,
@@ -92,14 +97,15 @@ class CheckpointManager:
     """
 
     def __init__(self, root: str | os.PathLike[str] | Storage, *, every_steps: int | None = None,
-                 every_seconds: float | None = None, at_steps: Iterable[int] = (), last_step: int | None = None,
+                 every_seconds: float | str | None = None, at_steps: Iterable[int] = (), last_step: int | None = None,
                  keep_last: int | None = None, keep_every: int | None = None, keep_best: int | None = None,
                  metric: str | None = None, mode: str = "min", async_save: bool = True,
                  process_group: Any = None, save_options: SaveOptions | None = None,
                  load_options: LoadOptions | None = None, preemption_signals: Iterable[int] | None = None,
                  preemption_deadline: float = 120.0,
                  job_id: str | None = None, lease_ttl: float = 30.0, incremental: bool = True,
-                 full_every: int = 10, memory: Any = None, memory_every: int = 1) -> None:
+                 full_every: int = 10, memory: Any = None, memory_every: int = 1,
+                 mtbf_hours: float | None = None) -> None:
         if full_every < 1:
             raise OptionsError(f"full_every must be at least 1, got {full_every}")
         self.incremental, self.full_every = incremental, full_every
@@ -107,6 +113,13 @@ class CheckpointManager:
             raise OptionsError(f"memory_every must be at least 1, got {memory_every}")
         self.memory, self.memory_every = memory, memory_every       # a liferaft.tiers.memory.MemoryTier
         self._base: tuple[int, int] | None = None       # (newest committed step, its saves since a full one)
+        self._auto: AutoInterval | None = None
+        if every_seconds == "auto":
+            self._auto = AutoInterval(mtbf_s=(mtbf_hours or PRIOR_MTBF_HOURS) * 3600.0)
+            every_seconds = self._auto.interval_s
+        elif isinstance(every_seconds, str):
+            raise OptionsError(f"every_seconds must be a number of seconds or 'auto', got {every_seconds!r}")
+        self._mtbf_given = mtbf_hours is not None
         self.save_policy = SavePolicy(every_steps=every_steps, every_seconds=every_seconds,
                                       at_steps=frozenset(at_steps), last_step=last_step)
         self.retention = RetentionPolicy(keep_last=keep_last, keep_every=keep_every, keep_best=keep_best,
@@ -132,6 +145,7 @@ class CheckpointManager:
             if self.coord.rank == 0 else None
         self._old_handlers: dict[int, Any] = {}
         self._closed = False
+        self._stall = 0.0
         job = job_id or os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID")
         self.job_id = self.coord.broadcast_from_zero(job or uuid.uuid4().hex, None, "manager (job id)")
         self._lease = Lease(self.storage, self.job_id, lease_ttl) if self.coord.rank == 0 else None
@@ -140,13 +154,34 @@ class CheckpointManager:
             try:
                 self._lease.acquire()
                 self._cleanup_leftovers()
+                starts = self._record_start() if self._auto is not None else []
             except BaseException as e:  # noqa: BLE001 - every rank raises
                 err = e
-        self.coord.exchange(None, err, "manager (start)")
+        starts = self.coord.broadcast_from_zero(starts if self._lease is not None and err is None else None, err,
+                                                "manager (start)")
+        if self._auto is not None and not self._mtbf_given:
+            self._auto.mtbf_s = mtbf_from_starts(starts or [], PRIOR_MTBF_HOURS * 3600.0, time.time())
+            self.save_policy = replace(self.save_policy, every_seconds=self._auto.interval_s)
         sigs = (signal.SIGTERM, signal.SIGUSR1) if preemption_signals is None else tuple(preemption_signals)
         if threading.current_thread() is threading.main_thread():
             for sig in sigs:
                 self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+
+    @property
+    def interval_s(self) -> float | None:
+        """The current time interval between saves (``every_seconds``; recomputed after each save when "auto")."""
+        return self.save_policy.every_seconds
+
+    def _record_start(self) -> list[float]:
+        """Rank 0, holding the lease: append this start to root/STARTS (the last 100); return them all."""
+        starts: list[float] = []
+        try:
+            starts = [float(x) for x in json.loads(self.storage.read_all(STARTS))][-99:]
+        except (FileNotFoundError, ValueError, TypeError):
+            starts = []
+        starts.append(time.time())
+        self.storage.put_atomic(STARTS, json.dumps(starts).encode())
+        return starts
 
     # ------------------------------------------------------------------ listing
 
@@ -356,12 +391,15 @@ class CheckpointManager:
             opts = replace(opts, timeout=min(opts.timeout, timeout))
         target = self._step_storage(step)
         self._last_step, self._last_time = step, time.monotonic()
+        t0 = time.perf_counter()
         if wait:
-            save(target, state, process_group=self.process_group, options=opts)
-            self._committed(step, metrics, since)
+            res = save(target, state, process_group=self.process_group, options=opts)
+            self._stall = time.perf_counter() - t0
+            self._committed(step, metrics, since, res)
             return
         handle = async_save(target, state, process_group=self.process_group, options=opts)
         assert handle is not None
+        self._stall = time.perf_counter() - t0
         self._inflight = (step, handle, dict(metrics or {}), since)
 
     def _settle(self) -> None:
@@ -375,11 +413,16 @@ class CheckpointManager:
             return
         step, handle, metrics, since = self._inflight
         self._inflight = None
-        handle.wait()
-        self._committed(step, metrics, since)
+        res = handle.wait()
+        self._committed(step, metrics, since, res)
 
-    def _committed(self, step: int, metrics: Mapping[str, float] | None, since_full: int) -> None:
+    def _committed(self, step: int, metrics: Mapping[str, float] | None, since_full: int, result: Any) -> None:
         self._base = (step, since_full)
+        if self._auto is not None:
+            # per rank (no collective here: ranks see a save finish at different calls); maybe_save agrees on the
+            # time policy's decision anyway
+            self._auto.record(self._stall, float(result.timings.get("total", self._stall)))
+            self.save_policy = replace(self.save_policy, every_seconds=self._auto.interval_s)
         if metrics:
             self._metrics[step] = dict(metrics)
         if self._deleter is not None and self.retention.deletes_anything:

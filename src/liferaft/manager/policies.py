@@ -109,3 +109,42 @@ def referenced_closure(keep: Iterable[int], depends_on: Mapping[int, Iterable[in
                 out.add(d)
                 todo.append(d)
     return out
+
+
+@dataclass
+class AutoInterval:
+    """``every_seconds="auto"``: the save interval from measured costs and a failure rate, by Young/Daly
+    (``planning.goodput.young_daly``), never shorter than the time a save takes to become durable.
+
+    ``mtbf_s``: the mean time between failures (given, or learned from restarts, ``mtbf_from_starts``). Costs are
+    smoothed over saves (``record``): ``stall_s`` is what a save cost the training loop, ``persist_s`` the time
+    until it was committed. Pure state, no I/O.
+    """
+
+    mtbf_s: float
+    stall_s: float = 1.0
+    persist_s: float = 0.0
+    saves: int = 0
+    smoothing: float = 0.5
+
+    def record(self, stall_s: float, persist_s: float) -> None:
+        a = 1.0 if self.saves == 0 else self.smoothing
+        self.stall_s = (1 - a) * self.stall_s + a * max(stall_s, 1e-3)
+        self.persist_s = (1 - a) * self.persist_s + a * max(persist_s, 0.0)
+        self.saves += 1
+
+    @property
+    def interval_s(self) -> float:
+        from liferaft.planning.goodput import young_daly
+
+        return max(young_daly(self.stall_s, self.mtbf_s), self.persist_s, 1.0)
+
+
+def mtbf_from_starts(starts: Sequence[float], prior_s: float, now: float) -> float:
+    """Mean time between failures learned from the start times of a job's processes under one root (each start
+    after the first is a restart): ``(now − first start) / restarts`` once there are two or more restarts,
+    weighted with ``prior_s`` as one pseudo-interval; ``prior_s`` before that."""
+    if len(starts) < 3:
+        return prior_s
+    restarts = len(starts) - 1
+    return (now - min(starts) + prior_s) / (restarts + 1)

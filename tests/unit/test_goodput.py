@@ -1,0 +1,77 @@
+"""The Young/Daly interval, the goodput model, every_seconds="auto" and `liferaft plan` (pure functions and a real
+manager on local files; no timing assertions)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from liferaft import CheckpointManager
+from liferaft.manager.policies import AutoInterval, mtbf_from_starts
+from liferaft.planning.goodput import Cluster, Costs, compare, goodput, young_daly
+
+
+def test_young_daly_matches_the_first_order_formula_for_cheap_checkpoints():
+    c, m = 10.0, 86400.0
+    assert young_daly(c, m) == pytest.approx(math.sqrt(2 * c * m), rel=0.02)
+    assert young_daly(c, m) > young_daly(c, m / 4)          # rarer failures: save less often
+    assert young_daly(100.0, 40.0) == 100.0                  # cost beyond 2·MTBF: capped
+    assert young_daly(0.0, 1000.0) == 0.0
+
+
+def test_the_interval_is_the_optimum_of_the_goodput_model():
+    costs = Costs(stall={"remote": 30.0}, restore={"remote": 60.0}, restart=60.0)
+    cluster = Cluster(gpus=16000)
+    best = young_daly(30.0, 1 / cluster.rate_per_s)
+    remote = {"job": "remote", "node": "remote", "multi": "remote"}
+    g = {f: goodput(costs, cluster, {"remote": best * f}, remote).goodput for f in (0.5, 1.0, 2.0)}
+    assert g[1.0] > g[0.5] and g[1.0] > g[2.0]
+
+
+def test_tiers_win_when_the_remote_tier_is_slow_and_failures_are_frequent():
+    costs = Costs(stall={"memory": 0.2, "remote": 0.2}, persist={"memory": 2.0, "remote": 600.0},
+                  restore={"memory": 1.0, "peer": 3.0, "remote": 600.0}, restart=60.0)
+    plans = compare(costs, Cluster(gpus=100000))
+    fixed, remote_best, tiers = (p.goodput for p in plans)
+    assert tiers > remote_best > fixed
+    assert plans[2].intervals["memory"] < plans[1].intervals["remote"]
+
+
+def test_auto_interval_follows_measured_costs_and_learned_failure_rate():
+    auto = AutoInterval(mtbf_s=3600.0)
+    auto.record(stall_s=2.0, persist_s=10.0)
+    assert auto.interval_s == pytest.approx(young_daly(2.0, 3600.0))
+    auto.record(stall_s=2.0, persist_s=500.0)                 # slow persistence bounds the interval from below
+    assert auto.interval_s >= auto.persist_s > 10.0
+    assert mtbf_from_starts([0.0, 100.0], 3600.0, 200.0) == 3600.0          # too few restarts: the prior
+    assert mtbf_from_starts([0.0, 100.0, 200.0, 300.0], 300.0, 300.0) == pytest.approx(150.0)
+
+
+def test_manager_every_seconds_auto_records_starts_and_recomputes(tmp_path):
+    root = str(tmp_path / "run")
+    model = torch.nn.Linear(64, 64)
+    for _ in range(3):
+        with CheckpointManager(root, every_seconds="auto", async_save=False) as mgr:
+            first = mgr.interval_s                            # from a guessed 1 s stall
+            mgr.maybe_save(0, {"model": model}, force=True)   # this small save stalls far less: save more often
+            assert 1.0 <= mgr.interval_s < first
+    starts = json.loads((tmp_path / "run" / "STARTS").read_text())
+    assert len(starts) == 3 and starts == sorted(starts)
+    with CheckpointManager(root, every_seconds="auto", mtbf_hours=1.0, async_save=False) as mgr:
+        assert mgr.interval_s == pytest.approx(young_daly(1.0, 3600.0))
+
+
+def test_plan_command_prints_the_three_plans_at_each_scale(tmp_path):
+    costs = tmp_path / "c.json"
+    costs.write_text(json.dumps({"stall": {"memory": 0.2, "remote": 0.2}, "persist": {"remote": 300},
+                                 "restore": {"memory": 1, "peer": 3, "remote": 300}, "restart": 60}))
+    out = subprocess.run([sys.executable, "-m", "liferaft", "plan", "--costs", str(costs), "--gpus", "1000,100000"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| 1")]
+    assert len(rows) == 6 and sum("liferaft tiers" in r for r in rows) == 2
