@@ -19,9 +19,10 @@ def node_of(rank: int, per_node: int) -> str:
 
 
 def job(rank: int, world: int, base: str, disk: str, per_node: int, last: int, disk_every: int,
-        kill_at: int = -1) -> tuple[str, int | None, bool]:
+        kill_at: int = -1, kill_ranks: tuple[int, ...] = (1,)) -> tuple[str, int | None, bool]:
     """Restore (memory tier first, then the newest disk checkpoint), then save steps up to ``last``: memory every
-    step, disk every ``disk_every``; rank 1 kill -9s itself right after the memory save of step ``kill_at``.
+    step, disk every ``disk_every``; the ranks in ``kill_ranks`` kill -9 themselves right after the memory save of
+    step ``kill_at`` is complete.
     Returns (where the restore came from, restored step, exact)."""
     tier = MemoryTier("tier-test", node=node_of(rank, per_node), base=base, replicas=1, keep=2)
     st = state_at(rank, world, -1)
@@ -38,7 +39,7 @@ def job(rank: int, world: int, base: str, disk: str, per_node: int, last: int, d
     for step in range(0 if start is None else start + 1, last + 1):
         now = state_at(rank, world, step)
         tier.save(step, now)
-        if step == kill_at and rank == 1:
+        if step == kill_at and rank in kill_ranks:
             tier.wait()
             os.kill(os.getpid(), signal.SIGKILL)
         if step % disk_every == 0:
@@ -65,17 +66,22 @@ def unused(*_: Any) -> None:
     torch.zeros(1)
 
 
-def managed(rank: int, world: int, base: str, root: str, per_node: int, last: int) -> tuple[int | None, bool]:
-    """CheckpointManager with a memory tier: root every 4 steps, memory at the other steps; restore, go on."""
+def managed(rank: int, world: int, base: str, root: str, per_node: int, last: int,
+            drain: bool = True) -> tuple[int | None, bool, dict]:
+    """CheckpointManager with a memory tier: every step to memory, every 4 steps drained to the root (or saved to
+    it directly); restore, go on. Each step waits for the memory tier (a step of a real loop takes longer than
+    this tiny save), so that no memory save is skipped as busy."""
     from liferaft import CheckpointManager
 
     tier = MemoryTier("tier-test", node=node_of(rank, per_node), base=base)
     st = state_at(rank, world, -1)
-    with CheckpointManager(root, every_steps=4, memory=tier, job_id="tier-job", lease_ttl=5.0) as mgr:
+    with CheckpointManager(root, every_steps=4, memory=tier, drain=drain, job_id="tier-job", lease_ttl=5.0) as mgr:
         start = mgr.restore(st)
         exact = start is None or _equal(st, state_at(rank, world, start))
+        info = dict(tier.last_restore)
         for step in range(0 if start is None else start + 1, last + 1):
             mgr.maybe_save(step, state_at(rank, world, step))
+            tier.wait()
         mgr.wait()
-        tier.wait()
-    return start, exact
+        info["listing"] = [(i.step, i.tiers) for i in mgr.steps()]
+    return start, exact, info

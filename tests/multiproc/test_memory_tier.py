@@ -50,6 +50,15 @@ def test_a_lost_node_restores_from_peer_replicas(base, tmp_path):
     assert out == [("memory", 3, True)] * 4, out
 
 
+def test_a_node_killed_mid_run_restores_from_peer_replicas(base, tmp_path):
+    disk = str(tmp_path / "disk")
+    with pytest.raises(RankFailure):                                      # node 1's ranks die after step 3 ...
+        run_ranks(job, 4, base, disk, 2, 6, 100, 3, (2, 3), timeout=120)
+    shutil.rmtree(os.path.join(base, "tier-test", "n1"))                 # ... and its memory with them
+    out = run_ranks(job, 4, base, disk, 2, 4, 100, timeout=120)
+    assert out == [("memory", 3, True)] * 4, out
+
+
 def test_losing_both_replicas_falls_back_to_disk(base, tmp_path):
     disk = str(tmp_path / "disk")
     run_ranks(job, 4, base, disk, 2, 3, 2, timeout=120)                   # disk has step 2; memory 2 and 3
@@ -77,10 +86,28 @@ def test_manager_restores_from_memory_when_it_is_newest_else_from_the_root(base,
     from multiproc._tier_ranks import managed
 
     root = str(tmp_path / "root")
-    assert run_ranks(managed, 4, base, root, 2, 6, timeout=120) == [(None, True)] * 4
-    # memory saved steps 1-3, 5, 6 (root: 0 and 4; a memory save is skipped while the previous one still runs)
-    newest = max(int(f[5:15]) for f in held(base)["n0"] if f.endswith("/COMMIT"))
-    assert newest >= 5
-    assert run_ranks(managed, 4, base, root, 2, 6, timeout=120) == [(newest, True)] * 4
+    assert [o[:2] for o in run_ranks(managed, 4, base, root, 2, 6, timeout=120)] == [(None, True)] * 4
+    # memory: step 6 (keep=1); root: steps 0 and 4, drained from memory (the same saves, copied, not re-staged)
+    assert sorted(d for d in os.listdir(root) if d.startswith("step-")) == ["step-0000000000", "step-0000000004"]
+    out = run_ranks(managed, 4, base, root, 2, 6, timeout=120)
+    assert [o[:2] for o in out] == [(6, True)] * 4 and all(o[2]["step"] == 6 for o in out)
+    assert out[0][2]["listing"] == [(0, ("root",)), (4, ("root",)), (6, ("memory",))]
     shutil.rmtree(os.path.join(base, "tier-test"))                       # every node lost
-    assert run_ranks(managed, 4, base, root, 2, 6, timeout=120) == [(4, True)] * 4
+    assert [o[:2] for o in run_ranks(managed, 4, base, root, 2, 6, timeout=120)] == [(4, True)] * 4
+
+
+def test_tiers_mix_when_both_copies_of_some_ranks_are_lost(base, tmp_path):
+    from multiproc._tier_ranks import managed
+
+    root = str(tmp_path / "root")
+    run_ranks(managed, 4, base, root, 2, 4, timeout=120)                  # step 4: memory and drained to root
+    shutil.rmtree(os.path.join(base, "tier-test", "n1"))                 # node 1 lost, and with it ...
+    for r in (2, 3):                                                      # ... the replicas of its ranks on node 0
+        for d, _, fs in os.walk(os.path.join(base, "tier-test", "n0")):
+            for f in fs:
+                if f == f"r{r:05d}.bin":
+                    os.remove(os.path.join(d, f))
+    out = run_ranks(managed, 4, base, root, 2, 4, timeout=120)
+    assert [o[:2] for o in out] == [(4, True)] * 4
+    info = out[0][2]                       # rank 0 leads node 0: ranks 2 and 3's files came from the root's copy
+    assert info["step"] == 4 and info["files_from_fallback"] == 2, out

@@ -65,6 +65,7 @@ class StepInfo:
     metrics: Mapping[str, float] = field(default_factory=dict)
     pinned: bool = False
     depends_on: tuple[int, ...] = ()       # steps holding chunks this one references (incremental saves)
+    tiers: tuple[str, ...] = ()            # where a committed copy is: "root", "memory" (this node's namespace)
     since_full: int | None = None          # saves since the last full (self-contained) one; 0: this is one
 
 
@@ -83,8 +84,10 @@ class CheckpointManager:
     or an unfinished one. ``async_save=True`` returns from ``maybe_save`` once the snapshot is taken.
 
     Memory tier (``memory=MemoryTier(...)``, docs/TIERS.md): every ``memory_every`` steps the state is also saved
-    into node-local shared memory with replicas on other nodes (skipped while a save to the root is in flight);
-    ``restore`` loads from there when the memory tier holds a step at least as new as the root's newest.
+    into node-local shared memory with replicas on other nodes (skipped while the previous one still runs). With
+    ``drain=True`` (default) a save to the root is a memory save drained to the root in the background (the same
+    checkpoint, copied from memory, not re-staged; a full one). ``restore`` loads from memory when it holds a step
+    at least as new as the root's newest, taking files no live node holds from the root's copy of that step.
 
     Incremental saves (``incremental=True``, the default): each save references the chunks that did not change
     since the previous committed step instead of writing them again; every ``full_every``-th save is a full,
@@ -104,7 +107,7 @@ class CheckpointManager:
                  load_options: LoadOptions | None = None, preemption_signals: Iterable[int] | None = None,
                  preemption_deadline: float = 120.0,
                  job_id: str | None = None, lease_ttl: float = 30.0, incremental: bool = True,
-                 full_every: int = 10, memory: Any = None, memory_every: int = 1,
+                 full_every: int = 10, memory: Any = None, memory_every: int = 1, drain: bool = True,
                  mtbf_hours: float | None = None) -> None:
         if full_every < 1:
             raise OptionsError(f"full_every must be at least 1, got {full_every}")
@@ -112,6 +115,8 @@ class CheckpointManager:
         if memory_every < 1:
             raise OptionsError(f"memory_every must be at least 1, got {memory_every}")
         self.memory, self.memory_every = memory, memory_every       # a liferaft.tiers.memory.MemoryTier
+        self.drain = drain and memory is not None
+        self._draining: tuple[int, Mapping[str, float]] | None = None
         self._base: tuple[int, int] | None = None       # (newest committed step, its saves since a full one)
         self._auto: AutoInterval | None = None
         if every_seconds == "auto":
@@ -230,9 +235,19 @@ class CheckpointManager:
         return out
 
     def steps(self, verify: bool = False) -> list[StepInfo]:
-        """Every step under the root with its status, oldest first. ``verify`` re-hashes every committed step
-        (reads all its data). Not collective."""
-        return self._list(deep=verify)
+        """Every step under the root, and in this node's memory tier, with its status and the tiers holding a
+        committed copy, oldest first. ``verify`` re-hashes every committed step under the root (reads all its
+        data). Not collective: a memory-tier step is listed as this node sees it (its data may be spread over
+        the nodes)."""
+        out = {i.step: replace(i, tiers=("root",) if i.status == "committed" else ()) for i in self._list(deep=verify)}
+        if self.memory is not None:
+            for step in self.memory.local_steps():
+                info = out.get(step)
+                if info is None:
+                    out[step] = StepInfo(step, self.memory.step_storage(step).url, "committed", tiers=("memory",))
+                else:
+                    out[step] = replace(info, status="committed", tiers=info.tiers + ("memory",))
+        return [out[s] for s in sorted(out)]
 
     def _cleanup_leftovers(self) -> None:
         """Rank 0, holding the lease: remove steps of saves that never committed (no job writes them now)."""
@@ -318,7 +333,8 @@ class CheckpointManager:
         newest = max((i.step for i in listing if i.status == "committed"), default=None)
         try:
             got = self.memory.restore(state, options=self.load_options,
-                                      newer_than=None if newest is None else newest - 1)
+                                      newer_than=None if newest is None else newest - 1,
+                                      fallback=self._step_storage)
         except LiferaftError as e:          # collective: every rank falls back together
             warnings.warn(f"liferaft: the memory tier could not be restored ({type(e).__name__}: {e}); "
                           "restoring from the root", stacklevel=3)
@@ -353,6 +369,9 @@ class CheckpointManager:
             self.memory.save(step, state, options=replace(self.save_options, if_busy="skip"))
         if reason is None or (self._last_step == step and not force):
             return False
+        if self.drain and not preempt:
+            self._drain_save(step, state, metrics, reason)
+            return True
         if preempt:
             t0 = time.monotonic()
             self._save(step, state, metrics, reason, wait=True, timeout=self.preemption_deadline)
@@ -364,6 +383,28 @@ class CheckpointManager:
             return True
         self._save(step, state, metrics, reason, wait=not self.async_save)
         return True
+
+    def _drain_save(self, step: int, state: Any, metrics: Mapping[str, float] | None, reason: str) -> None:
+        """Save into the memory tier and drain that copy to the root in the background."""
+        self.wait()
+        err: BaseException | None = None
+        if self._lease is not None:
+            try:
+                self._lease.check()
+            except BaseException as e:  # noqa: BLE001
+                err = e
+        self.coord.exchange(None, err, "save (lease)")
+        meta = {**dict(self.save_options.metadata), "step": step, "reason": reason,
+                "metrics": {k: float(v) for k, v in (metrics or {}).items()}, "job_id": self.job_id,
+                "since_full": 0}
+        self._last_step, self._last_time = step, time.monotonic()
+        t0 = time.perf_counter()
+        self.memory.save(step, state, options=replace(self.save_options, metadata=meta, if_busy="wait"),
+                         drain_to=self._step_storage(step), wait=not self.async_save)
+        self._stall = time.perf_counter() - t0
+        self._draining = (step, dict(metrics or {}))
+        if not self.async_save:
+            self.wait()
 
     def save(self, step: int, state: Any, metrics: Mapping[str, float] | None = None) -> None:
         """Save now, whatever the policies say (same waiting rules as ``maybe_save``)."""
@@ -406,9 +447,16 @@ class CheckpointManager:
         """If the save in flight has finished, account for it (raises its error)."""
         if self._inflight is not None and self._inflight[1].done():
             self.wait()
+        if self._draining is not None and not self.memory.busy:
+            self.wait()
 
     def wait(self) -> None:
         """Wait for the save in flight (raises what it raised, on every rank)."""
+        if self._draining is not None:
+            step, metrics = self._draining
+            self._draining = None
+            self.memory.wait()
+            self._committed(step, metrics, 0, None)
         if self._inflight is None:
             return
         step, handle, metrics, since = self._inflight
@@ -421,7 +469,8 @@ class CheckpointManager:
         if self._auto is not None:
             # per rank (no collective here: ranks see a save finish at different calls); maybe_save agrees on the
             # time policy's decision anyway
-            self._auto.record(self._stall, float(result.timings.get("total", self._stall)))
+            persist = float(result.timings.get("total", self._stall)) if result is not None else self._stall
+            self._auto.record(self._stall, persist)
             self.save_policy = replace(self.save_policy, every_seconds=self._auto.interval_s)
         if metrics:
             self._metrics[step] = dict(metrics)

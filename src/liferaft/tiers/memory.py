@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -27,6 +27,7 @@ from liferaft.dist import Coordinator
 from liferaft.errors import LiferaftError, OptionsError
 from liferaft.format.manifest import COMMIT_MARKER, decode_commit_marker
 from liferaft.options import LoadOptions, SaveOptions
+from liferaft.storage.base import Storage
 from liferaft.storage.posix import PosixStorage
 
 DEFAULT_BASE = "/dev/shm/liferaft"
@@ -75,6 +76,9 @@ class MemoryTier:
         self.rank, self.world = self.coord.rank, self.coord.world
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self.drained: int | None = None
+        #: what the last restore did: {"step", "files_from_peers", "files_from_fallback"} (for logs and tests)
+        self.last_restore: dict[str, Any] = {}
         self._handle: Any = None
 
     # ------------------------------------------------------------------ layout
@@ -106,11 +110,15 @@ class MemoryTier:
 
     # ------------------------------------------------------------------ save
 
-    def save(self, step: int, state: Any, *, wait: bool = False, options: SaveOptions | None = None) -> None:
+    def save(self, step: int, state: Any, *, wait: bool = False, options: SaveOptions | None = None,
+             drain_to: Storage | None = None) -> None:
         """Save ``state`` as ``step`` into the memory tier (collective). Returns once the snapshot is taken; the
         write to shared memory, the commit on every node and the replication run in the background (``wait=True``:
         return when done). A save of the tier still running is waited for first; its error is raised here. With
-        ``options.if_busy="skip"`` the step is skipped (on every rank) while another save of this process runs."""
+        ``options.if_busy="skip"`` the step is skipped (on every rank) while another save of this process runs.
+        ``drain_to``: also copy the checkpoint to this (slower) tier in the background, from shared memory —
+        every rank its own data file, then rank 0 commits there: the same checkpoint, not re-staged from the
+        model; ``drained`` is then set to ``step``."""
         from liferaft.api import async_save
 
         opts = options or SaveOptions()
@@ -128,11 +136,16 @@ class MemoryTier:
         if handle is None:              # if_busy="skip": another save of this process is in flight
             return
         self._handle = handle
-        self._thread = threading.Thread(target=self._finish, args=(step, handle), name="liferaft-memory-tier",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._finish, args=(step, handle, drain_to),
+                                        name="liferaft-memory-tier", daemon=True)
         self._thread.start()
         if wait:
             self.wait()
+
+    @property
+    def busy(self) -> bool:
+        """True while a save of this tier runs in the background (on this rank)."""
+        return self._thread is not None and self._thread.is_alive()
 
     def wait(self) -> None:
         """Wait for the tier's save in flight; raise what it raised (on every rank)."""
@@ -143,8 +156,8 @@ class MemoryTier:
         if err is not None:
             raise err
 
-    def _finish(self, step: int, handle: Any) -> None:
-        """Background: wait for the local commit, then commit on every node, replicate, drop old steps."""
+    def _finish(self, step: int, handle: Any, drain_to: Storage | None) -> None:
+        """Background: wait for the local commit, then commit on every node, replicate, drain, drop old steps."""
         err: BaseException | None = None
         try:
             handle.wait()
@@ -161,9 +174,33 @@ class MemoryTier:
             self._commit_on_node(step, marker, manifest)
             self.bg.exchange(None, None, "memory tier (committed)")
             self._replicate(step)
+            if drain_to is not None:
+                self._drain(step, drain_to, marker, manifest)
             self._drop_old(step)
         except BaseException as e:  # noqa: BLE001 - raised on the next save/wait
             self._error = e
+
+    def _drain(self, step: int, target: Storage, marker: bytes, manifest: tuple[str, bytes]) -> None:
+        """Copy the step to ``target``: each rank its own data file, then rank 0 the manifest and the marker (the
+        commit protocol of docs/FORMAT.md §8, with the bytes already in memory)."""
+        err: BaseException | None = None
+        try:
+            mine = self._own_file(step)
+            if mine is not None:
+                copy_file(self.step_storage(step), mine, target)
+            target.sync()
+        except BaseException as e:  # noqa: BLE001
+            err = e
+        self.bg.exchange(None, err, "memory tier (drain)")
+        try:
+            if self.rank == 0:
+                target.put_atomic(manifest[0], manifest[1])
+                target.sync()
+                target.put_atomic(COMMIT_MARKER, marker)
+        except BaseException as e:  # noqa: BLE001
+            err = e
+        self.bg.exchange(None, err, "memory tier (drain commit)")
+        self.drained = step
 
     def _commit_on_node(self, step: int, marker: bytes, manifest: tuple[str, bytes]) -> None:
         """The lowest rank of each node other than rank 0's writes the manifest, then the marker."""
@@ -200,10 +237,13 @@ class MemoryTier:
 
     # ------------------------------------------------------------------ restore
 
-    def restore(self, state: Any, *, options: LoadOptions | None = None, newer_than: int | None = None) -> int | None:
+    def restore(self, state: Any, *, options: LoadOptions | None = None, newer_than: int | None = None,
+                fallback: Callable[[int], Storage] | None = None) -> int | None:
         """Load the newest step that the live nodes hold completely into ``state`` (collective); None if there is
         none (or none newer than ``newer_than``). Files this node lacks are first copied from a rank that holds
-        them; everything is verified on load (a damaged copy raises CorruptCheckpointError on every rank)."""
+        them — or, for a step also drained to a slower tier (``fallback(step)``: that tier's checkpoint of the
+        step, the same save), from there when no live node holds them: tiers mix when replicas were lost.
+        Everything is verified on load (a damaged copy raises CorruptCheckpointError on every rank)."""
         from liferaft.api import load
 
         self.wait()
@@ -211,6 +251,12 @@ class MemoryTier:
         everyone = self.coord.exchange({s: v for s, v in listing.items() if v is not None}, None,
                                        "memory tier (listing)")
         step, holder = newest_complete(everyone)
+        mixed = None
+        if fallback is not None:
+            mixed = self.coord.broadcast_from_zero(
+                _newest_mixed(everyone, fallback, step) if self.rank == 0 else None, None, "memory tier (mix)")
+        if mixed is not None:
+            step, holder = mixed
         if step is None or (newer_than is not None and step <= newer_than):
             return None
         st = self.step_storage(step)
@@ -222,7 +268,15 @@ class MemoryTier:
             meta = (marker, name, st.read_all(name))
         meta = self.coord.exchange(meta, None, "memory tier (manifest)")[holder]
         sends, recvs = fetch_plan(everyone, step, self.nodes, self.rank)
+        from_fallback = 0
         try:
+            if mixed is not None and self._leader():        # what no live node holds: from the slower tier
+                assert fallback is not None
+                have = {n for held in everyone for n in held.get(step, ((), {}))[1]}
+                for name in sorted(set(everyone[holder][step][0]) - have):
+                    copy_file(fallback(step), name, st)
+                    from_fallback += 1
+                st.sync()
             transfer_files(self.coord, st, sends, recvs, self.rank)
             if self._leader() and not os.path.isfile(os.path.join(st.root, COMMIT_MARKER)):
                 st.put_atomic(meta[1], meta[2])
@@ -231,13 +285,15 @@ class MemoryTier:
             err = e
         self.coord.exchange(None, err, "memory tier (fetch)")
         load(st, state, process_group=self.process_group, options=options)
+        self.last_restore = {"step": step, "files_from_peers": len(recvs), "files_from_fallback": from_fallback}
         return step
 
     def _leader(self) -> bool:
         return min(r for r, m in enumerate(self.nodes) if m == self.node) == self.rank
 
-    def _listing(self, step: int) -> tuple[tuple[str, ...], dict[str, int]] | None:
-        """(data files the step's manifest names, data files this node holds with sizes); None if unreadable."""
+    def _listing(self, step: int) -> tuple[tuple[str, ...], dict[str, int], str] | None:
+        """(data files the step's manifest names, data files this node holds with sizes, manifest name); None if
+        unreadable."""
         from liferaft.reading import open_checkpoint
 
         st = self.step_storage(step)
@@ -249,7 +305,7 @@ class MemoryTier:
         for name in st.list():
             if name.startswith("data/"):
                 held[name] = os.path.getsize(os.path.join(st.root, *name.split("/")))
-        return tuple(sorted(m.files)), held
+        return tuple(sorted(m.files)), held, f"manifest-{m.save_id}.json"
 
     def release(self) -> None:
         """Free this node's shared memory of this job (a clean exit). Not collective."""
@@ -257,7 +313,7 @@ class MemoryTier:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-def newest_complete(everyone: list[dict[int, tuple[tuple[str, ...], dict[str, int]]]]) -> tuple[int | None, int]:
+def newest_complete(everyone: list[dict[int, Any]]) -> tuple[int | None, int]:
     """The newest step whose every data file some rank holds at the size its manifest needs, and the lowest rank
     holding its commit ((None, -1) if there is none). Pure: the same on every rank."""
     for step in sorted({s for held in everyone for s in held}, reverse=True):
@@ -269,7 +325,24 @@ def newest_complete(everyone: list[dict[int, tuple[tuple[str, ...], dict[str, in
     return None, -1
 
 
-def fetch_plan(everyone: list[dict[int, tuple[tuple[str, ...], dict[str, int]]]], step: int, nodes: list[str],
+def _newest_mixed(everyone: list[dict[int, Any]], fallback: Callable[[int], Storage],
+                  complete: int | None) -> tuple[int, int] | None:
+    """Rank 0: the newest step newer than ``complete`` that memory holds in part and the slower tier holds as the
+    same save (its commit names the same manifest), with a rank holding its memory commit; None if none."""
+    for step in sorted({s for held in everyone for s in held}, reverse=True):
+        if complete is not None and step <= complete:
+            return None
+        holders = [r for r, held in enumerate(everyone) if step in held]
+        try:
+            marker = decode_commit_marker(fallback(step).read_all(COMMIT_MARKER))
+        except (OSError, LiferaftError):
+            continue
+        if marker.manifest == everyone[holders[0]][step][2]:
+            return step, holders[0]
+    return None
+
+
+def fetch_plan(everyone: list[dict[int, Any]], step: int, nodes: list[str],
                rank: int) -> tuple[list[tuple[int, str, int]], list[tuple[int, str, int]]]:
     """(sends, recvs) of ``rank``: for each node lacking a data file of ``step``, its lowest rank receives it from
     the lowest rank holding it. Pure: the same plan on every rank."""
@@ -292,6 +365,27 @@ def fetch_plan(everyone: list[dict[int, tuple[tuple[str, ...], dict[str, int]]]]
             if leader == rank:
                 recvs.append((src, name, size))
     return sends, recvs
+
+
+def copy_file(src: Storage, name: str, dst: Storage) -> None:
+    """Copy file ``name`` from ``src`` to ``dst`` (durable), in pieces through a page-aligned buffer (O_DIRECT where
+    ``dst`` allows)."""
+    from liferaft.staging.pool import page_aligned_empty
+
+    size = src.size(name)
+    buf = page_aligned_empty(max(4096, min(size, PIECE)))
+    mv = memoryview(buf.numpy())
+    w = dst.open_writer(name)
+    try:
+        for off in range(0, size, PIECE):
+            n = min(PIECE, size - off)
+            if src.read_into(name, off, mv[:n]) != n:
+                raise LiferaftError(f"{src.url}/{name}: short read while copying it to {dst.url}")
+            w.pwrite(mv[:n], off)
+        w.close()
+    except BaseException:
+        w.abort()
+        raise
 
 
 def transfer_files(coord: Coordinator, storage: PosixStorage, sends: list[tuple[int, str, int]],
