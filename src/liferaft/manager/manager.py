@@ -107,14 +107,18 @@ class CheckpointManager:
                  load_options: LoadOptions | None = None, preemption_signals: Iterable[int] | None = None,
                  preemption_deadline: float = 120.0,
                  job_id: str | None = None, lease_ttl: float = 30.0, incremental: bool = True,
-                 full_every: int = 10, memory: Any = None, memory_every: int = 1, drain: bool = True,
+                 full_every: int = 10, memory: Any = None, memory_every: int | str = 1, drain: bool = True,
                  mtbf_hours: float | None = None) -> None:
         if full_every < 1:
             raise OptionsError(f"full_every must be at least 1, got {full_every}")
         self.incremental, self.full_every = incremental, full_every
-        if memory_every < 1:
-            raise OptionsError(f"memory_every must be at least 1, got {memory_every}")
+        self._mem_auto: AutoInterval | None = None
+        if memory_every == "auto":          # seconds, by Young/Daly for the failures memory covers
+            self._mem_auto = AutoInterval(mtbf_s=(mtbf_hours or PRIOR_MTBF_HOURS) * 3600.0, stall_s=0.1)
+        elif isinstance(memory_every, str) or memory_every < 1:
+            raise OptionsError(f"memory_every must be a number of steps ≥ 1 or 'auto', got {memory_every!r}")
         self.memory, self.memory_every = memory, memory_every       # a liferaft.tiers.memory.MemoryTier
+        self._mem_last = time.monotonic()
         self.drain = drain and memory is not None
         self._draining: tuple[int, Mapping[str, float]] | None = None
         self._base: tuple[int, int] | None = None       # (newest committed step, its saves since a full one)
@@ -159,14 +163,18 @@ class CheckpointManager:
             try:
                 self._lease.acquire()
                 self._cleanup_leftovers()
-                starts = self._record_start() if self._auto is not None else []
+                starts = self._record_start() if self._auto is not None or self._mem_auto is not None else []
             except BaseException as e:  # noqa: BLE001 - every rank raises
                 err = e
         starts = self.coord.broadcast_from_zero(starts if self._lease is not None and err is None else None, err,
                                                 "manager (start)")
-        if self._auto is not None and not self._mtbf_given:
-            self._auto.mtbf_s = mtbf_from_starts(starts or [], PRIOR_MTBF_HOURS * 3600.0, time.time())
-            self.save_policy = replace(self.save_policy, every_seconds=self._auto.interval_s)
+        if not self._mtbf_given and (self._auto is not None or self._mem_auto is not None):
+            mtbf = mtbf_from_starts(starts or [], PRIOR_MTBF_HOURS * 3600.0, time.time())
+            for auto in (self._auto, self._mem_auto):
+                if auto is not None:
+                    auto.mtbf_s = mtbf
+            if self._auto is not None:
+                self.save_policy = replace(self.save_policy, every_seconds=self._auto.interval_s)
         sigs = (signal.SIGTERM, signal.SIGUSR1) if preemption_signals is None else tuple(preemption_signals)
         if threading.current_thread() is threading.main_thread():
             for sig in sigs:
@@ -176,6 +184,11 @@ class CheckpointManager:
     def interval_s(self) -> float | None:
         """The current time interval between saves (``every_seconds``; recomputed after each save when "auto")."""
         return self.save_policy.every_seconds
+
+    @property
+    def memory_interval_s(self) -> float | None:
+        """With ``memory_every="auto"``: the current time interval between memory-tier saves."""
+        return self._mem_auto.interval_s if self._mem_auto is not None else None
 
     def _record_start(self) -> list[float]:
         """Rank 0, holding the lease: append this start to root/STARTS (the last 100); return them all."""
@@ -357,16 +370,23 @@ class CheckpointManager:
         save still in flight is waited for first), else once the step is committed."""
         reason = "force" if force else self.save_policy.due(step, time.monotonic(), self._last_step, self._last_time)
         preempt = self._signalled.is_set()
-        if self.coord.world > 1 and (self.save_policy.every_seconds is not None or self._old_handlers):
-            votes = self.coord.exchange((reason, preempt), None, "maybe_save (agree)")
-            reason = next((r for r, _ in votes if r), None)
-            preempt = any(p for _, p in votes)
+        mem_due = self._memory_due(step)
+        if self.coord.world > 1 and (self.save_policy.every_seconds is not None or self._old_handlers
+                                     or self._mem_auto is not None):
+            votes = self.coord.exchange((reason, preempt, mem_due), None, "maybe_save (agree)")
+            reason = next((r for r, _, _ in votes if r), None)
+            preempt = any(p for _, p, _ in votes)
+            mem_due = any(m for _, _, m in votes)
         self._settle()
         if preempt:
             reason = reason or "preemption"
-        if self.memory is not None and step % self.memory_every == 0 and reason is None and not preempt:
+        if mem_due and reason is None and not preempt:
             # (skipped on every rank while the previous memory save or a save to the root is still running)
+            t0 = time.perf_counter()
             self.memory.save(step, state, options=replace(self.save_options, if_busy="skip"))
+            if self._mem_auto is not None:
+                self._mem_auto.record(time.perf_counter() - t0, 0.0)
+            self._mem_last = time.monotonic()
         if reason is None or (self._last_step == step and not force):
             return False
         if self.drain and not preempt:
@@ -383,6 +403,14 @@ class CheckpointManager:
             return True
         self._save(step, state, metrics, reason, wait=not self.async_save)
         return True
+
+    def _memory_due(self, step: int) -> bool:
+        """Whether the memory tier saves at ``step`` (this rank's view; agreed in ``maybe_save``)."""
+        if self.memory is None:
+            return False
+        if self._mem_auto is None:
+            return step % int(self.memory_every) == 0
+        return time.monotonic() - self._mem_last >= self._mem_auto.interval_s
 
     def _drain_save(self, step: int, state: Any, metrics: Mapping[str, float] | None, reason: str) -> None:
         """Save into the memory tier and drain that copy to the root in the background."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
+import time
 from typing import Any, Callable
 
 import torch
@@ -58,16 +59,19 @@ class MemoryTier:
 
     ``node`` identifies this process's node (default: ``default_node()``; tests give each simulated node its own
     name); ``base`` is a tmpfs folder; ``keep`` steps stay in memory (older ones are dropped once a newer one is
-    complete on every node). ``release()`` frees this node's memory (a clean exit).
+    complete on every node). ``bandwidth`` caps the replication traffic each rank sends (bytes/s; None: as fast as
+    the network goes), so that it leaves the training's own collectives room. ``release()`` frees this node's
+    memory (a clean exit).
     """
 
     def __init__(self, job_id: str, *, node: str | None = None, base: str = DEFAULT_BASE, replicas: int = 1,
-                 keep: int = 1, process_group: Any = None, timeout: float = 600.0) -> None:
+                 keep: int = 1, process_group: Any = None, timeout: float = 600.0,
+                 bandwidth: float | None = None) -> None:
         if replicas < 0 or keep < 1 or not job_id or "/" in job_id:
             raise OptionsError(f"MemoryTier: need a job id without '/', replicas ≥ 0, keep ≥ 1 (got {job_id!r}, "
                                f"{replicas}, {keep})")
         self.job_id, self.node, self.replicas, self.keep = job_id, node or default_node(), replicas, keep
-        self.process_group, self.timeout = process_group, timeout
+        self.process_group, self.timeout, self.bandwidth = process_group, timeout, bandwidth
         self.root = os.path.join(base, job_id, self.node)
         self.storage = PosixStorage(self.root, direct_io=False)
         self.coord = Coordinator(process_group, timeout)
@@ -225,7 +229,7 @@ class MemoryTier:
         recvs = [(src, name, n) for src, (name, n) in enumerate(files)
                  if name and src != self.rank and self.rank in self.replica_targets(src)
                  and self.nodes[src] != self.node]
-        transfer_files(self.bg, self.step_storage(step), sends, recvs, self.rank)
+        transfer_files(self.bg, self.step_storage(step), sends, recvs, self.rank, self.bandwidth)
 
     def _drop_old(self, newest: int) -> None:
         """Remove steps beyond ``keep`` from this node once ``newest`` is committed everywhere (rank-local)."""
@@ -389,10 +393,11 @@ def copy_file(src: Storage, name: str, dst: Storage) -> None:
 
 
 def transfer_files(coord: Coordinator, storage: PosixStorage, sends: list[tuple[int, str, int]],
-                   recvs: list[tuple[int, str, int]], rank: int) -> None:
+                   recvs: list[tuple[int, str, int]], rank: int, bandwidth: float | None = None) -> None:
     """Copy whole files between ranks: ``sends`` (to rank, name, size) are read from ``storage`` and sent in
     pieces; ``recvs`` (from rank, name, size) are written to ``storage`` under the same name (durable). Every
-    rank must call it with its part of one plan; the order of messages is that of the sorted plan."""
+    rank must call it with its part of one plan; the order of messages is that of the sorted plan. ``bandwidth``
+    (bytes/s) paces the sends."""
     if coord.world == 1 or (not sends and not recvs):
         return
     ops = sorted([(name, "send", peer, size) for peer, name, size in sends] +
@@ -403,10 +408,16 @@ def transfer_files(coord: Coordinator, storage: PosixStorage, sends: list[tuple[
         if kind == "send":
             path = os.path.join(storage.root, *name.split("/"))
             with open(path, "rb") as f:
+                t_start, sent = time.monotonic(), 0
                 for off in range(0, size, PIECE):
                     n = min(PIECE, size - off)
                     f.readinto(memoryview(buf.numpy())[:n])
                     coord.isend(buf[:n], peer, tag).wait()
+                    sent += n
+                    if bandwidth:
+                        ahead = sent / bandwidth - (time.monotonic() - t_start)
+                        if ahead > 0:
+                            time.sleep(ahead)
         else:
             w = storage.open_writer(name)
             try:

@@ -1,0 +1,82 @@
+"""The memory tier in one process: another job's namespace is never read, a damaged copy is refused, the
+manager falls back to the root, memory_every="auto", release, and the pure planning functions."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+import warnings
+
+import pytest
+import torch
+
+import liferaft
+from liferaft import CheckpointManager
+from liferaft.tiers.memory import MemoryTier, fetch_plan, newest_complete
+
+
+@pytest.fixture
+def base():
+    path = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else "/tmp", f"liferaft-unit-{uuid.uuid4().hex[:8]}")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def state(v: float):
+    return {"w": torch.full((256, 256), v), "step": int(v)}
+
+
+def test_a_namespace_belongs_to_one_job(base):
+    MemoryTier("job-a", node="n0", base=base).save(3, state(3.0), wait=True)
+    assert MemoryTier("job-b", node="n0", base=base).restore(state(0.0)) is None
+    got = state(0.0)
+    assert MemoryTier("job-a", node="n0", base=base).restore(got) == 3 and torch.equal(got["w"], state(3.0)["w"])
+
+
+def test_a_damaged_copy_is_refused_and_the_manager_falls_back_to_the_root(base, tmp_path):
+    tier = MemoryTier("job", node="n0", base=base)
+    root = str(tmp_path / "root")
+    with CheckpointManager(root, every_steps=10, memory=tier, async_save=False) as mgr:
+        for step in range(3):
+            mgr.maybe_save(step, state(float(step)))
+            tier.wait()
+    data = [os.path.join(d, f) for d, _, fs in os.walk(tier.root) for f in fs if f.endswith(".bin")]
+    with open(data[0], "r+b") as f:
+        f.seek(100)
+        f.write(b"\xff" * 8)
+    with pytest.raises(liferaft.CorruptCheckpointError):
+        MemoryTier("job", node="n0", base=base).restore(state(0.0))
+    got = state(-1.0)
+    with CheckpointManager(root, memory=MemoryTier("job", node="n0", base=base)) as mgr:
+        with pytest.warns(UserWarning, match="memory tier could not be restored"):
+            assert mgr.restore(got) == 0                   # the root's newest: step 0
+    assert got["step"] == 0
+
+
+def test_memory_every_auto_saves_by_time_and_release_frees_memory(base, tmp_path):
+    tier = MemoryTier("job", node="n0", base=base, keep=2)
+    with CheckpointManager(str(tmp_path / "root"), every_steps=1000, memory=tier, memory_every="auto",
+                           mtbf_hours=1e-4, async_save=False) as mgr:     # failures every 0.36 s: save often
+        assert mgr.memory_interval_s is not None and mgr.memory_interval_s < 5
+        for step in range(1, 4):
+            mgr.maybe_save(step, state(float(step)))
+            tier.wait()
+            import time
+            time.sleep(mgr.memory_interval_s + 0.01)
+    assert tier.local_steps() == [2, 3]
+    tier.release()
+    assert not os.path.exists(tier.root)
+
+
+def test_replica_targets_and_plans_are_pure():
+    t = MemoryTier.__new__(MemoryTier)
+    t.nodes, t.replicas = ["a", "a", "b", "b", "c", "c"], 2
+    assert t.replica_targets(0) == [2, 4] and t.replica_targets(5) == [1, 3]
+    everyone = [{7: (("data/x/r0.bin", "data/x/r1.bin"), {"data/x/r0.bin": 10, "data/x/r1.bin": 10}, "m")},
+                {}, {7: (("data/x/r0.bin", "data/x/r1.bin"), {"data/x/r1.bin": 10}, "m")}, {}]
+    assert newest_complete(everyone) == (7, 0)
+    nodes = ["a", "a", "b", "b"]
+    assert fetch_plan(everyone, 7, nodes, 0) == ([(2, "data/x/r0.bin", 10)], [])    # to node b's leader
+    assert fetch_plan(everyone, 7, nodes, 2) == ([], [(0, "data/x/r0.bin", 10)])
+    assert newest_complete([{7: (("f1", "f2"), {"f1": 1}, "m")}]) == (None, -1)
