@@ -33,6 +33,7 @@ bench: $(VENV)/.peers
 	$(PY) benchmarks/bench_storage.py
 	$(PY) benchmarks/bench_codec.py
 	$(PY) benchmarks/bench_write_less.py
+	$(PY) benchmarks/bench_tiers.py
 
 clean:
 	rm -rf $(VENV) demo-out bench-out

@@ -14,12 +14,13 @@ from liferaft.options import LoadOptions, LoadResult, SaveOptions, SaveResult
 from liferaft.reading import CheckpointInfo, PerRank, TensorInfo, VerifyReport, inspect, read, verify
 from liferaft.state.rng import RNGState
 from liferaft.state.sharded import Sharded
+from liferaft.tiers.memory import MemoryTier
 
 __version__ = "0.1.0"
 
 __all__ = [
     "save", "async_save", "AsyncSaveHandle", "load", "read", "inspect", "verify",
-    "CheckpointManager", "StepInfo", "Sharded", "RNGState",
+    "CheckpointManager", "StepInfo", "MemoryTier", "Sharded", "RNGState",
     "SaveOptions", "LoadOptions", "SaveResult", "LoadResult", "CheckpointInfo", "TensorInfo", "VerifyReport", "PerRank",
     "LiferaftError", "CheckpointNotFoundError", "IncompleteCheckpointError", "CheckpointExistsError",
     "CheckpointBusyError", "CorruptCheckpointError", "FormatVersionError", "UnsafePathError", "StateMismatchError",

@@ -27,3 +27,11 @@ def test_bench_write_less_quick_runs_and_verifies(tmp_path):
     for regime in ("full", "frozen90", "lora"):          # each table is printed after every load was checked
         assert f"| {regime}: method |" in out.stdout
     assert out.stdout.count("| liferaft incremental |") == 3
+
+
+def test_bench_tiers_small_runs_and_verifies():
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_tiers.py"), "--size-gib", "0.02",
+                          "--reps", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for label in ("memory, own node", "memory, peer (node lost)", "local disk", "S3 (moto)", "MemoryTier.save"):
+        assert f"| {label}" in out.stdout           # printed only after every restore was checked bit-exact
