@@ -5,6 +5,7 @@ the data-position sampler; ``liferaft.storage`` and ``liferaft.testing`` the bac
 """
 
 from liferaft.api import AsyncSaveHandle, async_save, load, save
+from liferaft.dist import release_groups
 from liferaft.errors import (CheckpointBusyError, CheckpointExistsError, CheckpointNotFoundError,
                              CorruptCheckpointError, DistributedError, FormatVersionError, IncompleteCheckpointError,
                              InvalidStateError, LiferaftError, LossyCheckpointError, OptionsError, PickleNotAllowedError,
@@ -19,7 +20,7 @@ from liferaft.tiers.memory import MemoryTier
 __version__ = "0.1.0"
 
 __all__ = [
-    "save", "async_save", "AsyncSaveHandle", "load", "read", "inspect", "verify",
+    "save", "async_save", "AsyncSaveHandle", "load", "read", "inspect", "verify", "release_groups",
     "CheckpointManager", "StepInfo", "MemoryTier", "Sharded", "RNGState",
     "SaveOptions", "LoadOptions", "SaveResult", "LoadResult", "CheckpointInfo", "TensorInfo", "VerifyReport", "PerRank",
     "LiferaftError", "CheckpointNotFoundError", "IncompleteCheckpointError", "CheckpointExistsError",

@@ -35,6 +35,24 @@ def _gloo_group(pg: Any, timeout: float, channel: str) -> Any:
     return group
 
 
+def release_groups(process_group: Any = None) -> None:
+    """Destroy the gloo groups liferaft made for ``process_group`` (default: the world): call it before
+    ``destroy_process_group`` at the end of a job, so that no group of liferaft's outlives the job's own (a gloo
+    group destroyed only by interpreter shutdown can abort the process). Later calls make new groups."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        _GLOO_GROUPS.clear()
+        return
+    pg = process_group if process_group is not None else dist.group.WORLD
+    for key in [k for k in _GLOO_GROUPS if k[0] == id(pg)]:
+        group = _GLOO_GROUPS.pop(key)
+        try:
+            dist.destroy_process_group(group)
+        except (ValueError, RuntimeError):      # already destroyed with its parent
+            pass
+
+
 class Coordinator:
     """The ranks of one save or load. ``rank``/``world`` are within ``process_group`` (default: the world).
 
