@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import struct
 import threading
+from typing import Any
 
 import numpy as np
 
@@ -30,7 +31,7 @@ _PLANE = struct.Struct("<BQ")
 _LOCAL = threading.local()
 
 
-def _compressor(level: int) -> "zstandard.ZstdCompressor":
+def _compressor(level: int) -> Any:
     """This thread's zstd context for ``level`` (creating one per call costs more than compressing 256 KiB, and
     the allocation serializes the codec threads)."""
     import zstandard
@@ -44,7 +45,7 @@ def _compressor(level: int) -> "zstandard.ZstdCompressor":
     return cctx
 
 
-def _decompressor() -> "zstandard.ZstdDecompressor":
+def _decompressor() -> Any:
     import zstandard
 
     dctx = getattr(_LOCAL, "dctx", None)

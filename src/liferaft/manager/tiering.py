@@ -1,0 +1,86 @@
+"""The parts of CheckpointManager that deal with the memory tier and the automatic interval (docs/TIERS.md):
+saving to memory and draining root saves from it, restoring from it, recording job starts. A mixin of
+``CheckpointManager``: it uses the manager's attributes and collectives."""
+
+from __future__ import annotations
+
+import json
+import time
+import warnings
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Mapping
+
+from liferaft.errors import LiferaftError
+
+if TYPE_CHECKING:
+    from liferaft.manager.manager import StepInfo
+
+STARTS = "STARTS"              # start times of the jobs' processes on this root (every_seconds="auto" learns from it)
+PRIOR_MTBF_HOURS = 24.0        # assumed mean time between failures until restarts say otherwise
+
+
+class TierMixin:
+    """Memory-tier saves, drains and restores, and the job-start record, for ``CheckpointManager``."""
+
+    @property
+    def memory_interval_s(self) -> float | None:
+        """With ``memory_every="auto"``: the current time interval between memory-tier saves."""
+        return self._mem_auto.interval_s if self._mem_auto is not None else None
+
+    def _record_start(self) -> list[float]:
+        """Rank 0, holding the lease: append this start to root/STARTS (the last 100); return them all."""
+        starts: list[float] = []
+        try:
+            starts = [float(x) for x in json.loads(self.storage.read_all(STARTS))][-99:]
+        except (FileNotFoundError, ValueError, TypeError):
+            starts = []
+        starts.append(time.time())
+        self.storage.put_atomic(STARTS, json.dumps(starts).encode())
+        return starts
+
+    def _restore_memory(self, state: Any, listing: list[StepInfo]) -> int | None:
+        """Load from the memory tier if it holds a step at least as new as the root's newest committed one."""
+        newest = max((i.step for i in listing if i.status == "committed"), default=None)
+        try:
+            got = self.memory.restore(state, options=self.load_options,
+                                      newer_than=None if newest is None else newest - 1,
+                                      fallback=self._step_storage)
+        except LiferaftError as e:          # collective: every rank falls back together
+            warnings.warn(f"liferaft: the memory tier could not be restored ({type(e).__name__}: {e}); "
+                          "restoring from the root", stacklevel=3)
+            return None
+        if got is not None:
+            self._last_step, self._last_time = got, time.monotonic()
+            match = [i for i in listing if i.step == got and i.status == "committed"]
+            self._base = (got, match[0].since_full or 0) if match and match[0].since_full is not None else None
+        return got
+
+    def _memory_due(self, step: int) -> bool:
+        """Whether the memory tier saves at ``step`` (this rank's view; agreed in ``maybe_save``)."""
+        if self.memory is None:
+            return False
+        if self._mem_auto is None:
+            return step % int(self.memory_every) == 0
+        return time.monotonic() - self._mem_last >= self._mem_auto.interval_s
+
+    def _drain_save(self, step: int, state: Any, metrics: Mapping[str, float] | None, reason: str) -> None:
+        """Save into the memory tier and drain that copy to the root in the background."""
+        self.wait()
+        err: BaseException | None = None
+        if self._lease is not None:
+            try:
+                self._lease.check()
+            except BaseException as e:  # noqa: BLE001
+                err = e
+        self.coord.exchange(None, err, "save (lease)")
+        meta = {**dict(self.save_options.metadata), "step": step, "reason": reason,
+                "metrics": {k: float(v) for k, v in (metrics or {}).items()}, "job_id": self.job_id,
+                "since_full": 0}
+        self._last_step, self._last_time = step, time.monotonic()
+        t0 = time.perf_counter()
+        self.memory.save(step, state, options=replace(self.save_options, metadata=meta, if_busy="wait"),
+                         drain_to=self._step_storage(step), wait=not self.async_save)
+        self._stall = time.perf_counter() - t0
+        self._draining = (step, dict(metrics or {}))
+        if not self.async_save:
+            self.wait()
