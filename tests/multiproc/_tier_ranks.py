@@ -67,7 +67,7 @@ def unused(*_: Any) -> None:
 
 
 def managed(rank: int, world: int, base: str, root: str, per_node: int, last: int,
-            drain: bool = True) -> tuple[int | None, bool, dict]:
+            drain: bool = True, remote: str | None = None) -> tuple[int | None, bool, dict]:
     """CheckpointManager with a memory tier: every step to memory, every 4 steps drained to the root (or saved to
     it directly); restore, go on. Each step waits for the memory tier (a step of a real loop takes longer than
     this tiny save), so that no memory save is skipped as busy."""
@@ -75,7 +75,8 @@ def managed(rank: int, world: int, base: str, root: str, per_node: int, last: in
 
     tier = MemoryTier("tier-test", node=node_of(rank, per_node), base=base)
     st = state_at(rank, world, -1)
-    with CheckpointManager(root, every_steps=4, memory=tier, drain=drain, job_id="tier-job", lease_ttl=5.0) as mgr:
+    with CheckpointManager(root, every_steps=4, memory=tier, drain=drain, job_id="tier-job", lease_ttl=5.0,
+                           remote=remote, remote_every=2) as mgr:
         start = mgr.restore(st)
         exact = start is None or _equal(st, state_at(rank, world, start))
         info = dict(tier.last_restore)

@@ -111,3 +111,19 @@ def test_tiers_mix_when_both_copies_of_some_ranks_are_lost(base, tmp_path):
     assert [o[:2] for o in out] == [(4, True)] * 4
     info = out[0][2]                       # rank 0 leads node 0: ranks 2 and 3's files came from the root's copy
     assert info["step"] == 4 and info["files_from_fallback"] == 2, out
+
+
+def test_three_tiers_memory_root_remote(base, tmp_path):
+    from multiproc._tier_ranks import managed
+
+    root, remote = str(tmp_path / "root"), str(tmp_path / "remote")
+    run_ranks(managed, 4, base, root, 2, 9, True, remote, timeout=120)
+    steps = lambda d: sorted(x for x in os.listdir(d) if x.startswith("step-"))      # noqa: E731
+    assert steps(root) == ["step-0000000000", "step-0000000004", "step-0000000008"]
+    assert steps(remote) == ["step-0000000000", "step-0000000008"]            # every 2nd root save, drained too
+    out = run_ranks(managed, 4, base, root, 2, 9, True, remote, timeout=120)
+    assert [o[:2] for o in out] == [(9, True)] * 4                             # memory: the newest
+    shutil.rmtree(os.path.join(base, "tier-test"))
+    shutil.rmtree(root)                                                       # the node-local disk is gone too
+    out = run_ranks(managed, 4, base, root, 2, 9, True, remote, timeout=120)
+    assert [o[:2] for o in out] == [(8, True)] * 4                             # from the remote tier

@@ -35,3 +35,22 @@ def test_two_rank_shard0_save_to_s3_then_three_rank_shard1_load(s3, monkeypatch)
     for name in SHAPES:
         assert torch.equal(tree[name], reference(name))
     assert liferaft.inspect(url).world_size == 2
+
+
+def test_memory_tier_drains_to_s3_and_a_job_that_lost_everything_else_restores_from_it(s3, tmp_path):
+    import os
+    import shutil
+    import uuid
+
+    from multiproc._tier_ranks import managed
+
+    base = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else "/tmp", f"liferaft-s3t-{uuid.uuid4().hex[:8]}")
+    root, remote = str(tmp_path / "root"), f"s3://{s3.bucket}/tiers"
+    try:
+        run_ranks(managed, 4, base, root, 2, 9, True, remote, timeout=180, env=s3.env())
+        shutil.rmtree(base)
+        shutil.rmtree(root)
+        out = run_ranks(managed, 4, base, root, 2, 9, True, remote, timeout=180, env=s3.env())
+        assert [o[:2] for o in out] == [(8, True)] * 4          # step 8 drained to S3 from memory, exact
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

@@ -107,6 +107,7 @@ class CheckpointManager(TierMixin):
                  preemption_deadline: float = 120.0,
                  job_id: str | None = None, lease_ttl: float = 30.0, incremental: bool = True,
                  full_every: int = 10, memory: Any = None, memory_every: int | str = 1, drain: bool = True,
+                 remote: str | os.PathLike[str] | Storage | None = None, remote_every: int = 1,
                  mtbf_hours: float | None = None) -> None:
         if full_every < 1:
             raise OptionsError(f"full_every must be at least 1, got {full_every}")
@@ -119,6 +120,12 @@ class CheckpointManager(TierMixin):
         self.memory, self.memory_every = memory, memory_every       # a liferaft.tiers.memory.MemoryTier
         self._mem_last = time.monotonic()
         self.drain = drain and memory is not None
+        if remote is not None and not self.drain:
+            raise OptionsError("remote= drains from the memory tier: it needs memory=MemoryTier(...) and drain=True")
+        if remote_every < 1:
+            raise OptionsError(f"remote_every must be at least 1, got {remote_every}")
+        self.remote = resolve(remote) if remote is not None else None
+        self.remote_every, self._drains = remote_every, 0
         self._draining: tuple[int, Mapping[str, float]] | None = None
         self._base: tuple[int, int] | None = None       # (newest committed step, its saves since a full one)
         self._auto: AutoInterval | None = None
@@ -282,6 +289,11 @@ class CheckpointManager(TierMixin):
         assert listing is not None
         if step is None and self.memory is not None:
             got = self._restore_memory(state, listing)
+            if got is not None:
+                return got
+        if step is None and self.remote is not None:
+            newest = max((i.step for i in listing if i.status == "committed"), default=None)
+            got = self._restore_remote(state, newer_than=newest)
             if got is not None:
                 return got
         if step is not None:

@@ -11,6 +11,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Mapping
 
 from liferaft.errors import LiferaftError
+from liferaft.tiers.memory import step_name
 
 if TYPE_CHECKING:
     from liferaft.manager.manager import StepInfo
@@ -41,10 +42,12 @@ class TierMixin:
     def _restore_memory(self, state: Any, listing: list[StepInfo]) -> int | None:
         """Load from the memory tier if it holds a step at least as new as the root's newest committed one."""
         newest = max((i.step for i in listing if i.status == "committed"), default=None)
+        if self.remote is not None:
+            newest = max([s for s in [newest] + self._remote_newest()[:1] if s is not None], default=None)
         try:
             got = self.memory.restore(state, options=self.load_options,
                                       newer_than=None if newest is None else newest - 1,
-                                      fallback=self._step_storage)
+                                      fallback=self._slower_copy)
         except LiferaftError as e:          # collective: every rank falls back together
             warnings.warn(f"liferaft: the memory tier could not be restored ({type(e).__name__}: {e}); "
                           "restoring from the root", stacklevel=3)
@@ -78,9 +81,56 @@ class TierMixin:
                 "since_full": 0}
         self._last_step, self._last_time = step, time.monotonic()
         t0 = time.perf_counter()
+        targets = [self._step_storage(step)]
+        if self.remote is not None and self._drains % self.remote_every == 0:
+            targets.append(self.remote.child(step_name(step)))
+        self._drains += 1
         self.memory.save(step, state, options=replace(self.save_options, metadata=meta, if_busy="wait"),
-                         drain_to=self._step_storage(step), wait=not self.async_save)
+                         drain_to=targets, wait=not self.async_save)
         self._stall = time.perf_counter() - t0
         self._draining = (step, dict(metrics or {}))
         if not self.async_save:
             self.wait()
+
+    def _slower_copy(self, step: int) -> Any:
+        """The root's copy of ``step`` if it has a commit there, else the remote tier's (memory restores take files
+        no live node holds from it)."""
+        st = self._step_storage(step)
+        if self.remote is not None and not st.exists("COMMIT"):
+            return self.remote.child(step_name(step))
+        return st
+
+    def _remote_newest(self) -> list[int]:
+        """Committed steps on the remote tier, newest first (rank 0 lists, every rank gets it)."""
+        steps: list[int] | None = None
+        err: BaseException | None = None
+        if self.coord.rank == 0:
+            try:
+                names = {n.split("/", 1)[0] for n in self.remote.list() if n.endswith("/COMMIT")}
+                steps = sorted((int(n[5:]) for n in names if n.startswith("step-") and n[5:].isdigit()),
+                               reverse=True)
+            except BaseException as e:  # noqa: BLE001
+                err = e
+        return self.coord.broadcast_from_zero(steps, err, "restore (remote listing)") or []
+
+    def _restore_remote(self, state: Any, newer_than: int | None) -> int | None:
+        """Load the newest committed step of the remote tier newer than ``newer_than`` that loads (damaged ones
+        are skipped with a warning, collectively); None if none."""
+        from liferaft.api import load
+
+        for step in self._remote_newest():
+            if newer_than is not None and step <= newer_than:
+                return None
+            err: BaseException | None = None
+            try:
+                load(self.remote.child(step_name(step)), state, process_group=self.process_group,
+                     options=self.load_options)
+            except LiferaftError as e:
+                err = e
+            kinds = self.coord.exchange(type(err).__name__ if err else None, None, "restore (remote outcome)")
+            if not any(kinds):
+                self._last_step, self._last_time, self._base = step, time.monotonic(), None
+                return step
+            warnings.warn(f"liferaft: step {step} on the remote tier did not load ({kinds}); trying an older one",
+                          stacklevel=3)
+        return None

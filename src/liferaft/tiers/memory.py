@@ -20,7 +20,7 @@ import os
 import shutil
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -115,12 +115,13 @@ class MemoryTier:
     # ------------------------------------------------------------------ save
 
     def save(self, step: int, state: Any, *, wait: bool = False, options: SaveOptions | None = None,
-             drain_to: Storage | None = None) -> None:
+             drain_to: Storage | Sequence[Storage] | None = None) -> None:
         """Save ``state`` as ``step`` into the memory tier (collective). Returns once the snapshot is taken; the
         write to shared memory, the commit on every node and the replication run in the background (``wait=True``:
         return when done). A save of the tier still running is waited for first; its error is raised here. With
         ``options.if_busy="skip"`` the step is skipped (on every rank) while another save of this process runs.
-        ``drain_to``: also copy the checkpoint to this (slower) tier in the background, from shared memory —
+        ``drain_to``: also copy the checkpoint to this (slower) tier, or these in order, in the background, from
+        shared memory —
         every rank its own data file, then rank 0 commits there: the same checkpoint, not re-staged from the
         model; ``drained`` is then set to ``step``."""
         from liferaft.api import async_save
@@ -160,7 +161,7 @@ class MemoryTier:
         if err is not None:
             raise err
 
-    def _finish(self, step: int, handle: Any, drain_to: Storage | None) -> None:
+    def _finish(self, step: int, handle: Any, drain_to: Storage | Sequence[Storage] | None) -> None:
         """Background: wait for the local commit, then commit on every node, replicate, drain, drop old steps."""
         err: BaseException | None = None
         try:
@@ -178,8 +179,9 @@ class MemoryTier:
             self._commit_on_node(step, marker, manifest)
             self.bg.exchange(None, None, "memory tier (committed)")
             self._replicate(step)
-            if drain_to is not None:
-                self._drain(step, drain_to, marker, manifest)
+            targets = [] if drain_to is None else [drain_to] if isinstance(drain_to, Storage) else list(drain_to)
+            for target in targets:
+                self._drain(step, target, marker, manifest)
             self._drop_old(step)
         except BaseException as e:  # noqa: BLE001 - raised on the next save/wait
             self._error = e
