@@ -4,9 +4,13 @@
     liferaft verify PATH                re-hash every block of every chunk; exit status 1 if anything is wrong
     liferaft read PATH [--key K]...     read the checkpoint and print one line per leaf
     liferaft plan [--costs F.json] ...  expected goodput of no tiers / remote only / liferaft's tiers at scale
+    liferaft ls ROOT                    steps under a CheckpointManager root: status, size, age, writer, references
+    liferaft gc ROOT --keep-last N ...  the manager's retention from the command line (--dry-run to preview)
+    liferaft diff A B [--key GLOB]...   keys added / removed / changed, max abs and relative difference per tensor
 
-Uses only the public API (``import liferaft``). Errors are printed to stderr as one message and give exit
-status 1; usage errors give exit status 2.
+Uses only the public API (``import liferaft``) and ``liferaft.tools``. ``--json`` (ls, gc, diff, verify) prints
+one JSON document for scripts. Errors are printed to stderr as one line and give exit status 1 (``--debug``: with
+the traceback); usage errors give exit status 2; ``diff`` exits 1 when the checkpoints differ.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ REPR_LIMIT = 80
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="liferaft", description="Inspect, verify and read liferaft checkpoints.")
     parser.add_argument("--version", action="version", version=f"liferaft {liferaft.__version__}")
+    parser.add_argument("--debug", action="store_true", help="print the traceback of an error")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = sub.add_parser("inspect", help="summarize a checkpoint (keys, shapes, dtypes, chunks, bytes)")
@@ -35,6 +40,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("verify", help="check the checksum of every stored byte")
     p.add_argument("path", metavar="PATH", help="checkpoint directory or URL")
+    p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("read", help="read the checkpoint and print a summary of each leaf")
     p.add_argument("path", metavar="PATH", help="checkpoint directory or URL")
@@ -42,6 +48,29 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="only this key or key prefix ('model' selects model.*); repeatable")
     p.add_argument("--allow-pickle", action="store_true",
                    help="decode pickled values (runs code from the checkpoint: only for trusted checkpoints)")
+    p = sub.add_parser("ls", help="list the steps under a CheckpointManager root")
+    p.add_argument("root", metavar="ROOT")
+    p.add_argument("--verify", action="store_true", help="re-hash every committed step (reads all its data)")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("gc", help="delete steps the retention policy does not keep (never referenced ones)")
+    p.add_argument("root", metavar="ROOT")
+    p.add_argument("--keep-last", type=int)
+    p.add_argument("--keep-every", type=int)
+    p.add_argument("--keep-best", type=int)
+    p.add_argument("--metric")
+    p.add_argument("--mode", choices=["min", "max"], default="min")
+    p.add_argument("--incomplete", action="store_true", help="also remove steps without a commit marker")
+    p.add_argument("--dry-run", action="store_true", help="only print what would be deleted")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("diff", help="compare two checkpoints key by key (exit status 1 if they differ)")
+    p.add_argument("a", metavar="A")
+    p.add_argument("b", metavar="B")
+    p.add_argument("--key", "-k", dest="keys", action="append", metavar="GLOB", help="only keys matching; repeatable")
+    p.add_argument("--tolerance", type=float, default=0.0, help="max abs difference still counted as equal")
+    p.add_argument("--json", action="store_true")
+
     p = sub.add_parser("plan", help="goodput simulator: expected useful share of training time at 1k/16k/100k GPUs")
     p.add_argument("--costs", metavar="F.json", help="measured costs in seconds: {\"stall\": {\"memory\": s, "
                    "\"remote\": s}, \"persist\": {...}, \"restore\": {\"memory\": s, \"peer\": s, \"remote\": s}, "
@@ -89,9 +118,80 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    report = liferaft.verify(args.path)
-    print(f"OK {report.path}: {report.chunks} chunk(s), {report.bytes_checked} bytes verified")
+    try:
+        report = liferaft.verify(args.path)
+    except liferaft.CorruptCheckpointError as e:
+        if not args.json:
+            raise
+        print(json.dumps({"path": str(args.path), "ok": False, "faults": str(e).split("\n")[1:] or [str(e)]}))
+        return 1
+    if args.json:
+        print(json.dumps({"path": report.path, "ok": True, "chunks": report.chunks,
+                          "bytes_checked": report.bytes_checked}))
+    else:
+        print(f"OK {report.path}: {report.chunks} chunk(s), {report.bytes_checked} bytes verified")
     return 0
+
+
+def _age(created: float | None) -> str:
+    if created is None:
+        return "-"
+    import time
+
+    s = max(0.0, time.time() - created)
+    return f"{s / 86400:.1f} d" if s >= 86400 else f"{s / 3600:.1f} h" if s >= 3600 else f"{s / 60:.0f} min"
+
+
+def _cmd_ls(args: argparse.Namespace) -> int:
+    from liferaft.tools.steps import ls
+
+    steps = ls(args.root, verify=args.verify)
+    if args.json:
+        print(json.dumps([{"step": i.step, "status": i.status, "reason": i.reason, "bytes": i.nbytes,
+                           "created_unix": i.created_unix, "world_size": i.world_size, "job_id": i.job_id,
+                           "tiers": list(i.tiers), "depends_on": list(i.depends_on), "pinned": i.pinned,
+                           "metrics": dict(i.metrics)} for i in steps]))
+        return 0
+    print(f"{'step':>10}  {'status':<10} {'MiB':>9}  {'age':>8}  {'ranks':>5}  {'job':<16} references / reason")
+    for i in steps:
+        note = i.reason if i.status != "committed" else \
+            (("refs " + ",".join(map(str, i.depends_on))) if i.depends_on else "") + (" pinned" if i.pinned else "")
+        print(f"{i.step:>10}  {i.status:<10} {i.nbytes / 2**20:>9.1f}  {_age(i.created_unix):>8}  "
+              f"{i.world_size or '-':>5}  {(i.job_id or '-')[:16]:<16} {note}")
+    return 0
+
+
+def _cmd_gc(args: argparse.Namespace) -> int:
+    from liferaft.tools.steps import gc
+
+    r = gc(args.root, keep_last=args.keep_last, keep_every=args.keep_every, keep_best=args.keep_best,
+           metric=args.metric, mode=args.mode, dry_run=args.dry_run, incomplete=args.incomplete)
+    if args.json:
+        print(json.dumps({"deleted": list(r.deleted), "kept": list(r.kept), "freed_bytes": r.freed_bytes,
+                          "dry_run": r.dry_run}))
+    else:
+        verb = "would delete" if r.dry_run else "deleted"
+        print(f"{verb} {len(r.deleted)} step(s) {list(r.deleted)}, {r.freed_bytes / 2**20:.1f} MiB; "
+              f"kept {list(r.kept)}")
+    return 0
+
+
+def _cmd_diff(args: argparse.Namespace) -> int:
+    from liferaft.tools.diff import diff
+
+    r = diff(args.a, args.b, keys=args.keys, tolerance=args.tolerance)
+    if args.json:
+        print(json.dumps({"a": r.a, "b": r.b, "identical": r.identical,
+                          "keys": [k.__dict__ for k in r.keys]}))
+    else:
+        for k in r.changed():
+            extra = f"  max abs {k.max_abs:.3g}  max rel {k.max_rel:.3g}" if k.status == "changed" and \
+                (k.max_abs or k.max_rel) else ""
+            print(f"{k.status:<8} {k.key}{extra}{('  ' + k.detail) if k.detail else ''}")
+        n = len(r.keys)
+        print(f"{'identical' if r.identical else 'different'}: {n - len(r.changed())} of {n} key(s) equal"
+              + (f" (tolerance {args.tolerance:g})" if args.tolerance else ""))
+    return 0 if r.identical else 1
 
 
 def _short_repr(v: Any) -> str:
@@ -152,7 +252,8 @@ def _cmd_read(args: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS = {"inspect": _cmd_inspect, "verify": _cmd_verify, "read": _cmd_read, "plan": _cmd_plan}
+_COMMANDS = {"inspect": _cmd_inspect, "verify": _cmd_verify, "read": _cmd_read, "plan": _cmd_plan, "ls": _cmd_ls,
+             "gc": _cmd_gc, "diff": _cmd_diff}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -165,7 +266,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _COMMANDS[args.command](args)
     except (liferaft.LiferaftError, OSError) as e:
-        print(f"liferaft {args.command}: error: {e}", file=sys.stderr)
+        if args.debug:
+            import traceback
+
+            traceback.print_exc()
+        lines = str(e).splitlines() or [type(e).__name__]
+        print(f"liferaft {args.command}: error: {lines[0]}", file=sys.stderr)
+        if args.command == "verify":           # every fault, one per line
+            for line in lines[1:]:
+                print(line, file=sys.stderr)
         return 1
 
 

@@ -65,6 +65,7 @@ class StepInfo:
     pinned: bool = False
     depends_on: tuple[int, ...] = ()       # steps holding chunks this one references (incremental saves)
     tiers: tuple[str, ...] = ()            # where a committed copy is: "root", "memory" (this node's namespace)
+    job_id: str | None = None              # the job that wrote it
     since_full: int | None = None          # saves since the last full (self-contained) one; 0: this is one
 
 
@@ -206,36 +207,7 @@ class CheckpointManager(TierMixin):
 
     def _list(self, deep: bool = False) -> list[StepInfo]:
         """Every step under the root, oldest first (this process; no collective)."""
-        names: dict[int, list[str]] = {}
-        for name in self.storage.list():
-            step = _parse_step(name)
-            if step is not None:
-                names.setdefault(step, []).append(name)
-        pins = self._pins()
-        out = []
-        for step in sorted(names):
-            st = with_references(self._step_storage(step))
-            path, pinned = st.url, step in pins
-            if f"{step_name(step)}/{COMMIT_MARKER}" not in names[step]:
-                out.append(StepInfo(step, path, "incomplete", "no commit marker", pinned=pinned))
-                continue
-            try:
-                m = open_checkpoint(st)
-                check_files(st, m, m.files)
-                if deep:
-                    from liferaft.reading import verify
-
-                    verify(st)
-            except LiferaftError as e:
-                out.append(StepInfo(step, path, "corrupt", str(e), pinned=pinned))
-                continue
-            metrics = m.extra.get("metrics") if isinstance(m.extra.get("metrics"), dict) else {}
-            since = m.extra.get("since_full")
-            out.append(StepInfo(step, path, "committed", nbytes=sum(v for k, v in m.files.items() if k[:3] != "../"),
-                                created_unix=m.created_unix, world_size=m.world_size, metrics=dict(metrics),
-                                pinned=pinned, depends_on=_references(m.files),
-                                since_full=since if type(since) is int else None))
-        return out
+        return list_steps(self.storage, self._pins(), deep)
 
     def steps(self, verify: bool = False) -> list[StepInfo]:
         """Every step under the root, and in this node's memory tier, with its status and the tiers holding a
@@ -514,6 +486,42 @@ class CheckpointManager(TierMixin):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def list_steps(storage: Storage, pins: frozenset[int] = frozenset(), deep: bool = False) -> list[StepInfo]:
+    """Every step under the manager root ``storage``, oldest first, with its status (committed / incomplete /
+    corrupt and why), own bytes, writer, metrics and the steps it references; ``deep`` re-hashes committed steps.
+    Reads only (no lease, no collective)."""
+    names: dict[int, list[str]] = {}
+    for name in storage.list():
+        step = _parse_step(name)
+        if step is not None:
+            names.setdefault(step, []).append(name)
+    out = []
+    for step in sorted(names):
+        st = with_references(storage.child(step_name(step)))
+        path, pinned = st.url, step in pins
+        if f"{step_name(step)}/{COMMIT_MARKER}" not in names[step]:
+            out.append(StepInfo(step, path, "incomplete", "no commit marker", pinned=pinned))
+            continue
+        try:
+            m = open_checkpoint(st)
+            check_files(st, m, m.files)
+            if deep:
+                from liferaft.reading import verify
+
+                verify(st)
+        except LiferaftError as e:
+            out.append(StepInfo(step, path, "corrupt", str(e), pinned=pinned))
+            continue
+        metrics = m.extra.get("metrics") if isinstance(m.extra.get("metrics"), dict) else {}
+        since = m.extra.get("since_full")
+        out.append(StepInfo(step, path, "committed", nbytes=sum(v for k, v in m.files.items() if k[:3] != "../"),
+                            created_unix=m.created_unix, world_size=m.world_size, metrics=dict(metrics),
+                            pinned=pinned, depends_on=_references(m.files),
+                            since_full=since if type(since) is int else None,
+                            job_id=str(m.extra["job_id"]) if "job_id" in m.extra else None, tiers=("root",)))
+    return out
 
 
 def _references(files: Mapping[str, int]) -> tuple[int, ...]:

@@ -1,0 +1,118 @@
+"""`liferaft ls`, `gc`, `diff` and `verify --json`, run as the real command in a subprocess, and the library
+functions behind them (``liferaft.tools``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import liferaft
+from liferaft import CheckpointManager
+from liferaft.tools.diff import diff
+from liferaft.tools.steps import gc, ls
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "liferaft", *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture
+def root(tmp_path):
+    """A manager root with steps 0-4: a frozen 4 MiB tensor (so later steps reference step 0) and a moving one."""
+    path = str(tmp_path / "run")
+    state = {"frozen": torch.randn(1024, 1024), "w": torch.zeros(64, 64), "step": 0}
+    with CheckpointManager(path, every_steps=1, async_save=False, job_id="job-x") as mgr:
+        for step in range(5):
+            state["w"] += 1
+            state["step"] = step
+            mgr.maybe_save(step, state, metrics={"loss": 5.0 - step})
+    return path
+
+
+def test_ls_lists_status_size_writer_and_references(root):
+    steps = ls(root)
+    assert [i.step for i in steps] == [0, 1, 2, 3, 4] and all(i.status == "committed" for i in steps)
+    assert steps[0].nbytes > 4 << 20 and steps[3].depends_on == (0,) and steps[3].job_id == "job-x"
+    out = run("ls", root)
+    assert out.returncode == 0 and "refs 0" in out.stdout and "job-x" in out.stdout
+    doc = json.loads(run("ls", root, "--json").stdout)
+    assert [d["step"] for d in doc] == [0, 1, 2, 3, 4] and doc[4]["depends_on"] == [0]
+
+
+def test_ls_shows_incomplete_and_corrupt_steps(root):
+    os.remove(os.path.join(root, "step-0000000004", "COMMIT"))
+    data = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(root, "step-0000000003")) for f in fs
+            if f.endswith(".bin")]
+    with open(data[0], "r+b") as f:
+        f.truncate(10)
+    doc = {d["step"]: d for d in json.loads(run("ls", root, "--json").stdout)}
+    assert doc[4]["status"] == "incomplete" and doc[3]["status"] == "corrupt" and "truncated" in doc[3]["reason"]
+
+
+def test_gc_keeps_what_is_referenced_and_dry_run_deletes_nothing(root):
+    out = run("gc", root, "--keep-last", "1", "--dry-run", "--json")
+    assert out.returncode == 0 and json.loads(out.stdout)["deleted"] == [1, 2, 3]     # 0: referenced by 4
+    assert [i.step for i in ls(root)] == [0, 1, 2, 3, 4]
+    r = gc(root, keep_last=1)
+    assert r.deleted == (1, 2, 3) and r.kept == (0, 4) and r.freed_bytes > 0
+    assert [i.step for i in ls(root)] == [0, 4]
+    got = {"frozen": torch.zeros(1024, 1024), "w": torch.zeros(64, 64), "step": -1}
+    liferaft.load(os.path.join(root, "step-0000000004"), got)
+    assert got["step"] == 4 and float(got["w"][0, 0]) == 5.0
+
+
+def test_gc_refuses_while_a_job_holds_the_root(tmp_path):
+    path = str(tmp_path / "run")
+    with CheckpointManager(path, every_steps=1, async_save=False) as mgr:
+        mgr.maybe_save(0, {"w": torch.ones(3)})
+        out = run("gc", path, "--keep-last", "1")
+        assert out.returncode == 1 and "error" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_diff_finds_changed_added_removed_and_accepts_a_tolerance(tmp_path):
+    a = {"same": torch.arange(10.0), "moved": torch.ones(100, 10), "gone": torch.zeros(2), "lr": 0.1}
+    b = {"same": torch.arange(10.0), "moved": torch.ones(100, 10), "new": torch.zeros(2), "lr": 0.2}
+    b["moved"][50, 3] += 1e-3
+    liferaft.save(str(tmp_path / "a"), a)
+    liferaft.save(str(tmp_path / "b"), b)
+    r = diff(str(tmp_path / "a"), str(tmp_path / "b"), slab_bytes=1024)          # several slabs per tensor
+    status = {k.key: k.status for k in r.keys}
+    assert status == {"same": "equal", "moved": "changed", "gone": "removed", "new": "added", "lr": "changed"}
+    moved = next(k for k in r.keys if k.key == "moved")
+    assert moved.max_abs == pytest.approx(1e-3, rel=1e-3) and moved.max_rel == pytest.approx(1e-3, rel=1e-3)
+    out = run("diff", str(tmp_path / "a"), str(tmp_path / "b"), "--key", "moved", "--tolerance", "0.01")
+    assert out.returncode == 0 and "identical" in out.stdout
+    out = run("diff", str(tmp_path / "a"), str(tmp_path / "b"), "--json")
+    assert out.returncode == 1 and json.loads(out.stdout)["identical"] is False
+
+
+def test_diff_of_a_resume_across_layouts_is_exact(tmp_path):
+    full = torch.randn(64, 32)
+    liferaft.save(str(tmp_path / "a"), {"w": full})
+    liferaft.save(str(tmp_path / "b"), {"w": full}, options=liferaft.SaveOptions(chunk_bytes=1 << 16,
+                                                                                 compression="on"))
+    assert diff(str(tmp_path / "a"), str(tmp_path / "b")).identical
+    assert run("diff", str(tmp_path / "a"), str(tmp_path / "b")).returncode == 0
+
+
+def test_verify_json_and_every_fault_named(tmp_path):
+    path = str(tmp_path / "c")
+    liferaft.save(path, {"a": torch.randn(300, 300), "b": torch.randn(300, 300)})
+    assert json.loads(run("verify", path, "--json").stdout)["ok"] is True
+    for d, _, fs in os.walk(path):
+        for f in fs:
+            if f.endswith(".bin"):
+                with open(os.path.join(d, f), "r+b") as fh:
+                    fh.seek(10)
+                    fh.write(b"\xff\xff")
+                    fh.seek(300 * 300 * 4 + 4096)
+                    fh.write(b"\xff\xff")
+    out = run("verify", path)
+    assert out.returncode == 1 and "'a'" in out.stderr and "'b'" in out.stderr
+    doc = json.loads(run("verify", path, "--json").stdout)
+    assert doc["ok"] is False and len(doc["faults"]) == 2
