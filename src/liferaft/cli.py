@@ -38,6 +38,9 @@ def _build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("inspect", help="summarize a checkpoint (keys, shapes, dtypes, chunks, bytes)")
     p.add_argument("path", metavar="PATH", help="checkpoint directory or URL")
+    p.add_argument("glob", nargs="*", metavar="KEY-GLOB", help="per-key table of the tensors matching these globs")
+    p.add_argument("--stats", action="store_true", help="min/max/mean/std/NaN/Inf per tensor (reads the data)")
+    p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("verify", help="check the checksum of every stored byte")
     p.add_argument("path", metavar="PATH", help="checkpoint directory or URL")
@@ -122,12 +125,34 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
+    if args.glob or args.stats or args.json:
+        return _inspect_keys(args)
     info = liferaft.inspect(args.path)
     print(info)
     created = datetime.datetime.fromtimestamp(info.created_unix, tz=datetime.timezone.utc)
     print(f"save id {info.save_id}, created {created.isoformat(timespec='seconds')}")
     if info.metadata:
         print(f"metadata: {json.dumps(info.metadata, sort_keys=True, default=repr)}")
+    return 0
+
+
+def _inspect_keys(args: argparse.Namespace) -> int:
+    from liferaft.tools.stats import describe
+
+    infos = describe(args.path, args.glob or None, stats=args.stats)
+    if args.json:
+        print(json.dumps([i.__dict__ for i in infos], default=list))
+        return 0
+    for i in infos:
+        line = (f"{i.key:<44} {i.dtype:<9} {str(list(i.shape)):<16} {i.nbytes / 2**20:9.3f} MiB  stored here "
+                f"{i.stored_bytes / 2**20:9.3f} MiB  {i.chunks} chunk(s) in {i.files} file(s)  {'+'.join(i.codecs)}")
+        if i.lossy:
+            line += f"  lossy: {i.lossy}"
+        print(line)
+        if i.stats:
+            st = i.stats
+            print(f"{'':<44} min {st['min']:.4g}  max {st['max']:.4g}  mean {st['mean']:.4g}  std {st['std']:.4g}  "
+                  f"NaN {st['nan']}  Inf {st['inf']}")
     return 0
 
 

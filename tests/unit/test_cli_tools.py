@@ -116,3 +116,24 @@ def test_verify_json_and_every_fault_named(tmp_path):
     assert out.returncode == 1 and "'a'" in out.stderr and "'b'" in out.stderr
     doc = json.loads(run("verify", path, "--json").stdout)
     assert doc["ok"] is False and len(doc["faults"]) == 2
+
+
+def test_inspect_keys_with_streaming_stats(tmp_path):
+    from liferaft.tools.stats import describe
+
+    w = torch.arange(-500.0, 500.0).reshape(100, 10)
+    w[3, 3] = float("nan")
+    liferaft.save(str(tmp_path / "c"), {"model": {"w": w, "b": torch.ones(7)}, "opt": {"m": torch.zeros(3)}},
+                  options=liferaft.SaveOptions(compression="on"))
+    infos = describe(str(tmp_path / "c"), ["model.*"], stats=True, slab_bytes=512)     # many slabs
+    by = {i.key: i for i in infos}
+    assert set(by) == {"model.w", "model.b"} and by["model.w"].codecs == ("bytegroup-zstd",)
+    st = by["model.w"].stats
+    finite = w[~torch.isnan(w)].double()
+    assert st["nan"] == 1 and st["min"] == -500.0 and st["max"] == 499.0
+    assert st["mean"] == pytest.approx(float(finite.mean())) and st["std"] == pytest.approx(float(finite.std(
+        unbiased=False)))
+    out = run("inspect", str(tmp_path / "c"), "model.w", "--stats")
+    assert out.returncode == 0 and "NaN 1" in out.stdout and "bytegroup-zstd" in out.stdout
+    doc = json.loads(run("inspect", str(tmp_path / "c"), "--json").stdout)
+    assert {d["key"] for d in doc} == {"model.w", "model.b", "opt.m"}

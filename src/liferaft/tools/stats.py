@@ -1,0 +1,76 @@
+"""Per-tensor summary statistics of a checkpoint, computed streaming (row slabs), and the storage view of each
+key (chunks, files, stored bytes, codecs, lossy): ``liferaft inspect --stats`` (docs/CLI.md)."""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from liferaft.reading import check_files, open_checkpoint
+from liferaft.storage import resolve
+from liferaft.storage.refs import with_references
+from liferaft.tools._slabs import read_box, slabs
+
+
+@dataclass(frozen=True)
+class KeyInfo:
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    stored_bytes: int
+    chunks: int
+    files: int
+    codecs: tuple[str, ...]
+    lossy: str | None
+    stats: dict[str, float] | None = None
+
+
+def _stats(storage: Any, entry: Any, slab_bytes: int) -> dict[str, float]:
+    n = nan = inf = 0
+    total = sq = 0.0
+    lo, hi = math.inf, -math.inf
+    for box in slabs(entry, slab_bytes):
+        t = read_box(storage, entry, box, 32 << 20)
+        if t.is_complex():
+            t = t.abs()
+        x = t.to(torch.float64).reshape(-1)
+        bad_nan, bad_inf = torch.isnan(x), torch.isinf(x)
+        nan += int(bad_nan.sum())
+        inf += int(bad_inf.sum())
+        ok = x[~(bad_nan | bad_inf)]
+        if ok.numel():
+            lo, hi = min(lo, float(ok.min())), max(hi, float(ok.max()))
+            total += float(ok.sum())
+            sq += float((ok * ok).sum())
+            n += ok.numel()
+    mean = total / n if n else math.nan
+    var = max(0.0, sq / n - mean * mean) if n else math.nan
+    return {"min": lo if n else math.nan, "max": hi if n else math.nan, "mean": mean, "std": math.sqrt(var),
+            "nan": nan, "inf": inf}
+
+
+def describe(path: str | os.PathLike[str], keys: Sequence[str] | None = None, *, stats: bool = False,
+             slab_bytes: int = 64 << 20) -> list[KeyInfo]:
+    """The tensors of a checkpoint matching ``keys`` (globs): how each is stored, and with ``stats`` its
+    min / max / mean / std over the finite values and its NaN / Inf counts (read and verified in slabs)."""
+    storage = with_references(resolve(path))
+    m = open_checkpoint(storage)
+    picked = [e for e in m.tensors if not keys or any(fnmatch.fnmatchcase(e.key, p) for p in keys)]
+    if stats:
+        check_files(storage, m, {c.file for e in picked for c in e.chunks})
+    out = []
+    for e in picked:
+        codecs = sorted({c.codec or "raw" for c in e.chunks} | ({"xor-delta"} if any(c.delta for c in e.chunks)
+                                                                 else set()))
+        lossy = None if e.lossy is None else str(e.lossy.get("method"))
+        out.append(KeyInfo(key=e.key, dtype=e.dtype, shape=e.shape, nbytes=e.nbytes,
+                           stored_bytes=sum(c.stored_length for c in e.chunks if not c.is_reference),
+                           chunks=len(e.chunks), files=len({c.file for c in e.chunks}), codecs=tuple(codecs),
+                           lossy=lossy, stats=_stats(storage, e, slab_bytes) if stats else None))
+    return out
