@@ -34,6 +34,7 @@ bench: $(VENV)/.peers
 	$(PY) benchmarks/bench_codec.py
 	$(PY) benchmarks/bench_write_less.py
 	$(PY) benchmarks/bench_tiers.py
+	$(PY) benchmarks/bench_convert.py
 
 clean:
 	rm -rf $(VENV) demo-out bench-out

@@ -157,8 +157,12 @@ def _inspect_keys(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
+    from liferaft.tools.progress import Progress
+
+    info = liferaft.inspect(args.path)
     try:
-        report = liferaft.verify(args.path)
+        with Progress(sum(t.nbytes for t in info.tensors), "verify", None if not args.json else False) as tick:
+            report = liferaft.verify(args.path, progress=tick)
     except liferaft.CorruptCheckpointError as e:
         if not args.json:
             raise
@@ -236,8 +240,13 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     if (src == "liferaft") == (to == "liferaft"):
         raise liferaft.OptionsError(f"convert goes from or to liferaft (got {src} → {to})")
     if src == "liferaft" and to == "safetensors":
-        r = c.to_safetensors(args.src, args.dst, max_shard_bytes=int(args.max_shard_size * 1e9), dtype=args.dtype,
-                             keys=args.keys, rename=[tuple(x) for x in args.rename or []])
+        from liferaft.tools.progress import Progress
+
+        total = sum(t.nbytes for t in liferaft.inspect(args.src).tensors)
+        with Progress(total, "export", None if not args.json else False) as tick:
+            r = c.to_safetensors(args.src, args.dst, max_shard_bytes=int(args.max_shard_size * 1e9),
+                                 dtype=args.dtype, keys=args.keys, rename=[tuple(x) for x in args.rename or []],
+                                 progress=tick)
     elif src == "liferaft":
         r = {"torch": c.to_torch, "dcp": c.to_dcp}[to](args.src, args.dst)
     elif src == "safetensors":
@@ -254,7 +263,11 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 def _cmd_diff(args: argparse.Namespace) -> int:
     from liferaft.tools.diff import diff
 
-    r = diff(args.a, args.b, keys=args.keys, tolerance=args.tolerance)
+    from liferaft.tools.progress import Progress
+
+    total = sum(t.nbytes for t in liferaft.inspect(args.a).tensors)
+    with Progress(total, "diff", None if not args.json else False) as tick:
+        r = diff(args.a, args.b, keys=args.keys, tolerance=args.tolerance, progress=tick)
     if args.json:
         print(json.dumps({"a": r.a, "b": r.b, "identical": r.identical,
                           "keys": [k.__dict__ for k in r.keys]}))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 
 import torch
@@ -227,8 +227,10 @@ class VerifyReport:
     bytes_checked: int
 
 
-def verify(path: str | os.PathLike[str], *, max_read_bytes: int = 32 << 20) -> VerifyReport:
-    """Re-hash every block of every chunk; raise CorruptCheckpointError listing every fault found."""
+def verify(path: str | os.PathLike[str], *, max_read_bytes: int = 32 << 20,
+           progress: Callable[[int], None] | None = None) -> VerifyReport:
+    """Re-hash every block of every chunk; raise CorruptCheckpointError listing every fault found. ``progress`` is
+    called with the bytes of each read (for a progress bar)."""
     storage = with_references(resolve(path))
     m = open_checkpoint(storage)
     faults: list[str] = []
@@ -248,7 +250,10 @@ def verify(path: str | os.PathLike[str], *, max_read_bytes: int = 32 << 20) -> V
             for first in range(0, len(c.hashes), per_read):
                 end = min(len(c.hashes), first + per_read)
                 try:
-                    checked += len(read_blocks(storage, c, first, end, t.dtype, t.key))
+                    got = len(read_blocks(storage, c, first, end, t.dtype, t.key))
+                    checked += got
+                    if progress is not None:
+                        progress(got)
                 except LiferaftError as e:
                     if "is missing" not in str(e):          # (missing files are reported above)
                         faults.append(str(e))

@@ -137,3 +137,34 @@ def test_inspect_keys_with_streaming_stats(tmp_path):
     assert out.returncode == 0 and "NaN 1" in out.stdout and "bytegroup-zstd" in out.stdout
     doc = json.loads(run("inspect", str(tmp_path / "c"), "--json").stdout)
     assert {d["key"] for d in doc} == {"model.w", "model.b", "opt.m"}
+
+
+def test_progress_bar_only_on_a_terminal(tmp_path):
+    from liferaft.tools.progress import Progress
+
+    path = str(tmp_path / "c")
+    liferaft.save(path, {"a": torch.randn(512, 512)})
+    piped = run("verify", path)
+    assert piped.returncode == 0 and piped.stderr == ""                 # piped: no bar
+    seen = []
+    with Progress(100, "x", enabled=False) as tick:
+        tick(10)
+    liferaft.verify(path, progress=seen.append)
+    assert sum(seen) == 512 * 512 * 4
+    import io
+
+    from liferaft.cli import main
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    term = Terminal()
+    old = sys.stderr
+    sys.stderr = term
+    try:
+        assert main(["verify", path]) == 0
+    finally:
+        sys.stderr = old
+    bar = term.getvalue()
+    assert "verify" in bar and "B/s" in bar                          # tqdm: bytes and rate

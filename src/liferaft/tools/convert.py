@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import math
 import os
 import re
 import struct
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -59,7 +60,8 @@ class ConvertReport:
 
 def to_safetensors(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, max_shard_bytes: int = 5 << 30,
                    dtype: str | None = None, keys: Sequence[str] | None = None,
-                   rename: Sequence[tuple[str, str]] | None = None) -> ConvertReport:
+                   rename: Sequence[tuple[str, str]] | None = None,
+                   progress: Callable[[int], None] | None = None) -> ConvertReport:
     """Export the tensors of liferaft checkpoint ``src`` to the folder ``dst`` as Hugging Face safetensors:
     ``model.safetensors``, or shards ``model-0000i-of-0000n.safetensors`` of at most ``max_shard_bytes`` plus
     ``model.safetensors.index.json``. ``dtype`` (e.g. "bfloat16") casts floating-point tensors."""
@@ -89,7 +91,7 @@ def to_safetensors(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, 
     files, total, weight_map = [], 0, {}
     for i, shard in enumerate(shards):
         name = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        _write_shard(storage, os.path.join(dst, name), shard)
+        _write_shard(storage, os.path.join(dst, name), shard, progress)
         files.append(name)
         for e, key, _, size in shard:
             weight_map[key] = name
@@ -101,27 +103,55 @@ def to_safetensors(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, 
     return ConvertReport(files=tuple(files), tensors=len(picked), bytes=total)
 
 
-def _write_shard(storage: Any, path: str, shard: list[Any]) -> None:
+def _write_shard(storage: Any, path: str, shard: list[Any], progress: Callable[[int], None] | None = None) -> None:
+    """One safetensors file, streamed: the header padded (with spaces, as the format allows) so that the data
+    starts on a 4 KiB page, then each tensor in row slabs read into one page-aligned buffer and written with
+    O_DIRECT where it is page-aligned (through the page cache a write runs at a fraction of the disk's speed)."""
+    from liferaft.staging.pool import page_aligned_empty
+    from liferaft.storage.posix import PosixStorage
+
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     pos = 0
     for e, key, out_dtype, size in shard:
         header[key] = {"dtype": ST_DTYPES[out_dtype], "shape": list(e.shape), "data_offsets": [pos, pos + size]}
         pos += size
     raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
+    raw += b" " * (-(8 + len(raw)) % 4096)
+    folder, name = os.path.split(os.path.abspath(path))
+    out = PosixStorage(folder)
+    w = out.open_writer(name + ".tmp")
+    try:
+        w.pwrite(struct.pack("<Q", len(raw)) + raw, 0)
+        at = 8 + len(raw)
+        buf, stage = page_aligned_empty(SLAB), page_aligned_empty(SLAB)
         for e, _, out_dtype, _ in shard:
-            for box in slabs(e, 64 << 20):
-                t = read_box(storage, e, box, 32 << 20)
+            for box in slabs(e, SLAB // 2 if out_dtype != e.dtype else SLAB):
+                fits = e.itemsize * math.prod(box[1]) <= SLAB
+                t = read_box(storage, e, box, 32 << 20, out=stage if fits else None)
                 if out_dtype != e.dtype:
                     t = t.to(torch_dtype(out_dtype))
-                f.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+                data = t.contiguous().reshape(-1).view(torch.uint8)
+                if progress is not None:
+                    progress(data.numel())
+                if out_dtype == e.dtype and fits:        # read straight into the aligned buffer: write it
+                    w.pwrite(memoryview(stage[:data.numel()].numpy()), at)
+                    at += data.numel()
+                    continue
+                n = data.numel()
+                for lo in range(0, n, SLAB):                 # (a slab is one row when rows are huge)
+                    m = min(SLAB, n - lo)
+                    buf[:m].copy_(data[lo:lo + m])
+                    w.pwrite(memoryview(buf[:m].numpy()), at)
+                    at += m
+        w.close()
+    except BaseException:
+        w.abort()
+        raise
+    os.replace(os.path.join(folder, name + ".tmp"), path)
+    out.sync()
+
+
+SLAB = 64 << 20
 
 
 def _st_files(src: str) -> list[str]:

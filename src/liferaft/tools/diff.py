@@ -10,7 +10,7 @@ from __future__ import annotations
 import fnmatch
 import os
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -67,7 +67,8 @@ def _compare(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float, bool]:
 
 
 def diff(a: str | os.PathLike[str], b: str | os.PathLike[str], *, keys: Sequence[str] | None = None,
-         tolerance: float = 0.0, slab_bytes: int = 64 << 20, options: LoadOptions | None = None) -> DiffReport:
+         tolerance: float = 0.0, slab_bytes: int = 64 << 20, options: LoadOptions | None = None,
+         progress: Callable[[int], None] | None = None) -> DiffReport:
     """Compare checkpoints ``a`` and ``b``. ``keys``: glob patterns to restrict to. A tensor whose largest absolute
     difference is ≤ ``tolerance`` counts as "equal" (0: bit-exact, NaNs at the same places equal)."""
     opts = options or LoadOptions()
@@ -106,6 +107,8 @@ def diff(a: str | os.PathLike[str], b: str | os.PathLike[str], *, keys: Sequence
         for box in slabs(ea, slab_bytes):
             x, y = read_box(sa, ea, box, opts.max_read_bytes), read_box(sb, eb, box, opts.max_read_bytes)
             d_abs, d_rel, eq = _compare(x, y)
+            if progress is not None:
+                progress(x.numel() * x.element_size())
             max_abs, max_rel, equal = max(max_abs, d_abs), max(max_rel, d_rel), equal and eq
         status = "equal" if equal or (tolerance > 0 and max_abs <= tolerance) else "changed"
         out.append(KeyDiff(key, status, max_abs, max_rel))
