@@ -81,13 +81,16 @@ def load(path: PathLike, state: Any, *, process_group: Any = None, strict: bool 
     check that needs no data (keys, shapes, dtypes, files present and long enough, format version, paths) runs
     on every rank before any byte is copied; ``LoadOptions(atomic=True)`` extends that to the checksums.
     ``path`` may also be a Hugging Face safetensors folder (or file): then each rank memory-maps it and copies
-    the boxes it holds (``tools.sources``; safetensors have no checksums, so these bytes are not verified).
+    the boxes it holds (``tools.sources``; safetensors have no checksums, so these bytes are not verified); or a
+    PyTorch DCP checkpoint folder, read with DCP's own loader.
     """
     opts = options or LoadOptions()
-    from liferaft.tools.sources import is_safetensors_source, load_safetensors
+    from liferaft.tools.sources import is_dcp_source, is_safetensors_source, load_dcp, load_safetensors
 
     if is_safetensors_source(path):         # a Hugging Face model: each rank reads the boxes it holds (unverified)
         return load_safetensors(path, state, strict)
+    if is_dcp_source(path):                 # a PyTorch DCP checkpoint: DCP's own loader reads and reshards
+        return load_dcp(path, state, strict, process_group)
     t_start = time.perf_counter()
     coord = Coordinator(process_group, opts.timeout)
     storage = with_references(resolve(path))

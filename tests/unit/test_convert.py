@@ -140,3 +140,17 @@ def test_load_from_a_sharded_hf_export(tmp_path):
     target = {k: torch.zeros_like(v) for k, v in state().items()}
     liferaft.load(str(tmp_path / "hf"), target)
     assert all(torch.equal(target[k], v) for k, v in state().items())
+
+
+def test_load_takes_a_dcp_checkpoint_as_source(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2))
+    dcp.save({"model": model.state_dict(), "extra": torch.arange(5.0)},
+             storage_writer=dcp.FileSystemWriter(str(tmp_path / "dcp")), no_dist=True)
+    fresh = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2))
+    res = liferaft.load(str(tmp_path / "dcp"), {"model": fresh}, strict=False)
+    assert res.unexpected_keys == ("extra",)
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in model.state_dict().items())
+    with pytest.raises(liferaft.StateMismatchError, match="does not match the DCP"):
+        liferaft.load(str(tmp_path / "dcp"), {"model": fresh})

@@ -67,3 +67,50 @@ def load_safetensors(path: str | os.PathLike[str], state: Any, strict: bool = Tr
         adapter.load_state_dict(sd)
     return LoadResult(path=os.fspath(path), rank=0, bytes_read=nbytes, missing_keys=tuple(missing),
                       unexpected_keys=tuple(unexpected), timings={"total": time.perf_counter() - t0})
+
+
+def is_dcp_source(path: Any) -> bool:
+    """True for a local PyTorch DCP checkpoint folder (a ``.metadata`` file, no liferaft commit)."""
+    if not isinstance(path, (str, os.PathLike)) or "://" in os.fspath(path):
+        return False
+    p = os.fspath(path)
+    return os.path.isfile(os.path.join(p, ".metadata")) and not os.path.exists(os.path.join(p, "COMMIT"))
+
+
+def load_dcp(path: str | os.PathLike[str], state: Any, strict: bool = True, process_group: Any = None) -> LoadResult:
+    """Fill ``state`` in place from a PyTorch DCP checkpoint with DCP's own loader (collective when a process group
+    is initialized; DCP reads and reshards): tensors and DTensors under the same flattened keys
+    ("model.layer.weight"); ``Sharded`` leaves are not supported by DCP."""
+    import time
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from liferaft.state.sharded import Sharded
+
+    t0 = time.perf_counter()
+    flat = flatten(state)
+    meta = dcp.FileSystemReader(os.fspath(path)).read_metadata()
+    targets: dict[str, Any] = {}
+    for leaf in flat.tensors:
+        obj = flat.nodes[leaf.path[:-1]][leaf.path[-1]]
+        if isinstance(obj, Sharded):
+            raise StateMismatchError(f"key {leaf.key!r}: a Sharded leaf cannot be loaded from DCP; convert the "
+                                     "checkpoint first (liferaft convert SRC DST --to liferaft)")
+        if leaf.key in meta.state_dict_metadata:
+            targets[leaf.key] = obj
+    missing = [leaf.key for leaf in flat.tensors if leaf.key not in meta.state_dict_metadata]
+    unexpected = sorted(set(meta.state_dict_metadata) - {leaf.key for leaf in flat.tensors})
+    if strict and (missing or unexpected):
+        raise StateMismatchError(f"{os.fspath(path)}: the state does not match the DCP checkpoint (nothing loaded); "
+                                 f"missing {missing[:10]}, unexpected {unexpected[:10]}; pass strict=False")
+    no_dist = not (dist.is_available() and dist.is_initialized())
+    dcp.load(targets, storage_reader=dcp.FileSystemReader(os.fspath(path)), no_dist=no_dist,
+             process_group=process_group)
+    for _, adapter, sd in reversed(flat.statefuls):
+        adapter.load_state_dict(sd)
+    nbytes = sum(leaf.parts[0][1].numel() * leaf.parts[0][1].element_size() for leaf in flat.tensors
+                 if leaf.key in targets and leaf.parts)
+    return LoadResult(path=os.fspath(path), rank=0 if no_dist else dist.get_rank(), bytes_read=nbytes,
+                      missing_keys=tuple(missing), unexpected_keys=tuple(unexpected),
+                      timings={"total": time.perf_counter() - t0})
