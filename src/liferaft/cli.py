@@ -52,6 +52,7 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="only this key or key prefix ('model' selects model.*); repeatable")
     p.add_argument("--allow-pickle", action="store_true",
                    help="decode pickled values (runs code from the checkpoint: only for trusted checkpoints)")
+    p.add_argument("--json", action="store_true", help="one object per leaf: key, type, details")
     p = sub.add_parser("ls", help="list the steps under a CheckpointManager root")
     p.add_argument("root", metavar="ROOT")
     p.add_argument("--verify", action="store_true", help="re-hash every committed step (reads all its data)")
@@ -97,6 +98,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--node-share", type=float, default=0.5, help="share of failures that take a node down")
     p.add_argument("--multi-node-share", type=float, default=0.02,
                    help="share of failures that take several nodes (and maybe both copies of a replica) down")
+    p.add_argument("--json", action="store_true")
     return parser
 
 
@@ -117,6 +119,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     costs = Costs(stall=raw["stall"], restore=raw["restore"], restart=float(raw.get("restart", 120.0)),
                   persist=raw.get("persist", {}))
     gpus = [int(x) for x in args.gpus.split(",") if x]
+    if args.json:
+        from liferaft.planning.goodput import Cluster, compare
+
+        print(json.dumps([{"gpus": n, "plan": p.name, "intervals_s": dict(p.intervals), "goodput": p.goodput}
+                          for n in gpus for p in compare(costs, Cluster(
+                              gpus=n, failures_per_gpu_hour=args.failures_per_gpu_hour, node_share=args.node_share,
+                              multi_node_share=args.multi_node_share))]))
+        return 0
     print(f"costs (s{'' if args.costs else ', defaults'}): stall {dict(costs.stall)}, persist "
           f"{dict(costs.persist)}, restore {dict(costs.restore)}, restart {costs.restart:.0f}")
     print(table(costs, gpus, failures_per_gpu_hour=args.failures_per_gpu_hour, node_share=args.node_share,
@@ -195,12 +205,13 @@ def _cmd_ls(args: argparse.Namespace) -> int:
                            "tiers": list(i.tiers), "depends_on": list(i.depends_on), "pinned": i.pinned,
                            "metrics": dict(i.metrics)} for i in steps]))
         return 0
-    print(f"{'step':>10}  {'status':<10} {'MiB':>9}  {'age':>8}  {'ranks':>5}  {'job':<16} references / reason")
+    print(f"{'step':>10}  {'status':<10} {'MiB':>9}  {'age':>8}  {'ranks':>5}  {'tiers':<6} {'job':<16} "
+          "references / reason")
     for i in steps:
         note = i.reason if i.status != "committed" else \
             (("refs " + ",".join(map(str, i.depends_on))) if i.depends_on else "") + (" pinned" if i.pinned else "")
         print(f"{i.step:>10}  {i.status:<10} {i.nbytes / 2**20:>9.1f}  {_age(i.created_unix):>8}  "
-              f"{i.world_size or '-':>5}  {(i.job_id or '-')[:16]:<16} {note}")
+              f"{i.world_size or '-':>5}  {','.join(i.tiers) or '-':<6} {(i.job_id or '-')[:16]:<16} {note}")
     return 0
 
 
@@ -330,6 +341,9 @@ def _cmd_read(args: argparse.Namespace) -> int:
     leaf_keys = {t.key for t in info.tensors} | set(info.values)
     tree = liferaft.read(args.path, args.keys, options=liferaft.LoadOptions(allow_pickle=args.allow_pickle))
     rows = [(key, *_describe(v)) for key, v in _leaves(tree, (), leaf_keys)]
+    if args.json:
+        print(json.dumps([{"key": k, "type": t, "details": d} for k, t, d in rows]))
+        return 0
     if not rows:
         print("(no leaves)")
         return 0

@@ -168,3 +168,11 @@ def test_progress_bar_only_on_a_terminal(tmp_path):
         sys.stderr = old
     bar = term.getvalue()
     assert "verify" in bar and "B/s" in bar                          # tqdm: bytes and rate
+
+
+def test_read_and_plan_have_json_output(tmp_path):
+    liferaft.save(str(tmp_path / "c"), {"w": torch.zeros(2, 3), "step": 4})
+    doc = json.loads(run("read", str(tmp_path / "c"), "--json").stdout)
+    assert {d["key"] for d in doc} == {"w", "step"}
+    plans = json.loads(run("plan", "--json", "--gpus", "1000").stdout)
+    assert len(plans) == 3 and all(0 <= p["goodput"] <= 1 for p in plans)
