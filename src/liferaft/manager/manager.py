@@ -359,9 +359,9 @@ class CheckpointManager(TierMixin):
         self._settle()
         self._save(step, state, metrics, "explicit", wait=not self.async_save)
 
-    def _save(self, step: int, state: Any, metrics: Mapping[str, float] | None, reason: str, wait: bool,
-              timeout: float | None = None) -> None:
-        self.wait()                 # the previous save first: its error is raised here, as itself
+    def _begin_save(self) -> None:
+        """Wait for the previous save (its error is raised here, as itself) and check the lease, on every rank."""
+        self.wait()
         err: BaseException | None = None
         if self._lease is not None:
             try:
@@ -369,11 +369,20 @@ class CheckpointManager(TierMixin):
             except BaseException as e:  # noqa: BLE001
                 err = e
         self.coord.exchange(None, err, "save (lease)")
+
+    def _metadata(self, step: int, reason: str, metrics: Mapping[str, float] | None,
+                  since_full: int) -> dict[str, Any]:
+        """The manifest ``extra`` of a save by this manager."""
+        return {**dict(self.save_options.metadata), "step": step, "reason": reason,
+                "metrics": {k: float(v) for k, v in (metrics or {}).items()}, "job_id": self.job_id,
+                "since_full": since_full}
+
+    def _save(self, step: int, state: Any, metrics: Mapping[str, float] | None, reason: str, wait: bool,
+              timeout: float | None = None) -> None:
+        self._begin_save()
         base = self._base if self.incremental and self._base is not None and self._base[0] != step else None
         since = base[1] + 1 if base is not None and base[1] + 1 < self.full_every else 0
-        meta = {**dict(self.save_options.metadata), "step": step, "reason": reason,
-                "metrics": {k: float(v) for k, v in (metrics or {}).items()}, "job_id": self.job_id,
-                "since_full": since}
+        meta = self._metadata(step, reason, metrics, since)
         opts = replace(self.save_options, metadata=meta, overwrite=True,
                        incremental_base=step_name(base[0]) if base is not None and since else None)
         if timeout is not None:                     # a preemption save: no rank waits past the deadline

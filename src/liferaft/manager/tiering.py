@@ -68,17 +68,8 @@ class TierMixin:
 
     def _drain_save(self, step: int, state: Any, metrics: Mapping[str, float] | None, reason: str) -> None:
         """Save into the memory tier and drain that copy to the root in the background."""
-        self.wait()
-        err: BaseException | None = None
-        if self._lease is not None:
-            try:
-                self._lease.check()
-            except BaseException as e:  # noqa: BLE001
-                err = e
-        self.coord.exchange(None, err, "save (lease)")
-        meta = {**dict(self.save_options.metadata), "step": step, "reason": reason,
-                "metrics": {k: float(v) for k, v in (metrics or {}).items()}, "job_id": self.job_id,
-                "since_full": 0}
+        self._begin_save()
+        meta = self._metadata(step, reason, metrics, 0)         # drained root steps are full
         self._last_step, self._last_time = step, time.monotonic()
         t0 = time.perf_counter()
         targets = [self._step_storage(step)]
