@@ -1,12 +1,12 @@
-"""Conversion time and memory: liferaft ↔ Hugging Face safetensors on a ``--size-gib`` state, next to the
-``safetensors`` package and DCP's own converter on the same tensors.
+"""Conversion time and memory: liferaft ↔ Hugging Face safetensors, ↔ PyTorch DCP and ↔ torch.save on a
+``--size-gib`` state, next to the ``safetensors`` package and DCP's own converters on the same tensors.
 
 Each operation runs in a fresh process; peak memory is sampled every 10 ms as RSS and as anonymous memory
 (RssAnon: what the process itself needs; memory-mapped file pages are page cache, counted in RSS but reclaimable).
-Rows: liferaft → safetensors (``convert --to hf``, streaming), safetensors → liferaft (memory-mapped import),
-``safetensors.torch.save_file`` / ``load_file`` of the same tensors (the package's own path, whole state in
-memory), DCP → torch.save (``dcp_to_torch_save``). Every conversion is checked bit-exact with ``liferaft diff``
-or a comparison. Markdown on stdout.
+Rows: liferaft's streamed conversions in both directions for each format; ``safetensors.torch.load_file`` +
+``save_file`` (the package's own path, whole state in memory); DCP's ``dcp_to_torch_save`` and
+``torch_save_to_dcp``; ``dcp.save`` of the state read whole (what a conversion without streaming does). Every
+liferaft round trip is checked bit-exact with ``liferaft diff``. Markdown on stdout.
 """
 
 from __future__ import annotations
@@ -70,10 +70,10 @@ def op(kind: str, a: str, b: str) -> dict[str, float]:
 
     from liferaft.tools import convert
 
-    if kind == "liferaft → safetensors":
-        return _measure(convert.to_safetensors, a, b)
-    if kind == "safetensors → liferaft":
-        return _measure(convert.from_safetensors, a, b)
+    if kind.startswith("liferaft: "):                  # "liferaft: FROM → TO"
+        src, to = kind.removeprefix("liferaft: ").split(" → ")
+        return _measure(convert.convert, a, b, {"HF safetensors": "safetensors", "DCP": "dcp",
+                                                "torch.save": "torch", "liferaft": "liferaft"}[to])
     if kind == "safetensors package: load_file + save_file":
         from safetensors.torch import load_file, save_file
 
@@ -86,18 +86,28 @@ def op(kind: str, a: str, b: str) -> dict[str, float]:
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
         return _measure(dcp_to_torch_save, a, b)
-    if kind == "make DCP":
+    if kind == "torch.save → DCP (torch_save_to_dcp)":
+        from torch.distributed.checkpoint.format_utils import torch_save_to_dcp
+
+        return _measure(torch_save_to_dcp, a, b)
+    if kind == "liferaft.read + dcp.save (not streamed)":
         import torch.distributed.checkpoint as dcp
 
         import liferaft
 
-        dcp.save(liferaft.read(a), storage_writer=dcp.FileSystemWriter(b), no_dist=True)
-        return {}
+        return _measure(lambda: dcp.save(liferaft.read(a), storage_writer=dcp.FileSystemWriter(b), no_dist=True))
     if kind == "check":
         from liferaft.tools.diff import diff
 
         return {"identical": float(diff(a, b).identical)}
     raise ValueError(kind)
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.exists(path):
+        os.remove(path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,24 +117,27 @@ def main(argv: list[str] | None = None) -> int:
     tmp = tempfile.mkdtemp(prefix="liferaft-bench-convert-", dir=os.environ.get("BENCH_TMP"))
     rows = []
     try:
-        src, hf, back = (os.path.join(tmp, n) for n in ("ck", "hf", "back"))
+        src = os.path.join(tmp, "ck")
         run_solo(make_state, src, int(args.size_gib * 2**30))
-        for kind, a, b in (("liferaft → safetensors", src, hf), ("safetensors → liferaft", hf, back),
-                           ("safetensors package: load_file + save_file", hf, os.path.join(tmp, "hf2"))):
-            rows.append((kind, run_solo(op, kind, a, b)))
-        assert run_solo(op, "check", src, back)["identical"] == 1.0, "the round trip is not exact"
-        shutil.rmtree(os.path.join(tmp, "hf2"), ignore_errors=True)
-        shutil.rmtree(back, ignore_errors=True)
-        run_solo(op, "make DCP", src, os.path.join(tmp, "dcp"))
-        rows.append(("DCP → torch.save (dcp_to_torch_save)",
-                     run_solo(op, "DCP → torch.save (dcp_to_torch_save)", os.path.join(tmp, "dcp"),
-                              os.path.join(tmp, "state.pt"))))
+        for fmt, name in (("HF safetensors", "hf"), ("DCP", "dcp"), ("torch.save", "m.pt")):
+            out, back = os.path.join(tmp, name), os.path.join(tmp, "back")
+            rows.append((f"liferaft: liferaft → {fmt}", run_solo(op, f"liferaft: liferaft → {fmt}", src, out)))
+            rows.append((f"liferaft: {fmt} → liferaft", run_solo(op, f"liferaft: {fmt} → liferaft", out, back)))
+            assert run_solo(op, "check", src, back)["identical"] == 1.0, f"the {fmt} round trip is not exact"
+            shutil.rmtree(back, ignore_errors=True)
+        for kind, a, b in (("safetensors package: load_file + save_file", "hf", "hf2"),
+                           ("DCP → torch.save (dcp_to_torch_save)", "dcp", "state.pt"),
+                           ("torch.save → DCP (torch_save_to_dcp)", "m.pt", "dcp2"),
+                           ("liferaft.read + dcp.save (not streamed)", "ck", "dcp3")):
+            rows.append((kind, run_solo(op, kind, os.path.join(tmp, a) if a != "ck" else src, os.path.join(tmp, b))))
+            _remove(os.path.join(tmp, b))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     size = int(args.size_gib * 2**30) // (64 << 20) * (64 << 20)
     print(f"### Conversions, {datetime.date.today().isoformat()}: {machine()}\n")
     print(f"State: {size / 2**30:.1f} GiB of fp32 tensors (64 MiB each); each operation in a fresh process; the "
-          "liferaft round trip checked bit-exact.\n")
+          "liferaft round trips checked bit-exact; DCP and torch.save written by liferaft are the files its imports "
+          "read.\n")
     print("| operation | seconds | GB/s | peak extra RSS (MiB) | peak extra anonymous memory (MiB) |")
     print("|---|---|---|---|---|")
     for kind, r in rows:

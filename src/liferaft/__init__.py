@@ -16,11 +16,16 @@ from liferaft.reading import CheckpointInfo, PerRank, TensorInfo, VerifyReport, 
 from liferaft.state.rng import RNGState
 from liferaft.state.sharded import Sharded
 from liferaft.tiers.memory import MemoryTier
+from liferaft.tools.convert import ConvertReport, convert
+from liferaft.tools.diff import DiffReport, diff
+from liferaft.tools.stats import describe
+from liferaft.tools.steps import GcReport, gc, ls
 
 __version__ = "0.1.0"
 
 __all__ = [
     "save", "async_save", "AsyncSaveHandle", "load", "read", "inspect", "verify", "release_groups",
+    "convert", "diff", "describe", "ls", "gc", "ConvertReport", "DiffReport", "GcReport",
     "CheckpointManager", "StepInfo", "MemoryTier", "Sharded", "RNGState",
     "SaveOptions", "LoadOptions", "SaveResult", "LoadResult", "CheckpointInfo", "TensorInfo", "VerifyReport", "PerRank",
     "LiferaftError", "CheckpointNotFoundError", "IncompleteCheckpointError", "CheckpointExistsError",

@@ -82,14 +82,16 @@ def load(path: PathLike, state: Any, *, process_group: Any = None, strict: bool 
     on every rank before any byte is copied; ``LoadOptions(atomic=True)`` extends that to the checksums.
     ``path`` may also be a Hugging Face safetensors folder (or file): then each rank memory-maps it and copies
     the boxes it holds (``tools.sources``; safetensors have no checksums, so these bytes are not verified); or a
-    PyTorch DCP checkpoint folder, read with DCP's own loader.
+    PyTorch DCP checkpoint folder (``tools.dcp_format``: each rank memory-maps the data files and copies the
+    parts of the saved chunks its boxes overlap; DCP has no checksums either).
     """
     opts = options or LoadOptions()
-    from liferaft.tools.sources import is_dcp_source, is_safetensors_source, load_dcp, load_safetensors
+    from liferaft.tools.dcp_format import is_dcp as is_dcp_source
+    from liferaft.tools.sources import is_safetensors_source, load_dcp, load_safetensors
 
     if is_safetensors_source(path):         # a Hugging Face model: each rank reads the boxes it holds (unverified)
-        return load_safetensors(path, state, strict)
-    if is_dcp_source(path):                 # a PyTorch DCP checkpoint: DCP's own loader reads and reshards
+        return load_safetensors(path, state, strict, process_group)
+    if is_dcp_source(path):                 # a PyTorch DCP checkpoint: the same, from the chunks' blobs
         return load_dcp(path, state, strict, process_group)
     t_start = time.perf_counter()
     coord = Coordinator(process_group, opts.timeout)

@@ -83,7 +83,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--from", dest="source", choices=["liferaft", "safetensors", "hf", "torch", "dcp"],
                    help="format of SRC (default: guessed from what is there)")
     p.add_argument("--max-shard-size", type=float, default=5.0, help="GB per safetensors shard (default 5)")
-    p.add_argument("--dtype", help="cast floating-point tensors on export to safetensors (e.g. bfloat16)")
+    p.add_argument("--dtype", help="cast floating-point tensors on export (e.g. bfloat16)")
     p.add_argument("--key", "-k", dest="keys", action="append", metavar="GLOB", help="only keys matching; repeatable")
     p.add_argument("--rename", nargs=2, action="append", metavar=("REGEX", "REPLACEMENT"),
                    help="rename keys by regex (applied in order); repeatable")
@@ -146,6 +146,17 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ranges(xs: Any) -> str:
+    """1, 2, 3, 7 -> "1-3, 7"."""
+    out: list[list[int]] = []
+    for x in xs:
+        if out and x == out[-1][1] + 1:
+            out[-1][1] = x
+        else:
+            out.append([x, x])
+    return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in out) or "-"
+
+
 def _inspect_keys(args: argparse.Namespace) -> int:
     from liferaft.tools.stats import describe
 
@@ -159,6 +170,7 @@ def _inspect_keys(args: argparse.Namespace) -> int:
         if i.lossy:
             line += f"  lossy: {i.lossy}"
         print(line)
+        print(f"{'':<44} saved as: {i.layout}; by rank(s) {_ranges(i.ranks)}")
         if i.stats:
             st = i.stats
             print(f"{'':<44} min {st['min']:.4g}  max {st['max']:.4g}  mean {st['mean']:.4g}  std {st['std']:.4g}  "
@@ -230,44 +242,21 @@ def _cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
-def _guess(src: str) -> str:
-    import os
-
-    if os.path.isfile(src):
-        return "safetensors" if src.endswith(".safetensors") else "torch"
-    if os.path.isfile(os.path.join(src, "COMMIT")) or "://" in src:
-        return "liferaft"
-    if os.path.isfile(os.path.join(src, ".metadata")):
-        return "dcp"
-    return "hf"
-
-
 def _cmd_convert(args: argparse.Namespace) -> int:
-    from liferaft.tools import convert as c
+    from liferaft.tools.convert import convert, detect_format
+    from liferaft.tools.progress import Progress
 
-    src = args.source or _guess(args.src)
+    src = {"hf": "safetensors"}.get(args.source or detect_format(args.src), args.source or detect_format(args.src))
     to = {"hf": "safetensors"}.get(args.to, args.to)
-    src = {"hf": "safetensors"}.get(src, src)
-    if (src == "liferaft") == (to == "liferaft"):
-        raise liferaft.OptionsError(f"convert goes from or to liferaft (got {src} → {to})")
-    if src == "liferaft" and to == "safetensors":
-        from liferaft.tools.progress import Progress
-
-        total = sum(t.nbytes for t in liferaft.inspect(args.src).tensors)
-        with Progress(total, "export", None if not args.json else False) as tick:
-            r = c.to_safetensors(args.src, args.dst, max_shard_bytes=int(args.max_shard_size * 1e9),
-                                 dtype=args.dtype, keys=args.keys, rename=[tuple(x) for x in args.rename or []],
-                                 progress=tick)
-    elif src == "liferaft":
-        r = {"torch": c.to_torch, "dcp": c.to_dcp}[to](args.src, args.dst)
-    elif src == "safetensors":
-        r = c.from_safetensors(args.src, args.dst, keys=args.keys, rename=[tuple(x) for x in args.rename or []])
-    else:
-        r = {"torch": c.from_torch, "dcp": c.from_dcp}[src](args.src, args.dst)
+    total = sum(t.nbytes for t in liferaft.inspect(args.src).tensors) if src == "liferaft" else 0
+    with Progress(total, "export", None if not args.json and total else False) as tick:
+        r = convert(args.src, args.dst, to, source=src, keys=args.keys, dtype=args.dtype,
+                    rename=[tuple(x) for x in args.rename or []], max_shard_bytes=int(args.max_shard_size * 1e9),
+                    progress=tick)
     if args.json:
-        print(json.dumps({"from": src, "to": to, "files": list(r.files), "bytes": r.bytes}))
+        print(json.dumps({"from": src, "to": to, "files": list(r.files), "tensors": r.tensors, "bytes": r.bytes}))
     else:
-        print(f"{src} → {to}: {args.dst} ({len(r.files)} file(s), {r.bytes / 2**20:.1f} MiB)")
+        print(f"{src} → {to}: {args.dst} ({r.tensors} tensor(s), {len(r.files)} file(s), {r.bytes / 2**20:.1f} MiB)")
     return 0
 
 

@@ -170,7 +170,7 @@ class _Walker:
 
     def walk(self, v: Any, path: tuple[PathPart, ...]) -> None:
         if isinstance(v, Sharded):
-            self._tensor(path, "tensor", v.local, v.global_shape, [((v.offsets, tuple(v.local.shape)), v.local)])
+            self._tensor(path, "tensor", v.local, v.global_shape, v.boxes())
         elif self.dtensor is not None and isinstance(v, self.dtensor):
             key = key_of(path)
             self._tensor(path, "tensor", v, tuple(v.shape), _dtensor_parts(v, key))

@@ -27,12 +27,15 @@ def _fsync_dir(path: str) -> None:
 
 
 class _PosixWriter(FileWriter):
-    """Positioned writes; whole pages of a page-aligned buffer at a page-aligned offset go through O_DIRECT
-    (a second descriptor), the rest through the page cache. ``close`` fsyncs the file either way."""
+    """Positioned writes; when a buffer lies on the same page boundaries as its file range, its whole pages go
+    through O_DIRECT (a second descriptor) and the partial first and last pages through the page cache, which
+    takes everything else. ``close`` fsyncs the file either way. ``truncate=False`` writes into an existing file
+    (liferaft's tools fill records of archives laid out by others)."""
 
-    def __init__(self, path: str, direct: bool = False) -> None:
+    def __init__(self, path: str, direct: bool = False, truncate: bool = True) -> None:
         self.path = path
-        self.fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+        flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if truncate else 0) | getattr(os, "O_CLOEXEC", 0)
+        self.fd: int | None = os.open(path, flags, 0o644)
         self.direct = direct and hasattr(os, "O_DIRECT")
         self._dfd: int | None = None
 
@@ -62,8 +65,12 @@ class _PosixWriter(FileWriter):
     def pwrite(self, data: memoryview | bytes, offset: int) -> None:
         assert self.fd is not None, "writer is closed"
         mv = memoryview(data).cast("B")
-        if self.direct and offset % _PAGE == 0 and len(mv) >= _PAGE and not mv.readonly \
-                and ctypes.addressof(ctypes.c_char.from_buffer(mv)) % _PAGE == 0:
+        head = (-offset) % _PAGE
+        if self.direct and len(mv) >= head + _PAGE and not mv.readonly \
+                and (ctypes.addressof(ctypes.c_char.from_buffer(mv)) - offset) % _PAGE == 0:
+            while head:                                         # the partial first page, through the cache
+                n = os.pwrite(self.fd, mv[:head], offset)
+                mv, offset, head = mv[n:], offset + n, head - n
             done = self._write_direct(mv[:len(mv) // _PAGE * _PAGE], offset)
             mv, offset = mv[done:], offset + done
         while len(mv):

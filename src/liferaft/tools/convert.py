@@ -1,19 +1,20 @@
 """Move checkpoints between formats: liferaft ↔ Hugging Face safetensors (single file or sharded with
-``model.safetensors.index.json``), ``torch.save`` files (loaded with ``weights_only=True``) → liferaft, liferaft →
-``torch.save`` and → PyTorch DCP (docs/CLI.md).
+``model.safetensors.index.json``), ↔ ``torch.save`` files (read with ``weights_only=True``) and ↔ PyTorch DCP;
+``convert`` picks the direction (docs/cli/convert.md).
 
-Safetensors are written and read here directly (the format is an 8-byte little-endian header length, a JSON
-header ``{name: {"dtype", "shape", "data_offsets"}}`` and the raw bytes): the export streams tensor by tensor (in
-row slabs for large ones) and the import memory-maps the files, so a conversion holds about one slab, never the
-whole state (the ``safetensors`` package writes a shard from tensors all in memory). Files written are checked
-against the ``safetensors`` package in the tests. Keys can be selected (glob) and renamed (regex).
+Every direction streams, holding a few 64 MiB slabs, never the state: exports read each tensor in row slabs
+(the next slab read while this one is written) into safetensors written here directly (8-byte header length, JSON
+header, raw bytes; page-aligned, O_DIRECT), into a ``torch.save`` archive whose records are filled in place
+(``tools.torch_file``) or into DCP's format (``tools.dcp_format``); imports memory-map the source (safetensors and
+``torch.save`` files as they are, DCP chunks where DCP's blobs keep their bytes) and save from the mapping. Keys
+can be selected (globs) and renamed (regex) in every direction; the results are checked against the
+``safetensors`` package, ``torch.load`` and DCP's own loader in the tests.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import json
-import math
 import os
 import re
 import struct
@@ -27,7 +28,6 @@ from liferaft.errors import InvalidStateError, OptionsError, StateMismatchError
 from liferaft.reading import check_files, open_checkpoint, read
 from liferaft.storage import resolve
 from liferaft.storage.refs import with_references
-from liferaft.tools._slabs import read_box, slabs
 from liferaft.transfer.tensors import torch_dtype
 
 ST_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
@@ -53,6 +53,8 @@ def _selected(key: str, keys: Sequence[str] | None) -> bool:
 
 @dataclass(frozen=True)
 class ConvertReport:
+    """What a conversion wrote: the files or folder (``files``), how many tensors, and bytes written."""
+
     files: tuple[str, ...]
     tensors: int
     bytes: int
@@ -109,6 +111,7 @@ def _write_shard(storage: Any, path: str, shard: list[Any], progress: Callable[[
     O_DIRECT where it is page-aligned (through the page cache a write runs at a fraction of the disk's speed)."""
     from liferaft.staging.pool import page_aligned_empty
     from liferaft.storage.posix import PosixStorage
+    from liferaft.tools._slabs import prefetched, slab_values
 
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     pos = 0
@@ -123,21 +126,18 @@ def _write_shard(storage: Any, path: str, shard: list[Any], progress: Callable[[
     try:
         w.pwrite(struct.pack("<Q", len(raw)) + raw, 0)
         at = 8 + len(raw)
-        buf, stage = page_aligned_empty(SLAB), page_aligned_empty(SLAB)
-        for e, _, out_dtype, _ in shard:
-            for box in slabs(e, SLAB // 2 if out_dtype != e.dtype else SLAB):
-                fits = e.itemsize * math.prod(box[1]) <= SLAB
-                t = read_box(storage, e, box, 32 << 20, out=stage if fits else None)
-                if out_dtype != e.dtype:
-                    t = t.to(torch_dtype(out_dtype))
+        buf, ring = page_aligned_empty(SLAB), [page_aligned_empty(SLAB) for _ in range(3)]
+        for e, _, out_dtype, _ in shard:                # the next slab is read while this one is written
+            dt = torch_dtype(out_dtype)
+            for _, t in prefetched(slab_values(storage, e, SLAB // 2 if out_dtype != e.dtype else SLAB, dt, ring)):
                 data = t.contiguous().reshape(-1).view(torch.uint8)
                 if progress is not None:
                     progress(data.numel())
-                if out_dtype == e.dtype and fits:        # read straight into the aligned buffer: write it
-                    w.pwrite(memoryview(stage[:data.numel()].numpy()), at)
-                    at += data.numel()
-                    continue
                 n = data.numel()
+                if data.data_ptr() % 4096 == 0:          # read straight into an aligned ring buffer: write it
+                    w.pwrite(memoryview(data.numpy()), at)
+                    at += n
+                    continue
                 for lo in range(0, n, SLAB):                 # (a slab is one row when rows are huge)
                     m = min(SLAB, n - lo)
                     buf[:m].copy_(data[lo:lo + m])
@@ -202,42 +202,239 @@ def from_safetensors(src: str | os.PathLike[str], dst: str | os.PathLike[str], *
     return ConvertReport(files=(res.path,), tensors=len(state), bytes=res.total_bytes)
 
 
-def from_torch(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, options: Any = None) -> ConvertReport:
-    """Import a ``torch.save`` file (loaded with ``weights_only=True`` and memory-mapped: no code runs, nothing is
-    read twice) into a liferaft checkpoint, nesting kept."""
-    import liferaft
+def _entries(m: Any, keys: Sequence[str] | None) -> tuple[list[Any], list[Any]]:
+    tensors = [e for e in m.tensors if _selected(e.key, keys)]
+    values = [v for v in m.values if _selected(v.key, keys)]
+    if keys and not tensors and not values:
+        raise OptionsError(f"no key of the checkpoint matches {list(keys)}")
+    return tensors, values
 
-    state = torch.load(os.fspath(src), weights_only=True, mmap=True, map_location="cpu")
+
+def _out_dtype(e: Any, cast: torch.dtype | None) -> torch.dtype:
+    dt = torch_dtype(e.dtype)
+    return cast if cast is not None and dt.is_floating_point else dt
+
+
+def _ids(tree: Any, path: tuple[Any, ...], out: dict[int, tuple[Any, ...]]) -> None:
+    """Where each tensor lies in ``tree`` (by identity): paths as built, list positions included."""
+    if isinstance(tree, torch.Tensor):
+        out[id(tree)] = path
+    elif isinstance(tree, dict):
+        for k, v in tree.items():
+            _ids(v, path + (k,), out)
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            _ids(v, path + (i,), out)
+
+
+def to_torch(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, keys: Sequence[str] | None = None,
+             rename: Sequence[tuple[str, str]] | None = None, dtype: str | None = None,
+             progress: Callable[[int], None] | None = None, slab_bytes: int = SLAB) -> ConvertReport:
+    """Export to one ``torch.save`` file, streamed (``tools.torch_file``: about three slabs of ``slab_bytes`` in
+    memory, not the state), in the saved nesting; with ``rename`` a flat dict of the renamed keys. Stateful objects
+    come out as their state dicts, values that differed per saving rank as tuples."""
+    from liferaft.reading import as_leaf, build_tree, decode_entry_value, read_full
+    from liferaft.staging.pool import page_aligned_empty
+    from liferaft.tools._slabs import prefetched, slab_values
+    from liferaft.tools.torch_file import placeholder, with_crc, write_torch_file
+
+    storage = with_references(resolve(src))
+    m = open_checkpoint(storage)
+    tensors, values = _entries(m, keys)
+    check_files(storage, m, {c.file for e in tensors for c in e.chunks})
+    rn, cast, flat = _renamer(rename), torch_dtype(dtype) if dtype else None, bool(rename)
+    leaves: dict[tuple[Any, ...], Any] = {}
+    fills: dict[int, Any] = {}
+    for e in tensors:
+        where = (rn(e.key),) if flat else e.path
+        if e.kind == "bytes":
+            leaves[where] = as_leaf(e, read_full(storage, [e], 32 << 20)[0])
+            continue
+        t = leaves[where] = placeholder(tuple(e.shape), _out_dtype(e, cast))
+        fills[id(t)] = e
+    for v in values:
+        x = decode_entry_value(v, False)
+        leaves[(rn(v.key),) if flat else v.path] = tuple(x) if isinstance(x, tuple) else x
+    if len(leaves) != len(tensors) + len(values):
+        raise OptionsError("the renaming maps two keys to one name")
+    if flat:
+        tree: Any = {k[0]: x for k, x in leaves.items()}
+    else:
+        kinds = {c.path: c.kind for c in m.containers}
+        needed = {p[:i] for p in leaves for i in range(len(p))}
+        tree = build_tree({p: k for p, k in kinds.items() if p in needed}, leaves,
+                          {c.path: c.children for c in m.containers if c.children is not None})
+    paths: dict[int, tuple[Any, ...]] = {}
+    _ids(tree, (), paths)
+    ring = [page_aligned_empty(slab_bytes + 4096) for _ in range(3)]
+
+    def values_of(e: Any, dt: torch.dtype) -> Any:             # read (and CRC) the next slab while one is written
+        return lambda at: prefetched(with_crc(t for _, t in slab_values(storage, e, slab_bytes, dt, ring, base=at)))
+    jobs = [(paths[i], values_of(e, _out_dtype(e, cast))) for i, e in fills.items()]
+    size = write_torch_file(os.fspath(dst), tree, jobs, progress)
+    return ConvertReport(files=(os.fspath(dst),), tensors=len(tensors), bytes=size)
+
+
+def to_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, keys: Sequence[str] | None = None,
+           rename: Sequence[tuple[str, str]] | None = None, dtype: str | None = None,
+           progress: Callable[[int], None] | None = None, slab_bytes: int = SLAB) -> ConvertReport:
+    """Export to a PyTorch DCP checkpoint, streamed (``tools.dcp_format.write_dcp``: each tensor as row-slab
+    chunks of about ``slab_bytes``, the next read while one is written). Keys are the liferaft keys (renamed if asked),
+    with the saved nesting recorded as DCP does, so ``dcp.load`` into the same nested state and
+    ``dcp_to_torch_save`` both work; numpy arrays become tensors."""
+    from liferaft.reading import as_leaf, decode_entry_value, read_full
+    from liferaft.staging.pool import page_aligned_empty
+    from liferaft.tools._slabs import prefetched, slab_values
+    from liferaft.tools.dcp_format import DcpItem, write_dcp
+
+    storage = with_references(resolve(src))
+    m = open_checkpoint(storage)
+    tensors, values = _entries(m, keys)
+    check_files(storage, m, {c.file for e in tensors for c in e.chunks})
+    rn, cast = _renamer(rename), torch_dtype(dtype) if dtype else None
+    ring = [page_aligned_empty(slab_bytes + 4096) for _ in range(3)]
+    items = []
+    for e in tensors:
+        path = tuple(rn(e.key).split(".")) if rename else e.path
+        if e.kind == "bytes":
+            items.append(DcpItem(rn(e.key), path, value=as_leaf(e, read_full(storage, [e], 32 << 20)[0])))
+            continue
+
+        def produce(e: Any = e) -> Any:
+            for box, t in slab_values(storage, e, slab_bytes, _out_dtype(e, cast), ring):
+                yield box[0], t
+        items.append(DcpItem(rn(e.key), path, _out_dtype(e, cast), tuple(e.shape), produce))
+    for v in values:
+        x = decode_entry_value(v, False)
+        items.append(DcpItem(rn(v.key), tuple(rn(v.key).split(".")) if rename else v.path,
+                             value=tuple(x) if isinstance(x, tuple) else x))
+    if len({i.key for i in items}) != len(items):
+        raise OptionsError("the renaming maps two keys to one name")
+    size = write_dcp(dst, items, progress, prefetch=prefetched)
+    return ConvertReport(files=(os.fspath(dst),), tensors=len(tensors), bytes=size)
+
+
+def _flat_selection(flat_items: Any, keys: Sequence[str] | None, rename: Sequence[tuple[str, str]] | None) -> dict:
+    rn = _renamer(rename)
+    out = {rn(k): v for k, v in flat_items if _selected(k, keys)}
+    if keys and not out:
+        raise OptionsError(f"no key of the source matches {list(keys)}")
+    return out
+
+
+def from_torch(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, keys: Sequence[str] | None = None,
+               rename: Sequence[tuple[str, str]] | None = None, options: Any = None) -> ConvertReport:
+    """Import a ``torch.save`` file (loaded with ``weights_only=True`` and memory-mapped: no code runs, the
+    tensors are read once, by the save) into a liferaft checkpoint, nesting kept; with ``keys`` or ``rename`` a
+    flat dict of the chosen (renamed) keys."""
+    import liferaft
+    from liferaft.state.flatten import flatten
+
+    try:
+        state = torch.load(os.fspath(src), weights_only=True, mmap=True, map_location="cpu")
+    except RuntimeError as e:
+        if "mmap" not in str(e):
+            raise
+        state = torch.load(os.fspath(src), weights_only=True, map_location="cpu")   # legacy (non-zip) format
     if not isinstance(state, dict):
         state = {"state": state}
+    if keys or rename:
+        f = flatten(state)
+        items = [(leaf.key, leaf.parts[0][1]) for leaf in f.tensors] + [(k, v) for k, _, v in f.values]
+        state = _flat_selection(items, keys, rename)
+    n = len(flatten(state).tensors)
     res = liferaft.save(dst, state, options=options)
-    return ConvertReport(files=(res.path,), tensors=-1, bytes=res.total_bytes)
+    return ConvertReport(files=(res.path,), tensors=n, bytes=res.total_bytes)
 
 
-def to_torch(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> ConvertReport:
-    """Export to one ``torch.save`` file (the whole state in memory once: torch.save needs it)."""
-    tree = read(src)
-    torch.save(tree, os.fspath(dst))
-    return ConvertReport(files=(os.fspath(dst),), tensors=-1, bytes=os.path.getsize(dst))
+def from_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, keys: Sequence[str] | None = None,
+             rename: Sequence[tuple[str, str]] | None = None, options: Any = None) -> ConvertReport:
+    """Import a PyTorch DCP checkpoint, streamed: its chunks are memory-mapped where DCP's blobs hold them
+    (``tools.dcp_format``; values unpickled with ``weights_only=True``) and saved as they lie (a tensor DCP
+    stored in several chunks becomes a ``Sharded`` with those boxes); nesting from DCP's record of it, or a flat
+    dict with ``keys``/``rename``."""
+    import liferaft
+    from liferaft.state.sharded import Sharded
+    from liferaft.tools.dcp_format import DcpCheckpoint
+
+    ck = DcpCheckpoint(src)
+    leaves: list[tuple[str, Any]] = []
+    for key, t in ck.tensors.items():
+        if not _selected(key, keys):
+            continue
+        pieces = [(c.offsets, ck.chunk(key, c)) for c in t.chunks if 0 not in c.sizes]
+        if len(pieces) == 1 and tuple(pieces[0][1].shape) == t.shape:
+            leaves.append((key, pieces[0][1]))
+        elif not pieces:
+            leaves.append((key, torch.empty(t.shape, dtype=t.dtype)))
+        else:
+            leaves.append((key, Sharded(pieces[0][1], t.shape, pieces[0][0], more=pieces[1:])))
+    leaves += [(key, ck.value(key)) for key in ck.values if _selected(key, keys)]
+    if keys or rename or not ck.paths:
+        state: Any = _flat_selection(leaves, keys, rename)
+    else:
+        state = _nest({ck.paths.get(k, (k,)): v for k, v in leaves})
+    res = liferaft.save(dst, state, options=options)
+    return ConvertReport(files=(res.path,), tensors=sum(1 for k, v in leaves if k in ck.tensors),
+                         bytes=res.total_bytes)
 
 
-def to_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> ConvertReport:
-    """Export to a PyTorch DCP checkpoint in one process (the whole state in memory once)."""
-    import torch.distributed.checkpoint as dcp
+def _nest(leaves: dict[tuple[Any, ...], Any]) -> Any:
+    """Nested containers from leaves keyed by path: lists where every child is an int index, else dicts."""
+    from liferaft.reading import build_tree
 
-    tree = read(src)
-    dcp.save(tree, storage_writer=dcp.FileSystemWriter(os.fspath(dst)), no_dist=True)
-    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(dst) for f in fs)
-    return ConvertReport(files=(os.fspath(dst),), tensors=-1, bytes=size)
+    children: dict[tuple[Any, ...], list[Any]] = {}
+    for p in leaves:
+        for i in range(len(p)):
+            children.setdefault(p[:i], []).append(p[i])
+    kinds = {p: "list" if all(isinstance(k, int) for k in ks) and sorted(set(ks)) == list(range(len(set(ks))))
+             else "dict" for p, ks in children.items()}
+    return build_tree(kinds, leaves)
 
 
-def from_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, options: Any = None) -> ConvertReport:
-    """Import a PyTorch DCP checkpoint (one process; the whole state in memory once, as DCP's own converter)."""
-    import tempfile
+FORMATS = ("liferaft", "safetensors", "hf", "torch", "dcp")
 
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(os.fspath(dst)))) as tmp:
-        path = os.path.join(tmp, "state.pt")
-        dcp_to_torch_save(os.fspath(src), path)
-        return from_torch(path, dst, options=options)
+def detect_format(src: str | os.PathLike[str]) -> str:
+    """What ``src`` holds: "liferaft" (a commit marker, or a URL), "dcp" (``.metadata``), "safetensors" (a
+    ``.safetensors`` file or a folder with ``model.safetensors`` or its index) or "torch" (any other file)."""
+    p = os.fspath(src)
+    if "://" in p or os.path.isfile(os.path.join(p, "COMMIT")):
+        return "liferaft"
+    if os.path.isfile(p):
+        return "safetensors" if p.endswith(".safetensors") else "torch"
+    if os.path.isfile(os.path.join(p, ".metadata")):
+        return "dcp"
+    if os.path.isfile(os.path.join(p, "model.safetensors")) or os.path.isfile(os.path.join(p, INDEX)):
+        return "safetensors"
+    raise StateMismatchError(f"{p}: not a liferaft checkpoint, DCP checkpoint, safetensors folder or torch.save "
+                             "file (nothing recognizable there); pass the format explicitly")
+
+
+def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], to: str, *, source: str | None = None,
+            keys: Sequence[str] | None = None, rename: Sequence[tuple[str, str]] | None = None,
+            dtype: str | None = None, max_shard_bytes: int = 5 << 30, options: Any = None,
+            progress: Callable[[int], None] | None = None) -> ConvertReport:
+    """Convert between liferaft and ``to``/``source`` in {"safetensors" (= "hf"), "torch", "dcp"} (one side must
+    be liferaft), streaming in bounded memory. ``keys``: globs of keys to keep; ``rename``: ``(regex,
+    replacement)`` pairs applied in order; ``dtype``: cast floating-point tensors on export; ``max_shard_bytes``:
+    per safetensors shard; ``options``: ``SaveOptions`` of an import; ``progress(nbytes)`` called as an export
+    writes. ``source`` is detected when not given (``detect_format``)."""
+    norm = {"hf": "safetensors"}
+    src_fmt = source or detect_format(src)
+    src_fmt, to = norm.get(src_fmt, src_fmt), norm.get(to, to)
+    for f in (src_fmt, to):
+        if f not in FORMATS:
+            raise OptionsError(f"unknown format {f!r}; one of {', '.join(FORMATS)}")
+    if (src_fmt == "liferaft") == (to == "liferaft"):
+        raise OptionsError(f"convert goes from or to liferaft (got {src_fmt} → {to})")
+    if src_fmt == "liferaft":
+        if to == "safetensors":
+            return to_safetensors(src, dst, max_shard_bytes=max_shard_bytes, dtype=dtype, keys=keys, rename=rename,
+                                  progress=progress)
+        return {"torch": to_torch, "dcp": to_dcp}[to](src, dst, keys=keys, rename=rename, dtype=dtype,
+                                                      progress=progress)
+    if dtype is not None:
+        raise OptionsError("dtype casts on export only (an import keeps the source's dtypes)")
+    fn = {"safetensors": from_safetensors, "torch": from_torch, "dcp": from_dcp}[src_fmt]
+    return fn(src, dst, keys=keys, rename=rename, options=options)

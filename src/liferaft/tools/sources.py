@@ -1,9 +1,10 @@
-"""Loading from checkpoints liferaft did not write: a Hugging Face safetensors folder (or file) as the source of
-``liferaft.load``, so a fine-tuning job starts from a pretrained model without converting it first.
+"""Loading from checkpoints liferaft did not write: a Hugging Face safetensors folder (or file) or a PyTorch DCP
+checkpoint as the source of ``liferaft.load``, so a job starts from a pretrained model or another framework's
+checkpoint without converting it first.
 
-Each rank memory-maps the safetensors files and copies into each of its shards (tensors, DTensor shards,
-``Sharded``) exactly the box it holds: only those bytes are read from disk. Safetensors carry no checksums, so
-these bytes cannot be verified (liferaft checkpoints always are); shapes and dtypes are checked.
+Each rank memory-maps the files and copies into each of its shards (tensors, DTensor shards, ``Sharded``) exactly
+the box it holds: only those pages are read from disk, whatever layout wrote the source. Neither format carries
+checksums, so these bytes cannot be verified (liferaft checkpoints always are); shapes and dtypes are checked.
 """
 
 from __future__ import annotations
@@ -30,7 +31,16 @@ def is_safetensors_source(path: Any) -> bool:
         os.path.isfile(os.path.join(p, "model.safetensors")) or os.path.isfile(os.path.join(p, INDEX)))
 
 
-def load_safetensors(path: str | os.PathLike[str], state: Any, strict: bool = True) -> LoadResult:
+def _everywhere(keys: list[str], process_group: Any) -> set[str]:
+    """The keys any rank of the job wants (one small collective when a process group is initialized), so that a
+    key another rank holds (pipeline stages) is not "unexpected" here."""
+    from liferaft.dist import Coordinator
+
+    return {k for ks in Coordinator(process_group).exchange(keys, what="the key check of a load") for k in ks}
+
+
+def load_safetensors(path: str | os.PathLike[str], state: Any, strict: bool = True,
+                     process_group: Any = None) -> LoadResult:
     """Fill ``state`` in place from a safetensors source (this rank's shards only). Keys are the state's keys
     (pass the module itself, or its state dict, for Hugging Face names)."""
     import time
@@ -39,7 +49,7 @@ def load_safetensors(path: str | os.PathLike[str], state: Any, strict: bool = Tr
     src = safetensors_state(path)
     flat = flatten(state)
     missing = [leaf.key for leaf in flat.tensors if leaf.key not in src]
-    unexpected = sorted(set(src) - {leaf.key for leaf in flat.tensors})
+    unexpected = sorted(set(src) - _everywhere([leaf.key for leaf in flat.tensors], process_group))
     if strict and (missing or unexpected):
         raise StateMismatchError(f"{os.fspath(path)}: the state does not match the safetensors (nothing loaded); "
                                  f"missing {missing[:10]}, unexpected {unexpected[:10]}; pass strict=False to load "
@@ -69,48 +79,66 @@ def load_safetensors(path: str | os.PathLike[str], state: Any, strict: bool = Tr
                       unexpected_keys=tuple(unexpected), timings={"total": time.perf_counter() - t0})
 
 
-def is_dcp_source(path: Any) -> bool:
-    """True for a local PyTorch DCP checkpoint folder (a ``.metadata`` file, no liferaft commit)."""
-    if not isinstance(path, (str, os.PathLike)) or "://" in os.fspath(path):
-        return False
-    p = os.fspath(path)
-    return os.path.isfile(os.path.join(p, ".metadata")) and not os.path.exists(os.path.join(p, "COMMIT"))
+def _value_parts(ck: Any, key: str) -> list[str]:
+    """The DCP keys holding the plain value ``key``: itself, or the leaves DCP split a nested value into."""
+    if key in ck.values:
+        return [key]
+    return [k for k in ck.values if k.startswith(key + ".")]
+
+
+def _value_of(ck: Any, key: str, parts: list[str]) -> Any:
+    if parts == [key]:
+        return ck.value(key)
+    from liferaft.tools.convert import _nest
+
+    depth = len(ck.paths.get(key, tuple(key.split("."))))
+    return _nest({tuple(ck.paths.get(k, tuple(k.split("."))))[depth:]: ck.value(k) for k in parts})
 
 
 def load_dcp(path: str | os.PathLike[str], state: Any, strict: bool = True, process_group: Any = None) -> LoadResult:
-    """Fill ``state`` in place from a PyTorch DCP checkpoint with DCP's own loader (collective when a process group
-    is initialized; DCP reads and reshards): tensors and DTensors under the same flattened keys
-    ("model.layer.weight"); ``Sharded`` leaves are not supported by DCP."""
+    """Fill ``state`` in place from a PyTorch DCP checkpoint: each rank memory-maps the data files and copies into
+    each of its boxes (tensors, DTensor shards, ``Sharded``) the parts of the saved chunks that overlap it, so it
+    reads only those pages, whatever layout wrote them; no collective. Keys are DCP's flattened names
+    ("model.layer.weight"). Plain values are set from DCP's (unpickled with ``weights_only=True``). DCP stores no
+    checksums, so the bytes are not verified; shapes and dtypes are."""
     import time
 
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-
-    from liferaft.state.sharded import Sharded
+    from liferaft.api import _assign
+    from liferaft.tools.dcp_format import DcpCheckpoint
 
     t0 = time.perf_counter()
+    ck = DcpCheckpoint(path)
     flat = flatten(state)
-    meta = dcp.FileSystemReader(os.fspath(path)).read_metadata()
-    targets: dict[str, Any] = {}
-    for leaf in flat.tensors:
-        obj = flat.nodes[leaf.path[:-1]][leaf.path[-1]]
-        if isinstance(obj, Sharded):
-            raise StateMismatchError(f"key {leaf.key!r}: a Sharded leaf cannot be loaded from DCP; convert the "
-                                     "checkpoint first (liferaft convert SRC DST --to liferaft)")
-        if leaf.key in meta.state_dict_metadata:
-            targets[leaf.key] = obj
-    missing = [leaf.key for leaf in flat.tensors if leaf.key not in meta.state_dict_metadata]
-    unexpected = sorted(set(meta.state_dict_metadata) - {leaf.key for leaf in flat.tensors})
+    wanted = [leaf.key for leaf in flat.tensors] + [k for k, _, _ in flat.values]
+    parts = {k: _value_parts(ck, k) for k, _, _ in flat.values}     # DCP splits nested plain values into leaves
+    saved = set(ck.tensors) | set(ck.values)
+    found = set(ck.tensors) & set(wanted) | {p for ps in parts.values() for p in ps}
+    missing = [k for k in wanted if k not in ck.tensors and not parts.get(k)]
+    unexpected = sorted(saved - found - _everywhere(wanted, process_group))
     if strict and (missing or unexpected):
         raise StateMismatchError(f"{os.fspath(path)}: the state does not match the DCP checkpoint (nothing loaded); "
-                                 f"missing {missing[:10]}, unexpected {unexpected[:10]}; pass strict=False")
-    no_dist = not (dist.is_available() and dist.is_initialized())
-    dcp.load(targets, storage_reader=dcp.FileSystemReader(os.fspath(path)), no_dist=no_dist,
-             process_group=process_group)
+                                 f"missing {missing[:10]}, unexpected {unexpected[:10]}; pass strict=False to load "
+                                 "the keys that match")
+    for leaf in flat.tensors:
+        if leaf.key in ck.values:
+            raise StateMismatchError(f"key {leaf.key!r}: a plain value in the DCP checkpoint, a tensor in the state")
+        t = ck.tensors.get(leaf.key)
+        if t is not None and (t.shape != leaf.shape or t.dtype != leaf.dtype):
+            raise StateMismatchError(f"key {leaf.key!r}: the DCP checkpoint holds {list(t.shape)} {t.dtype}, the "
+                                     f"state {list(leaf.shape)} {leaf.dtype}; nothing was loaded")
+    nbytes = 0
+    with torch.no_grad():
+        for leaf in flat.tensors:
+            if leaf.key in ck.tensors:
+                for (offsets, _), local in leaf.parts:
+                    nbytes += ck.copy_box(leaf.key, offsets, local)
+    for key, p, _ in flat.values:
+        if parts.get(key):
+            _assign(flat, p, _value_of(ck, key, parts[key]))
     for _, adapter, sd in reversed(flat.statefuls):
         adapter.load_state_dict(sd)
-    nbytes = sum(leaf.parts[0][1].numel() * leaf.parts[0][1].element_size() for leaf in flat.tensors
-                 if leaf.key in targets and leaf.parts)
-    return LoadResult(path=os.fspath(path), rank=0 if no_dist else dist.get_rank(), bytes_read=nbytes,
-                      missing_keys=tuple(missing), unexpected_keys=tuple(unexpected),
-                      timings={"total": time.perf_counter() - t0})
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return LoadResult(path=os.fspath(path), rank=rank, bytes_read=nbytes, missing_keys=tuple(missing),
+                      unexpected_keys=tuple(unexpected), timings={"total": time.perf_counter() - t0})

@@ -6,6 +6,7 @@ from __future__ import annotations
 import fnmatch
 import math
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -28,7 +29,27 @@ class KeyInfo:
     files: int
     codecs: tuple[str, ...]
     lossy: str | None
+    layout: str = "whole"                  # the chunk grid as saved: "dim 0 in 2 (cut at 6)", or "whole"
+    ranks: tuple[int, ...] = ()            # the ranks whose files hold the chunks
     stats: dict[str, float] | None = None
+
+
+def layout(entry: Any) -> str:
+    """The chunk grid a tensor was saved in, per dimension cut: "dim 0 in 4 (cut at 256, 512, 768)"; "whole"
+    for one chunk. Shards of the saving layout and the ≤ 16 MiB pieces they were cut into both show."""
+    parts = []
+    for d in range(len(entry.shape)):
+        cuts = sorted({c.offsets[d] for c in entry.chunks} - {0})
+        if cuts:
+            shown = ", ".join(str(x) for x in cuts[:4]) + (", …" if len(cuts) > 4 else "")
+            parts.append(f"dim {d} in {len(cuts) + 1} (cut at {shown})")
+    return "; ".join(parts) or "whole"
+
+
+def writer_ranks(entry: Any) -> tuple[int, ...]:
+    """The ranks that wrote the chunks (data files are named ``r<rank>.bin``)."""
+    found = (re.search(r"/r(\d+)\.bin$", c.file) for c in entry.chunks)
+    return tuple(sorted({int(x.group(1)) for x in found if x}))
 
 
 def _stats(storage: Any, entry: Any, slab_bytes: int) -> dict[str, float]:
@@ -72,5 +93,6 @@ def describe(path: str | os.PathLike[str], keys: Sequence[str] | None = None, *,
         out.append(KeyInfo(key=e.key, dtype=e.dtype, shape=e.shape, nbytes=e.nbytes,
                            stored_bytes=sum(c.stored_length for c in e.chunks if not c.is_reference),
                            chunks=len(e.chunks), files=len({c.file for c in e.chunks}), codecs=tuple(codecs),
-                           lossy=lossy, stats=_stats(storage, e, slab_bytes) if stats else None))
+                           lossy=lossy, layout=layout(e), ranks=writer_ranks(e),
+                           stats=_stats(storage, e, slab_bytes) if stats else None))
     return out

@@ -1,0 +1,342 @@
+"""PyTorch DCP's on-disk format, read and written here directly: bounded memory, and no code from a checkpoint runs.
+
+A DCP checkpoint is a folder with ``.metadata`` (a pickle of ``torch.distributed.checkpoint.metadata.Metadata``:
+per key a tensor's dtype, shape and chunks, or "bytes" for any other value; where each chunk and value lies) and
+data files ``__<rank>_<i>.distcp`` holding one ``torch.save`` blob per tensor chunk and per value.
+
+Reading (``DcpCheckpoint``): DCP itself unpickles ``.metadata`` with plain pickle and values with
+``weights_only=False``; here ``.metadata`` is unpickled with an allowlist of DCP's metadata classes and torch
+types, and values with ``weights_only=True``. A chunk's blob is loaded to the meta device (its header only) to learn
+where the raw bytes lie and with which strides; the data file is memory-mapped there, so copying a box of a chunk
+reads only the pages of that box. Chunks stored through DCP extensions (``transform_descriptors``, e.g. zstd) are
+read whole through DCP's own transforms.
+
+Writing (``write_dcp``): each tensor is cut into row slabs of at most 64 MiB, each slab one DCP chunk (as if saved
+by several ranks), read from the liferaft checkpoint while the previous slab is written, and written as a
+``torch.save`` archive filled in place (``tools.torch_file``: O_DIRECT, valid CRCs); ``.metadata`` last, via a
+temporary name. DCP's loader, ``dcp_to_torch_save`` and this reader all read the result.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import uuid
+import zlib
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from liferaft.errors import CorruptCheckpointError, PickleNotAllowedError, StateMismatchError
+
+_DCP = "torch.distributed.checkpoint.metadata"
+_ALLOWED = {(_DCP, n) for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                                "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, f: Any, path: str) -> None:
+        super().__init__(f)
+        self.path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise PickleNotAllowedError(
+            f"{self.path}: refers to {module}.{name}, which DCP metadata never holds; liferaft does not unpickle it "
+            "(a checkpoint never runs code here). Load it with DCP itself if you trust its author")
+
+
+def is_dcp(path: Any) -> bool:
+    """True for a local DCP checkpoint folder (a ``.metadata`` file, no liferaft commit marker)."""
+    if not isinstance(path, (str, os.PathLike)) or "://" in os.fspath(path):
+        return False
+    p = os.fspath(path)
+    return os.path.isfile(os.path.join(p, ".metadata")) and not os.path.exists(os.path.join(p, "COMMIT"))
+
+
+class _View(io.RawIOBase):
+    """A read-only window ``[start, start + length)`` of an open file."""
+
+    def __init__(self, f: Any, start: int, length: int) -> None:
+        self.f, self.start, self.length, self.pos = f, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self.pos = {0: pos, 1: self.pos + pos, 2: self.length + pos}[whence]
+        return self.pos
+
+    def readinto(self, b: Any) -> int:
+        n = max(0, min(len(b), self.length - self.pos))
+        self.f.seek(self.start + self.pos)
+        got = self.f.readinto(memoryview(b)[:n])
+        self.pos += got
+        return got
+
+
+@dataclass(frozen=True)
+class DcpChunk:
+    """One saved chunk of a tensor: its box in the global tensor and where its blob lies."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str
+    offset: int
+    length: int
+    transforms: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class DcpTensor:
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    chunks: tuple[DcpChunk, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * torch.empty(0, dtype=self.dtype).element_size()
+
+
+class DcpCheckpoint:
+    """A DCP checkpoint folder opened for reading: ``tensors`` and ``values`` by key (DCP's flattened names),
+    ``paths`` the nesting DCP recorded for each key (``planner_data``), when it did."""
+
+    def __init__(self, folder: str | os.PathLike[str]) -> None:
+        self.folder = os.fspath(folder)
+        path = os.path.join(self.folder, ".metadata")
+        if not os.path.isfile(path):
+            raise StateMismatchError(f"{self.folder}: no .metadata file: not a DCP checkpoint (or not a finished one)")
+        with open(path, "rb") as f:
+            try:
+                self.meta = _MetadataUnpickler(f, path).load()
+            except PickleNotAllowedError:
+                raise
+            except Exception as e:
+                raise CorruptCheckpointError(f"{path}: cannot be read as DCP metadata ({e})") from e
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+
+        if not isinstance(self.meta, Metadata):
+            raise CorruptCheckpointError(f"{path}: holds a {type(self.meta).__qualname__}, not DCP Metadata")
+        storage = self.meta.storage_data or {}
+        by_key: dict[str, list[Any]] = {}
+        for index, info in storage.items():
+            by_key.setdefault(index.fqn, []).append((index, info))
+        self.tensors: dict[str, DcpTensor] = {}
+        self.values: dict[str, Any] = {}
+        for key, md in self.meta.state_dict_metadata.items():
+            places = by_key.get(key, [])
+            if isinstance(md, BytesStorageMetadata):
+                if not places:
+                    raise CorruptCheckpointError(f"{path}: value {key!r} has no storage entry")
+                self.values[key] = places[0][1]
+            elif isinstance(md, TensorStorageMetadata):
+                where = {tuple(ix.offset or ()): info for ix, info in places}
+                chunks = []
+                for c in md.chunks:
+                    info = where.get(tuple(c.offsets))
+                    if info is None:
+                        raise CorruptCheckpointError(f"{path}: key {key!r}: chunk at {list(c.offsets)} has no "
+                                                     "storage entry")
+                    chunks.append(DcpChunk(tuple(c.offsets), tuple(c.sizes), os.path.join(self.folder,
+                                           info.relative_path), int(info.offset), int(info.length),
+                                           tuple(getattr(info, "transform_descriptors", None) or ())))
+                self.tensors[key] = DcpTensor(key, md.properties.dtype, tuple(md.size), tuple(chunks))
+        pd = self.meta.planner_data
+        self.paths: dict[str, tuple[Any, ...]] = {k: tuple(v) for k, v in pd.items()} if isinstance(pd, dict) else {}
+        self._maps: dict[str, np.memmap] = {}
+
+    def _blob(self, c: DcpChunk, key: str) -> Any:
+        if not os.path.isfile(c.file):
+            raise CorruptCheckpointError(f"{c.file}: missing (key {key!r}); the DCP checkpoint is incomplete")
+        if os.path.getsize(c.file) < c.offset + c.length:
+            raise CorruptCheckpointError(f"{c.file}: shorter than the metadata says (key {key!r}); truncated")
+        return open(c.file, "rb")
+
+    def chunk(self, key: str, c: DcpChunk) -> torch.Tensor:
+        """The chunk's values: memory-mapped copy-on-write (nothing read until used) for plain DCP blobs,
+        materialized for chunks stored through DCP extensions."""
+        t = self.tensors[key]
+        with self._blob(c, key) as f:
+            view = _View(f, c.offset, c.length)
+            try:
+                if c.transforms:
+                    return self._transformed(key, c, view)
+                meta = torch.load(view, map_location="meta", weights_only=True)
+            except (RuntimeError, pickle.UnpicklingError, EOFError, ValueError) as e:
+                raise CorruptCheckpointError(f"{c.file}: key {key!r}: chunk at {list(c.offsets)} is not a "
+                                             f"readable torch.save blob ({e})") from e
+        storage = meta.untyped_storage() if isinstance(meta, torch.Tensor) else None
+        start = getattr(storage, "_checkpoint_offset", None)
+        if storage is None or start is None or meta.dtype != t.dtype or tuple(meta.shape) != c.sizes:
+            raise CorruptCheckpointError(f"{c.file}: key {key!r}: chunk at {list(c.offsets)} holds "
+                                         f"{getattr(meta, 'dtype', type(meta))} {list(getattr(meta, 'shape', []))}, "
+                                         f"the metadata says {t.dtype} {list(c.sizes)}")
+        nbytes = storage.nbytes()
+        if start + nbytes > c.length:
+            raise CorruptCheckpointError(f"{c.file}: key {key!r}: chunk data runs past its blob; truncated")
+        mm = self._maps.get(c.file)
+        if mm is None:
+            mm = self._maps[c.file] = np.memmap(c.file, dtype=np.uint8, mode="c")
+        raw = torch.from_numpy(mm[c.offset + start:c.offset + start + nbytes]) if nbytes else \
+            torch.empty(0, dtype=torch.uint8)
+        return raw.view(t.dtype).as_strided(meta.shape, meta.stride(), meta.storage_offset())
+
+    def _transformed(self, key: str, c: DcpChunk, view: _View) -> torch.Tensor:
+        import torch.distributed.checkpoint as dcp
+
+        stream = dcp.FileSystemReader(self.folder).transforms.transform_load_stream(None, c.transforms, view)
+        return torch.load(io.BytesIO(stream.read()), map_location="cpu", weights_only=True)
+
+    def value(self, key: str) -> Any:
+        """A non-tensor value, unpickled with ``weights_only=True`` (no code runs)."""
+        info = self.values[key]
+        file = os.path.join(self.folder, info.relative_path)
+        c = DcpChunk((), (), file, int(info.offset), int(info.length),
+                     tuple(getattr(info, "transform_descriptors", None) or ()))
+        with self._blob(c, key) as f:
+            view: Any = _View(f, c.offset, c.length)
+            if c.transforms:
+                import torch.distributed.checkpoint as dcp
+
+                view = dcp.FileSystemReader(self.folder).transforms.transform_load_stream(None, c.transforms, view)
+            data = io.BytesIO(view.read())
+        try:
+            return torch.load(data, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise PickleNotAllowedError(f"{file}: value {key!r} is a pickled object that weights_only loading "
+                                        f"refuses ({str(e).splitlines()[0]}); liferaft never runs code from a "
+                                        "checkpoint") from e
+
+    def copy_box(self, key: str, offsets: Sequence[int], out: torch.Tensor) -> int:
+        """Fill ``out`` (the box of ``key`` starting at ``offsets``) from the chunks it overlaps; returns bytes
+        copied. Raises if the chunks leave part of the box uncovered."""
+        t = self.tensors[key]
+        done = 0
+        for c in t.chunks:
+            lo = [max(o, co) for o, co in zip(offsets, c.offsets)]
+            hi = [min(o + n, co + cn) for o, n, co, cn in zip(offsets, out.shape, c.offsets, c.sizes)]
+            if any(h <= l for l, h in zip(lo, hi)):
+                continue
+            src, dst = self.chunk(key, c), out
+            for d, (l, h) in enumerate(zip(lo, hi)):
+                src = src.narrow(d, l - c.offsets[d], h - l)
+                dst = dst.narrow(d, l - offsets[d], h - l)
+            dst.copy_(src)
+            done += dst.numel()
+        if done != out.numel():
+            raise CorruptCheckpointError(f"{self.folder}: key {key!r}: the saved chunks cover {done} of the "
+                                         f"{out.numel()} elements asked for; the DCP checkpoint is incomplete")
+        return done * out.element_size()
+
+
+# --------------------------------------------------------------------------- writing
+
+
+@dataclass(frozen=True)
+class DcpItem:
+    """What ``write_dcp`` writes for one key: a tensor (``dtype``, ``shape`` and ``slabs``, an iterator of
+    ``(offsets, tensor)`` covering it) or a value (``value``), and the nesting path DCP records for it."""
+
+    key: str
+    path: tuple[Any, ...]
+    dtype: torch.dtype | None = None
+    shape: tuple[int, ...] = ()
+    slabs: Callable[[], Iterator[tuple[tuple[int, ...], torch.Tensor]]] | None = None
+    value: Any = None
+
+
+BIG = 1 << 20      # slabs from this size on are written as a skeleton plus O_DIRECT fill (tools.torch_file)
+
+
+def _with_crc(slabs: Iterator[tuple[tuple[int, ...], torch.Tensor]]) -> Iterator[Any]:
+    for offsets, t in slabs:
+        big = t.numel() * t.element_size() >= BIG
+        yield offsets, t, zlib.crc32(t.contiguous().reshape(-1).view(torch.uint8).numpy()) if big else None
+
+
+def write_dcp(dst: str | os.PathLike[str], items: Sequence[DcpItem], progress: Callable[[int], None] | None = None,
+              prefetch: Callable[[Iterator[Any]], Iterator[Any]] = iter) -> int:
+    """Write ``items`` as a DCP checkpoint in folder ``dst`` (which must hold no DCP checkpoint yet): one data
+    file ``__0_0.distcp``, then ``.metadata`` via a temporary name, both fsynced. Returns bytes written.
+    ``prefetch`` wraps each tensor's slab iterator (to read the next slab, and compute its CRC, while this one is
+    written). A slab of 1 MiB or more is written as ``torch.save``'s archive with a hole for the data, then the
+    data into the hole (O_DIRECT) and its CRC into the archive; smaller ones with ``torch.save`` itself."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                       MetadataIndex, StorageMeta, TensorProperties,
+                                                       TensorStorageMetadata)
+
+    from liferaft.tools.torch_file import RecordFiller, placeholder, record_offsets, set_crcs, skeleton
+
+    dst = os.fspath(dst)
+    os.makedirs(dst, exist_ok=True)
+    if os.path.exists(os.path.join(dst, ".metadata")):
+        raise StateMismatchError(f"{dst}: already holds a DCP checkpoint; choose an empty folder")
+    name = "__0_0.distcp"
+    path = os.path.join(dst, name)
+    sd_meta: dict[str, Any] = {}
+    storage: dict[Any, Any] = {}
+    with open(path, "wb") as f:
+        filler = RecordFiller(path)
+        try:
+            for item in items:
+                if item.slabs is None:
+                    at = f.tell()
+                    torch.save(item.value, f)
+                    sd_meta[item.key] = BytesStorageMetadata()
+                    storage[MetadataIndex(item.key)] = _StorageInfo(name, at, f.tell() - at)
+                    continue
+                chunks = []
+                for i, (offsets, t, crc) in enumerate(prefetch(_with_crc(item.slabs()))):
+                    at = f.tell()
+                    if crc is None:
+                        torch.save(t.clone(), f)            # (a clone: its storage holds only these bytes)
+                        f.flush()
+                    else:
+                        length = skeleton(f, placeholder(tuple(t.shape), t.dtype))
+                        rec = at + record_offsets(path, at, length).untyped_storage()._checkpoint_offset
+                        filler.fill(rec, [(t, crc)])
+                        set_crcs(path, at, length, {rec: (crc, t.numel() * t.element_size())})
+                    chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(t.shape)))
+                    storage[MetadataIndex(item.key, torch.Size(offsets), i)] = _StorageInfo(name, at, f.tell() - at)
+                    if progress is not None:
+                        progress(t.numel() * t.element_size())
+                sd_meta[item.key] = TensorStorageMetadata(properties=TensorProperties(dtype=item.dtype),
+                                                          size=torch.Size(item.shape), chunks=chunks)
+            filler.close()
+        except BaseException:
+            filler.abort()
+            raise
+        f.flush()
+        os.fsync(f.fileno())
+        total = f.tell()
+    meta = Metadata(state_dict_metadata=sd_meta, planner_data={i.key: i.path for i in items},
+                    storage_data=storage, storage_meta=StorageMeta(checkpoint_id=dst, save_id=str(uuid.uuid4())),
+                    version="1.0.0")
+    tmp = os.path.join(dst, ".metadata.tmp")
+    with open(tmp, "wb") as f:
+        pickle.dump(meta, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(dst, ".metadata"))
+    fd = os.open(dst, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return total

@@ -1,0 +1,184 @@
+"""Writing ``torch.save`` archives whose tensors are streamed in, never all in memory (for the torch and DCP
+exports).
+
+``torch.save`` pickles the whole object and then writes each storage from memory. Here the object is saved first
+with placeholder tensors (``torch.empty``: address space only, never touched) under
+``torch.serialization.skip_data``, which lays the archive out with every storage's record reserved (a hole) at its
+final offset; loading the archive to the meta device tells each tensor's record offset; ``RecordFiller`` then
+writes the values into those records slab by slab (O_DIRECT for the pages a slab covers whole; the page cache of
+these VMs writes at a fraction of the disk's speed), and ``set_crcs`` writes each record's zip CRC-32 (local header,
+data descriptor, central directory entry), so the file is a valid zip archive, not only one ``torch.load``
+accepts. ``torch.load(..., weights_only=True)`` (with or without ``mmap=True``) reads the result.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import struct
+import zipfile
+import zlib
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+
+from liferaft.errors import StorageError
+
+PAGE = 4096
+
+
+def placeholder(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous tensor whose memory is reserved but never touched (skip_data does not read it)."""
+    return torch.empty(shape, dtype=dtype)
+
+
+def skeleton(f: Any, obj: Any) -> int:
+    """``torch.save(obj)`` at ``f``'s position without the storages' bytes (holes left for them); returns its
+    length. ``f`` is flushed."""
+    at = f.tell()
+    with torch.serialization.skip_data():
+        torch.save(obj, f)
+    f.flush()
+    return f.tell() - at
+
+
+def record_offsets(path: str, start: int, length: int) -> Any:
+    """The archive at ``[start, start + length)`` of ``path`` loaded to the meta device: each tensor's
+    ``untyped_storage()._checkpoint_offset`` is its record's offset from ``start`` (only the pickle is read)."""
+    from liferaft.tools.dcp_format import _View
+
+    with open(path, "rb") as f:
+        return torch.load(_View(f, start, length), map_location="meta", weights_only=True)
+
+
+def with_crc(slabs: Iterable[torch.Tensor]) -> Iterator[tuple[torch.Tensor, int]]:
+    """Each slab with the running CRC-32 of the bytes so far (computed where this iterator runs: in a prefetch
+    thread, beside the writes)."""
+    crc = 0
+    for t in slabs:
+        crc = zlib.crc32(t.contiguous().reshape(-1).view(torch.uint8).numpy(), crc)
+        yield t, crc
+
+
+class RecordFiller:
+    """Positioned writes of slabs into an existing file: a slab whose address does not fall on the file's page
+    boundaries is copied into a reused aligned buffer first, so its whole pages can go through O_DIRECT."""
+
+    def __init__(self, path: str, stage_bytes: int = 64 << 20) -> None:
+        from liferaft.staging.pool import page_aligned_empty
+        from liferaft.storage.posix import _PosixWriter
+
+        self.w = _PosixWriter(path, direct=True, truncate=False)
+        self.stage = page_aligned_empty(stage_bytes + PAGE)
+        self.stage_bytes = stage_bytes
+
+    def fill(self, at: int, slabs: Iterable[tuple[torch.Tensor, int]],
+             progress: Callable[[int], None] | None = None) -> tuple[int, int]:
+        """Write ``(slab, running crc)`` pairs one after the other from offset ``at``; returns (crc, bytes)."""
+        pos, crc = at, 0
+        for t, crc in slabs:
+            data = t.contiguous().reshape(-1).view(torch.uint8)
+            n = data.numel()
+            if (data.data_ptr() - pos) % PAGE == 0 or n < 2 * PAGE:
+                self.w.pwrite(memoryview(data.numpy()), pos)
+            else:
+                for lo in range(0, n, self.stage_bytes):
+                    m, shift = min(self.stage_bytes, n - lo), (pos + lo) % PAGE
+                    self.stage[shift:shift + m].copy_(data[lo:lo + m])
+                    self.w.pwrite(memoryview(self.stage[shift:shift + m].numpy()), pos + lo)
+            pos += n
+            if progress is not None:
+                progress(n)
+        return crc, pos - at
+
+    def close(self) -> None:
+        """Fsync and close."""
+        self.w.close()
+
+    def abort(self) -> None:
+        if self.w.fd is not None:
+            os.close(self.w.fd)
+            self.w.fd = None
+
+
+def set_crcs(path: str, start: int, length: int, crcs: dict[int, tuple[int, int]]) -> None:
+    """Write the CRC-32 of each filled record of the archive at ``[start, start + length)`` of ``path``
+    (``crcs``: absolute data offset -> (crc, length)) into its local header, data descriptor and central
+    directory entry."""
+    from liferaft.tools.dcp_format import _View
+
+    with open(path, "r+b") as f:
+        z = zipfile.ZipFile(io.BufferedReader(_View(f, start, length)))
+        names: dict[str, int] = {}
+        for info in z.infolist():
+            f.seek(start + info.header_offset + 26)
+            n, m = struct.unpack("<HH", f.read(4))
+            data_at = start + info.header_offset + 30 + n + m
+            if data_at not in crcs:
+                continue
+            crc, size = crcs[data_at]
+            names[info.filename] = crc
+            f.seek(start + info.header_offset + 14)
+            f.write(struct.pack("<I", crc))
+            if info.flag_bits & 0x08:                   # a data descriptor follows the data
+                f.seek(data_at + size)
+                sig = f.read(4)
+                f.seek(data_at + size + (4 if sig == b"PK\x07\x08" else 0))
+                f.write(struct.pack("<I", crc))
+        pos = start + z.start_dir
+        for _ in z.infolist():
+            f.seek(pos)
+            head = f.read(46)
+            if head[:4] != b"PK\x01\x02":
+                raise StorageError(f"{path}: torch.save wrote an archive whose central directory liferaft cannot walk")
+            n, m, k = struct.unpack("<HHH", head[28:34])
+            name = f.read(n).decode()
+            if name in names:
+                f.seek(pos + 16)
+                f.write(struct.pack("<I", names[name]))
+            pos += 46 + n + m + k
+        if len(names) != len(crcs):
+            raise StorageError(f"{path}: torch.save wrote records liferaft could not find in the archive")
+
+
+def write_torch_file(dst: str, tree: Any, fills: list[tuple[tuple[Any, ...], Callable[[int], Iterable[Any]]]],
+                     progress: Callable[[int], None] | None = None) -> int:
+    """Save ``tree`` (holding placeholder tensors) to ``dst``, then stream each placeholder's values into its
+    record: ``fills`` maps a tensor's path in ``tree`` to a function that, given the record's file offset,
+    yields ``(slab, running crc)`` pairs in row-major order (``with_crc``). Written to ``dst + ".tmp"``, fsynced, then renamed. Returns the file size."""
+    tmp = dst + ".tmp"
+    with open(tmp, "wb") as f:
+        length = skeleton(f, tree)
+    meta = record_offsets(tmp, 0, length)
+    crcs: dict[int, tuple[int, int]] = {}
+    filler = RecordFiller(tmp)
+    try:
+        for path, produce in fills:
+            m = meta
+            for p in path:
+                m = m[p]
+            at = m.untyped_storage()._checkpoint_offset
+            crc, n = filler.fill(at, produce(at), progress)
+            if n != m.untyped_storage().nbytes():
+                raise StorageError(f"{dst}: wrote {n} bytes for {list(path)}, its record holds "
+                                   f"{m.untyped_storage().nbytes()}")
+            crcs[at] = (crc, n)
+        filler.close()
+    except BaseException:
+        filler.abort()
+        os.unlink(tmp)
+        raise
+    set_crcs(tmp, 0, length, crcs)
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, dst)
+    _fsync_dir(os.path.dirname(os.path.abspath(dst)))
+    return length
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,199 @@
+"""The streamed DCP and torch.save conversions: DCP's own loader, ``dcp_to_torch_save``, ``torch.load`` and
+``zipfile`` accept what liferaft writes; round trips are bit-exact; keys are selected, renamed and cast in every
+direction; a DCP checkpoint never runs code (refused metadata and values), damaged ones are named; ``Sharded``
+with several boxes per rank."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import zipfile
+
+import numpy as np
+import pytest
+import torch
+
+import liferaft
+from liferaft.tools.convert import to_dcp, to_torch
+from liferaft.tools.dcp_format import DcpCheckpoint
+
+
+def nested():
+    g = torch.Generator().manual_seed(1)
+    return {"model": {"emb.weight": torch.randn(1000, 40, generator=g),
+                      "layers": [torch.randn(40, 40, generator=g), torch.zeros(0, 5)],
+                      "half": torch.randn(33, 7, generator=g).to(torch.bfloat16)},
+            "ids": torch.arange(17), "scalar": torch.tensor(2.5), "flag": torch.tensor(True), "step": 9,
+            "sched": {"last_epoch": 3, "lrs": [0.1, 0.01]}}
+
+
+def _save(path):
+    liferaft.save(path, nested(), options=liferaft.SaveOptions(chunk_bytes=64 << 10))  # several chunks
+    return path
+
+
+def _zeros_like(tree):
+    if isinstance(tree, torch.Tensor):
+        return torch.zeros_like(tree)
+    if isinstance(tree, dict):
+        return {k: _zeros_like(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_zeros_like(v) for v in tree]
+    return None
+
+
+def _equal(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_dcp_export_is_read_by_dcp_and_its_converter_and_comes_back_bit_exact(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    src, out = _save(str(tmp_path / "ck")), str(tmp_path / "dcp")
+    rep = to_dcp(src, out, slab_bytes=4 << 10)
+    assert rep.tensors == 7
+    assert len(DcpCheckpoint(out).tensors["model.emb.weight"].chunks) > 5          # row slabs as DCP chunks
+    target = _zeros_like(nested())
+    target["step"], target["sched"] = 0, {"last_epoch": 0, "lrs": []}
+    dcp.load(target, checkpoint_id=out, no_dist=True)                              # DCP's own loader
+    assert _equal(target, nested())
+    dcp_to_torch_save(out, str(tmp_path / "dcp.pt"))                                # DCP's own converter
+    assert _equal(torch.load(tmp_path / "dcp.pt", weights_only=True), nested())
+    back = str(tmp_path / "back")
+    assert liferaft.convert(out, back, "liferaft").tensors == 7
+    assert liferaft.diff(src, back).identical
+    with pytest.raises(liferaft.StateMismatchError, match="already holds a DCP checkpoint"):
+        liferaft.convert(src, out, "dcp")
+
+
+def test_torch_export_is_streamed_into_a_valid_archive(tmp_path):
+    src, out = _save(str(tmp_path / "ck")), str(tmp_path / "m.pt")
+    to_torch(src, out, slab_bytes=4 << 10)
+    assert zipfile.ZipFile(out).testzip() is None                       # every record's CRC matches its data
+    assert _equal(torch.load(out, weights_only=True), nested())
+    assert _equal(torch.load(out, weights_only=True, mmap=True), nested())
+    back = str(tmp_path / "back")
+    liferaft.convert(out, back, "liferaft")
+    assert liferaft.diff(src, back).identical
+
+
+def test_keys_are_selected_renamed_and_cast_in_every_direction(tmp_path):
+    src = _save(str(tmp_path / "ck"))
+    pick, ren = ["model.*"], [(r"^model\.", "net.")]
+    liferaft.convert(src, str(tmp_path / "t.pt"), "torch", keys=pick, rename=ren, dtype="bfloat16")
+    flat = torch.load(tmp_path / "t.pt", weights_only=True)
+    assert set(flat) == {"net.emb.weight", "net.layers.0", "net.layers.1", "net.half"}
+    assert flat["net.emb.weight"].dtype == torch.bfloat16
+    assert torch.equal(flat["net.emb.weight"], nested()["model"]["emb.weight"].to(torch.bfloat16))
+
+    liferaft.convert(src, str(tmp_path / "dcp"), "dcp", keys=["model.layers.*", "step"], rename=[("layers", "L")])
+    ck = DcpCheckpoint(str(tmp_path / "dcp"))
+    assert set(ck.tensors) == {"model.L.0", "model.L.1"} and set(ck.values) == {"step"}
+
+    liferaft.convert(str(tmp_path / "dcp"), str(tmp_path / "a"), "liferaft", keys=["model.*"],
+                     rename=[(r"\.L\.", ".blocks.")])
+    assert set(liferaft.read(str(tmp_path / "a"))) == {"model.blocks.0", "model.blocks.1"}
+
+    torch.save(nested(), tmp_path / "n.pt")
+    liferaft.convert(str(tmp_path / "n.pt"), str(tmp_path / "b"), "liferaft", keys=["model.emb.*", "ids"],
+                     rename=[("emb", "embed")])
+    got = liferaft.read(str(tmp_path / "b"))
+    assert set(got) == {"model.embed.weight", "ids"} and torch.equal(got["ids"], torch.arange(17))
+
+    with pytest.raises(liferaft.OptionsError, match="no key"):
+        liferaft.convert(src, str(tmp_path / "c.pt"), "torch", keys=["nothing.*"])
+    with pytest.raises(liferaft.OptionsError, match="two keys to one"):
+        liferaft.convert(src, str(tmp_path / "d.pt"), "torch", rename=[(".*", "same")])
+    with pytest.raises(liferaft.OptionsError, match="from or to liferaft"):
+        liferaft.convert(str(tmp_path / "n.pt"), str(tmp_path / "e"), "dcp")
+    with pytest.raises(liferaft.StateMismatchError, match="nothing recognizable"):
+        liferaft.convert(str(tmp_path), str(tmp_path / "f"), "liferaft")
+
+
+class Custom:
+    pass
+
+
+def test_dcp_metadata_and_values_never_run_code(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    out = str(tmp_path / "dcp")
+    dcp.save({"w": torch.ones(3), "obj": Custom()}, checkpoint_id=out, no_dist=True)
+    with pytest.raises(liferaft.PickleNotAllowedError, match="'obj'"):
+        liferaft.convert(out, str(tmp_path / "x"), "liferaft")
+    target = {"w": torch.zeros(3)}
+    liferaft.load(out, target, strict=False)                          # the tensor alone loads
+    assert torch.equal(target["w"], torch.ones(3))
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "pwned"),))
+
+    with open(os.path.join(out, ".metadata"), "wb") as f:
+        pickle.dump(Evil(), f)
+    with pytest.raises(liferaft.PickleNotAllowedError, match="never runs code|does not unpickle"):
+        DcpCheckpoint(out)
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_damaged_dcp_checkpoints_are_named(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    out = str(tmp_path / "dcp")
+    dcp.save({"w": torch.ones(1000)}, checkpoint_id=out, no_dist=True)
+    data = [f for f in os.listdir(out) if f.endswith(".distcp")][0]
+    with open(os.path.join(out, data), "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(liferaft.CorruptCheckpointError, match=data):
+        liferaft.load(out, {"w": torch.zeros(1000)})
+    os.remove(os.path.join(out, data))
+    with pytest.raises(liferaft.CorruptCheckpointError, match="missing"):
+        liferaft.convert(out, str(tmp_path / "x"), "liferaft")
+    with pytest.raises(liferaft.StateMismatchError, match="shape|holds"):
+        dcp.save({"w": torch.ones(4)}, checkpoint_id=str(tmp_path / "d2"), no_dist=True)
+        liferaft.load(str(tmp_path / "d2"), {"w": torch.zeros(5)})
+
+
+def test_dcp_extension_compressed_chunks_are_read(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    w = torch.randn(64, 8)
+    out = str(tmp_path / "dcp")
+    dcp.save({"w": w, "n": 4}, storage_writer=dcp.FileSystemWriter(out, _extensions=[ZStandard()]), no_dist=True)
+    liferaft.convert(out, str(tmp_path / "ck"), "liferaft")
+    assert torch.equal(liferaft.read(str(tmp_path / "ck"))["w"], w)
+
+
+def test_sharded_with_several_boxes_per_rank(tmp_path):
+    full = torch.randn(10, 6)
+    s = liferaft.Sharded(full[:4].clone(), (10, 6), (0, 0), more=[((4, 0), full[4:7].clone()),
+                                                                   ((7, 0), full[7:].clone())])
+    liferaft.save(str(tmp_path / "ck"), {"w": s})
+    assert torch.equal(liferaft.read(str(tmp_path / "ck"))["w"], full)
+    t = liferaft.Sharded(torch.zeros(3, 6), (10, 6), (0, 0), more=[((5, 0), torch.zeros(5, 6))])
+    liferaft.load(str(tmp_path / "ck"), {"w": t})
+    assert torch.equal(t.local, full[:3]) and torch.equal(t.more[0][1], full[5:])
+    with pytest.raises(liferaft.InvalidStateError, match="overlap"):
+        liferaft.Sharded(torch.zeros(3, 6), (10, 6), (0, 0), more=[((2, 0), torch.zeros(5, 6))])
+    with pytest.raises(liferaft.InvalidStateError, match="one dtype"):
+        liferaft.Sharded(torch.zeros(3, 6), (10, 6), (0, 0), more=[((5, 0), torch.zeros(5, 6, dtype=torch.half))])
+
+
+def test_numpy_arrays_and_large_bytes_are_exported_loadable_without_pickle(tmp_path):
+    arr, blob = np.arange(100_000, dtype=np.float32), bytes(range(256)) * 400     # both over 64 KiB
+    liferaft.save(str(tmp_path / "ck"), {"arr": arr, "blob": blob, "w": torch.ones(2)})
+    liferaft.convert(str(tmp_path / "ck"), str(tmp_path / "m.pt"), "torch")
+    got = torch.load(tmp_path / "m.pt", weights_only=True)           # numpy arrays come out as tensors
+    assert torch.equal(got["arr"], torch.from_numpy(arr)) and got["blob"] == blob
+    liferaft.convert(str(tmp_path / "ck"), str(tmp_path / "dcp"), "dcp")
+    ck = DcpCheckpoint(str(tmp_path / "dcp"))
+    assert torch.equal(ck.chunk("arr", ck.tensors["arr"].chunks[0]), torch.from_numpy(arr))
+    assert ck.value("blob") == blob
