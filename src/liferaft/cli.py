@@ -31,12 +31,13 @@ REPR_LIMIT = 80
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="liferaft", description="Inspect, verify and read liferaft checkpoints.")
+    parser = argparse.ArgumentParser(prog="liferaft", description="Inspect, verify, compare, convert and manage liferaft checkpoints.")
     parser.add_argument("--version", action="version", version=f"liferaft {liferaft.__version__}")
     parser.add_argument("--debug", action="store_true", help="print the traceback of an error")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = sub.add_parser("inspect", help="summarize a checkpoint (keys, shapes, dtypes, chunks, bytes)")
+    p.add_argument("--flat", action="store_true", help="one line per key instead of the tree")
     p.add_argument("path", metavar="PATH", help="checkpoint directory or URL")
     p.add_argument("glob", nargs="*", metavar="KEY-GLOB", help="per-key table of the tensors matching these globs")
     p.add_argument("--stats", action="store_true", help="min/max/mean/std/NaN/Inf per tensor (reads the data)")
@@ -138,12 +139,63 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     if args.glob or args.stats or args.json:
         return _inspect_keys(args)
     info = liferaft.inspect(args.path)
-    print(info)
+    if args.flat:
+        print(info)
+    else:
+        print("\n".join(str(info).splitlines()[:2]))
+        _print_tree(args.path)
     created = datetime.datetime.fromtimestamp(info.created_unix, tz=datetime.timezone.utc)
     print(f"save id {info.save_id}, created {created.isoformat(timespec='seconds')}")
     if info.metadata:
         print(f"metadata: {json.dumps(info.metadata, sort_keys=True, default=repr)}")
     return 0
+
+
+def _print_tree(path: str) -> None:
+    """The keys as a tree of their path parts: containers with their tensors' total bytes, leaves with dtype,
+    shape, bytes, chunks, the sharding as saved and codecs (manifest only)."""
+    from liferaft.reading import open_checkpoint
+    from liferaft.storage import resolve
+    from liferaft.tools.stats import describe
+
+    m = open_checkpoint(resolve(path))
+    info = {i.key: i for i in describe(path)}
+    leaf = {e.path: e.key for e in m.tensors} | {v.path: v.key for v in m.values}
+    kids: dict[tuple, list] = {}
+    for p in list(leaf) + [c.path for c in m.containers]:
+        for i in range(1, len(p) + 1):
+            siblings = kids.setdefault(tuple(p[:i - 1]), [])
+            if p[i - 1] not in siblings:
+                siblings.append(p[i - 1])
+    for c in m.containers:                                  # children in the order they were saved
+        if c.children is not None and c.path in kids:
+            rank = {k: i for i, k in enumerate(c.children)}
+            kids[c.path].sort(key=lambda k: rank.get(k, len(rank)))
+    totals: dict[tuple, list[int]] = {}
+    for p, key in leaf.items():
+        for i in range(len(p)):
+            t = totals.setdefault(tuple(p[:i]), [0, 0])
+            t[0] += info[key].nbytes if key in info else 0
+            t[1] += 1
+
+    def walk(node: tuple, depth: int) -> None:
+        for child in kids.get(node, []):
+            p, pad = node + (child,), "  " * depth
+            key = leaf.get(p)
+            if key is None:
+                n = f"{totals[p][1]} key(s)"
+                print(f"  {pad + str(child) + '/':<50} {'':<9} {n:<16} {totals[p][0] / 2**20:12.3f} MiB")
+                walk(p, depth + 1)
+            elif key not in info:
+                print(f"  {pad + str(child):<50} value")
+            else:
+                k = info[key]
+                print(f"  {pad + str(child):<50} {k.dtype:<9} {str(list(k.shape)):<16} {k.nbytes / 2**20:12.3f} MiB"
+                      f"  {k.chunks} chunk(s)  {k.layout}  {'+'.join(k.codecs)}" + (f"  lossy: {k.lossy}" if k.lossy
+                                                                                       else ""))
+    if () in leaf:                                          # the state was a single tensor or value
+        print(f"  {leaf[()]}")
+    walk((), 0)
 
 
 def _ranges(xs: Any) -> str:
@@ -220,7 +272,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     print(f"{'step':>10}  {'status':<10} {'MiB':>9}  {'age':>8}  {'ranks':>5}  {'tiers':<6} {'job':<16} "
           "references / reason")
     for i in steps:
-        note = i.reason if i.status != "committed" else \
+        note = " ".join(i.reason.replace(i.path, "").split()).lstrip(": ") if i.status != "committed" else \
             (("refs " + ",".join(map(str, i.depends_on))) if i.depends_on else "") + (" pinned" if i.pinned else "")
         print(f"{i.step:>10}  {i.status:<10} {i.nbytes / 2**20:>9.1f}  {_age(i.created_unix):>8}  "
               f"{i.world_size or '-':>5}  {','.join(i.tiers) or '-':<6} {(i.job_id or '-')[:16]:<16} {note}")

@@ -33,9 +33,15 @@ def test_inspect(ckpt, capsys):
     assert main(["inspect", str(ckpt)]) == 0
     out = capsys.readouterr().out
     assert "format v1" in out and "written by 1 rank(s)" in out
-    assert "model.w" in out and "float32" in out and "[2, 3]" in out
-    assert "layers.1.0" in out and "step" in out
+    lines = out.splitlines()                                  # a tree: model/ holds w (and b), layers/1/ holds 0
+    at = next(i for i, ln in enumerate(lines) if ln.strip().startswith("model/"))
+    assert "2 key(s)" in lines[at] and lines[at + 1].split()[:3] == ["w", "float32", "[2,"]
+    assert "whole" in lines[at + 1] and "raw" in lines[at + 1]
+    assert any(ln.strip() == "1/" or ln.strip().startswith("1/ ") for ln in lines) and "step" in out
     assert 'metadata: {"step": 3}' in out
+    assert main(["inspect", "--flat", str(ckpt)]) == 0
+    flat = capsys.readouterr().out
+    assert "model.w" in flat and "[2, 3]" in flat and "layers.1.0" in flat
 
 
 def test_verify_ok(ckpt, capsys):

@@ -197,3 +197,27 @@ def test_numpy_arrays_and_large_bytes_are_exported_loadable_without_pickle(tmp_p
     ck = DcpCheckpoint(str(tmp_path / "dcp"))
     assert torch.equal(ck.chunk("arr", ck.tensors["arr"].chunks[0]), torch.from_numpy(arr))
     assert ck.value("blob") == blob
+
+
+def test_convert_command_dcp_and_torch_directions(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    src = _save(str(tmp_path / "ck"))
+
+    def run(*a, code=0):
+        out = subprocess.run([sys.executable, "-m", "liferaft", *a], capture_output=True, text=True, timeout=120)
+        assert out.returncode == code, out.stderr
+        return out
+
+    doc = json.loads(run("convert", src, str(tmp_path / "dcp"), "--to", "dcp", "--json").stdout)
+    assert (doc["from"], doc["to"], doc["tensors"]) == ("liferaft", "dcp", 7)
+    assert "dcp → liferaft" in run("convert", str(tmp_path / "dcp"), str(tmp_path / "back"), "--to", "liferaft").stdout
+    assert "identical" in run("diff", src, str(tmp_path / "back")).stdout
+    run("convert", src, str(tmp_path / "t.pt"), "--to", "torch", "-k", "model.*", "--rename", r"^model\.", "",
+        "--dtype", "bfloat16")
+    got = torch.load(tmp_path / "t.pt", weights_only=True)
+    assert set(got) == {"emb.weight", "layers.0", "layers.1", "half"} and got["emb.weight"].dtype == torch.bfloat16
+    bad = run("convert", src, str(tmp_path / "x"), "--to", "dcp", "-k", "nope.*", code=1)
+    assert len(bad.stderr.strip().splitlines()) == 1 and "no key" in bad.stderr

@@ -81,6 +81,8 @@ def to_safetensors(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, 
         size = int(np.prod(e.shape, dtype=np.int64)) * torch.empty(0, dtype=torch_dtype(out_dtype)).element_size()
         picked.append((e, rn(e.key), out_dtype, size))
     names = [p[1] for p in picked]
+    if keys and not picked:
+        raise OptionsError(f"no tensor of the checkpoint matches {list(keys)}")
     if len(set(names)) != len(names):
         raise OptionsError("the renaming maps two keys to one name")
     check_files(storage, m, {c.file for e, *_ in picked for c in e.chunks})

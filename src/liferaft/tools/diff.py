@@ -1,4 +1,4 @@
-"""``diff``: compare two checkpoints key by key, streaming (docs/CLI.md).
+"""``diff``: compare two checkpoints key by key, streaming (docs/cli/diff.md).
 
 Tensors are compared in slabs of leading-dimension rows (at most ``slab_bytes`` per side in memory), read and
 verified like any load, whatever the layouts the two were saved in; plain values are compared decoded. Useful to

@@ -1,5 +1,5 @@
 """Per-tensor summary statistics of a checkpoint, computed streaming (row slabs), and the storage view of each
-key (chunks, files, stored bytes, codecs, lossy): ``liferaft inspect --stats`` (docs/CLI.md)."""
+key (chunks, files, stored bytes, codecs, lossy): ``liferaft inspect --stats`` (docs/cli/inspect.md)."""
 
 from __future__ import annotations
 

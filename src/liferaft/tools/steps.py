@@ -1,4 +1,4 @@
-"""``ls`` and ``gc`` of a CheckpointManager root, without a training job (docs/CLI.md)."""
+"""``ls`` and ``gc`` of a CheckpointManager root, without a training job (docs/cli/ls.md, docs/cli/gc.md)."""
 
 from __future__ import annotations
 
