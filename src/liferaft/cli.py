@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import sys
 from typing import Any, Iterator, Sequence
 
@@ -262,7 +263,17 @@ def _age(created: float | None) -> str:
 def _cmd_ls(args: argparse.Namespace) -> int:
     from liferaft.tools.steps import ls
 
-    steps = ls(args.root, verify=args.verify)
+    total = 0
+    if args.verify and not args.json:
+        from liferaft.tools.steps import ls as listing
+
+        for i in listing(args.root):                       # what the re-hash will read, for the bar
+            if i.status == "committed":
+                total += sum(t.nbytes for t in liferaft.inspect(i.path).tensors)
+    from liferaft.tools.progress import Progress
+
+    with Progress(total, "verify", None if args.verify and not args.json else False) as tick:
+        steps = ls(args.root, verify=args.verify, progress=tick)
     if args.json:
         print(json.dumps([{"step": i.step, "status": i.status, "reason": i.reason, "bytes": i.nbytes,
                            "created_unix": i.created_unix, "world_size": i.world_size, "job_id": i.job_id,
@@ -300,11 +311,22 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
     src = {"hf": "safetensors"}.get(args.source or detect_format(args.src), args.source or detect_format(args.src))
     to = {"hf": "safetensors"}.get(args.to, args.to)
-    total = sum(t.nbytes for t in liferaft.inspect(args.src).tensors) if src == "liferaft" else 0
-    with Progress(total, "export", None if not args.json and total else False) as tick:
-        r = convert(args.src, args.dst, to, source=src, keys=args.keys, dtype=args.dtype,
-                    rename=[tuple(x) for x in args.rename or []], max_shard_bytes=int(args.max_shard_size * 1e9),
-                    progress=tick)
+    from liferaft.tools.progress import FolderGrowth
+
+    if src == "liferaft":
+        total = sum(t.nbytes for t in liferaft.inspect(args.src).tensors)
+    else:                                                  # an import: the bar follows the files written
+        total = os.path.getsize(args.src) if os.path.isfile(args.src) else \
+            sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(args.src) for f in fs)
+    with Progress(total, "export" if src == "liferaft" else "import", None if not args.json else False) as tick:
+        if src == "liferaft":
+            r = convert(args.src, args.dst, to, source=src, keys=args.keys, dtype=args.dtype,
+                        rename=[tuple(x) for x in args.rename or []],
+                        max_shard_bytes=int(args.max_shard_size * 1e9), progress=tick)
+        else:
+            with FolderGrowth(args.dst, tick):
+                r = convert(args.src, args.dst, to, source=src, keys=args.keys, dtype=args.dtype,
+                            rename=[tuple(x) for x in args.rename or []])
     if args.json:
         print(json.dumps({"from": src, "to": to, "files": list(r.files), "tensors": r.tensors, "bytes": r.bytes}))
     else:

@@ -161,6 +161,20 @@ def test_damaged_dcp_checkpoints_are_named(tmp_path):
         liferaft.load(str(tmp_path / "d2"), {"w": torch.zeros(5)})
 
 
+def test_dcp_chunks_keep_their_strides(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    x = torch.randn(30, 20)
+    out = str(tmp_path / "dcp")
+    dcp.save({"t": x.t(), "v": x[:, 3]}, checkpoint_id=out, no_dist=True)      # transposed; a strided column
+    liferaft.convert(out, str(tmp_path / "ck"), "liferaft")
+    got = liferaft.read(str(tmp_path / "ck"))
+    assert torch.equal(got["t"], x.t()) and torch.equal(got["v"], x[:, 3])
+    part = torch.zeros(5, 30)
+    liferaft.load(out, {"t": liferaft.Sharded(part, (20, 30), (10, 0)), "v": torch.zeros(30)})
+    assert torch.equal(part, x.t()[10:15])
+
+
 def test_dcp_extension_compressed_chunks_are_read(tmp_path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._extension import ZStandard

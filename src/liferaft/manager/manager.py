@@ -17,7 +17,7 @@ import uuid
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from liferaft.api import AsyncSaveHandle, async_save, load, save
 from liferaft.dist import Coordinator, release_groups
@@ -497,10 +497,11 @@ class CheckpointManager(TierMixin):
         self.close()
 
 
-def list_steps(storage: Storage, pins: frozenset[int] = frozenset(), deep: bool = False) -> list[StepInfo]:
+def list_steps(storage: Storage, pins: frozenset[int] = frozenset(), deep: bool = False,
+               progress: Callable[[int], None] | None = None) -> list[StepInfo]:
     """Every step under the manager root ``storage``, oldest first, with its status (committed / incomplete /
-    corrupt and why), own bytes, writer, metrics and the steps it references; ``deep`` re-hashes committed steps.
-    Reads only (no lease, no collective)."""
+    corrupt and why), own bytes, writer, metrics and the steps it references; ``deep`` re-hashes committed steps
+    (``progress`` is called with the bytes of each read). Reads only (no lease, no collective)."""
     names: dict[int, list[str]] = {}
     for name in storage.list():
         step = _parse_step(name)
@@ -519,7 +520,7 @@ def list_steps(storage: Storage, pins: frozenset[int] = frozenset(), deep: bool 
             if deep:
                 from liferaft.reading import verify
 
-                verify(st)
+                verify(st, progress=progress)
         except LiferaftError as e:
             out.append(StepInfo(step, path, "corrupt", str(e), pinned=pinned))
             continue

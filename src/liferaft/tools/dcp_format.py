@@ -281,6 +281,7 @@ def write_dcp(dst: str | os.PathLike[str], items: Sequence[DcpItem], progress: C
                                                        MetadataIndex, StorageMeta, TensorProperties,
                                                        TensorStorageMetadata)
 
+    from liferaft.storage.posix import _fsync_dir
     from liferaft.tools.torch_file import RecordFiller, placeholder, record_offsets, set_crcs, skeleton
 
     dst = os.fspath(dst)
@@ -334,9 +335,5 @@ def write_dcp(dst: str | os.PathLike[str], items: Sequence[DcpItem], progress: C
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, os.path.join(dst, ".metadata"))
-    fd = os.open(dst, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _fsync_dir(dst)
     return total

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import threading
 from typing import Any, Callable
 
 
@@ -18,7 +20,7 @@ class Progress:
         if self.enabled:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=self.total, desc=self.desc, unit="B", unit_scale=True, unit_divisor=1024,
+            self._bar = tqdm(total=self.total or None, desc=self.desc, unit="B", unit_scale=True, unit_divisor=1024,
                              file=sys.stderr, leave=False)
             return self._bar.update
         return lambda n: None
@@ -26,3 +28,47 @@ class Progress:
     def __exit__(self, *exc: Any) -> None:
         if self._bar is not None:
             self._bar.close()
+
+
+class FolderGrowth:
+    """``with FolderGrowth(path, tick): ...`` calls ``tick(bytes)`` with the growth of the files under the local
+    folder or file ``path`` every 0.2 s while the block runs (progress of a writer that has no hook of its own)."""
+
+    def __init__(self, path: str, tick: Callable[[int], None]) -> None:
+        self.path, self.tick = path, tick
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="liferaft-progress", daemon=True)
+        self._seen = 0
+
+    def _size(self) -> int:
+        if os.path.isfile(self.path):
+            return os.path.getsize(self.path)
+        total = 0
+        for folder, _, files in os.walk(self.path):
+            for f in files:
+                try:
+                    total += os.path.getsize(os.path.join(folder, f))
+                except OSError:
+                    pass
+        return total
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            self._report()
+
+    def _report(self) -> None:
+        now = self._size()
+        if now > self._seen:
+            self.tick(now - self._seen)
+            self._seen = now
+
+    def __enter__(self) -> "FolderGrowth":
+        if "://" not in self.path:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._thread.is_alive():
+            self._stop.set()
+            self._thread.join()
+            self._report()

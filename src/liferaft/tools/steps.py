@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 from liferaft.manager.lease import Lease
 from liferaft.manager.manager import PINS, StepInfo, list_steps, step_name
@@ -20,11 +21,12 @@ def _pins(storage: Storage) -> frozenset[int]:
         return frozenset()
 
 
-def ls(root: str | os.PathLike[str] | Storage, verify: bool = False) -> list[StepInfo]:
+def ls(root: str | os.PathLike[str] | Storage, verify: bool = False,
+       progress: Callable[[int], None] | None = None) -> list[StepInfo]:
     """Every step under the manager root, oldest first, with status, bytes, writer and references (reads only;
-    ``verify`` re-hashes every committed step)."""
+    ``verify`` re-hashes every committed step, calling ``progress`` with the bytes of each read)."""
     storage = resolve(root)
-    return list_steps(storage, _pins(storage), verify)
+    return list_steps(storage, _pins(storage), verify, progress)
 
 
 @dataclass(frozen=True)

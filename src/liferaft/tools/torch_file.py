@@ -172,13 +172,7 @@ def write_torch_file(dst: str, tree: Any, fills: list[tuple[tuple[Any, ...], Cal
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
     os.replace(tmp, dst)
+    from liferaft.storage.posix import _fsync_dir
+
     _fsync_dir(os.path.dirname(os.path.abspath(dst)))
     return length
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
