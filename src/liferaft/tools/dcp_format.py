@@ -37,7 +37,10 @@ _ALLOWED = {(_DCP, n) for n in ("Metadata", "TensorStorageMetadata", "BytesStora
                                 "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict")}
+    ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict"),
+    # where older torch releases (≤ 2.2) pickled the tensor properties from
+    ("torch.distributed._shard.sharded_tensor.metadata", "TensorProperties"),
+    ("torch.distributed._shard.sharded_tensor.metadata", "MEM_FORMAT_ENCODING")}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
