@@ -35,3 +35,13 @@ def test_bench_tiers_small_runs_and_verifies():
     assert out.returncode == 0, out.stderr[-3000:]
     for label in ("memory, own node", "memory, peer (node lost)", "local disk", "S3 (moto)", "MemoryTier.save"):
         assert f"| {label}" in out.stdout           # printed only after every restore was checked bit-exact
+
+
+def test_bench_convert_small_runs_and_checks_round_trips(tmp_path):
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_convert.py"), "--size-gib", "0.07"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "BENCH_TMP": str(tmp_path)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    for fmt in ("HF safetensors", "DCP", "torch.save"):   # the table is printed only after every round trip
+        assert f"| liferaft: liferaft → {fmt} |" in out.stdout and f"| liferaft: {fmt} → liferaft |" in out.stdout
+    assert "| DCP → torch.save (dcp_to_torch_save) |" in out.stdout
