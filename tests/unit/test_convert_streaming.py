@@ -235,3 +235,73 @@ def test_convert_command_dcp_and_torch_directions(tmp_path):
     assert set(got) == {"emb.weight", "layers.0", "layers.1", "half"} and got["emb.weight"].dtype == torch.bfloat16
     bad = run("convert", src, str(tmp_path / "x"), "--to", "dcp", "-k", "nope.*", code=1)
     assert len(bad.stderr.strip().splitlines()) == 1 and "no key" in bad.stderr
+
+
+def test_load_from_dcp_replaces_large_numpy_and_bytes_values(tmp_path):
+    arr, blob = np.arange(100_000, dtype=np.float32), bytes(range(256)) * 400
+    liferaft.save(str(tmp_path / "ck"), {"arr": arr, "blob": blob, "w": torch.ones(2)})
+    liferaft.convert(str(tmp_path / "ck"), str(tmp_path / "dcp"), "dcp")
+    state = {"arr": np.zeros(200_000, dtype=np.float32)[::2], "blob": bytes(102_400), "w": torch.zeros(2)}
+    liferaft.load(str(tmp_path / "dcp"), state)                  # a strided target array is replaced, not lost
+    assert np.array_equal(state["arr"], arr) and state["blob"] == blob and torch.equal(state["w"], torch.ones(2))
+
+
+def test_optimizer_state_keeps_its_dict_through_dcp(tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    liferaft.save(str(tmp_path / "ck"), {"optim": opt.state_dict()})
+    liferaft.convert(str(tmp_path / "ck"), str(tmp_path / "dcp"), "dcp")
+    dcp_to_torch_save(str(tmp_path / "dcp"), str(tmp_path / "o.pt"))
+    sd = torch.load(tmp_path / "o.pt", weights_only=True)["optim"]
+    assert isinstance(sd["state"], dict)                          # DCP's own converter rebuilds a dict, not a list
+    liferaft.convert(str(tmp_path / "dcp"), str(tmp_path / "back"), "liferaft")
+    liferaft.convert(str(tmp_path / "back"), str(tmp_path / "b.pt"), "torch")
+    fresh = torch.optim.Adam(torch.nn.Linear(4, 3).parameters())
+    loaded = torch.load(tmp_path / "b.pt", weights_only=True)["optim"]
+    fresh.load_state_dict({"state": {int(k): v for k, v in loaded["state"].items()},
+                           "param_groups": loaded["param_groups"]})
+    assert torch.equal(fresh.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+
+
+def test_dcp_chunks_must_cover_their_tensor_and_stay_in_the_folder(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    out = str(tmp_path / "dcp")
+    dcp.save({"w": torch.ones(8, 4)}, checkpoint_id=out, no_dist=True)
+    meta_path = os.path.join(out, ".metadata")
+    original = open(meta_path, "rb").read()
+    meta = pickle.loads(original)
+    md = meta.state_dict_metadata["w"]
+    md.chunks[0] = ChunkStorageMetadata(offsets=md.chunks[0].offsets, sizes=torch.Size([4, 4]))
+    md.size = torch.Size([8, 4])
+    with open(meta_path, "wb") as f:
+        pickle.dump(meta, f)
+    with pytest.raises(liferaft.CorruptCheckpointError):
+        liferaft.convert(out, str(tmp_path / "x"), "liferaft")
+    meta = pickle.loads(original)
+    for info in meta.storage_data.values():
+        info.relative_path = "../../etc/passwd"
+    with open(meta_path, "wb") as f:
+        pickle.dump(meta, f)
+    with pytest.raises(liferaft.UnsafePathError, match="outside"):
+        liferaft.load(out, {"w": torch.zeros(8, 4)})
+
+
+def test_a_failed_export_leaves_no_file_and_no_open_descriptor(tmp_path):
+    src = _save(str(tmp_path / "ck"))
+
+    def boom(n):
+        raise RuntimeError("stop here")
+
+    before = len(os.listdir("/proc/self/fd"))
+    for to, out in (("torch", tmp_path / "m.pt"), ("dcp", tmp_path / "dcp")):
+        with pytest.raises(RuntimeError, match="stop here"):
+            liferaft.tools.convert.convert(src, str(out), to, progress=boom)
+    assert len(os.listdir("/proc/self/fd")) == before
+    assert not (tmp_path / "m.pt").exists() and not (tmp_path / "m.pt.tmp").exists()
+    assert not os.path.exists(tmp_path / "dcp" / ".metadata") and not os.path.exists(tmp_path / "dcp" / "__0_0.distcp")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import math
 import os
 import re
 import struct
@@ -24,7 +25,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from liferaft.errors import InvalidStateError, OptionsError, StateMismatchError
+from liferaft.errors import CorruptCheckpointError, InvalidStateError, OptionsError, StateMismatchError
 from liferaft.reading import check_files, open_checkpoint, read
 from liferaft.storage import resolve
 from liferaft.storage.refs import with_references
@@ -295,9 +296,14 @@ def to_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, keys: Se
     check_files(storage, m, {c.file for e in tensors for c in e.chunks})
     rn, cast = _renamer(rename), torch_dtype(dtype) if dtype else None
     ring = [page_aligned_empty(slab_bytes + 4096) for _ in range(3)]
+    kinds = {c.path: c.kind for c in m.containers}
+
+    def dcp_path(p: tuple[Any, ...]) -> tuple[Any, ...]:         # DCP: ints only for list positions
+        return tuple(x if isinstance(x, int) and kinds.get(p[:i]) in ("list", "tuple") else str(x)
+                     for i, x in enumerate(p))
     items = []
     for e in tensors:
-        path = tuple(rn(e.key).split(".")) if rename else e.path
+        path = tuple(rn(e.key).split(".")) if rename else dcp_path(e.path)
         if e.kind == "bytes":
             items.append(DcpItem(rn(e.key), path, value=as_leaf(e, read_full(storage, [e], 32 << 20)[0])))
             continue
@@ -308,7 +314,7 @@ def to_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, keys: Se
         items.append(DcpItem(rn(e.key), path, _out_dtype(e, cast), tuple(e.shape), produce))
     for v in values:
         x = decode_entry_value(v, False)
-        items.append(DcpItem(rn(v.key), tuple(rn(v.key).split(".")) if rename else v.path,
+        items.append(DcpItem(rn(v.key), tuple(rn(v.key).split(".")) if rename else dcp_path(v.path),
                              value=tuple(x) if isinstance(x, tuple) else x))
     if len({i.key for i in items}) != len(items):
         raise OptionsError("the renaming maps two keys to one name")
@@ -365,9 +371,14 @@ def from_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, keys: 
         if not _selected(key, keys):
             continue
         pieces = [(c.offsets, ck.chunk(key, c)) for c in t.chunks if 0 not in c.sizes]
+        covered = sum(math.prod(p.shape) for _, p in pieces)
+        if covered != math.prod(t.shape):
+            raise CorruptCheckpointError(f"{ck.folder}: key {key!r}: the saved chunks cover {covered} of the "
+                                         f"{math.prod(t.shape)} elements of {list(t.shape)}; the DCP checkpoint "
+                                         "is incomplete")
         if len(pieces) == 1 and tuple(pieces[0][1].shape) == t.shape:
             leaves.append((key, pieces[0][1]))
-        elif not pieces:
+        elif not pieces:                                    # an empty tensor
             leaves.append((key, torch.empty(t.shape, dtype=t.dtype)))
         else:
             leaves.append((key, Sharded(pieces[0][1], t.shape, pieces[0][0], more=pieces[1:])))

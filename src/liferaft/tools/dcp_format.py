@@ -19,6 +19,7 @@ temporary name. DCP's loader, ``dcp_to_torch_save`` and this reader all read the
 
 from __future__ import annotations
 
+import ctypes
 import io
 import os
 import pickle
@@ -30,7 +31,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from liferaft.errors import CorruptCheckpointError, PickleNotAllowedError, StateMismatchError
+from liferaft.errors import CorruptCheckpointError, PickleNotAllowedError, StateMismatchError, UnsafePathError
 
 _DCP = "torch.distributed.checkpoint.metadata"
 _ALLOWED = {(_DCP, n) for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
@@ -155,13 +156,22 @@ class DcpCheckpoint:
                     if info is None:
                         raise CorruptCheckpointError(f"{path}: key {key!r}: chunk at {list(c.offsets)} has no "
                                                      "storage entry")
-                    chunks.append(DcpChunk(tuple(c.offsets), tuple(c.sizes), os.path.join(self.folder,
-                                           info.relative_path), int(info.offset), int(info.length),
+                    chunks.append(DcpChunk(tuple(c.offsets), tuple(c.sizes), self._inside(info.relative_path, key),
+                                           int(info.offset), int(info.length),
                                            tuple(getattr(info, "transform_descriptors", None) or ())))
                 self.tensors[key] = DcpTensor(key, md.properties.dtype, tuple(md.size), tuple(chunks))
         pd = self.meta.planner_data
         self.paths: dict[str, tuple[Any, ...]] = {k: tuple(v) for k, v in pd.items()} if isinstance(pd, dict) else {}
-        self._maps: dict[str, np.memmap] = {}
+        self._maps: dict[str, torch.UntypedStorage] = {}
+
+    def _inside(self, relative: Any, key: str) -> str:
+        """The data file a storage entry names, which must lie in the checkpoint's folder."""
+        root = os.path.realpath(self.folder)
+        path = os.path.realpath(os.path.join(root, str(relative)))
+        if os.path.isabs(str(relative)) or not path.startswith(root + os.sep):
+            raise UnsafePathError(f"{self.folder}: key {key!r} is stored at {relative!r}, outside the checkpoint "
+                                  "folder; refusing to read it")
+        return path
 
     def _blob(self, c: DcpChunk, key: str) -> Any:
         if not os.path.isfile(c.file):
@@ -192,12 +202,21 @@ class DcpCheckpoint:
         nbytes = storage.nbytes()
         if start + nbytes > c.length:
             raise CorruptCheckpointError(f"{c.file}: key {key!r}: chunk data runs past its blob; truncated")
-        mm = self._maps.get(c.file)
-        if mm is None:
-            mm = self._maps[c.file] = np.memmap(c.file, dtype=np.uint8, mode="c")
-        raw = torch.from_numpy(mm[c.offset + start:c.offset + start + nbytes]) if nbytes else \
-            torch.empty(0, dtype=torch.uint8)
+        raw = self._mapped(c.file, c.offset + start, nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
         return raw.view(t.dtype).as_strided(meta.shape, meta.stride(), meta.storage_offset())
+
+    def _mapped(self, file: str, offset: int, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of ``file`` from ``offset`` as a uint8 tensor of a private (copy-on-write) mapping of the
+        file: nothing is read until used, and no descriptor stays open (a checkpoint of thousands of files maps
+        them all). The bytes start at any address (DCP packs archives back to back), which ``view(dtype)`` of a
+        slice would refuse, so the tensor is built on the address; it keeps the mapping alive."""
+        storage = self._maps.get(file)
+        if storage is None:
+            storage = self._maps[file] = torch.UntypedStorage.from_file(file, shared=False,
+                                                                       nbytes=os.path.getsize(file))
+        window = (ctypes.c_uint8 * nbytes).from_address(storage.data_ptr() + offset)
+        window.keep = storage                                   # the array owns a reference to its mapping
+        return torch.from_numpy(np.frombuffer(window, dtype=np.uint8))
 
     def _transformed(self, key: str, c: DcpChunk, view: _View) -> torch.Tensor:
         import torch.distributed.checkpoint as dcp
@@ -208,7 +227,7 @@ class DcpCheckpoint:
     def value(self, key: str) -> Any:
         """A non-tensor value, unpickled with ``weights_only=True`` (no code runs)."""
         info = self.values[key]
-        file = os.path.join(self.folder, info.relative_path)
+        file = self._inside(info.relative_path, key)
         c = DcpChunk((), (), file, int(info.offset), int(info.length),
                      tuple(getattr(info, "transform_descriptors", None) or ()))
         with self._blob(c, key) as f:
@@ -325,6 +344,8 @@ def write_dcp(dst: str | os.PathLike[str], items: Sequence[DcpItem], progress: C
             filler.close()
         except BaseException:
             filler.abort()
+            f.close()
+            os.unlink(path)                                     # (no .metadata was written: not a checkpoint)
             raise
         f.flush()
         os.fsync(f.fileno())

@@ -111,15 +111,19 @@ def load_dcp(path: str | os.PathLike[str], state: Any, strict: bool = True, proc
     flat = flatten(state)
     wanted = [leaf.key for leaf in flat.tensors] + [k for k, _, _ in flat.values]
     parts = {k: _value_parts(ck, k) for k, _, _ in flat.values}     # DCP splits nested plain values into leaves
+    # numpy arrays and bytes over 64 KiB are tensor leaves of the state holding copies: they get new values
+    fresh = {leaf.key: leaf for leaf in flat.tensors if leaf.kind != "tensor"}
     saved = set(ck.tensors) | set(ck.values)
-    found = set(ck.tensors) & set(wanted) | {p for ps in parts.values() for p in ps}
-    missing = [k for k in wanted if k not in ck.tensors and not parts.get(k)]
+    found = (set(ck.tensors) | (set(ck.values) & set(fresh))) & set(wanted) | {p for ps in parts.values() for p in ps}
+    missing = [k for k in wanted if k not in found and not parts.get(k)]
     unexpected = sorted(saved - found - _everywhere(wanted, process_group))
     if strict and (missing or unexpected):
         raise StateMismatchError(f"{os.fspath(path)}: the state does not match the DCP checkpoint (nothing loaded); "
                                  f"missing {missing[:10]}, unexpected {unexpected[:10]}; pass strict=False to load "
                                  "the keys that match")
     for leaf in flat.tensors:
+        if leaf.key in fresh:
+            continue
         if leaf.key in ck.values:
             raise StateMismatchError(f"key {leaf.key!r}: a plain value in the DCP checkpoint, a tensor in the state")
         t = ck.tensors.get(leaf.key)
@@ -129,9 +133,17 @@ def load_dcp(path: str | os.PathLike[str], state: Any, strict: bool = True, proc
     nbytes = 0
     with torch.no_grad():
         for leaf in flat.tensors:
-            if leaf.key in ck.tensors:
+            if leaf.key in ck.tensors and leaf.key not in fresh:
                 for (offsets, _), local in leaf.parts:
                     nbytes += ck.copy_box(leaf.key, offsets, local)
+    for key, leaf in fresh.items():
+        if key in ck.tensors:
+            t = ck.tensors[key]
+            full = torch.empty(t.shape, dtype=t.dtype)
+            nbytes += ck.copy_box(key, (0,) * len(t.shape), full)
+            _assign(flat, leaf.path, full.numpy() if leaf.kind == "numpy" else full.numpy().tobytes())
+        elif key in ck.values:
+            _assign(flat, leaf.path, ck.value(key))
     for key, p, _ in flat.values:
         if parts.get(key):
             _assign(flat, p, _value_of(ck, key, parts[key]))

@@ -2,8 +2,8 @@
 exports).
 
 ``torch.save`` pickles the whole object and then writes each storage from memory. Here the object is saved first
-with placeholder tensors (``torch.empty``: address space only, never touched) under
-``torch.serialization.skip_data``, which lays the archive out with every storage's record reserved (a hole) at its
+with placeholder tensors (fake tensors: shape and dtype, no memory) under
+``torch.serialization.skip_data(materialize_fake_tensors=True)``, which lays the archive out with every storage's record reserved (a hole) at its
 final offset; loading the archive to the meta device tells each tensor's record offset; ``RecordFiller`` then
 writes the values into those records slab by slab (O_DIRECT for the pages a slab covers whole; the page cache of
 these VMs writes at a fraction of the disk's speed), and ``set_crcs`` writes each record's zip CRC-32 (local header,
@@ -28,15 +28,19 @@ PAGE = 4096
 
 
 def placeholder(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A contiguous tensor whose memory is reserved but never touched (skip_data does not read it)."""
-    return torch.empty(shape, dtype=dtype)
+    """A tensor with shape and dtype but no memory (a fake tensor: a 40 GiB placeholder costs nothing, not even
+    address space the kernel could refuse)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        return torch.empty(shape, dtype=dtype)
 
 
 def skeleton(f: Any, obj: Any) -> int:
-    """``torch.save(obj)`` at ``f``'s position without the storages' bytes (holes left for them); returns its
-    length. ``f`` is flushed."""
+    """``torch.save(obj)`` (holding ``placeholder`` tensors) at the position of the real file ``f``, without the
+    storages' bytes (holes left for them); returns its length. ``f`` is flushed."""
     at = f.tell()
-    with torch.serialization.skip_data():
+    with torch.serialization.skip_data(materialize_fake_tensors=True):
         torch.save(obj, f)
     f.flush()
     return f.tell() - at
@@ -76,19 +80,24 @@ class RecordFiller:
              progress: Callable[[int], None] | None = None) -> tuple[int, int]:
         """Write ``(slab, running crc)`` pairs one after the other from offset ``at``; returns (crc, bytes)."""
         pos, crc = at, 0
-        for t, crc in slabs:
-            data = t.contiguous().reshape(-1).view(torch.uint8)
-            n = data.numel()
-            if (data.data_ptr() - pos) % PAGE == 0 or n < 2 * PAGE:
-                self.w.pwrite(memoryview(data.numpy()), pos)
-            else:
-                for lo in range(0, n, self.stage_bytes):
-                    m, shift = min(self.stage_bytes, n - lo), (pos + lo) % PAGE
-                    self.stage[shift:shift + m].copy_(data[lo:lo + m])
-                    self.w.pwrite(memoryview(self.stage[shift:shift + m].numpy()), pos + lo)
-            pos += n
-            if progress is not None:
-                progress(n)
+        try:
+            for t, crc in slabs:
+                data = t.contiguous().reshape(-1).view(torch.uint8)
+                n = data.numel()
+                if (data.data_ptr() - pos) % PAGE == 0 or n < 2 * PAGE:
+                    self.w.pwrite(memoryview(data.numpy()), pos)
+                else:
+                    for lo in range(0, n, self.stage_bytes):
+                        m, shift = min(self.stage_bytes, n - lo), (pos + lo) % PAGE
+                        self.stage[shift:shift + m].copy_(data[lo:lo + m])
+                        self.w.pwrite(memoryview(self.stage[shift:shift + m].numpy()), pos + lo)
+                pos += n
+                if progress is not None:
+                    progress(n)
+        finally:
+            close = getattr(slabs, "close", None)               # stops a prefetch thread on an error too
+            if close is not None:
+                close()
         return crc, pos - at
 
     def close(self) -> None:
@@ -96,9 +105,12 @@ class RecordFiller:
         self.w.close()
 
     def abort(self) -> None:
-        if self.w.fd is not None:
-            os.close(self.w.fd)
-            self.w.fd = None
+        """Close without fsync (the caller removes the file)."""
+        for name in ("_dfd", "fd"):
+            fd = getattr(self.w, name)
+            if fd is not None:
+                os.close(fd)
+                setattr(self.w, name, None)
 
 
 def set_crcs(path: str, start: int, length: int, crcs: dict[int, tuple[int, int]]) -> None:
@@ -145,14 +157,16 @@ def write_torch_file(dst: str, tree: Any, fills: list[tuple[tuple[Any, ...], Cal
                      progress: Callable[[int], None] | None = None) -> int:
     """Save ``tree`` (holding placeholder tensors) to ``dst``, then stream each placeholder's values into its
     record: ``fills`` maps a tensor's path in ``tree`` to a function that, given the record's file offset,
-    yields ``(slab, running crc)`` pairs in row-major order (``with_crc``). Written to ``dst + ".tmp"``, fsynced, then renamed. Returns the file size."""
+    yields ``(slab, running crc)`` pairs in row-major order (``with_crc``). Written to ``dst + ".tmp"`` (removed
+    on any error), fsynced, then renamed. Returns the file size."""
     tmp = dst + ".tmp"
-    with open(tmp, "wb") as f:
-        length = skeleton(f, tree)
-    meta = record_offsets(tmp, 0, length)
-    crcs: dict[int, tuple[int, int]] = {}
-    filler = RecordFiller(tmp)
+    filler = None
     try:
+        with open(tmp, "wb") as f:
+            length = skeleton(f, tree)
+        meta = record_offsets(tmp, 0, length)
+        crcs: dict[int, tuple[int, int]] = {}
+        filler = RecordFiller(tmp)
         for path, produce in fills:
             m = meta
             for p in path:
@@ -164,11 +178,14 @@ def write_torch_file(dst: str, tree: Any, fills: list[tuple[tuple[Any, ...], Cal
                                    f"{m.untyped_storage().nbytes()}")
             crcs[at] = (crc, n)
         filler.close()
+        filler = None
+        set_crcs(tmp, 0, length, crcs)
     except BaseException:
-        filler.abort()
-        os.unlink(tmp)
+        if filler is not None:
+            filler.abort()
+        if os.path.exists(tmp):
+            os.unlink(tmp)
         raise
-    set_crcs(tmp, 0, length, crcs)
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
     os.replace(tmp, dst)
