@@ -71,7 +71,8 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="only print what would be deleted")
     p.add_argument("--json", action="store_true")
 
-    p = sub.add_parser("diff", help="compare two checkpoints key by key (exit status 1 if they differ)")
+    p = sub.add_parser("diff", help="compare two checkpoints key by key (exit status 1 if they differ); either "
+                       "may also be a safetensors folder/file, a DCP folder or a torch.save file")
     p.add_argument("a", metavar="A")
     p.add_argument("b", metavar="B")
     p.add_argument("--key", "-k", dest="keys", action="append", metavar="GLOB", help="only keys matching; repeatable")
@@ -339,7 +340,9 @@ def _cmd_diff(args: argparse.Namespace) -> int:
 
     from liferaft.tools.progress import Progress
 
-    total = sum(t.nbytes for t in liferaft.inspect(args.a).tensors)
+    from liferaft.tools.convert import detect_format
+
+    total = sum(t.nbytes for t in liferaft.inspect(args.a).tensors) if detect_format(args.a) == "liferaft" else 0
     with Progress(total, "diff", None if not args.json else False) as tick:
         r = diff(args.a, args.b, keys=args.keys, tolerance=args.tolerance, progress=tick)
     if args.json:

@@ -305,3 +305,20 @@ def test_a_failed_export_leaves_no_file_and_no_open_descriptor(tmp_path):
     assert len(os.listdir("/proc/self/fd")) == before
     assert not (tmp_path / "m.pt").exists() and not (tmp_path / "m.pt.tmp").exists()
     assert not os.path.exists(tmp_path / "dcp" / ".metadata") and not os.path.exists(tmp_path / "dcp" / "__0_0.distcp")
+
+
+def test_diff_compares_across_formats(tmp_path):
+    src = _save(str(tmp_path / "ck"))
+    for to, out in (("dcp", "dcp"), ("torch", "m.pt"), ("safetensors", "hf")):
+        liferaft.convert(src, str(tmp_path / out), to)
+    assert liferaft.diff(src, str(tmp_path / "dcp")).identical       # values too: DCP splits "sched" into leaves
+    assert liferaft.diff(str(tmp_path / "m.pt"), src).identical
+    only_tensors = liferaft.diff(src, str(tmp_path / "hf"))           # safetensors hold tensors only
+    assert {k.key for k in only_tensors.changed()} == {"step", "sched"}
+    assert all(k.status == "removed" for k in only_tensors.changed())
+    changed = nested()
+    changed["model"]["emb.weight"][3, 5] += 0.5
+    torch.save(changed, tmp_path / "changed.pt")
+    r = liferaft.diff(src, str(tmp_path / "changed.pt"), keys=["model.*"])
+    assert [(k.key, k.status) for k in r.changed()] == [("model.emb.weight", "changed")]
+    assert abs(r.changed()[0].max_abs - 0.5) < 1e-6

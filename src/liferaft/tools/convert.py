@@ -25,7 +25,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from liferaft.errors import CorruptCheckpointError, InvalidStateError, OptionsError, StateMismatchError
+from liferaft.errors import (CheckpointNotFoundError, CorruptCheckpointError, InvalidStateError, OptionsError,
+                             StateMismatchError)
 from liferaft.reading import check_files, open_checkpoint, read
 from liferaft.storage import resolve
 from liferaft.storage.refs import with_references
@@ -414,6 +415,11 @@ def detect_format(src: str | os.PathLike[str]) -> str:
     p = os.fspath(src)
     if "://" in p or os.path.isfile(os.path.join(p, "COMMIT")):
         return "liferaft"
+    if not os.path.exists(p):
+        raise CheckpointNotFoundError(f"{p}: does not exist")
+    if os.path.isdir(p) and (os.path.isdir(os.path.join(p, "data")) or
+                             any(n.startswith("manifest-") for n in os.listdir(p))):
+        return "liferaft"                   # unfinished or damaged: liferaft's reader says what is wrong
     if os.path.isfile(p):
         return "safetensors" if p.endswith(".safetensors") else "torch"
     if os.path.isfile(os.path.join(p, ".metadata")):
