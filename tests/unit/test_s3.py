@@ -253,3 +253,27 @@ def test_manager_on_s3_saves_keeps_restores_and_skips_a_damaged_step(s3):
         with pytest.warns(UserWarning, match="step 3"):
             assert mgr.restore(got) == 2
         assert torch.equal(got["w"], torch.arange(6.0) * 2) and got["step"] == 2
+
+
+def test_command_line_on_an_s3_root(s3, tmp_path):
+    """ls, inspect, verify, diff, gc --dry-run and conversions both ways, run as the real command on s3:// URLs."""
+    url = _url(s3)
+    with liferaft.CheckpointManager(url, every_steps=1, keep_last=5, job_id="s3-cli") as mgr:
+        for step in range(3):
+            mgr.maybe_save(step, {"w": torch.arange(12.0).reshape(3, 4) * step, "step": step})
+
+    def run(*a, code=0):
+        out = subprocess.run([sys.executable, "-m", "liferaft", *a], capture_output=True, text=True, timeout=120)
+        assert out.returncode == code, out.stderr
+        return out.stdout
+
+    assert [line.split()[:2] for line in run("ls", url).splitlines()[1:]] == [["0", "committed"], ["1", "committed"],
+                                                                             ["2", "committed"]]
+    tree = run("inspect", f"{url}/step-0000000002").splitlines()
+    assert any(line.split()[:4] == ["w", "float32", "[3,", "4]"] for line in tree)
+    assert run("verify", f"{url}/step-0000000002").startswith("OK ")
+    assert "changed  w" in run("diff", f"{url}/step-0000000001", f"{url}/step-0000000002", code=1)
+    assert "would delete 2 step(s)" in run("gc", url, "--keep-last", "1", "--dry-run")
+    run("convert", f"{url}/step-0000000002", str(tmp_path / "dcp"), "--to", "dcp")
+    run("convert", str(tmp_path / "dcp"), f"{url}/imported", "--to", "liferaft")
+    assert "identical" in run("diff", f"{url}/imported", f"{url}/step-0000000002")
