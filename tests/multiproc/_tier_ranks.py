@@ -86,3 +86,22 @@ def managed(rank: int, world: int, base: str, root: str, per_node: int, last: in
         mgr.wait()
         info["listing"] = [(i.step, i.tiers) for i in mgr.steps()]
     return start, exact, info
+
+
+def transfer_in_pieces(rank: int, world: int, root: str) -> bool:
+    """transfer_files with 4 KiB pieces: rank 0 sends a 50 000-byte file and receives a 9 000-byte one."""
+    import os
+
+    from liferaft.dist import Coordinator
+    from liferaft.storage.posix import PosixStorage
+    from liferaft.tiers.memory import transfer_files
+
+    mine = PosixStorage(os.path.join(root, f"r{rank}"))
+    data = {0: bytes((i * 7) % 251 for i in range(50_000)), 1: bytes((i * 13) % 253 for i in range(9_000))}
+    w = mine.open_writer(f"f{rank}")
+    w.pwrite(data[rank], 0)
+    w.close()
+    other = 1 - rank
+    transfer_files(Coordinator(), mine, [(other, f"f{rank}", len(data[rank]))], [(other, f"f{other}",
+                   len(data[other]))], rank, piece=4096)
+    return mine.read_all(f"f{other}") == data[other]

@@ -127,3 +127,9 @@ def test_three_tiers_memory_root_remote(base, tmp_path):
     shutil.rmtree(root)                                                       # the node-local disk is gone too
     out = run_ranks(managed, 4, base, root, 2, 9, True, remote, timeout=120)
     assert [o[:2] for o in out] == [(8, True)] * 4                             # from the remote tier
+
+
+def test_files_cross_in_many_pieces_with_two_in_flight(tmp_path):
+    from multiproc._tier_ranks import transfer_in_pieces
+
+    assert run_ranks(transfer_in_pieces, 2, str(tmp_path)) == [True, True]

@@ -395,43 +395,61 @@ def copy_file(src: Storage, name: str, dst: Storage) -> None:
 
 
 def transfer_files(coord: Coordinator, storage: PosixStorage, sends: list[tuple[int, str, int]],
-                   recvs: list[tuple[int, str, int]], rank: int, bandwidth: float | None = None) -> None:
+                   recvs: list[tuple[int, str, int]], rank: int, bandwidth: float | None = None,
+                   piece: int = PIECE) -> None:
     """Copy whole files between ranks: ``sends`` (to rank, name, size) are read from ``storage`` and sent in
     pieces; ``recvs`` (from rank, name, size) are written to ``storage`` under the same name (durable). Every
     rank must call it with its part of one plan; the order of messages is that of the sorted plan. ``bandwidth``
-    (bytes/s) paces the sends."""
+    (bytes/s) paces the sends. Files go in pieces of ``piece`` bytes, two in flight each way (the next piece is
+    read while one travels, and received while one is written)."""
     if coord.world == 1 or (not sends and not recvs):
         return
     ops = sorted([(name, "send", peer, size) for peer, name, size in sends] +
                  [(name, "recv", peer, size) for peer, name, size in recvs])
-    buf = torch.empty(min(PIECE, max([s for *_, s in ops] + [1])), dtype=torch.uint8)
+    piece = min(piece, max([s for *_, s in ops] + [1]))
+    bufs = [torch.empty(piece, dtype=torch.uint8) for _ in range(2)]   # two pieces in flight each way
     for name, kind, peer, size in ops:
-        tag = 0
+        spans = [(off, min(piece, size - off)) for off in range(0, size, piece)]
         if kind == "send":
-            path = os.path.join(storage.root, *name.split("/"))
-            with open(path, "rb") as f:
-                t_start, sent = time.monotonic(), 0
-                for off in range(0, size, PIECE):
-                    n = min(PIECE, size - off)
-                    f.readinto(memoryview(buf.numpy())[:n])
-                    coord.isend(buf[:n], peer, tag).wait()
-                    sent += n
-                    if bandwidth:
-                        ahead = sent / bandwidth - (time.monotonic() - t_start)
-                        if ahead > 0:
-                            time.sleep(ahead)
-        else:
-            w = storage.open_writer(name)
-            try:
-                for off in range(0, size, PIECE):
-                    n = min(PIECE, size - off)
-                    coord.irecv(buf[:n], peer, tag).wait()
-                    w.pwrite(memoryview(buf.numpy())[:n], off)
-                w.close()
-            except BaseException:
-                w.abort()
-                raise
-            storage.sync()
+            _send_file(coord, os.path.join(storage.root, *name.split("/")), spans, bufs, peer, bandwidth)
+            continue
+        w = storage.open_writer(name)
+        try:
+            pending = [coord.irecv(bufs[k][:n], peer, k) for k, (_, n) in enumerate(spans[:2])]
+            for k, (off, n) in enumerate(spans):
+                pending[k % 2].wait()
+                w.pwrite(memoryview(bufs[k % 2].numpy())[:n], off)
+                if k + 2 < len(spans):                  # the buffer is free again: post the piece after next
+                    pending[k % 2] = coord.irecv(bufs[k % 2][:spans[k + 2][1]], peer, k % 2)
+            w.close()
+        except BaseException:
+            w.abort()
+            raise
+        storage.sync()
+
+
+def _send_file(coord: Coordinator, path: str, spans: list[tuple[int, int]], bufs: list[torch.Tensor], peer: int,
+               bandwidth: float | None) -> None:
+    """Read and send ``spans`` of ``path``: piece k+1 is read while piece k is on its way (tags alternate 0/1,
+    as the receiver posts them), paced to ``bandwidth`` bytes/s."""
+    pending: list[Any] = [None, None]
+    with open(path, "rb") as f:
+        t_start, sent = time.monotonic(), 0
+        try:
+            for k, (_, n) in enumerate(spans):
+                if pending[k % 2] is not None:
+                    pending[k % 2].wait()
+                f.readinto(memoryview(bufs[k % 2].numpy())[:n])
+                pending[k % 2] = coord.isend(bufs[k % 2][:n], peer, k % 2)
+                sent += n
+                if bandwidth:
+                    ahead = sent / bandwidth - (time.monotonic() - t_start)
+                    if ahead > 0:
+                        time.sleep(ahead)
+        finally:
+            for p in pending:
+                if p is not None:
+                    p.wait()
 
 
 __all__ = ["MemoryTier", "default_node", "DEFAULT_BASE", "newest_complete", "fetch_plan", "transfer_files"]
