@@ -239,10 +239,17 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     try:
         with Progress(sum(t.nbytes for t in info.tensors), "verify", None if not args.json else False) as tick:
             report = liferaft.verify(args.path, progress=tick)
-    except liferaft.CorruptCheckpointError as e:
-        if not args.json:
-            raise
-        print(json.dumps({"path": str(args.path), "ok": False, "faults": str(e).split("\n")[1:] or [str(e)]}))
+    except liferaft.CorruptCheckpointError as e:         # the report: every fault on stdout, one error line
+        lines = str(e).split("\n")
+        faults = [x.strip() for x in lines[1:] if x.strip()] or [lines[0]]
+        if args.json:
+            print(json.dumps({"path": str(args.path), "ok": False, "faults": faults}))
+            return 1
+        print(f"FAILED {args.path}: {len(faults)} fault(s)")
+        for x in faults:
+            print(f"  {x}")
+        print(f"liferaft verify: error: {args.path}: {len(faults)} fault(s) found (listed above); the stored data is "
+              "damaged: restore from another checkpoint or copy", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps({"path": report.path, "ok": True, "chunks": report.chunks,

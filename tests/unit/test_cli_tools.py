@@ -113,7 +113,8 @@ def test_verify_json_and_every_fault_named(tmp_path):
                     fh.seek(300 * 300 * 4 + 4096)
                     fh.write(b"\xff\xff")
     out = run("verify", path)
-    assert out.returncode == 1 and "'a'" in out.stderr and "'b'" in out.stderr
+    assert out.returncode == 1 and "'a'" in out.stdout and "'b'" in out.stdout and "2 fault(s)" in out.stdout
+    assert len(out.stderr.strip().splitlines()) == 1
     doc = json.loads(run("verify", path, "--json").stdout)
     assert doc["ok"] is False and len(doc["faults"]) == 2
 
