@@ -138,8 +138,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
+    from liferaft.tools.convert import detect_format
+
     if args.glob or args.stats or args.json:
         return _inspect_keys(args)
+    fmt = detect_format(args.path)
+    if fmt != "liferaft":
+        _print_other(args.path, fmt)
+        return 0
     info = liferaft.inspect(args.path)
     if args.flat:
         print(info)
@@ -154,25 +160,50 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _print_tree(path: str) -> None:
-    """The keys as a tree of their path parts: containers with their tensors' total bytes, leaves with dtype,
-    shape, bytes, chunks, the sharding as saved and codecs (manifest only)."""
+    """The keys of a liferaft checkpoint as a tree of their path parts (manifest only), children in saved order."""
     from liferaft.reading import open_checkpoint
     from liferaft.storage import resolve
     from liferaft.tools.stats import describe
 
     m = open_checkpoint(resolve(path))
-    info = {i.key: i for i in describe(path)}
     leaf = {e.path: e.key for e in m.tensors} | {v.path: v.key for v in m.values}
+    orders = {c.path: list(c.children) for c in m.containers if c.children is not None}
+    _tree(leaf, {i.key: i for i in describe(path)}, [c.path for c in m.containers], orders)
+
+
+def _print_other(path: str, fmt: str) -> None:
+    """Header and key tree of a DCP folder, safetensors folder/file or torch.save file."""
+    from liferaft.options import LoadOptions
+    from liferaft.tools.diff import _side
+    from liferaft.tools.stats import describe
+
+    info = {i.key: i for i in describe(path)}
+    side = _side(path, None, LoadOptions())
+    paths: dict[str, tuple] = {}
+    if fmt == "dcp":
+        from liferaft.tools.dcp_format import DcpCheckpoint
+
+        paths = DcpCheckpoint(path).paths
+    keys = list(info) + [k for k in side.values if k not in info]
+    size = sum(i.nbytes for i in info.values())
+    print(f"{fmt} checkpoint {path} (not liferaft: nothing to verify)\n{len(info)} tensors, {len(side.values)} "
+          f"values, {size / 2**20:.1f} MiB of tensors")
+    _tree({tuple(paths.get(k, k.split("."))): k for k in keys}, info, [], {})
+
+
+def _tree(leaf: dict[tuple, str], info: dict[str, Any], containers: list[tuple], orders: dict[tuple, list]) -> None:
+    """Print leaves (path -> key) as a tree: containers with their number of keys and bytes, tensors with dtype,
+    shape, bytes, chunks, the sharding as saved and codecs (``info``: key -> KeyInfo), values as "value"."""
     kids: dict[tuple, list] = {}
-    for p in list(leaf) + [c.path for c in m.containers]:
+    for p in list(leaf) + containers:
         for i in range(1, len(p) + 1):
             siblings = kids.setdefault(tuple(p[:i - 1]), [])
             if p[i - 1] not in siblings:
                 siblings.append(p[i - 1])
-    for c in m.containers:                                  # children in the order they were saved
-        if c.children is not None and c.path in kids:
-            rank = {k: i for i, k in enumerate(c.children)}
-            kids[c.path].sort(key=lambda k: rank.get(k, len(rank)))
+    for p, order in orders.items():                          # children in the order they were saved
+        if p in kids:
+            rank = {k: i for i, k in enumerate(order)}
+            kids[p].sort(key=lambda k: rank.get(k, len(rank)))
     totals: dict[tuple, list[int]] = {}
     for p, key in leaf.items():
         for i in range(len(p)):
@@ -440,6 +471,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else 1
     try:
         return _COMMANDS[args.command](args)
+    except BrokenPipeError:                     # the reader went away (``liferaft inspect X | head``): quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except (liferaft.LiferaftError, OSError) as e:
         if args.debug:
             import traceback
@@ -447,9 +481,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             traceback.print_exc()
         lines = str(e).splitlines() or [type(e).__name__]
         print(f"liferaft {args.command}: error: {lines[0]}", file=sys.stderr)
-        if args.command == "verify":           # every fault, one per line
-            for line in lines[1:]:
-                print(line, file=sys.stderr)
         return 1
 
 

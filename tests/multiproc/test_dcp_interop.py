@@ -13,6 +13,9 @@ from multiproc._dcp_ranks import dcp_load_export, dcp_save_sharded, full, lifera
 def test_dcp_from_two_ranks_loads_in_other_layouts_and_converts(tmp_path):
     dcp_path = str(tmp_path / "dcp")
     run_ranks(dcp_save_sharded, 2, dcp_path)
+    w = liferaft.describe(dcp_path, ["model.w"], stats=True)[0]   # inspect a DCP folder: how it was sharded
+    assert (w.layout, w.ranks, w.chunks) == ("dim 0 in 2 (cut at 6)", (0, 1), 2)
+    assert abs(w.stats["mean"] - float(full("w").mean())) < 1e-6
     assert run_ranks(load_dcp_other_layout, 2, dcp_path) == [[True] * 6] * 2
     one = {"model": {"w": torch.zeros(12, 10), "h": torch.zeros(9, 4, dtype=torch.bfloat16)}, "b": torch.zeros(7),
            "step": 0, "sched": {"last_epoch": 0, "lrs": []}}

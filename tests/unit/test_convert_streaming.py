@@ -229,6 +229,9 @@ def test_convert_command_dcp_and_torch_directions(tmp_path):
     assert (doc["from"], doc["to"], doc["tensors"]) == ("liferaft", "dcp", 7)
     assert "dcp → liferaft" in run("convert", str(tmp_path / "dcp"), str(tmp_path / "back"), "--to", "liferaft").stdout
     assert "identical" in run("diff", src, str(tmp_path / "back")).stdout
+    tree = run("inspect", str(tmp_path / "dcp")).stdout.splitlines()     # a DCP folder, inspected as it is
+    assert tree[0].startswith("dcp checkpoint") and tree[1].startswith("7 tensors, 2 values")
+    assert any(line.split()[:3] == ["emb.weight", "float32", "[1000,"] for line in tree)
     run("convert", src, str(tmp_path / "t.pt"), "--to", "torch", "-k", "model.*", "--rename", r"^model\.", "",
         "--dtype", "bfloat16")
     got = torch.load(tmp_path / "t.pt", weights_only=True)

@@ -416,7 +416,7 @@ def detect_format(src: str | os.PathLike[str]) -> str:
     if "://" in p or os.path.isfile(os.path.join(p, "COMMIT")):
         return "liferaft"
     if not os.path.exists(p):
-        raise CheckpointNotFoundError(f"{p}: does not exist")
+        raise CheckpointNotFoundError(f"{p}: no checkpoint there (the path does not exist)")
     if os.path.isdir(p) and (os.path.isdir(os.path.join(p, "data")) or
                              any(n.startswith("manifest-") for n in os.listdir(p))):
         return "liferaft"                   # unfinished or damaged: liferaft's reader says what is wrong

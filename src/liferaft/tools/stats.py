@@ -8,7 +8,8 @@ import math
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Sequence
+from types import SimpleNamespace
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -16,6 +17,7 @@ from liferaft.reading import check_files, open_checkpoint
 from liferaft.storage import resolve
 from liferaft.storage.refs import with_references
 from liferaft.tools._slabs import read_box, slabs
+from liferaft.transfer.tensors import torch_dtype
 
 
 @dataclass(frozen=True)
@@ -52,12 +54,13 @@ def writer_ranks(entry: Any) -> tuple[int, ...]:
     return tuple(sorted({int(x.group(1)) for x in found if x}))
 
 
-def _stats(storage: Any, entry: Any, slab_bytes: int) -> dict[str, float]:
+def _stats(read: Callable[[Any], torch.Tensor], entry: Any, slab_bytes: int) -> dict[str, float]:
+    """min / max / mean / std of the finite values and NaN / Inf counts, over slabs ``read(box)`` returns."""
     n = nan = inf = 0
     total = sq = 0.0
     lo, hi = math.inf, -math.inf
     for box in slabs(entry, slab_bytes):
-        t = read_box(storage, entry, box, 32 << 20)
+        t = read(box)
         if t.is_complex():
             t = t.abs()
         x = t.to(torch.float64).reshape(-1)
@@ -79,7 +82,13 @@ def _stats(storage: Any, entry: Any, slab_bytes: int) -> dict[str, float]:
 def describe(path: str | os.PathLike[str], keys: Sequence[str] | None = None, *, stats: bool = False,
              slab_bytes: int = 64 << 20) -> list[KeyInfo]:
     """The tensors of a checkpoint matching ``keys`` (globs): how each is stored, and with ``stats`` its
-    min / max / mean / std over the finite values and its NaN / Inf counts (read and verified in slabs)."""
+    min / max / mean / std over the finite values and its NaN / Inf counts (read and verified in slabs). ``path``
+    may also be a DCP folder, a safetensors folder/file or a ``torch.save`` file (nothing to verify there)."""
+    from liferaft.tools.convert import detect_format
+
+    fmt = detect_format(path)
+    if fmt != "liferaft":
+        return _describe_other(path, fmt, keys, stats, slab_bytes)
     storage = with_references(resolve(path))
     m = open_checkpoint(storage)
     picked = [e for e in m.tensors if not keys or any(fnmatch.fnmatchcase(e.key, p) for p in keys)]
@@ -94,5 +103,34 @@ def describe(path: str | os.PathLike[str], keys: Sequence[str] | None = None, *,
                            stored_bytes=sum(c.stored_length for c in e.chunks if not c.is_reference),
                            chunks=len(e.chunks), files=len({c.file for c in e.chunks}), codecs=tuple(codecs),
                            lossy=lossy, layout=layout(e), ranks=writer_ranks(e),
-                           stats=_stats(storage, e, slab_bytes) if stats else None))
+                           stats=_stats(lambda box, e=e: read_box(storage, e, box, 32 << 20), e, slab_bytes)
+                           if stats else None))
+    return out
+
+
+def _describe_other(path: str | os.PathLike[str], fmt: str, keys: Sequence[str] | None, stats: bool,
+                    slab_bytes: int) -> list[KeyInfo]:
+    """``describe`` of a DCP folder (its chunks: the layout and ranks that saved it), a safetensors folder/file or
+    a ``torch.save`` file (one whole chunk per tensor)."""
+    from liferaft.options import LoadOptions
+    from liferaft.tools.diff import _side
+
+    side = _side(path, keys, LoadOptions())
+    chunks: dict[str, Any] = {}
+    if fmt == "dcp":
+        from liferaft.tools.dcp_format import DcpCheckpoint
+
+        chunks = {k: t.chunks for k, t in DcpCheckpoint(path).tensors.items()}
+    out = []
+    for key, (dtype, shape, _) in side.tensors.items():
+        itemsize = torch.empty(0, dtype=torch_dtype(dtype)).element_size()
+        cs = chunks.get(key) or [SimpleNamespace(offsets=(0,) * len(shape), file=os.fspath(path), transforms=())]
+        entry = SimpleNamespace(shape=shape, itemsize=itemsize, chunks=cs)
+        found = (re.search(r"__(\d+)_\d+\.distcp$", c.file) for c in cs)
+        nbytes = math.prod(shape) * itemsize
+        out.append(KeyInfo(key=key, dtype=dtype, shape=tuple(shape), nbytes=nbytes, stored_bytes=nbytes,
+                           chunks=len(cs), files=len({c.file for c in cs}),
+                           codecs=tuple(sorted({"+".join(c.transforms) or "raw" for c in cs})), lossy=None,
+                           layout=layout(entry), ranks=tuple(sorted({int(x.group(1)) for x in found if x})),
+                           stats=_stats(lambda box, k=key: side.read(k, box), entry, slab_bytes) if stats else None))
     return out
