@@ -111,8 +111,8 @@ def test_keys_are_selected_renamed_and_cast_in_every_direction(tmp_path):
         liferaft.convert(src, str(tmp_path / "c.pt"), "torch", keys=["nothing.*"])
     with pytest.raises(liferaft.OptionsError, match="two keys to one"):
         liferaft.convert(src, str(tmp_path / "d.pt"), "torch", rename=[(".*", "same")])
-    with pytest.raises(liferaft.OptionsError, match="from or to liferaft"):
-        liferaft.convert(str(tmp_path / "n.pt"), str(tmp_path / "e"), "dcp")
+    with pytest.raises(liferaft.OptionsError, match="both sides are liferaft"):
+        liferaft.convert(src, str(tmp_path / "e"), "liferaft")
     with pytest.raises(liferaft.StateMismatchError, match="nothing recognizable"):
         liferaft.convert(str(tmp_path), str(tmp_path / "f"), "liferaft")
 
@@ -325,3 +325,20 @@ def test_diff_compares_across_formats(tmp_path):
     r = liferaft.diff(src, str(tmp_path / "changed.pt"), keys=["model.*"])
     assert [(k.key, k.status) for k in r.changed()] == [("model.emb.weight", "changed")]
     assert abs(r.changed()[0].max_abs - 0.5) < 1e-6
+
+
+def test_between_two_other_formats_through_a_temporary_checkpoint(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    g = torch.Generator().manual_seed(3)
+    model = {"embed.weight": torch.randn(50, 8, generator=g), "head.weight": torch.randn(8, 8, generator=g)}
+    dcp.save({"model": model, "step": 4}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    rep = liferaft.convert(str(tmp_path / "dcp"), str(tmp_path / "hf"), "hf", keys=["model.*"],
+                           rename=[(r"^model\.", "")], dtype="bfloat16")            # DCP → HF in one call
+    assert rep.tensors == 2
+    safetensors = pytest.importorskip("safetensors.torch")
+    got = safetensors.load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert torch.equal(got["embed.weight"], model["embed.weight"].to(torch.bfloat16))
+    assert sorted(os.listdir(tmp_path)) == ["dcp", "hf"]                     # the temporary checkpoint is gone
+    liferaft.convert(str(tmp_path / "hf"), str(tmp_path / "m.pt"), "torch")
+    assert liferaft.diff(str(tmp_path / "hf"), str(tmp_path / "m.pt")).identical

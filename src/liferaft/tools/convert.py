@@ -434,19 +434,36 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], to: str, *
             keys: Sequence[str] | None = None, rename: Sequence[tuple[str, str]] | None = None,
             dtype: str | None = None, max_shard_bytes: int = 5 << 30, options: Any = None,
             progress: Callable[[int], None] | None = None) -> ConvertReport:
-    """Convert between liferaft and ``to``/``source`` in {"safetensors" (= "hf"), "torch", "dcp"} (one side must
-    be liferaft), streaming in bounded memory. ``keys``: globs of keys to keep; ``rename``: ``(regex,
-    replacement)`` pairs applied in order; ``dtype``: cast floating-point tensors on export; ``max_shard_bytes``:
-    per safetensors shard; ``options``: ``SaveOptions`` of an import; ``progress(nbytes)`` called as an export
-    writes. ``source`` is detected when not given (``detect_format``)."""
+    """Convert ``src`` (format ``source``, detected when not given: ``detect_format``) to ``to``, each one of
+    "liferaft", "safetensors" (= "hf"), "torch", "dcp", streaming in bounded memory. Between two formats other than
+    liferaft (DCP → HF safetensors, say) the state goes through a temporary liferaft checkpoint next to ``dst``
+    (disk space: the state's size once more), removed afterwards. ``keys``: globs of keys to keep; ``rename``:
+    ``(regex, replacement)`` pairs applied in order (both on the way in); ``dtype``: cast floating-point tensors
+    on export; ``max_shard_bytes``: per safetensors shard; ``options``: ``SaveOptions`` of an import;
+    ``progress(nbytes)`` called as an export writes."""
     norm = {"hf": "safetensors"}
     src_fmt = source or detect_format(src)
     src_fmt, to = norm.get(src_fmt, src_fmt), norm.get(to, to)
     for f in (src_fmt, to):
         if f not in FORMATS:
             raise OptionsError(f"unknown format {f!r}; one of {', '.join(FORMATS)}")
-    if (src_fmt == "liferaft") == (to == "liferaft"):
-        raise OptionsError(f"convert goes from or to liferaft (got {src_fmt} → {to})")
+    if src_fmt == to == "liferaft":
+        raise OptionsError("both sides are liferaft checkpoints: nothing to convert (copy the folder, or use "
+                           "liferaft.save with SaveOptions to rewrite one)")
+    if src_fmt != "liferaft" and to != "liferaft":          # through a temporary liferaft checkpoint
+        import shutil
+        import tempfile
+
+        parent = os.path.dirname(os.path.abspath(os.fspath(dst)))
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".liferaft-convert-", dir=parent)
+        try:
+            mid = os.path.join(tmp, "ck")
+            convert(src, mid, "liferaft", source=src_fmt, keys=keys, rename=rename, options=options)
+            return convert(mid, dst, to, source="liferaft", dtype=dtype, max_shard_bytes=max_shard_bytes,
+                           progress=progress)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     if src_fmt == "liferaft":
         if to == "safetensors":
             return to_safetensors(src, dst, max_shard_bytes=max_shard_bytes, dtype=dtype, keys=keys, rename=rename,
