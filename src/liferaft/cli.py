@@ -174,21 +174,16 @@ def _print_tree(path: str) -> None:
 def _print_other(path: str, fmt: str) -> None:
     """Header and key tree of a DCP folder, safetensors folder/file or torch.save file."""
     from liferaft.options import LoadOptions
-    from liferaft.tools.diff import _side
-    from liferaft.tools.stats import describe
+    from liferaft.tools.diff import side_of
+    from liferaft.tools.stats import describe_side
 
-    info = {i.key: i for i in describe(path)}
-    side = _side(path, None, LoadOptions())
-    paths: dict[str, tuple] = {}
-    if fmt == "dcp":
-        from liferaft.tools.dcp_format import DcpCheckpoint
-
-        paths = DcpCheckpoint(path).paths
+    side = side_of(path, None, LoadOptions())
+    info = {i.key: i for i in describe_side(side)}
     keys = list(info) + [k for k in side.values if k not in info]
     size = sum(i.nbytes for i in info.values())
     print(f"{fmt} checkpoint {path} (not liferaft: nothing to verify)\n{len(info)} tensors, {len(side.values)} "
           f"values, {size / 2**20:.1f} MiB of tensors")
-    _tree({tuple(paths.get(k, k.split("."))): k for k in keys}, info, [], {})
+    _tree({tuple(side.paths.get(k, k.split("."))): k for k in keys}, info, [], {})
 
 
 def _tree(leaf: dict[tuple, str], info: dict[str, Any], containers: list[tuple], orders: dict[tuple, list]) -> None:

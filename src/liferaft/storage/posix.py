@@ -89,17 +89,19 @@ class _PosixWriter(FileWriter):
             finally:
                 os.close(fd)
 
-    def abort(self) -> None:
+    def abort(self, unlink: bool = True) -> None:
+        """Close without fsync; remove the file unless ``unlink`` is False (the caller removes or keeps it)."""
         if self._dfd is not None:
             os.close(self._dfd)
             self._dfd = None
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        if unlink:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
 
 
 class PosixStorage(Storage):

@@ -101,6 +101,8 @@ def slab_values(storage: Any, entry: TensorEntry, slab_bytes: int, dtype: torch.
         for s in box[1]:
             n *= s
         shift = (base + (box[0][0] if box[0] else 0) * row) % 4096 if base is not None else 0
+        if shift % entry.itemsize:              # (a view of the buffer must start on an element; the writer copies)
+            shift = 0
         buf = ring[i % len(ring)] if ring and shift + n <= ring[0].numel() else None
         t = read_box(storage, entry, box, max_read, out=None if buf is None else buf[shift:])
         yield box, (t.to(dtype) if dtype is not None and dtype != t.dtype else t)

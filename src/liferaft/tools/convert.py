@@ -27,7 +27,7 @@ import torch
 
 from liferaft.errors import (CheckpointNotFoundError, CorruptCheckpointError, InvalidStateError, OptionsError,
                              StateMismatchError)
-from liferaft.reading import check_files, open_checkpoint, read
+from liferaft.reading import check_files, open_checkpoint
 from liferaft.storage import resolve
 from liferaft.storage.refs import with_references
 from liferaft.transfer.tensors import torch_dtype
@@ -111,11 +111,13 @@ def to_safetensors(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, 
 
 def _write_shard(storage: Any, path: str, shard: list[Any], progress: Callable[[int], None] | None = None) -> None:
     """One safetensors file, streamed: the header padded (with spaces, as the format allows) so that the data
-    starts on a 4 KiB page, then each tensor in row slabs read into one page-aligned buffer and written with
-    O_DIRECT where it is page-aligned (through the page cache a write runs at a fraction of the disk's speed)."""
+    starts on a 4 KiB page, then each tensor in row slabs read into ring buffers on the file's page boundaries
+    and written by ``RecordFiller`` (O_DIRECT for whole pages: through the page cache a write runs at a fraction
+    of the disk's speed here). Written to ``path + ".tmp"``, fsynced, renamed."""
     from liferaft.staging.pool import page_aligned_empty
-    from liferaft.storage.posix import PosixStorage
+    from liferaft.storage.posix import _fsync_dir
     from liferaft.tools._slabs import prefetched, slab_values
+    from liferaft.tools.torch_file import RecordFiller
 
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     pos = 0
@@ -124,35 +126,25 @@ def _write_shard(storage: Any, path: str, shard: list[Any], progress: Callable[[
         pos += size
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-(8 + len(raw)) % 4096)
-    folder, name = os.path.split(os.path.abspath(path))
-    out = PosixStorage(folder)
-    w = out.open_writer(name + ".tmp")
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+    filler = RecordFiller(tmp)
     try:
-        w.pwrite(struct.pack("<Q", len(raw)) + raw, 0)
         at = 8 + len(raw)
-        buf, ring = page_aligned_empty(SLAB), [page_aligned_empty(SLAB) for _ in range(3)]
+        ring = [page_aligned_empty(SLAB + 4096) for _ in range(3)]
         for e, _, out_dtype, _ in shard:                # the next slab is read while this one is written
             dt = torch_dtype(out_dtype)
-            for _, t in prefetched(slab_values(storage, e, SLAB // 2 if out_dtype != e.dtype else SLAB, dt, ring)):
-                data = t.contiguous().reshape(-1).view(torch.uint8)
-                if progress is not None:
-                    progress(data.numel())
-                n = data.numel()
-                if data.data_ptr() % 4096 == 0:          # read straight into an aligned ring buffer: write it
-                    w.pwrite(memoryview(data.numpy()), at)
-                    at += n
-                    continue
-                for lo in range(0, n, SLAB):                 # (a slab is one row when rows are huge)
-                    m = min(SLAB, n - lo)
-                    buf[:m].copy_(data[lo:lo + m])
-                    w.pwrite(memoryview(buf[:m].numpy()), at)
-                    at += m
-        w.close()
+            slab = SLAB // 2 if out_dtype != e.dtype else SLAB
+            at += filler.fill(at, prefetched(t for _, t in slab_values(storage, e, slab, dt, ring, base=at)),
+                              progress)
+        filler.close()
     except BaseException:
-        w.abort()
+        filler.abort()
+        os.unlink(tmp)
         raise
-    os.replace(os.path.join(folder, name + ".tmp"), path)
-    out.sync()
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 SLAB = 64 << 20
@@ -206,12 +198,25 @@ def from_safetensors(src: str | os.PathLike[str], dst: str | os.PathLike[str], *
     return ConvertReport(files=(res.path,), tensors=len(state), bytes=res.total_bytes)
 
 
-def _entries(m: Any, keys: Sequence[str] | None) -> tuple[list[Any], list[Any]]:
+def _export_source(src: str | os.PathLike[str], keys: Sequence[str] | None) -> tuple[Any, Any, list[Any], list[Any]]:
+    """(storage, manifest, tensor entries, value entries) of the keys of liferaft checkpoint ``src`` an export
+    takes, their files checked present."""
+    storage = with_references(resolve(src))
+    m = open_checkpoint(storage)
     tensors = [e for e in m.tensors if _selected(e.key, keys)]
     values = [v for v in m.values if _selected(v.key, keys)]
     if keys and not tensors and not values:
         raise OptionsError(f"no key of the checkpoint matches {list(keys)}")
-    return tensors, values
+    check_files(storage, m, {c.file for e in tensors for c in e.chunks})
+    return storage, m, tensors, values
+
+
+def _plain(v: Any) -> Any:
+    """A value entry decoded for another format (no pickles; per-rank values as a plain tuple)."""
+    from liferaft.reading import decode_entry_value
+
+    x = decode_entry_value(v, False)
+    return tuple(x) if isinstance(x, tuple) else x
 
 
 def _out_dtype(e: Any, cast: torch.dtype | None) -> torch.dtype:
@@ -237,15 +242,12 @@ def to_torch(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, keys: 
     """Export to one ``torch.save`` file, streamed (``tools.torch_file``: about three slabs of ``slab_bytes`` in
     memory, not the state), in the saved nesting; with ``rename`` a flat dict of the renamed keys. Stateful objects
     come out as their state dicts, values that differed per saving rank as tuples."""
-    from liferaft.reading import as_leaf, build_tree, decode_entry_value, read_full
+    from liferaft.reading import as_leaf, build_tree, read_full
     from liferaft.staging.pool import page_aligned_empty
     from liferaft.tools._slabs import prefetched, slab_values
     from liferaft.tools.torch_file import placeholder, with_crc, write_torch_file
 
-    storage = with_references(resolve(src))
-    m = open_checkpoint(storage)
-    tensors, values = _entries(m, keys)
-    check_files(storage, m, {c.file for e in tensors for c in e.chunks})
+    storage, m, tensors, values = _export_source(src, keys)
     rn, cast, flat = _renamer(rename), torch_dtype(dtype) if dtype else None, bool(rename)
     leaves: dict[tuple[Any, ...], Any] = {}
     fills: dict[int, Any] = {}
@@ -257,8 +259,7 @@ def to_torch(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, keys: 
         t = leaves[where] = placeholder(tuple(e.shape), _out_dtype(e, cast))
         fills[id(t)] = e
     for v in values:
-        x = decode_entry_value(v, False)
-        leaves[(rn(v.key),) if flat else v.path] = tuple(x) if isinstance(x, tuple) else x
+        leaves[(rn(v.key),) if flat else v.path] = _plain(v)
     if len(leaves) != len(tensors) + len(values):
         raise OptionsError("the renaming maps two keys to one name")
     if flat:
@@ -273,7 +274,8 @@ def to_torch(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, keys: 
     ring = [page_aligned_empty(slab_bytes + 4096) for _ in range(3)]
 
     def values_of(e: Any, dt: torch.dtype) -> Any:             # read (and CRC) the next slab while one is written
-        return lambda at: prefetched(with_crc(t for _, t in slab_values(storage, e, slab_bytes, dt, ring, base=at)))
+        return lambda at, crc: prefetched(with_crc((t for _, t in slab_values(storage, e, slab_bytes, dt, ring,
+                                                                                base=at)), crc))
     jobs = [(paths[i], values_of(e, _out_dtype(e, cast))) for i, e in fills.items()]
     size = write_torch_file(os.fspath(dst), tree, jobs, progress)
     return ConvertReport(files=(os.fspath(dst),), tensors=len(tensors), bytes=size)
@@ -286,15 +288,12 @@ def to_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, keys: Se
     chunks of about ``slab_bytes``, the next read while one is written). Keys are the liferaft keys (renamed if asked),
     with the saved nesting recorded as DCP does, so ``dcp.load`` into the same nested state and
     ``dcp_to_torch_save`` both work; numpy arrays become tensors."""
-    from liferaft.reading import as_leaf, decode_entry_value, read_full
+    from liferaft.reading import as_leaf, read_full
     from liferaft.staging.pool import page_aligned_empty
     from liferaft.tools._slabs import prefetched, slab_values
     from liferaft.tools.dcp_format import DcpItem, write_dcp
 
-    storage = with_references(resolve(src))
-    m = open_checkpoint(storage)
-    tensors, values = _entries(m, keys)
-    check_files(storage, m, {c.file for e in tensors for c in e.chunks})
+    storage, m, tensors, values = _export_source(src, keys)
     rn, cast = _renamer(rename), torch_dtype(dtype) if dtype else None
     ring = [page_aligned_empty(slab_bytes + 4096) for _ in range(3)]
     kinds = {c.path: c.kind for c in m.containers}
@@ -314,9 +313,8 @@ def to_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, keys: Se
                 yield box[0], t
         items.append(DcpItem(rn(e.key), path, _out_dtype(e, cast), tuple(e.shape), produce))
     for v in values:
-        x = decode_entry_value(v, False)
         items.append(DcpItem(rn(v.key), tuple(rn(v.key).split(".")) if rename else dcp_path(v.path),
-                             value=tuple(x) if isinstance(x, tuple) else x))
+                             value=_plain(v)))
     if len({i.key for i in items}) != len(items):
         raise OptionsError("the renaming maps two keys to one name")
     size = write_dcp(dst, items, progress, prefetch=prefetched)
@@ -364,7 +362,7 @@ def from_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, keys: 
     dict with ``keys``/``rename``."""
     import liferaft
     from liferaft.state.sharded import Sharded
-    from liferaft.tools.dcp_format import DcpCheckpoint
+    from liferaft.tools.dcp_format import DcpCheckpoint, nest
 
     ck = DcpCheckpoint(src)
     leaves: list[tuple[str, Any]] = []
@@ -387,23 +385,10 @@ def from_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, keys: 
     if keys or rename or not ck.paths:
         state: Any = _flat_selection(leaves, keys, rename)
     else:
-        state = _nest({ck.paths.get(k, (k,)): v for k, v in leaves})
+        state = nest({ck.paths.get(k, (k,)): v for k, v in leaves})
     res = liferaft.save(dst, state, options=options)
     return ConvertReport(files=(res.path,), tensors=sum(1 for k, v in leaves if k in ck.tensors),
                          bytes=res.total_bytes)
-
-
-def _nest(leaves: dict[tuple[Any, ...], Any]) -> Any:
-    """Nested containers from leaves keyed by path: lists where every child is an int index, else dicts."""
-    from liferaft.reading import build_tree
-
-    children: dict[tuple[Any, ...], list[Any]] = {}
-    for p in leaves:
-        for i in range(len(p)):
-            children.setdefault(p[:i], []).append(p[i])
-    kinds = {p: "list" if all(isinstance(k, int) for k in ks) and sorted(set(ks)) == list(range(len(set(ks))))
-             else "dict" for p, ks in children.items()}
-    return build_tree(kinds, leaves)
 
 
 FORMATS = ("liferaft", "safetensors", "hf", "torch", "dcp")

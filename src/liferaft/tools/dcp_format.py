@@ -26,7 +26,7 @@ import pickle
 import uuid
 import zlib
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -266,6 +266,37 @@ class DcpCheckpoint:
         return done * out.element_size()
 
 
+def nest(leaves: dict[tuple[Any, ...], Any]) -> Any:
+    """Nested containers from leaves keyed by path: lists where every child is an int index, else dicts."""
+    from liferaft.reading import build_tree
+
+    children: dict[tuple[Any, ...], list[Any]] = {}
+    for p in leaves:
+        for i in range(len(p)):
+            children.setdefault(p[:i], []).append(p[i])
+    kinds = {p: "list" if all(isinstance(k, int) for k in ks) and sorted(set(ks)) == list(range(len(set(ks))))
+             else "dict" for p, ks in children.items()}
+    return build_tree(kinds, leaves)
+
+
+def value_parts(saved: Iterable[str], key: str) -> list[str]:
+    """The saved keys that hold the plain value ``key``: ``[key]``, or the leaves DCP split a nested value into
+    (``key.lr``, ``key.milestones``: DCP flattens every dict; liferaft keeps a container of plain values whole)."""
+    saved = list(saved)
+    return [key] if key in saved else [k for k in saved if k.startswith(key + ".")]
+
+
+def joined_value(key: str, parts: list[str], get: Callable[[str], Any],
+                 paths: Mapping[str, tuple[Any, ...]] | None = None) -> Any:
+    """The plain value ``key`` from its ``value_parts``: the value itself, or its leaves nested again (by the
+    recorded ``paths`` where given, else by the dots of the keys)."""
+    if parts == [key]:
+        return get(key)
+    paths = paths or {}
+    depth = len(paths.get(key, tuple(key.split("."))))
+    return nest({tuple(paths.get(k, tuple(k.split("."))))[depth:]: get(k) for k in parts})
+
+
 # --------------------------------------------------------------------------- writing
 
 
@@ -333,7 +364,7 @@ def write_dcp(dst: str | os.PathLike[str], items: Sequence[DcpItem], progress: C
                     else:
                         length = skeleton(f, placeholder(tuple(t.shape), t.dtype))
                         rec = at + record_offsets(path, at, length).untyped_storage()._checkpoint_offset
-                        filler.fill(rec, [(t, crc)])
+                        filler.fill(rec, [t])
                         set_crcs(path, at, length, {rec: (crc, t.numel() * t.element_size())})
                     chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(t.shape)))
                     storage[MetadataIndex(item.key, torch.Size(offsets), i)] = _StorageInfo(name, at, f.tell() - at)

@@ -78,6 +78,8 @@ class _Side:
     tensors: dict[str, tuple[str, tuple[int, ...], str]]
     read: Callable[[str, Any], torch.Tensor]
     values: dict[str, Callable[[], Any]]
+    chunks: dict[str, Any] = field(default_factory=dict)        # DCP: each tensor's saved chunks
+    paths: dict[str, tuple[Any, ...]] = field(default_factory=dict)   # DCP: the nesting it recorded per key
 
 
 def _dt(t: torch.dtype) -> str:
@@ -90,7 +92,8 @@ def _box(t: torch.Tensor, box: Any) -> torch.Tensor:
     return t
 
 
-def _side(path: str | os.PathLike[str], keys: Sequence[str] | None, opts: LoadOptions) -> _Side:
+def side_of(path: str | os.PathLike[str], keys: Sequence[str] | None, opts: LoadOptions) -> _Side:
+    """The tensors and values of a checkpoint in any format ``detect_format`` knows, read on demand."""
     from liferaft.tools.convert import detect_format
 
     fmt = detect_format(path)
@@ -114,7 +117,8 @@ def _side(path: str | os.PathLike[str], keys: Sequence[str] | None, opts: LoadOp
             return out
         return _Side(os.fspath(path), fmt, {k: (_dt(t.dtype), t.shape, "tensor") for k, t in ck.tensors.items()
                                             if picked(k)}, read_dcp,
-                     {k: (lambda k=k: ck.value(k)) for k in ck.values if picked(k)})
+                     {k: (lambda k=k: ck.value(k)) for k in ck.values if picked(k)},
+                     {k: t.chunks for k, t in ck.tensors.items()}, ck.paths)
     if fmt == "safetensors":
         from liferaft.tools.convert import safetensors_state
 
@@ -132,14 +136,13 @@ def _side(path: str | os.PathLike[str], keys: Sequence[str] | None, opts: LoadOp
 def _regroup(mine: _Side, other: _Side) -> None:
     """DCP stores each leaf of a nested plain value on its own ("sched.lr"), liferaft the value whole ("sched"):
     leaves under a value key the other side holds whole are compared as that one nested value."""
-    from liferaft.tools.convert import _nest
+    from liferaft.tools.dcp_format import joined_value, value_parts
 
     for key in [k for k in other.values if k not in mine.values]:
-        under = [k for k in mine.values if k.startswith(key + ".")]
+        under = value_parts(mine.values, key)
         if under:
             got = {k: mine.values.pop(k) for k in under}
-            mine.values[key] = (lambda got=got, n=len(key) + 1:
-                                _nest({tuple(k[n:].split(".")): f() for k, f in got.items()}))
+            mine.values[key] = lambda key=key, got=got: joined_value(key, list(got), lambda k: got[k]())
 
 
 def diff(a: str | os.PathLike[str], b: str | os.PathLike[str], *, keys: Sequence[str] | None = None,
@@ -150,7 +153,7 @@ def diff(a: str | os.PathLike[str], b: str | os.PathLike[str], *, keys: Sequence
     ``keys``: glob patterns to restrict to. A tensor whose largest absolute difference is ≤ ``tolerance`` counts
     as "equal" (0: bit-exact, NaNs at the same places equal)."""
     opts = options or LoadOptions()
-    sa, sb = _side(a, keys, opts), _side(b, keys, opts)
+    sa, sb = side_of(a, keys, opts), side_of(b, keys, opts)
     _regroup(sa, sb)
     _regroup(sb, sa)
     ta, tb, va, vb = sa.tensors, sb.tensors, sa.values, sb.values

@@ -79,22 +79,6 @@ def load_safetensors(path: str | os.PathLike[str], state: Any, strict: bool = Tr
                       unexpected_keys=tuple(unexpected), timings={"total": time.perf_counter() - t0})
 
 
-def _value_parts(ck: Any, key: str) -> list[str]:
-    """The DCP keys holding the plain value ``key``: itself, or the leaves DCP split a nested value into."""
-    if key in ck.values:
-        return [key]
-    return [k for k in ck.values if k.startswith(key + ".")]
-
-
-def _value_of(ck: Any, key: str, parts: list[str]) -> Any:
-    if parts == [key]:
-        return ck.value(key)
-    from liferaft.tools.convert import _nest
-
-    depth = len(ck.paths.get(key, tuple(key.split("."))))
-    return _nest({tuple(ck.paths.get(k, tuple(k.split("."))))[depth:]: ck.value(k) for k in parts})
-
-
 def load_dcp(path: str | os.PathLike[str], state: Any, strict: bool = True, process_group: Any = None) -> LoadResult:
     """Fill ``state`` in place from a PyTorch DCP checkpoint: each rank memory-maps the data files and copies into
     each of its boxes (tensors, DTensor shards, ``Sharded``) the parts of the saved chunks that overlap it, so it
@@ -104,13 +88,13 @@ def load_dcp(path: str | os.PathLike[str], state: Any, strict: bool = True, proc
     import time
 
     from liferaft.api import _assign
-    from liferaft.tools.dcp_format import DcpCheckpoint
+    from liferaft.tools.dcp_format import DcpCheckpoint, joined_value, value_parts
 
     t0 = time.perf_counter()
     ck = DcpCheckpoint(path)
     flat = flatten(state)
     wanted = [leaf.key for leaf in flat.tensors] + [k for k, _, _ in flat.values]
-    parts = {k: _value_parts(ck, k) for k, _, _ in flat.values}     # DCP splits nested plain values into leaves
+    parts = {k: value_parts(ck.values, k) for k, _, _ in flat.values}  # DCP splits nested plain values
     # numpy arrays and bytes over 64 KiB are tensor leaves of the state holding copies: they get new values
     fresh = {leaf.key: leaf for leaf in flat.tensors if leaf.kind != "tensor"}
     saved = set(ck.tensors) | set(ck.values)
@@ -146,7 +130,7 @@ def load_dcp(path: str | os.PathLike[str], state: Any, strict: bool = True, proc
             _assign(flat, leaf.path, ck.value(key))
     for key, p, _ in flat.values:
         if parts.get(key):
-            _assign(flat, p, _value_of(ck, key, parts[key]))
+            _assign(flat, p, joined_value(key, parts[key], ck.value, ck.paths))
     for _, adapter, sd in reversed(flat.statefuls):
         adapter.load_state_dict(sd)
     import torch.distributed as dist

@@ -86,9 +86,11 @@ def describe(path: str | os.PathLike[str], keys: Sequence[str] | None = None, *,
     may also be a DCP folder, a safetensors folder/file or a ``torch.save`` file (nothing to verify there)."""
     from liferaft.tools.convert import detect_format
 
-    fmt = detect_format(path)
-    if fmt != "liferaft":
-        return _describe_other(path, fmt, keys, stats, slab_bytes)
+    if detect_format(path) != "liferaft":
+        from liferaft.options import LoadOptions
+        from liferaft.tools.diff import side_of
+
+        return describe_side(side_of(path, keys, LoadOptions()), stats, slab_bytes)
     storage = with_references(resolve(path))
     m = open_checkpoint(storage)
     picked = [e for e in m.tensors if not keys or any(fnmatch.fnmatchcase(e.key, p) for p in keys)]
@@ -108,23 +110,13 @@ def describe(path: str | os.PathLike[str], keys: Sequence[str] | None = None, *,
     return out
 
 
-def _describe_other(path: str | os.PathLike[str], fmt: str, keys: Sequence[str] | None, stats: bool,
-                    slab_bytes: int) -> list[KeyInfo]:
-    """``describe`` of a DCP folder (its chunks: the layout and ranks that saved it), a safetensors folder/file or
-    a ``torch.save`` file (one whole chunk per tensor)."""
-    from liferaft.options import LoadOptions
-    from liferaft.tools.diff import _side
-
-    side = _side(path, keys, LoadOptions())
-    chunks: dict[str, Any] = {}
-    if fmt == "dcp":
-        from liferaft.tools.dcp_format import DcpCheckpoint
-
-        chunks = {k: t.chunks for k, t in DcpCheckpoint(path).tensors.items()}
+def describe_side(side: Any, stats: bool = False, slab_bytes: int = 64 << 20) -> list[KeyInfo]:
+    """``describe`` of a checkpoint in another format (``tools.diff.side_of``): a DCP folder (its chunks: the
+    layout and ranks that saved it), a safetensors folder/file or a ``torch.save`` file (one whole chunk each)."""
     out = []
     for key, (dtype, shape, _) in side.tensors.items():
         itemsize = torch.empty(0, dtype=torch_dtype(dtype)).element_size()
-        cs = chunks.get(key) or [SimpleNamespace(offsets=(0,) * len(shape), file=os.fspath(path), transforms=())]
+        cs = side.chunks.get(key) or [SimpleNamespace(offsets=(0,) * len(shape), file=side.url, transforms=())]
         entry = SimpleNamespace(shape=shape, itemsize=itemsize, chunks=cs)
         found = (re.search(r"__(\d+)_\d+\.distcp$", c.file) for c in cs)
         nbytes = math.prod(shape) * itemsize

@@ -55,13 +55,13 @@ def record_offsets(path: str, start: int, length: int) -> Any:
         return torch.load(_View(f, start, length), map_location="meta", weights_only=True)
 
 
-def with_crc(slabs: Iterable[torch.Tensor]) -> Iterator[tuple[torch.Tensor, int]]:
-    """Each slab with the running CRC-32 of the bytes so far (computed where this iterator runs: in a prefetch
-    thread, beside the writes)."""
-    crc = 0
+def with_crc(slabs: Iterable[torch.Tensor], crc: list[int]) -> Iterator[torch.Tensor]:
+    """The slabs, keeping ``crc[0]`` the running CRC-32 of the bytes so far (computed where this iterator runs:
+    in a prefetch thread, beside the writes; read it once the iterator is exhausted)."""
+    crc[0] = 0
     for t in slabs:
-        crc = zlib.crc32(t.contiguous().reshape(-1).view(torch.uint8).numpy(), crc)
-        yield t, crc
+        crc[0] = zlib.crc32(t.contiguous().reshape(-1).view(torch.uint8).numpy(), crc[0])
+        yield t
 
 
 class RecordFiller:
@@ -76,12 +76,11 @@ class RecordFiller:
         self.stage = page_aligned_empty(stage_bytes + PAGE)
         self.stage_bytes = stage_bytes
 
-    def fill(self, at: int, slabs: Iterable[tuple[torch.Tensor, int]],
-             progress: Callable[[int], None] | None = None) -> tuple[int, int]:
-        """Write ``(slab, running crc)`` pairs one after the other from offset ``at``; returns (crc, bytes)."""
-        pos, crc = at, 0
+    def fill(self, at: int, slabs: Iterable[torch.Tensor], progress: Callable[[int], None] | None = None) -> int:
+        """Write the slabs one after the other from offset ``at``; returns the bytes written."""
+        pos = at
         try:
-            for t, crc in slabs:
+            for t in slabs:
                 data = t.contiguous().reshape(-1).view(torch.uint8)
                 n = data.numel()
                 if (data.data_ptr() - pos) % PAGE == 0 or n < 2 * PAGE:
@@ -98,7 +97,7 @@ class RecordFiller:
             close = getattr(slabs, "close", None)               # stops a prefetch thread on an error too
             if close is not None:
                 close()
-        return crc, pos - at
+        return pos - at
 
     def close(self) -> None:
         """Fsync and close."""
@@ -106,11 +105,7 @@ class RecordFiller:
 
     def abort(self) -> None:
         """Close without fsync (the caller removes the file)."""
-        for name in ("_dfd", "fd"):
-            fd = getattr(self.w, name)
-            if fd is not None:
-                os.close(fd)
-                setattr(self.w, name, None)
+        self.w.abort(unlink=False)
 
 
 def set_crcs(path: str, start: int, length: int, crcs: dict[int, tuple[int, int]]) -> None:
@@ -153,11 +148,12 @@ def set_crcs(path: str, start: int, length: int, crcs: dict[int, tuple[int, int]
             raise StorageError(f"{path}: torch.save wrote records liferaft could not find in the archive")
 
 
-def write_torch_file(dst: str, tree: Any, fills: list[tuple[tuple[Any, ...], Callable[[int], Iterable[Any]]]],
+def write_torch_file(dst: str, tree: Any,
+                     fills: list[tuple[tuple[Any, ...], Callable[[int, list[int]], Iterable[torch.Tensor]]]],
                      progress: Callable[[int], None] | None = None) -> int:
     """Save ``tree`` (holding placeholder tensors) to ``dst``, then stream each placeholder's values into its
-    record: ``fills`` maps a tensor's path in ``tree`` to a function that, given the record's file offset,
-    yields ``(slab, running crc)`` pairs in row-major order (``with_crc``). Written to ``dst + ".tmp"`` (removed
+    record: ``fills`` maps a tensor's path in ``tree`` to a function that, given the record's file offset and a
+    one-item list, yields the slabs in row-major order and leaves their CRC-32 in the list (``with_crc``). Written to ``dst + ".tmp"`` (removed
     on any error), fsynced, then renamed. Returns the file size."""
     tmp = dst + ".tmp"
     filler = None
@@ -172,11 +168,12 @@ def write_torch_file(dst: str, tree: Any, fills: list[tuple[tuple[Any, ...], Cal
             for p in path:
                 m = m[p]
             at = m.untyped_storage()._checkpoint_offset
-            crc, n = filler.fill(at, produce(at), progress)
+            crc = [0]
+            n = filler.fill(at, produce(at, crc), progress)
             if n != m.untyped_storage().nbytes():
                 raise StorageError(f"{dst}: wrote {n} bytes for {list(path)}, its record holds "
                                    f"{m.untyped_storage().nbytes()}")
-            crcs[at] = (crc, n)
+            crcs[at] = (crc[0], n)
         filler.close()
         filler = None
         set_crcs(tmp, 0, length, crcs)
