@@ -178,17 +178,26 @@ class ValueEntry:
 class ContainerEntry:
     """A dict / list / tuple / stateful object in the saved tree (so that empty containers survive).
 
-    ``children`` lists the keys/indices under it in the order they were saved (None: unknown, sort them).
+    ``children`` lists the keys/indices under it in the order they were saved (None: unknown, sort them). A
+    stateful object records what it was: ``role`` "module" (an ``nn.Module``: its subtree is a model's state dict,
+    which exports take) or "optimizer", and ``cls`` its class ("transformers...BertModel"); both None in
+    checkpoints written before they were recorded, and for other objects.
     """
 
     path: tuple[PathPart, ...]
     kind: str
     children: tuple[PathPart, ...] | None = None
+    role: str | None = None
+    cls: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"path": list(self.path), "kind": self.kind}
         if self.children is not None:
             out["children"] = list(self.children)
+        if self.role is not None:
+            out["role"] = self.role
+        if self.cls is not None:
+            out["class"] = self.cls
         return out
 
 
@@ -412,8 +421,11 @@ def decode_manifest(data: bytes, name: str = "manifest") -> Manifest:
         if kind not in CONTAINER_KINDS:
             raise _fail(name, f"unknown container kind {kind!r}")
         children = c.get("children")
+        role, cls = c.get("role"), c.get("class")
         containers.append(ContainerEntry(path=_path(c.get("path"), f"{name} container"), kind=kind,
-                                         children=None if children is None else _path(children, f"{name} container")))
+                                         children=None if children is None else _path(children, f"{name} container"),
+                                         role=role if isinstance(role, str) else None,
+                                         cls=cls if isinstance(cls, str) else None))
     keys = [t.key for t in tensors] + [v.key for v in values]
     if len(set(keys)) != len(keys):
         dup = sorted(k for k, n in Counter(keys).items() if n > 1)

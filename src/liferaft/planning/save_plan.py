@@ -195,7 +195,7 @@ def _merge_containers(metas: Sequence[RankMeta]) -> tuple[ContainerEntry, ...]:
                 # ranks may hold different children (pipeline stages): keep rank order of first appearance
                 known = set(prev.children or ())
                 merged = tuple(prev.children or ()) + tuple(k for k in c.children if k not in known)
-                containers[c.path] = ContainerEntry(path=c.path, kind=c.kind, children=merged)
+                containers[c.path] = replace(prev, children=merged)
     return tuple(containers.values())
 
 

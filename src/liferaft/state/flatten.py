@@ -193,15 +193,19 @@ class _Walker:
                 raise InvalidStateError(f"key {key_of(path)!r}: state_dict() of {type(v).__qualname__} returned "
                                         f"{type(sd).__qualname__}, expected a dict")
             self.flat.statefuls.append((path, adapter, sd))
-            self._container(path, "stateful", sd)
+            role = "module" if isinstance(v, torch.nn.Module) else \
+                "optimizer" if isinstance(v, torch.optim.Optimizer) else None
+            self._container(path, "stateful", sd, role, f"{type(v).__module__}.{type(v).__qualname__}")
         elif (isinstance(v, dict) or type(v) in (list, tuple)) and (not path or self.needs_walk(v)):
             self._container(path, "dict" if isinstance(v, dict) else {list: "list", tuple: "tuple"}[type(v)], v)
         else:
             self._value(path, v)
 
-    def _container(self, path: tuple[PathPart, ...], kind: str, v: Any) -> None:
+    def _container(self, path: tuple[PathPart, ...], kind: str, v: Any, role: str | None = None,
+                   cls: str | None = None) -> None:
         items = list(v.items() if isinstance(v, dict) else enumerate(v))
-        self.flat.containers.append(ContainerEntry(path=path, kind=kind, children=tuple(k for k, _ in items)))
+        self.flat.containers.append(ContainerEntry(path=path, kind=kind, children=tuple(k for k, _ in items),
+                                                   role=role, cls=cls))
         self.flat.nodes[path] = v
         for k, x in items:
             if type(k) not in (str, int):
