@@ -26,6 +26,7 @@ from liferaft.planning.load_plan import plan_reads
 from liferaft.planning.share_plan import MIN_SHARED_BYTES, plan_sharing
 from liferaft.reading import PerRank, as_leaf, check_files, decode_entry_value, open_checkpoint
 from liferaft.state.flatten import FlatState, flatten
+from liferaft.state.matching import drop_absent, matches_emptied, not_persisted, settle_missing
 from liferaft.staging.stager import staged_size
 from liferaft.storage import Storage, resolve
 from liferaft.storage.refs import with_references
@@ -109,20 +110,22 @@ def load(path: PathLike, state: Any, *, process_group: Any = None, strict: bool 
 
     plan: _LoadPlan | None = None
     try:
-        plan = _plan_load(storage, manifest, flatten(state), coord, opts)
+        plan = _plan_load(storage, manifest, flatten(state, template=True), coord, opts)
     except BaseException as e:  # noqa: BLE001
         err = e
     share = opts.share_reads if opts.share_reads is not None else storage.remote
     spans = [] if plan is None or not share else \
         [(u.file, u.file_offset, u.length) for u, _ in plan.units if u.length >= MIN_SHARED_BYTES]
-    gathered = coord.exchange((plan.covered, plan.missing, spans) if plan else None, err, "load (planning)")
+    gathered = coord.exchange((plan.covered, plan.missing, spans, plan.skipped) if plan else None, err,
+                              "load (planning)")
     assert plan is not None
     all_keys = [t.key for t in manifest.tensors] + [v.key for v in manifest.values]
     covered = bytearray(len(all_keys))
-    for c, _, _ in gathered:
+    for c, *_ in gathered:
         covered = bytearray(a | b for a, b in zip(covered, c))
     unexpected = tuple(k for k, hit in zip(all_keys, covered) if not hit)
-    missing = tuple(sorted({k for _, m, _ in gathered for k in m}))
+    missing = tuple(sorted({k for _, m, *_ in gathered for k in m}))
+    skipped = tuple(sorted({k for *_, s in gathered for k in s}))
     sharing = plan_sharing([g[2] for g in gathered]) if coord.world > 1 else {}
     peers = coord if sharing else None
     if strict and (missing or unexpected):
@@ -163,7 +166,8 @@ def load(path: PathLike, state: Any, *, process_group: Any = None, strict: bool 
         warnings.warn(f"{storage.url}: {len(plan.lossy)} loaded tensor(s) were stored lossily: {shown}{more}",
                       stacklevel=2)
     return LoadResult(path=storage.url, rank=coord.rank, bytes_read=stats.used, bytes_received=stats.received,
-                      missing_keys=missing, unexpected_keys=unexpected, timings=timings, lossy=plan.lossy)
+                      missing_keys=missing, unexpected_keys=unexpected, timings=timings, lossy=plan.lossy,
+                      skipped_keys=skipped)
 
 
 def _describe_lossy(how: Any) -> str:
@@ -199,6 +203,8 @@ class _LoadPlan:
         self.fresh: list[tuple[tuple[PathPart, ...], Any, int]] = []   # (path, entry, target index)
         self.covered = bytearray()     # one byte per manifest key (tensors, then values): 1 = this rank loads it
         self.missing: list[str] = []
+        self.absent: list[tuple[PathPart, ...]] = []   # optional subtrees the checkpoint lacks (state.matching)
+        self.skipped: list[str] = []                   # checkpoint keys the state does not persist
         self.lossy: dict[str, dict[str, Any]] = {}
 
     def apply(self) -> None:
@@ -206,6 +212,7 @@ class _LoadPlan:
             self.assign.append((path, as_leaf(entry, self.targets[idx])))
         for path, value in self.assign:
             _assign(self.flat, path, value)
+        drop_absent(self.flat, self.absent)
         for _, adapter, sd in reversed(self.flat.statefuls):
             adapter.load_state_dict(sd)
 
@@ -252,6 +259,14 @@ def _plan_load(storage: Storage, manifest: Manifest, flat: FlatState, coord: Coo
             _plan_value(plan, leaf.key, leaf.path, tensors, values, index, want, coord, opts)
     for key, path, _ in flat.values:
         _plan_value(plan, key, path, tensors, values, index, want, coord, opts)
+    plan.missing, plan.absent = settle_missing(flat, plan.missing)
+    for v in manifest.values if plan.absent else ():
+        if not plan.covered[index[v.key]] and v.path in flat.nodes and v.per_rank is None and \
+                matches_emptied(flat, plan.absent, v.path, decode_entry_value(v, opts.allow_pickle)):
+            plan.covered[index[v.key]] = 1
+    plan.skipped = not_persisted(flat, (k for k, i in index.items() if not plan.covered[i]))
+    for k in plan.skipped:
+        plan.covered[index[k]] = 1
     check_files(storage, manifest, files)
     return plan
 

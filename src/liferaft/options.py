@@ -169,3 +169,6 @@ class LoadResult:
     timings: Mapping[str, float]
     bytes_received: int = 0     # of bytes_read, those a peer read and sent (LoadOptions.share_reads)
     lossy: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)   # key -> how it was stored lossily
+    #: keys of the checkpoint naming buffers the state's modules do not persist (``persistent=False``): not
+    #: loaded, and not "unexpected" (``liferaft.state.matching``)
+    skipped_keys: tuple[str, ...] = ()

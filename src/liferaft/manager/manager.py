@@ -28,7 +28,7 @@ from liferaft.manager.lease import LEASE, Lease
 from liferaft.manager.tiering import PRIOR_MTBF_HOURS, TierMixin
 from liferaft.manager.policies import (AutoInterval, RetentionPolicy, SavePolicy, mtbf_from_starts,
                                       referenced_closure)
-from liferaft.options import LoadOptions, SaveOptions
+from liferaft.options import LoadOptions, LoadResult, SaveOptions
 from liferaft.reading import check_files, open_checkpoint
 from liferaft.storage import Storage, resolve
 from liferaft.storage.refs import with_references
@@ -98,6 +98,10 @@ class CheckpointManager(TierMixin):
     a random id); a root used by another live job is refused (CheckpointBusyError, see ``manager.lease``). On
     construction rank 0 takes the lease and removes leftovers of interrupted saves.
     """
+
+    #: what the last ``restore`` loaded (``LoadResult``: keys missing / unexpected with ``strict=False``, bytes,
+    #: timings); None before one, or when it found nothing to restore
+    last_load: LoadResult | None = None
 
     def __init__(self, root: str | os.PathLike[str] | Storage, *, every_steps: int | None = None,
                  every_seconds: float | str | None = None, at_steps: Iterable[int] = (), last_step: int | None = None,
@@ -246,10 +250,14 @@ class CheckpointManager(TierMixin):
 
     # ------------------------------------------------------------------ restore
 
-    def restore(self, state: Any, step: int | None = None) -> int | None:
+    def restore(self, state: Any, step: int | None = None, strict: bool = True) -> int | None:
         """Load the newest committed step that loads (or ``step``) into ``state``; return its step, or None when
         there is none. A step that fails to load (missing files, bad checksum, damaged manifest) is skipped with a
-        warning saying why, and the one before it is tried; a state that does not match raises."""
+        warning saying why, and the one before it is tried; a state that does not match raises — unless
+        ``strict=False``: then the keys that match are loaded and ``last_load`` (the ``LoadResult``) lists the
+        others in ``missing_keys`` / ``unexpected_keys``. (Optimizer state of a parameter that was never stepped,
+        and buffers a module does not persist, are no mismatch: see ``liferaft.load``.)"""
+        self.last_load = None
         listing: list[StepInfo] | None = None
         err: BaseException | None = None
         if self.coord.rank == 0:
@@ -260,12 +268,12 @@ class CheckpointManager(TierMixin):
         listing = self.coord.broadcast_from_zero(listing, err, "restore (listing)")
         assert listing is not None
         if step is None and self.memory is not None:
-            got = self._restore_memory(state, listing)
+            got = self._restore_memory(state, listing, strict)
             if got is not None:
                 return got
         if step is None and self.remote is not None:
             newest = max((i.step for i in listing if i.status == "committed"), default=None)
-            got = self._restore_remote(state, newer_than=newest)
+            got = self._restore_remote(state, newer_than=newest, strict=strict)
             if got is not None:
                 return got
         if step is not None:
@@ -286,8 +294,8 @@ class CheckpointManager(TierMixin):
             err = None
             self._reading.add(info.step)            # retention passes leave it alone meanwhile
             try:
-                load(self._step_storage(info.step), state, process_group=self.process_group,
-                     options=self.load_options)
+                self.last_load = load(self._step_storage(info.step), state, process_group=self.process_group,
+                                      strict=strict, options=self.load_options)
             except LiferaftError as e:
                 err = e
             finally:

@@ -39,13 +39,13 @@ class TierMixin:
         self.storage.put_atomic(STARTS, json.dumps(starts).encode())
         return starts
 
-    def _restore_memory(self, state: Any, listing: list[StepInfo]) -> int | None:
+    def _restore_memory(self, state: Any, listing: list[StepInfo], strict: bool = True) -> int | None:
         """Load from the memory tier if it holds a step at least as new as the root's newest committed one."""
         newest = max((i.step for i in listing if i.status == "committed"), default=None)
         if self.remote is not None:
             newest = max([s for s in [newest] + self._remote_newest()[:1] if s is not None], default=None)
         try:
-            got = self.memory.restore(state, options=self.load_options,
+            got = self.memory.restore(state, options=self.load_options, strict=strict,
                                       newer_than=None if newest is None else newest - 1,
                                       fallback=self._slower_copy)
         except LiferaftError as e:          # collective: every rank falls back together
@@ -53,6 +53,7 @@ class TierMixin:
                           "restoring from the root", stacklevel=3)
             return None
         if got is not None:
+            self.last_load = self.memory.last_load
             self._last_step, self._last_time = got, time.monotonic()
             match = [i for i in listing if i.step == got and i.status == "committed"]
             self._base = (got, match[0].since_full or 0) if match and match[0].since_full is not None else None
@@ -104,7 +105,7 @@ class TierMixin:
                 err = e
         return self.coord.broadcast_from_zero(steps, err, "restore (remote listing)") or []
 
-    def _restore_remote(self, state: Any, newer_than: int | None) -> int | None:
+    def _restore_remote(self, state: Any, newer_than: int | None, strict: bool = True) -> int | None:
         """Load the newest committed step of the remote tier newer than ``newer_than`` that loads (damaged ones
         are skipped with a warning, collectively); None if none."""
         from liferaft.api import load
@@ -114,8 +115,8 @@ class TierMixin:
                 return None
             err: BaseException | None = None
             try:
-                load(self.remote.child(step_name(step)), state, process_group=self.process_group,
-                     options=self.load_options)
+                self.last_load = load(self.remote.child(step_name(step)), state, process_group=self.process_group,
+                                      strict=strict, options=self.load_options)
             except LiferaftError as e:
                 err = e
             kinds = self.coord.exchange(type(err).__name__ if err else None, None, "restore (remote outcome)")

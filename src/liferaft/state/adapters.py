@@ -9,6 +9,11 @@ The contract (one small interface): an adapter returns a nested dict of tensors 
   keyed by parameter name, so it reshards like the parameters;
 - any other object with ``state_dict()`` / ``load_state_dict()`` (LR schedulers, an Optimizer without a
   module, user objects) → those two methods.
+
+Adapters may say more about what a load may find (``liferaft.state.matching`` applies it, on every load path):
+``load_template()`` (the structure a load fills, when it differs from what a save stores), ``optional`` (subtrees
+of that template a checkpoint may lack as a whole) and ``not_persisted()`` (keys a checkpoint may hold that the
+object does not load).
 """
 
 from __future__ import annotations
@@ -24,6 +29,13 @@ class Adapter(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, sd: dict[str, Any]) -> None: ...
+
+
+#: the types whose tensors are replicated by the parallelism's own contract (DDP keeps parameters, buffers and
+#: optimizer state equal on every rank); a save does not compare their plain tensors across ranks (that would
+#: cost a pass over the whole model), unlike every other plain tensor (``state.flatten``)
+def replicated_by_contract(obj: Any) -> bool:
+    return isinstance(obj, (torch.nn.Module, torch.optim.Optimizer))
 
 
 def is_stateful(obj: Any) -> bool:
@@ -51,6 +63,23 @@ class ModuleAdapter:
 
         return get_model_state_dict(self.module)
 
+    def not_persisted(self) -> tuple[str, ...]:
+        """The names, as the state dict spells them (wrapper prefixes such as DDP's ``module.`` or
+        ``torch.compile``'s ``_orig_mod.`` removed, like ``get_model_state_dict`` does), of the buffers registered
+        with ``persistent=False``: a checkpoint may hold them (Hugging Face files hold BERT's
+        ``embeddings.position_ids``), but the module does not load them."""
+        from torch.distributed.checkpoint.state_dict import _get_fqns
+
+        out: list[str] = []
+        for prefix, mod in self.module.named_modules():
+            for name in sorted(getattr(mod, "_non_persistent_buffers_set", ())):
+                full = f"{prefix}.{name}" if prefix else name
+                try:
+                    out.extend(sorted(_get_fqns(self.module, full)))
+                except Exception:  # noqa: BLE001 - a wrapper torch does not know: keep the raw name
+                    out.append(full)
+        return tuple(out)
+
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
@@ -59,18 +88,48 @@ class ModuleAdapter:
 
 @dataclass
 class OptimizerAdapter:
+    """An optimizer keyed by the parameter names of ``module``.
+
+    A parameter the optimizer never stepped (no gradient yet, or never: a pooler the loss does not use) has no
+    state in it. torch's ``get_optimizer_state_dict`` gives an optimizer that never stepped at all placeholder
+    state for every parameter (a step with zero gradients and lr 0) and leaves it there; this adapter takes it
+    away again, so that neither a save nor a load template changes the optimizer: a save stores only the state
+    the optimizer had, and a load template lists the placeholders as ``optional`` — a checkpoint that lacks all
+    of a parameter's state is consistent with them, and the optimizer then stays without state for it, as the
+    saving run had it (a part of it, say ``exp_avg`` without ``exp_avg_sq``, is still a mismatch).
+    """
+
     module: torch.nn.Module
     optimizer: torch.optim.Optimizer
+    #: subtrees (``("state", name)``) of the last load template that only hold placeholders
+    optional: tuple[tuple[str, ...], ...] = ()
 
-    def state_dict(self) -> dict[str, Any]:
+    def _state_dict(self) -> tuple[dict[str, Any], bool]:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        return get_optimizer_state_dict(self.module, self.optimizer)
+        fresh = not self.optimizer.state
+        sd = get_optimizer_state_dict(self.module, self.optimizer)
+        placeholders = fresh and bool(self.optimizer.state)
+        if placeholders:
+            self.optimizer.state.clear()       # undo torch's initialisation (the state dict keeps the tensors)
+        return sd, placeholders
+
+    def state_dict(self) -> dict[str, Any]:
+        sd, placeholders = self._state_dict()
+        if placeholders:
+            sd = {**sd, "state": {}}
+        return sd
+
+    def load_template(self) -> dict[str, Any]:
+        sd, placeholders = self._state_dict()
+        self.optional = tuple(("state", name) for name in sd.get("state", {})) if placeholders else ()
+        return sd
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-        set_optimizer_state_dict(self.module, self.optimizer, sd)
+        # liferaft checked the keys already; torch's strict check would refuse a parameter without state
+        set_optimizer_state_dict(self.module, self.optimizer, sd, options=StateDictOptions(strict=False))
 
 
 def make_adapters(objects: list[Any]) -> dict[int, Adapter]:

@@ -11,6 +11,11 @@ This is the only layer that knows DTensor, ``Sharded``, modules and optimizers. 
   including a container of plain values, is one value leaf encoded by ``liferaft.state.values``.
 
 Keys are the path parts joined by ``"."`` (``model.layers.0.weight``); two paths giving the same key are an error.
+
+A plain tensor (or numpy array / bytes stored as one) is *assumed* replicated, and a save checks the assumption:
+each rank hashes it (``TensorLeaf.compare``) and one whose copies differ is stored per rank (``planning.save_plan``).
+Tensors of an ``nn.Module`` or an ``Optimizer`` are exempt (their replication is the parallelism's contract, and
+hashing them would cost a pass over the model at every save).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import torch
 from liferaft.errors import InvalidStateError
 from liferaft.format.manifest import ContainerEntry, PathPart
 from liferaft.planning.geometry import Box
-from liferaft.state.adapters import Adapter, is_stateful, make_adapters
+from liferaft.state.adapters import Adapter, is_stateful, make_adapters, replicated_by_contract
 from liferaft.state.sharded import Sharded
 
 INLINE_LIMIT = 64 * 1024
@@ -44,6 +49,8 @@ class TensorLeaf:
     dtype: torch.dtype
     shape: tuple[int, ...]
     parts: list[tuple[Box, torch.Tensor]]
+    #: a plain leaf (tensor, numpy, bytes) outside a module / optimizer: its copies are compared across ranks
+    compare: bool = False
 
     @property
     def dtype_name(self) -> str:
@@ -57,6 +64,10 @@ class FlatState:
     containers: list[ContainerEntry] = field(default_factory=list)
     statefuls: list[tuple[tuple[PathPart, ...], Adapter, dict]] = field(default_factory=list)
     nodes: dict[tuple[PathPart, ...], Any] = field(default_factory=dict)   # path -> walked container object
+    #: (load templates) subtrees a checkpoint may lack as a whole, and checkpoint keys the state does not load:
+    #: see ``liferaft.state.matching``
+    optional: list[tuple[PathPart, ...]] = field(default_factory=list)
+    not_persisted: set[str] = field(default_factory=set)
 
 
 def key_of(path: tuple[PathPart, ...]) -> str:
@@ -145,11 +156,13 @@ def _is_leaf_bytes(v: Any) -> bool:
 
 
 class _Walker:
-    def __init__(self) -> None:
+    def __init__(self, template: bool = False) -> None:
         self.flat = FlatState()
         self.dtensor = _dtensor_type()
         self.keys: dict[str, tuple[PathPart, ...]] = {}
         self.adapters: dict[int, Adapter] = {}
+        self.template = template
+        self.trusted = 0            # > 0 while walking the state dict of a module / optimizer
 
     def _claim(self, path: tuple[PathPart, ...]) -> str:
         key = key_of(path)
@@ -175,27 +188,40 @@ class _Walker:
             key = key_of(path)
             self._tensor(path, "tensor", v, tuple(v.shape), _dtensor_parts(v, key))
         elif isinstance(v, torch.Tensor):
-            self._tensor(path, "tensor", v, tuple(v.shape), [((tuple(0 for _ in v.shape), tuple(v.shape)), v)])
+            self._tensor(path, "tensor", v, tuple(v.shape), [((tuple(0 for _ in v.shape), tuple(v.shape)), v)],
+                         compare=not self.trusted)
         elif _is_leaf_array(v):
             try:
                 t = torch.from_numpy(np.ascontiguousarray(v))
             except TypeError:
                 self._value(path, v)
                 return
-            self._tensor(path, "numpy", t, tuple(t.shape), [((tuple(0 for _ in t.shape), tuple(t.shape)), t)])
+            self._tensor(path, "numpy", t, tuple(t.shape), [((tuple(0 for _ in t.shape), tuple(t.shape)), t)],
+                         compare=not self.trusted)
         elif _is_leaf_bytes(v):
             t = torch.frombuffer(bytearray(v), dtype=torch.uint8)
-            self._tensor(path, "bytes", t, (len(v),), [(((0,), (len(v),)), t)])
+            self._tensor(path, "bytes", t, (len(v),), [(((0,), (len(v),)), t)], compare=not self.trusted)
         elif is_stateful(v):
             adapter = self.adapters[id(v)]
-            sd = adapter.state_dict()
+            template = getattr(adapter, "load_template", None) if self.template else None
+            sd = template() if template is not None else adapter.state_dict()
             if not isinstance(sd, dict):
                 raise InvalidStateError(f"key {key_of(path)!r}: state_dict() of {type(v).__qualname__} returned "
                                         f"{type(sd).__qualname__}, expected a dict")
             self.flat.statefuls.append((path, adapter, sd))
+            if self.template:
+                self.flat.optional.extend(path + tuple(rel) for rel in getattr(adapter, "optional", ()))
+                not_persisted = getattr(adapter, "not_persisted", None)
+                if not_persisted is not None:
+                    self.flat.not_persisted.update(key_of(path + (name,)) for name in not_persisted())
             role = "module" if isinstance(v, torch.nn.Module) else \
                 "optimizer" if isinstance(v, torch.optim.Optimizer) else None
-            self._container(path, "stateful", sd, role, f"{type(v).__module__}.{type(v).__qualname__}")
+            trusted = replicated_by_contract(v)
+            self.trusted += trusted
+            try:
+                self._container(path, "stateful", sd, role, f"{type(v).__module__}.{type(v).__qualname__}")
+            finally:
+                self.trusted -= trusted
         elif (isinstance(v, dict) or type(v) in (list, tuple)) and (not path or self.needs_walk(v)):
             self._container(path, "dict" if isinstance(v, dict) else {list: "list", tuple: "tuple"}[type(v)], v)
         else:
@@ -214,14 +240,14 @@ class _Walker:
             self.walk(x, path + (k,))
 
     def _tensor(self, path: tuple[PathPart, ...], kind: str, t: Any, shape: tuple[int, ...],
-                parts: list[tuple[Box, torch.Tensor]]) -> None:
+                parts: list[tuple[Box, torch.Tensor]], compare: bool = False) -> None:
         key = self._claim(path)
         if t.dtype not in _SUPPORTED:
             raise InvalidStateError(f"key {key!r}: tensors of dtype {t.dtype} are not supported")
         if t.is_meta or any(p.is_meta for _, p in parts):
             raise InvalidStateError(f"key {key!r}: tensor is on the meta device and has no data")
         self.flat.tensors.append(TensorLeaf(key=key, path=path, kind=kind, dtype=t.dtype, shape=tuple(shape),
-                                            parts=parts))
+                                            parts=parts, compare=compare))
 
     def _value(self, path: tuple[PathPart, ...], v: Any) -> None:
         self.flat.values.append((self._claim(path), path, v))
@@ -246,12 +272,14 @@ def _collect_statefuls(v: Any, out: list[Any], seen: set[int]) -> None:
             _collect_statefuls(x, out, seen)
 
 
-def flatten(state: Any) -> FlatState:
-    """Flatten ``state`` (see module doc). Calls ``state_dict()`` on stateful objects once."""
+def flatten(state: Any, *, template: bool = False) -> FlatState:
+    """Flatten ``state`` (see module doc). Calls ``state_dict()`` on stateful objects once (``template``: for a
+    load, their ``load_template()`` where they have one, and records what a checkpoint may lack or hold beyond
+    the state: ``FlatState.optional`` / ``not_persisted``)."""
     if not isinstance(state, dict) and type(state) not in (list, tuple) and not is_stateful(state):
         raise InvalidStateError(f"state must be a dict, list, tuple or an object with state_dict(); got "
                                 f"{type(state).__qualname__}")
-    w = _Walker()
+    w = _Walker(template)
     objs: list[Any] = []
     _collect_statefuls(state, objs, set())
     w.adapters = make_adapters(objs)

@@ -83,6 +83,7 @@ class MemoryTier:
         self.drained: int | None = None
         #: what the last restore did: {"step", "files_from_peers", "files_from_fallback"} (for logs and tests)
         self.last_restore: dict[str, Any] = {}
+        self.last_load: Any = None          # the LoadResult of the last restore
         self._handle: Any = None
 
     # ------------------------------------------------------------------ layout
@@ -244,7 +245,7 @@ class MemoryTier:
     # ------------------------------------------------------------------ restore
 
     def restore(self, state: Any, *, options: LoadOptions | None = None, newer_than: int | None = None,
-                fallback: Callable[[int], Storage] | None = None) -> int | None:
+                fallback: Callable[[int], Storage] | None = None, strict: bool = True) -> int | None:
         """Load the newest step that the live nodes hold completely into ``state`` (collective); None if there is
         none (or none newer than ``newer_than``). Files this node lacks are first copied from a rank that holds
         them — or, for a step also drained to a slower tier (``fallback(step)``: that tier's checkpoint of the
@@ -290,7 +291,7 @@ class MemoryTier:
         except BaseException as e:  # noqa: BLE001
             err = e
         self.coord.exchange(None, err, "memory tier (fetch)")
-        load(st, state, process_group=self.process_group, options=options)
+        self.last_load = load(st, state, process_group=self.process_group, strict=strict, options=options)
         self.last_restore = {"step": step, "files_from_peers": len(recvs), "files_from_fallback": from_fallback}
         return step
 

@@ -17,6 +17,7 @@ import torch
 from liferaft.errors import StateMismatchError
 from liferaft.options import LoadResult
 from liferaft.state.flatten import flatten
+from liferaft.state.matching import drop_absent, not_persisted, settle_missing
 from liferaft.tools.convert import INDEX, safetensors_state
 
 
@@ -31,12 +32,14 @@ def is_safetensors_source(path: Any) -> bool:
         os.path.isfile(os.path.join(p, "model.safetensors")) or os.path.isfile(os.path.join(p, INDEX)))
 
 
-def _everywhere(keys: list[str], process_group: Any) -> set[str]:
-    """The keys any rank of the job wants (one small collective when a process group is initialized), so that a
-    key another rank holds (pipeline stages) is not "unexpected" here."""
+def _everywhere(keys: list[str], skipped: list[str], process_group: Any) -> tuple[set[str], set[str]]:
+    """The keys any rank of the job wants, and the saved keys any rank skips (buffers its modules do not persist,
+    ``state.matching``), in one small collective when a process group is initialized: so that a key another rank
+    holds (pipeline stages) is not "unexpected" here."""
     from liferaft.dist import Coordinator
 
-    return {k for ks in Coordinator(process_group).exchange(keys, what="the key check of a load") for k in ks}
+    got = Coordinator(process_group).exchange((keys, skipped), what="the key check of a load")
+    return {k for ks, _ in got for k in ks}, {k for _, ss in got for k in ss}
 
 
 def load_safetensors(path: str | os.PathLike[str], state: Any, strict: bool = True,
@@ -47,9 +50,10 @@ def load_safetensors(path: str | os.PathLike[str], state: Any, strict: bool = Tr
 
     t0 = time.perf_counter()
     src = safetensors_state(path)
-    flat = flatten(state)
-    missing = [leaf.key for leaf in flat.tensors if leaf.key not in src]
-    unexpected = sorted(set(src) - _everywhere([leaf.key for leaf in flat.tensors], process_group))
+    flat = flatten(state, template=True)
+    missing, absent = settle_missing(flat, [leaf.key for leaf in flat.tensors if leaf.key not in src])
+    wanted, skipped = _everywhere([leaf.key for leaf in flat.tensors], not_persisted(flat, src), process_group)
+    unexpected = sorted(set(src) - wanted - skipped)
     if strict and (missing or unexpected):
         raise StateMismatchError(f"{os.fspath(path)}: the state does not match the safetensors (nothing loaded); "
                                  f"missing {missing[:10]}, unexpected {unexpected[:10]}; pass strict=False to load "
@@ -73,10 +77,12 @@ def load_safetensors(path: str | os.PathLike[str], state: Any, strict: bool = Tr
                     view = view.narrow(d, o, n)
                 local.copy_(view)
                 nbytes += local.numel() * local.element_size()
+    drop_absent(flat, absent)
     for _, adapter, sd in reversed(flat.statefuls):
         adapter.load_state_dict(sd)
     return LoadResult(path=os.fspath(path), rank=0, bytes_read=nbytes, missing_keys=tuple(missing),
-                      unexpected_keys=tuple(unexpected), timings={"total": time.perf_counter() - t0})
+                      unexpected_keys=tuple(unexpected), timings={"total": time.perf_counter() - t0},
+                      skipped_keys=tuple(sorted(skipped & set(src))))
 
 
 def load_dcp(path: str | os.PathLike[str], state: Any, strict: bool = True, process_group: Any = None) -> LoadResult:
@@ -92,15 +98,16 @@ def load_dcp(path: str | os.PathLike[str], state: Any, strict: bool = True, proc
 
     t0 = time.perf_counter()
     ck = DcpCheckpoint(path)
-    flat = flatten(state)
+    flat = flatten(state, template=True)
     wanted = [leaf.key for leaf in flat.tensors] + [k for k, _, _ in flat.values]
     parts = {k: value_parts(ck.values, k) for k, _, _ in flat.values}  # DCP splits nested plain values
     # numpy arrays and bytes over 64 KiB are tensor leaves of the state holding copies: they get new values
     fresh = {leaf.key: leaf for leaf in flat.tensors if leaf.kind != "tensor"}
     saved = set(ck.tensors) | set(ck.values)
     found = (set(ck.tensors) | (set(ck.values) & set(fresh))) & set(wanted) | {p for ps in parts.values() for p in ps}
-    missing = [k for k in wanted if k not in found and not parts.get(k)]
-    unexpected = sorted(saved - found - _everywhere(wanted, process_group))
+    missing, absent = settle_missing(flat, [k for k in wanted if k not in found and not parts.get(k)])
+    everywhere, skipped = _everywhere(wanted, not_persisted(flat, saved - found), process_group)
+    unexpected = sorted(saved - found - everywhere - skipped)
     if strict and (missing or unexpected):
         raise StateMismatchError(f"{os.fspath(path)}: the state does not match the DCP checkpoint (nothing loaded); "
                                  f"missing {missing[:10]}, unexpected {unexpected[:10]}; pass strict=False to load "
@@ -131,10 +138,12 @@ def load_dcp(path: str | os.PathLike[str], state: Any, strict: bool = True, proc
     for key, p, _ in flat.values:
         if parts.get(key):
             _assign(flat, p, joined_value(key, parts[key], ck.value, ck.paths))
+    drop_absent(flat, absent)
     for _, adapter, sd in reversed(flat.statefuls):
         adapter.load_state_dict(sd)
     import torch.distributed as dist
 
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     return LoadResult(path=os.fspath(path), rank=rank, bytes_read=nbytes, missing_keys=tuple(missing),
-                      unexpected_keys=tuple(unexpected), timings={"total": time.perf_counter() - t0})
+                      unexpected_keys=tuple(unexpected), timings={"total": time.perf_counter() - t0},
+                      skipped_keys=tuple(sorted(skipped & saved)))
