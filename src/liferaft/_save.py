@@ -68,6 +68,7 @@ class PreparedSave:
     timings: dict[str, float] = field(default_factory=dict)
     t_start: float = 0.0
     lossy: dict[str, dict[str, Any]] = field(default_factory=dict)
+    copies: str | None = None       # this rank's file of chunks copied from a sibling checkpoint, if any
 
     @property
     def writes(self) -> tuple[WriteItem, ...]:
@@ -133,8 +134,10 @@ def finish_save(coord: Coordinator, prep: PreparedSave, outcome: WriteOutcome | 
     storage, save_id, plan = prep.storage, prep.save_id, prep.plan
     try:
         stored = coord.exchange((outcome.chunks, outcome.file_size) if outcome else None, err, "save (write)")
+        stored, copied = _copy_crumbs(coord, prep, stored, opts)
     except BaseException:
         _abandon(storage, prep.my_file)
+        _abandon(storage, prep.copies)
         raise
     timings = prep.timings
     timings.setdefault("stage", outcome.stage_s if outcome else 0.0)
@@ -167,6 +170,7 @@ def finish_save(coord: Coordinator, prep: PreparedSave, outcome: WriteOutcome | 
         # A peer may have died after rank 0 committed: never delete files a committed checkpoint needs.
         if not _is_committed(storage, save_id):
             _abandon(storage, prep.my_file)
+            _abandon(storage, prep.copies)
         raise
     if coord.rank == 0:
         try:
@@ -177,10 +181,43 @@ def finish_save(coord: Coordinator, prep: PreparedSave, outcome: WriteOutcome | 
     timings["commit"] = time.perf_counter() - t0
     timings["total"] = time.perf_counter() - prep.t_start
     return SaveResult(path=storage.url, save_id=save_id, world_size=coord.world, rank=coord.rank,
-                      bytes_written=outcome.bytes_written if outcome else 0, total_bytes=sum(s[1] for s in stored),
-                      files=sum(1 for s in stored if s[1]), timings=timings,
-                      bytes_reused=outcome.bytes_reused if outcome else 0,
+                      bytes_written=(outcome.bytes_written if outcome else 0) + copied[prep.rank][0],
+                      total_bytes=sum(s[1] for s in stored) + sum(c[0] for c in copied),
+                      files=sum(1 for s in stored if s[1]) + sum(1 for c in copied if c[0]), timings=timings,
+                      bytes_reused=(outcome.bytes_reused if outcome else 0) - copied[prep.rank][1],
                       bytes_encoded=outcome.bytes_encoded if outcome else 0)
+
+
+def _copy_crumbs(coord: Coordinator, prep: PreparedSave, stored: list[Any], opts: SaveOptions
+                 ) -> tuple[list[Any], list[tuple[int, int]]]:
+    """After every rank wrote: the chunks referenced from a sibling checkpoint that provides less than
+    ``opts.reference_min_share`` of the save's bytes are copied into it instead (each rank its own, then one
+    exchange), so that the save does not keep that checkpoint alive for crumbs (``planning.references``). Every
+    rank decides from the same exchanged records, so all agree on whether this runs. Returns the stored chunks
+    and, per rank, (stored bytes copied, raw bytes no longer referenced)."""
+    from liferaft.planning.references import crumb_sources
+    from liferaft.transfer.rehome import copies_file_name, copy_references
+
+    none = [(0, 0)] * coord.world
+    if opts.reference_min_share <= 0 or not any(sc.file.startswith("../") for s in stored for sc in s[0]):
+        return stored, none
+    sources = crumb_sources(prep.plan.writes, [s[0] for s in stored], opts.reference_min_share)
+    if not sources:
+        return stored, none
+    mine: tuple[Any, ...] | None = None
+    err: BaseException | None = None
+    t0 = time.perf_counter()
+    try:
+        chunks, copied, raw = copy_references(prep.storage, prep.save_id, prep.rank, prep.writes,
+                                              stored[prep.rank][0], sources, prep.policy.dtypes, opts.alignment)
+        if copied:
+            prep.copies = copies_file_name(prep.save_id, prep.rank)
+        mine = (chunks, stored[prep.rank][1], copied, raw)
+    except BaseException as e:  # noqa: BLE001 - reported to every rank
+        err = e
+    gathered = coord.exchange(mine, err, "save (copy referenced chunks)")
+    prep.timings["copy"] = time.perf_counter() - t0
+    return [(g[0], g[1]) for g in gathered], [(g[2], g[3]) for g in gathered]
 
 
 def sub_view(local: torch.Tensor, held: Box, box: Box) -> torch.Tensor:

@@ -8,6 +8,7 @@ from typing import Any, Mapping
 
 from liferaft.errors import OptionsError
 from liferaft.planning.load_plan import DEFAULT_MAX_READ
+from liferaft.planning.references import DEFAULT_MIN_SHARE
 from liferaft.planning.save_plan import DEFAULT_CHUNK_BYTES
 
 
@@ -43,6 +44,11 @@ class SaveOptions:
         again; the manifest references it (``../<base>/data/...``). The base must then not be deleted or
         overwritten while this checkpoint is kept (``CheckpointManager`` takes care of that). A base that
         cannot be opened is skipped with a warning (the save is then a full one).
+    reference_min_share: an incremental save references an older checkpoint only when the unchanged chunks it
+        holds are at least this share of the save's tensor bytes (default 0.1); below it, those few chunks are
+        copied into the new checkpoint (read from the old one and verified), which then does not depend on the
+        old one, so retention can delete it. Decided once all ranks have written, the same on every rank; the
+        base of an XOR ``delta`` stays referenced. 0: reference every unchanged chunk, however few.
     quantize: glob patterns of tensor keys (e.g. ``"optim.state.*.exp_avg*"``) stored lossily as 8-bit values
         with a float32 scale per 256 (codec ``q8-block``; floating-point tensors with finite values only). Never
         the default; the manifest records the codec and the max/mean absolute error, loads warn, and
@@ -72,6 +78,7 @@ class SaveOptions:
     compression: str = "auto"
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     incremental_base: str | None = None
+    reference_min_share: float = DEFAULT_MIN_SHARE
     quantize: tuple[str, ...] = ()
     delta: tuple[str, ...] = ()
     selective: float | None = None
@@ -86,6 +93,9 @@ class SaveOptions:
                                                   or self.incremental_base in (".", "..")):
             raise OptionsError(f"SaveOptions.incremental_base must be the name of a checkpoint in the same folder "
                                f"(no '/'), got {self.incremental_base!r}")
+        if not 0 <= self.reference_min_share <= 1:
+            raise OptionsError(f"SaveOptions.reference_min_share must be a share between 0 and 1, got "
+                               f"{self.reference_min_share}")
         if self.selective is not None and not self.selective > 0:
             raise OptionsError(f"SaveOptions.selective must be a positive relative change, got {self.selective}")
         for name in ("quantize", "delta", "selective_keys"):

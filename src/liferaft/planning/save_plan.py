@@ -251,7 +251,7 @@ def build_manifest(plan: SavePlan, stored: Sequence[Sequence[Any]], file_sizes: 
                 st = stale.setdefault(w.key, {"method": "selective", "chunks": 0, "max_change": 0.0, "from": []})
                 st["chunks"] += 1
                 st["max_change"] = max(st["max_change"], sc.stale)
-                src = sc.file.split("/")[1] if sc.file.startswith("../") else save_id
+                src = sc.file.split("/")[1] if sc.file.startswith("../") else (sc.origin or save_id)
                 st["from"] = sorted(set(st["from"]) | {src})
     lossy_out: dict[str, dict[str, Any]] = {}
     for key, how in (lossy or {}).items():

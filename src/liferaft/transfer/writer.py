@@ -78,9 +78,10 @@ class StoredChunk:
     codec: str | None = None
     frames: tuple[int, ...] | None = None
     delta: ChunkRecord | None = None
-    ref_files: dict[str, int] | None = None         # sizes of the other checkpoints' files this chunk needs
+    ref_files: dict[str, int] | None = None         # sizes of the files this chunk needs besides the rank's own
     error: tuple[float, float, int] | None = None   # lossy: (max abs error, sum of abs errors, values)
     stale: float | None = None      # selective: not saved; the base's older bytes, this relative change away
+    origin: str | None = None       # copied from this sibling checkpoint (``rehome``) rather than referenced
 
 
 @dataclass
