@@ -7,7 +7,11 @@
     liferaft ls ROOT                    steps under a CheckpointManager root: status, size, age, writer, references
     liferaft gc ROOT --keep-last N ...  the manager's retention from the command line (--dry-run to preview)
     liferaft diff A B [--key GLOB]...   keys added / removed / changed, max abs and relative difference per tensor
-    liferaft convert SRC DST --to FMT   liferaft ↔ safetensors/hf, torch (torch.save), dcp
+    liferaft convert SRC DST --to FMT   liferaft ↔ safetensors, torch (torch.save), dcp; → hf (a loadable model)
+
+Every command that takes a checkpoint (inspect, verify, read, diff, convert) takes each format
+``liferaft.tools.formats`` detects: liferaft, a DCP folder, safetensors (file or folder), a ``torch.save`` file;
+ls and gc take a CheckpointManager root and say so when given a checkpoint.
 
 Uses only the public API (``import liferaft``) and ``liferaft.tools``. ``--json`` (ls, gc, diff, verify) prints
 one JSON document for scripts. Errors are printed to stderr as one line and give exit status 1 (``--debug``: with
@@ -44,12 +48,13 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stats", action="store_true", help="min/max/mean/std/NaN/Inf per tensor (reads the data)")
     p.add_argument("--json", action="store_true")
 
-    p = sub.add_parser("verify", help="check the checksum of every stored byte")
-    p.add_argument("path", metavar="PATH", help="checkpoint directory or URL")
+    p = sub.add_parser("verify", help="check the checksum of every stored byte (DCP, torch.save: their zip "
+                       "CRC-32s; safetensors: no checksums, layout and readability only)")
+    p.add_argument("path", metavar="PATH", help="checkpoint directory or URL, or a DCP / safetensors / torch.save one")
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("read", help="read the checkpoint and print a summary of each leaf")
-    p.add_argument("path", metavar="PATH", help="checkpoint directory or URL")
+    p.add_argument("path", metavar="PATH", help="checkpoint directory or URL, or a DCP / safetensors / torch.save one")
     p.add_argument("--key", "-k", dest="keys", action="append", metavar="K",
                    help="only this key or key prefix ('model' selects model.*); repeatable")
     p.add_argument("--allow-pickle", action="store_true",
@@ -77,14 +82,25 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("b", metavar="B")
     p.add_argument("--key", "-k", dest="keys", action="append", metavar="GLOB", help="only keys matching; repeatable")
     p.add_argument("--tolerance", type=float, default=0.0, help="max abs difference still counted as equal")
+    p.add_argument("--rename", nargs=2, action="append", metavar=("REGEX", "REPLACEMENT"),
+                   help="rename B's keys to A's names before comparing (applied in order); repeatable")
+    p.add_argument("--module", metavar="KEY", help="compare A's subtree KEY with all of B (an hf export of that "
+                   "module): A's keys under KEY, B's keys read as KEY.<key>")
     p.add_argument("--json", action="store_true")
 
-    p = sub.add_parser("convert", help="convert between liferaft, Hugging Face safetensors, torch.save and DCP")
+    p = sub.add_parser("convert", help="convert between liferaft, safetensors, torch.save and DCP, or export a "
+                       "model as a Hugging Face folder (--to hf)")
     p.add_argument("src", metavar="SRC")
     p.add_argument("dst", metavar="DST")
-    p.add_argument("--to", required=True, choices=["liferaft", "safetensors", "hf", "torch", "dcp"])
+    p.add_argument("--to", required=True, choices=["liferaft", "safetensors", "hf", "torch", "dcp"],
+                   help="hf: a folder from_pretrained loads (one module's weights, its config); safetensors: "
+                   "every tensor under its full key")
     p.add_argument("--from", dest="source", choices=["liferaft", "safetensors", "hf", "torch", "dcp"],
-                   help="format of SRC (default: guessed from what is there)")
+                   help="format of SRC (default: guessed from what is there; hf = safetensors)")
+    p.add_argument("--module", metavar="KEY", help="--to hf: the subtree that is the model (default: the one "
+                   "saved as an nn.Module; needed when there are several; '' for every tensor)")
+    p.add_argument("--config", metavar="PATH", help="--to hf: a config.json, or a model folder whose config and "
+                   "tokenizer files are copied (default: those recorded when SRC was imported from one)")
     p.add_argument("--max-shard-size", type=float, default=5.0, help="GB per safetensors shard (default 5)")
     p.add_argument("--dtype", help="cast floating-point tensors on export (e.g. bfloat16)")
     p.add_argument("--key", "-k", dest="keys", action="append", metavar="GLOB", help="only keys matching; repeatable")
@@ -144,7 +160,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         return _inspect_keys(args)
     fmt = detect_format(args.path)
     if fmt != "liferaft":
-        _print_other(args.path, fmt)
+        _print_other(args.path, fmt, args.flat)
         return 0
     info = liferaft.inspect(args.path)
     if args.flat:
@@ -155,7 +171,11 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     created = datetime.datetime.fromtimestamp(info.created_unix, tz=datetime.timezone.utc)
     print(f"save id {info.save_id}, created {created.isoformat(timespec='seconds')}")
     if info.metadata:
-        print(f"metadata: {json.dumps(info.metadata, sort_keys=True, default=repr)}")
+        meta = dict(info.metadata)
+        hf = meta.get("hf")
+        if isinstance(hf, dict) and isinstance(hf.get("files"), dict):     # (file contents: names only)
+            meta["hf"] = {**hf, "files": sorted(hf["files"])}
+        print(f"metadata: {json.dumps(meta, sort_keys=True, default=repr)}")
     return 0
 
 
@@ -168,27 +188,36 @@ def _print_tree(path: str) -> None:
     m = open_checkpoint(resolve(path))
     leaf = {e.path: e.key for e in m.tensors} | {v.path: v.key for v in m.values}
     orders = {c.path: list(c.children) for c in m.containers if c.children is not None}
-    _tree(leaf, {i.key: i for i in describe(path)}, [c.path for c in m.containers], orders)
+    classes = {c.path: c.cls.rsplit(".", 1)[-1] for c in m.containers if c.cls}
+    _tree(leaf, {i.key: i for i in describe(path)}, [c.path for c in m.containers], orders, classes)
 
 
-def _print_other(path: str, fmt: str) -> None:
-    """Header and key tree of a DCP folder, safetensors folder/file or torch.save file."""
-    from liferaft.options import LoadOptions
-    from liferaft.tools.diff import side_of
+def _print_other(path: str, fmt: str, flat: bool = False) -> None:
+    """Header and key tree (or one line per key) of a DCP folder, safetensors folder/file or torch.save file."""
+    from liferaft.tools.formats import open_source
     from liferaft.tools.stats import describe_side
 
-    side = side_of(path, None, LoadOptions())
+    side = open_source(path)
     info = {i.key: i for i in describe_side(side)}
     keys = list(info) + [k for k in side.values if k not in info]
     size = sum(i.nbytes for i in info.values())
-    print(f"{fmt} checkpoint {path} (not liferaft: nothing to verify)\n{len(info)} tensors, {len(side.values)} "
+    check = "liferaft verify checks its zip CRC-32s" if fmt in ("dcp", "torch") else "no checksums to verify"
+    print(f"{fmt} checkpoint {path} (not liferaft: {check})\n{len(info)} tensors, {len(side.values)} "
           f"values, {size / 2**20:.1f} MiB of tensors")
+    if flat:
+        for k in keys:
+            i = info.get(k)
+            print(f"  {k:<50} value" if i is None else f"  {k:<50} {i.dtype:<9} {str(list(i.shape)):<20} "
+                  f"{i.chunks:>4} chunk(s) {i.nbytes / 2**20:10.3f} MiB")
+        return
     _tree({tuple(side.paths.get(k, k.split("."))): k for k in keys}, info, [], {})
 
 
-def _tree(leaf: dict[tuple, str], info: dict[str, Any], containers: list[tuple], orders: dict[tuple, list]) -> None:
-    """Print leaves (path -> key) as a tree: containers with their number of keys and bytes, tensors with dtype,
-    shape, bytes, chunks, the sharding as saved and codecs (``info``: key -> KeyInfo), values as "value"."""
+def _tree(leaf: dict[tuple, str], info: dict[str, Any], containers: list[tuple], orders: dict[tuple, list],
+          classes: dict[tuple, str] | None = None) -> None:
+    """Print leaves (path -> key) as a tree: containers with their number of keys and bytes (and the class of a
+    saved object: ``classes``), tensors with dtype, shape, bytes, chunks, the sharding as saved and codecs
+    (``info``: key -> KeyInfo), values as "value"."""
     kids: dict[tuple, list] = {}
     for p in list(leaf) + containers:
         for i in range(1, len(p) + 1):
@@ -212,7 +241,9 @@ def _tree(leaf: dict[tuple, str], info: dict[str, Any], containers: list[tuple],
             key = leaf.get(p)
             if key is None:
                 n = f"{totals[p][1]} key(s)"
-                print(f"  {pad + str(child) + '/':<50} {'':<9} {n:<16} {totals[p][0] / 2**20:12.3f} MiB")
+                cls = (classes or {}).get(p)
+                print(f"  {pad + str(child) + '/':<50} {'':<9} {n:<16} {totals[p][0] / 2**20:12.3f} MiB"
+                      + (f"  {cls}" if cls else ""))
                 walk(p, depth + 1)
             elif key not in info:
                 print(f"  {pad + str(child):<50} value")
@@ -258,9 +289,47 @@ def _inspect_keys(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_verify(args: argparse.Namespace) -> int:
+def _verify_other(args: argparse.Namespace, fmt: str) -> int:
+    """verify for a DCP folder, a torch.save file or safetensors: the checks their format allows."""
+    from liferaft.tools.formats import NAMES, check_source
     from liferaft.tools.progress import Progress
 
+    p = args.path
+    total = os.path.getsize(p) if os.path.isfile(p) else \
+        sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(p) for f in fs)
+    with Progress(total, "verify", None if not args.json else False) as tick:
+        r = check_source(args.path, progress=tick)
+    if args.json:
+        print(json.dumps({"path": r.path, "format": fmt, "ok": not r.faults, "checksums": r.records > 0,
+                          "records": r.records, "crc_bytes": r.crc_bytes, "bytes_read": r.bytes_read,
+                          "unchecked": list(r.unchecked), "faults": list(r.faults)}))
+        return 1 if r.faults else 0
+    if r.faults:
+        print(f"FAILED {args.path}: {len(r.faults)} fault(s)")
+        for x in r.faults:
+            print(f"  {x}")
+        print(f"liferaft verify: error: {args.path}: {len(r.faults)} fault(s) found (listed above) in this "
+              f"{NAMES[fmt]}; its data is damaged or incomplete", file=sys.stderr)
+        return 1
+    if r.records:
+        print(f"OK {r.path}: {r.records} zip record(s), {r.crc_bytes} bytes checked against their CRC-32 "
+              f"({NAMES[fmt]}: {'DCP has no checksums of its own; ' if fmt == 'dcp' else ''}torch.save archives "
+              "carry CRC-32s)")
+        for x in r.unchecked:
+            print(f"  not checked: {x}")
+    else:
+        layout = ", header and layout consistent" if fmt == "safetensors" else ""
+        print(f"READ {r.path}: {r.bytes_read} bytes read{layout}; NOT verified: {'; '.join(r.unchecked)}, so damaged values of the right length cannot be found")
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from liferaft.tools.formats import detect
+    from liferaft.tools.progress import Progress
+
+    fmt = detect(args.path)
+    if fmt != "liferaft":
+        return _verify_other(args, fmt)
     info = liferaft.inspect(args.path)
     try:
         with Progress(sum(t.nbytes for t in info.tensors), "verify", None if not args.json else False) as tick:
@@ -344,7 +413,8 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     from liferaft.tools.progress import Progress
 
     src = {"hf": "safetensors"}.get(args.source or detect_format(args.src), args.source or detect_format(args.src))
-    to = {"hf": "safetensors"}.get(args.to, args.to)
+    to = args.to
+    hf = {"module": args.module, "config": args.config}
     from liferaft.tools.progress import FolderGrowth
 
     if src == "liferaft":
@@ -356,15 +426,19 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         if src == "liferaft":
             r = convert(args.src, args.dst, to, source=src, keys=args.keys, dtype=args.dtype,
                         rename=[tuple(x) for x in args.rename or []],
-                        max_shard_bytes=int(args.max_shard_size * 1e9), progress=tick)
+                        max_shard_bytes=int(args.max_shard_size * 1e9), progress=tick, **hf)
         else:
             with FolderGrowth(args.dst, tick):
                 r = convert(args.src, args.dst, to, source=src, keys=args.keys, dtype=args.dtype,
-                            rename=[tuple(x) for x in args.rename or []])
+                            rename=[tuple(x) for x in args.rename or []],
+                            max_shard_bytes=int(args.max_shard_size * 1e9), **hf)
     if args.json:
-        print(json.dumps({"from": src, "to": to, "files": list(r.files), "tensors": r.tensors, "bytes": r.bytes}))
+        print(json.dumps({"from": src, "to": to, "files": list(r.files), "tensors": r.tensors, "bytes": r.bytes}
+                         | ({"module": r.module, "notes": list(r.notes)} if to == "hf" else {})))
     else:
         print(f"{src} → {to}: {args.dst} ({r.tensors} tensor(s), {len(r.files)} file(s), {r.bytes / 2**20:.1f} MiB)")
+        for note in r.notes:
+            print(f"  {note}")
     return 0
 
 
@@ -377,7 +451,8 @@ def _cmd_diff(args: argparse.Namespace) -> int:
 
     total = sum(t.nbytes for t in liferaft.inspect(args.a).tensors) if detect_format(args.a) == "liferaft" else 0
     with Progress(total, "diff", None if not args.json else False) as tick:
-        r = diff(args.a, args.b, keys=args.keys, tolerance=args.tolerance, progress=tick)
+        r = diff(args.a, args.b, keys=args.keys, tolerance=args.tolerance, progress=tick,
+                 rename=[tuple(x) for x in args.rename or []], module=args.module)
     if args.json:
         print(json.dumps({"a": r.a, "b": r.b, "identical": r.identical,
                           "keys": [k.__dict__ for k in r.keys]}))
@@ -435,11 +510,44 @@ def _leaves(node: Any, path: tuple[Any, ...], leaf_keys: set[str]) -> Iterator[t
         yield key, node
 
 
+def _read_other(args: argparse.Namespace) -> list[tuple[str, str, str]]:
+    """The rows of ``read`` for a DCP folder, safetensors or a torch.save file: every tensor read (one at a time)
+    and every value decoded, under the keys that format stores (DCP: each leaf of a nested value on its own)."""
+    from liferaft.tools.formats import open_source
+
+    src = open_source(args.path, options=liferaft.LoadOptions(allow_pickle=args.allow_pickle))
+    every = list(src.tensors) + [k for k in src.values if k not in src.tensors]
+    chosen = set(every)
+    if args.keys is not None:
+        chosen = set()
+        for k in args.keys:
+            hit = {a for a in every if a == k or a.startswith(k + ".")}
+            if not hit:
+                raise liferaft.StateMismatchError(f"key {k!r} is not in the checkpoint (nor any key under it)")
+            chosen |= hit
+    rows = []
+    for key in every:
+        if key not in chosen:
+            continue
+        if key in src.tensors:
+            _, shape, _ = src.tensors[key]
+            v: Any = src.read(key, ((0,) * len(shape), tuple(shape)))
+        else:
+            v = src.values[key]()
+        rows.append((key, *_describe(v)))
+    return rows
+
+
 def _cmd_read(args: argparse.Namespace) -> int:
-    info = liferaft.inspect(args.path)
-    leaf_keys = {t.key for t in info.tensors} | set(info.values)
-    tree = liferaft.read(args.path, args.keys, options=liferaft.LoadOptions(allow_pickle=args.allow_pickle))
-    rows = [(key, *_describe(v)) for key, v in _leaves(tree, (), leaf_keys)]
+    from liferaft.tools.formats import detect
+
+    if detect(args.path) != "liferaft":
+        rows = _read_other(args)
+    else:
+        info = liferaft.inspect(args.path)
+        leaf_keys = {t.key for t in info.tensors} | set(info.values)
+        tree = liferaft.read(args.path, args.keys, options=liferaft.LoadOptions(allow_pickle=args.allow_pickle))
+        rows = [(key, *_describe(v)) for key, v in _leaves(tree, (), leaf_keys)]
     if args.json:
         print(json.dumps([{"key": k, "type": t, "details": d} for k, t, d in rows]))
         return 0

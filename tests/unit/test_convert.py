@@ -108,7 +108,7 @@ def test_convert_command_round_trip(tmp_path):
         assert out.returncode == 0, out.stderr
         return out.stdout
 
-    assert "liferaft → safetensors" in run(src, str(tmp_path / "hf"), "--to", "hf")
+    assert "liferaft → hf" in run(src, str(tmp_path / "hf"), "--to", "hf")      # (all tensors: the whole is the model)
     assert json.loads(run(str(tmp_path / "hf"), str(tmp_path / "back"), "--to", "liferaft", "--json"))["from"] == \
         "safetensors"
     assert diff(src, str(tmp_path / "back")).identical

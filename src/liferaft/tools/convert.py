@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from liferaft.errors import (CheckpointNotFoundError, CorruptCheckpointError, InvalidStateError, OptionsError,
+from liferaft.errors import (CorruptCheckpointError, InvalidStateError, OptionsError,
                              StateMismatchError)
 from liferaft.reading import check_files, open_checkpoint
 from liferaft.storage import resolve
@@ -55,36 +55,50 @@ def _selected(key: str, keys: Sequence[str] | None) -> bool:
 
 @dataclass(frozen=True)
 class ConvertReport:
-    """What a conversion wrote: the files or folder (``files``), how many tensors, and bytes written."""
+    """What a conversion wrote: the files or folder (``files``), how many tensors, and bytes written; for an
+    ``hf`` export the module exported (its key in the checkpoint, "" for the whole) and notes for the user (where
+    the config came from, or that there is none)."""
 
     files: tuple[str, ...]
     tensors: int
     bytes: int
+    module: str | None = None
+    notes: tuple[str, ...] = ()
 
 
 def to_safetensors(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, max_shard_bytes: int = 5 << 30,
                    dtype: str | None = None, keys: Sequence[str] | None = None,
                    rename: Sequence[tuple[str, str]] | None = None,
                    progress: Callable[[int], None] | None = None) -> ConvertReport:
-    """Export the tensors of liferaft checkpoint ``src`` to the folder ``dst`` as Hugging Face safetensors:
-    ``model.safetensors``, or shards ``model-0000i-of-0000n.safetensors`` of at most ``max_shard_bytes`` plus
-    ``model.safetensors.index.json``. ``dtype`` (e.g. "bfloat16") casts floating-point tensors."""
+    """Export the tensors of liferaft checkpoint ``src`` — all of them, under their full keys — to the folder
+    ``dst`` as safetensors: ``model.safetensors``, or shards ``model-0000i-of-0000n.safetensors`` of at most
+    ``max_shard_bytes`` plus ``model.safetensors.index.json``. ``dtype`` (e.g. "bfloat16") casts floating-point
+    tensors. (``to_hf`` writes a folder ``from_pretrained`` loads: one module's weights, its config.)"""
     storage = with_references(resolve(src))
     m = open_checkpoint(storage)
     rn = _renamer(rename)
+    picked = [(e, rn(e.key)) for e in m.tensors if e.kind == "tensor" and _selected(e.key, keys)]
+    if keys and not picked:
+        raise OptionsError(f"no tensor of the checkpoint matches {list(keys)}")
+    files, total = _write_safetensors(storage, m, picked, dst, max_shard_bytes, dtype, progress)
+    return ConvertReport(files=tuple(files), tensors=len(picked), bytes=total)
+
+
+def _write_safetensors(storage: Any, m: Any, pairs: list[tuple[Any, str]], dst: str | os.PathLike[str],
+                       max_shard_bytes: int, dtype: str | None,
+                       progress: Callable[[int], None] | None) -> tuple[list[str], int]:
+    """Write the tensor entries ``pairs`` ((entry, name)) as ``model.safetensors`` or shards of at most
+    ``max_shard_bytes`` with their index in ``dst``; weight files of an earlier export there are removed.
+    Returns (file names, tensor bytes)."""
     cast = torch_dtype(dtype) if dtype else None
     picked = []
-    for e in m.tensors:
-        if e.kind != "tensor" or not _selected(e.key, keys):
-            continue
+    for e, name in pairs:
         out_dtype = dtype if cast is not None and torch_dtype(e.dtype).is_floating_point else e.dtype
         if out_dtype not in ST_DTYPES:
             raise InvalidStateError(f"key {e.key!r}: dtype {out_dtype} has no safetensors name")
         size = int(np.prod(e.shape, dtype=np.int64)) * torch.empty(0, dtype=torch_dtype(out_dtype)).element_size()
-        picked.append((e, rn(e.key), out_dtype, size))
+        picked.append((e, name, out_dtype, size))
     names = [p[1] for p in picked]
-    if keys and not picked:
-        raise OptionsError(f"no tensor of the checkpoint matches {list(keys)}")
     if len(set(names)) != len(names):
         raise OptionsError("the renaming maps two keys to one name")
     check_files(storage, m, {c.file for e, *_ in picked for c in e.chunks})
@@ -106,7 +120,10 @@ def to_safetensors(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, 
         with open(os.path.join(dst, INDEX), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
         files.append(INDEX)
-    return ConvertReport(files=tuple(files), tensors=len(picked), bytes=total)
+    for old in os.listdir(dst):                 # an earlier export's weights would be read instead, or as well
+        if old not in files and (old == INDEX or re.fullmatch(r"model(-\d{5}-of-\d{5})?\.safetensors", old)):
+            os.unlink(os.path.join(dst, old))
+    return files, total
 
 
 def _write_shard(storage: Any, path: str, shard: list[Any], progress: Callable[[int], None] | None = None) -> None:
@@ -149,6 +166,178 @@ def _write_shard(storage: Any, path: str, shard: list[Any], progress: Callable[[
 
 SLAB = 64 << 20
 
+#: Files of a Hugging Face folder that hold weights (never copied with a config; the export writes its own).
+WEIGHTS = re.compile(r".*\.(safetensors|bin|pt|pth|ckpt|h5|msgpack|onnx|gguf|ot|tflite|npz)$|"
+                     r".*\.(safetensors|bin)\.index\.json$")
+#: An import records a source folder's other files (config, tokenizer, ...) in the manifest when they take at most
+#: this much in all, else only its ``config.json`` and ``generation_config.json``.
+RECORD_LIMIT = 2 << 20
+
+
+def model_subtree(m: Any, module: str | None = None) -> tuple[str, str]:
+    """(key of the subtree of manifest ``m`` that is the model's state dict — "" for the whole checkpoint —, its
+    class or how it was chosen). ``module`` names it; otherwise the one container recorded as an ``nn.Module``;
+    in checkpoints written before that was recorded, the one stateful object that holds only tensors and is not
+    an optimizer; in checkpoints of plain dicts (imports from DCP, ``torch.save``), a top-level ``model``, or the
+    whole checkpoint when it holds only tensors and nothing that looks like optimizer state. Several candidates,
+    or none: OptionsError asking for ``module``."""
+    keys = [e.key for e in m.tensors if e.kind == "tensor"]
+    stateful = [c for c in m.containers if c.kind == "stateful"]
+
+    def name(c: Any) -> str:
+        return ".".join(str(p) for p in c.path)
+    if module is not None:
+        if module == "":
+            return "", "the whole checkpoint"
+        if not any(k.startswith(module + ".") for k in keys):
+            tops = sorted({".".join(str(p) for p in c.path) for c in m.containers if len(c.path) == 1})
+            raise OptionsError(f"--module {module!r}: no tensor of the checkpoint lies under {module!r}; "
+                               f"subtrees at the top: {tops}")
+        c = next((c for c in stateful if name(c) == module), None)
+        return module, (c.cls or "").rsplit(".", 1)[-1] if c is not None else "chosen"
+    modules = [c for c in stateful if c.role == "module"]
+    if not modules and not any(c.role for c in stateful):     # written before roles were recorded
+        values = {v.key for v in m.values}
+        modules = [c for c in stateful if not {"state", "param_groups"} <= set(c.children or ())
+                   and not any(v == name(c) or v.startswith(name(c) + ".") for v in values)
+                   and any(k.startswith(name(c) + ".") for k in keys)]
+    if len(modules) == 1:
+        return name(modules[0]), (modules[0].cls or "nn.Module").rsplit(".", 1)[-1]
+    if len(modules) > 1:
+        raise OptionsError(f"this checkpoint holds {len(modules)} modules ({', '.join(repr(name(c)) for c in modules)})"
+                           ": say which to export with --module NAME (Python: module=NAME)")
+    if not stateful:
+        if any(k.startswith("model.") for k in keys):
+            return "model", "the 'model' subtree"
+        optimizer_like = any(".exp_avg" in k or k.startswith(("optim", "optimizer")) for k in keys)
+        if keys and not m.values and not optimizer_like:
+            return "", "the whole checkpoint"
+    tops = sorted({str(k.split(".", 1)[0]) for k in keys})
+    raise OptionsError(f"cannot tell which part of this checkpoint is the model (no subtree was saved as an "
+                       f"nn.Module): pass --module KEY, one of {tops[:10]}, or --module '' for all of its tensors")
+
+
+def hf_files(folder: str) -> dict[str, str]:
+    """The files of a Hugging Face folder an export brings along (relative path → absolute path): everything
+    but weight files and hidden files, subfolders included (a sentence-transformers ``1_Pooling/config.json``)."""
+    out = {}
+    for d, dirs, fs in os.walk(folder):
+        dirs[:] = sorted(x for x in dirs if not x.startswith("."))
+        for f in sorted(fs):
+            if f.startswith(".") or WEIGHTS.fullmatch(f):
+                continue
+            full = os.path.join(d, f)
+            out[os.path.relpath(full, folder).replace(os.sep, "/")] = full
+    return out
+
+
+def _recorded_files(folder: str) -> dict[str, str]:
+    """What an import of ``folder`` records in the manifest (``extra["hf"]["files"]``, text by relative path): the
+    files ``hf_files`` lists when they are UTF-8 text of at most ``RECORD_LIMIT`` in all, else the configs."""
+    files = hf_files(folder)
+    if sum(os.path.getsize(p) for p in files.values()) > RECORD_LIMIT:
+        files = {k: v for k, v in files.items() if k in ("config.json", "generation_config.json")}
+    out = {}
+    for rel, full in files.items():
+        try:
+            with open(full, encoding="utf-8") as f:
+                out[rel] = f.read()
+        except (UnicodeDecodeError, OSError):
+            continue
+    return out
+
+
+def _with_dtype(text: str, dtype: str | None) -> str:
+    """``config.json`` with its ``dtype``/``torch_dtype`` set to the export's dtype (when it names one)."""
+    if not dtype:
+        return text
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return text
+    if not isinstance(doc, dict) or not ({"dtype", "torch_dtype"} & set(doc)):
+        return text
+    for k in ("dtype", "torch_dtype"):
+        if k in doc:
+            doc[k] = dtype
+    return json.dumps(doc, indent=2) + "\n"
+
+
+def _bring_config(config: str | os.PathLike[str] | None, recorded: dict[str, str] | None, dst: str,
+                  dtype: str | None) -> tuple[list[str], str]:
+    """Write the config (and tokenizer, ...) files of an HF export into ``dst``: from ``config`` (a
+    ``config.json``, or a folder: ``hf_files``), else those an import recorded. Returns (files, a note)."""
+    contents: dict[str, bytes] = {}
+    if config is not None:
+        c = os.fspath(config)
+        if os.path.isdir(c):
+            for rel, full in hf_files(c).items():
+                with open(full, "rb") as f:
+                    contents[rel] = f.read()
+            if "config.json" not in contents:
+                raise OptionsError(f"--config {c}: no config.json in that folder")
+            note = f"config: {len(contents)} file(s) from {c}"
+        elif os.path.isfile(c):
+            with open(c, "rb") as f:
+                contents["config.json"] = f.read()
+            note = f"config: {c}"
+        else:
+            raise OptionsError(f"--config {c}: no such file or folder")
+        try:
+            if not isinstance(json.loads(contents["config.json"]), dict):
+                raise ValueError("not a JSON object")
+        except (ValueError, UnicodeDecodeError) as e:
+            raise OptionsError(f"--config {c}: its config.json is not a JSON config ({e})") from e
+    elif recorded:
+        contents = {rel: text.encode("utf-8") for rel, text in recorded.items() if isinstance(text, str)}
+        note = f"config: {len(contents)} file(s) recorded when the checkpoint was imported from a Hugging Face folder"
+    else:
+        return [], ("no config.json: from_pretrained needs one; pass --config (a config.json, or the model's "
+                    "folder to bring its tokenizer files too)")
+    for rel, raw in contents.items():
+        if rel.startswith("/") or ".." in rel.split("/"):
+            raise OptionsError(f"config file {rel!r} would lie outside {dst}")
+        target = os.path.join(dst, *rel.split("/"))
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        if rel == "config.json":
+            raw = _with_dtype(raw.decode("utf-8"), dtype).encode("utf-8")
+        with open(target, "wb") as f:
+            f.write(raw)
+    return list(contents), note
+
+
+def to_hf(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, module: str | None = None,
+          config: str | os.PathLike[str] | None = None, max_shard_bytes: int = 5 << 30, dtype: str | None = None,
+          keys: Sequence[str] | None = None, rename: Sequence[tuple[str, str]] | None = None,
+          progress: Callable[[int], None] | None = None) -> ConvertReport:
+    """Export one model of liferaft checkpoint ``src`` as a Hugging Face folder ``dst`` that
+    ``from_pretrained(dst)`` loads as it is: the tensors of the model's subtree only (``model_subtree``: the
+    ``nn.Module`` the checkpoint recorded, or ``module``), named as in the module's own state dict (its key in the
+    checkpoint stripped); no optimizer state, RNG, step or other values. Written as ``model.safetensors``, or
+    shards of at most ``max_shard_bytes`` with ``model.safetensors.index.json``. ``config``: a ``config.json``, or
+    a folder whose config, tokenizer and other non-weight files are copied; without it, the files recorded when the
+    checkpoint was imported from an HF folder. ``dtype`` casts floating-point tensors (and the config's dtype).
+    ``keys``/``rename`` select and rename by the module's own names."""
+    storage = with_references(resolve(src))
+    m = open_checkpoint(storage)
+    prefix, what = model_subtree(m, module)
+    rn = _renamer(rename)
+    cut = len(prefix) + 1 if prefix else 0
+    pairs = [(e, rn(e.key[cut:])) for e in m.tensors if e.kind == "tensor" and (not prefix or e.key.startswith(
+        prefix + ".")) and _selected(e.key[cut:], keys)]
+    if not pairs:
+        raise OptionsError(f"no tensor to export under {prefix!r}" + (f" matching {list(keys)}" if keys else ""))
+    files, total = _write_safetensors(storage, m, pairs, dst, max_shard_bytes, dtype, progress)
+    hf = m.extra.get("hf") if isinstance(m.extra.get("hf"), dict) else {}
+    recorded = hf.get("files") if isinstance(hf.get("files"), dict) else None
+    extra_files, note = _bring_config(config, recorded, os.fspath(dst), dtype)
+    left = sum(1 for e in m.tensors if e.kind != "tensor" and (not prefix or e.key.startswith(prefix + "."))) + \
+        sum(1 for v in m.values if not prefix or v.key.startswith(prefix + "."))
+    notes = (f"module {prefix!r} ({what})" if prefix else f"{what}",) + \
+        ((f"{left} non-tensor entr{'y' if left == 1 else 'ies'} of the module left out",) if left else ()) + (note,)
+    return ConvertReport(files=tuple(files + extra_files), tensors=len(pairs), bytes=total, module=prefix,
+                         notes=notes)
+
 
 def _st_files(src: str) -> list[str]:
     if os.path.isfile(src):
@@ -171,9 +360,18 @@ def safetensors_state(src: str | os.PathLike[str], keys: Sequence[str] | None = 
     rn = _renamer(rename)
     out: dict[str, torch.Tensor] = {}
     for path in _st_files(os.fspath(src)):
+        size = os.path.getsize(path)
         with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
+            head = f.read(8)
+            (n,) = struct.unpack("<Q", head) if len(head) == 8 else (size,)
+            try:
+                if 8 + n > size:
+                    raise ValueError(f"a {n}-byte header in a {size}-byte file")
+                header = json.loads(f.read(n))
+                if not isinstance(header, dict):
+                    raise ValueError("the header is not a JSON object")
+            except (ValueError, UnicodeDecodeError) as e:
+                raise CorruptCheckpointError(f"{path}: not a readable safetensors file ({e})") from e
         data = np.memmap(path, dtype=np.uint8, mode="c", offset=8 + n) if os.path.getsize(path) > 8 + n \
             else np.zeros(0, dtype=np.uint8)
         for key, spec in header.items():
@@ -182,7 +380,12 @@ def safetensors_state(src: str | os.PathLike[str], keys: Sequence[str] | None = 
             if spec["dtype"] not in FROM_ST:
                 raise InvalidStateError(f"{path}: tensor {key!r} has dtype {spec['dtype']}, unknown to liferaft")
             a, b = spec["data_offsets"]
-            t = torch.from_numpy(data[a:b]).view(torch_dtype(FROM_ST[spec["dtype"]])).reshape(spec["shape"])
+            dt = torch_dtype(FROM_ST[spec["dtype"]])
+            if not 0 <= a <= b <= len(data) or b - a != math.prod(spec["shape"]) * dt.itemsize:
+                raise CorruptCheckpointError(f"{path}: tensor {key!r} ({spec['dtype']} {spec['shape']}) is said to "
+                                             f"lie at bytes {a}..{b} of {len(data)}; the file is damaged or "
+                                             "truncated")
+            t = torch.from_numpy(data[a:b]).view(dt).reshape(spec["shape"])
             out[rn(key)] = t
     return out
 
@@ -190,10 +393,20 @@ def safetensors_state(src: str | os.PathLike[str], keys: Sequence[str] | None = 
 def from_safetensors(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, keys: Sequence[str] | None = None,
                      rename: Sequence[tuple[str, str]] | None = None, options: Any = None) -> ConvertReport:
     """Import a safetensors file or Hugging Face folder (single or sharded) into a liferaft checkpoint at ``dst``
-    (keys unchanged unless renamed; nested by nothing: a flat dict)."""
+    (keys unchanged unless renamed; nested by nothing: a flat dict). A folder's other files (config, tokenizer:
+    ``_recorded_files``) are recorded in the manifest's metadata (``"hf"``), so ``to_hf`` brings them back."""
+    import dataclasses
+
     import liferaft
 
     state = safetensors_state(src, keys, rename)
+    if os.path.isdir(src):              # its config (and tokenizer, ...) files, for an export back to HF
+        recorded = _recorded_files(os.fspath(src))
+        if recorded:
+            opts = options or liferaft.SaveOptions()
+            meta = dict(opts.metadata)
+            meta.setdefault("hf", {"source": os.path.abspath(src), "files": recorded})
+            options = dataclasses.replace(opts, metadata=meta)
     res = liferaft.save(dst, state, options=options)
     return ConvertReport(files=(res.path,), tensors=len(state), bytes=res.total_bytes)
 
@@ -395,46 +608,37 @@ FORMATS = ("liferaft", "safetensors", "hf", "torch", "dcp")
 
 
 def detect_format(src: str | os.PathLike[str]) -> str:
-    """What ``src`` holds: "liferaft" (a commit marker, or a URL), "dcp" (``.metadata``), "safetensors" (a
-    ``.safetensors`` file or a folder with ``model.safetensors`` or its index) or "torch" (any other file)."""
-    p = os.fspath(src)
-    if "://" in p or os.path.isfile(os.path.join(p, "COMMIT")):
-        return "liferaft"
-    if not os.path.exists(p):
-        raise CheckpointNotFoundError(f"{p}: no checkpoint there (the path does not exist)")
-    if os.path.isdir(p) and (os.path.isdir(os.path.join(p, "data")) or
-                             any(n.startswith("manifest-") for n in os.listdir(p))):
-        return "liferaft"                   # unfinished or damaged: liferaft's reader says what is wrong
-    if os.path.isfile(p):
-        return "safetensors" if p.endswith(".safetensors") else "torch"
-    if os.path.isfile(os.path.join(p, ".metadata")):
-        return "dcp"
-    if os.path.isfile(os.path.join(p, "model.safetensors")) or os.path.isfile(os.path.join(p, INDEX)):
-        return "safetensors"
-    raise StateMismatchError(f"{p}: not a liferaft checkpoint, DCP checkpoint, safetensors folder or torch.save "
-                             "file (nothing recognizable there); pass the format explicitly")
+    """What ``src`` holds: ``tools.formats.detect`` (the one detector every tool uses)."""
+    from liferaft.tools.formats import detect
+
+    return detect(src)
 
 
 def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], to: str, *, source: str | None = None,
             keys: Sequence[str] | None = None, rename: Sequence[tuple[str, str]] | None = None,
-            dtype: str | None = None, max_shard_bytes: int = 5 << 30, options: Any = None,
+            dtype: str | None = None, max_shard_bytes: int = 5 << 30, module: str | None = None,
+            config: str | os.PathLike[str] | None = None, options: Any = None,
             progress: Callable[[int], None] | None = None) -> ConvertReport:
-    """Convert ``src`` (format ``source``, detected when not given: ``detect_format``) to ``to``, each one of
-    "liferaft", "safetensors" (= "hf"), "torch", "dcp", streaming in bounded memory. Between two formats other than
-    liferaft (DCP → HF safetensors, say) the state goes through a temporary liferaft checkpoint next to ``dst``
-    (disk space: the state's size once more), removed afterwards. ``keys``: globs of keys to keep; ``rename``:
-    ``(regex, replacement)`` pairs applied in order (both on the way in); ``dtype``: cast floating-point tensors
-    on export; ``max_shard_bytes``: per safetensors shard; ``options``: ``SaveOptions`` of an import;
-    ``progress(nbytes)`` called as an export writes."""
-    norm = {"hf": "safetensors"}
+    """Convert ``src`` (format ``source``, detected when not given: ``tools.formats.detect``) to ``to``, each one of
+    "liferaft", "safetensors", "torch", "dcp" — or, as ``to``, "hf": a Hugging Face model folder
+    ``from_pretrained`` loads (``to_hf``: one module's weights, its config), where "safetensors" writes every
+    tensor under its full key. Streams in bounded memory. Between two formats other than liferaft (DCP → HF, say)
+    the state goes through a temporary liferaft checkpoint next to ``dst`` (disk space: the state's size once
+    more), removed afterwards; ``keys`` and ``rename`` then apply on the way in. ``keys``: globs of keys to keep;
+    ``rename``: ``(regex, replacement)`` pairs applied in order; ``dtype``: cast floating-point tensors on export;
+    ``max_shard_bytes``: per safetensors shard; ``module``, ``config``: of an ``hf`` export; ``options``:
+    ``SaveOptions`` of an import; ``progress(nbytes)`` called as an export writes."""
     src_fmt = source or detect_format(src)
-    src_fmt, to = norm.get(src_fmt, src_fmt), norm.get(to, to)
+    src_fmt = "safetensors" if src_fmt == "hf" else src_fmt
     for f in (src_fmt, to):
         if f not in FORMATS:
             raise OptionsError(f"unknown format {f!r}; one of {', '.join(FORMATS)}")
     if src_fmt == to == "liferaft":
         raise OptionsError("both sides are liferaft checkpoints: nothing to convert (copy the folder, or use "
                            "liferaft.save with SaveOptions to rewrite one)")
+    if (module is not None or config is not None) and to != "hf":
+        raise OptionsError("module and config are for an export to a Hugging Face folder (--to hf); for other "
+                           "formats select keys with --key and strip a prefix with --rename")
     if src_fmt != "liferaft" and to != "liferaft":          # through a temporary liferaft checkpoint
         import shutil
         import tempfile
@@ -446,10 +650,13 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], to: str, *
             mid = os.path.join(tmp, "ck")
             convert(src, mid, "liferaft", source=src_fmt, keys=keys, rename=rename, options=options)
             return convert(mid, dst, to, source="liferaft", dtype=dtype, max_shard_bytes=max_shard_bytes,
-                           progress=progress)
+                           module=module, config=config, progress=progress)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     if src_fmt == "liferaft":
+        if to == "hf":
+            return to_hf(src, dst, module=module, config=config, max_shard_bytes=max_shard_bytes, dtype=dtype,
+                         keys=keys, rename=rename, progress=progress)
         if to == "safetensors":
             return to_safetensors(src, dst, max_shard_bytes=max_shard_bytes, dtype=dtype, keys=keys, rename=rename,
                                   progress=progress)

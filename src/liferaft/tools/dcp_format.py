@@ -59,10 +59,9 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def is_dcp(path: Any) -> bool:
     """True for a local DCP checkpoint folder (a ``.metadata`` file, no liferaft commit marker)."""
-    if not isinstance(path, (str, os.PathLike)) or "://" in os.fspath(path):
-        return False
-    p = os.fspath(path)
-    return os.path.isfile(os.path.join(p, ".metadata")) and not os.path.exists(os.path.join(p, "COMMIT"))
+    from liferaft.tools.formats import sniff
+
+    return sniff(path) == "dcp"
 
 
 class _View(io.RawIOBase):

@@ -84,13 +84,10 @@ def describe(path: str | os.PathLike[str], keys: Sequence[str] | None = None, *,
     """The tensors of a checkpoint matching ``keys`` (globs): how each is stored, and with ``stats`` its
     min / max / mean / std over the finite values and its NaN / Inf counts (read and verified in slabs). ``path``
     may also be a DCP folder, a safetensors folder/file or a ``torch.save`` file (nothing to verify there)."""
-    from liferaft.tools.convert import detect_format
+    from liferaft.tools.formats import detect, open_source
 
-    if detect_format(path) != "liferaft":
-        from liferaft.options import LoadOptions
-        from liferaft.tools.diff import side_of
-
-        return describe_side(side_of(path, keys, LoadOptions()), stats, slab_bytes)
+    if detect(path) != "liferaft":
+        return describe_side(open_source(path, keys), stats, slab_bytes)
     storage = with_references(resolve(path))
     m = open_checkpoint(storage)
     picked = [e for e in m.tensors if not keys or any(fnmatch.fnmatchcase(e.key, p) for p in keys)]
@@ -111,7 +108,7 @@ def describe(path: str | os.PathLike[str], keys: Sequence[str] | None = None, *,
 
 
 def describe_side(side: Any, stats: bool = False, slab_bytes: int = 64 << 20) -> list[KeyInfo]:
-    """``describe`` of a checkpoint in another format (``tools.diff.side_of``): a DCP folder (its chunks: the
+    """``describe`` of a checkpoint in another format (``tools.formats.open_source``): a DCP folder (its chunks: the
     layout and ranks that saved it), a safetensors folder/file or a ``torch.save`` file (one whole chunk each)."""
     out = []
     for key, (dtype, shape, _) in side.tensors.items():

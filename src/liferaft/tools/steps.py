@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from liferaft.manager.lease import Lease
-from liferaft.manager.manager import PINS, StepInfo, list_steps, step_name
+from liferaft.manager.manager import PINS, StepInfo, _parse_step, list_steps, step_name
 from liferaft.manager.policies import RetentionPolicy, referenced_closure
 from liferaft.storage import Storage, resolve
 from liferaft.format.manifest import COMMIT_MARKER
@@ -21,12 +21,63 @@ def _pins(storage: Storage) -> frozenset[int]:
         return frozenset()
 
 
+def _root(root: str | os.PathLike[str] | Storage) -> Storage:
+    """The storage of a manager root; a path that is itself a checkpoint (of any format) is refused, naming it."""
+    from liferaft.errors import OptionsError
+    from liferaft.tools.formats import NAMES, detect_names, sniff
+
+    if isinstance(root, (str, os.PathLike)) and "://" not in os.fspath(root):
+        fmt = sniff(root)
+        if fmt is not None and fmt != "liferaft" or os.path.isfile(os.fspath(root)):
+            raise OptionsError(f"{os.fspath(root)}: a {NAMES[fmt or 'torch']}, not a CheckpointManager root (ls "
+                               "and gc take the folder holding step-N folders); inspect, verify, read, diff and "
+                               "convert take a checkpoint")
+    storage = resolve(root)
+    names = storage.list()
+    if detect_names(names) is not None and not any(_parse_step(n) is not None for n in names):
+        raise OptionsError(f"{storage.url}: a liferaft checkpoint, not a CheckpointManager root (ls and gc take "
+                           "the folder holding step-N folders); inspect, verify, read, diff and convert take a "
+                           "checkpoint")
+    return storage
+
+
+def _listing(storage: Storage, pins: frozenset[int], verify: bool = False,
+             progress: Callable[[int], None] | None = None) -> list[StepInfo]:
+    """``list_steps``, with step folders that hold a checkpoint of another format (torchtitan's ``step-N`` DCP
+    folders, say) given that format as their status instead of "incomplete": the manager neither restores nor
+    deletes them."""
+    from liferaft.tools.formats import NAMES, detect_names
+
+    by_folder: dict[str, list[str]] = {}
+    for name in storage.list():
+        head, _, rest = name.partition("/")
+        if rest and _parse_step(head) is not None:
+            by_folder.setdefault(head, []).append(rest)
+    foreign: dict[int, tuple[str, str]] = {}
+    for head, rest in by_folder.items():
+        fmt, step = detect_names(rest), _parse_step(head)
+        if fmt not in (None, "liferaft") and step is not None and (head == step_name(step) or
+                                                                   step_name(step) not in by_folder):
+            foreign[step] = (head, fmt)
+    out = []
+    for info in list_steps(storage, pins, verify, progress):
+        if info.step in foreign and info.status != "committed":
+            head, fmt = foreign[info.step]
+            info = StepInfo(info.step, storage.child(head).url, fmt,
+                            f"a {NAMES[fmt]} ({head}), not written by liferaft: inspect, verify, read, diff and "
+                            "convert take it; the manager neither restores nor deletes it", pinned=info.pinned)
+        out.append(info)
+    return out
+
+
 def ls(root: str | os.PathLike[str] | Storage, verify: bool = False,
        progress: Callable[[int], None] | None = None) -> list[StepInfo]:
     """Every step under the manager root, oldest first, with status, bytes, writer and references (reads only;
-    ``verify`` re-hashes every committed step, calling ``progress`` with the bytes of each read)."""
-    storage = resolve(root)
-    return list_steps(storage, _pins(storage), verify, progress)
+    ``verify`` re-hashes every committed step, calling ``progress`` with the bytes of each read). A step folder
+    holding another format's checkpoint has that format as its status ("dcp", ...); a root that is itself a
+    checkpoint is refused (OptionsError)."""
+    storage = _root(root)
+    return _listing(storage, _pins(storage), verify, progress)
 
 
 @dataclass(frozen=True)
@@ -42,16 +93,17 @@ def gc(root: str | os.PathLike[str] | Storage, *, keep_last: int | None = None, 
        incomplete: bool = False) -> GcReport:
     """The manager's retention from outside a job: delete committed steps the policy does not keep, never the
     newest committed one, a pinned one or one a kept step references (and, with ``incomplete``, steps without a
-    commit marker that nothing references). Takes the root's lease first, so it refuses
+    commit marker that nothing references; never a step folder holding another format's checkpoint). Takes the
+    root's lease first, so it refuses
     (CheckpointBusyError) while a training job writes there. Deletion is marker-first, as the manager's."""
-    storage = resolve(root)
+    storage = _root(root)
     policy = RetentionPolicy(keep_last=keep_last, keep_every=keep_every, keep_best=keep_best, metric=metric,
                              mode=mode)
     lease = None if dry_run else Lease(storage, job_id="liferaft-gc")
     if lease is not None:
         lease.acquire()
     try:
-        listing = list_steps(storage, _pins(storage))
+        listing = _listing(storage, _pins(storage))             # (steps of other formats: never deleted)
         committed = [i.step for i in listing if i.status == "committed"]
         keep = set(policy.keep(committed, {i.step: i.metrics for i in listing if i.metrics}, _pins(storage)))
         keep = referenced_closure(keep, {i.step: i.depends_on for i in listing})
