@@ -41,7 +41,7 @@ def _version() -> str:
 #: The last tensor layout planned per (gloo group, rank, world, alignment), with this rank's tensor metadata and
 #: the save it was planned for: a save whose tensors every rank describes exactly as then, and for which every
 #: rank holds that same plan, reuses it (planning a large model costs tens of ms per save).
-_PLANS: dict[tuple[int, int, int, int], tuple[tuple[TensorMeta, ...], SavePlan, str]] = {}
+_PLANS: dict[tuple[str, int, int, int, int], tuple[tuple[TensorMeta, ...], SavePlan, str]] = {}
 
 
 def _rank_meta(rank: int, flat: FlatState, allow_pickle: bool) -> RankMeta:
@@ -86,7 +86,7 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
     meta: RankMeta | None = None
     payload: tuple[Any, ...] = (None, None, None, None)
     err: BaseException | None = None
-    cache_key = (id(coord.group), coord.rank, coord.world, opts.alignment, opts.chunk_bytes)
+    cache_key = (coord.key, coord.rank, coord.world, opts.alignment, opts.chunk_bytes)
     cached = _PLANS.get(cache_key)
     try:
         if sys.byteorder != "little":

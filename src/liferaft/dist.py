@@ -1,79 +1,247 @@
 """Collectives for metadata: work with no process group, raise every rank's error on every rank, time out.
 
-Metadata goes over a gloo group made for it (never the NCCL group), created once per (group, timeout) and
-cached, so that every exchange times out after ``timeout`` seconds whatever the job's own group uses. Each call exchanges
-``(error or None, payload)``: if any rank failed, every rank raises — the failing rank its own exception,
-the others a DistributedError naming the failed ranks and their errors.
+Metadata goes over gloo groups of liferaft's own (never the job's NCCL group). Their lifetime is boring on
+purpose: one group per (process group, channel), made the first time it is used and reused after that. Each is a
+``ProcessGroupGloo`` built directly on the job's store under a prefix that is never used twice in a job (the
+group's ranks, its channel and a generation that only grows), so a group made after another was released or
+broke can never meet the keys of an earlier one — the race that made ``new_group(..., use_local_synchronization=
+True)`` after ``destroy_process_group`` hang in gloo's connectFullMesh. The groups are not registered with
+torch.distributed (nothing of the job's own changes) and are shut down by :func:`release_groups`, by
+``CheckpointManager.close()``, or at interpreter exit (an ``atexit`` hook set when the first group is made) —
+never left to the interpreter's teardown.
+
+Every collective takes its timeout from the caller (the options' ``timeout``), whatever timeout the group was
+made with, and fails as :class:`DistributedError` naming the phase. A group whose collective failed is retired:
+the next caller gets a fresh one (every rank that saw the failure does the same, so the generations stay in
+step). Each call exchanges ``(error or None, payload)``: if any rank failed, every rank raises — the failing rank
+its own exception, the others a DistributedError naming the failed ranks and their errors.
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import hashlib
+import pickle
+import threading
 import traceback
 from typing import Any
 
 from liferaft.errors import DistributedError
 
-_GLOO_GROUPS: dict[tuple[int, float], Any] = {}
+
+class _Group:
+    """One gloo backend of liferaft's: ``rank``/``size`` within it, ``ranks`` the global ranks of its members.
+
+    ``name`` ends in the epoch from :func:`_next_epoch`."""
+
+    def __init__(self, parent: Any, ranks: tuple[int, ...], name: str, timeout: float) -> None:
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
+
+        self.parent, self.ranks, self.size, self.name = parent, ranks, len(ranks), name
+        self.rank = ranks.index(dist.get_rank())
+        self.broken = False
+        store = dist.PrefixStore(name + "/", c10d._get_default_store())
+        try:
+            self.backend = dist.ProcessGroupGloo(store, self.rank, self.size, datetime.timedelta(seconds=timeout))
+        except Exception as e:  # noqa: BLE001 - gloo reports a peer that never connects as RuntimeError
+            raise DistributedError(
+                f"making liferaft's gloo group {name} failed on rank {self.rank} of {self.size} (a peer died "
+                f"or did not arrive within {timeout:.0f}s): {_one_line(e)}") from None
+
+    def fail(self) -> None:
+        """A collective on this group failed: retire it now (its peers' pending operations fail at once)."""
+        if not self.broken:
+            self.broken = True
+            self.close()
+
+    def parent_alive(self) -> bool:
+        import torch.distributed as dist
+
+        try:
+            dist.get_rank(self.parent)
+            return True
+        except (ValueError, RuntimeError):
+            return False
+
+    def close(self) -> None:
+        try:
+            self.backend.shutdown()
+        except Exception:  # noqa: BLE001 - a group whose peers are gone may fail to shut down cleanly
+            pass
 
 
-def _gloo_group(pg: Any, timeout: float, channel: str) -> Any:
+_LOCK = threading.Lock()
+_GROUPS: dict[tuple[int, str], _Group] = {}              # (id of the parent group, channel) → group
+_EPOCHS: dict[tuple[tuple[int, ...], str], int] = {}     # (ranks, channel) → the last epoch used
+_RETIRED: list[_Group] = []
+_HOOKED = False
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())[:500]
+
+
+def _group(pg: Any, timeout: float, channel: str) -> _Group:
+    """The group of ``channel`` over ``pg``'s ranks: the cached one, or a new one (collective over ``pg``)."""
+    global _HOOKED
     import torch.distributed as dist
 
-    cache_key = (id(pg), timeout, channel)
-    group = _GLOO_GROUPS.get(cache_key)
-    if group is not None:
-        try:
-            dist.get_rank(group)
-        except (ValueError, RuntimeError):  # destroyed with its parent: make a new one
+    ranks = tuple(dist.get_process_group_ranks(pg))
+    key = (id(pg), channel)         # the group holds its parent, so the id is not reused while cached
+    with _LOCK:
+        group = _GROUPS.get(key)
+        if group is not None and (group.broken or not group.parent_alive()):
+            _retire(key)
             group = None
-    if group is None:
-        ranks = dist.get_process_group_ranks(pg)
-        group = dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout),
-                               use_local_synchronization=True)
-        _GLOO_GROUPS[cache_key] = group
+        if group is not None:
+            return group
+        if not _HOOKED:
+            atexit.register(_release_all)
+            _HOOKED = True
+        base = f"liferaft/{hashlib.sha1(','.join(map(str, ranks)).encode()).hexdigest()[:16]}/{channel}"
+        epoch = _next_epoch(base, _EPOCHS.get((ranks, channel), -1))
+        _EPOCHS[(ranks, channel)] = epoch          # never used again, even if making the group fails
+    group = _Group(pg, ranks, f"{base}/{epoch}", timeout)
+    with _LOCK:
+        _GROUPS[key] = group
     return group
 
 
+def _next_epoch(base: str, last: int) -> int:
+    """The epoch of the next group named ``base``: one past ``last`` (the last this rank used), or the newer one
+    another rank moved it to already. Agreed through the job's store (``compare_set``), so ranks that fell out of
+    step after a failure meet again in the newest epoch, and no name is ever used twice in a job."""
+    from torch.distributed import distributed_c10d as c10d
+
+    store = c10d._get_default_store()
+    try:
+        epoch = int(store.compare_set(f"{base}/epoch", "" if last < 0 else str(last), str(last + 1)))
+        if epoch <= last:           # no such key (a new store after the job's group was made again): start it
+            epoch = int(store.compare_set(f"{base}/epoch", "", str(last + 1)))
+        return epoch
+    except Exception as e:  # noqa: BLE001 - the store's server is gone: the job's rendezvous is lost
+        raise DistributedError(f"the job's store did not answer while making liferaft's gloo group {base}: "
+                               f"{_one_line(e)}") from None
+
+
+def _retire(key: tuple[int, str]) -> None:
+    group = _GROUPS.pop(key, None)
+    if group is not None:
+        _RETIRED.append(group)
+
+
+def _release_all() -> None:
+    with _LOCK:
+        groups = list(_GROUPS.values()) + _RETIRED
+        _GROUPS.clear()
+        _RETIRED.clear()
+    for group in groups:
+        group.close()
+
+
 def release_groups(process_group: Any = None) -> None:
-    """Destroy the gloo groups liferaft made for ``process_group`` (default: the world): call it before
-    ``destroy_process_group`` at the end of a job, so that no group of liferaft's outlives the job's own (a gloo
-    group destroyed only by interpreter shutdown can abort the process). Later calls make new groups."""
+    """Shut down the gloo groups liferaft made for ``process_group`` (default: every group it made). Optional:
+    groups are also shut down at interpreter exit, and a later liferaft call simply makes new ones (under names
+    never used before, so this is safe at any point between liferaft calls). Call it before
+    ``destroy_process_group`` if you want the groups' sockets closed at that point."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()):
-        _GLOO_GROUPS.clear()
+    if process_group is None or not (dist.is_available() and dist.is_initialized()):
+        _release_all()
         return
-    pg = process_group if process_group is not None else dist.group.WORLD
-    for key in [k for k in _GLOO_GROUPS if k[0] == id(pg)]:
-        group = _GLOO_GROUPS.pop(key)
+    with _LOCK:
+        doomed = [k for k in _GROUPS if k[0] == id(process_group)]
+        groups = [_GROUPS.pop(k) for k in doomed]
+    for group in groups:
+        group.close()
+
+
+class _Work:
+    """A send or receive under way; ``wait()`` is bounded by the coordinator's timeout."""
+
+    def __init__(self, work: Any, group: _Group, timeout: float, what: str) -> None:
+        self._work, self._group, self._timeout, self._what = work, group, timeout, what
+
+    def wait(self) -> None:
         try:
-            dist.destroy_process_group(group)
-        except (ValueError, RuntimeError):      # already destroyed with its parent
-            pass
+            self._work.wait(datetime.timedelta(seconds=self._timeout))
+        except Exception as e:  # noqa: BLE001 - gloo reports timeouts and lost peers as RuntimeError
+            self._group.fail()
+            raise DistributedError(f"{self._what} failed (a peer died or did not answer within "
+                                   f"{self._timeout:.0f}s): {_one_line(e)}") from None
 
 
 class Coordinator:
     """The ranks of one save or load. ``rank``/``world`` are within ``process_group`` (default: the world).
 
     ``channel`` names an independent gloo group: the background thread of an async save uses "bg", so that its
-    exchanges never interleave with those of the caller's thread ("fg"). Groups are created (collectively) the
-    first time a channel is used, always from the caller's thread.
+    exchanges never interleave with those of the caller's thread ("fg"). Groups are made (collectively) the first
+    time a channel is used, always from the caller's thread; every collective is bounded by ``timeout`` seconds.
+    ``key`` names the group this coordinator talks over (a new group, after a release or a failure, has a new key).
     """
 
     def __init__(self, process_group: Any = None, timeout: float = 600.0, channel: str = "fg") -> None:
         import torch.distributed as dist
 
         self.timeout = timeout
+        self.group: _Group | None = None
+        self.key = "local"
         if not (dist.is_available() and dist.is_initialized()):
             if process_group is not None:
                 raise DistributedError("a process_group was given but torch.distributed is not initialized")
-            self.rank, self.world, self.group = 0, 1, None
+            self.rank, self.world = 0, 1
             return
         pg = process_group if process_group is not None else dist.group.WORLD
         self.rank = dist.get_rank(pg)
         self.world = dist.get_world_size(pg)
-        self.group = _gloo_group(pg, timeout, channel) if self.world > 1 else None
+        if self.world > 1:
+            self.group = _group(pg, timeout, channel)
+            self.key = self.group.name
+
+    def _fail(self, e: BaseException, what: str, error: BaseException | None) -> BaseException:
+        assert self.group is not None
+        self.group.fail()
+        if error is not None:
+            return error
+        return DistributedError(f"{what or 'collective'} failed on rank {self.rank} of {self.world} (a peer died or "
+                                f"did not arrive within {self.timeout:.0f}s): {_one_line(e)}")
+
+    def _allgather_bytes(self, data: bytes) -> list[bytes]:
+        import torch
+        import torch._C._distributed_c10d as c10d
+
+        assert self.group is not None
+        opts = c10d.AllgatherOptions()
+        opts.timeout = datetime.timedelta(seconds=self.timeout)
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
+        self.group.backend.allgather([sizes], [size], opts).wait()
+        longest = max(int(s.item()) for s in sizes)
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        if data:
+            mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        outs = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world)]
+        self.group.backend.allgather([outs], [mine], opts).wait()
+        return [out[:int(s.item())].numpy().tobytes() for out, s in zip(outs, sizes)]
+
+    def _broadcast_bytes(self, data: bytes) -> bytes:
+        import torch
+        import torch._C._distributed_c10d as c10d
+
+        assert self.group is not None
+        opts = c10d.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = 0, 0
+        opts.timeout = datetime.timedelta(seconds=self.timeout)
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        self.group.backend.broadcast([size], opts).wait()
+        buf = torch.zeros(int(size.item()), dtype=torch.uint8)
+        if self.rank == 0 and data:
+            buf[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        if buf.numel():
+            self.group.backend.broadcast([buf], opts).wait()
+        return buf.numpy().tobytes()
 
     def exchange(self, payload: Any, error: BaseException | None = None, what: str = "") -> list[Any]:
         """All-gather ``payload`` from every rank; raise on every rank if any rank passed an ``error``."""
@@ -81,22 +249,16 @@ class Coordinator:
             if error is not None:
                 raise error
             return [payload]
-        import torch.distributed as dist
-
         msg = None
         if error is not None:
             msg = f"{type(error).__name__}: {error}"
             if not isinstance(error, Exception) or type(error).__module__.split(".")[0] != "liferaft":
                 msg += "\n" + "".join(traceback.format_exception(error)[-3:])
-        gathered: list[Any] = [None] * self.world
+        data = pickle.dumps((msg, None if error is not None else payload), protocol=pickle.HIGHEST_PROTOCOL)
         try:
-            dist.all_gather_object(gathered, (msg, None if error is not None else payload), group=self.group)
+            gathered = [pickle.loads(b) for b in self._allgather_bytes(data)]  # our own ranks' messages
         except Exception as e:  # noqa: BLE001 - gloo reports timeouts and lost peers as RuntimeError
-            if error is not None:
-                raise error from e
-            raise DistributedError(
-                f"{what or 'collective'} failed on rank {self.rank} of {self.world} (a peer died or did not "
-                f"arrive within {self.timeout:.0f}s): {e}") from None
+            raise self._fail(e, what, error) from None
         failed = [(r, m) for r, (m, _) in enumerate(gathered) if m is not None]
         if failed:
             if error is not None:
@@ -111,30 +273,27 @@ class Coordinator:
             if error is not None:
                 raise error
             return payload
-        import torch.distributed as dist
-
         msg = None if error is None else f"{type(error).__name__}: {error}"
-        box = [(msg, payload if error is None else None)] if self.rank == 0 else [None]
-        src = dist.get_global_rank(self.group, 0)
+        data = pickle.dumps((msg, payload if error is None else None), protocol=pickle.HIGHEST_PROTOCOL) \
+            if self.rank == 0 else b""
         try:
-            dist.broadcast_object_list(box, src=src, group=self.group)
+            m, p = pickle.loads(self._broadcast_bytes(data))
         except Exception as e:  # noqa: BLE001
-            raise DistributedError(f"{what or 'broadcast'} failed on rank {self.rank}: {e}") from None
-        m, p = box[0]
+            raise self._fail(e, what or "broadcast", error) from None
         if m is not None:
             if error is not None:
                 raise error
             raise DistributedError(f"{what or 'operation'} failed on rank 0:\n  rank 0: {m}")
         return p
 
-    def isend(self, tensor: Any, rank: int, tag: int) -> Any:
-        """Start sending ``tensor`` to ``rank`` (of this coordinator) on its gloo group; returns the Work."""
-        import torch.distributed as dist
+    def isend(self, tensor: Any, rank: int, tag: int) -> _Work:
+        """Start sending ``tensor`` to ``rank`` (of this coordinator); ``wait()`` on the result is bounded."""
+        assert self.group is not None
+        work = self.group.backend.send([tensor], rank, tag)
+        return _Work(work, self.group, self.timeout, f"sending {tensor.numel()} bytes to rank {rank}")
 
-        return dist.isend(tensor, dst=dist.get_global_rank(self.group, rank), group=self.group, tag=tag)
-
-    def irecv(self, tensor: Any, rank: int, tag: int) -> Any:
-        """Start receiving into ``tensor`` from ``rank``; returns the Work (``wait()`` raises on timeout)."""
-        import torch.distributed as dist
-
-        return dist.irecv(tensor, src=dist.get_global_rank(self.group, rank), group=self.group, tag=tag)
+    def irecv(self, tensor: Any, rank: int, tag: int) -> _Work:
+        """Start receiving into ``tensor`` from ``rank``; ``wait()`` on the result is bounded by the timeout."""
+        assert self.group is not None
+        work = self.group.backend.recv([tensor], rank, tag)
+        return _Work(work, self.group, self.timeout, f"receiving {tensor.numel()} bytes from rank {rank}")

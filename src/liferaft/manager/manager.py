@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Mapping
 
 from liferaft.api import AsyncSaveHandle, async_save, load, save
-from liferaft.dist import Coordinator, release_groups
+from liferaft.dist import Coordinator
 from liferaft.errors import (CheckpointNotFoundError, CorruptCheckpointError, DistributedError, IncompleteCheckpointError, LiferaftError,
                              OptionsError)
 from liferaft.format.manifest import COMMIT_MARKER
@@ -495,8 +495,6 @@ class CheckpointManager(TierMixin):
         if err is not None:
             raise err
         self.coord.exchange(None, None, "manager (close)")   # every rank returns after the deletions
-        if self.memory is None:             # (a memory tier keeps using them: it releases nothing here)
-            release_groups(self.process_group)
 
     def __enter__(self) -> "CheckpointManager":
         return self
