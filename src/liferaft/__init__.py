@@ -8,8 +8,8 @@ from liferaft.api import AsyncSaveHandle, async_save, load, save
 from liferaft.dist import release_groups
 from liferaft.errors import (CheckpointBusyError, CheckpointExistsError, CheckpointNotFoundError,
                              CorruptCheckpointError, DistributedError, FormatVersionError, IncompleteCheckpointError,
-                             InvalidStateError, LiferaftError, LossyCheckpointError, OptionsError, PickleNotAllowedError,
-                             StateMismatchError, StorageError, UnsafePathError)
+                             InvalidStateError, LiferaftError, LossyCheckpointError, OptionsError,
+                             PickleNotAllowedError, ReadOnlyRootError, StateMismatchError, StorageError, UnsafePathError)
 from liferaft.manager.manager import CheckpointManager, StepInfo
 from liferaft.options import LoadOptions, LoadResult, SaveOptions, SaveResult
 from liferaft.reading import CheckpointInfo, PerRank, TensorInfo, VerifyReport, inspect, read, verify
@@ -30,6 +30,7 @@ __all__ = [
     "SaveOptions", "LoadOptions", "SaveResult", "LoadResult", "CheckpointInfo", "TensorInfo", "VerifyReport", "PerRank",
     "LiferaftError", "CheckpointNotFoundError", "IncompleteCheckpointError", "CheckpointExistsError",
     "CheckpointBusyError", "CorruptCheckpointError", "FormatVersionError", "UnsafePathError", "StateMismatchError",
-    "InvalidStateError", "PickleNotAllowedError", "OptionsError", "DistributedError", "StorageError", "LossyCheckpointError",
+    "InvalidStateError", "PickleNotAllowedError", "OptionsError", "DistributedError", "StorageError",
+    "ReadOnlyRootError", "LossyCheckpointError",
     "__version__",
 ]

@@ -51,7 +51,8 @@ class DistributedError(LiferaftError):
 
 
 class CheckpointBusyError(LiferaftError):
-    """A save was asked for while an async save of this process was in flight and ``if_busy="raise"``."""
+    """A save was asked for while an async save of this process was in flight and ``if_busy="raise"``; or the
+    root's lease is held by another job (or another live process), or was lost to one."""
 
 
 class OptionsError(LiferaftError, ValueError):
@@ -60,6 +61,11 @@ class OptionsError(LiferaftError, ValueError):
 
 class StorageError(LiferaftError):
     """The storage backend failed (I/O error, unknown URL scheme, ...)."""
+
+
+class ReadOnlyRootError(StorageError):
+    """A CheckpointManager root cannot be written (read-only file system, no write permission, PUT denied): the
+    manager can restore from it and list its steps, but not save, pin or delete there."""
 
 
 class LossyCheckpointError(StateMismatchError):

@@ -1,26 +1,41 @@
 """One writer per root: a lease object (``LEASE``) that the manager of a job holds while it may write there.
 
-The holder (rank 0 of the job) rewrites the lease every ``ttl / 3`` seconds. Another job finding a lease refuses to
-start unless the lease is its own (same ``job_id``: a restart of the same job), its holder is a dead process on this
-host, or it was not renewed for ``ttl`` seconds (waiting up to ``ttl`` for that). This is detection, not a lock
-service: two jobs that start within the same instant can both write the lease; each reads it back after writing
-and before every save, so the loser finds out before its first commit.
+The holder (rank 0 of the job) rewrites the lease every ``ttl / 3`` seconds. A newcomer takes the lease when
+
+- there is none, or it was not renewed for the holder's ``ttl`` seconds (stale), or
+- its holder ran on this machine (same host, kernel and pid namespace) and that process is gone, or
+- its holder ran on another machine and has the newcomer's job id (the same job restarting, its rank 0 now
+  elsewhere: ``manager.identity`` says what a job id is), or
+- its holder is this very process under the same job id (a manager re-created without ``close()``).
+
+Otherwise it waits up to the holder's ``ttl`` (the holder may be closing) and then refuses with
+CheckpointBusyError: a live process on this machine is never taken over, whatever its job id, so two launches
+given the same ``job_id`` do not kill each other. This is detection, not a lock service: two jobs that start within
+the same instant can both write the lease; each reads it back after writing and before every save, so the loser
+finds out before its first commit.
+
+A root that cannot be written (read-only file system, no write permission, PUT denied) raises ReadOnlyRootError
+from ``acquire`` before any waiting: the manager then only restores.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
+import sys
 import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass
 
-from liferaft.errors import CheckpointBusyError
-from liferaft.storage import Storage
+from liferaft.errors import CheckpointBusyError, ReadOnlyRootError, StorageError
+from liferaft.manager.identity import machine_key, process_start
+from liferaft.storage import PosixStorage, Storage
 
 LEASE = "LEASE"
+_DENIED = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 
 @dataclass(frozen=True)
@@ -30,27 +45,82 @@ class LeaseInfo:
     pid: int
     renewed_unix: float
     token: str = ""         # one per Lease object: tells two managers of one process apart
+    started: int | None = None      # the holder's process start time (tells a reused pid apart)
+    machine: str = ""       # boot id and pid namespace of the holder (pids compare only within one)
+    ttl: float | None = None        # the holder's ttl: stale after that long without renewal
 
 
 def _read(storage: Storage) -> LeaseInfo | None:
     try:
         raw = json.loads(storage.read_all(LEASE))
+        started = raw.get("started")
+        ttl = raw.get("ttl")
         return LeaseInfo(job_id=str(raw["job_id"]), host=str(raw["host"]), pid=int(raw["pid"]),
-                         renewed_unix=float(raw["renewed_unix"]), token=str(raw.get("token", "")))
+                         renewed_unix=float(raw["renewed_unix"]), token=str(raw.get("token", "")),
+                         started=int(started) if started is not None else None, machine=str(raw.get("machine", "")),
+                         ttl=float(ttl) if ttl is not None else None)
     except FileNotFoundError:
         return None
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, AttributeError):
         return None        # a damaged lease protects nothing: treat as absent
 
 
-def _pid_alive(pid: int) -> bool:
+def _pid_alive(pid: int, started: int | None = None) -> bool:
+    """Whether process ``pid`` (started at ``started``, where known) runs on this machine."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass                                    # another user's process: alive
+    if started is not None:
+        now = process_start(pid)
+        if now is not None and now != started:
+            return False                        # the pid was reused by a later process
     return True
+
+
+def _denied(e: BaseException) -> bool:
+    """Whether ``e`` (or what caused it) says that the storage refuses writes."""
+    denied_types: tuple[type, ...] = ()
+    obstore_errors = sys.modules.get("obstore.exceptions")       # (loaded where an S3 storage is in use)
+    if obstore_errors is not None:
+        denied_types = (obstore_errors.PermissionDeniedError,)
+    seen: BaseException | None = e
+    for _ in range(8):
+        if seen is None:
+            return False
+        if isinstance(seen, OSError) and seen.errno in _DENIED or isinstance(seen, denied_types):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def read_only_reason(storage: Storage) -> str | None:
+    """Why ``storage`` (a manager root) cannot be written, as far as can be told without writing (a local root:
+    read-only file system, no write permission on the root or, where it does not exist yet, the folder it
+    would be made in); None if it looks writable or this cannot be told. Raises StorageError when the root
+    (or a folder above it) is not a directory."""
+    if not isinstance(storage, PosixStorage):
+        return None
+    path = storage.root
+    while not os.path.exists(path):
+        up = os.path.dirname(path)
+        if up == path:
+            return None
+        path = up
+    if not os.path.isdir(path):
+        what = "the root" if path == storage.root else f"{path}, a folder above the root,"
+        raise StorageError(f"{storage.root}: {what} is not a directory (a regular file?); a CheckpointManager "
+                           "root must be a directory or a path that does not exist yet: pass another root")
+    try:
+        if os.statvfs(path).f_flag & os.ST_RDONLY:
+            return f"{path} is on a read-only file system"
+    except OSError:
+        pass
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"this process may not write in {path}"
+    return None
 
 
 class Lease:
@@ -59,37 +129,99 @@ class Lease:
     def __init__(self, storage: Storage, job_id: str, ttl: float = 30.0) -> None:
         self.storage = storage
         self.me = LeaseInfo(job_id=job_id, host=socket.gethostname(), pid=os.getpid(), renewed_unix=0.0,
-                            token=uuid.uuid4().hex)
+                            token=uuid.uuid4().hex, started=process_start(os.getpid()), machine=machine_key(),
+                            ttl=ttl)
         self.ttl = ttl
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
 
-    def _holder_gone(self, other: LeaseInfo) -> bool:
+    # ------------------------------------------------------------------ who holds it
+
+    def _same_machine(self, other: LeaseInfo) -> bool:
+        """Whether ``other``'s pid can be checked here."""
+        if other.host != self.me.host:
+            return False
+        return not (other.machine and self.me.machine) or other.machine == self.me.machine
+
+    def _ttl_of(self, other: LeaseInfo) -> float:
+        return other.ttl if other.ttl is not None and other.ttl > 0 else self.ttl
+
+    def _busy_reason(self, other: LeaseInfo) -> str | None:
+        """None if this lease may be taken over from ``other``; else why not."""
+        if other.token == self.me.token:
+            return None
+        if time.time() - other.renewed_unix > self._ttl_of(other):
+            return None                                             # stale: its holder stopped renewing
+        if self._same_machine(other):
+            if not _pid_alive(other.pid, other.started):
+                return None                                         # its holder died (a crash, a restart)
+            if other.pid == self.me.pid and other.started == self.me.started and other.job_id == self.me.job_id:
+                return None                                         # this process, same job: re-created
+            if other.job_id == self.me.job_id:
+                return (f"another live process of job {other.job_id!r} on this host (pid {other.pid}) holds it: two "
+                        "launches with the same job_id must not write one root at once. Stop that process, or give "
+                        "this launch another job_id or another root")
+            return (f"job {other.job_id!r} holds it (host {other.host}, pid {other.pid}, alive); two jobs must not "
+                    "write the same root. Stop the other job, or use another root")
         if other.job_id == self.me.job_id:
-            return True
-        if other.host == self.me.host and not _pid_alive(other.pid):
-            return True
-        return time.time() - other.renewed_unix > self.ttl
+            return None                                             # the same job restarting, rank 0 moved
+        return (f"job {other.job_id!r} holds it (host {other.host}, pid {other.pid}, renewed "
+                f"{max(0.0, time.time() - other.renewed_unix):.0f} s ago); two jobs must not write the same root. "
+                f"Stop the other job, or use another root (a lease not renewed for {self._ttl_of(other):g} s is "
+                "free; a restart of the same job, with the same job id, takes it at once)")
+
+    # ------------------------------------------------------------------ acquire, check, renew, release
 
     def acquire(self) -> None:
-        """Take the lease, waiting up to ``ttl`` for another job's lease to go stale; raise CheckpointBusyError if
-        that job keeps renewing it."""
-        deadline = time.monotonic() + self.ttl + 1.0
+        """Take the lease, waiting up to the holder's ttl for another job's lease to be released or go stale;
+        raise CheckpointBusyError if it is still held then, ReadOnlyRootError if the root cannot be written."""
+        why = read_only_reason(self.storage)
+        if why is not None:
+            raise self._read_only(why)
+        deadline: float | None = None
+        probed = False
         while True:
             other = _read(self.storage)
-            if other is None or self._holder_gone(other):
+            busy = None if other is None else self._busy_reason(other)
+            if busy is None:
                 break
+            assert other is not None
+            if not probed:              # a reader on a root it may not write must not wait for the writer
+                self._probe_write()
+                probed = True
+            if deadline is None:
+                deadline = time.monotonic() + self._ttl_of(other) + 1.0
             if time.monotonic() > deadline:
-                raise CheckpointBusyError(
-                    f"{self.storage.url} is in use by job {other.job_id!r} (host {other.host}, pid {other.pid}, "
-                    f"renewed {time.time() - other.renewed_unix:.0f} s ago); two jobs must not write the same root. "
-                    "Stop the other job, or use another root (a restart of the same job passes the same job_id)")
-            time.sleep(min(1.0, self.ttl / 10))
-        self._write()
+                raise CheckpointBusyError(f"{self.storage.url} is in use: {busy}")
+            time.sleep(min(1.0, self._ttl_of(other) / 10))
+        try:
+            self._write()
+        except Exception as e:  # noqa: BLE001 - classified below
+            if _denied(e):
+                raise self._read_only(str(e)) from e
+            raise
         self.check()
         self._thread = threading.Thread(target=self._renew, name="liferaft-lease", daemon=True)
         self._thread.start()
+
+    def _read_only(self, why: str) -> ReadOnlyRootError:
+        return ReadOnlyRootError(f"{self.storage.url} is read-only ({why}): a CheckpointManager there can restore "
+                                 "and list steps but not save; save under a writable root")
+
+    def _probe_write(self) -> None:
+        """Raise ReadOnlyRootError if the root refuses a write (a probe object, removed again)."""
+        name = f"{LEASE}.probe-{self.me.token}"
+        try:
+            self.storage.put_atomic(name, b"")
+        except Exception as e:  # noqa: BLE001
+            if _denied(e):
+                raise self._read_only(str(e)) from e
+            raise
+        try:
+            self.storage.delete(name)
+        except OSError:
+            pass
 
     def _write(self) -> None:
         info = LeaseInfo(**{**asdict(self.me), "renewed_unix": time.time()})
@@ -101,7 +233,8 @@ class Lease:
     def _lost_to(self, other: LeaseInfo | None) -> str:
         who = "nobody (the lease was removed)" if other is None else \
             f"job {other.job_id!r} (host {other.host}, pid {other.pid})"
-        return f"{self.storage.url}: this job lost its lease on the root to {who}; two jobs must not write the same root"
+        return (f"{self.storage.url}: this job lost its lease on the root to {who}; two jobs must not write the "
+                "same root")
 
     def check(self) -> None:
         """Raise CheckpointBusyError if another job has taken the lease (or renewing it failed)."""

@@ -13,7 +13,6 @@ import os
 import signal
 import threading
 import time
-import uuid
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -22,8 +21,9 @@ from typing import Any, Callable, Iterable, Mapping
 from liferaft.api import AsyncSaveHandle, async_save, load, save
 from liferaft.dist import Coordinator
 from liferaft.errors import (CheckpointNotFoundError, CorruptCheckpointError, DistributedError, IncompleteCheckpointError, LiferaftError,
-                             OptionsError)
+                             OptionsError, ReadOnlyRootError)
 from liferaft.format.manifest import COMMIT_MARKER
+from liferaft.manager.identity import this_job, validate_job_id
 from liferaft.manager.lease import LEASE, Lease
 from liferaft.manager.tiering import PRIOR_MTBF_HOURS, TierMixin
 from liferaft.manager.policies import (AutoInterval, RetentionPolicy, SavePolicy, mtbf_from_starts,
@@ -94,9 +94,12 @@ class CheckpointManager(TierMixin):
     self-contained one, so that references never reach further back than the last full save. Retention never
     deletes a step that a kept step references (it goes once nothing kept refers to it).
 
-    ``job_id`` identifies the job across restarts (default: torchrun's TORCHELASTIC_RUN_ID or SLURM_JOB_ID, else
-    a random id); a root used by another live job is refused (CheckpointBusyError, see ``manager.lease``). On
-    construction rank 0 takes the lease and removes leftovers of interrupted saves.
+    ``job_id`` identifies the job across restarts (default: derived by rank 0 from torchrun's run id, Slurm's job
+    and step, or the torchrun launch, else a random id per launch: ``manager.identity``); a root used by another
+    job, or by another live process on this host, is refused (CheckpointBusyError, see ``manager.lease``). On
+    construction rank 0 takes the lease and removes leftovers of interrupted saves. A root that cannot be written
+    (``read_only``) still restores; saving there raises ReadOnlyRootError. A root that is not a directory raises
+    StorageError here.
     """
 
     #: what the last ``restore`` loaded (``LoadResult``: keys missing / unexpected with ``strict=False``, bytes,
@@ -166,19 +169,31 @@ class CheckpointManager(TierMixin):
         self._old_handlers: dict[int, Any] = {}
         self._closed = False
         self._stall = 0.0
-        job = job_id or os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID")
-        self.job_id = self.coord.broadcast_from_zero(job or uuid.uuid4().hex, None, "manager (job id)")
-        self._lease = Lease(self.storage, self.job_id, lease_ttl) if self.coord.rank == 0 else None
+        explicit = validate_job_id(job_id)
         err: BaseException | None = None
-        if self._lease is not None:
+        ident: tuple[str, str] | None = None
+        if self.coord.rank == 0:                # rank 0's identity is the job's
             try:
-                self._lease.acquire()
-                self._cleanup_leftovers()
-                starts = self._record_start() if self._auto is not None or self._mem_auto is not None else []
+                who = this_job(explicit)
+                ident = (who.job_id, who.source)
             except BaseException as e:  # noqa: BLE001 - every rank raises
                 err = e
-        starts = self.coord.broadcast_from_zero(starts if self._lease is not None and err is None else None, err,
-                                                "manager (start)")
+        self.job_id, self.job_source = self.coord.broadcast_from_zero(ident, err, "manager (job id)")
+        self._lease = Lease(self.storage, self.job_id, lease_ttl) if self.coord.rank == 0 else None
+        started: tuple[list[float], str | None] | None = None
+        if self._lease is not None:
+            try:
+                try:
+                    self._lease.acquire()
+                except ReadOnlyRootError as e:          # restore only: no lease, no clean-up, no start record
+                    started = ([], str(e))
+                else:
+                    self._cleanup_leftovers()
+                    starts = self._record_start() if self._auto is not None or self._mem_auto is not None else []
+                    started = (starts, None)
+            except BaseException as e:  # noqa: BLE001 - every rank raises
+                err = e
+        starts, self._read_only_why = self.coord.broadcast_from_zero(started, err, "manager (start)")
         if not self._mtbf_given and (self._auto is not None or self._mem_auto is not None):
             mtbf = mtbf_from_starts(starts or [], PRIOR_MTBF_HOURS * 3600.0, time.time())
             for auto in (self._auto, self._mem_auto):
@@ -190,6 +205,16 @@ class CheckpointManager(TierMixin):
         if threading.current_thread() is threading.main_thread():
             for sig in sigs:
                 self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+
+    @property
+    def read_only(self) -> bool:
+        """Whether the root cannot be written (this manager restores and lists steps; saving raises
+        ReadOnlyRootError)."""
+        return self._read_only_why is not None
+
+    def _check_writable(self) -> None:
+        if self._read_only_why is not None:
+            raise ReadOnlyRootError(self._read_only_why)
 
     @property
     def interval_s(self) -> float | None:
@@ -369,6 +394,7 @@ class CheckpointManager(TierMixin):
 
     def _begin_save(self) -> None:
         """Wait for the previous save (its error is raised here, as itself) and check the lease, on every rank."""
+        self._check_writable()
         self.wait()
         err: BaseException | None = None
         if self._lease is not None:
@@ -463,10 +489,12 @@ class CheckpointManager(TierMixin):
 
     def pin(self, step: int) -> None:
         """Keep ``step`` whatever the retention policy says (recorded under the root; rank 0 writes it)."""
+        self._check_writable()
         if self.coord.rank == 0:
             self.storage.put_atomic(PINS, json.dumps(sorted(self._pins() | {step})).encode())
 
     def unpin(self, step: int) -> None:
+        self._check_writable()
         if self.coord.rank == 0:
             self.storage.put_atomic(PINS, json.dumps(sorted(self._pins() - {step})).encode())
 
