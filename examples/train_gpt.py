@@ -58,9 +58,12 @@ class GPT(nn.Module):
 
 
 def tokens(source: str, index: int) -> torch.Tensor:
-    """The dataset: sample ``index`` of ``source`` (synthetic, a pure function of both)."""
+    """The dataset: sample ``index`` of ``source`` (synthetic, a pure function of both, and learnable: "web"
+    counts up by 1 or 2 from a random token, "code" counts down by 1, wrapping around the vocabulary)."""
     g = torch.Generator().manual_seed((1 + list(SOURCES).index(source)) * 1_000_003 + index)
-    return torch.randint(0, VOCAB, (SEQ + 1,), generator=g)
+    start = int(torch.randint(0, VOCAB, (1,), generator=g))
+    stride = int(torch.randint(1, 3, (1,), generator=g)) if source == "web" else -1
+    return (start + stride * torch.arange(SEQ + 1)) % VOCAB
 
 
 def shard(model: GPT, layout: str, world: int, device: str) -> nn.Module:
