@@ -18,18 +18,15 @@ from liferaft.errors import StateMismatchError
 from liferaft.options import LoadResult
 from liferaft.state.flatten import flatten
 from liferaft.state.matching import drop_absent, not_persisted, settle_missing
-from liferaft.tools.convert import INDEX, safetensors_state
+from liferaft.tools.convert import safetensors_state
 
 
 def is_safetensors_source(path: Any) -> bool:
-    """True for a ``.safetensors`` file or a folder with ``model.safetensors`` or its index and no liferaft commit."""
-    if not isinstance(path, (str, os.PathLike)) or "://" in os.fspath(path):
-        return False
-    p = os.fspath(path)
-    if os.path.isfile(p):
-        return p.endswith(".safetensors")
-    return not os.path.exists(os.path.join(p, "COMMIT")) and (
-        os.path.isfile(os.path.join(p, "model.safetensors")) or os.path.isfile(os.path.join(p, INDEX)))
+    """True for a ``.safetensors`` file or a folder with ``model.safetensors`` or its index and no liferaft commit
+    (``tools.formats.sniff``, the detector every tool uses)."""
+    from liferaft.tools.formats import sniff
+
+    return sniff(path) == "safetensors"
 
 
 def _everywhere(keys: list[str], skipped: list[str], process_group: Any) -> tuple[set[str], set[str]]:
