@@ -44,8 +44,7 @@ def _root(root: str | os.PathLike[str] | Storage) -> Storage:
 def _listing(storage: Storage, pins: frozenset[int], verify: bool = False,
              progress: Callable[[int], None] | None = None) -> list[StepInfo]:
     """``list_steps``, with step folders that hold a checkpoint of another format (torchtitan's ``step-N`` DCP
-    folders, say) given that format as their status instead of "incomplete": the manager neither restores nor
-    deletes them."""
+    folders, say) given that format as their status instead of "incomplete": restore skips them, gc leaves them."""
     from liferaft.tools.formats import NAMES, detect_names
 
     by_folder: dict[str, list[str]] = {}
@@ -65,7 +64,8 @@ def _listing(storage: Storage, pins: frozenset[int], verify: bool = False,
             head, fmt = foreign[info.step]
             info = StepInfo(info.step, storage.child(head).url, fmt,
                             f"a {NAMES[fmt]} ({head}), not written by liferaft: inspect, verify, read, diff and "
-                            "convert take it; the manager neither restores nor deletes it", pinned=info.pinned)
+                            "convert take it; restore skips it and gc leaves it", pinned=info.pinned,
+                            nbytes=sum(storage.size(f"{head}/{rest}") for rest in by_folder[head]))
         out.append(info)
     return out
 
