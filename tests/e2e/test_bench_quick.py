@@ -24,9 +24,14 @@ def test_bench_write_less_quick_runs_and_verifies(tmp_path):
                          cwd=ROOT, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "BENCH_TMP": str(tmp_path)})
     assert out.returncode == 0, out.stderr[-3000:]
-    for regime in ("full", "frozen90", "lora"):          # each table is printed after every load was checked
+    for regime in ("full", "crumbs", "frozen90", "lora"):  # each table is printed after every load was checked
         assert f"| {regime}: method |" in out.stdout
-    assert out.stdout.count("| liferaft incremental |") == 3
+        assert f"| {regime}: keep_last=2 |" in out.stdout      # and after every manager restore was checked
+    assert out.stdout.count("| liferaft incremental |") == 4
+    crumbs = out.stdout.split("| crumbs: keep_last=2 |")[1].split("\n\n")[0]
+    default = next(line for line in crumbs.splitlines() if line.startswith("| default"))
+    assert default.split("|")[4].strip() == "2, 2"      # crumbs do not keep a third step on disk (median, max)
+    assert "| unchanged share |" in out.stdout
 
 
 def test_bench_tiers_small_runs_and_verifies():
