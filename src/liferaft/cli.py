@@ -319,7 +319,8 @@ def _verify_other(args: argparse.Namespace, fmt: str) -> int:
             print(f"  not checked: {x}")
     else:
         layout = ", header and layout consistent" if fmt == "safetensors" else ""
-        print(f"READ {r.path}: {r.bytes_read} bytes read{layout}; NOT verified: {'; '.join(r.unchecked)}, so damaged values of the right length cannot be found")
+        print(f"READ {r.path}: {r.bytes_read} bytes read{layout}; NOT verified: {'; '.join(r.unchecked)}, so damaged "
+              "values of the right length cannot be found")
     return 0
 
 
@@ -418,7 +419,15 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     from liferaft.tools.progress import FolderGrowth
 
     if src == "liferaft":
-        total = sum(t.nbytes for t in liferaft.inspect(args.src).tensors)
+        tensors = liferaft.inspect(args.src).tensors
+        if to == "hf":                                     # the bar counts the model's bytes only
+            from liferaft.reading import open_checkpoint
+            from liferaft.storage import resolve
+            from liferaft.tools.convert import model_subtree
+
+            prefix, _ = model_subtree(open_checkpoint(resolve(args.src)), args.module)
+            tensors = tuple(t for t in tensors if t.kind == "tensor" and (not prefix or t.key.startswith(prefix + ".")))
+        total = sum(t.nbytes for t in tensors)
     else:                                                  # an import: the bar follows the files written
         total = os.path.getsize(args.src) if os.path.isfile(args.src) else \
             sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(args.src) for f in fs)
@@ -449,7 +458,8 @@ def _cmd_diff(args: argparse.Namespace) -> int:
 
     from liferaft.tools.convert import detect_format
 
-    total = sum(t.nbytes for t in liferaft.inspect(args.a).tensors) if detect_format(args.a) == "liferaft" else 0
+    total = sum(t.nbytes for t in liferaft.inspect(args.a).tensors if not args.module or
+                t.key.startswith(args.module + ".")) if detect_format(args.a) == "liferaft" else 0
     with Progress(total, "diff", None if not args.json else False) as tick:
         r = diff(args.a, args.b, keys=args.keys, tolerance=args.tolerance, progress=tick,
                  rename=[tuple(x) for x in args.rename or []], module=args.module)

@@ -1,6 +1,7 @@
-"""Move checkpoints between formats: liferaft ↔ Hugging Face safetensors (single file or sharded with
+"""Move checkpoints between formats: liferaft ↔ safetensors (single file or sharded with
 ``model.safetensors.index.json``), ↔ ``torch.save`` files (read with ``weights_only=True``) and ↔ PyTorch DCP;
-``convert`` picks the direction (docs/cli/convert.md).
+liferaft → a Hugging Face model folder that ``from_pretrained`` loads (``to_hf``: the one module's weights under its
+own names, its config and tokenizer files); ``convert`` picks the direction (docs/cli/convert.md).
 
 Every direction streams, holding a few 64 MiB slabs, never the state: exports read each tensor in row slabs
 (the next slab read while this one is written) into safetensors written here directly (8-byte header length, JSON
