@@ -92,7 +92,9 @@ class CheckpointManager(TierMixin):
     Incremental saves (``incremental=True``, the default): each save references the chunks that did not change
     since the previous committed step instead of writing them again; every ``full_every``-th save is a full,
     self-contained one, so that references never reach further back than the last full save. Retention never
-    deletes a step that a kept step references (it goes once nothing kept refers to it).
+    deletes a step that a kept step references (it goes once nothing kept refers to it). A step is referenced only
+    for at least ``SaveOptions.reference_min_share`` (10 %) of a save's bytes; fewer unchanged chunks of it are
+    copied into the new step, so crumbs never keep an old step beyond ``keep_last``.
 
     ``job_id`` identifies the job across restarts (default: derived by rank 0 from torchrun's run id, Slurm's job
     and step, or the torchrun launch, else a random id per launch: ``manager.identity``); a root used by another
