@@ -24,7 +24,7 @@ from liferaft.format.manifest import COMMIT_MARKER, ChunkRecord, CommitMarker, M
 from liferaft.options import SaveOptions, SaveResult
 from liferaft.planning.geometry import Box
 from liferaft.planning.save_plan import (RankMeta, SavePlan, TensorMeta, ValueMeta, WriteItem, build_manifest,
-                                         plan_save, replan)
+                                         per_rank_keys, plan_save, replan)
 from liferaft.state.flatten import FlatState, flatten
 from liferaft.state.values import digest_encoded, encode_value
 from liferaft.storage import Storage
@@ -44,14 +44,40 @@ def _version() -> str:
 _PLANS: dict[tuple[str, int, int, int, int], tuple[tuple[TensorMeta, ...], SavePlan, str]] = {}
 
 
-def _rank_meta(rank: int, flat: FlatState, allow_pickle: bool) -> RankMeta:
+def _rank_meta(rank: int, flat: FlatState, allow_pickle: bool, world: int = 1) -> RankMeta:
     tensors = tuple(TensorMeta(key=t.key, path=t.path, kind=t.kind, dtype=t.dtype_name, shape=t.shape,
                                boxes=tuple(b for b, _ in t.parts)) for t in flat.tensors)
     values = []
     for key, path, v in flat.values:
         enc = encode_value(v, key, allow_pickle)
         values.append(ValueMeta(key=key, path=path, encoded=enc, digest=digest_encoded(enc)))
-    return RankMeta(rank=rank, tensors=tensors, values=tuple(values), containers=tuple(flat.containers))
+    digests = tuple((t.key, tensor_digest(t.parts[0][1])) for t in flat.tensors if t.compare) if world > 1 else ()
+    return RankMeta(rank=rank, tensors=tensors, values=tuple(values), containers=tuple(flat.containers),
+                    digests=digests)
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """xxh3 of a plain tensor's bytes (row-major), to tell whether its copies on the ranks are equal."""
+    flat = t.detach().reshape(-1)
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    return digest(memoryview(flat.contiguous().view(torch.uint8).numpy()))
+
+
+def _per_rank_sources(plan: SavePlan, flat: FlatState, rank: int) -> dict[tuple[str, Box], torch.Tensor]:
+    """This rank's tensor for each box it holds, as the plan describes it (a per-rank tensor: as the row
+    ``[1, *shape]`` of the stored tensor)."""
+    per_rank = plan.per_rank
+    sources = {}
+    for t in flat.tensors:
+        ranks = per_rank.get(t.key)
+        if ranks is None:
+            sources.update(((t.key, box), local) for box, local in t.parts)
+        elif rank in ranks:
+            local = t.parts[0][1]
+            sources[(t.key, (((ranks.index(rank),) + tuple(0 for _ in t.shape)), (1,) + t.shape))] = \
+                local.unsqueeze(0)
+    return sources
 
 
 @dataclass
@@ -95,7 +121,7 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
             raise StorageError(f"{storage.url} is process-local; a save from {coord.world} ranks needs a shared "
                                "backend (a local path, file:// or an object store)")
         flat = flatten(state)
-        meta = _rank_meta(coord.rank, flat, opts.allow_pickle)
+        meta = _rank_meta(coord.rank, flat, opts.allow_pickle, coord.world)
         if coord.rank == 0 and not opts.overwrite and storage.exists(COMMIT_MARKER):
             raise CheckpointExistsError(f"{storage.url} already holds a committed checkpoint; pass "
                                         "SaveOptions(overwrite=True) to replace it, or save to a new path")
@@ -109,14 +135,16 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
     gathered = coord.exchange(payload, err, "save (planning)")
     save_id, base = gathered[0][1], gathered[0][3]
     assert flat is not None and meta is not None
-    if cached is not None and all(g[2] == cached[2] for g in gathered):
+    # (every rank sends its digests, also with a reused plan: which plain tensors are stored per rank may change)
+    if cached is not None and all(g[2] == cached[2] for g in gathered) and \
+            per_rank_keys([g[0] for g in gathered]) == cached[1].per_rank:
         plan = replan(cached[1], [g[0] for g in gathered], save_id)
     else:
         if any(g[2] for g in gathered):     # some rank sent no tensor metadata: gather it all again
             gathered = coord.exchange((meta, None, None, None), None, "save (planning)")
         plan = plan_save([g[0] for g in gathered], save_id, opts.alignment, opts.chunk_bytes)
         _PLANS[cache_key] = (meta.tensors, plan, save_id)
-    sources = {(t.key, box): local for t in flat.tensors for box, local in t.parts}
+    sources = _per_rank_sources(plan, flat, coord.rank)
     for w in plan.writes[coord.rank]:
         if w.parent is not None:
             sources[(w.key, (w.offsets, w.sizes))] = sub_view(sources[(w.key, w.parent)], w.parent,

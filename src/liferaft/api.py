@@ -24,8 +24,9 @@ from liferaft.format.manifest import Manifest, PathPart
 from liferaft.options import LoadOptions, LoadResult, SaveOptions, SaveResult
 from liferaft.planning.load_plan import plan_reads
 from liferaft.planning.share_plan import MIN_SHARED_BYTES, plan_sharing
-from liferaft.reading import PerRank, as_leaf, check_files, decode_entry_value, open_checkpoint
-from liferaft.state.flatten import FlatState, flatten
+from liferaft.reading import (PerRank, as_leaf, check_files, copy_shape, decode_entry_value, open_checkpoint,
+                              per_rank_leaf)
+from liferaft.state.flatten import FlatState, flatten, key_of
 from liferaft.state.matching import drop_absent, matches_emptied, not_persisted, settle_missing
 from liferaft.staging.stager import staged_size
 from liferaft.storage import Storage, resolve
@@ -200,7 +201,9 @@ class _LoadPlan:
         self.units: list = []
         self.targets: list[torch.Tensor] = []
         self.assign: list[tuple[tuple[PathPart, ...], Any]] = []
-        self.fresh: list[tuple[tuple[PathPart, ...], Any, int]] = []   # (path, entry, target index)
+        self.fresh: list[tuple[tuple[PathPart, ...], Any, torch.Tensor]] = []   # (path, entry, tensor read into)
+        #: per-rank entries loaded whole on another world size: (path, entry, target index, saving world size)
+        self.fresh_per_rank: list[tuple[tuple[PathPart, ...], Any, torch.Tensor, int]] = []
         self.covered = bytearray()     # one byte per manifest key (tensors, then values): 1 = this rank loads it
         self.missing: list[str] = []
         self.absent: list[tuple[PathPart, ...]] = []   # optional subtrees the checkpoint lacks (state.matching)
@@ -208,8 +211,10 @@ class _LoadPlan:
         self.lossy: dict[str, dict[str, Any]] = {}
 
     def apply(self) -> None:
-        for path, entry, idx in self.fresh:
-            self.assign.append((path, as_leaf(entry, self.targets[idx])))
+        for path, entry, target in self.fresh:
+            self.assign.append((path, as_leaf(entry, target)))
+        for path, entry, target, world in self.fresh_per_rank:
+            self.assign.append((path, per_rank_leaf(entry, target, world)))
         for path, value in self.assign:
             _assign(self.flat, path, value)
         drop_absent(self.flat, self.absent)
@@ -242,10 +247,11 @@ def _plan_load(storage: Storage, manifest: Manifest, flat: FlatState, coord: Coo
                                              "the state")
                 plan.missing.append(leaf.key)
                 continue
-            if entry.kind != "tensor" or entry.dtype != leaf.dtype_name or entry.shape != leaf.shape:
+            if entry.kind != "tensor" or entry.dtype != leaf.dtype_name or copy_shape(entry) != leaf.shape:
                 raise StateMismatchError(
-                    f"key {leaf.key!r}: the checkpoint holds {entry.kind} {list(entry.shape)} {entry.dtype} but "
-                    f"the state holds {list(leaf.shape)} {leaf.dtype_name}; nothing was loaded")
+                    f"key {leaf.key!r}: the checkpoint holds {entry.kind} {list(copy_shape(entry))} {entry.dtype}"
+                    f"{' per rank' if entry.per_rank is not None else ''} but the state holds {list(leaf.shape)} "
+                    f"{leaf.dtype_name}; nothing was loaded")
             plan.covered[index[leaf.key]] = 1
             if entry.lossy is not None:
                 if opts.exact:
@@ -254,11 +260,29 @@ def _plan_load(storage: Storage, manifest: Manifest, flat: FlatState, coord: Coo
                         "the load asked for an exact resume (LoadOptions(exact=True)); nothing was loaded. Load an "
                         "exact checkpoint, or load without exact=True to accept the recorded error")
                 plan.lossy[leaf.key] = dict(entry.lossy)
-            want(entry, leaf.parts)
+            if entry.per_rank is None:
+                want(entry, leaf.parts)
+                continue
+            full = (tuple(0 for _ in leaf.shape), leaf.shape)
+            if any(box != full for box, _ in leaf.parts):
+                raise StateMismatchError(f"key {leaf.key!r} was saved per rank (its copies differed between the "
+                                         "ranks), but the state holds a shard of it; nothing was loaded")
+            row = _per_rank_row(plan, leaf.key, leaf.path, entry, manifest.world_size, coord)
+            if row is None:
+                continue
+            if row >= 0:
+                want(entry, [(((row,) + full[0], (1,) + full[1]), local.unsqueeze(0)) for _, local in leaf.parts])
+            else:
+                _want_all_rows(plan, leaf.path, entry, manifest.world_size, want)
         else:
             _plan_value(plan, leaf.key, leaf.path, tensors, values, index, want, coord, opts)
     for key, path, _ in flat.values:
-        _plan_value(plan, key, path, tensors, values, index, want, coord, opts)
+        _plan_value(plan, key, path, tensors, values, index, want, coord, opts, manifest.world_size)
+    for spath, adapter, _ in flat.statefuls:     # objects that refuse what they would load, before any byte moves
+        check = getattr(adapter, "check_load", None)
+        if check is not None:
+            check({p[len(spath):]: v for p, v in plan.assign if p[:len(spath)] == spath}, coord.world,
+                  f"key {key_of(spath)!r}")
     plan.missing, plan.absent = settle_missing(flat, plan.missing)
     for v in manifest.values if plan.absent else ():
         if not plan.covered[index[v.key]] and v.path in flat.nodes and v.per_rank is None and \
@@ -272,7 +296,7 @@ def _plan_load(storage: Storage, manifest: Manifest, flat: FlatState, coord: Coo
 
 
 def _plan_value(plan: _LoadPlan, key: str, path: tuple, tensors: dict, values: dict, index: dict, want: Any,
-                coord: Coordinator, opts: LoadOptions) -> None:
+                coord: Coordinator, opts: LoadOptions, saved_world: int) -> None:
     v = values.get(key)
     if v is not None:
         value = decode_entry_value(v, opts.allow_pickle)
@@ -282,16 +306,26 @@ def _plan_value(plan: _LoadPlan, key: str, path: tuple, tensors: dict, values: d
                 plan.covered[index[key]] = 1
                 return
             if len(value) != coord.world:
-                raise StateMismatchError(
-                    f"key {key!r} held a different value on each of the {len(value)} saving ranks; it cannot be "
-                    f"mapped onto {coord.world} ranks. Make it equal on all ranks, or load with the same world size")
+                raise StateMismatchError(_resize_message(plan.flat, key, path, len(value), coord.world))
             value = value[coord.rank]
         plan.assign.append((path, value))
     elif key in tensors and tensors[key].kind in ("numpy", "bytes"):
         entry = tensors[key]
-        target = torch.empty(entry.shape, dtype=torch_dtype(entry.dtype))
-        want(entry, [((tuple(0 for _ in entry.shape), entry.shape), target)])
-        plan.fresh.append((path, entry, len(plan.targets) - 1))
+        if entry.per_rank is None:
+            target = torch.empty(entry.shape, dtype=torch_dtype(entry.dtype))
+            want(entry, [((tuple(0 for _ in entry.shape), entry.shape), target)])
+            plan.fresh.append((path, entry, target))
+        else:
+            row = _per_rank_row(plan, key, path, entry, saved_world, coord)
+            if row is None:
+                return
+            if row >= 0:
+                shape = copy_shape(entry)
+                target = torch.empty(shape, dtype=torch_dtype(entry.dtype))
+                want(entry, [(((row,) + tuple(0 for _ in shape), (1,) + shape), target.unsqueeze(0))])
+                plan.fresh.append((path, entry, target))
+            else:
+                _want_all_rows(plan, path, entry, saved_world, want)
     elif key in tensors:
         raise StateMismatchError(f"key {key!r} is a tensor in the checkpoint but a plain value in the state; "
                                  f"put a tensor of shape {list(tensors[key].shape)} there")
@@ -299,6 +333,35 @@ def _plan_value(plan: _LoadPlan, key: str, path: tuple, tensors: dict, values: d
         plan.missing.append(key)
         return
     plan.covered[index[key]] = 1
+
+
+def _per_rank_row(plan: _LoadPlan, key: str, path: tuple, entry: Any, saved_world: int,
+                  coord: Coordinator) -> int | None:
+    """Which row of a tensor stored per rank this rank loads: its own when the world size is the one that saved
+    (None, and the key is missing, if this rank did not hold it then); -1: every row, as a ``PerRank`` for an
+    object that maps the saved ranks itself (``accepts_per_rank``). Else the load is refused."""
+    if coord.world == saved_world:
+        if coord.rank not in entry.per_rank:
+            plan.missing.append(key)
+            return None
+        return entry.per_rank.index(coord.rank)
+    if _accepts_per_rank(plan.flat, path):
+        return -1
+    raise StateMismatchError(_resize_message(plan.flat, key, path, saved_world, coord.world))
+
+
+def _want_all_rows(plan: _LoadPlan, path: tuple, entry: Any, saved_world: int, want: Any) -> None:
+    target = torch.empty(entry.shape, dtype=torch_dtype(entry.dtype))
+    want(entry, [((tuple(0 for _ in entry.shape), entry.shape), target)])
+    plan.fresh_per_rank.append((path, entry, target, saved_world))
+
+
+def _resize_message(flat: FlatState, key: str, path: tuple, saved: int, world: int) -> str:
+    hint = next((getattr(a, "resize_hint", None) for p, a, _ in flat.statefuls if path[:len(p)] == p
+                 and getattr(a, "resize_hint", None)), None)
+    return (f"key {key!r} held a different value on each of the {saved} saving ranks; it cannot be mapped onto "
+            f"{world} ranks; nothing was loaded. " + (hint or "Make it equal on all ranks, or load with the same "
+                                                      "world size"))
 
 
 def _accepts_per_rank(flat: FlatState, path: tuple) -> bool:

@@ -71,7 +71,8 @@ def check_files(storage: Storage, manifest: Manifest, names: Iterable[str]) -> N
 
 
 class PerRank(tuple):
-    """A plain value that differed between the saving ranks: one item per rank."""
+    """A plain value or tensor that differed between the saving ranks: one item per saving rank (None for a rank
+    that did not hold it)."""
 
 
 def decode_entry_value(v: ValueEntry, allow_pickle: bool) -> Any:
@@ -87,6 +88,21 @@ def as_leaf(entry: TensorEntry, t: torch.Tensor) -> Any:
     if entry.kind == "bytes":
         return t.numpy().tobytes()
     return t
+
+
+def copy_shape(entry: TensorEntry) -> tuple[int, ...]:
+    """The shape of the tensor as each rank held it: the entry's shape, less the ranks' dimension of one stored
+    per rank (docs/FORMAT.md §4.5)."""
+    return entry.shape[1:] if entry.per_rank is not None else entry.shape
+
+
+def per_rank_leaf(entry: TensorEntry, t: torch.Tensor, world: int) -> "PerRank":
+    """A tensor stored per rank, read whole, as a ``PerRank`` of ``world`` items (None for a rank that did not
+    hold it)."""
+    rows = dict(zip(entry.per_rank, t.unbind(0)))
+    plain = TensorEntry(key=entry.key, path=entry.path, kind=entry.kind, dtype=entry.dtype, shape=copy_shape(entry),
+                        chunks=())
+    return PerRank(as_leaf(plain, rows[r].clone()) if r in rows else None for r in range(world))
 
 
 def read_full(storage: Storage, entries: Sequence[TensorEntry], max_read: int) -> list[torch.Tensor]:
@@ -128,7 +144,9 @@ def read(path: str | os.PathLike[str], keys: Sequence[str] | None = None, *,
     entries = [t for t in manifest.tensors if t.key in chosen]
     check_files(storage, manifest, (c.file for e in entries for c in e.chunks))
     tensors = read_full(storage, entries, opts.max_read_bytes)
-    leaves: dict[tuple[PathPart, ...], Any] = {e.path: as_leaf(e, t) for e, t in zip(entries, tensors)}
+    leaves: dict[tuple[PathPart, ...], Any] = {
+        e.path: per_rank_leaf(e, t, manifest.world_size) if e.per_rank is not None else as_leaf(e, t)
+        for e, t in zip(entries, tensors)}
     for v in manifest.values:
         if v.key in chosen:
             leaves[v.path] = decode_entry_value(v, opts.allow_pickle)

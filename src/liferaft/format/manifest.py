@@ -16,7 +16,7 @@ from typing import Any, Mapping
 from liferaft.errors import CorruptCheckpointError, FormatVersionError, UnsafePathError
 
 FORMAT_NAME = "liferaft"
-FORMAT_VERSION = 2          # the newest version this code reads; a save uses 2 only when it needs it (§4.1)
+FORMAT_VERSION = 3          # the newest version this code reads; a save uses 2 or 3 only when it needs it (§4.1, §4.5)
 COMMIT_MARKER = "COMMIT"
 CHECKSUM_ALGO = "xxh3_64"
 
@@ -132,6 +132,9 @@ class TensorEntry:
     #: None when the stored values are exactly those saved; else what was lost and how much (docs/FORMAT.md
     #: §4.3): ``{"method": "q8-block" | "selective", ...}``.
     lossy: Mapping[str, Any] | None = None
+    #: None for a tensor every rank held alike (or sharded); else the saving ranks whose copies differed, one per
+    #: index of dimension 0: the stored shape is ``[len(per_rank), *shape of each copy]`` (docs/FORMAT.md §4.5)
+    per_rank: tuple[int, ...] | None = None
 
     @property
     def itemsize(self) -> int:
@@ -149,6 +152,8 @@ class TensorEntry:
                "shape": list(self.shape), "chunks": [c.to_json() for c in self.chunks]}
         if self.lossy is not None:
             out["lossy"] = dict(self.lossy)
+        if self.per_rank is not None:
+            out["per_rank"] = list(self.per_rank)
         return out
 
 
@@ -218,8 +223,11 @@ class Manifest:
     version: int = 1
 
     def needs_version(self) -> int:
-        """The lowest format version that describes this manifest: 2 when a chunk is encoded or lives in another
-        checkpoint, or an entry is lossy; else 1 (readable by liferaft versions that predate them)."""
+        """The lowest format version that describes this manifest: 3 when a tensor is stored per rank; 2 when a
+        chunk is encoded or lives in another checkpoint, or an entry is lossy; else 1 (readable by liferaft
+        versions that predate them)."""
+        if any(t.per_rank is not None for t in self.tensors):
+            return 3
         for t in self.tensors:
             if t.lossy is not None or any(c.codec is not None or c.is_reference or c.delta is not None
                                           for c in t.chunks):
@@ -407,8 +415,14 @@ def decode_manifest(data: bytes, name: str = "manifest") -> Manifest:
         lossy = t.get("lossy")
         if lossy is not None and not (isinstance(lossy, dict) and isinstance(lossy.get("method"), str)):
             raise _fail(where, f"lossy must be an object with a method, got {lossy!r:.80}")
+        per_rank = t.get("per_rank")
+        if per_rank is not None:
+            per_rank = _ints(per_rank, where)
+            if not shape or shape[0] != len(per_rank) or len(set(per_rank)) != len(per_rank):
+                raise _fail(where, f"per_rank {list(per_rank)} must name distinct ranks, one per index of the "
+                                   f"first dimension of shape {list(shape)}")
         tensors.append(TensorEntry(key=key, path=_path(t.get("path"), where), kind=kind, dtype=dtype,
-                                   shape=shape, chunks=chunks, lossy=lossy))
+                                   shape=shape, chunks=chunks, lossy=lossy, per_rank=per_rank))
     values = []
     for v in doc.get("values") or []:
         key = _str(v.get("key"), f"{name} value")
@@ -431,8 +445,13 @@ def decode_manifest(data: bytes, name: str = "manifest") -> Manifest:
         dup = sorted(k for k, n in Counter(keys).items() if n > 1)
         raise _fail(name, f"keys {dup[:5]} appear more than once")
     extra = doc.get("extra") or {}
+    world_size = _int(doc.get("world_size"), name, 1)
+    for t in tensors:
+        if t.per_rank is not None and max(t.per_rank) >= world_size:
+            raise _fail(f"{name} tensor {t.key!r}", f"per_rank names rank {max(t.per_rank)} of a save by "
+                                                    f"{world_size} rank(s)")
     return Manifest(
-        save_id=_str(doc.get("save_id"), name), world_size=_int(doc.get("world_size"), name, 1),
+        save_id=_str(doc.get("save_id"), name), world_size=world_size,
         created_unix=float(doc.get("created_unix") or 0.0), liferaft_version=str(doc.get("liferaft_version", "")),
         torch_version=str(doc.get("torch_version", "")), files=files, tensors=tuple(tensors), values=tuple(values),
         containers=tuple(containers), extra=extra if isinstance(extra, dict) else {}, version=version)

@@ -4,6 +4,10 @@ Pure functions on frozen data; every rank runs :func:`plan_save` on the same gat
 plan, so no rank has to broadcast it. Replicated chunks (plain tensors, ``Replicate()`` placements, hand-made
 shards held by several ranks, identical plain values) are written once, and the bytes to write are balanced
 across the ranks that hold them (largest chunk first, to the holder with the fewest bytes so far).
+
+A plain tensor is replicated only if its copies are equal: every rank sends the digest of each plain tensor it
+holds (``RankMeta.digests``), and one whose copies differ is stored per rank (:func:`per_rank_keys`): as a
+tensor with one more leading dimension, one index per holding rank, each rank writing its own row.
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ class TensorMeta:
     dtype: str
     shape: tuple[int, ...]
     boxes: tuple[Box, ...]
+    #: stored per rank: the holding ranks whose copies differed, one per index of dimension 0 (``shape`` and
+    #: ``boxes`` are then those of the stored tensor)
+    per_rank: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -49,6 +56,8 @@ class RankMeta:
     tensors: tuple[TensorMeta, ...]
     values: tuple[ValueMeta, ...]
     containers: tuple[ContainerEntry, ...]
+    #: (key, xxh3 digest of its bytes) for each plain tensor this rank holds that must be equal on every rank
+    digests: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -78,6 +87,42 @@ class SavePlan:
     def bytes_for_rank(self, rank: int) -> int:
         return sum(w.length for w in self.writes[rank])
 
+    @property
+    def per_rank(self) -> dict[str, tuple[int, ...]]:
+        return {t.key: t.per_rank for t in self.tensors if t.per_rank is not None}
+
+
+def per_rank_keys(metas: Sequence[RankMeta]) -> dict[str, tuple[int, ...]]:
+    """The plain tensors whose copies differ between the ranks holding them (by digest), each with its holding
+    ranks in order: what a save stores per rank."""
+    seen: dict[str, dict[int, str]] = {}
+    for m in metas:
+        for key, d in m.digests:
+            seen.setdefault(key, {})[m.rank] = d
+    return {k: tuple(sorted(ds)) for k, ds in seen.items() if len(set(ds.values())) > 1}
+
+
+def _stored_per_rank(metas: Sequence[RankMeta], per_rank: Mapping[str, tuple[int, ...]]) -> list[RankMeta]:
+    """``metas`` with each per-rank tensor described as stored: ``[holders, *shape]``, the rank's copy in its row."""
+    if not per_rank:
+        return list(metas)
+    out = []
+    for m in metas:
+        tensors = []
+        for t in m.tensors:
+            ranks = per_rank.get(t.key)
+            if ranks is not None:
+                full = (tuple(0 for _ in t.shape), t.shape)
+                if t.boxes != (full,):
+                    raise InvalidStateError(f"key {t.key!r}: differs between ranks but rank {m.rank} holds only a "
+                                            "part of it; a tensor stored per rank must be whole on each rank")
+                row = ranks.index(m.rank)
+                t = replace(t, shape=(len(ranks),) + t.shape, per_rank=ranks,
+                            boxes=(((row,) + full[0], (1,) + t.shape),))
+            tensors.append(t)
+        out.append(replace(m, tensors=tuple(tensors)))
+    return out
+
 
 def data_file_name(save_id: str, rank: int) -> str:
     return f"data/{save_id}/r{rank:05d}.bin"
@@ -98,10 +143,12 @@ def plan_save(metas: Sequence[RankMeta], save_id: str, alignment: int = 64,
     Each distinct box is cut into chunks of at most ``chunk_bytes`` (``geometry.split_box``), each written by
     one of the box's holders (largest first, to the least-loaded holder).
 
-    Plain values are stored once if every rank holds the same, else per rank; containers are merged."""
+    Plain values and plain tensors are stored once if every rank holds the same, else per rank; containers are
+    merged."""
     world = len(metas)
     if [m.rank for m in metas] != list(range(world)):
         raise InvalidStateError("rank metadata must be given for ranks 0..N-1 in order")
+    metas = _stored_per_rank(metas, per_rank_keys(metas))
     # ---- merge tensor metadata across ranks
     first: dict[str, TensorMeta] = {}
     holders: dict[tuple[str, Box], list[int]] = {}
@@ -114,7 +161,7 @@ def plan_save(metas: Sequence[RankMeta], save_id: str, alignment: int = 64,
             if f is None:
                 first[t.key] = t
                 order.append(t.key)
-            elif (f.shape, f.dtype, f.kind, f.path) != (t.shape, t.dtype, t.kind, t.path):
+            elif (f.shape, f.dtype, f.kind, f.path, f.per_rank) != (t.shape, t.dtype, t.kind, t.path, t.per_rank):
                 raise InvalidStateError(
                     f"key {t.key!r}: rank {m.rank} holds global shape {list(t.shape)} {t.dtype} but another rank "
                     f"holds {list(f.shape)} {f.dtype}; every rank must describe the same global tensor")
@@ -136,7 +183,7 @@ def plan_save(metas: Sequence[RankMeta], save_id: str, alignment: int = 64,
             raise InvalidStateError(f"key {key!r}: {problem}; shards on save must tile the global tensor exactly "
                                     "(identical replicas are fine)")
         tensors.append(TensorMeta(key=key, path=f.path, kind=f.kind, dtype=f.dtype, shape=f.shape,
-                                  boxes=tuple(b for b in boxes if numel(b[1]) > 0)))
+                                  boxes=tuple(b for b in boxes if numel(b[1]) > 0), per_rank=f.per_rank))
     # ---- assign each distinct chunk to one holder, largest first, to the least-loaded holder
     jobs = []
     for t in tensors:
@@ -263,7 +310,7 @@ def build_manifest(plan: SavePlan, stored: Sequence[Sequence[Any]], file_sizes: 
                           "of_chunks": len(records[key])}
     tensors = tuple(TensorEntry(key=t.key, path=t.path, kind=t.kind, dtype=t.dtype, shape=t.shape,
                                 chunks=tuple(sorted(records[t.key], key=lambda c: c.offsets)),
-                                lossy=lossy_out.get(t.key)) for t in plan.tensors)
+                                lossy=lossy_out.get(t.key), per_rank=t.per_rank) for t in plan.tensors)
     return Manifest(save_id=save_id, world_size=plan.world_size, created_unix=created_unix,
                     liferaft_version=liferaft_version, torch_version=torch_version, files=files,
                     tensors=tensors, values=plan.values, containers=plan.containers, extra=dict(extra or {}))

@@ -7,6 +7,8 @@ The contract (one small interface): an adapter returns a nested dict of tensors 
   FSDP2/DTensor parameters stay sharded, nothing is gathered);
 - ``Optimizer`` over the parameters of a module in the same state → torch's ``get_optimizer_state_dict``,
   keyed by parameter name, so it reshards like the parameters;
+- torchdata's ``StatefulDataLoader`` → its state dict with the world size it belongs to (``state.dataloader``:
+  per rank, refused on another world size unless its sampler is a ``liferaft.data.GlobalSampler``);
 - any other object with ``state_dict()`` / ``load_state_dict()`` (LR schedulers, an Optimizer without a
   module, user objects) → those two methods.
 
@@ -23,6 +25,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+
+from liferaft.state.dataloader import DataLoaderAdapter, is_stateful_dataloader
 
 
 class Adapter(Protocol):
@@ -155,6 +159,8 @@ def make_adapters(objects: list[Any]) -> dict[int, Adapter]:
                     "the model in the same state (e.g. {'model': m, 'optim': opt}) to key it by parameter name",
                     stacklevel=4)
                 out[id(obj)] = MethodAdapter(obj)
+        elif is_stateful_dataloader(obj):
+            out[id(obj)] = DataLoaderAdapter(obj)
         else:
             out[id(obj)] = MethodAdapter(obj)
     return out
