@@ -150,7 +150,9 @@ class LoadOptions:
 @dataclass(frozen=True)
 class SaveResult:
     """What a save did. ``timings`` holds seconds per phase on this rank: plan, stage, write, commit, total,
-    and for ``async_save`` also ``blocked`` (how long the call held the caller)."""
+    for ``async_save`` also ``blocked`` (how long the call held the caller), and ``copy`` when an incremental save
+    copied chunks rather than reference them (``SaveOptions.reference_min_share``; they count in
+    ``bytes_written``, not in ``bytes_reused``)."""
 
     path: str
     save_id: str
