@@ -19,7 +19,7 @@ import torch
 from liferaft._async import AsyncSaveHandle, async_save, settle_previous, sync_ring
 from liferaft._save import finish_save, prepare_save
 from liferaft.dist import Coordinator
-from liferaft.errors import LossyCheckpointError, StateMismatchError
+from liferaft.errors import CheckpointNotFoundError, LossyCheckpointError, StateMismatchError
 from liferaft.format.manifest import Manifest, PathPart
 from liferaft.options import LoadOptions, LoadResult, SaveOptions, SaveResult
 from liferaft.planning.load_plan import plan_reads
@@ -95,6 +95,11 @@ def load(path: PathLike, state: Any, *, process_group: Any = None, strict: bool 
         return load_safetensors(path, state, strict, process_group)
     if is_dcp_source(path):                 # a PyTorch DCP checkpoint: the same, from the chunks' blobs
         return load_dcp(path, state, strict, process_group)
+    if isinstance(path, (str, os.PathLike)) and os.path.isfile(path):
+        raise CheckpointNotFoundError(
+            f"{os.fspath(path)} is a file, not a checkpoint folder: liferaft.load reads liferaft, DCP and "
+            "safetensors checkpoints. A torch.save file is a pickle and is not loaded as it is; convert it first "
+            "(`liferaft convert FILE DST --to liferaft`, which reads it with weights_only=True)")
     t_start = time.perf_counter()
     coord = Coordinator(process_group, opts.timeout)
     storage = with_references(resolve(path))

@@ -384,14 +384,22 @@ def _cmd_ls(args: argparse.Namespace) -> int:
                            "tiers": list(i.tiers), "depends_on": list(i.depends_on), "pinned": i.pinned,
                            "metrics": dict(i.metrics)} for i in steps]))
         return 0
-    print(f"{'step':>10}  {'status':<10} {'MiB':>9}  {'age':>8}  {'ranks':>5}  {'tiers':<6} {'job':<16} "
+    jobs = [_short(i.job_id or "-", 64) for i in steps]
+    width = max([3] + [len(j) for j in jobs])
+    print(f"{'step':>10}  {'status':<10} {'MiB':>9}  {'age':>8}  {'ranks':>5}  {'tiers':<6} {'job':<{width}} "
           "references / reason")
-    for i in steps:
+    for i, job in zip(steps, jobs):
         note = " ".join(i.reason.replace(i.path, "").split()).lstrip(": ") if i.status != "committed" else \
             (("refs " + ",".join(map(str, i.depends_on))) if i.depends_on else "") + (" pinned" if i.pinned else "")
         print(f"{i.step:>10}  {i.status:<10} {i.nbytes / 2**20:>9.1f}  {_age(i.created_unix):>8}  "
-              f"{i.world_size or '-':>5}  {','.join(i.tiers) or '-':<6} {(i.job_id or '-')[:16]:<16} {note}")
+              f"{i.world_size or '-':>5}  {','.join(i.tiers) or '-':<6} {job:<{width}} {note}")
     return 0
+
+
+def _short(text: str, limit: int) -> str:
+    """``text`` whole, or its start and end around '…' when longer than ``limit`` (job ids end in what tells
+    two launches apart: a pid and start time, a uuid)."""
+    return text if len(text) <= limit else text[:limit // 2 - 1] + "…" + text[-(limit - limit // 2):]
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:

@@ -15,8 +15,8 @@ import threading
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterable, Mapping
+from dataclasses import replace
+from typing import Any, Iterable, Mapping
 
 from liferaft.api import AsyncSaveHandle, async_save, load, save
 from liferaft.dist import Coordinator
@@ -25,48 +25,16 @@ from liferaft.errors import (CheckpointNotFoundError, CorruptCheckpointError, Di
 from liferaft.format.manifest import COMMIT_MARKER
 from liferaft.manager.identity import this_job, validate_job_id
 from liferaft.manager.lease import LEASE, Lease
+from liferaft.manager.listing import (STEP_PREFIX, StepInfo, _foreign_steps, _parse_step, list_steps,  # noqa: F401
+                                     step_name)
 from liferaft.manager.tiering import PRIOR_MTBF_HOURS, TierMixin
 from liferaft.manager.policies import (AutoInterval, RetentionPolicy, SavePolicy, mtbf_from_starts,
                                       referenced_closure)
 from liferaft.options import LoadOptions, LoadResult, SaveOptions
-from liferaft.reading import check_files, open_checkpoint
 from liferaft.storage import Storage, resolve
-from liferaft.storage.refs import with_references
 
-STEP_PREFIX = "step-"
 _DAMAGE = ("CorruptCheckpointError", "IncompleteCheckpointError")     # load errors that make restore fall back
 PINS = "PINS"
-
-
-def step_name(step: int) -> str:
-    return f"{STEP_PREFIX}{step:010d}"
-
-
-def _parse_step(name: str) -> int | None:
-    head = name.split("/", 1)[0]
-    if head.startswith(STEP_PREFIX) and head[len(STEP_PREFIX):].isdigit():
-        return int(head[len(STEP_PREFIX):])
-    return None
-
-
-@dataclass(frozen=True)
-class StepInfo:
-    """One step under the root. ``status``: "committed", "incomplete" (no commit marker: a save that did not
-    finish, or one in flight) or "corrupt" (``reason`` says why)."""
-
-    step: int
-    path: str
-    status: str
-    reason: str = ""
-    nbytes: int = 0
-    created_unix: float | None = None
-    world_size: int | None = None
-    metrics: Mapping[str, float] = field(default_factory=dict)
-    pinned: bool = False
-    depends_on: tuple[int, ...] = ()       # steps holding chunks this one references (incremental saves)
-    tiers: tuple[str, ...] = ()            # where a committed copy is: "root", "memory" (this node's namespace)
-    job_id: str | None = None              # the job that wrote it
-    since_full: int | None = None          # saves since the last full (self-contained) one; 0: this is one
 
 
 class CheckpointManager(TierMixin):
@@ -259,10 +227,15 @@ class CheckpointManager(TierMixin):
         """Rank 0, holding the lease: remove steps of saves that never committed (no job writes them now)."""
         listing = self._list()
         needed = {d for i in listing if i.status == "committed" for d in i.depends_on}
+        foreign = _foreign_steps(self.storage.list()) if any(i.status == "incomplete" for i in listing) else {}
         for info in listing:
             if info.status == "incomplete" and info.step in needed:
                 warnings.warn(f"liferaft: step {info.step} has no commit marker but committed steps reference its "
                               "chunks; keeping its files", stacklevel=2)
+            elif info.status == "incomplete" and info.step in foreign:
+                warnings.warn(f"liferaft: {info.path} has no commit marker but holds files liferaft does not write "
+                              f"({foreign[info.step]!r}...): not a leftover of an interrupted save; leaving it",
+                              stacklevel=2)
             elif info.status == "incomplete":
                 self._delete_step(info.step)
 
@@ -285,6 +258,12 @@ class CheckpointManager(TierMixin):
         others in ``missing_keys`` / ``unexpected_keys``. (Optimizer state of a parameter that was never stepped,
         and buffers a module does not persist, are no mismatch: see ``liferaft.load``.)"""
         self.last_load = None
+        if self._inflight is not None or self._draining is not None:
+            try:
+                self.wait()                 # a save still in flight commits first, so that restore sees it
+            except LiferaftError as e:
+                warnings.warn(f"liferaft: the save in flight failed ({e}); restoring from what is committed",
+                              stacklevel=2)
         listing: list[StepInfo] | None = None
         err: BaseException | None = None
         if self.coord.rank == 0:
@@ -533,52 +512,4 @@ class CheckpointManager(TierMixin):
         self.close()
 
 
-def list_steps(storage: Storage, pins: frozenset[int] = frozenset(), deep: bool = False,
-               progress: Callable[[int], None] | None = None) -> list[StepInfo]:
-    """Every step under the manager root ``storage``, oldest first, with its status (committed / incomplete /
-    corrupt and why), own bytes, writer, metrics and the steps it references; ``deep`` re-hashes committed steps
-    (``progress`` is called with the bytes of each read). Reads only (no lease, no collective)."""
-    names: dict[int, list[str]] = {}
-    for name in storage.list():
-        step = _parse_step(name)
-        if step is not None:
-            names.setdefault(step, []).append(name)
-    out = []
-    for step in sorted(names):
-        st = with_references(storage.child(step_name(step)))
-        path, pinned = st.url, step in pins
-        if f"{step_name(step)}/{COMMIT_MARKER}" not in names[step]:
-            out.append(StepInfo(step, path, "incomplete", "no commit marker", pinned=pinned))
-            continue
-        try:
-            m = open_checkpoint(st)
-            check_files(st, m, m.files)
-            if deep:
-                from liferaft.reading import verify
-
-                verify(st, progress=progress)
-        except LiferaftError as e:
-            out.append(StepInfo(step, path, "corrupt", str(e), pinned=pinned))
-            continue
-        metrics = m.extra.get("metrics") if isinstance(m.extra.get("metrics"), dict) else {}
-        since = m.extra.get("since_full")
-        out.append(StepInfo(step, path, "committed", nbytes=sum(v for k, v in m.files.items() if k[:3] != "../"),
-                            created_unix=m.created_unix, world_size=m.world_size, metrics=dict(metrics),
-                            pinned=pinned, depends_on=_references(m.files),
-                            since_full=since if type(since) is int else None,
-                            job_id=str(m.extra["job_id"]) if "job_id" in m.extra else None, tiers=("root",)))
-    return out
-
-
-def _references(files: Mapping[str, int]) -> tuple[int, ...]:
-    """The steps whose files a manifest's ``files`` table references (``../step-<n>/...``)."""
-    out = set()
-    for name in files:
-        if name.startswith("../"):
-            step = _parse_step(name[3:])
-            if step is not None:
-                out.add(step)
-    return tuple(sorted(out))
-
-
-__all__ = ["CheckpointManager", "StepInfo", "LEASE", "PINS", "step_name"]
+__all__ = ["CheckpointManager", "StepInfo", "LEASE", "PINS", "step_name", "list_steps"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 from dataclasses import dataclass
 from typing import Callable
 
@@ -99,7 +100,7 @@ def gc(root: str | os.PathLike[str] | Storage, *, keep_last: int | None = None, 
     storage = _root(root)
     policy = RetentionPolicy(keep_last=keep_last, keep_every=keep_every, keep_best=keep_best, metric=metric,
                              mode=mode)
-    lease = None if dry_run else Lease(storage, job_id="liferaft-gc")
+    lease = None if dry_run else Lease(storage, job_id=f"liferaft-gc:{uuid.uuid4().hex}")
     if lease is not None:
         lease.acquire()
     try:
