@@ -431,7 +431,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         if to == "hf":                                     # the bar counts the model's bytes only
             from liferaft.reading import open_checkpoint
             from liferaft.storage import resolve
-            from liferaft.tools.convert import model_subtree
+            from liferaft.tools.hf_folder import model_subtree
 
             prefix, _ = model_subtree(open_checkpoint(resolve(args.src)), args.module)
             tensors = tuple(t for t in tensors if t.kind == "tensor" and (not prefix or t.key.startswith(prefix + ".")))
