@@ -159,3 +159,44 @@ def test_an_old_lease_without_process_facts_still_counts(tmp_path, sleeper):
         json.dump({"job_id": "old", "host": socket.gethostname(), "pid": sleeper.pid, "renewed_unix": time.time(),
                    "token": "t"}, f)
     assert _take(root, "new", ttl=10.0) < 5.0                 # its process is gone
+
+
+def test_a_crafted_ttl_bounds_the_wait_and_is_refused_not_taken(tmp_path):
+    # another host's lease claiming a ttl of 1e12 s (or infinity): the newcomer waits at most its bound, then
+    # refuses; it never waits for ever and never takes over a lease whose holder may still be renewing it
+    for ttl in (1e12, float("inf"), float("nan"), -5.0):
+        root = str(tmp_path / f"r{ttl}")
+        _record(root, host="elsewhere", machine="", ttl=ttl)
+        lease = Lease(resolve(root), "me", ttl=0.5, max_wait=1.5)
+        t0 = time.monotonic()
+        if ttl == 1e12:
+            with pytest.raises(CheckpointBusyError, match="in use"):
+                lease.acquire()
+            assert time.monotonic() - t0 < 10
+        else:                        # not a ttl at all: the newcomer's own (0.5 s) applies; unchanged → stale
+            lease.acquire()
+            assert time.monotonic() - t0 < 10
+            lease.release()
+
+
+def test_a_lease_renewed_in_the_future_goes_stale_when_it_stops_changing(tmp_path):
+    # a clock skewed (or crafted) far ahead: judged by whether the lease changes while the newcomer watches
+    root = str(tmp_path / "r")
+    _record(root, host="elsewhere", machine="", ttl=1.0, renewed_unix=time.time() + 10 ** 6)
+    lease = Lease(resolve(root), "me", ttl=1.0, max_wait=5.0)
+    t0 = time.monotonic()
+    lease.acquire()
+    assert 1.0 < time.monotonic() - t0 < 10
+    lease.release()
+
+
+def test_non_finite_renewal_times_are_a_damaged_lease(tmp_path):
+    root = str(tmp_path / "r")
+    os.makedirs(root)
+    with open(os.path.join(root, LEASE), "w") as f:
+        f.write('{"job_id": "x", "host": "elsewhere", "pid": 5, "renewed_unix": Infinity, "ttl": 60}')
+    lease = Lease(resolve(root), "me", ttl=1.0)
+    t0 = time.monotonic()
+    lease.acquire()                      # damaged: protects nothing (as any unreadable lease)
+    assert time.monotonic() - t0 < 5
+    lease.release()

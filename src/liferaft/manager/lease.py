@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import socket
 import sys
@@ -35,6 +36,9 @@ from liferaft.manager.identity import machine_key, process_start
 from liferaft.storage import PosixStorage, Storage
 
 LEASE = "LEASE"
+#: The longest a newcomer waits for a lease held by another job (the holder's recorded ttl is taken up to this,
+#: or up to the newcomer's own ttl if that is longer).
+MAX_WAIT_S = 300.0
 _DENIED = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 
@@ -56,13 +60,20 @@ def _read(storage: Storage) -> LeaseInfo | None:
         started = raw.get("started")
         ttl = raw.get("ttl")
         return LeaseInfo(job_id=str(raw["job_id"]), host=str(raw["host"]), pid=int(raw["pid"]),
-                         renewed_unix=float(raw["renewed_unix"]), token=str(raw.get("token", "")),
+                         renewed_unix=_finite(float(raw["renewed_unix"])), token=str(raw.get("token", "")),
                          started=int(started) if started is not None else None, machine=str(raw.get("machine", "")),
-                         ttl=float(ttl) if ttl is not None else None)
+                         ttl=float(ttl) if ttl is not None and math.isfinite(float(ttl)) and float(ttl) > 0
+                         else None)
     except FileNotFoundError:
         return None
     except (ValueError, KeyError, TypeError, AttributeError):
         return None        # a damaged lease protects nothing: treat as absent
+
+
+def _finite(x: float) -> float:
+    if not math.isfinite(x):
+        raise ValueError(f"not a finite number: {x}")
+    return x
 
 
 def _pid_alive(pid: int, started: int | None = None) -> bool:
@@ -126,8 +137,9 @@ def read_only_reason(storage: Storage) -> str | None:
 class Lease:
     """The lease of ``job_id`` on ``storage`` (acquire → renew in a thread → release)."""
 
-    def __init__(self, storage: Storage, job_id: str, ttl: float = 30.0) -> None:
+    def __init__(self, storage: Storage, job_id: str, ttl: float = 30.0, max_wait: float = MAX_WAIT_S) -> None:
         self.storage = storage
+        self.max_wait = max_wait
         self.me = LeaseInfo(job_id=job_id, host=socket.gethostname(), pid=os.getpid(), renewed_unix=0.0,
                             token=uuid.uuid4().hex, started=process_start(os.getpid()), machine=machine_key(),
                             ttl=ttl)
@@ -145,7 +157,14 @@ class Lease:
         return not (other.machine and self.me.machine) or other.machine == self.me.machine
 
     def _ttl_of(self, other: LeaseInfo) -> float:
-        return other.ttl if other.ttl is not None and other.ttl > 0 else self.ttl
+        """The holder's ttl as recorded (else ours): its lease is stale after that long without renewal."""
+        return other.ttl if other.ttl is not None else self.ttl
+
+    def _wait_of(self, other: LeaseInfo) -> float:
+        """How long to wait for ``other``: its ttl, bounded by ``MAX_WAIT_S`` or our own ttl if longer (a lease
+        file is input too: a crafted ttl must not make a newcomer wait forever; past the bound it is refused, not
+        taken over)."""
+        return min(self._ttl_of(other), max(self.ttl, self.max_wait))
 
     def _busy_reason(self, other: LeaseInfo) -> str | None:
         """None if this lease may be taken over from ``other``; else why not."""
@@ -181,20 +200,26 @@ class Lease:
             raise self._read_only(why)
         deadline: float | None = None
         probed = False
+        seen: tuple[LeaseInfo, float] | None = None     # the lease as first read unchanged, and since when
         while True:
             other = _read(self.storage)
             busy = None if other is None else self._busy_reason(other)
             if busy is None:
                 break
             assert other is not None
+            now = time.monotonic()
+            if seen is None or seen[0] != other:
+                seen = (other, now)                     # (re)written since: its holder renews it
+            elif now - seen[1] > self._ttl_of(other):
+                break       # not renewed for its ttl while we watched: stale, whatever its clock says
             if not probed:              # a reader on a root it may not write must not wait for the writer
                 self._probe_write()
                 probed = True
             if deadline is None:
-                deadline = time.monotonic() + self._ttl_of(other) + 1.0
-            if time.monotonic() > deadline:
+                deadline = now + self._wait_of(other) + 1.0
+            if now > deadline:
                 raise CheckpointBusyError(f"{self.storage.url} is in use: {busy}")
-            time.sleep(min(1.0, self._ttl_of(other) / 10))
+            time.sleep(min(1.0, self._wait_of(other) / 10))
         try:
             self._write()
         except Exception as e:  # noqa: BLE001 - classified below
