@@ -55,6 +55,22 @@ def _selected(key: str, keys: Sequence[str] | None) -> bool:
     return not keys or any(fnmatch.fnmatchcase(key, p) for p in keys)
 
 
+def _refuse_per_rank(entries: Sequence[Any]) -> None:
+    """An export writes each tensor under its plain name with its shape: a tensor stored per rank (its copies
+    differed between the saving ranks; stored as ``[ranks, *shape]``) has no one value to write, so it is
+    refused, naming it, before anything is written (docs/cli/convert.md)."""
+    bad = [e for e in entries if getattr(e, "per_rank", None) is not None]
+    if bad:
+        e = bad[0]
+        others = ", ".join(repr(b.key) for b in bad[1:4]) + (", ..." if len(bad) > 4 else "")
+        more = f" (and {len(bad) - 1} more: {others})" if len(bad) > 1 else ""
+        raise OptionsError(
+            f"key {e.key!r}{more} was stored per rank: its copies differed between the {len(e.per_rank)} saving "
+            f"ranks, so there is no one {list(e.shape[1:])} tensor to export under its name; nothing was written. "
+            "Leave it out by selecting the other keys with --key GLOB (keys=...), or read each rank's copy with "
+            "liferaft.read")
+
+
 @dataclass(frozen=True)
 class ConvertReport:
     """What a conversion wrote: the files or folder (``files``), how many tensors, and bytes written; for an
@@ -82,6 +98,7 @@ def to_safetensors(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, 
     picked = [(e, rn(e.key)) for e in m.tensors if e.kind == "tensor" and _selected(e.key, keys)]
     if keys and not picked:
         raise OptionsError(f"no tensor of the checkpoint matches {list(keys)}")
+    _refuse_per_rank([e for e, _ in picked])
     files, total = _write_safetensors(storage, m, picked, dst, max_shard_bytes, dtype, progress)
     return ConvertReport(files=tuple(files), tensors=len(picked), bytes=total)
 
@@ -189,6 +206,7 @@ def to_hf(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, module: s
         prefix + ".")) and _selected(e.key[cut:], keys)]
     if not pairs:
         raise OptionsError(f"no tensor to export under {prefix!r}" + (f" matching {list(keys)}" if keys else ""))
+    _refuse_per_rank([e for e, _ in pairs])
     files, total = _write_safetensors(storage, m, pairs, dst, max_shard_bytes, dtype, progress)
     hf = m.extra.get("hf") if isinstance(m.extra.get("hf"), dict) else {}
     recorded = hf.get("files") if isinstance(hf.get("files"), dict) else None
@@ -323,6 +341,7 @@ def to_torch(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, keys: 
     from liferaft.tools.torch_file import placeholder, with_crc, write_torch_file
 
     storage, m, tensors, values = _export_source(src, keys)
+    _refuse_per_rank(tensors)
     rn, cast, flat = _renamer(rename), torch_dtype(dtype) if dtype else None, bool(rename)
     leaves: dict[tuple[Any, ...], Any] = {}
     fills: dict[int, Any] = {}
@@ -369,6 +388,7 @@ def to_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, keys: Se
     from liferaft.tools.dcp_format import DcpItem, write_dcp
 
     storage, m, tensors, values = _export_source(src, keys)
+    _refuse_per_rank(tensors)
     rn, cast = _renamer(rename), torch_dtype(dtype) if dtype else None
     ring = [page_aligned_empty(slab_bytes + 4096) for _ in range(3)]
     kinds = {c.path: c.kind for c in m.containers}
