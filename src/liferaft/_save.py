@@ -120,7 +120,7 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
         if storage.process_local and coord.world > 1:
             raise StorageError(f"{storage.url} is process-local; a save from {coord.world} ranks needs a shared "
                                "backend (a local path, file:// or an object store)")
-        flat = flatten(state)
+        flat = flatten(state, world=coord.world)
         meta = _rank_meta(coord.rank, flat, opts.allow_pickle, coord.world)
         if coord.rank == 0 and not opts.overwrite and storage.exists(COMMIT_MARKER):
             raise CheckpointExistsError(f"{storage.url} already holds a committed checkpoint; pass "

@@ -27,7 +27,8 @@ from liferaft.planning.share_plan import MIN_SHARED_BYTES, plan_sharing
 from liferaft.reading import (PerRank, as_leaf, check_files, copy_shape, decode_entry_value, open_checkpoint,
                               per_rank_leaf)
 from liferaft.state.flatten import FlatState, flatten, key_of
-from liferaft.state.matching import drop_absent, matches_emptied, not_persisted, settle_missing
+from liferaft.state.matching import (drop_absent, matches_emptied, not_persisted, param_groups_mismatch,
+                                    settle_missing)
 from liferaft.staging.stager import staged_size
 from liferaft.storage import Storage, resolve
 from liferaft.storage.refs import with_references
@@ -116,7 +117,7 @@ def load(path: PathLike, state: Any, *, process_group: Any = None, strict: bool 
 
     plan: _LoadPlan | None = None
     try:
-        plan = _plan_load(storage, manifest, flatten(state, template=True), coord, opts)
+        plan = _plan_load(storage, manifest, flatten(state, template=True, world=coord.world), coord, opts, strict)
     except BaseException as e:  # noqa: BLE001
         err = e
     share = opts.share_reads if opts.share_reads is not None else storage.remote
@@ -228,7 +229,7 @@ class _LoadPlan:
 
 
 def _plan_load(storage: Storage, manifest: Manifest, flat: FlatState, coord: Coordinator,
-               opts: LoadOptions) -> _LoadPlan:
+               opts: LoadOptions, strict: bool = True) -> _LoadPlan:
     plan = _LoadPlan(flat)
     tensors = manifest.tensor_map()
     values = {v.key: v for v in manifest.values}
@@ -288,7 +289,20 @@ def _plan_load(storage: Storage, manifest: Manifest, flat: FlatState, coord: Coo
         if check is not None:
             check({p[len(spath):]: v for p, v in plan.assign if p[:len(spath)] == spath}, coord.world,
                   f"key {key_of(spath)!r}")
-    plan.missing, plan.absent = settle_missing(flat, plan.missing)
+    kept = []
+    for path, value in plan.assign:             # another kind of optimizer's param_groups (state.matching)
+        problem = param_groups_mismatch(flat, path, value)
+        if problem is None:
+            kept.append((path, value))
+            continue
+        if strict:
+            raise StateMismatchError(f"{problem}; nothing was loaded. Load it into the optimizer that saved it, "
+                                     "or pass strict=False to keep the live optimizer's param_groups")
+        plan.covered[index[key_of(path)]] = 0
+        plan.missing.append(key_of(path))
+    plan.assign = kept
+    plan.missing, plan.absent = settle_missing(
+        flat, plan.missing, {c.path: c.cls for c in manifest.containers if c.kind == "stateful"}, index)
     for v in manifest.values if plan.absent else ():
         if not plan.covered[index[v.key]] and v.path in flat.nodes and v.per_rank is None and \
                 matches_emptied(flat, plan.absent, v.path, decode_entry_value(v, opts.allow_pickle)):

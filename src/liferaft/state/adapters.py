@@ -136,10 +136,11 @@ class OptimizerAdapter:
         set_optimizer_state_dict(self.module, self.optimizer, sd, options=StateDictOptions(strict=False))
 
 
-def make_adapters(objects: list[Any]) -> dict[int, Adapter]:
+def make_adapters(objects: list[Any], world: int | None = None) -> dict[int, Adapter]:
     """Adapters for the stateful objects of one state, keyed by ``id(obj)``.
 
-    Optimizers are paired with the module in the same state that owns all their parameters.
+    Optimizers are paired with the module in the same state that owns all their parameters. ``world``: the size
+    of the process group the save / load runs over (None: the default group's), for the adapters recording it.
     """
     modules = [o for o in objects if isinstance(o, torch.nn.Module)]
     owned = [(m, {id(p) for p in m.parameters()}) for m in modules]
@@ -160,7 +161,7 @@ def make_adapters(objects: list[Any]) -> dict[int, Adapter]:
                     stacklevel=4)
                 out[id(obj)] = MethodAdapter(obj)
         elif is_stateful_dataloader(obj):
-            out[id(obj)] = DataLoaderAdapter(obj)
+            out[id(obj)] = DataLoaderAdapter(obj, world)
         else:
             out[id(obj)] = MethodAdapter(obj)
     return out

@@ -2,7 +2,8 @@
 
 Put the loader itself in the state (``{"loader": loader, ...}``); liferaft picks this adapter for it (no import of
 torchdata unless the state holds one). Its state dict (sampler position, the shuffling generator's state, worker
-snapshots) is saved with the data-parallel world size it belongs to; the parts that differ between ranks — the
+snapshots) is saved with the data-parallel world size it belongs to (the size of the process group the save
+runs over: a save per replica with ``process_group=`` a subgroup records the subgroup's size); the parts that differ between ranks — the
 generator of a loader shuffled per rank, the sampler of a ``DistributedSampler`` — are stored per rank, the
 others once (``planning.save_plan``).
 
@@ -44,6 +45,9 @@ def _world() -> int:
 @dataclass
 class DataLoaderAdapter:
     loader: Any
+    #: the size of the process group the save / load runs over (None: the default group's); a save over a
+    #: subgroup (one per data-parallel replica) records the subgroup's size, not the job's
+    world: int | None = None
     #: checkpoints written before liferaft recorded the world size lack it (state.matching)
     optional: tuple[tuple[str, ...], ...] = ((WORLD,),)
 
@@ -62,7 +66,7 @@ class DataLoaderAdapter:
 
     def state_dict(self) -> dict[str, Any]:
         sd = dict(self.loader.state_dict())
-        sd[WORLD] = _world()
+        sd[WORLD] = self.world if self.world is not None else _world()
         return sd
 
     def check_load(self, values: Mapping[tuple[Any, ...], Any], world: int, where: str) -> None:
@@ -77,5 +81,6 @@ class DataLoaderAdapter:
         sd = dict(sd)
         saved = sd.pop(WORLD, None)
         if isinstance(saved, int):          # (also on the load paths that have no check_load: DCP sources)
-            self.check_load({(WORLD,): saved}, _world(), "StatefulDataLoader")
+            self.check_load({(WORLD,): saved}, self.world if self.world is not None else _world(),
+                            "StatefulDataLoader")
         self.loader.load_state_dict(sd)

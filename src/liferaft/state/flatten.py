@@ -15,7 +15,10 @@ Keys are the path parts joined by ``"."`` (``model.layers.0.weight``); two paths
 A plain tensor (or numpy array / bytes stored as one) is *assumed* replicated, and a save checks the assumption:
 each rank hashes it (``TensorLeaf.compare``) and one whose copies differ is stored per rank (``planning.save_plan``).
 Tensors of an ``nn.Module`` or an ``Optimizer`` are exempt (their replication is the parallelism's contract, and
-hashing them would cost a pass over the model at every save).
+hashing them would cost a pass over the model at every save), and so are those of their state dicts saved as
+dicts (:func:`is_model_or_optimizer_state_dict`: ``model.state_dict()`` under DDP holds BatchNorm running
+statistics that differ between ranks after every forward, and are replicated by contract all the same — one
+holder's copy is written, as PyTorch DCP does).
 """
 
 from __future__ import annotations
@@ -147,6 +150,19 @@ def _dtensor_parts(dt: Any, key: str) -> list[tuple[Box, torch.Tensor]]:
     return parts
 
 
+def is_model_or_optimizer_state_dict(v: Any) -> bool:
+    """Whether ``v`` is the state dict of a module or an optimizer, saved as a dict rather than as the object
+    (``{"model": model.state_dict(), "optim": opt.state_dict()}``, the common DDP pattern): a module's is the
+    ``OrderedDict`` that ``nn.Module.state_dict()`` (and so ``get_model_state_dict``, under DDP, FSDP2 and
+    ``torch.compile`` alike) marks with its ``_metadata`` attribute; an optimizer's is a dict with exactly the
+    keys ``state`` and ``param_groups``. Their tensors follow the data-parallel contract like the objects'."""
+    if not isinstance(v, dict):
+        return False
+    return isinstance(getattr(v, "_metadata", None), dict) or \
+        (len(v) == 2 and "state" in v and "param_groups" in v and isinstance(v["state"], dict)
+         and isinstance(v["param_groups"], (list, tuple)))
+
+
 def _is_leaf_array(v: Any) -> bool:
     return isinstance(v, np.ndarray) and not v.dtype.hasobject and v.dtype.isnative and v.nbytes > INLINE_LIMIT
 
@@ -223,7 +239,12 @@ class _Walker:
             finally:
                 self.trusted -= trusted
         elif (isinstance(v, dict) or type(v) in (list, tuple)) and (not path or self.needs_walk(v)):
-            self._container(path, "dict" if isinstance(v, dict) else {list: "list", tuple: "tuple"}[type(v)], v)
+            trusted = is_model_or_optimizer_state_dict(v)
+            self.trusted += trusted
+            try:
+                self._container(path, "dict" if isinstance(v, dict) else {list: "list", tuple: "tuple"}[type(v)], v)
+            finally:
+                self.trusted -= trusted
         else:
             self._value(path, v)
 
@@ -272,16 +293,17 @@ def _collect_statefuls(v: Any, out: list[Any], seen: set[int]) -> None:
             _collect_statefuls(x, out, seen)
 
 
-def flatten(state: Any, *, template: bool = False) -> FlatState:
+def flatten(state: Any, *, template: bool = False, world: int | None = None) -> FlatState:
     """Flatten ``state`` (see module doc). Calls ``state_dict()`` on stateful objects once (``template``: for a
     load, their ``load_template()`` where they have one, and records what a checkpoint may lack or hold beyond
-    the state: ``FlatState.optional`` / ``not_persisted``)."""
+    the state: ``FlatState.optional`` / ``not_persisted``). ``world``: the size of the process group the save or
+    load runs over (adapters that record it, the StatefulDataLoader's, take it; None: the default group's)."""
     if not isinstance(state, dict) and type(state) not in (list, tuple) and not is_stateful(state):
         raise InvalidStateError(f"state must be a dict, list, tuple or an object with state_dict(); got "
                                 f"{type(state).__qualname__}")
     w = _Walker(template)
     objs: list[Any] = []
     _collect_statefuls(state, objs, set())
-    w.adapters = make_adapters(objs)
+    w.adapters = make_adapters(objs, world)
     w.walk(state, ())
     return w.flat

@@ -9,6 +9,13 @@ path (liferaft checkpoints in ``api.load``, safetensors and DCP sources in ``too
    for that parameter, exactly as saved. A checkpoint that holds some of the subtree's keys but not all
    (``exp_avg`` without ``exp_avg_sq``) is still a mismatch. Where the checkpoint stores the emptied container
    itself as a value (``optim.state = {}``: saved before the optimizer's first step), that value is matched by it.
+   The rule holds only where the checkpoint's optimizer is of the live one's kind: the class the checkpoint
+   records for it (``ContainerEntry.cls``) is the live optimizer's, or — a checkpoint or source that records
+   none — it holds, for some parameter, every state key the live optimizer gives the subtree, or no state at
+   all. An SGD checkpoint loaded into AdamW therefore still misses ``exp_avg``; and a load whose checkpoint
+   ``param_groups`` have other keys than the live optimizer's (``momentum`` where AdamW needs ``betas``) is
+   a mismatch too (:func:`param_groups_mismatch`; ``api.load`` refuses it when strict and otherwise keeps the
+   live ``param_groups``).
 2. **Buffers a module does not persist.** A checkpoint key naming a buffer registered with ``persistent=False``
    (by its state-dict name, wrapper prefixes removed; e.g. ``embeddings.position_ids`` in Hugging Face's BERT
    files, which ``from_pretrained`` ignores too) is not unexpected: it is skipped, not loaded, and listed in
@@ -19,10 +26,10 @@ PyTorch DCP (``set_optimizer_state_dict`` / ``set_model_state_dict`` strict) tre
 
 from __future__ import annotations
 
-from typing import Any, Collection, Iterable
+from typing import Any, Collection, Iterable, Mapping
 
 from liferaft.format.manifest import PathPart
-from liferaft.state.flatten import FlatState
+from liferaft.state.flatten import FlatState, key_of
 
 
 def _under(path: tuple[PathPart, ...], prefix: tuple[PathPart, ...]) -> bool:
@@ -33,9 +40,42 @@ def _leaf_paths(flat: FlatState) -> list[tuple[str, tuple[PathPart, ...]]]:
     return [(t.key, t.path) for t in flat.tensors] + [(k, p) for k, p, _ in flat.values]
 
 
-def settle_missing(flat: FlatState, missing: Iterable[str]) -> tuple[list[str], list[tuple[PathPart, ...]]]:
+def _owner(flat: FlatState, sub: tuple[PathPart, ...]) -> tuple[PathPart, ...] | None:
+    """The path of the stateful object whose (optional) subtree ``sub`` is."""
+    owners = [p for p, _, _ in flat.statefuls if len(p) < len(sub) and _under(sub, p)]
+    return max(owners, key=len) if owners else None
+
+
+def _same_kind(flat: FlatState, sub: tuple[PathPart, ...], keys: list[str],
+               saved_classes: Mapping[tuple[PathPart, ...], str | None] | None, saved: Collection[str] | None) -> bool:
+    """Whether the checkpoint's object owning ``sub`` is of the live one's kind (see the module doc, rule 1)."""
+    owner = _owner(flat, sub)
+    if owner is None:
+        return True
+    saved_cls = (saved_classes or {}).get(owner)
+    if saved_cls is not None:
+        live_cls = next((c.cls for c in flat.containers if c.path == owner), None)
+        return live_cls is None or live_cls == saved_cls
+    if saved is None:
+        return True
+    # no class recorded: some parameter's saved state holds every state key the live optimizer has here
+    base = key_of(sub)
+    rel = [k[len(base) + 1:] for k in keys]
+    state = key_of(sub[:-1]) + "."
+    held = [k for k in saved if k.startswith(state)]
+    if not held:
+        return True                         # the checkpoint holds no optimizer state at all (never stepped)
+    have = set(held)
+    first = "." + rel[0]
+    return any(all(k[:-len(first)] + "." + r in have for r in rel) for k in held if k.endswith(first))
+
+
+def settle_missing(flat: FlatState, missing: Iterable[str],
+                   saved_classes: Mapping[tuple[PathPart, ...], str | None] | None = None,
+                   saved: Collection[str] | None = None) -> tuple[list[str], list[tuple[PathPart, ...]]]:
     """Rule 1 on this rank's ``missing`` keys: the keys still missing, and the optional subtrees the checkpoint
-    lacks as a whole (to remove with :func:`drop_absent` before the stateful objects load)."""
+    lacks as a whole (to remove with :func:`drop_absent` before the stateful objects load). ``saved_classes``:
+    the classes the checkpoint records for its stateful objects (by path); ``saved``: all its keys."""
     missing = list(missing)
     if not flat.optional:
         return missing, []
@@ -44,10 +84,37 @@ def settle_missing(flat: FlatState, missing: Iterable[str]) -> tuple[list[str], 
     absent: list[tuple[PathPart, ...]] = []
     for sub in flat.optional:
         keys = [k for k, p in leaves if _under(p, sub)]
-        if keys and all(k in gone for k in keys):
+        if keys and all(k in gone for k in keys) and _same_kind(flat, sub, keys, saved_classes, saved):
             absent.append(sub)
             gone.difference_update(keys)
     return [k for k in missing if k in gone], absent
+
+
+def _group_keys(groups: Any) -> set[str] | None:
+    if not isinstance(groups, (list, tuple)) or not all(isinstance(g, dict) for g in groups):
+        return None
+    return {str(k) for g in groups for k in g}
+
+
+def param_groups_mismatch(flat: FlatState, path: tuple[PathPart, ...], saved_groups: Any) -> str | None:
+    """Where ``path`` is the ``param_groups`` of an optimizer in the state: a description of how the key set of
+    the checkpoint's ``saved_groups`` differs from the live optimizer's (None: same keys, or not an optimizer's)."""
+    if not path or path[-1] != "param_groups":
+        return None
+    if not any(c.path == path[:-1] and c.role == "optimizer" for c in flat.containers):
+        return None
+    node = flat.nodes.get(path[:-1])
+    live = _group_keys(node.get("param_groups") if isinstance(node, dict) else None)
+    saved = _group_keys(saved_groups)
+    if live is None or saved is None or live == saved:
+        return None
+    parts = []
+    if live - saved:
+        parts.append(f"the checkpoint's lack {sorted(live - saved)}")
+    if saved - live:
+        parts.append(f"only the checkpoint's have {sorted(saved - live)}")
+    return (f"key {key_of(path)!r}: the param_groups of the checkpoint and of the live optimizer have different "
+            f"keys ({'; '.join(parts)}): it was saved by another kind of optimizer")
 
 
 def matches_emptied(flat: FlatState, absent: Collection[tuple[PathPart, ...]], path: tuple[PathPart, ...],

@@ -48,7 +48,8 @@ def load_safetensors(path: str | os.PathLike[str], state: Any, strict: bool = Tr
     t0 = time.perf_counter()
     src = safetensors_state(path)
     flat = flatten(state, template=True)
-    missing, absent = settle_missing(flat, [leaf.key for leaf in flat.tensors if leaf.key not in src])
+    missing, absent = settle_missing(flat, [leaf.key for leaf in flat.tensors if leaf.key not in src],
+                                     saved=set(src))
     wanted, skipped = _everywhere([leaf.key for leaf in flat.tensors], not_persisted(flat, src), process_group)
     unexpected = sorted(set(src) - wanted - skipped)
     if strict and (missing or unexpected):
@@ -102,7 +103,8 @@ def load_dcp(path: str | os.PathLike[str], state: Any, strict: bool = True, proc
     fresh = {leaf.key: leaf for leaf in flat.tensors if leaf.kind != "tensor"}
     saved = set(ck.tensors) | set(ck.values)
     found = (set(ck.tensors) | (set(ck.values) & set(fresh))) & set(wanted) | {p for ps in parts.values() for p in ps}
-    missing, absent = settle_missing(flat, [k for k in wanted if k not in found and not parts.get(k)])
+    missing, absent = settle_missing(flat, [k for k in wanted if k not in found and not parts.get(k)],
+                                     saved=saved)
     everywhere, skipped = _everywhere(wanted, not_persisted(flat, saved - found), process_group)
     unexpected = sorted(saved - found - everywhere - skipped)
     if strict and (missing or unexpected):
