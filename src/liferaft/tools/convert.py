@@ -26,12 +26,12 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from liferaft.errors import (CorruptCheckpointError, InvalidStateError, OptionsError,
-                             StateMismatchError)
+from liferaft.errors import CorruptCheckpointError, InvalidStateError, OptionsError
 from liferaft.reading import check_files, open_checkpoint
 from liferaft.storage import resolve
 from liferaft.storage.refs import with_references
-from liferaft.tools.hf_folder import bring_config, model_subtree, recorded_files  # noqa: F401 (model_subtree: API)
+from liferaft.tools.hf_folder import bring_config, model_subtree  # noqa: F401 (the API of this module too)
+from liferaft.tools.hf_folder import open_regular, plan_config, recorded_files, st_files, write_config
 from liferaft.transfer.tensors import torch_dtype
 
 ST_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
@@ -136,13 +136,25 @@ def _write_safetensors(storage: Any, m: Any, pairs: list[tuple[Any, str]], dst: 
             weight_map[key] = name
             total += size
     if len(shards) > 1:
-        with open(os.path.join(dst, INDEX), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        with _created(os.path.join(dst, INDEX + ".tmp")) as f:
+            f.write(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2).encode())
+        os.replace(os.path.join(dst, INDEX + ".tmp"), os.path.join(dst, INDEX))
         files.append(INDEX)
     for old in os.listdir(dst):                 # an earlier export's weights would be read instead, or as well
         if old not in files and (old == INDEX or re.fullmatch(r"model(-\d{5}-of-\d{5})?\.safetensors", old)):
             os.unlink(os.path.join(dst, old))
     return files, total
+
+
+def _created(path: str) -> Any:
+    """``path`` created anew for writing: whatever lay there (a link to elsewhere, a FIFO) removed first, never
+    written through."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0),
+                             0o644), "wb")
 
 
 def _write_shard(storage: Any, path: str, shard: list[Any], progress: Callable[[int], None] | None = None) -> None:
@@ -163,7 +175,7 @@ def _write_shard(storage: Any, path: str, shard: list[Any], progress: Callable[[
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-(8 + len(raw)) % 4096)
     tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
+    with _created(tmp) as f:
         f.write(struct.pack("<Q", len(raw)) + raw)
     filler = RecordFiller(tmp)
     try:
@@ -207,10 +219,10 @@ def to_hf(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, module: s
     if not pairs:
         raise OptionsError(f"no tensor to export under {prefix!r}" + (f" matching {list(keys)}" if keys else ""))
     _refuse_per_rank([e for e, _ in pairs])
-    files, total = _write_safetensors(storage, m, pairs, dst, max_shard_bytes, dtype, progress)
     hf = m.extra.get("hf") if isinstance(m.extra.get("hf"), dict) else {}
-    recorded = hf.get("files") if isinstance(hf.get("files"), dict) else None
-    extra_files, note = bring_config(config, recorded, os.fspath(dst), dtype)
+    contents, note = plan_config(config, hf.get("files"), dtype)     # every name checked before a byte is written
+    files, total = _write_safetensors(storage, m, pairs, dst, max_shard_bytes, dtype, progress)
+    extra_files = write_config(contents, os.fspath(dst))
     left = sum(1 for e in m.tensors if e.kind != "tensor" and (not prefix or e.key.startswith(prefix + "."))) + \
         sum(1 for v in m.values if not prefix or v.key.startswith(prefix + "."))
     notes = (f"module {prefix!r} ({what})" if prefix else f"{what}",) + \
@@ -220,53 +232,29 @@ def to_hf(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, module: s
 
 
 def _st_files(src: str) -> list[str]:
-    if os.path.isfile(src):
-        return [src]
-    index = os.path.join(src, INDEX)
-    if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        return [os.path.join(src, n) for n in dict.fromkeys(weight_map.values())]
-    single = os.path.join(src, "model.safetensors")
-    if os.path.isfile(single):
-        return [single]
-    raise StateMismatchError(f"{src}: no model.safetensors or {INDEX} there")
+    """The safetensors files of a file or folder, each checked (``hf_folder.st_files``)."""
+    return st_files(src)
 
 
 def safetensors_state(src: str | os.PathLike[str], keys: Sequence[str] | None = None,
                       rename: Sequence[tuple[str, str]] | None = None) -> dict[str, torch.Tensor]:
     """The tensors of a safetensors file or Hugging Face folder as a flat dict of memory-mapped (copy-on-write)
-    tensors: nothing is read until used."""
+    tensors: nothing is read until used. Every file is checked first (``hf_folder.st_files``) and its header
+    validated (``formats.read_st_header``): CorruptCheckpointError naming the file and key."""
+    from liferaft.tools.formats import read_st_header
+
     rn = _renamer(rename)
     out: dict[str, torch.Tensor] = {}
     for path in _st_files(os.fspath(src)):
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            head = f.read(8)
-            (n,) = struct.unpack("<Q", head) if len(head) == 8 else (size,)
-            try:
-                if 8 + n > size:
-                    raise ValueError(f"a {n}-byte header in a {size}-byte file")
-                header = json.loads(f.read(n))
-                if not isinstance(header, dict):
-                    raise ValueError("the header is not a JSON object")
-            except (ValueError, UnicodeDecodeError) as e:
-                raise CorruptCheckpointError(f"{path}: not a readable safetensors file ({e})") from e
-        data = np.memmap(path, dtype=np.uint8, mode="c", offset=8 + n) if os.path.getsize(path) > 8 + n \
-            else np.zeros(0, dtype=np.uint8)
-        for key, spec in header.items():
-            if key == "__metadata__" or not _selected(key, keys):
+        with open_regular(path, path, CorruptCheckpointError, what="safetensors file") as f:
+            size = os.fstat(f.fileno()).st_size
+            tensors, start = read_st_header(f, path, size)
+            data = np.memmap(f, dtype=np.uint8, mode="c", offset=start) if size > start \
+                else np.zeros(0, dtype=np.uint8)
+        for key, (dtype, shape, a, b) in tensors.items():
+            if not _selected(key, keys):
                 continue
-            if spec["dtype"] not in FROM_ST:
-                raise InvalidStateError(f"{path}: tensor {key!r} has dtype {spec['dtype']}, unknown to liferaft")
-            a, b = spec["data_offsets"]
-            dt = torch_dtype(FROM_ST[spec["dtype"]])
-            if not 0 <= a <= b <= len(data) or b - a != math.prod(spec["shape"]) * dt.itemsize:
-                raise CorruptCheckpointError(f"{path}: tensor {key!r} ({spec['dtype']} {spec['shape']}) is said to "
-                                             f"lie at bytes {a}..{b} of {len(data)}; the file is damaged or "
-                                             "truncated")
-            t = torch.from_numpy(data[a:b]).view(dt).reshape(spec["shape"])
-            out[rn(key)] = t
+            out[rn(key)] = torch.from_numpy(data[a:b]).view(torch_dtype(dtype)).reshape(shape)
     return out
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import fnmatch
 import io
+import math
 import os
 import zipfile
 from dataclasses import dataclass, field
@@ -375,59 +376,116 @@ def _st_files(p: str) -> list[str]:
     return files(p)
 
 
-def _check_safetensors(file: str, name: str, progress: Callable[[int], None] | None) -> tuple[int, list[str]]:
-    """(bytes read, faults) of one safetensors file: a JSON header whose tensors have known dtypes and offsets
-    that match their shapes, lie in the file and do not overlap; then every data byte read."""
+#: The largest safetensors header read (the ``safetensors`` package's own limit).
+ST_HEADER_LIMIT = 100_000_000
+
+
+def read_st_header(f: Any, name: str, size: int
+                   ) -> tuple[dict[str, tuple[str, tuple[int, ...], int, int]], int]:
+    """The one validator of a safetensors header, for every reader: ``f`` open at the start of a file of ``size``
+    bytes (``name`` in messages). Returns ({key: (liferaft dtype, shape, begin, end)} with begin/end relative to
+    the data, the data's offset in the file). Checked before anything is allocated from it: the 8-byte length
+    (at most ``ST_HEADER_LIMIT`` and within the file), a UTF-8 JSON object without repeated keys, ``__metadata__`` a
+    str → str object, each entry an object with a known ``dtype``, a ``shape`` of non-negative ints whose product
+    stays far from overflowing, ``data_offsets`` two ints ``0 <= a <= b <= data size`` with ``b - a`` the
+    tensor's bytes, no two tensors overlapping. CorruptCheckpointError naming the file and key otherwise
+    (InvalidStateError for a well-formed dtype liferaft does not know)."""
     import json
     import struct
 
+    from liferaft.errors import InvalidStateError
     from liferaft.tools.convert import FROM_ST
     from liferaft.transfer.tensors import torch_dtype
 
-    size = os.path.getsize(file)
-    faults: list[str] = []
-    with open(file, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            return 0, [f"file {name!r}: {size} bytes, shorter than a safetensors header; truncated"]
-        (n,) = struct.unpack("<Q", head)
-        try:
-            if 8 + n > size:
-                raise ValueError(f"the header says {n} bytes, the file has {size}")
-            header = json.loads(f.read(n))
-            if not isinstance(header, dict):
-                raise ValueError("not a JSON object")
-        except ValueError as e:
-            return 0, [f"file {name!r}: the safetensors header cannot be read ({e}); damaged or truncated"]
-        spans = []
-        for key, spec in header.items():
-            if key == "__metadata__":
-                continue
-            try:
-                a, b = (int(x) for x in spec["data_offsets"])
-                want = torch.empty(0, dtype=torch_dtype(FROM_ST[spec["dtype"]])).element_size()
-                for d in spec["shape"]:
-                    want *= int(d)
-            except (KeyError, TypeError, ValueError) as e:
-                faults.append(f"file {name!r}: tensor {key!r}: a header entry liferaft cannot read ({e!r})")
-                continue
-            if b - a != want or a < 0:
-                faults.append(f"file {name!r}: tensor {key!r}: offsets {a}..{b} for {want} bytes "
-                              f"({spec['dtype']} {spec['shape']})")
-            elif 8 + n + b > size:
-                faults.append(f"file {name!r}: tensor {key!r}: its bytes end at {8 + n + b}, the file has {size}; "
-                              "truncated")
-            spans.append((a, b, key))
-        spans.sort()
-        for (a0, b0, k0), (a1, _, k1) in zip(spans, spans[1:]):
-            if a1 < b0:
-                faults.append(f"file {name!r}: tensors {k0!r} and {k1!r} overlap in the file")
-        done = 0
-        while True:                                 # every data byte read: I/O errors show
-            piece = f.read(8 << 20)
-            if not piece:
-                break
-            done += len(piece)
-            if progress is not None:
-                progress(len(piece))
-    return done, faults
+    def bad(why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"file {name!r}: {why}; not a valid safetensors file (damaged, truncated or "
+                                      "crafted)")
+    head = f.read(8)
+    if len(head) < 8:
+        raise bad(f"{size} bytes, shorter than the 8-byte header length; truncated")
+    (n,) = struct.unpack("<Q", head)
+    if n > ST_HEADER_LIMIT or 8 + n > size:
+        raise bad(f"the header is said to take {n} bytes (at most {ST_HEADER_LIMIT}), the file has {size}; "
+                  "truncated or damaged")
+
+    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        d = dict(pairs)
+        if len(d) != len(pairs):
+            raise ValueError("a key appears twice in one object")
+        return d
+    try:
+        raw = f.read(n)
+        if len(raw) != n:
+            raise ValueError("the file ended inside the header")
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=unique)
+    except (ValueError, RecursionError) as e:
+        raise bad(f"the header cannot be read ({str(e)[:200]})") from e
+    if not isinstance(header, dict):
+        raise bad("the header is not a JSON object")
+    meta = header.get("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise bad("its __metadata__ is not an object of strings")
+    data = size - 8 - n
+    out: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
+
+    def is_int(x: Any) -> bool:
+        return type(x) is int                                   # not bool, not float
+    for key, spec in header.items():
+        if key == "__metadata__":
+            continue
+        what = f"tensor {key!r}"
+        if not isinstance(spec, dict) or not {"dtype", "shape", "data_offsets"} <= set(spec):
+            raise bad(f"{what}: its entry is not an object with dtype, shape and data_offsets")
+        dt, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
+        if not isinstance(dt, str):
+            raise bad(f"{what}: dtype {dt!r} is not a name")
+        if dt not in FROM_ST:
+            raise InvalidStateError(f"file {name!r}: tensor {key!r} has dtype {dt[:40]}, unknown to liferaft")
+        if not isinstance(shape, list) or not all(is_int(d) and d >= 0 for d in shape):
+            raise bad(f"{what}: shape {str(shape)[:100]} is not a list of non-negative integers")
+        span = 1
+        for d in shape:
+            span *= max(d, 1)
+            if span > 1 << 62:
+                raise bad(f"{what}: shape {str(shape)[:100]} is absurdly large")
+        if not isinstance(offsets, list) or len(offsets) != 2 or not all(is_int(x) for x in offsets):
+            raise bad(f"{what}: data_offsets {str(offsets)[:100]} are not two integers")
+        a, b = offsets
+        itemsize = torch_dtype(FROM_ST[dt]).itemsize
+        numel = math.prod(shape)
+        if not 0 <= a <= b:
+            raise bad(f"{what}: data_offsets {a}..{b} are not an ascending pair of positions")
+        if b - a != numel * itemsize:
+            raise bad(f"{what}: data_offsets {a}..{b} hold {b - a} bytes, its {dt} {shape} takes "
+                      f"{numel * itemsize}")
+        if b > data:
+            raise bad(f"{what}: its bytes end at {8 + n + b}, the file has {size}; truncated")
+        out[key] = (FROM_ST[dt], tuple(shape), a, b)
+    spans = sorted((a, b, k) for k, (_, _, a, b) in out.items() if b > a)
+    for (_, b0, k0), (a1, _, k1) in zip(spans, spans[1:]):
+        if a1 < b0:
+            raise bad(f"tensors {k0!r} and {k1!r} overlap in the file")
+    return out, 8 + n
+
+
+def _check_safetensors(file: str, name: str, progress: Callable[[int], None] | None) -> tuple[int, list[str]]:
+    """(bytes read, faults) of one safetensors file: its header validated (``read_st_header``: a fault is the
+    first thing wrong there), then every data byte read."""
+    from liferaft.errors import InvalidStateError
+    from liferaft.tools.hf_folder import open_regular
+
+    try:
+        with open_regular(file, name, CorruptCheckpointError, what="file") as f:
+            size = os.fstat(f.fileno()).st_size
+            read_st_header(f, name, size)
+            done = 0
+            while True:                                 # every data byte read: I/O errors show
+                piece = f.read(8 << 20)
+                if not piece:
+                    break
+                done += len(piece)
+                if progress is not None:
+                    progress(len(piece))
+    except (CorruptCheckpointError, InvalidStateError) as e:
+        return 0, [str(e)]
+    return done, []

@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Any
+import stat
+from dataclasses import dataclass
+from typing import Any, BinaryIO
 
-from liferaft.errors import OptionsError
+from liferaft.errors import CorruptCheckpointError, OptionsError, StateMismatchError
 
 #: Files of a Hugging Face folder that hold weights (never copied with a config; the export writes its own).
 WEIGHTS = re.compile(r".*\.(safetensors|bin|pt|pth|ckpt|h5|msgpack|onnx|gguf|ot|tflite|npz)$|"
@@ -62,9 +64,159 @@ def model_subtree(m: Any, module: str | None = None) -> tuple[str, str]:
                        f"nn.Module): pass --module KEY, one of {tops[:10]}, or --module '' for all of its tensors")
 
 
-def hf_files(folder: str) -> dict[str, str]:
+# --------------------------------------------------------------------------- the files of a folder, read safely
+
+#: Any one file of a Hugging Face folder that is read or copied whole (config, tokenizer, ...): at most this.
+FILE_LIMIT = 1 << 30
+#: A ``config.json`` or ``model.safetensors.index.json`` is read into memory: at most this.
+JSON_LIMIT = 64 << 20
+#: At most this many files in the listing of an HF folder (``--config /`` would walk the disk).
+MAX_FILES = 10_000
+#: The index of a sharded safetensors folder.
+INDEX = "model.safetensors.index.json"
+
+
+def roots(folder: str) -> tuple[str, ...]:
+    """Where the files of ``folder`` may lie once their links are resolved: the folder itself, and for a snapshot
+    of the Hugging Face hub cache (``models--org--name/snapshots/REV``, whose files are links to ``../../blobs/``)
+    that repository's ``blobs`` folder."""
+    real = os.path.realpath(folder)
+    parent = os.path.dirname(real)
+    if os.path.basename(parent) == "snapshots":
+        return real, os.path.join(os.path.dirname(parent), "blobs")
+    return (real,)
+
+
+def _within(path: str, where: tuple[str, ...]) -> bool:
+    real = os.path.realpath(path)
+    return any(real == r or real.startswith(r.rstrip(os.sep) + os.sep) for r in where)
+
+
+def _kind(mode: int) -> str:
+    return ("a FIFO" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else
+            "a socket" if stat.S_ISSOCK(mode) else "a folder" if stat.S_ISDIR(mode) else "not a regular file")
+
+
+def check_file(path: str, name: str, where: tuple[str, ...] | None, error: type[Exception] = OptionsError,
+               what: str = "file") -> int:
+    """The size of ``path`` (``name`` in messages), which must be a regular file once its links are resolved (a
+    FIFO or a device would hang a reader or never end) and, unless ``where`` is None, lie inside one of the
+    folders ``where`` (``roots``); ``error`` naming it otherwise."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError as e:
+        link = " (a link to nowhere)" if os.path.islink(path) else ""
+        raise error(f"{what} {name!r} is missing{link}") from e
+    except OSError as e:
+        raise error(f"{what} {name!r} cannot be read ({e.strerror})") from e
+    if not stat.S_ISREG(st.st_mode):
+        raise error(f"{what} {name!r} is {_kind(st.st_mode)}, not a regular file: liferaft reads only regular files "
+                    "(remove it, or put the file itself there)")
+    if where is not None and not _within(path, where):
+        raise error(f"{what} {name!r} is a link to {os.path.realpath(path)}, outside its folder: liferaft reads "
+                    "nothing outside it (copy the file in)")
+    return st.st_size
+
+
+def open_regular(path: str, name: str, error: type[Exception] = OptionsError, limit: int | None = None,
+                 what: str = "file") -> BinaryIO:
+    """``path`` open for reading, checked after opening (nothing can swap it in between): a regular file (opened
+    without blocking, so a FIFO cannot hang the open) of at most ``limit`` bytes; ``error`` naming it otherwise."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise error(f"{what} {name!r} cannot be opened ({e.strerror})") from e
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise error(f"{what} {name!r} is {_kind(st.st_mode)}, not a regular file: liferaft reads only regular "
+                        "files")
+        if limit is not None and st.st_size > limit:
+            raise error(f"{what} {name!r} holds {st.st_size} bytes, more than the {limit} liferaft reads of such a "
+                        "file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_capped(path: str, name: str, error: type[Exception] = OptionsError, limit: int = JSON_LIMIT,
+                what: str = "file") -> bytes:
+    """The bytes of the regular file ``path``, at most ``limit`` of them (``open_regular``)."""
+    with open_regular(path, name, error, limit, what) as f:
+        raw = f.read(limit + 1)
+    if len(raw) > limit:
+        raise error(f"{what} {name!r} grew past {limit} bytes while it was read")
+    return raw
+
+
+def plain_name(name: Any) -> bool:
+    """A file name of one component: a non-empty str without ``/``, ``\\`` or NUL, not ``.``/``..``."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and not any(c in name for c in "/\\\0")
+            and len(name.encode("utf-8", "surrogateescape")) <= 255)
+
+
+def check_name(rel: Any, error: type[Exception], what: str) -> list[str]:
+    """The components of ``rel``, the name of a file relative to an HF folder (``/``-separated), which must be a
+    plain relative path: non-empty components without ``\\`` or NUL, no ``.``/``..``, not absolute; ``error``
+    otherwise."""
+    parts = rel.split("/") if isinstance(rel, str) else []
+    if not parts or not all(plain_name(p) for p in parts):
+        raise error(f"{what} {rel!r} is not a plain relative file name (no leading '/', no empty, '.' or '..' "
+                    "component, no backslash or NUL)")
+    return parts
+
+
+def st_files(src: str) -> list[str]:
+    """The safetensors files of ``src``: the file itself, or a folder's ``model.safetensors``, or the shards its
+    ``model.safetensors.index.json`` names. Each must be a regular file (a FIFO or device would hang the
+    reader); an index must be a JSON object whose ``weight_map`` maps tensor names to plain file names of that
+    folder, and each shard must lie in it once links are resolved (``roots``: the hub cache's blobs too);
+    CorruptCheckpointError naming the file (and key) otherwise."""
+    if not os.path.isdir(src):
+        check_file(src, src, None, CorruptCheckpointError, "safetensors file")
+        return [src]
+    where = roots(src)
+    index = os.path.join(src, INDEX)
+    if os.path.lexists(index):
+        check_file(index, f"{src}/{INDEX}", where, CorruptCheckpointError)
+        raw = read_capped(index, f"{src}/{INDEX}", CorruptCheckpointError)
+        try:
+            doc = json.loads(raw.decode("utf-8"))
+        except (ValueError, RecursionError) as e:
+            raise CorruptCheckpointError(f"file {src}/{INDEX} is not JSON ({e})") from e
+        weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+        if not isinstance(weight_map, dict):
+            raise CorruptCheckpointError(f"file {src}/{INDEX} is not a safetensors index (a JSON object whose "
+                                         "\"weight_map\" maps each tensor name to its file)")
+        files: dict[str, str] = {}
+        for key, name in weight_map.items():
+            if not plain_name(name) or not name.endswith(".safetensors"):
+                raise CorruptCheckpointError(f"file {src}/{INDEX}: tensor {key!r} is said to lie in {name!r}, not "
+                                             "the name of a .safetensors file in that folder; the index is damaged "
+                                             "or crafted")
+            files.setdefault(name, key)
+        for name, key in files.items():
+            check_file(os.path.join(src, name), f"{src}/{name}", where, CorruptCheckpointError,
+                       f"shard (of tensor {key!r})")
+        return [os.path.join(src, n) for n in files]
+    single = os.path.join(src, "model.safetensors")
+    if os.path.lexists(single):
+        check_file(single, f"{src}/model.safetensors", where, CorruptCheckpointError)
+        return [single]
+    raise StateMismatchError(f"{src}: no model.safetensors or {INDEX} there")
+
+
+# --------------------------------------------------------------------------- config and tokenizer files
+
+
+def hf_files(folder: str, error: type[Exception] = OptionsError) -> dict[str, str]:
     """The files of a Hugging Face folder an export brings along (relative path → absolute path): everything
-    but weight files and hidden files, subfolders included (a sentence-transformers ``1_Pooling/config.json``)."""
+    but weight files and hidden files, subfolders included (a sentence-transformers ``1_Pooling/config.json``).
+    Each must be a regular file inside the folder (``check_file``), at most ``MAX_FILES`` of them; ``error``
+    naming the file otherwise."""
+    where = roots(folder)
     out = {}
     for d, dirs, fs in os.walk(folder):
         dirs[:] = sorted(x for x in dirs if not x.startswith("."))
@@ -72,22 +224,30 @@ def hf_files(folder: str) -> dict[str, str]:
             if f.startswith(".") or WEIGHTS.fullmatch(f):
                 continue
             full = os.path.join(d, f)
-            out[os.path.relpath(full, folder).replace(os.sep, "/")] = full
+            rel = os.path.relpath(full, folder).replace(os.sep, "/")
+            check_name(rel, error, f"{folder}: file")
+            check_file(full, f"{folder}/{rel}", where, error)
+            out[rel] = full
+            if len(out) > MAX_FILES:
+                raise error(f"{folder}: more than {MAX_FILES} files besides weights; not a model folder")
     return out
 
 
 def recorded_files(folder: str) -> dict[str, str]:
     """What an import of ``folder`` records in the manifest (``extra["hf"]["files"]``, text by relative path): the
-    files ``hf_files`` lists when they are UTF-8 text of at most ``RECORD_LIMIT`` in all, else the configs."""
-    files = hf_files(folder)
-    if sum(os.path.getsize(p) for p in files.values()) > RECORD_LIMIT:
+    files ``hf_files`` lists when they are UTF-8 text of at most ``RECORD_LIMIT`` in all, else the configs. A FIFO,
+    device or link out of the folder among them: CorruptCheckpointError naming it."""
+    files = hf_files(folder, CorruptCheckpointError)
+    sizes = {rel: os.path.getsize(full) for rel, full in files.items()}
+    if sum(sizes.values()) > RECORD_LIMIT:
         files = {k: v for k, v in files.items() if k in ("config.json", "generation_config.json")}
     out = {}
     for rel, full in files.items():
+        if sizes[rel] > RECORD_LIMIT:
+            continue
         try:
-            with open(full, encoding="utf-8") as f:
-                out[rel] = f.read()
-        except (UnicodeDecodeError, OSError):
+            out[rel] = read_capped(full, f"{folder}/{rel}", CorruptCheckpointError, RECORD_LIMIT).decode("utf-8")
+        except UnicodeDecodeError:
             continue
     return out
 
@@ -98,7 +258,7 @@ def _with_dtype(text: str, dtype: str | None) -> str:
         return text
     try:
         doc = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return text
     if not isinstance(doc, dict) or not ({"dtype", "torch_dtype"} & set(doc)):
         return text
@@ -108,44 +268,134 @@ def _with_dtype(text: str, dtype: str | None) -> str:
     return json.dumps(doc, indent=2) + "\n"
 
 
-def bring_config(config: str | os.PathLike[str] | None, recorded: dict[str, str] | None, dst: str,
-                  dtype: str | None) -> tuple[list[str], str]:
-    """Write the config (and tokenizer, ...) files of an HF export into ``dst``: from ``config`` (a
-    ``config.json``, or a folder: ``hf_files``), else those an import recorded. Returns (files, a note)."""
-    contents: dict[str, bytes] = {}
+@dataclass(frozen=True)
+class _Copy:
+    """A file to copy into the export (from a ``--config`` folder), streamed when written."""
+
+    path: str
+    name: str
+
+
+def plan_config(config: str | os.PathLike[str] | None, recorded: Any, dtype: str | None
+                ) -> tuple[dict[str, bytes | _Copy], str]:
+    """The config (and tokenizer, ...) files of an HF export, every name and file checked before anything is
+    written: (relative name → contents or a file to copy, a note). From ``config`` (a ``config.json``, or a
+    folder: ``hf_files``; OptionsError for what is wrong there), else those an import recorded (``recorded``,
+    from the manifest: CorruptCheckpointError for a name that is not a plain relative path, names a weight file
+    or the index an export writes, or is both a file and a folder)."""
+    contents: dict[str, bytes | _Copy] = {}
     if config is not None:
         c = os.fspath(config)
         if os.path.isdir(c):
-            for rel, full in hf_files(c).items():
-                with open(full, "rb") as f:
-                    contents[rel] = f.read()
+            files = hf_files(c, OptionsError)
+            for rel, full in files.items():
+                if check_file(full, f"{c}/{rel}", None, OptionsError) > FILE_LIMIT:
+                    raise OptionsError(f"--config {c}: file {rel!r} holds more than {FILE_LIMIT} bytes; not a "
+                                       "config or tokenizer file")
+                contents[rel] = _Copy(full, f"{c}/{rel}")
             if "config.json" not in contents:
                 raise OptionsError(f"--config {c}: no config.json in that folder")
+            contents["config.json"] = read_capped(files["config.json"], f"{c}/config.json", OptionsError)
             note = f"config: {len(contents)} file(s) from {c}"
-        elif os.path.isfile(c):
-            with open(c, "rb") as f:
-                contents["config.json"] = f.read()
+        elif os.path.lexists(c):
+            check_file(c, c, None, OptionsError, "--config")
+            contents["config.json"] = read_capped(c, c, OptionsError, what="--config")
             note = f"config: {c}"
         else:
             raise OptionsError(f"--config {c}: no such file or folder")
         try:
-            if not isinstance(json.loads(contents["config.json"]), dict):
+            if not isinstance(json.loads(contents["config.json"].decode("utf-8")), dict):   # type: ignore[union-attr]
                 raise ValueError("not a JSON object")
-        except (ValueError, UnicodeDecodeError) as e:
+        except (ValueError, RecursionError) as e:
             raise OptionsError(f"--config {c}: its config.json is not a JSON config ({e})") from e
+        bad: type[Exception] = OptionsError
     elif recorded:
-        contents = {rel: text.encode("utf-8") for rel, text in recorded.items() if isinstance(text, str)}
+        if not isinstance(recorded, dict) or not all(isinstance(t, str) for t in recorded.values()):
+            raise CorruptCheckpointError("the checkpoint's metadata \"hf\" → \"files\" is not a map of file names to "
+                                         "text; the manifest is damaged")
+        contents = {rel: text.encode("utf-8", "surrogatepass") for rel, text in recorded.items()}
         note = f"config: {len(contents)} file(s) recorded when the checkpoint was imported from a Hugging Face folder"
+        bad = CorruptCheckpointError
     else:
-        return [], ("no config.json: from_pretrained needs one; pass --config (a config.json, or the model's "
+        return {}, ("no config.json: from_pretrained needs one; pass --config (a config.json, or the model's "
                     "folder to bring its tokenizer files too)")
-    for rel, raw in contents.items():
-        if rel.startswith("/") or ".." in rel.split("/"):
-            raise OptionsError(f"config file {rel!r} would lie outside {dst}")
-        target = os.path.join(dst, *rel.split("/"))
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        if rel == "config.json":
-            raw = _with_dtype(raw.decode("utf-8"), dtype).encode("utf-8")
-        with open(target, "wb") as f:
-            f.write(raw)
-    return list(contents), note
+    what = "config file" if bad is OptionsError else "Hugging Face file (recorded in the manifest)"
+    for rel in contents:
+        parts = check_name(rel, bad, what)
+        if WEIGHTS.fullmatch(rel) or rel == INDEX:
+            raise bad(f"{what} {rel!r}: a weight file's name (the export writes its own weights and index)")
+        for i in range(1, len(parts)):
+            if "/".join(parts[:i]) in contents:
+                raise bad(f"{what} {rel!r} lies below {'/'.join(parts[:i])!r}, which is a file as well")
+    if dtype and isinstance(contents.get("config.json"), bytes):
+        try:
+            contents["config.json"] = _with_dtype(contents["config.json"].decode("utf-8"),  # type: ignore
+                                                  dtype).encode("utf-8")
+        except UnicodeDecodeError:
+            pass
+    return contents, note
+
+
+def _folder_at(parent: int, name: str, rel: str, dst: str) -> int:
+    """The folder ``name`` of the open folder ``parent`` (made if absent), opened; never through a link."""
+    try:
+        os.mkdir(name, 0o777, dir_fd=parent)
+    except FileExistsError:
+        pass
+    try:
+        return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0),
+                       dir_fd=parent)
+    except OSError as e:
+        raise OptionsError(f"{dst}: cannot write {rel!r}: {name!r} there is a link or not a folder ({e.strerror}); "
+                           "liferaft writes nothing through links") from e
+
+
+def write_config(contents: dict[str, bytes | _Copy], dst: str) -> list[str]:
+    """Write the files ``plan_config`` planned into the folder ``dst`` (followed once if it is itself a link, as
+    any output folder is). Inside it nothing is written through a link: each folder on the way is opened without
+    following links, and whatever lies at a file's name (an earlier export's file, a link, a FIFO) is removed and
+    the file created anew. OSError: OptionsError naming the file."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)
+    root = os.open(os.path.realpath(dst), flags)
+    try:
+        for rel, what in contents.items():
+            parts = rel.split("/")
+            opened: list[int] = []
+            try:
+                at = root
+                for name in parts[:-1]:
+                    at = _folder_at(at, name, rel, dst)
+                    opened.append(at)
+                try:
+                    if stat.S_ISDIR(os.stat(parts[-1], dir_fd=at, follow_symlinks=False).st_mode):
+                        raise OptionsError(f"{dst}: cannot write {rel!r}: a folder of that name is there")
+                    os.unlink(parts[-1], dir_fd=at)
+                except FileNotFoundError:
+                    pass
+                fd = os.open(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW |
+                             getattr(os, "O_CLOEXEC", 0), 0o644, dir_fd=at)
+                with os.fdopen(fd, "wb") as out:
+                    if isinstance(what, bytes):
+                        out.write(what)
+                    else:
+                        with open_regular(what.path, what.name, OptionsError, FILE_LIMIT) as f:
+                            while piece := f.read(8 << 20):
+                                out.write(piece)
+            except OSError as e:
+                raise OptionsError(f"{dst}: cannot write {rel!r} ({e.strerror or e})") from e
+            finally:
+                for fd in opened:
+                    os.close(fd)
+    finally:
+        os.close(root)
+    return list(contents)
+
+
+def bring_config(config: str | os.PathLike[str] | None, recorded: dict[str, str] | None, dst: str,
+                 dtype: str | None) -> tuple[list[str], str]:
+    """Write the config (and tokenizer, ...) files of an HF export into ``dst``: from ``config`` (a
+    ``config.json``, or a folder: ``hf_files``), else those an import recorded. Returns (files, a note).
+    (``to_hf`` plans them before it writes the weights, and writes them after: ``plan_config``, ``write_config``.)"""
+    contents, note = plan_config(config, recorded, dtype)
+    os.makedirs(dst, exist_ok=True)
+    return write_config(contents, dst), note
