@@ -212,6 +212,7 @@ class _LoadPlan:
         self.fresh_per_rank: list[tuple[tuple[PathPart, ...], Any, torch.Tensor, int]] = []
         self.covered = bytearray()     # one byte per manifest key (tensors, then values): 1 = this rank loads it
         self.missing: list[str] = []
+        self.strict = True             # False: a per-rank key that cannot be mapped is listed as missing
         self.absent: list[tuple[PathPart, ...]] = []   # optional subtrees the checkpoint lacks (state.matching)
         self.skipped: list[str] = []                   # checkpoint keys the state does not persist
         self.lossy: dict[str, dict[str, Any]] = {}
@@ -231,6 +232,7 @@ class _LoadPlan:
 def _plan_load(storage: Storage, manifest: Manifest, flat: FlatState, coord: Coordinator,
                opts: LoadOptions, strict: bool = True) -> _LoadPlan:
     plan = _LoadPlan(flat)
+    plan.strict = strict
     tensors = manifest.tensor_map()
     values = {v.key: v for v in manifest.values}
     index = {k: i for i, k in enumerate([t.key for t in manifest.tensors] + [v.key for v in manifest.values])}
@@ -366,6 +368,9 @@ def _per_rank_row(plan: _LoadPlan, key: str, path: tuple, entry: Any, saved_worl
         return entry.per_rank.index(coord.rank)
     if _accepts_per_rank(plan.flat, path):
         return -1
+    if not plan.strict:                 # left as it is, listed as missing
+        plan.missing.append(key)
+        return None
     raise StateMismatchError(_resize_message(plan.flat, key, path, saved_world, coord.world))
 
 
@@ -379,8 +384,9 @@ def _resize_message(flat: FlatState, key: str, path: tuple, saved: int, world: i
     hint = next((getattr(a, "resize_hint", None) for p, a, _ in flat.statefuls if path[:len(p)] == p
                  and getattr(a, "resize_hint", None)), None)
     return (f"key {key!r} held a different value on each of the {saved} saving ranks; it cannot be mapped onto "
-            f"{world} ranks; nothing was loaded. " + (hint or "Make it equal on all ranks, or load with the same "
-                                                      "world size"))
+            f"{world} ranks; nothing was loaded. " + (hint or "Make it equal on all ranks, load with the same world "
+                                                      "size, or pass strict=False to leave it as it is (it is "
+                                                      "then listed in missing_keys)"))
 
 
 def _accepts_per_rank(flat: FlatState, path: tuple) -> bool:

@@ -47,7 +47,12 @@ def test_another_world_size_is_refused_naming_the_key(tmp_path):
     assert all("'mine'" in e or "'counter'" in e or "'big_np'" in e or "'big_bytes'" in e or "'nested.t'" in e
                for e in errors)
     with pytest.raises(liferaft.StateMismatchError, match="cannot be mapped onto 1 ranks"):
-        liferaft.load(path, {"mine": torch.zeros(5056, dtype=torch.uint8)}, strict=False)
+        liferaft.load(path, {"mine": torch.zeros(5056, dtype=torch.uint8), "same": torch.zeros(6)})
+    # strict=False: what can be mapped is loaded; the per-rank key is left as it is and listed as missing
+    live = {"mine": torch.zeros(5056, dtype=torch.uint8), "same": torch.zeros(6)}
+    res = liferaft.load(path, live, strict=False)
+    assert "mine" in res.missing_keys and torch.equal(live["mine"], torch.zeros(5056, dtype=torch.uint8))
+    assert torch.equal(live["same"], torch.arange(6.0))
 
 
 def test_the_plan_follows_when_copies_start_or_stop_differing(tmp_path):
