@@ -181,6 +181,9 @@ _DIFFERENT = {
     "sets 1 vs True": ({1, 2}, {True, 2}),
     "long strings differing at the end": ("x" * 5000 + "a", "x" * 5000 + "b"),
     "list vs str": (["a"], "a"),
+    "sets of numpy float32 0.0 vs -0.0": ({np.float32(-0.0)}, {np.float32(0.0)}),
+    "dict keys numpy float16 0.0 vs -0.0": ({np.float16(-0.0): 1}, {np.float16(0.0): 1}),
+    "sets of numpy complex64 -0j": ({np.complex64(complex(1, -0.0))}, {np.complex64(complex(1, 0.0))}),
 }
 
 

@@ -188,6 +188,7 @@ HEADERS = {
     "metadata": ({"__metadata__": {"format": 1}}, b""),
     "metadata_list": ({"__metadata__": ["x"]}, b""),
     "header_list": ([1, 2], b""),
+    "65_dims": ({"a": {"dtype": "F32", "shape": [0] + [1] * 64, "data_offsets": [0, 0]}}, b""),
 }
 
 
@@ -234,6 +235,10 @@ def test_an_unknown_dtype_is_named_and_good_headers_still_read(tmp_path):
              struct.pack("<ffq", 1.0, 2.0, 7))
     src = open_source(ok)
     assert src.tensors["e"][1] == (0, 3)
+    empty = str(tmp_path / "empty.safetensors")       # as safetensors.save_file writes one empty tensor
+    _st(empty, {"w": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}})
+    assert open_source(empty).tensors["w"][1] == (0,) and not check_source(empty).faults
+    assert main(["read", empty]) == 0
     assert torch.equal(src.read("a", ((0,), (2,))), torch.tensor([1.0, 2.0]))
     assert int(src.read("b", ((), ()))) == 7
     assert not check_source(ok).faults
@@ -246,7 +251,8 @@ def test_an_unknown_dtype_is_named_and_good_headers_still_read(tmp_path):
     {"": "x"}, {"a": "x", "a/b": "y"}, {"a\x00b": "x"}, {"model.safetensors": "not weights"},
     {"model-00001-of-00002.safetensors": "x"}, {"model.safetensors.index.json": "{}"}, {"../up.txt": "x"},
     {"/abs.txt": "x"}, {"a//b": "x"}, {"a\\b": "x"}, {"./a": "x"}, {"sub/pytorch_model.bin": "x"},
-    {"tok.json": 3}, ["config.json"],
+    {"tok.json": 3}, ["config.json"], {"model.safetensors/x.json": "x"},
+    {"model-00001-of-00002.safetensors/a/b.txt": "x"}, {"model.safetensors.index.json/x": "x"},
 ])
 def test_recorded_files_that_are_no_plain_config_names_are_refused_before_anything_is_written(tmp_path, files):
     ck = str(tmp_path / "ck")

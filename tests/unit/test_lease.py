@@ -200,3 +200,11 @@ def test_non_finite_renewal_times_are_a_damaged_lease(tmp_path):
     lease.acquire()                      # damaged: protects nothing (as any unreadable lease)
     assert time.monotonic() - t0 < 5
     lease.release()
+
+
+def test_a_lease_from_the_future_is_refused_saying_how_to_clear_it(tmp_path):
+    root = str(tmp_path / "r")
+    _record(root, host="elsewhere", machine="", ttl=1e9, renewed_unix=1e12)
+    lease = Lease(resolve(root), "me", ttl=0.5, max_wait=1.0)
+    with pytest.raises(CheckpointBusyError, match="in the future .* delete .*LEASE"):
+        lease.acquire()

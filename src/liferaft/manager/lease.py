@@ -190,6 +190,18 @@ class Lease:
                 f"Stop the other job, or use another root (a lease not renewed for {self._ttl_of(other):g} s is "
                 "free; a restart of the same job, with the same job id, takes it at once)")
 
+    def _doubt(self, other: LeaseInfo, since: float, now: float) -> str:
+        """What to add to a refusal when the lease looks abandoned rather than held (it is refused all the same:
+        its holder may renew it less often than we waited)."""
+        ahead = other.renewed_unix - time.time()
+        if ahead > self._ttl_of(other):
+            return (f". Its renewal time lies {ahead:.0f} s in the future (a clock that far off, or a damaged or "
+                    f"crafted lease): if no job writes this root, delete {self.storage.url}/{LEASE}")
+        if now - since >= self._wait_of(other) and other.ttl is not None and other.ttl > self._wait_of(other):
+            return (f". It did not change in the {now - since:.0f} s we watched, but its holder's ttl is "
+                    f"{other.ttl:g} s: if no job writes this root, delete {self.storage.url}/{LEASE}")
+        return ""
+
     # ------------------------------------------------------------------ acquire, check, renew, release
 
     def acquire(self) -> None:
@@ -218,7 +230,7 @@ class Lease:
             if deadline is None:
                 deadline = now + self._wait_of(other) + 1.0
             if now > deadline:
-                raise CheckpointBusyError(f"{self.storage.url} is in use: {busy}")
+                raise CheckpointBusyError(f"{self.storage.url} is in use: {busy}" + self._doubt(other, seen[1], now))
             time.sleep(min(1.0, self._wait_of(other) / 10))
         try:
             self._write()

@@ -254,7 +254,8 @@ def safetensors_state(src: str | os.PathLike[str], keys: Sequence[str] | None = 
         for key, (dtype, shape, a, b) in tensors.items():
             if not _selected(key, keys):
                 continue
-            out[rn(key)] = torch.from_numpy(data[a:b]).view(torch_dtype(dtype)).reshape(shape)
+            out[rn(key)] = torch.empty(shape, dtype=torch_dtype(dtype)) if a == b else \
+                torch.from_numpy(data[a:b]).view(torch_dtype(dtype)).reshape(shape)
     return out
 
 

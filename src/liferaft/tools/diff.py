@@ -310,6 +310,12 @@ def _strict_key(k: Any) -> Any:
         return (float, "nan" if math.isnan(k) else struct.pack("<d", k))
     if isinstance(k, complex):
         return (complex, _strict_key(k.real), _strict_key(k.imag))
+    import numpy as np
+
+    if isinstance(k, (np.floating, np.complexfloating)):      # not float/complex subclasses (but float64)
+        if k.dtype.itemsize <= (8 if isinstance(k, np.floating) else 16) and k.dtype != np.longdouble:
+            return _strict_key(float(k) if isinstance(k, np.floating) else complex(k))   # exact: the same bits
+        return (k.dtype.str, k.tobytes())
     if isinstance(k, tuple):
         return (type(k), tuple(_strict_key(i) for i in k))
     if isinstance(k, frozenset):

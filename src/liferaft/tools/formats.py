@@ -29,6 +29,7 @@ from liferaft.options import LoadOptions
 
 FORMATS = ("liferaft", "dcp", "safetensors", "torch")
 INDEX = "model.safetensors.index.json"
+MAX_DIMS = 64                   # more dimensions than any tensor has (torch allows 64)
 #: How messages name each format.
 NAMES = {"liferaft": "liferaft checkpoint", "dcp": "DCP checkpoint", "safetensors": "safetensors checkpoint",
          "torch": "torch.save file"}
@@ -441,8 +442,8 @@ def read_st_header(f: Any, name: str, size: int
             raise bad(f"{what}: dtype {dt!r} is not a name")
         if dt not in FROM_ST:
             raise InvalidStateError(f"file {name!r}: tensor {key!r} has dtype {dt[:40]}, unknown to liferaft")
-        if not isinstance(shape, list) or not all(is_int(d) and d >= 0 for d in shape):
-            raise bad(f"{what}: shape {str(shape)[:100]} is not a list of non-negative integers")
+        if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(is_int(d) and d >= 0 for d in shape):
+            raise bad(f"{what}: shape {str(shape)[:100]} is not a list of at most {MAX_DIMS} non-negative integers")
         span = 1
         for d in shape:
             span *= max(d, 1)

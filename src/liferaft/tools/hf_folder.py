@@ -322,8 +322,9 @@ def plan_config(config: str | os.PathLike[str] | None, recorded: Any, dtype: str
     what = "config file" if bad is OptionsError else "Hugging Face file (recorded in the manifest)"
     for rel in contents:
         parts = check_name(rel, bad, what)
-        if WEIGHTS.fullmatch(rel) or rel == INDEX:
-            raise bad(f"{what} {rel!r}: a weight file's name (the export writes its own weights and index)")
+        if WEIGHTS.fullmatch(rel) or any(WEIGHTS.fullmatch(p) or p == INDEX for p in parts):
+            raise bad(f"{what} {rel!r}: a weight file's name, or a name below one (the export writes its own "
+                      "weights and index there)")
         for i in range(1, len(parts)):
             if "/".join(parts[:i]) in contents:
                 raise bad(f"{what} {rel!r} lies below {'/'.join(parts[:i])!r}, which is a file as well")
