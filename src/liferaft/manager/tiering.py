@@ -14,7 +14,7 @@ from liferaft.errors import LiferaftError
 from liferaft.tiers.memory import step_name
 
 if TYPE_CHECKING:
-    from liferaft.manager.manager import StepInfo
+    from liferaft.manager.listing import StepInfo
 
 STARTS = "STARTS"              # start times of the jobs' processes on this root (every_seconds="auto" learns from it)
 PRIOR_MTBF_HOURS = 24.0        # assumed mean time between failures until restarts say otherwise
