@@ -226,33 +226,6 @@ class CheckReport:
     faults: tuple[str, ...]
 
 
-class _Window(io.RawIOBase):
-    """A read-only window ``[start, start + length)`` of an open file, for ``zipfile``."""
-
-    def __init__(self, f: Any, start: int, length: int) -> None:
-        self.f, self.start, self.length, self.pos = f, start, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        self.pos = {0: pos, 1: self.pos + pos, 2: self.length + pos}[whence]
-        return self.pos
-
-    def readinto(self, b: Any) -> int:
-        n = max(0, min(len(b), self.length - self.pos))
-        self.f.seek(self.start + self.pos)
-        got = self.f.readinto(memoryview(b)[:n])
-        self.pos += got
-        return got
-
-
 def _check_zip(f: Any, what: str, progress: Callable[[int], None] | None) -> tuple[int, int, int, list[str], int]:
     """Read every record of the zip archive ``f`` (a ``torch.save`` archive) and check its CRC-32. Returns
     (records checked, their bytes, bytes read, faults, records without a CRC: ``torch.save`` with
@@ -341,7 +314,9 @@ def check_source(path: str | os.PathLike[str], progress: Callable[[int], None] |
                     faults.append(f"{what}: cannot be read ({e})")
                 continue
             with open(file, "rb") as f:
-                r, cb, n, fs, nc = _check_zip(io.BufferedReader(_Window(f, offset, length)), what, progress)
+                from liferaft.tools.dcp_format import _View
+
+                r, cb, n, fs, nc = _check_zip(io.BufferedReader(_View(f, offset, length)), what, progress)
             records, crc_bytes, nbytes, no_crc = records + r, crc_bytes + cb, nbytes + n, no_crc + nc
             faults += fs
     elif fmt == "torch":
