@@ -93,16 +93,22 @@ def save_rank(rank: int, world: int, path: str) -> str:
     return liferaft.save(path, rank_state(rank), options=liferaft.SaveOptions(metadata={"golden": "v1"})).save_id
 
 
-def main(argv: list[str]) -> None:
+def write_golden(golden_dir: Path, save: Any, world: int, argv: list[str]) -> None:
+    """Save a golden checkpoint into ``golden_dir`` with ``save(rank, world, path)`` on ``world`` ranks; refuse to
+    replace a committed one unless ``--force`` is in ``argv``."""
     from liferaft.testing import run_ranks
 
-    if GOLDEN_DIR.exists():
+    if golden_dir.exists():
         if "--force" not in argv:
-            sys.exit(f"{GOLDEN_DIR} exists; it is committed and must stay as it is (pass --force to replace it)")
-        shutil.rmtree(GOLDEN_DIR)
-    ids = run_ranks(save_rank, WORLD, str(GOLDEN_DIR))
-    total = sum(f.stat().st_size for f in GOLDEN_DIR.rglob("*") if f.is_file())
-    print(f"wrote {GOLDEN_DIR} (save {ids[0]}, {total} bytes)")
+            sys.exit(f"{golden_dir} exists; it is committed and must stay as it is (pass --force to replace it)")
+        shutil.rmtree(golden_dir)
+    ids = run_ranks(save, world, str(golden_dir))
+    total = sum(f.stat().st_size for f in golden_dir.rglob("*") if f.is_file())
+    print(f"wrote {golden_dir} (save {ids[0]}, {total} bytes)")
+
+
+def main(argv: list[str]) -> None:
+    write_golden(GOLDEN_DIR, save_rank, WORLD, argv)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ differs per rank.
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -44,15 +43,9 @@ def save_rank(rank: int, world: int, path: str) -> str:
 
 
 def main(argv: list[str]) -> None:
-    from liferaft.testing import run_ranks
+    from golden.make_golden import write_golden
 
-    if GOLDEN_DIR.exists():
-        if "--force" not in argv:
-            sys.exit(f"{GOLDEN_DIR} exists; it is committed and must stay as it is (pass --force to replace it)")
-        shutil.rmtree(GOLDEN_DIR)
-    ids = run_ranks(save_rank, WORLD, str(GOLDEN_DIR))
-    total = sum(f.stat().st_size for f in GOLDEN_DIR.rglob("*") if f.is_file())
-    print(f"wrote {GOLDEN_DIR} (save {ids[0]}, {total} bytes)")
+    write_golden(GOLDEN_DIR, save_rank, WORLD, argv)
 
 
 if __name__ == "__main__":

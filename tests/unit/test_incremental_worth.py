@@ -197,7 +197,7 @@ def test_a_damaged_crumb_is_not_copied_the_save_fails_naming_it(tmp_path):
     assert not any(f.endswith(".bin") for _, _, fs in os.walk(tmp_path / "b") for f in fs)
 
 
-def test_crumbs_are_copied_on_an_object_store_too():
+def test_crumbs_are_copied_on_an_object_store_too(monkeypatch):
     pytest.importorskip("obstore")
     pytest.importorskip("moto")
     import uuid
@@ -207,28 +207,21 @@ def test_crumbs_are_copied_on_an_object_store_too():
     from liferaft.testing.s3server import MotoS3Server
 
     with MotoS3Server() as server:
-        saved = {k: os.environ.get(k) for k in server.env()}
-        os.environ.update(server.env())
-        try:
-            root = f"s3://{server.bucket}/{uuid.uuid4().hex[:10]}"
-            state = crumbs_state()
-            train(state, 0)
-            liferaft.save(f"{root}/a", state)
-            train(state, 1)
-            r = liferaft.save(f"{root}/b", state, options=SaveOptions(incremental_base="a"))
-            assert r.bytes_reused == 0
-            files = open_checkpoint(resolve(f"{root}/b")).files
-            assert any(f.endswith("-copies.bin") for f in files) and not any(f.startswith("../") for f in files)
-            st = resolve(f"{root}/a")
-            for name in st.list():
-                st.delete(name)
-            liferaft.verify(f"{root}/b")
-            fresh = crumbs_state()
-            liferaft.load(f"{root}/b", fresh)
-            assert_bit_exact(snapshot(fresh), snapshot(state))
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        for k, v in server.env().items():
+            monkeypatch.setenv(k, v)
+        root = f"s3://{server.bucket}/{uuid.uuid4().hex[:10]}"
+        state = crumbs_state()
+        train(state, 0)
+        liferaft.save(f"{root}/a", state)
+        train(state, 1)
+        r = liferaft.save(f"{root}/b", state, options=SaveOptions(incremental_base="a"))
+        assert r.bytes_reused == 0
+        files = open_checkpoint(resolve(f"{root}/b")).files
+        assert any(f.endswith("-copies.bin") for f in files) and not any(f.startswith("../") for f in files)
+        st = resolve(f"{root}/a")
+        for name in st.list():
+            st.delete(name)
+        liferaft.verify(f"{root}/b")
+        fresh = crumbs_state()
+        liferaft.load(f"{root}/b", fresh)
+        assert_bit_exact(snapshot(fresh), snapshot(state))

@@ -241,13 +241,7 @@ def _check_zip(f: Any, what: str, progress: Callable[[int], None] | None) -> tup
             size = 0
             try:
                 with zf.open(info) as member:
-                    while True:
-                        piece = member.read(8 << 20)
-                        if not piece:
-                            break
-                        size += len(piece)
-                        if progress is not None:
-                            progress(len(piece))
+                    size = _drain(member, progress)
                 records += 1
                 crc_bytes += size
             except zipfile.BadZipFile as e:
@@ -356,6 +350,18 @@ def _st_files(p: str) -> list[str]:
 ST_HEADER_LIMIT = 100_000_000
 
 
+def _drain(f: Any, progress: Callable[[int], None] | None) -> int:
+    """Read ``f`` to its end in 8 MiB pieces (``progress`` told each piece's size); the bytes read."""
+    done = 0
+    while True:
+        piece = f.read(8 << 20)
+        if not piece:
+            return done
+        done += len(piece)
+        if progress is not None:
+            progress(len(piece))
+
+
 def read_st_header(f: Any, name: str, size: int
                    ) -> tuple[dict[str, tuple[str, tuple[int, ...], int, int]], int]:
     """The one validator of a safetensors header, for every reader: ``f`` open at the start of a file of ``size``
@@ -454,14 +460,7 @@ def _check_safetensors(file: str, name: str, progress: Callable[[int], None] | N
         with open_regular(file, name, CorruptCheckpointError, what="file") as f:
             size = os.fstat(f.fileno()).st_size
             read_st_header(f, name, size)
-            done = 0
-            while True:                                 # every data byte read: I/O errors show
-                piece = f.read(8 << 20)
-                if not piece:
-                    break
-                done += len(piece)
-                if progress is not None:
-                    progress(len(piece))
+            done = _drain(f, progress)                  # every data byte read: I/O errors show
     except (CorruptCheckpointError, InvalidStateError) as e:
         return 0, [str(e)]
     return done, []
