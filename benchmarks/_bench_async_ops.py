@@ -23,11 +23,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import _bench_ranks as W
 import torch
 import torch.distributed as dist
 from _common import PeakRss, drop_cache, med_range
-
-import _bench_ranks as W
 
 UPDATE_ELEMS = 256
 LIFERAFT = ["liferaft-blocking", "liferaft-overlapped", "liferaft-sync", "liferaft-blocking-zstd"]
@@ -131,9 +130,10 @@ class Saver:
                                                        use_async_staging=False, use_non_blocking_copy=False))
 
     def start(self, path: str, state: dict[str, Any], timeout: float) -> Running:
-        import liferaft
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        import liferaft
 
         def none() -> None:
             return None

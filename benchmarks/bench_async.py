@@ -40,10 +40,9 @@ import statistics
 import sys
 from typing import Any
 
-from _common import ROOT, append_jsonl, machine, med_range, run_and_report, run_solo  # sets up the paths
-
 import _bench_async_ops as O  # noqa: E402
 import _bench_ranks as W  # noqa: E402
+from _common import ROOT, append_jsonl, machine, med_range, run_and_report, run_solo  # sets up the paths
 
 LABEL = {"liferaft-blocking": "liferaft async_save, blocking staging",
          "liferaft-overlapped": "liferaft async_save, overlapped staging",

@@ -22,9 +22,8 @@ import sys
 import tempfile
 import time
 
-from _common import machine  # sets up the paths
-
 import numpy as np  # noqa: E402
+from _common import machine  # sets up the paths
 
 BLOCK = 256 << 10
 
@@ -42,9 +41,8 @@ def weights() -> dict[str, tuple[bytes, int, str]]:
 
 
 def adam_states(steps: int) -> dict[str, tuple[bytes, int, str]]:
-    import torch
-
     import _models as M
+    import torch
 
     model, opt, step = M.build("full", "quick")
     for i in range(steps):

@@ -25,9 +25,8 @@ import sys
 import time
 from typing import Any
 
-from _common import ROOT, append_jsonl, drop_cache, machine, run_solo  # sets up the paths
-
 import _bench_ranks as W  # noqa: E402
+from _common import ROOT, append_jsonl, drop_cache, machine, run_solo  # sets up the paths
 
 
 def _save(target: str, cfg: W.Config, method: str) -> dict[str, Any]:
@@ -67,7 +66,7 @@ def op(kind: str, target: str, cfg: W.Config, method: str, env: dict[str, str]) 
     if method == "liferaft-raw" and kind == "load":
         method = "liferaft"
     if method == "liferaft-nocheck":
-        import liferaft.transfer.reader as reader
+        import liferaft.core.chunks.reader as reader
 
         reader.verify_blocks = lambda *args: None      # this benchmark process only
         method = "liferaft"

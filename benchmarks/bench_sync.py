@@ -35,10 +35,10 @@ import statistics
 import sys
 from typing import Any
 
-from _common import ROOT, append_jsonl, dir_bytes, drop_cache, machine, run_and_report, run_solo  # sets up the paths
-
 import _bench_async_ops as O  # noqa: E402
 import _bench_ranks as W  # noqa: E402
+from _common import ROOT, append_jsonl, dir_bytes, drop_cache, machine, run_and_report, run_solo  # sets up the paths
+
 from liferaft.testing import run_ranks  # noqa: E402
 
 # (case, op, label) in table order

@@ -28,9 +28,8 @@ import time
 import uuid
 from typing import Any
 
-from _common import ROOT, append_jsonl, drop_cache, machine  # sets up the paths
-
 import torch  # noqa: E402
+from _common import ROOT, append_jsonl, drop_cache, machine  # sets up the paths
 
 ROWS = 4096
 

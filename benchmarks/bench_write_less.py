@@ -44,10 +44,9 @@ import tempfile
 import time
 from typing import Any
 
-from _common import ROOT, append_jsonl, dir_bytes, drop_cache, machine  # sets up the paths
-
 import _models as M  # noqa: E402
 import torch  # noqa: E402
+from _common import ROOT, append_jsonl, dir_bytes, drop_cache, machine  # sets up the paths
 
 METHODS = ("liferaft full", "liferaft incremental", "liferaft incr + zstd", "liferaft incr + zstd + xor",
            "liferaft incr + q8 moments", "DCP", "DCP + zstd")
@@ -72,8 +71,9 @@ def _clone(tree: Any) -> Any:
 
 
 def save(method: str, path: str, prev: str | None, st: dict[str, Any]) -> float:
-    import liferaft
     import torch.distributed.checkpoint as dcp
+
+    import liferaft
     from liferaft import SaveOptions
 
     t0 = time.perf_counter()
@@ -94,8 +94,9 @@ def save(method: str, path: str, prev: str | None, st: dict[str, Any]) -> float:
 
 
 def load(method: str, path: str, like: dict[str, Any]) -> tuple[float, dict[str, Any]]:
-    import liferaft
     import torch.distributed.checkpoint as dcp
+
+    import liferaft
 
     target = _clone(like)
     drop_cache(path)

@@ -4,15 +4,30 @@ The public API is this module's ``__all__``; everything else is private and may 
 the data-position sampler; ``liferaft.storage`` and ``liferaft.testing`` the backends and test helpers.)
 """
 
-from liferaft.api import AsyncSaveHandle, async_save, load, save
+from liferaft.core.load import load
+from liferaft.core.read import CheckpointInfo, PerRank, TensorInfo, VerifyReport, inspect, read, verify
+from liferaft.core.save import AsyncSaveHandle, async_save, save
 from liferaft.dist import release_groups
-from liferaft.errors import (CheckpointBusyError, CheckpointExistsError, CheckpointNotFoundError,
-                             CorruptCheckpointError, DistributedError, FormatVersionError, IncompleteCheckpointError,
-                             InvalidStateError, LiferaftError, LossyCheckpointError, OptionsError,
-                             PickleNotAllowedError, ReadOnlyRootError, StateMismatchError, StorageError, UnsafePathError)
+from liferaft.errors import (
+                             CheckpointBusyError,
+                             CheckpointExistsError,
+                             CheckpointNotFoundError,
+                             CorruptCheckpointError,
+                             DistributedError,
+                             FormatVersionError,
+                             IncompleteCheckpointError,
+                             InvalidStateError,
+                             LiferaftError,
+                             LossyCheckpointError,
+                             OptionsError,
+                             PickleNotAllowedError,
+                             ReadOnlyRootError,
+                             StateMismatchError,
+                             StorageError,
+                             UnsafePathError,
+)
 from liferaft.manager.manager import CheckpointManager, StepInfo
 from liferaft.options import LoadOptions, LoadResult, SaveOptions, SaveResult
-from liferaft.reading import CheckpointInfo, PerRank, TensorInfo, VerifyReport, inspect, read, verify
 from liferaft.state.rng import RNGState
 from liferaft.state.sharded import Sharded
 from liferaft.tiers.memory import MemoryTier

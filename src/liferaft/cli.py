@@ -10,7 +10,7 @@
     liferaft convert SRC DST --to FMT   liferaft ↔ safetensors, torch (torch.save), dcp; → hf (a loadable model)
 
 Every command that takes a checkpoint (inspect, verify, read, diff, convert) takes each format
-``liferaft.tools.formats`` detects: liferaft, a DCP folder, safetensors (file or folder), a ``torch.save`` file;
+``liferaft.formats.sources`` detects: liferaft, a DCP folder, safetensors (file or folder), a ``torch.save`` file;
 ls and gc take a CheckpointManager root and say so when given a checkpoint.
 
 Uses only the public API (``import liferaft``) and ``liferaft.tools``. ``--json`` (ls, gc, diff, verify) prints
@@ -129,7 +129,7 @@ DEFAULT_COSTS = {"stall": {"memory": 0.15, "remote": 0.15}, "persist": {"memory"
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from liferaft.planning.goodput import Costs, table
+    from liferaft.manager.goodput import Costs, table
 
     raw = DEFAULT_COSTS
     if args.costs:
@@ -139,7 +139,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                   persist=raw.get("persist", {}))
     gpus = [int(x) for x in args.gpus.split(",") if x]
     if args.json:
-        from liferaft.planning.goodput import Cluster, compare
+        from liferaft.manager.goodput import Cluster, compare
 
         print(json.dumps([{"gpus": n, "plan": p.name, "intervals_s": dict(p.intervals), "goodput": p.goodput}
                           for n in gpus for p in compare(costs, Cluster(
@@ -181,7 +181,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 def _print_tree(path: str) -> None:
     """The keys of a liferaft checkpoint as a tree of their path parts (manifest only), children in saved order."""
-    from liferaft.reading import open_checkpoint
+    from liferaft.core.commit import open_checkpoint
     from liferaft.storage import resolve
     from liferaft.tools.stats import describe
 
@@ -194,7 +194,7 @@ def _print_tree(path: str) -> None:
 
 def _print_other(path: str, fmt: str, flat: bool = False) -> None:
     """Header and key tree (or one line per key) of a DCP folder, safetensors folder/file or torch.save file."""
-    from liferaft.tools.formats import open_source
+    from liferaft.formats.sources import open_source
     from liferaft.tools.stats import describe_side
 
     side = open_source(path)
@@ -291,7 +291,7 @@ def _inspect_keys(args: argparse.Namespace) -> int:
 
 def _verify_other(args: argparse.Namespace, fmt: str) -> int:
     """verify for a DCP folder, a torch.save file or safetensors: the checks their format allows."""
-    from liferaft.tools.formats import NAMES, check_source
+    from liferaft.formats.sources import NAMES, check_source
     from liferaft.tools.progress import Progress
 
     p = args.path
@@ -325,7 +325,7 @@ def _verify_other(args: argparse.Namespace, fmt: str) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from liferaft.tools.formats import detect
+    from liferaft.formats.sources import detect
     from liferaft.tools.progress import Progress
 
     fmt = detect(args.path)
@@ -429,7 +429,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     if src == "liferaft":
         tensors = liferaft.inspect(args.src).tensors
         if to == "hf":                                     # the bar counts the model's bytes only
-            from liferaft.reading import open_checkpoint
+            from liferaft.core.commit import open_checkpoint
             from liferaft.storage import resolve
             from liferaft.tools.hf_folder import model_subtree
 
@@ -460,11 +460,9 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:
-    from liferaft.tools.diff import diff
-
-    from liferaft.tools.progress import Progress
-
     from liferaft.tools.convert import detect_format
+    from liferaft.tools.diff import diff
+    from liferaft.tools.progress import Progress
 
     total = sum(t.nbytes for t in liferaft.inspect(args.a).tensors if not args.module or
                 t.key.startswith(args.module + ".")) if detect_format(args.a) == "liferaft" else 0
@@ -531,7 +529,7 @@ def _leaves(node: Any, path: tuple[Any, ...], leaf_keys: set[str]) -> Iterator[t
 def _read_other(args: argparse.Namespace) -> list[tuple[str, str, str]]:
     """The rows of ``read`` for a DCP folder, safetensors or a torch.save file: every tensor read (one at a time)
     and every value decoded, under the keys that format stores (DCP: each leaf of a nested value on its own)."""
-    from liferaft.tools.formats import open_source
+    from liferaft.formats.sources import open_source
 
     src = open_source(args.path, options=liferaft.LoadOptions(allow_pickle=args.allow_pickle))
     every = list(src.tensors) + [k for k in src.values if k not in src.tensors]
@@ -557,7 +555,7 @@ def _read_other(args: argparse.Namespace) -> list[tuple[str, str, str]]:
 
 
 def _cmd_read(args: argparse.Namespace) -> int:
-    from liferaft.tools.formats import detect
+    from liferaft.formats.sources import detect
 
     if detect(args.path) != "liferaft":
         rows = _read_other(args)

@@ -25,9 +25,11 @@ import hashlib
 import pickle
 import threading
 import traceback
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from liferaft.errors import DistributedError
+
+T = TypeVar("T")
 
 
 class _Group:
@@ -285,6 +287,31 @@ class Coordinator:
                 raise error
             raise DistributedError(f"{what or 'operation'} failed on rank 0:\n  rank 0: {m}")
         return p
+
+    def run(self, step: Callable[[], T], what: str) -> list[T]:
+        """Run ``step`` on this rank, then exchange the outcome: every rank's result (in rank order) when every
+        rank succeeded; otherwise every rank raises (the failing rank its own exception, the others a
+        DistributedError naming the failed ranks and their errors). The one way a collective phase that can fail
+        on one rank is written."""
+        result: Any = None
+        error: BaseException | None = None
+        try:
+            result = step()
+        except BaseException as e:  # noqa: BLE001 - reported to every rank, then raised here too
+            error = e
+        return self.exchange(result, error, what)
+
+    def run_on_zero(self, step: Callable[[], T], what: str) -> T:
+        """Run ``step`` on rank 0 only and give its result to every rank; if it fails, every rank raises (as
+        :meth:`run`). For what one rank reads for all (a manifest, a listing)."""
+        result: Any = None
+        error: BaseException | None = None
+        if self.rank == 0:
+            try:
+                result = step()
+            except BaseException as e:  # noqa: BLE001 - reported to every rank
+                error = e
+        return self.broadcast_from_zero(result, error, what)
 
     def isend(self, tensor: Any, rank: int, tag: int) -> _Work:
         """Start sending ``tensor`` to ``rank`` (of this coordinator); ``wait()`` on the result is bounded."""

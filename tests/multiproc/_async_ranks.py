@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import torch
+from multiproc._reshard_ranks import build_state
 
 import liferaft
 from liferaft.storage import PosixStorage, register_scheme
 from liferaft.testing.faults import FailingStorage, GatedStorage
-from multiproc._reshard_ranks import build_state
 
 
 def async_save_layout(rank: int, world: int, path: str, layout: dict, staging: str, budget: int | None) -> float:

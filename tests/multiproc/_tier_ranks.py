@@ -8,10 +8,10 @@ import signal
 from typing import Any
 
 import torch
+from multiproc._crash_ranks import _equal, state_at
 
 import liferaft
 from liferaft.tiers.memory import MemoryTier
-from multiproc._crash_ranks import _equal, state_at
 
 
 def node_of(rank: int, per_node: int) -> str:

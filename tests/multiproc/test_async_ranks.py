@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from multiproc._async_ranks import async_save_layout, plan_reuse, rank1_write_fails, skip_is_collective
+from multiproc._reshard_ranks import load_rank
 
 import liferaft
 from liferaft.testing import run_ranks
-from multiproc._async_ranks import async_save_layout, plan_reuse, rank1_write_fails, skip_is_collective
-from multiproc._reshard_ranks import load_rank
 
 S0 = {"kind": "dtensor", "mesh": (2,), "placements": ["S0"]}
 S1_3 = {"kind": "dtensor", "mesh": (3,), "placements": ["S1"]}

@@ -12,11 +12,11 @@ import json
 
 import pytest
 import torch
+from multiproc import _bad_input_ranks as R
 
 import liferaft
 from liferaft import SaveOptions
 from liferaft.testing import run_ranks
-from multiproc import _bad_input_ranks as R
 
 
 def _run(fn, path, *args):

@@ -12,11 +12,10 @@ from __future__ import annotations
 import os
 
 import pytest
+from multiproc._crash_ranks import job, restore_crashing
 
 import liferaft
-
 from liferaft.testing import RankFailure, run_ranks
-from multiproc._crash_ranks import job, restore_crashing
 
 DATA = "data/"
 CASES = {

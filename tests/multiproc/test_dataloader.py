@@ -5,9 +5,9 @@ keeps one rank's generator state for all ranks here (rank 1 would follow rank 0'
 from __future__ import annotations
 
 import pytest
+from multiproc._loader_ranks import global_resume, global_save_go_on, resume, resume_refused, train_save_go_on
 
 from liferaft.testing import run_ranks
-from multiproc._loader_ranks import global_resume, global_save_go_on, resume, resume_refused, train_save_go_on
 
 pytest.importorskip("torchdata.stateful_dataloader")
 

@@ -4,10 +4,10 @@ process; liferaft's DCP export of a 2-rank save read by DCP's own loader on 2 ra
 from __future__ import annotations
 
 import torch
+from multiproc._dcp_ranks import dcp_load_export, dcp_save_sharded, full, liferaft_save_sharded, load_dcp_other_layout
 
 import liferaft
 from liferaft.testing import run_ranks
-from multiproc._dcp_ranks import dcp_load_export, dcp_save_sharded, full, liferaft_save_sharded, load_dcp_other_layout
 
 
 def test_dcp_from_two_ranks_loads_in_other_layouts_and_converts(tmp_path):

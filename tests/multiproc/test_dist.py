@@ -1,11 +1,11 @@
 """Collectives: no hang when a rank stops answering; the previous checkpoint survives."""
 
 import torch
+from multiproc._dist_ranks import hang_on_second_save
 
 import liferaft
 from liferaft.dist import Coordinator
 from liferaft.testing import run_ranks
-from multiproc._dist_ranks import hang_on_second_save
 
 
 def test_a_silent_rank_makes_save_time_out_instead_of_hanging(tmp_path):

@@ -9,10 +9,16 @@ GlobalSampler, RNGState, CheckpointManager saving every 5 steps: run A trains 40
 from __future__ import annotations
 
 import pytest
+from multiproc._exact_ranks import (
+    load_on_new_layout,
+    resume,
+    run_straight,
+    run_straight_no_dropout,
+    run_until_crash,
+    save_then_crash,
+)
 
 from liferaft.testing import RankFailure, run_ranks
-from multiproc._exact_ranks import (load_on_new_layout, resume, run_straight, run_straight_no_dropout,
-                                   run_until_crash, save_then_crash)
 
 
 def test_kill_and_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path):

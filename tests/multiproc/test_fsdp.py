@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from multiproc._fsdp_ranks import compare, load_fsdp, make_model, save_fsdp, train
 
 import liferaft
 from liferaft.testing import run_ranks
-from multiproc._fsdp_ranks import compare, make_model, load_fsdp, save_fsdp, train
 
 
 def _saved(tmp_path):

@@ -4,9 +4,9 @@ every collective bounded by the options' timeout."""
 from __future__ import annotations
 
 import pytest
+from multiproc._groups_ranks import save_release_cycles, timeout_is_honoured
 
 from liferaft.testing import run_ranks
-from multiproc._groups_ranks import save_release_cycles, timeout_is_honoured
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -3,8 +3,9 @@ taken on the whole save (all ranks' chunks), identically on every rank (issue #1
 
 from __future__ import annotations
 
-from liferaft.testing import run_ranks
 from multiproc._incremental_ranks import run
+
+from liferaft.testing import run_ranks
 
 
 def test_crumbs_are_copied_on_every_rank_even_where_one_rank_holds_a_large_share_of_them(tmp_path):

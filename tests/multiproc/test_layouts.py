@@ -4,11 +4,11 @@ keys no other rank has) saved by 2 ranks, loaded per stage on 2 ranks and all st
 from __future__ import annotations
 
 import torch
+from multiproc._layouts_ranks import ddp_load_continue, ddp_train_save, pipeline_load, pipeline_save, stage_of
 from torch import nn
 
 import liferaft
 from liferaft.testing import run_ranks
-from multiproc._layouts_ranks import ddp_load_continue, ddp_train_save, pipeline_load, pipeline_save, stage_of
 
 
 def test_ddp_2_to_3_ranks_loads_bitwise_and_continues(tmp_path):

@@ -3,8 +3,9 @@ across ranks, and a resume on another number of ranks."""
 
 from __future__ import annotations
 
-from liferaft.testing import run_ranks
 from multiproc._manager_ranks import resume_on_other_layout, train_and_preempt
+
+from liferaft.testing import run_ranks
 
 
 def test_preemption_of_one_rank_saves_everywhere_then_resume_on_3_ranks(tmp_path):

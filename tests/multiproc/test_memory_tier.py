@@ -9,9 +9,9 @@ import shutil
 import uuid
 
 import pytest
+from multiproc._tier_ranks import held, job, release
 
 from liferaft.testing import RankFailure, run_ranks
-from multiproc._tier_ranks import held, job, release
 
 
 @pytest.fixture

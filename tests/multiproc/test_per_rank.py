@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from multiproc._per_rank_ranks import change_then_save, load, load_other_world, save, state_of
 
 import liferaft
 from liferaft.testing import run_ranks
-from multiproc._per_rank_ranks import change_then_save, load, load_other_world, save, state_of
 
 
 def expected(rank: int) -> dict:

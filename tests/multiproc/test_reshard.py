@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from multiproc._reshard_ranks import SHAPES, build_state, load_rank, reference, save_rank
 
 import liferaft
 from liferaft.testing import run_ranks
-from multiproc._reshard_ranks import SHAPES, build_state, load_rank, reference, save_rank
 
 S0 = {"kind": "dtensor", "mesh": (2,), "placements": ["S0"]}
 LAYOUTS = {

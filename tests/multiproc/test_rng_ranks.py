@@ -3,8 +3,9 @@ distinct, reproducible streams and a warning, never an error."""
 
 from __future__ import annotations
 
-from liferaft.testing import run_ranks
 from multiproc._rng_ranks import load_and_draw, save_and_draw, save_shared_torch_seed
+
+from liferaft.testing import run_ranks
 
 
 def test_each_rank_continues_its_stream_and_a_new_world_gets_derived_streams(tmp_path):

@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from multiproc import _share_ranks as R
 
 import liferaft
 from liferaft.planning.share_plan import plan_sharing
 from liferaft.testing import run_ranks
-from multiproc import _share_ranks as R
 
 
 def _run(fn, world, *args):

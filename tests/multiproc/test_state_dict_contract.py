@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from multiproc._contract_ranks import ddp_bn_save, loader_per_subgroup, net
 
 import liferaft
 from liferaft.errors import OptionsError
 from liferaft.testing import run_ranks
 from liferaft.tools.convert import to_dcp, to_safetensors, to_torch
-from multiproc._contract_ranks import ddp_bn_save, loader_per_subgroup, net
 
 
 def test_ddp_state_dicts_are_replicated_by_contract_and_plain_per_rank_tensors_are_not_exported(tmp_path):

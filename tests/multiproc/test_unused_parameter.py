@@ -6,9 +6,9 @@ this restore: "Missing key in checkpoint state_dict: optim.state.pooler.dense.we
 from __future__ import annotations
 
 import pytest
+from multiproc._pooler_ranks import resume_go_on, train_save_go_on
 
 from liferaft.testing import run_ranks
-from multiproc._pooler_ranks import resume_go_on, train_save_go_on
 
 pytest.importorskip("transformers")
 

@@ -7,12 +7,12 @@ import time
 
 import pytest
 import torch
+from saving import MODES, save_with
 
 import liferaft
 from liferaft import _async
 from liferaft.storage import register_scheme
 from liferaft.testing.faults import FailingStorage, GatedStorage
-from saving import MODES, save_with
 
 
 def make_state():

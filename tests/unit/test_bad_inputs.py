@@ -19,9 +19,22 @@ import torch
 import xxhash
 
 import liferaft
-from liferaft import (CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError,
-                      IncompleteCheckpointError, InvalidStateError, LiferaftError, LoadOptions, PickleNotAllowedError,
-                      SaveOptions, Sharded, StateMismatchError, StorageError, UnsafePathError)
+from liferaft import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    FormatVersionError,
+    IncompleteCheckpointError,
+    InvalidStateError,
+    LiferaftError,
+    LoadOptions,
+    PickleNotAllowedError,
+    SaveOptions,
+    Sharded,
+    StateMismatchError,
+    StorageError,
+    UnsafePathError,
+)
 from liferaft.storage import MemoryStorage, PosixStorage, register_scheme, resolve
 
 # ----------------------------------------------------------------------------------------------- helpers

@@ -112,7 +112,7 @@ def test_verify_checks_the_crcs_of_dcp_and_torch_files_and_says_what_it_cannot(c
     shutil.copytree(checkpoints["dcp"], bad)
     data = os.path.join(bad, next(n for n in os.listdir(bad) if n.endswith(".distcp")))
     raw = bytearray(open(data, "rb").read())
-    from liferaft.tools.dcp_format import DcpCheckpoint
+    from liferaft.formats.dcp import DcpCheckpoint
 
     chunk = DcpCheckpoint(bad).tensors["model.weight"].chunks[0]
     raw[chunk.offset + chunk.length - 40] ^= 0xFF               # inside the archive's data record

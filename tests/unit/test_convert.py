@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import liferaft
-from liferaft.tools.convert import (from_dcp, from_safetensors, from_torch, to_dcp, to_safetensors, to_torch)
+from liferaft.tools.convert import from_dcp, from_safetensors, from_torch, to_dcp, to_safetensors, to_torch
 from liferaft.tools.diff import diff
 
 safetensors = pytest.importorskip("safetensors.torch")

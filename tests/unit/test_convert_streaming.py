@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import liferaft
+from liferaft.formats.dcp import DcpCheckpoint
 from liferaft.tools.convert import to_dcp, to_torch
-from liferaft.tools.dcp_format import DcpCheckpoint
 
 
 def nested():

@@ -10,12 +10,11 @@ import math
 
 import pytest
 import torch
-
-from compare import assert_same as _assert_same
 import xxhash
+from compare import assert_same as _assert_same
+from golden.make_golden import GOLDEN_DIR, SHARDED_SHAPE, WORLD, expected_state
 
 import liferaft
-from golden.make_golden import GOLDEN_DIR, SHARDED_SHAPE, WORLD, expected_state
 from liferaft import PerRank, Sharded
 
 PATH = str(GOLDEN_DIR)

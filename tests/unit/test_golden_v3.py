@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 import xxhash
+from golden.make_golden_v3 import GOLDEN_DIR, WORLD, rank_state, template
 
 import liferaft
-from golden.make_golden_v3 import GOLDEN_DIR, WORLD, rank_state, template
 from liferaft.testing import run_ranks
 
 PATH = str(GOLDEN_DIR)

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from liferaft import CheckpointManager
+from liferaft.manager.goodput import Cluster, Costs, compare, goodput, young_daly
 from liferaft.manager.policies import AutoInterval, mtbf_from_starts
-from liferaft.planning.goodput import Cluster, Costs, compare, goodput, young_daly
 
 
 def test_young_daly_matches_the_first_order_formula_for_cheap_checkpoints():

@@ -202,7 +202,7 @@ def test_crumbs_are_copied_on_an_object_store_too(monkeypatch):
     pytest.importorskip("moto")
     import uuid
 
-    from liferaft.reading import open_checkpoint
+    from liferaft.core.commit import open_checkpoint
     from liferaft.storage import resolve
     from liferaft.testing.s3server import MotoS3Server
 

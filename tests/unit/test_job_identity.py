@@ -10,8 +10,14 @@ import pytest
 
 import liferaft
 from liferaft import CheckpointManager, OptionsError
-from liferaft.manager.identity import (ProcessFacts, job_identity, machine_key, process_start, torchrun_agent,
-                                       validate_job_id)
+from liferaft.manager.identity import (
+    ProcessFacts,
+    job_identity,
+    machine_key,
+    process_start,
+    torchrun_agent,
+    validate_job_id,
+)
 
 AGENT = ProcessFacts(pid=4242, start=987654)
 TORCHRUN = {"TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "3", "RANK": "0"}

@@ -16,7 +16,6 @@ from liferaft.manager.policies import RetentionPolicy, SavePolicy
 from liferaft.storage import register_scheme
 from liferaft.testing.faults import FailingStorage
 
-
 # ---------------------------------------------------------------------------------------------- pure policies
 
 

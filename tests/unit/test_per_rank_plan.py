@@ -9,11 +9,11 @@ import json
 import pytest
 import torch
 
+from liferaft.core.chunks.writer import StoredChunk
+from liferaft.core.phases import tensor_digest
 from liferaft.errors import CorruptCheckpointError
 from liferaft.format.manifest import decode_manifest
 from liferaft.planning.save_plan import RankMeta, TensorMeta, build_manifest, per_rank_keys, plan_save
-from liferaft._save import tensor_digest
-from liferaft.transfer.writer import StoredChunk
 
 
 def meta(rank, digests, world, keys=("gen", "same", "sharded")):

@@ -9,13 +9,12 @@ import pytest
 import torch
 
 from liferaft.codecs.checksum import block_hashes
+from liferaft.core.chunks.writer import StoredChunk
 from liferaft.errors import InvalidStateError
 from liferaft.format.manifest import ChunkRecord, TensorEntry
-from liferaft.planning.geometry import byte_span, check_chunks_tile, split_for_reading
+from liferaft.planning.geometry import byte_span, check_chunks_tile, split_box, split_for_reading
 from liferaft.planning.load_plan import plan_reads
-from liferaft.planning.geometry import check_chunks_tile, split_box
 from liferaft.planning.save_plan import RankMeta, TensorMeta, ValueMeta, build_manifest, plan_save, replan
-from liferaft.transfer.writer import StoredChunk
 
 
 def shard_boxes(shape, grid):

@@ -8,8 +8,8 @@ version, types and ranges of every number, and that every file name stays inside
 from __future__ import annotations
 
 import json
-from collections import Counter
 import posixpath
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -17,7 +17,8 @@ from liferaft.errors import CorruptCheckpointError, FormatVersionError, UnsafePa
 
 FORMAT_NAME = "liferaft"
 FORMAT_VERSION = 3          # the newest version this code reads; a save uses 2 or 3 only when it needs it (§4.1, §4.5)
-COMMIT_MARKER = "COMMIT"
+from liferaft.format.layout import COMMIT_MARKER  # noqa: E402,F401  (re-exported: the marker's name)
+
 CHECKSUM_ALGO = "xxh3_64"
 
 PathPart = str | int

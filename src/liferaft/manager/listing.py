@@ -6,24 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
+from liferaft.core.commit import check_files, open_checkpoint
 from liferaft.errors import LiferaftError
-from liferaft.format.manifest import COMMIT_MARKER
-from liferaft.reading import check_files, open_checkpoint
+from liferaft.format.layout import COMMIT_MARKER, STEP_PREFIX, is_layout_name, parse_step, step_name
 from liferaft.storage import Storage
 from liferaft.storage.refs import with_references
 
-STEP_PREFIX = "step-"
-
-
-def step_name(step: int) -> str:
-    return f"{STEP_PREFIX}{step:010d}"
-
-
-def _parse_step(name: str) -> int | None:
-    head = name.split("/", 1)[0]
-    if head.startswith(STEP_PREFIX) and head[len(STEP_PREFIX):].isdigit():
-        return int(head[len(STEP_PREFIX):])
-    return None
+_parse_step = parse_step
 
 
 @dataclass(frozen=True)
@@ -68,7 +57,7 @@ def list_steps(storage: Storage, pins: frozenset[int] = frozenset(), deep: bool 
             m = open_checkpoint(st)
             check_files(st, m, m.files)
             if deep:
-                from liferaft.reading import verify
+                from liferaft.core.read import verify
 
                 verify(st, progress=progress)
         except LiferaftError as e:
@@ -93,10 +82,7 @@ def _foreign_steps(names: Iterable[str]) -> dict[int, str]:
         n = _parse_step(step)
         if n is None or not rest or n in out:
             continue
-        first = rest.split("/", 1)[0]
-        ours = first == "data" and "/" in rest or first.startswith(COMMIT_MARKER) or \
-            (first.startswith("manifest-") and ".json" in first)
-        if not ours:
+        if not is_layout_name(rest):
             out[n] = rest
     return out
 

@@ -18,18 +18,24 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, Iterable, Mapping
 
-from liferaft.api import AsyncSaveHandle, async_save, load, save
+from liferaft.core.load import load
+from liferaft.core.save import AsyncSaveHandle, async_save, save
 from liferaft.dist import Coordinator
-from liferaft.errors import (CheckpointNotFoundError, CorruptCheckpointError, DistributedError, IncompleteCheckpointError, LiferaftError,
-                             OptionsError, ReadOnlyRootError)
+from liferaft.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    DistributedError,
+    IncompleteCheckpointError,
+    LiferaftError,
+    OptionsError,
+    ReadOnlyRootError,
+)
 from liferaft.format.manifest import COMMIT_MARKER
 from liferaft.manager.identity import this_job, validate_job_id
 from liferaft.manager.lease import LEASE, Lease
-from liferaft.manager.listing import (STEP_PREFIX, StepInfo, _foreign_steps, _parse_step, list_steps,  # noqa: F401
-                                     step_name)
+from liferaft.manager.listing import STEP_PREFIX, StepInfo, _foreign_steps, _parse_step, list_steps, step_name  # noqa: F401
+from liferaft.manager.policies import AutoInterval, RetentionPolicy, SavePolicy, mtbf_from_starts, referenced_closure
 from liferaft.manager.tiering import PRIOR_MTBF_HOURS, TierMixin
-from liferaft.manager.policies import (AutoInterval, RetentionPolicy, SavePolicy, mtbf_from_starts,
-                                      referenced_closure)
 from liferaft.options import LoadOptions, LoadResult, SaveOptions
 from liferaft.storage import Storage, resolve
 

@@ -135,7 +135,7 @@ class AutoInterval:
 
     @property
     def interval_s(self) -> float:
-        from liferaft.planning.goodput import young_daly
+        from liferaft.manager.goodput import young_daly
 
         return max(young_daly(self.stall_s, self.mtbf_s), self.persist_s, 1.0)
 

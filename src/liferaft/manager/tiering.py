@@ -11,7 +11,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Mapping
 
 from liferaft.errors import LiferaftError
-from liferaft.tiers.memory import step_name
+from liferaft.format.layout import COMMIT_MARKER, step_name
 
 if TYPE_CHECKING:
     from liferaft.manager.listing import StepInfo
@@ -88,7 +88,7 @@ class TierMixin:
         """The root's copy of ``step`` if it has a commit there, else the remote tier's (memory restores take files
         no live node holds from it)."""
         st = self._step_storage(step)
-        if self.remote is not None and not st.exists("COMMIT"):
+        if self.remote is not None and not st.exists(COMMIT_MARKER):
             return self.remote.child(step_name(step))
         return st
 
@@ -98,7 +98,7 @@ class TierMixin:
         err: BaseException | None = None
         if self.coord.rank == 0:
             try:
-                names = {n.split("/", 1)[0] for n in self.remote.list() if n.endswith("/COMMIT")}
+                names = {n.split("/", 1)[0] for n in self.remote.list() if n.endswith("/" + COMMIT_MARKER)}
                 steps = sorted((int(n[5:]) for n in names if n.startswith("step-") and n[5:].isdigit()),
                                reverse=True)
             except BaseException as e:  # noqa: BLE001
@@ -108,7 +108,7 @@ class TierMixin:
     def _restore_remote(self, state: Any, newer_than: int | None, strict: bool = True) -> int | None:
         """Load the newest committed step of the remote tier newer than ``newer_than`` that loads (damaged ones
         are skipped with a warning, collectively); None if none."""
-        from liferaft.api import load
+        from liferaft.core.load import load
 
         for step in self._remote_newest():
             if newer_than is not None and step <= newer_than:

@@ -16,8 +16,16 @@ from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
 from liferaft.errors import InvalidStateError
-from liferaft.format.manifest import (DTYPE_ITEMSIZE, ChunkRecord, ContainerEntry, Manifest, PathPart, TensorEntry,
-                                      ValueEntry)
+from liferaft.format.layout import data_file_name
+from liferaft.format.manifest import (
+    DTYPE_ITEMSIZE,
+    ChunkRecord,
+    ContainerEntry,
+    Manifest,
+    PathPart,
+    TensorEntry,
+    ValueEntry,
+)
 from liferaft.planning.geometry import Box, check_chunks_tile, in_bounds, numel, split_box
 
 #: Largest chunk a save writes: boxes beyond it are cut into row-major runs of at most this many bytes, so that
@@ -122,10 +130,6 @@ def _stored_per_rank(metas: Sequence[RankMeta], per_rank: Mapping[str, tuple[int
             tensors.append(t)
         out.append(replace(m, tensors=tuple(tensors)))
     return out
-
-
-def data_file_name(save_id: str, rank: int) -> str:
-    return f"data/{save_id}/r{rank:05d}.bin"
 
 
 PAGE = 4096

@@ -23,7 +23,6 @@ holder's copy is written, as PyTorch DCP does).
 
 from __future__ import annotations
 
-
 import functools
 import itertools
 import sys

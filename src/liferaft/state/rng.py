@@ -53,7 +53,7 @@ class RNGState:
         return sd
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        from liferaft.reading import PerRank
+        from liferaft.state.values import PerRank
 
         rank, world = _rank_world()
         per_rank = [v for v in sd.values() if isinstance(v, PerRank)]

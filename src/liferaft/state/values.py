@@ -19,6 +19,11 @@ import numpy as np
 from liferaft.errors import CorruptCheckpointError, PickleNotAllowedError
 
 
+class PerRank(tuple):
+    """A plain value or tensor that differed between the saving ranks: one item per saving rank (None for a rank
+    that did not hold it)."""
+
+
 def _b64(b: bytes) -> str:
     return base64.b64encode(b).decode("ascii")
 

@@ -14,7 +14,7 @@ __all__ = ["FileWriter", "Storage", "MemoryStorage", "PosixStorage", "register_s
 
 
 def _s3(rest: str) -> Storage:
-    from liferaft.storage.s3 import S3Storage   # imports the S3 client only when an s3:// URL is used
+    from liferaft.storage.s3 import S3Storage  # imports the S3 client only when an s3:// URL is used
 
     return S3Storage(rest)
 

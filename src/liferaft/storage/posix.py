@@ -14,7 +14,6 @@ import uuid
 
 from liferaft.storage.base import FileWriter, Storage
 
-
 _PAGE = 4096
 
 

@@ -24,25 +24,17 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from liferaft.core.commit import CommitRecord, open_checkpoint, publish_commit, read_commit
 from liferaft.dist import Coordinator
 from liferaft.errors import LiferaftError, OptionsError
-from liferaft.format.manifest import COMMIT_MARKER, decode_commit_marker
+from liferaft.format.layout import COMMIT_MARKER, DATA_DIR, data_file_rank, manifest_name, parse_step, step_name
+from liferaft.format.manifest import decode_commit_marker
 from liferaft.options import LoadOptions, SaveOptions
 from liferaft.storage.base import Storage
 from liferaft.storage.posix import PosixStorage
 
 DEFAULT_BASE = "/dev/shm/liferaft"
 PIECE = 64 << 20            # bytes per message when copying a file between ranks
-
-
-def step_name(step: int) -> str:
-    return f"step-{step:010d}"
-
-
-def _parse(name: str) -> int | None:
-    if name.startswith("step-") and name[5:].isdigit():
-        return int(name[5:])
-    return None
 
 
 def default_node() -> str:
@@ -110,7 +102,7 @@ class MemoryTier:
         """Steps this node holds a commit marker for, oldest first (no collective)."""
         if not os.path.isdir(self.root):
             return []
-        return sorted(s for s in (_parse(d) for d in os.listdir(self.root))
+        return sorted(s for s in (parse_step(d) for d in os.listdir(self.root))
                       if s is not None and os.path.isfile(os.path.join(self.root, step_name(s), COMMIT_MARKER)))
 
     # ------------------------------------------------------------------ save
@@ -125,7 +117,7 @@ class MemoryTier:
         shared memory —
         every rank its own data file, then rank 0 commits there: the same checkpoint, not re-staged from the
         model; ``drained`` is then set to ``step``."""
-        from liferaft.api import async_save
+        from liferaft.core.save import async_save
 
         opts = options or SaveOptions()
         if opts.if_busy == "skip" and self.world > 1:
@@ -170,24 +162,19 @@ class MemoryTier:
         except BaseException as e:  # noqa: BLE001
             err = e
         try:
-            marker, manifest = None, None
-            if self.rank == 0 and err is None:
-                st = self.step_storage(step)
-                marker = st.read_all(COMMIT_MARKER)
-                manifest = (decode_commit_marker(marker).manifest,
-                            st.read_all(decode_commit_marker(marker).manifest))
-            marker, manifest = self.bg.broadcast_from_zero((marker, manifest), err, "memory tier (commit)")
-            self._commit_on_node(step, marker, manifest)
+            record = read_commit(self.step_storage(step)) if self.rank == 0 and err is None else None
+            record = self.bg.broadcast_from_zero(record, err, "memory tier (commit)")
+            self._commit_on_node(step, record)
             self.bg.exchange(None, None, "memory tier (committed)")
             self._replicate(step)
             targets = [] if drain_to is None else [drain_to] if isinstance(drain_to, Storage) else list(drain_to)
             for target in targets:
-                self._drain(step, target, marker, manifest)
+                self._drain(step, target, record)
             self._drop_old(step)
         except BaseException as e:  # noqa: BLE001 - raised on the next save/wait
             self._error = e
 
-    def _drain(self, step: int, target: Storage, marker: bytes, manifest: tuple[str, bytes]) -> None:
+    def _drain(self, step: int, target: Storage, record: CommitRecord) -> None:
         """Copy the step to ``target``: each rank its own data file, then rank 0 the manifest and the marker (the
         commit protocol of docs/FORMAT.md §8, with the bytes already in memory)."""
         err: BaseException | None = None
@@ -201,25 +188,20 @@ class MemoryTier:
         self.bg.exchange(None, err, "memory tier (drain)")
         try:
             if self.rank == 0:
-                target.put_atomic(manifest[0], manifest[1])
-                target.sync()
-                target.put_atomic(COMMIT_MARKER, marker)
+                publish_commit(target, record)
         except BaseException as e:  # noqa: BLE001
             err = e
         self.bg.exchange(None, err, "memory tier (drain commit)")
         self.drained = step
 
-    def _commit_on_node(self, step: int, marker: bytes, manifest: tuple[str, bytes]) -> None:
+    def _commit_on_node(self, step: int, record: CommitRecord) -> None:
         """The lowest rank of each node other than rank 0's writes the manifest, then the marker."""
         if self._leader() and self.node != self.nodes[0]:
-            st = self.step_storage(step)
-            st.put_atomic(manifest[0], manifest[1])
-            st.put_atomic(COMMIT_MARKER, marker)
+            publish_commit(self.step_storage(step), record)
 
     def _own_file(self, step: int) -> str | None:
-        prefix = "data/"
         for name in self.step_storage(step).list():
-            if name.startswith(prefix) and name.endswith(f"/r{self.rank:05d}.bin"):
+            if data_file_rank(name) == self.rank:
                 return name
         return None
 
@@ -251,7 +233,7 @@ class MemoryTier:
         them — or, for a step also drained to a slower tier (``fallback(step)``: that tier's checkpoint of the
         step, the same save), from there when no live node holds them: tiers mix when replicas were lost.
         Everything is verified on load (a damaged copy raises CorruptCheckpointError on every rank)."""
-        from liferaft.api import load
+        from liferaft.core.load import load
 
         self.wait()
         listing = {s: self._listing(s) for s in self.local_steps()}
@@ -267,13 +249,9 @@ class MemoryTier:
         if step is None or (newer_than is not None and step <= newer_than):
             return None
         st = self.step_storage(step)
-        meta = None
         err: BaseException | None = None
-        if self.rank == holder:
-            marker = st.read_all(COMMIT_MARKER)
-            name = decode_commit_marker(marker).manifest
-            meta = (marker, name, st.read_all(name))
-        meta = self.coord.exchange(meta, None, "memory tier (manifest)")[holder]
+        record = self.coord.exchange(read_commit(st) if self.rank == holder else None, None,
+                                     "memory tier (manifest)")[holder]
         sends, recvs = fetch_plan(everyone, step, self.nodes, self.rank)
         from_fallback = 0
         try:
@@ -286,8 +264,7 @@ class MemoryTier:
                 st.sync()
             transfer_files(self.coord, st, sends, recvs, self.rank)
             if self._leader() and not os.path.isfile(os.path.join(st.root, COMMIT_MARKER)):
-                st.put_atomic(meta[1], meta[2])
-                st.put_atomic(COMMIT_MARKER, meta[0])
+                publish_commit(st, record)
         except BaseException as e:  # noqa: BLE001
             err = e
         self.coord.exchange(None, err, "memory tier (fetch)")
@@ -301,8 +278,6 @@ class MemoryTier:
     def _listing(self, step: int) -> tuple[tuple[str, ...], dict[str, int], str] | None:
         """(data files the step's manifest names, data files this node holds with sizes, manifest name); None if
         unreadable."""
-        from liferaft.reading import open_checkpoint
-
         st = self.step_storage(step)
         try:
             m = open_checkpoint(st)
@@ -310,9 +285,9 @@ class MemoryTier:
             return None
         held = {}
         for name in st.list():
-            if name.startswith("data/"):
+            if name.startswith(DATA_DIR + "/"):
                 held[name] = os.path.getsize(os.path.join(st.root, *name.split("/")))
-        return tuple(sorted(m.files)), held, f"manifest-{m.save_id}.json"
+        return tuple(sorted(m.files)), held, manifest_name(m.save_id)
 
     def release(self) -> None:
         """Free this node's shared memory of this job (a clean exit). Not collective."""

@@ -26,13 +26,20 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from liferaft.core.chunks.dtypes import torch_dtype
+from liferaft.core.commit import check_files, open_checkpoint
 from liferaft.errors import CorruptCheckpointError, InvalidStateError, OptionsError
-from liferaft.reading import check_files, open_checkpoint
 from liferaft.storage import resolve
 from liferaft.storage.refs import with_references
-from liferaft.tools.hf_folder import bring_config, model_subtree  # noqa: F401 (the API of this module too)
-from liferaft.tools.hf_folder import open_regular, plan_config, recorded_files, st_files, write_config
-from liferaft.transfer.tensors import torch_dtype
+from liferaft.tools.hf_folder import (  # noqa: F401 (the API of this module too)
+    bring_config,
+    model_subtree,
+    open_regular,
+    plan_config,
+    recorded_files,
+    st_files,
+    write_config,
+)
 
 ST_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
              "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "uint16": "U16", "uint32": "U32",
@@ -162,10 +169,10 @@ def _write_shard(storage: Any, path: str, shard: list[Any], progress: Callable[[
     starts on a 4 KiB page, then each tensor in row slabs read into ring buffers on the file's page boundaries
     and written by ``RecordFiller`` (O_DIRECT for whole pages: through the page cache a write runs at a fraction
     of the disk's speed here). Written to ``path + ".tmp"``, fsynced, renamed."""
+    from liferaft.formats.torch_file import RecordFiller
     from liferaft.staging.pool import page_aligned_empty
     from liferaft.storage.posix import _fsync_dir
     from liferaft.tools._slabs import prefetched, slab_values
-    from liferaft.tools.torch_file import RecordFiller
 
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     pos = 0
@@ -241,7 +248,7 @@ def safetensors_state(src: str | os.PathLike[str], keys: Sequence[str] | None = 
     """The tensors of a safetensors file or Hugging Face folder as a flat dict of memory-mapped (copy-on-write)
     tensors: nothing is read until used. Every file is checked first (``hf_folder.st_files``) and its header
     validated (``formats.read_st_header``): CorruptCheckpointError naming the file and key."""
-    from liferaft.tools.formats import read_st_header
+    from liferaft.formats.sources import read_st_header
 
     rn = _renamer(rename)
     out: dict[str, torch.Tensor] = {}
@@ -295,7 +302,7 @@ def _export_source(src: str | os.PathLike[str], keys: Sequence[str] | None) -> t
 
 def _plain(v: Any) -> Any:
     """A value entry decoded for another format (no pickles; per-rank values as a plain tuple)."""
-    from liferaft.reading import decode_entry_value
+    from liferaft.core.read import decode_entry_value
 
     x = decode_entry_value(v, False)
     return tuple(x) if isinstance(x, tuple) else x
@@ -324,10 +331,10 @@ def to_torch(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, keys: 
     """Export to one ``torch.save`` file, streamed (``tools.torch_file``: about three slabs of ``slab_bytes`` in
     memory, not the state), in the saved nesting; with ``rename`` a flat dict of the renamed keys. Stateful objects
     come out as their state dicts, values that differed per saving rank as tuples."""
-    from liferaft.reading import as_leaf, build_tree, read_full
+    from liferaft.core.read import as_leaf, build_tree, read_full
+    from liferaft.formats.torch_file import placeholder, with_crc, write_torch_file
     from liferaft.staging.pool import page_aligned_empty
     from liferaft.tools._slabs import prefetched, slab_values
-    from liferaft.tools.torch_file import placeholder, with_crc, write_torch_file
 
     storage, m, tensors, values = _export_source(src, keys)
     _refuse_per_rank(tensors)
@@ -371,10 +378,10 @@ def to_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, keys: Se
     chunks of about ``slab_bytes``, the next read while one is written). Keys are the liferaft keys (renamed if asked),
     with the saved nesting recorded as DCP does, so ``dcp.load`` into the same nested state and
     ``dcp_to_torch_save`` both work; numpy arrays become tensors."""
-    from liferaft.reading import as_leaf, read_full
+    from liferaft.core.read import as_leaf, read_full
+    from liferaft.formats.dcp import DcpItem, write_dcp
     from liferaft.staging.pool import page_aligned_empty
     from liferaft.tools._slabs import prefetched, slab_values
-    from liferaft.tools.dcp_format import DcpItem, write_dcp
 
     storage, m, tensors, values = _export_source(src, keys)
     _refuse_per_rank(tensors)
@@ -445,8 +452,8 @@ def from_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, keys: 
     stored in several chunks becomes a ``Sharded`` with those boxes); nesting from DCP's record of it, or a flat
     dict with ``keys``/``rename``."""
     import liferaft
+    from liferaft.formats.dcp import DcpCheckpoint, nest
     from liferaft.state.sharded import Sharded
-    from liferaft.tools.dcp_format import DcpCheckpoint, nest
 
     ck = DcpCheckpoint(src)
     leaves: list[tuple[str, Any]] = []
@@ -480,7 +487,7 @@ FORMATS = ("liferaft", "safetensors", "hf", "torch", "dcp")
 
 def detect_format(src: str | os.PathLike[str]) -> str:
     """What ``src`` holds: ``tools.formats.detect`` (the one detector every tool uses)."""
-    from liferaft.tools.formats import detect
+    from liferaft.formats.sources import detect
 
     return detect(src)
 

@@ -19,11 +19,11 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from liferaft.core.chunks.dtypes import torch_dtype
 from liferaft.errors import LiferaftError
+from liferaft.formats.sources import Source, _dt
 from liferaft.options import LoadOptions
 from liferaft.tools._slabs import slabs
-from liferaft.tools.formats import Source, _dt
-from liferaft.transfer.tensors import torch_dtype
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ def _regroup(mine: Source, other: Source) -> None:
     value whole ("sched"): leaves under a value key the other side holds whole are compared as that one nested
     value (rebuilt by the nesting DCP recorded, else by the dots of the keys; ``same_value`` then compares it by
     value, whatever container shape the rebuilding chose)."""
-    from liferaft.tools.dcp_format import joined_value, value_parts
+    from liferaft.formats.dcp import joined_value, value_parts
 
     for key in [k for k in other.values if k not in mine.values and k not in mine.tensors]:
         under = value_parts(mine.values, key)
@@ -126,8 +126,8 @@ def diff(a: str | os.PathLike[str], b: str | os.PathLike[str], *, keys: Sequence
     integer and bool tensors never by tolerance. Plain values are compared exactly, up to the container shapes
     formats rebuild (``value_difference``: lists and tuples alike, int dict keys as strings, a dict keyed 0..n-1
     as the list it was flattened from; ``True``, ``1`` and ``1.0`` differ)."""
+    from liferaft.formats.sources import open_source
     from liferaft.tools.convert import _renamer
-    from liferaft.tools.formats import open_source
 
     opts = options or LoadOptions()
     sa = open_source(a, keys, opts)

@@ -24,7 +24,7 @@ from liferaft.tools.convert import safetensors_state
 def is_safetensors_source(path: Any) -> bool:
     """True for a ``.safetensors`` file or a folder with ``model.safetensors`` or its index and no liferaft commit
     (``tools.formats.sniff``, the detector every tool uses)."""
-    from liferaft.tools.formats import sniff
+    from liferaft.formats.sources import sniff
 
     return sniff(path) == "safetensors"
 
@@ -91,8 +91,8 @@ def load_dcp(path: str | os.PathLike[str], state: Any, strict: bool = True, proc
     checksums, so the bytes are not verified; shapes and dtypes are."""
     import time
 
-    from liferaft.api import _assign
-    from liferaft.tools.dcp_format import DcpCheckpoint, joined_value, value_parts
+    from liferaft.core.load import _assign
+    from liferaft.formats.dcp import DcpCheckpoint, joined_value, value_parts
 
     t0 = time.perf_counter()
     ck = DcpCheckpoint(path)

@@ -8,11 +8,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable
 
+from liferaft.format.manifest import COMMIT_MARKER
 from liferaft.manager.lease import Lease
 from liferaft.manager.manager import PINS, StepInfo, _parse_step, list_steps, step_name
 from liferaft.manager.policies import RetentionPolicy, referenced_closure
 from liferaft.storage import Storage, resolve
-from liferaft.format.manifest import COMMIT_MARKER
 
 
 def _pins(storage: Storage) -> frozenset[int]:
@@ -25,7 +25,7 @@ def _pins(storage: Storage) -> frozenset[int]:
 def _root(root: str | os.PathLike[str] | Storage) -> Storage:
     """The storage of a manager root; a path that is itself a checkpoint (of any format) is refused, naming it."""
     from liferaft.errors import OptionsError
-    from liferaft.tools.formats import NAMES, detect_names, sniff
+    from liferaft.formats.sources import NAMES, detect_names, sniff
 
     if isinstance(root, (str, os.PathLike)) and "://" not in os.fspath(root):
         fmt = sniff(root)
@@ -46,7 +46,7 @@ def _listing(storage: Storage, pins: frozenset[int], verify: bool = False,
              progress: Callable[[int], None] | None = None) -> list[StepInfo]:
     """``list_steps``, with step folders that hold a checkpoint of another format (torchtitan's ``step-N`` DCP
     folders, say) given that format as their status instead of "incomplete": restore skips them, gc leaves them."""
-    from liferaft.tools.formats import NAMES, detect_names
+    from liferaft.formats.sources import NAMES, detect_names
 
     by_folder: dict[str, list[str]] = {}
     for name in storage.list():

@@ -59,7 +59,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def is_dcp(path: Any) -> bool:
     """True for a local DCP checkpoint folder (a ``.metadata`` file, no liferaft commit marker)."""
-    from liferaft.tools.formats import sniff
+    from liferaft.formats.sources import sniff
 
     return sniff(path) == "dcp"
 
@@ -267,7 +267,7 @@ class DcpCheckpoint:
 
 def nest(leaves: dict[tuple[Any, ...], Any]) -> Any:
     """Nested containers from leaves keyed by path: lists where every child is an int index, else dicts."""
-    from liferaft.reading import build_tree
+    from liferaft.core.read import build_tree
 
     children: dict[tuple[Any, ...], list[Any]] = {}
     for p in leaves:
@@ -329,12 +329,18 @@ def write_dcp(dst: str | os.PathLike[str], items: Sequence[DcpItem], progress: C
     written). A slab of 1 MiB or more is written as ``torch.save``'s archive with a hole for the data, then the
     data into the hole (O_DIRECT) and its CRC into the archive; smaller ones with ``torch.save`` itself."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                       MetadataIndex, StorageMeta, TensorProperties,
-                                                       TensorStorageMetadata)
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
 
+    from liferaft.formats.torch_file import RecordFiller, placeholder, record_offsets, set_crcs, skeleton
     from liferaft.storage.posix import _fsync_dir
-    from liferaft.tools.torch_file import RecordFiller, placeholder, record_offsets, set_crcs, skeleton
 
     dst = os.fspath(dst)
     os.makedirs(dst, exist_ok=True)

@@ -12,17 +12,14 @@ from dataclasses import replace
 from typing import Mapping, Sequence
 
 from liferaft.codecs.checksum import verify_blocks
+from liferaft.core.chunks.blocks import decode_stored, read_blocks, xor_into
+from liferaft.core.chunks.writer import StoredChunk
 from liferaft.errors import StorageError
+from liferaft.format.layout import copies_file_name
 from liferaft.planning.references import sibling_of
 from liferaft.planning.save_plan import WriteItem
 from liferaft.storage.base import FileWriter, Storage
 from liferaft.storage.refs import with_references
-from liferaft.transfer.chunks import decode_stored, read_blocks, xor_into
-from liferaft.transfer.writer import StoredChunk
-
-
-def copies_file_name(save_id: str, rank: int) -> str:
-    return f"data/{save_id}/r{rank:05d}-copies.bin"
 
 
 def copy_references(storage: Storage, save_id: str, rank: int, writes: Sequence[WriteItem],

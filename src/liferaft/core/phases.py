@@ -18,18 +18,29 @@ from typing import Any, Mapping
 import torch
 
 from liferaft.codecs.checksum import digest
+from liferaft.core.chunks.writer import ChunkPolicy, WriteOutcome
+from liferaft.core.commit import abandon, is_committed, open_checkpoint, remove_stale, write_commit
 from liferaft.dist import Coordinator
 from liferaft.errors import CheckpointExistsError, LiferaftError, StorageError
-from liferaft.format.manifest import COMMIT_MARKER, ChunkRecord, CommitMarker, Manifest, decode_commit_marker
+from liferaft.format.layout import COMMIT_MARKER
+from liferaft.format.manifest import ChunkRecord, Manifest
 from liferaft.options import SaveOptions, SaveResult
 from liferaft.planning.geometry import Box
-from liferaft.planning.save_plan import (RankMeta, SavePlan, TensorMeta, ValueMeta, WriteItem, build_manifest,
-                                         per_rank_keys, plan_save, replan)
+from liferaft.planning.save_plan import (
+    RankMeta,
+    SavePlan,
+    TensorMeta,
+    ValueMeta,
+    WriteItem,
+    build_manifest,
+    per_rank_keys,
+    plan_save,
+    replan,
+)
 from liferaft.state.flatten import FlatState, flatten
 from liferaft.state.values import digest_encoded, encode_value
 from liferaft.storage import Storage
 from liferaft.storage.refs import with_references
-from liferaft.transfer.writer import ChunkPolicy, WriteOutcome
 
 
 def _version() -> str:
@@ -164,8 +175,8 @@ def finish_save(coord: Coordinator, prep: PreparedSave, outcome: WriteOutcome | 
         stored = coord.exchange((outcome.chunks, outcome.file_size) if outcome else None, err, "save (write)")
         stored, copied = _copy_crumbs(coord, prep, stored, opts)
     except BaseException:
-        _abandon(storage, prep.my_file)
-        _abandon(storage, prep.copies)
+        abandon(storage, prep.my_file)
+        abandon(storage, prep.copies)
         raise
     timings = prep.timings
     timings.setdefault("stage", outcome.stage_s if outcome else 0.0)
@@ -181,13 +192,7 @@ def finish_save(coord: Coordinator, prep: PreparedSave, outcome: WriteOutcome | 
             manifest = build_manifest(plan, [s[0] for s in stored], [s[1] for s in stored], save_id=save_id,
                                       created_unix=time.time(), liferaft_version=_version(),
                                       torch_version=torch.__version__, extra=opts.metadata, lossy=prep.lossy)
-            data = manifest.to_json_bytes()
-            name = f"manifest-{save_id}.json"
-            storage.put_atomic(name, data)
-            storage.sync()
-            marker = CommitMarker(manifest=name, manifest_size=len(data), manifest_hash=digest(data),
-                                  version=manifest.needs_version())
-            storage.put_atomic(COMMIT_MARKER, marker.to_json_bytes())
+            write_commit(storage, save_id, manifest)
     except OSError as e:
         err = StorageError(f"{storage.url}: writing the manifest or the commit marker failed: {e}")
     except BaseException as e:  # noqa: BLE001
@@ -196,13 +201,13 @@ def finish_save(coord: Coordinator, prep: PreparedSave, outcome: WriteOutcome | 
         coord.exchange(None, err, "save (commit)")
     except BaseException:
         # A peer may have died after rank 0 committed: never delete files a committed checkpoint needs.
-        if not _is_committed(storage, save_id):
-            _abandon(storage, prep.my_file)
-            _abandon(storage, prep.copies)
+        if not is_committed(storage, save_id):
+            abandon(storage, prep.my_file)
+            abandon(storage, prep.copies)
         raise
     if coord.rank == 0:
         try:
-            _remove_stale(storage, keep=save_id)
+            remove_stale(storage, keep=save_id)
         except OSError as e:
             warnings.warn(f"{storage.url}: checkpoint committed, but removing files of the checkpoint it replaced "
                           f"failed ({e}); they are unused and can be deleted", stacklevel=2)
@@ -223,8 +228,9 @@ def _copy_crumbs(coord: Coordinator, prep: PreparedSave, stored: list[Any], opts
     exchange), so that the save does not keep that checkpoint alive for crumbs (``planning.references``). Every
     rank decides from the same exchanged records, so all agree on whether this runs. Returns the stored chunks
     and, per rank, (stored bytes copied, raw bytes no longer referenced)."""
+    from liferaft.core.chunks.rehome import copy_references
+    from liferaft.format.layout import copies_file_name
     from liferaft.planning.references import crumb_sources
-    from liferaft.transfer.rehome import copies_file_name, copy_references
 
     none = [(0, 0)] * coord.world
     if opts.reference_min_share <= 0 or not any(sc.file.startswith("../") for s in stored for sc in s[0]):
@@ -259,7 +265,6 @@ def sub_view(local: torch.Tensor, held: Box, box: Box) -> torch.Tensor:
 def open_base(storage: Storage, name: str) -> tuple[str, Manifest] | None:
     """The committed manifest of the incremental save's base ``name`` (a sibling of ``storage``); None (with a
     warning: the save is then a full one) when it cannot be opened."""
-    from liferaft.reading import open_checkpoint
 
     try:
         return name, open_checkpoint(storage.sibling(name))
@@ -328,26 +333,3 @@ def _rebased(rec: ChunkRecord, base: str, files: Mapping[str, int]) -> tuple[Chu
 QUANTIZABLE = ("float32", "bfloat16", "float16", "float64")
 
 
-def _is_committed(storage: Storage, save_id: str) -> bool:
-    try:
-        return decode_commit_marker(storage.read_all(COMMIT_MARKER)).manifest == f"manifest-{save_id}.json"
-    except (OSError, LiferaftError):
-        return False
-
-
-def _abandon(storage: Storage, name: str | None) -> None:
-    if name is not None:
-        try:
-            storage.delete(name)
-        except OSError:
-            pass
-
-
-def _remove_stale(storage: Storage, keep: str) -> None:
-    """After a commit: remove liferaft files of other saves (the replaced checkpoint, interrupted saves)."""
-    for name in storage.list():
-        stale_data = name.startswith("data/") and not name.startswith(f"data/{keep}/")
-        stale_manifest = name.startswith("manifest-") and name != f"manifest-{keep}.json"
-        stale_temp = ".tmp-" in name.rsplit("/", 1)[-1] and not name.startswith("data/")
-        if stale_data or stale_manifest or stale_temp:
-            storage.delete(name)

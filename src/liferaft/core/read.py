@@ -1,4 +1,4 @@
-"""Opening a committed checkpoint, and the one-process tools: read, inspect, verify."""
+"""The one-process tools over a native checkpoint: read, inspect, verify."""
 
 from __future__ import annotations
 
@@ -6,73 +6,19 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-
 import torch
 
-from liferaft.codecs.checksum import digest
-from liferaft.errors import (CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError,
-                             LiferaftError, StateMismatchError)
-from liferaft.format.manifest import (COMMIT_MARKER, Manifest, PathPart, TensorEntry, ValueEntry,
-                                      decode_commit_marker, decode_manifest)
+from liferaft.core.chunks.blocks import read_blocks
+from liferaft.core.chunks.dtypes import torch_dtype
+from liferaft.core.chunks.reader import execute_reads
+from liferaft.core.commit import check_files, open_checkpoint
+from liferaft.errors import CorruptCheckpointError, LiferaftError, StateMismatchError
+from liferaft.format.manifest import PathPart, TensorEntry, ValueEntry
 from liferaft.options import LoadOptions
-from liferaft.planning.geometry import check_chunks_tile
 from liferaft.planning.load_plan import plan_reads
-from liferaft.state.values import decode_value
+from liferaft.state.values import PerRank, decode_value
 from liferaft.storage import Storage, resolve
 from liferaft.storage.refs import with_references
-from liferaft.transfer.chunks import read_blocks
-from liferaft.transfer.reader import execute_reads
-from liferaft.transfer.tensors import torch_dtype
-
-
-def open_checkpoint(storage: Storage) -> Manifest:
-    """The verified manifest of the committed checkpoint in ``storage``.
-
-    Raises CheckpointNotFoundError (nothing there), IncompleteCheckpointError (files but no commit marker),
-    CorruptCheckpointError (manifest missing/damaged/not matching the marker, chunks not tiling a tensor),
-    FormatVersionError (written by a newer format) or UnsafePathError (a path leaving the checkpoint).
-    """
-    try:
-        marker_bytes = storage.read_all(COMMIT_MARKER)
-    except (FileNotFoundError, NotADirectoryError):
-        files = storage.list()
-        if files:
-            raise IncompleteCheckpointError(
-                f"{storage.url}: holds {len(files)} file(s) but no {COMMIT_MARKER} marker, so it is not a checkpoint "
-                "(a save did not finish). Load an older checkpoint, or save again") from None
-        raise CheckpointNotFoundError(f"{storage.url}: no checkpoint there (no {COMMIT_MARKER} marker)") from None
-    marker = decode_commit_marker(marker_bytes)
-    try:
-        data = storage.read_all(marker.manifest)
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"{storage.url}: the commit marker names manifest {marker.manifest!r}, "
-                                     "which is missing") from None
-    if len(data) != marker.manifest_size or digest(data) != marker.manifest_hash:
-        raise CorruptCheckpointError(f"{storage.url}: manifest {marker.manifest!r} does not match the size/checksum "
-                                     "recorded in the commit marker; the checkpoint is damaged")
-    manifest = decode_manifest(data, f"{storage.url}/{marker.manifest}")
-    for entry in manifest.tensors:
-        problem = check_chunks_tile(entry.shape, [(c.offsets, c.sizes) for c in entry.chunks])
-        if problem:
-            raise CorruptCheckpointError(f"{storage.url}: tensor {entry.key!r}: {problem}; the checkpoint is damaged")
-    return manifest
-
-
-def check_files(storage: Storage, manifest: Manifest, names: Iterable[str]) -> None:
-    """Raise CorruptCheckpointError if any of ``names`` is missing or shorter than the manifest says."""
-    for name in sorted(set(names)):
-        try:
-            size = storage.size(name)
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"{storage.url}: data file {name!r} is missing") from None
-        if size < manifest.files[name]:
-            raise CorruptCheckpointError(f"{storage.url}: data file {name!r} is truncated ({size} bytes, the "
-                                         f"manifest says {manifest.files[name]}); the checkpoint is damaged")
-
-
-class PerRank(tuple):
-    """A plain value or tensor that differed between the saving ranks: one item per saving rank (None for a rank
-    that did not hold it)."""
 
 
 def decode_entry_value(v: ValueEntry, allow_pickle: bool) -> Any:

@@ -49,7 +49,7 @@ def skeleton(f: Any, obj: Any) -> int:
 def record_offsets(path: str, start: int, length: int) -> Any:
     """The archive at ``[start, start + length)`` of ``path`` loaded to the meta device: each tensor's
     ``untyped_storage()._checkpoint_offset`` is its record's offset from ``start`` (only the pickle is read)."""
-    from liferaft.tools.dcp_format import _View
+    from liferaft.formats.dcp import _View
 
     with open(path, "rb") as f:
         return torch.load(_View(f, start, length), map_location="meta", weights_only=True)
@@ -112,7 +112,7 @@ def set_crcs(path: str, start: int, length: int, crcs: dict[int, tuple[int, int]
     """Write the CRC-32 of each filled record of the archive at ``[start, start + length)`` of ``path``
     (``crcs``: absolute data offset -> (crc, length)) into its local header, data descriptor and central
     directory entry."""
-    from liferaft.tools.dcp_format import _View
+    from liferaft.formats.dcp import _View
 
     with open(path, "r+b") as f:
         z = zipfile.ZipFile(io.BufferedReader(_View(f, start, length)))

@@ -165,7 +165,8 @@ def open_source(path: str | os.PathLike[str], keys: Sequence[str] | None = None,
     fmt = detect(path)
     picked = (lambda k: not keys or any(fnmatch.fnmatchcase(k, p) for p in keys))
     if fmt == "liferaft":
-        from liferaft.reading import check_files, decode_entry_value, open_checkpoint
+        from liferaft.core.commit import check_files, open_checkpoint
+        from liferaft.core.read import decode_entry_value
         from liferaft.storage import resolve
         from liferaft.storage.refs import with_references
         from liferaft.tools._slabs import read_box
@@ -180,7 +181,7 @@ def open_source(path: str | os.PathLike[str], keys: Sequence[str] | None = None,
                        if picked(v.key)},
                       paths={e.key: tuple(e.path) for e in [*m.tensors, *m.values] if picked(e.key)})
     if fmt == "dcp":
-        from liferaft.tools.dcp_format import DcpCheckpoint
+        from liferaft.formats.dcp import DcpCheckpoint
 
         ck = DcpCheckpoint(path)
 
@@ -271,7 +272,7 @@ def check_source(path: str | os.PathLike[str], progress: Callable[[int], None] |
     if fmt == "liferaft":
         raise StateMismatchError(f"{p}: a liferaft checkpoint: liferaft.verify checks it against its own checksums")
     if fmt == "dcp":
-        from liferaft.tools.dcp_format import DcpCheckpoint
+        from liferaft.formats.dcp import DcpCheckpoint
 
         ck = DcpCheckpoint(p)
         blobs: dict[tuple[str, int, int], tuple[str, str, tuple[str, ...]]] = {}
@@ -308,7 +309,7 @@ def check_source(path: str | os.PathLike[str], progress: Callable[[int], None] |
                     faults.append(f"{what}: cannot be read ({e})")
                 continue
             with open(file, "rb") as f:
-                from liferaft.tools.dcp_format import _View
+                from liferaft.formats.dcp import _View
 
                 r, cb, n, fs, nc = _check_zip(io.BufferedReader(_View(f, offset, length)), what, progress)
             records, crc_bytes, nbytes, no_crc = records + r, crc_bytes + cb, nbytes + n, no_crc + nc
@@ -375,9 +376,9 @@ def read_st_header(f: Any, name: str, size: int
     import json
     import struct
 
+    from liferaft.core.chunks.dtypes import torch_dtype
     from liferaft.errors import InvalidStateError
     from liferaft.tools.convert import FROM_ST
-    from liferaft.transfer.tensors import torch_dtype
 
     def bad(why: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"file {name!r}: {why}; not a valid safetensors file (damaged, truncated or "

@@ -20,12 +20,13 @@ import torch
 
 from liferaft.codecs.checksum import verify_blocks
 from liferaft.codecs.frames import decode_frames, load_executor
-from liferaft.transfer.chunks import read_blocks, xor_into
+from liferaft.core.chunks.blocks import read_blocks, xor_into
 from liferaft.errors import CorruptCheckpointError, DistributedError
 from liferaft.planning.load_plan import ReadUnit
 from liferaft.planning.share_plan import SharedSpan, Span
 from liferaft.staging.pool import PAGE, page_aligned_empty
 from liferaft.storage.base import Storage
+
 
 @dataclass
 class _Batch:

@@ -1,14 +1,8 @@
-"""The public entry points: save, async_save and load.
-
-save: prepare (flatten, exchange, plan) → write → finish (hashes, manifest, ``COMMIT``), see ``_save``;
-async_save: the same with a snapshot into a buffer pool and the rest in the background, see ``_async``;
-load: open → plan → read → apply, below. Every step that can fail on one rank is followed by an exchange, so
-that every rank raises when any rank fails and nothing hangs (collectives time out).
-"""
+"""The native load: open → plan → read → apply. Every step that can fail on one rank is followed by an exchange,
+so that every rank raises when any rank fails and nothing hangs (collectives time out)."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 import warnings
@@ -16,60 +10,24 @@ from typing import Any
 
 import torch
 
-from liferaft._async import AsyncSaveHandle, async_save, settle_previous, sync_ring
-from liferaft._save import finish_save, prepare_save
+from liferaft.core.chunks.dtypes import torch_dtype
+from liferaft.core.chunks.reader import ReadStats, execute_reads
+from liferaft.core.commit import check_files, open_checkpoint
+from liferaft.core.read import PerRank, as_leaf, copy_shape, decode_entry_value, per_rank_leaf
 from liferaft.dist import Coordinator
 from liferaft.errors import CheckpointNotFoundError, LossyCheckpointError, StateMismatchError
 from liferaft.format.manifest import Manifest, PathPart
-from liferaft.options import LoadOptions, LoadResult, SaveOptions, SaveResult
+from liferaft.options import LoadOptions, LoadResult
 from liferaft.planning.load_plan import plan_reads
 from liferaft.planning.share_plan import MIN_SHARED_BYTES, plan_sharing
-from liferaft.reading import (PerRank, as_leaf, check_files, copy_shape, decode_entry_value, open_checkpoint,
-                              per_rank_leaf)
 from liferaft.state.flatten import FlatState, flatten, key_of
-from liferaft.state.matching import (drop_absent, matches_emptied, not_persisted, param_groups_mismatch,
-                                    settle_missing)
-from liferaft.staging.stager import staged_size
+from liferaft.state.matching import drop_absent, matches_emptied, not_persisted, param_groups_mismatch, settle_missing
 from liferaft.storage import Storage, resolve
 from liferaft.storage.refs import with_references
-from liferaft.transfer.reader import ReadStats, execute_reads
-from liferaft.transfer.tensors import torch_dtype
-from liferaft.transfer.writer import write_streamed
 
-__all__ = ["AsyncSaveHandle", "async_save", "load", "save"]
+__all__ = ["load"]
 
 PathLike = str | os.PathLike[str]
-
-
-def save(path: PathLike, state: Any, *, process_group: Any = None, options: SaveOptions | None = None) -> SaveResult:
-    """Save ``state`` to ``path``, collectively over ``process_group`` (default: the world, or one process).
-
-    ``state`` is any nesting of dict/list/tuple holding tensors (replicated), DTensors, :class:`Sharded`
-    shards, objects with ``state_dict()``/``load_state_dict()`` and plain values. The checkpoint exists only
-    once every rank's data is durable and the commit marker is written; on any failure every rank raises and
-    a checkpoint previously at ``path`` is untouched. Waits for (or skips / refuses, per
-    ``SaveOptions.if_busy``) an ``async_save`` of this process still in flight.
-
-    The bytes stream through a small ring of host memory (64 MiB, or ``memory_budget`` if smaller; the
-    ``async_save`` pool when the process has one), kept for later saves: a copy into it overlaps the direct
-    (O_DIRECT) write of the previous piece, so no page cache is filled and extra memory stays bounded.
-    """
-    opts = options or SaveOptions()
-    if not settle_previous(opts, process_group):
-        return None  # type: ignore[return-value]  # if_busy="skip"
-    coord = Coordinator(process_group, opts.timeout)
-    prep = prepare_save(state, coord, resolve(path), opts)
-    outcome, err, pool = None, None, None
-    try:
-        pin = torch.cuda.is_available() and any(t.is_cuda for t in prep.sources.values())
-        nbytes = staged_size(prep.writes, prep.sources, 1 << 20)     # (with the padding of the smallest pieces)
-        pool = sync_ring(nbytes, opts.memory_budget, pin)
-        outcome = write_streamed(prep.storage, prep.writes, prep.sources, pool, prep.policy)
-        prep.storage.sync()   # this rank's new folder entries are durable too, not only its file
-    except BaseException as e:  # noqa: BLE001 - reported to every rank
-        err = e
-    result = finish_save(coord, prep, outcome, err, opts)
-    return dataclasses.replace(result, staging_bytes=pool.capacity if pool is not None else 0)
 
 
 def load(path: PathLike, state: Any, *, process_group: Any = None, strict: bool = True,
@@ -89,7 +47,7 @@ def load(path: PathLike, state: Any, *, process_group: Any = None, strict: bool 
     parts of the saved chunks its boxes overlap; DCP has no checksums either).
     """
     opts = options or LoadOptions()
-    from liferaft.tools.dcp_format import is_dcp as is_dcp_source
+    from liferaft.formats.dcp import is_dcp as is_dcp_source
     from liferaft.tools.sources import is_safetensors_source, load_dcp, load_safetensors
 
     if is_safetensors_source(path):         # a Hugging Face model: each rank reads the boxes it holds (unverified)

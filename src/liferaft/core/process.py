@@ -1,30 +1,16 @@
-"""async_save: training stalls only for the snapshot; hashing, writing and the commit run in the background.
-
-Sequence on every rank: settle the previous async save (``if_busy``) → prepare (collective, caller's thread)
-→ start the writer thread → stage the snapshot into the process's buffer pool (in the caller's thread for
-"blocking" staging, in a staging thread for "overlapped") → the writer writes pieces as they arrive, then runs
-the exchanges and the commit on the "bg" gloo channel. Errors of any rank surface on ``wait()`` on every rank,
-and at the next save if nobody waited.
-"""
+"""What one process keeps between saves: the buffer pool a save streams or snapshots through, and the async
+save in flight (``settle_previous`` applies ``SaveOptions.if_busy`` to it). Both ``save`` and ``async_save`` go
+through here, so a sync save reuses the async pool's pages and waits for (or refuses) a save still running."""
 
 from __future__ import annotations
 
-import os
-import queue
 import threading
-import time
 from typing import Any
 
-import torch
-
-from liferaft._save import PreparedSave, finish_save, prepare_save
 from liferaft.dist import Coordinator
 from liferaft.errors import CheckpointBusyError, LiferaftError
 from liferaft.options import SaveOptions, SaveResult
 from liferaft.staging.pool import BufferPool, PoolClosedError
-from liferaft.staging.stager import PIECE_LIMIT, stage, staged_size
-from liferaft.storage import resolve
-from liferaft.transfer.writer import write_staged
 
 SYNC_RING = 64 << 20        # the ring a sync save streams through, unless the async pool is there
 
@@ -135,67 +121,3 @@ def settle_previous(opts: SaveOptions, process_group: Any) -> bool:
     return True
 
 
-def async_save(path: str | os.PathLike[str], state: Any, *, process_group: Any = None,
-               options: SaveOptions | None = None) -> AsyncSaveHandle | None:
-    """Start a save of ``state`` to ``path``; return once this rank's snapshot is taken (``staging="blocking"``)
-    or at once (``"overlapped"``: call ``handle.wait_staged()`` before changing the state). Collective, like
-    ``save``; returns None when skipped by ``if_busy="skip"``. The snapshot lives in a per-process buffer pool
-    of at most ``memory_budget`` bytes that is reused by later saves."""
-    opts = options or SaveOptions()
-    t_call = time.perf_counter()
-    if not settle_previous(opts, process_group):
-        return None
-    coord = Coordinator(process_group, opts.timeout)
-    bg = Coordinator(process_group, opts.timeout, channel="bg")     # created here, used by the writer thread
-    prep = prepare_save(state, coord, resolve(path), opts)
-    items = prep.writes
-    pin = torch.cuda.is_available() and any(t.is_cuda for t in prep.sources.values())
-    nbytes = staged_size(items, prep.sources, PIECE_LIMIT)
-    pool = _PROCESS.pool_for(nbytes, opts.memory_budget, pin)
-    handle = AsyncSaveHandle(prep.storage.url)
-    pieces: queue.Queue[Any] = queue.Queue()
-    limit = PIECE_LIMIT if nbytes <= pool.capacity else max(1 << 20, min(PIECE_LIMIT, pool.capacity // 4))
-
-    def run_stage() -> None:
-        t0 = time.perf_counter()
-        try:
-            stage(items, prep.sources, pool, pieces, limit)
-        except BaseException as e:  # noqa: BLE001 - reported via the handle and the writer
-            handle._stage_error = e
-        prep.timings["stage"] = time.perf_counter() - t0
-        handle._staged.set()
-
-    # When the whole snapshot fits, the writer starts after it: on a small machine a concurrent writer takes
-    # memory bandwidth and a core from the copy, and the copy is what the caller waits for.
-    hold = handle._staged if nbytes <= pool.capacity else None
-    writer = threading.Thread(target=_write_and_commit, args=(bg, prep, pieces, pool, opts, handle, hold),
-                              name="liferaft-writer", daemon=True)
-    _PROCESS.inflight = handle
-    writer.start()
-    if opts.staging == "overlapped":
-        threading.Thread(target=run_stage, name="liferaft-stager", daemon=True).start()
-    else:
-        run_stage()
-    prep.timings["blocked"] = time.perf_counter() - t_call
-    return handle
-
-
-def _write_and_commit(coord: Coordinator, prep: PreparedSave, pieces: "queue.Queue[Any]", pool: BufferPool,
-                      opts: SaveOptions, handle: AsyncSaveHandle, hold: threading.Event | None) -> None:
-    outcome, err = None, None
-    try:
-        # (unless the stager runs out of room after all: then the writer must start freeing it)
-        while hold is not None and not hold.wait(0.01) and not pool.waiting:
-            pass
-        outcome = write_staged(prep.storage, prep.writes, pieces, pool, prep.policy)
-        prep.storage.sync()
-    except BaseException as e:  # noqa: BLE001 - reported to every rank
-        err = e
-    try:
-        handle._staged.wait()
-        result = finish_save(coord, prep, outcome, err, opts)
-        handle._result = SaveResult(**{**result.__dict__, "staging_bytes": pool.capacity})
-    except BaseException as e:  # noqa: BLE001 - surfaces on wait()
-        handle._error = e
-    finally:
-        handle._done.set()

@@ -326,9 +326,9 @@ def _decided(f: _File, w: WriteItem, held: Sequence[Piece], hashes: tuple[str, .
 
 def _change(held: Sequence[Piece], base: ChunkRecord, dtype: str, key: str, reader: Storage) -> float | None:
     """‖x − x_base‖ / ‖x_base‖ of this chunk against the base's stored values (None: not comparable)."""
+    from liferaft.core.chunks.blocks import read_blocks
+    from liferaft.core.chunks.dtypes import torch_dtype
     from liferaft.errors import LiferaftError
-    from liferaft.transfer.chunks import read_blocks
-    from liferaft.transfer.tensors import torch_dtype
 
     try:
         old = read_blocks(reader, base, 0, len(base.hashes), dtype, key)
@@ -348,8 +348,8 @@ def _delta(f: _File, w: WriteItem, held: Sequence[Piece], hashes: tuple[str, ...
            delta: tuple[ChunkRecord, dict[str, int]], policy: ChunkPolicy, out: WriteOutcome) -> StoredChunk | None:
     """Store the chunk as the XOR of its bytes with the base's bytes of the same box, compressed (None: the base
     cannot be read and verified; the chunk is then stored as if no delta was asked for)."""
+    from liferaft.core.chunks.blocks import read_blocks, xor_into
     from liferaft.errors import LiferaftError
-    from liferaft.transfer.chunks import read_blocks, xor_into
 
     rec, sizes = delta
     t0 = time.perf_counter()

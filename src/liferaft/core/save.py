@@ -1,0 +1,132 @@
+"""The native save entry points: ``save`` (sync) and ``async_save``.
+
+save: prepare (flatten, exchange, plan) → write this rank's chunks, streamed through a small reused ring →
+finish (hashes, manifest, ``COMMIT``), the phases in ``core.phases``. async_save: the same phases, with the
+training thread stalled only for the snapshot into the process's buffer pool; hashing, writing and the commit
+run in the background. Sequence on every rank: settle the previous async save (``if_busy``) → prepare
+(collective, caller's thread) → start the writer thread → stage the snapshot into the process's buffer pool (in
+the caller's thread for "blocking" staging, in a staging thread for "overlapped") → the writer writes pieces as
+they arrive, then runs the exchanges and the commit on the "bg" gloo channel. Errors of any rank surface on
+``wait()`` on every rank, and at the next save if nobody waited.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue
+import threading
+import time
+from typing import Any
+
+import torch
+
+from liferaft.core.chunks.writer import write_staged, write_streamed
+from liferaft.core.phases import PreparedSave, finish_save, prepare_save
+from liferaft.core.process import _PROCESS, AsyncSaveHandle, settle_previous, sync_ring
+from liferaft.dist import Coordinator
+from liferaft.options import SaveOptions, SaveResult
+from liferaft.staging.pool import BufferPool
+from liferaft.staging.stager import PIECE_LIMIT, stage, staged_size
+from liferaft.storage import resolve
+
+__all__ = ["AsyncSaveHandle", "async_save", "save"]
+
+PathLike = str | os.PathLike[str]
+
+
+def save(path: PathLike, state: Any, *, process_group: Any = None, options: SaveOptions | None = None) -> SaveResult:
+    """Save ``state`` to ``path``, collectively over ``process_group`` (default: the world, or one process).
+
+    ``state`` is any nesting of dict/list/tuple holding tensors (replicated), DTensors, :class:`Sharded`
+    shards, objects with ``state_dict()``/``load_state_dict()`` and plain values. The checkpoint exists only
+    once every rank's data is durable and the commit marker is written; on any failure every rank raises and
+    a checkpoint previously at ``path`` is untouched. Waits for (or skips / refuses, per
+    ``SaveOptions.if_busy``) an ``async_save`` of this process still in flight.
+
+    The bytes stream through a small ring of host memory (64 MiB, or ``memory_budget`` if smaller; the
+    ``async_save`` pool when the process has one), kept for later saves: a copy into it overlaps the direct
+    (O_DIRECT) write of the previous piece, so no page cache is filled and extra memory stays bounded.
+    """
+    opts = options or SaveOptions()
+    if not settle_previous(opts, process_group):
+        return None  # type: ignore[return-value]  # if_busy="skip"
+    coord = Coordinator(process_group, opts.timeout)
+    prep = prepare_save(state, coord, resolve(path), opts)
+    outcome, err, pool = None, None, None
+    try:
+        pin = torch.cuda.is_available() and any(t.is_cuda for t in prep.sources.values())
+        nbytes = staged_size(prep.writes, prep.sources, 1 << 20)     # (with the padding of the smallest pieces)
+        pool = sync_ring(nbytes, opts.memory_budget, pin)
+        outcome = write_streamed(prep.storage, prep.writes, prep.sources, pool, prep.policy)
+        prep.storage.sync()   # this rank's new folder entries are durable too, not only its file
+    except BaseException as e:  # noqa: BLE001 - reported to every rank
+        err = e
+    result = finish_save(coord, prep, outcome, err, opts)
+    return dataclasses.replace(result, staging_bytes=pool.capacity if pool is not None else 0)
+
+
+def async_save(path: str | os.PathLike[str], state: Any, *, process_group: Any = None,
+               options: SaveOptions | None = None) -> AsyncSaveHandle | None:
+    """Start a save of ``state`` to ``path``; return once this rank's snapshot is taken (``staging="blocking"``)
+    or at once (``"overlapped"``: call ``handle.wait_staged()`` before changing the state). Collective, like
+    ``save``; returns None when skipped by ``if_busy="skip"``. The snapshot lives in a per-process buffer pool
+    of at most ``memory_budget`` bytes that is reused by later saves."""
+    opts = options or SaveOptions()
+    t_call = time.perf_counter()
+    if not settle_previous(opts, process_group):
+        return None
+    coord = Coordinator(process_group, opts.timeout)
+    bg = Coordinator(process_group, opts.timeout, channel="bg")     # created here, used by the writer thread
+    prep = prepare_save(state, coord, resolve(path), opts)
+    items = prep.writes
+    pin = torch.cuda.is_available() and any(t.is_cuda for t in prep.sources.values())
+    nbytes = staged_size(items, prep.sources, PIECE_LIMIT)
+    pool = _PROCESS.pool_for(nbytes, opts.memory_budget, pin)
+    handle = AsyncSaveHandle(prep.storage.url)
+    pieces: queue.Queue[Any] = queue.Queue()
+    limit = PIECE_LIMIT if nbytes <= pool.capacity else max(1 << 20, min(PIECE_LIMIT, pool.capacity // 4))
+
+    def run_stage() -> None:
+        t0 = time.perf_counter()
+        try:
+            stage(items, prep.sources, pool, pieces, limit)
+        except BaseException as e:  # noqa: BLE001 - reported via the handle and the writer
+            handle._stage_error = e
+        prep.timings["stage"] = time.perf_counter() - t0
+        handle._staged.set()
+
+    # When the whole snapshot fits, the writer starts after it: on a small machine a concurrent writer takes
+    # memory bandwidth and a core from the copy, and the copy is what the caller waits for.
+    hold = handle._staged if nbytes <= pool.capacity else None
+    writer = threading.Thread(target=_write_and_commit, args=(bg, prep, pieces, pool, opts, handle, hold),
+                              name="liferaft-writer", daemon=True)
+    _PROCESS.inflight = handle
+    writer.start()
+    if opts.staging == "overlapped":
+        threading.Thread(target=run_stage, name="liferaft-stager", daemon=True).start()
+    else:
+        run_stage()
+    prep.timings["blocked"] = time.perf_counter() - t_call
+    return handle
+
+
+def _write_and_commit(coord: Coordinator, prep: PreparedSave, pieces: "queue.Queue[Any]", pool: BufferPool,
+                      opts: SaveOptions, handle: AsyncSaveHandle, hold: threading.Event | None) -> None:
+    outcome, err = None, None
+    try:
+        # (unless the stager runs out of room after all: then the writer must start freeing it)
+        while hold is not None and not hold.wait(0.01) and not pool.waiting:
+            pass
+        outcome = write_staged(prep.storage, prep.writes, pieces, pool, prep.policy)
+        prep.storage.sync()
+    except BaseException as e:  # noqa: BLE001 - reported to every rank
+        err = e
+    try:
+        handle._staged.wait()
+        result = finish_save(coord, prep, outcome, err, opts)
+        handle._result = SaveResult(**{**result.__dict__, "staging_bytes": pool.capacity})
+    except BaseException as e:  # noqa: BLE001 - surfaces on wait()
+        handle._error = e
+    finally:
+        handle._done.set()

@@ -1,0 +1,75 @@
+"""The names of the on-disk layout, in one place (docs/FORMAT.md §1): pure functions, no I/O.
+
+One checkpoint (a storage root): ``data/<save id>/r<rank, 5 digits>.bin`` per rank (and ``...-copies.bin`` for
+chunks copied from a sibling), ``manifest-<save id>.json`` and the marker ``COMMIT``. A manager root (and the
+memory tier): one checkpoint per step in ``step-<step, 10 digits>/``.
+"""
+
+from __future__ import annotations
+
+COMMIT_MARKER = "COMMIT"
+DATA_DIR = "data"
+MANIFEST_PREFIX = "manifest-"
+STEP_PREFIX = "step-"
+
+
+def manifest_name(save_id: str) -> str:
+    """The manifest of save ``save_id``."""
+    return f"{MANIFEST_PREFIX}{save_id}.json"
+
+
+def data_prefix(save_id: str) -> str:
+    """The folder (with its trailing ``/``) holding the data files of save ``save_id``."""
+    return f"{DATA_DIR}/{save_id}/"
+
+
+def data_file_name(save_id: str, rank: int) -> str:
+    """The data file rank ``rank`` writes for save ``save_id``."""
+    return f"{data_prefix(save_id)}r{rank:05d}.bin"
+
+
+def copies_file_name(save_id: str, rank: int) -> str:
+    """The file of chunks rank ``rank`` copied from a sibling checkpoint into save ``save_id``."""
+    return f"{data_prefix(save_id)}r{rank:05d}-copies.bin"
+
+
+def data_file_rank(name: str) -> int | None:
+    """The rank that wrote data file ``name`` (``data/<id>/r00003.bin`` → 3); None for any other name."""
+    first, _, rest = name.partition("/")
+    base = rest.rpartition("/")[2]
+    digits = base[1:-4]
+    if first != DATA_DIR or "/" not in rest or not (base.startswith("r") and base.endswith(".bin")):
+        return None
+    return int(digits) if digits.isdigit() and digits.isascii() else None
+
+
+def is_layout_name(name: str) -> bool:
+    """Whether ``name`` (relative to a checkpoint root) is one of liferaft's own files or folders: data, a
+    manifest, the marker (or its temporary copy)."""
+    first, _, rest = name.partition("/")
+    return (first == DATA_DIR and bool(rest)) or first.startswith(COMMIT_MARKER) or \
+        (first.startswith(MANIFEST_PREFIX) and ".json" in first)
+
+
+def is_stale(name: str, keep: str) -> bool:
+    """Whether ``name`` is a file of a save other than ``keep`` (or a temporary file) once ``keep`` committed."""
+    base = name.rsplit("/", 1)[-1]
+    if name.startswith(DATA_DIR + "/"):
+        return not name.startswith(data_prefix(keep))
+    if name.startswith(MANIFEST_PREFIX):
+        return name != manifest_name(keep)
+    return ".tmp-" in base
+
+
+def step_name(step: int) -> str:
+    """The folder of step ``step`` under a manager root or the memory tier."""
+    return f"{STEP_PREFIX}{step:010d}"
+
+
+def parse_step(name: str) -> int | None:
+    """The step of a name whose first component is a step folder (``step-0000000012/...`` → 12); else None."""
+    head = name.split("/", 1)[0]
+    digits = head[len(STEP_PREFIX):]
+    if head.startswith(STEP_PREFIX) and digits.isdigit() and digits.isascii():
+        return int(digits)
+    return None
