@@ -6,7 +6,7 @@ the data-position sampler; ``liferaft.storage`` and ``liferaft.testing`` the bac
 
 from liferaft.core.load import load
 from liferaft.core.read import CheckpointInfo, PerRank, TensorInfo, VerifyReport, inspect, read, verify
-from liferaft.core.save import AsyncSaveHandle, async_save, save
+from liferaft.core.save import AsyncSaveHandle, async_save, release, save
 from liferaft.dist import release_groups
 from liferaft.errors import (
                              CheckpointBusyError,
@@ -39,7 +39,7 @@ from liferaft.tools.steps import GcReport, gc, ls
 __version__ = "0.1.0"
 
 __all__ = [
-    "save", "async_save", "AsyncSaveHandle", "load", "read", "inspect", "verify", "release_groups",
+    "save", "async_save", "AsyncSaveHandle", "load", "read", "inspect", "verify", "release", "release_groups",
     "convert", "diff", "describe", "ls", "gc", "ConvertReport", "DiffReport", "GcReport",
     "CheckpointManager", "StepInfo", "MemoryTier", "Sharded", "RNGState",
     "SaveOptions", "LoadOptions", "SaveResult", "LoadResult", "CheckpointInfo", "TensorInfo", "VerifyReport", "PerRank",

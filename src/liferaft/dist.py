@@ -15,6 +15,22 @@ made with, and fails as :class:`DistributedError` naming the phase. A group whos
 the next caller gets a fresh one (every rank that saw the failure does the same, so the generations stay in
 step). Each call exchanges ``(error or None, payload)``: if any rank failed, every rank raises — the failing rank
 its own exception, the others a DistributedError naming the failed ranks and their errors.
+:meth:`Coordinator.run` / :meth:`Coordinator.run_on_zero` are how a phase is written: "run this step (here, or on
+rank 0); if any rank failed, raise on all".
+
+Process-wide state (all behind ``_LOCK``):
+
+- ``_GROUPS``: (id of the parent process group, channel) → its live gloo group. Kept from first use until
+  :func:`release_groups` (all, or one parent's), the group's failure (it is retired and replaced on next use),
+  its parent's destruction (noticed on next use), or interpreter exit. A cached group holds its parent, so the
+  id in the key cannot be reused by another group while the entry lives.
+- ``_EPOCHS``: (ranks, channel) → the last epoch this process used. Never freed (a few bytes per group ever
+  made): it is what keeps a name from ever being used twice in the job.
+- ``_RETIRED``: groups replaced after a failure or a parent's destruction, closed by :func:`release_groups`
+  (without argument) or at exit.
+
+Caches above this module that are keyed by a group use :attr:`Coordinator.key` (the group's name, new for every
+group made), never ``id()`` of a group, so they cannot match a group made later.
 """
 
 from __future__ import annotations
@@ -79,6 +95,14 @@ _GROUPS: dict[tuple[int, str], _Group] = {}              # (id of the parent gro
 _EPOCHS: dict[tuple[tuple[int, ...], str], int] = {}     # (ranks, channel) → the last epoch used
 _RETIRED: list[_Group] = []
 _HOOKED = False
+
+
+def _attempt(step: Callable[[], T]) -> tuple[T | None, BaseException | None]:
+    """``(step(), None)``, or ``(None, the exception)`` if it raised (anything: it is reported to every rank)."""
+    try:
+        return step(), None
+    except BaseException as e:  # noqa: BLE001 - reported to every rank by the caller, then raised here too
+        return None, e
 
 
 def _one_line(e: BaseException) -> str:
@@ -288,29 +312,26 @@ class Coordinator:
             raise DistributedError(f"{what or 'operation'} failed on rank 0:\n  rank 0: {m}")
         return p
 
-    def run(self, step: Callable[[], T], what: str) -> list[T]:
+    def run(self, step: Callable[[], T], what: str, *, cleanup: Callable[[], object] | None = None) -> list[T]:
         """Run ``step`` on this rank, then exchange the outcome: every rank's result (in rank order) when every
         rank succeeded; otherwise every rank raises (the failing rank its own exception, the others a
-        DistributedError naming the failed ranks and their errors). The one way a collective phase that can fail
-        on one rank is written."""
-        result: Any = None
-        error: BaseException | None = None
+        DistributedError naming the failed ranks and their errors, ``what`` naming the phase). ``cleanup``, if
+        given, runs on this rank before it raises (whatever failed: its step, a peer's, or the exchange), e.g.
+        to remove files of a save that will not commit. The one way a collective phase that can fail on one
+        rank is written; a step that must keep more than it shares sets it aside itself (a ``nonlocal``)."""
+        result, error = _attempt(step)
         try:
-            result = step()
-        except BaseException as e:  # noqa: BLE001 - reported to every rank, then raised here too
-            error = e
-        return self.exchange(result, error, what)
+            return self.exchange(result, error, what)
+        except BaseException:
+            if cleanup is not None:
+                cleanup()
+            raise
 
     def run_on_zero(self, step: Callable[[], T], what: str) -> T:
-        """Run ``step`` on rank 0 only and give its result to every rank; if it fails, every rank raises (as
-        :meth:`run`). For what one rank reads for all (a manifest, a listing)."""
-        result: Any = None
-        error: BaseException | None = None
-        if self.rank == 0:
-            try:
-                result = step()
-            except BaseException as e:  # noqa: BLE001 - reported to every rank
-                error = e
+        """Run ``step`` on rank 0 only and give its result to every rank; if it fails, every rank raises (rank 0
+        its own exception, the others a DistributedError naming rank 0's). For what one rank reads for all (a
+        manifest, a listing): one broadcast, so a large result is not gathered ``world`` times."""
+        result, error = _attempt(step) if self.rank == 0 else (None, None)
         return self.broadcast_from_zero(result, error, what)
 
     def isend(self, tensor: Any, rank: int, tag: int) -> _Work:

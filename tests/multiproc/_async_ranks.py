@@ -46,7 +46,7 @@ def plan_reuse(rank: int, world: int, root: str) -> list[bool]:
     """Four saves: the same layout twice (the plan is reused), then rank 1 alone adds a tensor (every rank
     replans), then a shape change. Returns, per save, whether it loaded back exactly, and whether the plans were
     reused exactly when they should be."""
-    from liferaft import _save
+    from liferaft.core.phases import PLANS
 
     def state(step: int, extra: bool, rows: int) -> dict:
         s = {"w": liferaft.Sharded(torch.full((rows, 3), float(step + rank)), (2 * rows, 3), (rank * rows, 0)),
@@ -59,7 +59,7 @@ def plan_reuse(rank: int, world: int, root: str) -> list[bool]:
     for i, (extra, rows) in enumerate([(False, 2), (False, 2), (True, 2), (True, 3)]):
         st = state(i, extra, rows)
         liferaft.save(f"{root}/{i}", st, options=liferaft.SaveOptions(timeout=60))
-        plans.append(next(v for k, v in _save._PLANS.items() if k[1] == rank)[2])
+        plans.append(next(v for k, v in PLANS.items() if k[1] == rank)[2])
         back = state(-100, extra, rows)
         liferaft.load(f"{root}/{i}", back, options=liferaft.LoadOptions(timeout=60))
         ok.append(torch.equal(back["w"].local, st["w"].local) and back["step"] == i and

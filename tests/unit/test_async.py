@@ -10,7 +10,7 @@ import torch
 from saving import MODES, save_with
 
 import liferaft
-from liferaft import _async
+from liferaft.core import process as _process
 from liferaft.storage import register_scheme
 from liferaft.testing.faults import FailingStorage, GatedStorage
 
@@ -60,31 +60,31 @@ def test_waves_keep_memory_within_the_budget_and_reuse_the_pool(tmp_path):
     state = {"w": torch.randn(2048, 1024)}       # 8 MiB through a 1 MiB pool
     budget = 1 << 20
     r1 = save_with("async-waves", str(tmp_path / "a"), state, memory_budget=budget)
-    pool = _async._PROCESS.pool
+    pool = _process.PROCESS.pool
     assert pool is not None and pool.capacity <= budget + 64 and pool.high_water <= pool.capacity
     assert r1.staging_bytes == pool.capacity
     ptr = pool.buffer.data_ptr()
     save_with("async-waves", str(tmp_path / "b"), state, memory_budget=budget)
-    assert _async._PROCESS.pool is pool and pool.buffer.data_ptr() == ptr       # reused, no new pages
+    assert _process.PROCESS.pool is pool and pool.buffer.data_ptr() == ptr       # reused, no new pages
     for p in ("a", "b"):
         assert torch.equal(liferaft.read(str(tmp_path / p))["w"], state["w"])
 
 
 def test_sync_save_streams_through_a_bounded_ring(tmp_path):
-    _async._PROCESS.pool = _async._PROCESS.ring = None
+    _process.PROCESS.pool = _process.PROCESS.ring = None
     state = {"w": torch.randn(4096, 1024)}       # 16 MiB
     liferaft.save(str(tmp_path / "a"), state)
-    ring = _async._PROCESS.ring
-    assert ring is not None and ring.capacity <= _async.SYNC_RING and ring.high_water <= ring.capacity
-    assert _async._PROCESS.pool is None          # a sync save never allocates a whole-snapshot pool
+    ring = _process.PROCESS.ring
+    assert ring is not None and ring.capacity <= _process.SYNC_RING and ring.high_water <= ring.capacity
+    assert _process.PROCESS.pool is None          # a sync save never allocates a whole-snapshot pool
     liferaft.save(str(tmp_path / "b"), state, options=liferaft.SaveOptions(memory_budget=1 << 20))
-    small = _async._PROCESS.ring
+    small = _process.PROCESS.ring
     assert small is not None and small.capacity <= (1 << 20) and small.high_water <= small.capacity
     # after an async save, the sync path reuses its (already faulted-in) pool
     save_with("async-blocking", str(tmp_path / "c"), state)
-    pool = _async._PROCESS.pool
+    pool = _process.PROCESS.pool
     liferaft.save(str(tmp_path / "d"), state)
-    assert _async._PROCESS.pool is pool and _async._PROCESS.ring is small
+    assert _process.PROCESS.pool is pool and _process.PROCESS.ring is small
     for p in "abcd":
         assert torch.equal(liferaft.read(str(tmp_path / p))["w"], state["w"])
 

@@ -2,18 +2,24 @@
 
 prepare (flatten, exchange metadata, plan) → write this rank's chunks (directly, or from staged copies) →
 finish (exchange hashes; rank 0 writes the manifest, then atomically the ``COMMIT`` marker; final exchange;
-rank 0 removes files of the checkpoint it replaced). Every phase that can fail on one rank is followed by an
-exchange, so every rank raises when any rank fails (docs/FORMAT.md §8).
+rank 0 removes files of the checkpoint it replaced). Every phase that can fail on one rank runs as a
+``Coordinator.run`` step, so every rank raises when any rank fails (docs/FORMAT.md §8); a rank whose save fails
+removes the files it wrote unless the checkpoint was committed.
+
+Process-wide state: :data:`PLANS`, the last tensor layout planned per group (see :class:`PlanCache`): at most
+``PlanCache.LIMIT`` entries, the least recently used dropped first, all dropped by ``liferaft.release()``.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 import time
 import uuid
 import warnings
+from collections import OrderedDict
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -49,10 +55,58 @@ def _version() -> str:
     return __version__
 
 
-#: The last tensor layout planned per (gloo group, rank, world, alignment), with this rank's tensor metadata and
-#: the save it was planned for: a save whose tensors every rank describes exactly as then, and for which every
-#: rank holds that same plan, reuses it (planning a large model costs tens of ms per save).
-_PLANS: dict[tuple[str, int, int, int, int], tuple[tuple[TensorMeta, ...], SavePlan, str]] = {}
+PlanKey = tuple[str, int, int, int, int]
+Planned = tuple[tuple[TensorMeta, ...], SavePlan, str]
+
+
+class PlanCache:
+    """The last tensor layout planned per (``Coordinator.key``, rank, world, alignment, chunk bytes), with this
+    rank's tensor metadata and the id of the save it was planned for: a save whose tensors every rank describes
+    exactly as then, and for which every rank holds that same plan, reuses it (planning a large model costs tens
+    of ms per save).
+
+    Keyed by the gloo group's name, which is new for every group made (after ``release_groups``, a failure, or
+    a new process group), so a plan made over one group is never offered over another: a remade group plans
+    anew. ("local" is the key of a single process, whose own metadata is all a plan depends on.) At most
+    ``LIMIT`` entries (a process rarely saves over more than one or two groups; each plan holds the metadata of
+    every tensor of every rank), the least recently used dropped first; ``clear()`` drops all."""
+
+    LIMIT = 8
+
+    def __init__(self, limit: int = LIMIT) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[PlanKey, Planned] = OrderedDict()
+
+    def get(self, key: PlanKey) -> Planned | None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._entries.move_to_end(key)
+            return entry
+
+    def put(self, key: PlanKey, entry: Planned) -> None:
+        with self._lock:
+            self._entries[key] = entry
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.limit:
+                self._entries.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+    def items(self) -> list[tuple[PlanKey, Planned]]:
+        """The entries, least recently used first (for tests and diagnostics)."""
+        with self._lock:
+            return list(self._entries.items())
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+#: The process's plan cache.
+PLANS = PlanCache()
 
 
 def _rank_meta(rank: int, flat: FlatState, allow_pickle: bool, world: int = 1) -> RankMeta:
@@ -115,17 +169,23 @@ class PreparedSave:
     def my_file(self) -> str | None:
         return self.writes[0].file if self.writes else None
 
+    def abandon(self) -> None:
+        """Delete the files this rank wrote for this save (it failed; never raises)."""
+        abandon(self.storage, self.my_file)
+        abandon(self.storage, self.copies)
+
 
 def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOptions) -> PreparedSave:
     """Flatten, exchange metadata and plan (collective). Raises on every rank if any rank fails."""
     t_start = time.perf_counter()
     flat: FlatState | None = None
     meta: RankMeta | None = None
-    payload: tuple[Any, ...] = (None, None, None, None)
-    err: BaseException | None = None
     cache_key = (coord.key, coord.rank, coord.world, opts.alignment, opts.chunk_bytes)
-    cached = _PLANS.get(cache_key)
-    try:
+    cached = PLANS.get(cache_key)
+
+    def describe() -> tuple[Any, ...]:
+        """This rank's metadata to share (flattening ``state``, which is kept here)."""
+        nonlocal flat, meta
         if sys.byteorder != "little":
             raise StorageError("liferaft stores little-endian bytes; big-endian hosts are not supported")
         if storage.process_local and coord.world > 1:
@@ -139,11 +199,10 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
         # tensors unchanged since the last save planned here: send only the values and the id of that plan
         reuse = cached[2] if cached is not None and cached[0] == meta.tensors else None
         base = open_base(storage, opts.incremental_base) if coord.rank == 0 and opts.incremental_base else None
-        payload = (replace(meta, tensors=()) if reuse else meta, uuid.uuid4().hex[:16] if coord.rank == 0 else None,
-                   reuse, base)
-    except BaseException as e:  # noqa: BLE001 - reported to every rank
-        err = e
-    gathered = coord.exchange(payload, err, "save (planning)")
+        return (replace(meta, tensors=()) if reuse else meta, uuid.uuid4().hex[:16] if coord.rank == 0 else None,
+                reuse, base)
+
+    gathered = coord.run(describe, "save (planning)")
     save_id, base = gathered[0][1], gathered[0][3]
     assert flat is not None and meta is not None
     # (every rank sends its digests, also with a reused plan: which plain tensors are stored per rank may change)
@@ -154,7 +213,7 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
         if any(g[2] for g in gathered):     # some rank sent no tensor metadata: gather it all again
             gathered = coord.exchange((meta, None, None, None), None, "save (planning)")
         plan = plan_save([g[0] for g in gathered], save_id, opts.alignment, opts.chunk_bytes)
-        _PLANS[cache_key] = (meta.tensors, plan, save_id)
+        PLANS.put(cache_key, (meta.tensors, plan, save_id))
     sources = _per_rank_sources(plan, flat, coord.rank)
     for w in plan.writes[coord.rank]:
         if w.parent is not None:
@@ -167,44 +226,42 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
     return prepared
 
 
-def finish_save(coord: Coordinator, prep: PreparedSave, outcome: WriteOutcome | None, err: BaseException | None,
+def finish_save(coord: Coordinator, prep: PreparedSave, write: Callable[[], WriteOutcome],
                 opts: SaveOptions) -> SaveResult:
-    """Exchange hashes, commit on rank 0, agree; the checkpoint exists when this returns on any rank."""
+    """Run ``write`` (this rank's chunks, durable on return), exchange hashes, commit on rank 0, agree; the
+    checkpoint exists when this returns on any rank. If any rank fails, every rank raises, having removed the
+    files it wrote unless the checkpoint was committed."""
     storage, save_id, plan = prep.storage, prep.save_id, prep.plan
-    try:
-        stored = coord.exchange((outcome.chunks, outcome.file_size) if outcome else None, err, "save (write)")
-        stored, copied = _copy_crumbs(coord, prep, stored, opts)
-    except BaseException:
-        abandon(storage, prep.my_file)
-        abandon(storage, prep.copies)
-        raise
+    outcomes = coord.run(write, "save (write)", cleanup=prep.abandon)
+    stored, copied = _copy_crumbs(coord, prep, [(o.chunks, o.file_size) for o in outcomes], opts)
+    outcome = outcomes[coord.rank]
     timings = prep.timings
-    timings.setdefault("stage", outcome.stage_s if outcome else 0.0)
-    timings["write"] = outcome.write_s if outcome else 0.0
-    timings["encode"] = outcome.encode_s if outcome else 0.0
-    if outcome is not None and not outcome.bytes_encoded and not outcome.bytes_reused:
+    timings.setdefault("stage", outcome.stage_s)
+    timings["write"] = outcome.write_s
+    timings["encode"] = outcome.encode_s
+    if not outcome.bytes_encoded and not outcome.bytes_reused:
         from liferaft.codecs import advisor
 
         advisor.record_write(outcome.bytes_written, outcome.write_s)
     t0 = time.perf_counter()
-    try:
-        if coord.rank == 0:
+
+    def commit() -> None:
+        if coord.rank != 0:
+            return
+        try:
             manifest = build_manifest(plan, [s[0] for s in stored], [s[1] for s in stored], save_id=save_id,
                                       created_unix=time.time(), liferaft_version=_version(),
                                       torch_version=torch.__version__, extra=opts.metadata, lossy=prep.lossy)
             write_commit(storage, save_id, manifest)
-    except OSError as e:
-        err = StorageError(f"{storage.url}: writing the manifest or the commit marker failed: {e}")
-    except BaseException as e:  # noqa: BLE001
-        err = e
-    try:
-        coord.exchange(None, err, "save (commit)")
-    except BaseException:
+        except OSError as e:
+            raise StorageError(f"{storage.url}: writing the manifest or the commit marker failed: {e}") from e
+
+    def unless_committed() -> None:
         # A peer may have died after rank 0 committed: never delete files a committed checkpoint needs.
         if not is_committed(storage, save_id):
-            abandon(storage, prep.my_file)
-            abandon(storage, prep.copies)
-        raise
+            prep.abandon()
+
+    coord.run(commit, "save (commit)", cleanup=unless_committed)
     if coord.rank == 0:
         try:
             remove_stale(storage, keep=save_id)
@@ -214,11 +271,11 @@ def finish_save(coord: Coordinator, prep: PreparedSave, outcome: WriteOutcome | 
     timings["commit"] = time.perf_counter() - t0
     timings["total"] = time.perf_counter() - prep.t_start
     return SaveResult(path=storage.url, save_id=save_id, world_size=coord.world, rank=coord.rank,
-                      bytes_written=(outcome.bytes_written if outcome else 0) + copied[prep.rank][0],
+                      bytes_written=outcome.bytes_written + copied[prep.rank][0],
                       total_bytes=sum(s[1] for s in stored) + sum(c[0] for c in copied),
                       files=sum(1 for s in stored if s[1]) + sum(1 for c in copied if c[0]), timings=timings,
-                      bytes_reused=(outcome.bytes_reused if outcome else 0) - copied[prep.rank][1],
-                      bytes_encoded=outcome.bytes_encoded if outcome else 0)
+                      bytes_reused=outcome.bytes_reused - copied[prep.rank][1],
+                      bytes_encoded=outcome.bytes_encoded)
 
 
 def _copy_crumbs(coord: Coordinator, prep: PreparedSave, stored: list[Any], opts: SaveOptions
@@ -238,18 +295,16 @@ def _copy_crumbs(coord: Coordinator, prep: PreparedSave, stored: list[Any], opts
     sources = crumb_sources(prep.plan.writes, [s[0] for s in stored], opts.reference_min_share)
     if not sources:
         return stored, none
-    mine: tuple[Any, ...] | None = None
-    err: BaseException | None = None
     t0 = time.perf_counter()
-    try:
+
+    def copy() -> tuple[Any, ...]:
         chunks, copied, raw = copy_references(prep.storage, prep.save_id, prep.rank, prep.writes,
                                               stored[prep.rank][0], sources, prep.policy.dtypes, opts.alignment)
         if copied:
             prep.copies = copies_file_name(prep.save_id, prep.rank)
-        mine = (chunks, stored[prep.rank][1], copied, raw)
-    except BaseException as e:  # noqa: BLE001 - reported to every rank
-        err = e
-    gathered = coord.exchange(mine, err, "save (copy referenced chunks)")
+        return chunks, stored[prep.rank][1], copied, raw
+
+    gathered = coord.run(copy, "save (copy referenced chunks)", cleanup=prep.abandon)
     prep.timings["copy"] = time.perf_counter() - t0
     return [(g[0], g[1]) for g in gathered], [(g[2], g[3]) for g in gathered]
 

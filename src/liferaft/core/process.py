@@ -1,6 +1,17 @@
-"""What one process keeps between saves: the buffer pool a save streams or snapshots through, and the async
-save in flight (``settle_previous`` applies ``SaveOptions.if_busy`` to it). Both ``save`` and ``async_save`` go
-through here, so a sync save reuses the async pool's pages and waits for (or refuses) a save still running."""
+"""What one process keeps between saves: :data:`PROCESS`, the one :class:`ProcessState` of the process.
+
+It holds the buffer pool an ``async_save`` snapshots into (``pool``, one snapshot's worth or ``memory_budget``),
+the small ring a sync ``save`` streams through when there is no such pool (``ring``, at most 64 MiB), and the
+async save in flight (``inflight``; ``settle`` applies ``SaveOptions.if_busy`` to it). Both ``save`` and
+``async_save`` go through it, so a sync save reuses the async pool's pages and waits for (or refuses) a save
+still running.
+
+Lifetime: nothing is allocated until the first save. A pool is kept for later saves (its pages are faulted in:
+reusing it is what makes the next snapshot fast) and replaced when a save needs a larger one, one of another
+kind (pinned or not) or one within a smaller budget. The in-flight handle is dropped by the next save (after
+waiting for it). :meth:`ProcessState.release` (through ``liferaft.release()``) waits for the save in flight and
+drops both pools; otherwise they live until the process exits.
+"""
 
 from __future__ import annotations
 
@@ -52,11 +63,11 @@ class AsyncSaveHandle:
         return self._result
 
 
-class _ProcessState:
-    """What one process keeps between saves: the buffer pool and the save in flight."""
+class ProcessState:
+    """The buffer pools and the async save in flight of one process (see the module doc for their lifetime).
+    Used from the caller's thread of ``save``/``async_save`` only (the writer threads get their pool passed)."""
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
         self.pool: BufferPool | None = None
         self.ring: BufferPool | None = None
         self.inflight: AsyncSaveHandle | None = None
@@ -87,37 +98,43 @@ class _ProcessState:
         self.ring = BufferPool(need, pin=pin)
         return self.ring
 
+    def settle(self, opts: SaveOptions, process_group: Any) -> bool:
+        """Apply ``if_busy`` to an async save of this process still in flight; surface an unobserved failure.
 
-_PROCESS = _ProcessState()
+        Returns False when this save must be skipped. With "skip"/"raise" the ranks agree first (one exchange),
+        so that every rank skips or raises together.
+        """
+        prev = self.inflight
+        if opts.if_busy != "wait":
+            coord = Coordinator(process_group, opts.timeout)
+            busy = any(coord.exchange(prev is not None and not prev.done(), None, "save (busy check)"))
+            if busy and opts.if_busy == "skip":
+                return False
+            if busy:
+                raise CheckpointBusyError("an async save is still in flight on some rank (if_busy='raise'); call "
+                                          "handle.wait() first or use if_busy='wait'/'skip'")
+        self._finish_inflight()
+        return True
 
+    def release(self) -> None:
+        """Wait for the async save in flight, then drop both pools (their memory goes once no snapshot refers to
+        it). Not collective. Raises, after releasing, the error of an async save nobody waited for."""
+        try:
+            self._finish_inflight()
+        finally:
+            self.pool = self.ring = None
 
-def sync_ring(nbytes: int, budget: int | None, pin: bool) -> BufferPool:
-    """The buffer pool a sync ``save`` of ``nbytes`` streams through (see ``_ProcessState.ring_for``)."""
-    return _PROCESS.ring_for(nbytes, budget, pin)
-
-
-def settle_previous(opts: SaveOptions, process_group: Any) -> bool:
-    """Apply ``if_busy`` to an async save of this process still in flight; surface an unobserved failure.
-
-    Returns False when this save must be skipped. With "skip"/"raise" the ranks agree first (one exchange),
-    so that every rank skips or raises together.
-    """
-    prev = _PROCESS.inflight
-    if opts.if_busy != "wait":
-        coord = Coordinator(process_group, opts.timeout)
-        busy = any(coord.exchange(prev is not None and not prev.done(), None, "save (busy check)"))
-        if busy and opts.if_busy == "skip":
-            return False
-        if busy:
-            raise CheckpointBusyError("an async save is still in flight on some rank (if_busy='raise'); call "
-                                      "handle.wait() first or use if_busy='wait'/'skip'")
-    if prev is not None:
+    def _finish_inflight(self) -> None:
+        prev = self.inflight
+        if prev is None:
+            return
         prev._done.wait()
-        _PROCESS.inflight = None
+        self.inflight = None
         if prev._error is not None and not prev._observed:
             prev._observed = True
             raise LiferaftError(f"the previous async save to {prev.path} failed and nobody waited for it: "
                                 f"{type(prev._error).__name__}: {prev._error}") from prev._error
-    return True
 
 
+#: The process's one ProcessState.
+PROCESS = ProcessState()

@@ -8,6 +8,9 @@ run in the background. Sequence on every rank: settle the previous async save (`
 the caller's thread for "blocking" staging, in a staging thread for "overlapped") → the writer writes pieces as
 they arrive, then runs the exchanges and the commit on the "bg" gloo channel. Errors of any rank surface on
 ``wait()`` on every rank, and at the next save if nobody waited.
+
+``release``: free what the process keeps between saves (``core.process.PROCESS``'s pools, ``core.phases.PLANS``,
+the gloo groups of ``dist``); each module's doc says what it keeps and for how long.
 """
 
 from __future__ import annotations
@@ -21,16 +24,16 @@ from typing import Any
 
 import torch
 
-from liferaft.core.chunks.writer import write_staged, write_streamed
-from liferaft.core.phases import PreparedSave, finish_save, prepare_save
-from liferaft.core.process import _PROCESS, AsyncSaveHandle, settle_previous, sync_ring
-from liferaft.dist import Coordinator
+from liferaft.core.chunks.writer import WriteOutcome, write_staged, write_streamed
+from liferaft.core.phases import PLANS, PreparedSave, finish_save, prepare_save
+from liferaft.core.process import PROCESS, AsyncSaveHandle
+from liferaft.dist import Coordinator, release_groups
 from liferaft.options import SaveOptions, SaveResult
 from liferaft.staging.pool import BufferPool
 from liferaft.staging.stager import PIECE_LIMIT, stage, staged_size
 from liferaft.storage import resolve
 
-__all__ = ["AsyncSaveHandle", "async_save", "save"]
+__all__ = ["AsyncSaveHandle", "async_save", "release", "save"]
 
 PathLike = str | os.PathLike[str]
 
@@ -49,20 +52,22 @@ def save(path: PathLike, state: Any, *, process_group: Any = None, options: Save
     (O_DIRECT) write of the previous piece, so no page cache is filled and extra memory stays bounded.
     """
     opts = options or SaveOptions()
-    if not settle_previous(opts, process_group):
+    if not PROCESS.settle(opts, process_group):
         return None  # type: ignore[return-value]  # if_busy="skip"
     coord = Coordinator(process_group, opts.timeout)
     prep = prepare_save(state, coord, resolve(path), opts)
-    outcome, err, pool = None, None, None
-    try:
+    pool: BufferPool | None = None
+
+    def write() -> WriteOutcome:
+        nonlocal pool
         pin = torch.cuda.is_available() and any(t.is_cuda for t in prep.sources.values())
         nbytes = staged_size(prep.writes, prep.sources, 1 << 20)     # (with the padding of the smallest pieces)
-        pool = sync_ring(nbytes, opts.memory_budget, pin)
+        pool = PROCESS.ring_for(nbytes, opts.memory_budget, pin)
         outcome = write_streamed(prep.storage, prep.writes, prep.sources, pool, prep.policy)
         prep.storage.sync()   # this rank's new folder entries are durable too, not only its file
-    except BaseException as e:  # noqa: BLE001 - reported to every rank
-        err = e
-    result = finish_save(coord, prep, outcome, err, opts)
+        return outcome
+
+    result = finish_save(coord, prep, write, opts)
     return dataclasses.replace(result, staging_bytes=pool.capacity if pool is not None else 0)
 
 
@@ -74,7 +79,7 @@ def async_save(path: str | os.PathLike[str], state: Any, *, process_group: Any =
     of at most ``memory_budget`` bytes that is reused by later saves."""
     opts = options or SaveOptions()
     t_call = time.perf_counter()
-    if not settle_previous(opts, process_group):
+    if not PROCESS.settle(opts, process_group):
         return None
     coord = Coordinator(process_group, opts.timeout)
     bg = Coordinator(process_group, opts.timeout, channel="bg")     # created here, used by the writer thread
@@ -82,7 +87,7 @@ def async_save(path: str | os.PathLike[str], state: Any, *, process_group: Any =
     items = prep.writes
     pin = torch.cuda.is_available() and any(t.is_cuda for t in prep.sources.values())
     nbytes = staged_size(items, prep.sources, PIECE_LIMIT)
-    pool = _PROCESS.pool_for(nbytes, opts.memory_budget, pin)
+    pool = PROCESS.pool_for(nbytes, opts.memory_budget, pin)
     handle = AsyncSaveHandle(prep.storage.url)
     pieces: queue.Queue[Any] = queue.Queue()
     limit = PIECE_LIMIT if nbytes <= pool.capacity else max(1 << 20, min(PIECE_LIMIT, pool.capacity // 4))
@@ -101,7 +106,7 @@ def async_save(path: str | os.PathLike[str], state: Any, *, process_group: Any =
     hold = handle._staged if nbytes <= pool.capacity else None
     writer = threading.Thread(target=_write_and_commit, args=(bg, prep, pieces, pool, opts, handle, hold),
                               name="liferaft-writer", daemon=True)
-    _PROCESS.inflight = handle
+    PROCESS.inflight = handle
     writer.start()
     if opts.staging == "overlapped":
         threading.Thread(target=run_stage, name="liferaft-stager", daemon=True).start()
@@ -113,20 +118,34 @@ def async_save(path: str | os.PathLike[str], state: Any, *, process_group: Any =
 
 def _write_and_commit(coord: Coordinator, prep: PreparedSave, pieces: "queue.Queue[Any]", pool: BufferPool,
                       opts: SaveOptions, handle: AsyncSaveHandle, hold: threading.Event | None) -> None:
-    outcome, err = None, None
+    def write() -> WriteOutcome:
+        try:
+            # (unless the stager runs out of room after all: then the writer must start freeing it)
+            while hold is not None and not hold.wait(0.01) and not pool.waiting:
+                pass
+            outcome = write_staged(prep.storage, prep.writes, pieces, pool, prep.policy)
+            prep.storage.sync()
+            return outcome
+        finally:
+            handle._staged.wait()       # the snapshot is complete (or failed) before the outcome is exchanged
+
     try:
-        # (unless the stager runs out of room after all: then the writer must start freeing it)
-        while hold is not None and not hold.wait(0.01) and not pool.waiting:
-            pass
-        outcome = write_staged(prep.storage, prep.writes, pieces, pool, prep.policy)
-        prep.storage.sync()
-    except BaseException as e:  # noqa: BLE001 - reported to every rank
-        err = e
-    try:
-        handle._staged.wait()
-        result = finish_save(coord, prep, outcome, err, opts)
+        result = finish_save(coord, prep, write, opts)
         handle._result = SaveResult(**{**result.__dict__, "staging_bytes": pool.capacity})
     except BaseException as e:  # noqa: BLE001 - surfaces on wait()
         handle._error = e
     finally:
         handle._done.set()
+
+
+def release() -> None:
+    """Free what liferaft keeps in this process between calls: wait for an ``async_save`` still in flight, then
+    drop the buffer pools ``save``/``async_save`` reuse, the cached save plans and liferaft's gloo groups (of
+    every process group). Not collective, and safe at any point between liferaft calls: the next call makes
+    what it needs anew (a first save is then as slow as the very first). Raises, after freeing everything, the
+    error of an async save that failed while nobody waited for it."""
+    try:
+        PROCESS.release()
+    finally:
+        PLANS.clear()
+        release_groups()

@@ -156,14 +156,12 @@ class MemoryTier:
 
     def _finish(self, step: int, handle: Any, drain_to: Storage | Sequence[Storage] | None) -> None:
         """Background: wait for the local commit, then commit on every node, replicate, drain, drop old steps."""
-        err: BaseException | None = None
+        def saved() -> None:
+            handle.wait()           # raises what the async save raised (its result is not shared)
+
         try:
-            handle.wait()
-        except BaseException as e:  # noqa: BLE001
-            err = e
-        try:
-            record = read_commit(self.step_storage(step)) if self.rank == 0 and err is None else None
-            record = self.bg.broadcast_from_zero(record, err, "memory tier (commit)")
+            self.bg.run(saved, "memory tier (commit)")
+            record = self.bg.run_on_zero(lambda: read_commit(self.step_storage(step)), "memory tier (commit)")
             self._commit_on_node(step, record)
             self.bg.exchange(None, None, "memory tier (committed)")
             self._replicate(step)
@@ -177,21 +175,14 @@ class MemoryTier:
     def _drain(self, step: int, target: Storage, record: CommitRecord) -> None:
         """Copy the step to ``target``: each rank its own data file, then rank 0 the manifest and the marker (the
         commit protocol of docs/FORMAT.md §8, with the bytes already in memory)."""
-        err: BaseException | None = None
-        try:
+        def copy_mine() -> None:
             mine = self._own_file(step)
             if mine is not None:
                 copy_file(self.step_storage(step), mine, target)
             target.sync()
-        except BaseException as e:  # noqa: BLE001
-            err = e
-        self.bg.exchange(None, err, "memory tier (drain)")
-        try:
-            if self.rank == 0:
-                publish_commit(target, record)
-        except BaseException as e:  # noqa: BLE001
-            err = e
-        self.bg.exchange(None, err, "memory tier (drain commit)")
+
+        self.bg.run(copy_mine, "memory tier (drain)")
+        self.bg.run(lambda: publish_commit(target, record) if self.rank == 0 else None, "memory tier (drain commit)")
         self.drained = step
 
     def _commit_on_node(self, step: int, record: CommitRecord) -> None:
@@ -236,9 +227,10 @@ class MemoryTier:
         from liferaft.core.load import load
 
         self.wait()
-        listing = {s: self._listing(s) for s in self.local_steps()}
-        everyone = self.coord.exchange({s: v for s, v in listing.items() if v is not None}, None,
-                                       "memory tier (listing)")
+        def listing() -> dict[int, Any]:
+            return {s: v for s, v in ((s, self._listing(s)) for s in self.local_steps()) if v is not None}
+
+        everyone = self.coord.run(listing, "memory tier (listing)")
         step, holder = newest_complete(everyone)
         mixed = None
         if fallback is not None:
@@ -249,12 +241,13 @@ class MemoryTier:
         if step is None or (newer_than is not None and step <= newer_than):
             return None
         st = self.step_storage(step)
-        err: BaseException | None = None
-        record = self.coord.exchange(read_commit(st) if self.rank == holder else None, None,
-                                     "memory tier (manifest)")[holder]
+        record = self.coord.run(lambda: read_commit(st) if self.rank == holder else None,
+                                "memory tier (manifest)")[holder]
         sends, recvs = fetch_plan(everyone, step, self.nodes, self.rank)
-        from_fallback = 0
-        try:
+
+        def fetch() -> int:
+            """Complete this node's copy of ``step``; the number of files copied from the slower tier."""
+            from_fallback = 0
             if mixed is not None and self._leader():        # what no live node holds: from the slower tier
                 assert fallback is not None
                 have = {n for held in everyone for n in held.get(step, ((), {}))[1]}
@@ -265,9 +258,9 @@ class MemoryTier:
             transfer_files(self.coord, st, sends, recvs, self.rank)
             if self._leader() and not os.path.isfile(os.path.join(st.root, COMMIT_MARKER)):
                 publish_commit(st, record)
-        except BaseException as e:  # noqa: BLE001
-            err = e
-        self.coord.exchange(None, err, "memory tier (fetch)")
+            return from_fallback
+
+        from_fallback = self.coord.run(fetch, "memory tier (fetch)")[self.rank]
         self.last_load = load(st, state, process_group=self.process_group, strict=strict, options=options)
         self.last_restore = {"step": step, "files_from_peers": len(recvs), "files_from_fallback": from_fallback}
         return step
