@@ -318,8 +318,8 @@ class Coordinator:
         DistributedError naming the failed ranks and their errors, ``what`` naming the phase). ``cleanup``, if
         given, runs on this rank before it raises (whatever failed: its step, a peer's, or the exchange), e.g.
         to remove files of a save that will not commit (it should not raise: what it raises replaces the
-        error). The one way a collective phase that can fail on one
-        rank is written; a step that must keep more than it shares sets it aside itself (a ``nonlocal``)."""
+        error). The one way a collective phase that can fail on one rank is written; a step that must keep more
+        than it shares sets it aside itself (a ``nonlocal``)."""
         result, error = _attempt(step)
         try:
             return self.exchange(result, error, what)
