@@ -1,15 +1,36 @@
-"""The options objects and result types of the public API."""
+"""The options objects and result types of the public API, and the names of the choices their string options take
+(``Literal`` types, so that a type checker catches ``compression="yes"`` before the run does)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Literal, get_args
 
 from liferaft.errors import OptionsError
 from liferaft.planning.load_plan import DEFAULT_MAX_READ
 from liferaft.planning.references import DEFAULT_MIN_SHARE
 from liferaft.planning.save_plan import DEFAULT_CHUNK_BYTES
+
+#: ``SaveOptions.compression``: lossless compression where it pays ("auto"), always ("on") or never ("off").
+Compression = Literal["auto", "on", "off"]
+#: ``SaveOptions.staging`` (``async_save``): return once the snapshot is taken, or at once (copy in the background).
+Staging = Literal["blocking", "overlapped"]
+#: ``SaveOptions.if_busy``: what a save does while an ``async_save`` of this process is in flight.
+IfBusy = Literal["wait", "skip", "raise"]
+#: The formats ``liferaft.convert`` reads and writes ("hf": a Hugging Face model folder, written as safetensors).
+ConvertFormat = Literal["liferaft", "safetensors", "hf", "torch", "dcp"]
+#: ``liferaft.gc`` (and the manager's retention) with ``keep_best``: the best metric is the smallest or the largest.
+MetricMode = Literal["min", "max"]
+
+
+def _check_choice(owner: str, name: str, value: object, choices: Any) -> None:
+    """OptionsError unless ``value`` is one of the ``Literal`` type ``choices``."""
+    allowed = get_args(choices)
+    if value not in allowed:
+        said = ", ".join(repr(a) for a in allowed[:-1]) + f" or {allowed[-1]!r}"
+        raise OptionsError(f"{owner}.{name} must be {said}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -32,7 +53,8 @@ class SaveOptions:
         may change freely. "overlapped": return at once and copy in the background; call
         ``handle.wait_staged()`` before changing any tensor of the state (e.g. right before ``optimizer.step()``).
     if_busy: what a save does while an ``async_save`` of this process is still in flight: "wait" for it (default),
-        "skip" this save (it returns None, on every rank), or "raise" CheckpointBusyError (on every rank).
+        "skip" this save (``save`` and ``async_save`` return None, on every rank), or "raise" CheckpointBusyError
+        (on every rank).
     compression: "auto" (default), "on" or "off". Lossless: each chunk's hash blocks are stored as byte-plane +
         zstd frames where a sample block shrinks (else the chunk is stored raw), encoded on worker threads.
         "auto" compresses for remote storage always, and for local storage only when the codec keeps up with the
@@ -73,9 +95,9 @@ class SaveOptions:
     alignment: int = 64
     metadata: Mapping[str, Any] = field(default_factory=dict)
     memory_budget: int | None = None
-    staging: str = "blocking"
-    if_busy: str = "wait"
-    compression: str = "auto"
+    staging: Staging = "blocking"
+    if_busy: IfBusy = "wait"
+    compression: Compression = "auto"
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     incremental_base: str | None = None
     reference_min_share: float = DEFAULT_MIN_SHARE
@@ -85,8 +107,7 @@ class SaveOptions:
     selective_keys: tuple[str, ...] = ("*",)
 
     def __post_init__(self) -> None:
-        if self.compression not in ("auto", "on", "off"):
-            raise OptionsError(f"SaveOptions.compression must be 'auto', 'on' or 'off', got {self.compression!r}")
+        _check_choice("SaveOptions", "compression", self.compression, Compression)
         if self.chunk_bytes < (64 << 10):
             raise OptionsError(f"SaveOptions.chunk_bytes must be at least 64 KiB, got {self.chunk_bytes}")
         if self.incremental_base is not None and (not self.incremental_base or "/" in self.incremental_base
@@ -101,10 +122,8 @@ class SaveOptions:
         for name in ("quantize", "delta", "selective_keys"):
             if isinstance(getattr(self, name), str):
                 object.__setattr__(self, name, (getattr(self, name),))
-        if self.staging not in ("blocking", "overlapped"):
-            raise OptionsError(f"SaveOptions.staging must be 'blocking' or 'overlapped', got {self.staging!r}")
-        if self.if_busy not in ("wait", "skip", "raise"):
-            raise OptionsError(f"SaveOptions.if_busy must be 'wait', 'skip' or 'raise', got {self.if_busy!r}")
+        _check_choice("SaveOptions", "staging", self.staging, Staging)
+        _check_choice("SaveOptions", "if_busy", self.if_busy, IfBusy)
         if self.memory_budget is not None and self.memory_budget < (1 << 20):
             raise OptionsError(f"SaveOptions.memory_budget must be at least 1 MiB, got {self.memory_budget}")
         if self.block_size is not None and (self.block_size < 16 or self.block_size % 16):

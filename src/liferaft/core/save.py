@@ -20,7 +20,7 @@ import os
 import queue
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,19 +33,24 @@ from liferaft.staging.pool import BufferPool
 from liferaft.staging.stager import PIECE_LIMIT, stage, staged_size
 from liferaft.storage import resolve
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
 __all__ = ["AsyncSaveHandle", "async_save", "release", "save"]
 
 PathLike = str | os.PathLike[str]
 
 
-def save(path: PathLike, state: Any, *, process_group: Any = None, options: SaveOptions | None = None) -> SaveResult:
+def save(path: PathLike, state: Any, *, process_group: ProcessGroup | None = None,
+         options: SaveOptions | None = None) -> SaveResult | None:
     """Save ``state`` to ``path``, collectively over ``process_group`` (default: the world, or one process).
 
     ``state`` is any nesting of dict/list/tuple holding tensors (replicated), DTensors, :class:`Sharded`
     shards, objects with ``state_dict()``/``load_state_dict()`` and plain values. The checkpoint exists only
     once every rank's data is durable and the commit marker is written; on any failure every rank raises and
     a checkpoint previously at ``path`` is untouched. Waits for (or skips / refuses, per
-    ``SaveOptions.if_busy``) an ``async_save`` of this process still in flight.
+    ``SaveOptions.if_busy``) an ``async_save`` of this process still in flight; returns None, on every rank,
+    when it skipped (``if_busy="skip"``: nothing was written), else what it did.
 
     The bytes stream through a small ring of host memory (64 MiB, or ``memory_budget`` if smaller; the
     ``async_save`` pool when the process has one), kept for later saves: a copy into it overlaps the direct
@@ -53,7 +58,7 @@ def save(path: PathLike, state: Any, *, process_group: Any = None, options: Save
     """
     opts = options or SaveOptions()
     if not PROCESS.settle(opts, process_group):
-        return None  # type: ignore[return-value]  # if_busy="skip"
+        return None  # if_busy="skip"
     coord = Coordinator(process_group, opts.timeout)
     prep = prepare_save(state, coord, resolve(path), opts)
     pool: BufferPool | None = None
@@ -71,7 +76,7 @@ def save(path: PathLike, state: Any, *, process_group: Any = None, options: Save
     return dataclasses.replace(result, staging_bytes=pool.capacity if pool is not None else 0)
 
 
-def async_save(path: str | os.PathLike[str], state: Any, *, process_group: Any = None,
+def async_save(path: PathLike, state: Any, *, process_group: ProcessGroup | None = None,
                options: SaveOptions | None = None) -> AsyncSaveHandle | None:
     """Start a save of ``state`` to ``path``; return once this rank's snapshot is taken (``staging="blocking"``)
     or at once (``"overlapped"``: call ``handle.wait_staged()`` before changing the state). Collective, like

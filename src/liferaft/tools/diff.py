@@ -40,15 +40,19 @@ class KeyDiff:
 
 @dataclass(frozen=True)
 class DiffReport:
+    """The comparison of checkpoints ``a`` and ``b``: one ``KeyDiff`` per key of either, in order."""
+
     a: str
     b: str
     keys: tuple[KeyDiff, ...] = field(default_factory=tuple)
 
     @property
     def identical(self) -> bool:
+        """Every key is in both and equal."""
         return all(k.status == "equal" for k in self.keys)
 
     def changed(self) -> list[KeyDiff]:
+        """The keys that are not equal (added, removed, changed or mismatched), in order."""
         return [k for k in self.keys if k.status != "equal"]
 
 

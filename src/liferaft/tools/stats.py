@@ -22,6 +22,11 @@ from liferaft.tools._slabs import read_box, slabs
 
 @dataclass(frozen=True)
 class KeyInfo:
+    """How one tensor of a checkpoint is stored (``describe``): dtype, shape and bytes; bytes stored in this
+    checkpoint (not referenced, after codecs), chunks, data files, codecs, how it was stored lossily (None:
+    exactly), the chunk grid as saved, the ranks that wrote it, and with ``stats`` min / max / mean / std / nan /
+    inf of its values."""
+
     key: str
     dtype: str
     shape: tuple[int, ...]

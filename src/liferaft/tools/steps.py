@@ -12,6 +12,7 @@ from liferaft.format.manifest import COMMIT_MARKER
 from liferaft.manager.lease import Lease
 from liferaft.manager.manager import PINS, StepInfo, _parse_step, list_steps, step_name
 from liferaft.manager.policies import RetentionPolicy, referenced_closure
+from liferaft.options import MetricMode
 from liferaft.storage import Storage, resolve
 
 
@@ -83,6 +84,9 @@ def ls(root: str | os.PathLike[str] | Storage, verify: bool = False,
 
 @dataclass(frozen=True)
 class GcReport:
+    """What ``gc`` deleted (or, with ``dry_run``, would delete): the steps, the committed steps kept, and the bytes
+    freed."""
+
     deleted: tuple[int, ...]
     kept: tuple[int, ...]
     freed_bytes: int
@@ -90,7 +94,7 @@ class GcReport:
 
 
 def gc(root: str | os.PathLike[str] | Storage, *, keep_last: int | None = None, keep_every: int | None = None,
-       keep_best: int | None = None, metric: str | None = None, mode: str = "min", dry_run: bool = False,
+       keep_best: int | None = None, metric: str | None = None, mode: MetricMode = "min", dry_run: bool = False,
        incomplete: bool = False) -> GcReport:
     """The manager's retention from outside a job: delete committed steps the policy does not keep, never the
     newest committed one, a pinned one or one a kept step references (and, with ``incomplete``, steps without a
