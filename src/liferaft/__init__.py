@@ -1,7 +1,10 @@
 """liferaft: checkpoints that let distributed PyTorch training survive failures.
 
-The public API is this module's ``__all__``; everything else is private and may change. (``liferaft.data`` holds
-the data-position sampler; ``liferaft.storage`` and ``liferaft.testing`` the backends and test helpers.)
+The public API is this module's ``__all__`` (grouped below, each name documented in docs/API.md) and the public
+modules ``liferaft.errors`` (every error), ``liferaft.options`` (the options and result types, and the ``Literal``
+types of their string options), ``liferaft.storage`` (the storage backends: ``resolve``, ``Storage``),
+``liferaft.data`` (the data-position sampler) and ``liferaft.testing`` (test helpers). Everything else is private
+and may change. The package is typed (``py.typed``).
 """
 
 from liferaft.core.load import load
@@ -31,21 +34,32 @@ from liferaft.options import LoadOptions, LoadResult, SaveOptions, SaveResult
 from liferaft.state.rng import RNGState
 from liferaft.state.sharded import Sharded
 from liferaft.tiers.memory import MemoryTier
-from liferaft.tools.convert import ConvertReport, convert
-from liferaft.tools.diff import DiffReport, diff
-from liferaft.tools.stats import describe
+from liferaft.tools.convert import ConvertReport, convert, find_model
+from liferaft.tools.diff import DiffReport, KeyDiff, diff
+from liferaft.tools.stats import KeyInfo, describe
 from liferaft.tools.steps import GcReport, gc, ls
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "save", "async_save", "AsyncSaveHandle", "load", "read", "inspect", "verify", "release", "release_groups",
-    "convert", "diff", "describe", "ls", "gc", "ConvertReport", "DiffReport", "GcReport",
-    "CheckpointManager", "StepInfo", "MemoryTier", "Sharded", "RNGState",
-    "SaveOptions", "LoadOptions", "SaveResult", "LoadResult", "CheckpointInfo", "TensorInfo", "VerifyReport", "PerRank",
+#: The public names, in the groups of docs/API.md (tests/unit/test_public_api.py holds the two to each other).
+__all__ = [  # noqa: RUF022 (grouped as docs/API.md, not sorted)
+    # Save and load: the collective entry points, their options and what they report
+    "save", "async_save", "AsyncSaveHandle", "load", "SaveOptions", "LoadOptions", "SaveResult", "LoadResult",
+    # What a state may hold besides tensors, modules, optimizers and plain values
+    "Sharded", "RNGState", "PerRank",
+    # Look into a checkpoint in one process: read, summarize, verify, per-key storage view
+    "read", "inspect", "verify", "describe", "CheckpointInfo", "TensorInfo", "VerifyReport", "KeyInfo",
+    # Training runs: the manager, the memory tier, a root's steps from outside a job
+    "CheckpointManager", "StepInfo", "MemoryTier", "ls", "gc", "GcReport",
+    # Compare and convert checkpoints of any format
+    "diff", "DiffReport", "KeyDiff", "convert", "ConvertReport", "find_model",
+    # What liferaft keeps in the process between calls
+    "release", "release_groups",
+    # Errors (all in liferaft.errors; every one a LiferaftError)
     "LiferaftError", "CheckpointNotFoundError", "IncompleteCheckpointError", "CheckpointExistsError",
     "CheckpointBusyError", "CorruptCheckpointError", "FormatVersionError", "UnsafePathError", "StateMismatchError",
-    "InvalidStateError", "PickleNotAllowedError", "OptionsError", "DistributedError", "StorageError",
-    "ReadOnlyRootError", "LossyCheckpointError",
+    "LossyCheckpointError", "InvalidStateError", "PickleNotAllowedError", "OptionsError", "DistributedError",
+    "StorageError", "ReadOnlyRootError",
+    # The package's version
     "__version__",
 ]

@@ -1,5 +1,5 @@
 """`liferaft ls`, `gc`, `diff` and `verify --json`, run as the real command in a subprocess, and the library
-functions behind them (``liferaft.tools``)."""
+public functions behind them (``liferaft.ls``, ``gc``, ``diff``)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,7 @@ import pytest
 import torch
 
 import liferaft
-from liferaft import CheckpointManager
-from liferaft.tools.diff import diff
-from liferaft.tools.steps import gc, ls
+from liferaft import CheckpointManager, diff, gc, ls
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -141,7 +139,7 @@ def test_inspect_keys_with_streaming_stats(tmp_path):
 
 
 def test_progress_bar_only_on_a_terminal(tmp_path):
-    from liferaft.tools.progress import Progress
+    from liferaft.cli.progress import Progress
 
     path = str(tmp_path / "c")
     liferaft.save(path, {"a": torch.randn(512, 512)})

@@ -1,22 +1,5 @@
-"""The ``liferaft`` command: look into a checkpoint without writing any Python.
-
-    liferaft inspect PATH               keys, shapes, dtypes, chunks and bytes (from the manifest only)
-    liferaft verify PATH                re-hash every block of every chunk; exit status 1 if anything is wrong
-    liferaft read PATH [--key K]...     read the checkpoint and print one line per leaf
-    liferaft plan [--costs F.json] ...  expected goodput of no tiers / remote only / liferaft's tiers at scale
-    liferaft ls ROOT                    steps under a CheckpointManager root: status, size, age, writer, references
-    liferaft gc ROOT --keep-last N ...  the manager's retention from the command line (--dry-run to preview)
-    liferaft diff A B [--key GLOB]...   keys added / removed / changed, max abs and relative difference per tensor
-    liferaft convert SRC DST --to FMT   liferaft ↔ safetensors, torch (torch.save), dcp; → hf (a loadable model)
-
-Every command that takes a checkpoint (inspect, verify, read, diff, convert) takes each format
-``liferaft.formats.sources`` detects: liferaft, a DCP folder, safetensors (file or folder), a ``torch.save`` file;
-ls and gc take a CheckpointManager root and say so when given a checkpoint.
-
-Uses only the public API (``import liferaft``) and ``liferaft.tools``. ``--json`` (ls, gc, diff, verify) prints
-one JSON document for scripts. Errors are printed to stderr as one line and give exit status 1 (``--debug``: with
-the traceback); usage errors give exit status 2; ``diff`` exits 1 when the checkpoints differ.
-"""
+"""``liferaft inspect``, ``liferaft verify`` and ``liferaft read``: one checkpoint of any format
+(docs/cli/inspect.md, docs/cli/verify.md, docs/cli/read.md)."""
 
 from __future__ import annotations
 
@@ -25,33 +8,33 @@ import datetime
 import json
 import os
 import sys
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
 
 import liferaft
+from liferaft.cli.progress import Progress
 
 REPR_LIMIT = 80
 
 
-def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="liferaft", description="Inspect, verify, compare, convert and manage liferaft checkpoints.")
-    parser.add_argument("--version", action="version", version=f"liferaft {liferaft.__version__}")
-    parser.add_argument("--debug", action="store_true", help="print the traceback of an error")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-
+def add_parsers(sub: Any) -> None:
+    """Add ``inspect``, ``verify`` and ``read`` to the subcommands ``sub``."""
     p = sub.add_parser("inspect", help="summarize a checkpoint (keys, shapes, dtypes, chunks, bytes)")
     p.add_argument("--flat", action="store_true", help="one line per key instead of the tree")
     p.add_argument("path", metavar="PATH", help="checkpoint directory or URL")
     p.add_argument("glob", nargs="*", metavar="KEY-GLOB", help="per-key table of the tensors matching these globs")
     p.add_argument("--stats", action="store_true", help="min/max/mean/std/NaN/Inf per tensor (reads the data)")
     p.add_argument("--json", action="store_true")
+    p.set_defaults(run=run_inspect)
 
     p = sub.add_parser("verify", help="check the checksum of every stored byte (DCP, torch.save: their zip "
                        "CRC-32s; safetensors: no checksums, layout and readability only)")
     p.add_argument("path", metavar="PATH", help="checkpoint directory or URL, or a DCP / safetensors / torch.save one")
     p.add_argument("--json", action="store_true")
+    p.set_defaults(run=run_verify)
 
     p = sub.add_parser("read", help="read the checkpoint and print a summary of each leaf")
     p.add_argument("path", metavar="PATH", help="checkpoint directory or URL, or a DCP / safetensors / torch.save one")
@@ -60,100 +43,13 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-pickle", action="store_true",
                    help="decode pickled values (runs code from the checkpoint: only for trusted checkpoints)")
     p.add_argument("--json", action="store_true", help="one object per leaf: key, type, details")
-    p = sub.add_parser("ls", help="list the steps under a CheckpointManager root")
-    p.add_argument("root", metavar="ROOT")
-    p.add_argument("--verify", action="store_true", help="re-hash every committed step (reads all its data)")
-    p.add_argument("--json", action="store_true")
-
-    p = sub.add_parser("gc", help="delete steps the retention policy does not keep (never referenced ones)")
-    p.add_argument("root", metavar="ROOT")
-    p.add_argument("--keep-last", type=int)
-    p.add_argument("--keep-every", type=int)
-    p.add_argument("--keep-best", type=int)
-    p.add_argument("--metric")
-    p.add_argument("--mode", choices=["min", "max"], default="min")
-    p.add_argument("--incomplete", action="store_true", help="also remove steps without a commit marker")
-    p.add_argument("--dry-run", action="store_true", help="only print what would be deleted")
-    p.add_argument("--json", action="store_true")
-
-    p = sub.add_parser("diff", help="compare two checkpoints key by key (exit status 1 if they differ); either "
-                       "may also be a safetensors folder/file, a DCP folder or a torch.save file")
-    p.add_argument("a", metavar="A")
-    p.add_argument("b", metavar="B")
-    p.add_argument("--key", "-k", dest="keys", action="append", metavar="GLOB", help="only keys matching; repeatable")
-    p.add_argument("--tolerance", type=float, default=0.0, help="max abs difference still counted as equal")
-    p.add_argument("--rename", nargs=2, action="append", metavar=("REGEX", "REPLACEMENT"),
-                   help="rename B's keys to A's names before comparing (applied in order); repeatable")
-    p.add_argument("--module", metavar="KEY", help="compare A's subtree KEY with all of B (an hf export of that "
-                   "module): A's keys under KEY, B's keys read as KEY.<key>")
-    p.add_argument("--json", action="store_true")
-
-    p = sub.add_parser("convert", help="convert between liferaft, safetensors, torch.save and DCP, or export a "
-                       "model as a Hugging Face folder (--to hf)")
-    p.add_argument("src", metavar="SRC")
-    p.add_argument("dst", metavar="DST")
-    p.add_argument("--to", required=True, choices=["liferaft", "safetensors", "hf", "torch", "dcp"],
-                   help="hf: a folder from_pretrained loads (one module's weights, its config); safetensors: "
-                   "every tensor under its full key")
-    p.add_argument("--from", dest="source", choices=["liferaft", "safetensors", "hf", "torch", "dcp"],
-                   help="format of SRC (default: guessed from what is there; hf = safetensors)")
-    p.add_argument("--module", metavar="KEY", help="--to hf: the subtree that is the model (default: the one "
-                   "saved as an nn.Module; needed when there are several; '' for every tensor)")
-    p.add_argument("--config", metavar="PATH", help="--to hf: a config.json, or a model folder whose config and "
-                   "tokenizer files are copied (default: those recorded when SRC was imported from one)")
-    p.add_argument("--max-shard-size", type=float, default=5.0, help="GB per safetensors shard (default 5)")
-    p.add_argument("--dtype", help="cast floating-point tensors on export (e.g. bfloat16)")
-    p.add_argument("--key", "-k", dest="keys", action="append", metavar="GLOB", help="only keys matching; repeatable")
-    p.add_argument("--rename", nargs=2, action="append", metavar=("REGEX", "REPLACEMENT"),
-                   help="rename keys by regex (applied in order); repeatable")
-    p.add_argument("--json", action="store_true")
-
-    p = sub.add_parser("plan", help="goodput simulator: expected useful share of training time at 1k/16k/100k GPUs")
-    p.add_argument("--costs", metavar="F.json", help="measured costs in seconds: {\"stall\": {\"memory\": s, "
-                   "\"remote\": s}, \"persist\": {...}, \"restore\": {\"memory\": s, \"peer\": s, \"remote\": s}, "
-                   "\"restart\": s}; default: DEFAULT_COSTS in liferaft/cli.py")
-    p.add_argument("--gpus", default="1000,16000,100000", help="comma list of GPU counts")
-    p.add_argument("--failures-per-gpu-hour", type=float, default=2e-5)
-    p.add_argument("--node-share", type=float, default=0.5, help="share of failures that take a node down")
-    p.add_argument("--multi-node-share", type=float, default=0.02,
-                   help="share of failures that take several nodes (and maybe both copies of a replica) down")
-    p.add_argument("--json", action="store_true")
-    return parser
+    p.set_defaults(run=run_read)
 
 
-#: Default costs for 1 GiB of state per rank: stalls and memory/peer restores as measured on this project's VM
-#: (README: bench_async, bench_tiers); remote persist and restore assume each rank gets ~50 MB/s of a shared
-#: object store at scale (20 s per GiB); restart = rescheduling and process start. Pass measured ones with --costs.
-DEFAULT_COSTS = {"stall": {"memory": 0.15, "remote": 0.15}, "persist": {"memory": 2.0, "remote": 20.0},
-                 "restore": {"memory": 0.6, "peer": 2.0, "remote": 20.0}, "restart": 120.0}
-
-
-def _cmd_plan(args: argparse.Namespace) -> int:
-    from liferaft.manager.goodput import Costs, table
-
-    raw = DEFAULT_COSTS
-    if args.costs:
-        with open(args.costs) as f:
-            raw = json.load(f)
-    costs = Costs(stall=raw["stall"], restore=raw["restore"], restart=float(raw.get("restart", 120.0)),
-                  persist=raw.get("persist", {}))
-    gpus = [int(x) for x in args.gpus.split(",") if x]
-    if args.json:
-        from liferaft.manager.goodput import Cluster, compare
-
-        print(json.dumps([{"gpus": n, "plan": p.name, "intervals_s": dict(p.intervals), "goodput": p.goodput}
-                          for n in gpus for p in compare(costs, Cluster(
-                              gpus=n, failures_per_gpu_hour=args.failures_per_gpu_hour, node_share=args.node_share,
-                              multi_node_share=args.multi_node_share))]))
-        return 0
-    print(f"costs (s{'' if args.costs else ', defaults'}): stall {dict(costs.stall)}, persist "
-          f"{dict(costs.persist)}, restore {dict(costs.restore)}, restart {costs.restart:.0f}")
-    print(table(costs, gpus, failures_per_gpu_hour=args.failures_per_gpu_hour, node_share=args.node_share,
-                multi_node_share=args.multi_node_share))
-    return 0
-
-
-def _cmd_inspect(args: argparse.Namespace) -> int:
+def run_inspect(args: argparse.Namespace) -> int:
+    """Header, key tree (or one line per key) and metadata of a checkpoint; with key globs, --stats or --json the
+    per-key table of ``liferaft.describe``."""
+    # not public (lead: formats): which format PATH holds
     from liferaft.tools.convert import detect_format
 
     if args.glob or args.stats or args.json:
@@ -181,19 +77,20 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 def _print_tree(path: str) -> None:
     """The keys of a liferaft checkpoint as a tree of their path parts (manifest only), children in saved order."""
+    # not public: the containers (paths, saved order, classes), which liferaft.inspect does not report yet
     from liferaft.core.commit import open_checkpoint
     from liferaft.storage import resolve
-    from liferaft.tools.stats import describe
 
     m = open_checkpoint(resolve(path))
     leaf = {e.path: e.key for e in m.tensors} | {v.path: v.key for v in m.values}
     orders = {c.path: list(c.children) for c in m.containers if c.children is not None}
     classes = {c.path: c.cls.rsplit(".", 1)[-1] for c in m.containers if c.cls}
-    _tree(leaf, {i.key: i for i in describe(path)}, [c.path for c in m.containers], orders, classes)
+    _tree(leaf, {i.key: i for i in liferaft.describe(path)}, [c.path for c in m.containers], orders, classes)
 
 
 def _print_other(path: str, fmt: str, flat: bool = False) -> None:
     """Header and key tree (or one line per key) of a DCP folder, safetensors folder/file or torch.save file."""
+    # not public (lead: formats): open a checkpoint of another format, describe its tensors
     from liferaft.formats.sources import open_source
     from liferaft.tools.stats import describe_side
 
@@ -213,8 +110,8 @@ def _print_other(path: str, fmt: str, flat: bool = False) -> None:
     _tree({tuple(side.paths.get(k, k.split("."))): k for k in keys}, info, [], {})
 
 
-def _tree(leaf: dict[tuple, str], info: dict[str, Any], containers: list[tuple], orders: dict[tuple, list],
-          classes: dict[tuple, str] | None = None) -> None:
+def _tree(leaf: dict[tuple, str], info: dict[str, liferaft.KeyInfo], containers: list[tuple],
+          orders: dict[tuple, list], classes: dict[tuple, str] | None = None) -> None:
     """Print leaves (path -> key) as a tree: containers with their number of keys and bytes (and the class of a
     saved object: ``classes``), tensors with dtype, shape, bytes, chunks, the sharding as saved and codecs
     (``info``: key -> KeyInfo), values as "value"."""
@@ -269,9 +166,7 @@ def _ranges(xs: Any) -> str:
 
 
 def _inspect_keys(args: argparse.Namespace) -> int:
-    from liferaft.tools.stats import describe
-
-    infos = describe(args.path, args.glob or None, stats=args.stats)
+    infos = liferaft.describe(args.path, args.glob or None, stats=args.stats)
     if args.json:
         print(json.dumps([i.__dict__ for i in infos], default=list))
         return 0
@@ -291,8 +186,8 @@ def _inspect_keys(args: argparse.Namespace) -> int:
 
 def _verify_other(args: argparse.Namespace, fmt: str) -> int:
     """verify for a DCP folder, a torch.save file or safetensors: the checks their format allows."""
+    # not public (lead: formats): check a checkpoint of another format, and its format's name
     from liferaft.formats.sources import NAMES, check_source
-    from liferaft.tools.progress import Progress
 
     p = args.path
     total = os.path.getsize(p) if os.path.isfile(p) else \
@@ -324,9 +219,10 @@ def _verify_other(args: argparse.Namespace, fmt: str) -> int:
     return 0
 
 
-def _cmd_verify(args: argparse.Namespace) -> int:
+def run_verify(args: argparse.Namespace) -> int:
+    """Re-hash every stored byte (another format: the checks it allows); exit status 1 listing every fault."""
+    # not public (lead: formats): which format PATH holds
     from liferaft.formats.sources import detect
-    from liferaft.tools.progress import Progress
 
     fmt = detect(args.path)
     if fmt != "liferaft":
@@ -353,134 +249,6 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     else:
         print(f"OK {report.path}: {report.chunks} chunk(s), {report.bytes_checked} bytes verified")
     return 0
-
-
-def _age(created: float | None) -> str:
-    if created is None:
-        return "-"
-    import time
-
-    s = max(0.0, time.time() - created)
-    return f"{s / 86400:.1f} d" if s >= 86400 else f"{s / 3600:.1f} h" if s >= 3600 else f"{s / 60:.0f} min"
-
-
-def _cmd_ls(args: argparse.Namespace) -> int:
-    from liferaft.tools.steps import ls
-
-    total = 0
-    if args.verify and not args.json:
-        from liferaft.tools.steps import ls as listing
-
-        for i in listing(args.root):                       # what the re-hash will read, for the bar
-            if i.status == "committed":
-                total += sum(t.nbytes for t in liferaft.inspect(i.path).tensors)
-    from liferaft.tools.progress import Progress
-
-    with Progress(total, "verify", None if args.verify and not args.json else False) as tick:
-        steps = ls(args.root, verify=args.verify, progress=tick)
-    if args.json:
-        print(json.dumps([{"step": i.step, "status": i.status, "reason": i.reason, "bytes": i.nbytes,
-                           "created_unix": i.created_unix, "world_size": i.world_size, "job_id": i.job_id,
-                           "tiers": list(i.tiers), "depends_on": list(i.depends_on), "pinned": i.pinned,
-                           "metrics": dict(i.metrics)} for i in steps]))
-        return 0
-    jobs = [_short(i.job_id or "-", 64) for i in steps]
-    width = max([3] + [len(j) for j in jobs])
-    print(f"{'step':>10}  {'status':<10} {'MiB':>9}  {'age':>8}  {'ranks':>5}  {'tiers':<6} {'job':<{width}} "
-          "references / reason")
-    for i, job in zip(steps, jobs):
-        note = " ".join(i.reason.replace(i.path, "").split()).lstrip(": ") if i.status != "committed" else \
-            (("refs " + ",".join(map(str, i.depends_on))) if i.depends_on else "") + (" pinned" if i.pinned else "")
-        print(f"{i.step:>10}  {i.status:<10} {i.nbytes / 2**20:>9.1f}  {_age(i.created_unix):>8}  "
-              f"{i.world_size or '-':>5}  {','.join(i.tiers) or '-':<6} {job:<{width}} {note}")
-    return 0
-
-
-def _short(text: str, limit: int) -> str:
-    """``text`` whole, or its start and end around '…' when longer than ``limit`` (job ids end in what tells
-    two launches apart: a pid and start time, a uuid)."""
-    return text if len(text) <= limit else text[:limit // 2 - 1] + "…" + text[-(limit - limit // 2):]
-
-
-def _cmd_gc(args: argparse.Namespace) -> int:
-    from liferaft.tools.steps import gc
-
-    r = gc(args.root, keep_last=args.keep_last, keep_every=args.keep_every, keep_best=args.keep_best,
-           metric=args.metric, mode=args.mode, dry_run=args.dry_run, incomplete=args.incomplete)
-    if args.json:
-        print(json.dumps({"deleted": list(r.deleted), "kept": list(r.kept), "freed_bytes": r.freed_bytes,
-                          "dry_run": r.dry_run}))
-    else:
-        verb = "would delete" if r.dry_run else "deleted"
-        print(f"{verb} {len(r.deleted)} step(s) {list(r.deleted)}, {r.freed_bytes / 2**20:.1f} MiB; "
-              f"kept {list(r.kept)}")
-    return 0
-
-
-def _cmd_convert(args: argparse.Namespace) -> int:
-    from liferaft.tools.convert import convert, detect_format
-    from liferaft.tools.progress import Progress
-
-    src = {"hf": "safetensors"}.get(args.source or detect_format(args.src), args.source or detect_format(args.src))
-    to = args.to
-    hf = {"module": args.module, "config": args.config}
-    from liferaft.tools.progress import FolderGrowth
-
-    if src == "liferaft":
-        tensors = liferaft.inspect(args.src).tensors
-        if to == "hf":                                     # the bar counts the model's bytes only
-            from liferaft.core.commit import open_checkpoint
-            from liferaft.storage import resolve
-            from liferaft.tools.hf_folder import model_subtree
-
-            prefix, _ = model_subtree(open_checkpoint(resolve(args.src)), args.module)
-            tensors = tuple(t for t in tensors if t.kind == "tensor" and (not prefix or t.key.startswith(prefix + ".")))
-        total = sum(t.nbytes for t in tensors)
-    else:                                                  # an import: the bar follows the files written
-        total = os.path.getsize(args.src) if os.path.isfile(args.src) else \
-            sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(args.src) for f in fs)
-    with Progress(total, "export" if src == "liferaft" else "import", None if not args.json else False) as tick:
-        if src == "liferaft":
-            r = convert(args.src, args.dst, to, source=src, keys=args.keys, dtype=args.dtype,
-                        rename=[tuple(x) for x in args.rename or []],
-                        max_shard_bytes=int(args.max_shard_size * 1e9), progress=tick, **hf)
-        else:
-            with FolderGrowth(args.dst, tick):
-                r = convert(args.src, args.dst, to, source=src, keys=args.keys, dtype=args.dtype,
-                            rename=[tuple(x) for x in args.rename or []],
-                            max_shard_bytes=int(args.max_shard_size * 1e9), **hf)
-    if args.json:
-        print(json.dumps({"from": src, "to": to, "files": list(r.files), "tensors": r.tensors, "bytes": r.bytes}
-                         | ({"module": r.module, "notes": list(r.notes)} if to == "hf" else {})))
-    else:
-        print(f"{src} → {to}: {args.dst} ({r.tensors} tensor(s), {len(r.files)} file(s), {r.bytes / 2**20:.1f} MiB)")
-        for note in r.notes:
-            print(f"  {note}")
-    return 0
-
-
-def _cmd_diff(args: argparse.Namespace) -> int:
-    from liferaft.tools.convert import detect_format
-    from liferaft.tools.diff import diff
-    from liferaft.tools.progress import Progress
-
-    total = sum(t.nbytes for t in liferaft.inspect(args.a).tensors if not args.module or
-                t.key.startswith(args.module + ".")) if detect_format(args.a) == "liferaft" else 0
-    with Progress(total, "diff", None if not args.json else False) as tick:
-        r = diff(args.a, args.b, keys=args.keys, tolerance=args.tolerance, progress=tick,
-                 rename=[tuple(x) for x in args.rename or []], module=args.module)
-    if args.json:
-        print(json.dumps({"a": r.a, "b": r.b, "identical": r.identical,
-                          "keys": [k.__dict__ for k in r.keys]}))
-    else:
-        for k in r.changed():
-            extra = f"  max abs {k.max_abs:.3g}  max rel {k.max_rel:.3g}" if k.status == "changed" and \
-                (k.max_abs or k.max_rel) else ""
-            print(f"{k.status:<8} {k.key}{extra}{('  ' + k.detail) if k.detail else ''}")
-        n = len(r.keys)
-        print(f"{'identical' if r.identical else 'different'}: {n - len(r.changed())} of {n} key(s) equal"
-              + (f" (tolerance {args.tolerance:g})" if args.tolerance else ""))
-    return 0 if r.identical else 1
 
 
 def _short_repr(v: Any) -> str:
@@ -529,6 +297,7 @@ def _leaves(node: Any, path: tuple[Any, ...], leaf_keys: set[str]) -> Iterator[t
 def _read_other(args: argparse.Namespace) -> list[tuple[str, str, str]]:
     """The rows of ``read`` for a DCP folder, safetensors or a torch.save file: every tensor read (one at a time)
     and every value decoded, under the keys that format stores (DCP: each leaf of a nested value on its own)."""
+    # not public (lead: formats): open a checkpoint of another format
     from liferaft.formats.sources import open_source
 
     src = open_source(args.path, options=liferaft.LoadOptions(allow_pickle=args.allow_pickle))
@@ -554,7 +323,9 @@ def _read_other(args: argparse.Namespace) -> list[tuple[str, str, str]]:
     return rows
 
 
-def _cmd_read(args: argparse.Namespace) -> int:
+def run_read(args: argparse.Namespace) -> int:
+    """Read the checkpoint in this process and print one line (or JSON object) per leaf: key, type, details."""
+    # not public (lead: formats): which format PATH holds
     from liferaft.formats.sources import detect
 
     if detect(args.path) != "liferaft":
@@ -577,31 +348,3 @@ def _cmd_read(args: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS = {"inspect": _cmd_inspect, "verify": _cmd_verify, "read": _cmd_read, "plan": _cmd_plan, "ls": _cmd_ls,
-             "gc": _cmd_gc, "diff": _cmd_diff, "convert": _cmd_convert}
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``liferaft`` command with ``argv`` (default: ``sys.argv[1:]``); return the exit status."""
-    parser = _build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as e:  # usage errors (2), --help / --version (0)
-        return e.code if isinstance(e.code, int) else 1
-    try:
-        return _COMMANDS[args.command](args)
-    except BrokenPipeError:                     # the reader went away (``liferaft inspect X | head``): quietly
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
-    except (liferaft.LiferaftError, OSError) as e:
-        if args.debug:
-            import traceback
-
-            traceback.print_exc()
-        lines = str(e).splitlines() or [type(e).__name__]
-        print(f"liferaft {args.command}: error: {lines[0]}", file=sys.stderr)
-        return 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

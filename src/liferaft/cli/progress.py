@@ -1,11 +1,12 @@
-"""Progress bars for long commands: bytes and ETA on a terminal (tqdm), nothing when stderr is not one."""
+"""Progress bars of the `liferaft` command: bytes and ETA on a terminal (tqdm), nothing when stderr is not one."""
 
 from __future__ import annotations
 
 import os
 import sys
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 class Progress:
@@ -25,7 +26,7 @@ class Progress:
             return self._bar.update
         return lambda n: None
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self._bar is not None:
             self._bar.close()
 
@@ -62,12 +63,12 @@ class FolderGrowth:
             self.tick(now - self._seen)
             self._seen = now
 
-    def __enter__(self) -> "FolderGrowth":
+    def __enter__(self) -> FolderGrowth:
         if "://" not in self.path:
             self._thread.start()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self._thread.is_alive():
             self._stop.set()
             self._thread.join()

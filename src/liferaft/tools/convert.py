@@ -29,6 +29,7 @@ import torch
 from liferaft.core.chunks.dtypes import torch_dtype
 from liferaft.core.commit import check_files, open_checkpoint
 from liferaft.errors import CorruptCheckpointError, InvalidStateError, OptionsError
+from liferaft.options import ConvertFormat, SaveOptions
 from liferaft.storage import resolve
 from liferaft.storage.refs import with_references
 from liferaft.tools.hf_folder import (  # noqa: F401 (the API of this module too)
@@ -203,6 +204,13 @@ def _write_shard(storage: Any, path: str, shard: list[Any], progress: Callable[[
 
 
 SLAB = 64 << 20
+
+def find_model(src: str | os.PathLike[str], module: str | None = None) -> str:
+    """The key of the subtree of liferaft checkpoint ``src`` that ``convert(..., "hf")`` exports as the model ("" for
+    the whole checkpoint): ``module`` if given and holding tensors, else the one ``nn.Module`` the checkpoint
+    recorded (``to_hf``). Reads the manifest only; OptionsError when there are several candidates or none."""
+    return model_subtree(open_checkpoint(resolve(src)), module)[0]
+
 
 def to_hf(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, module: str | None = None,
           config: str | os.PathLike[str] | None = None, max_shard_bytes: int = 5 << 30, dtype: str | None = None,
@@ -492,10 +500,11 @@ def detect_format(src: str | os.PathLike[str]) -> str:
     return detect(src)
 
 
-def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], to: str, *, source: str | None = None,
-            keys: Sequence[str] | None = None, rename: Sequence[tuple[str, str]] | None = None,
-            dtype: str | None = None, max_shard_bytes: int = 5 << 30, module: str | None = None,
-            config: str | os.PathLike[str] | None = None, options: Any = None,
+def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], to: ConvertFormat, *,
+            source: ConvertFormat | None = None, keys: Sequence[str] | None = None,
+            rename: Sequence[tuple[str, str]] | None = None, dtype: str | None = None,
+            max_shard_bytes: int = 5 << 30, module: str | None = None,
+            config: str | os.PathLike[str] | None = None, options: SaveOptions | None = None,
             progress: Callable[[int], None] | None = None) -> ConvertReport:
     """Convert ``src`` (format ``source``, detected when not given: ``tools.formats.detect``) to ``to``, each one of
     "liferaft", "safetensors", "torch", "dcp" — or, as ``to``, "hf": a Hugging Face model folder
