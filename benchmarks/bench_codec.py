@@ -85,8 +85,7 @@ def disk_read_rate(nbytes: int = 256 << 20) -> float:
 def main(argv: list[str] | None = None) -> int:
     import zstandard
 
-    from liferaft.codecs import frames
-    from liferaft.codecs.bytegroup import incompressible
+    from liferaft.codecs import frames, registry
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=3)
@@ -105,10 +104,12 @@ def main(argv: list[str] | None = None) -> int:
     for name, (raw, itemsize, dtype) in inputs.items():
         mv = memoryview(raw)
         blocks = [mv[i:i + BLOCK] for i in range(0, len(mv), BLOCK)]
-        def enc_all() -> list[bytes]:       # as the writer does: planes the first block shows random stay raw
-            first = frames.encoder(frames.LOSSLESS, itemsize, dtype)(blocks[0])
-            rest = frames.encoder(frames.LOSSLESS, itemsize, dtype, raw_planes=incompressible(first))
-            return [first] + [rest(b) for b in blocks[1:]]
+        codec = registry.get(registry.LOSSLESS)
+
+        def enc_all() -> list[bytes]:       # as the writer does (planes the first block shows random stay raw),
+            enc = codec.encode_chunk(blocks, dtype, None, pays=float("inf"))    # on this thread, every block
+            assert enc is not None
+            return enc.frames
         enc_s, framed = timed(enc_all, args.reps)
         out = bytearray(len(raw))
         stored = b"".join(framed)

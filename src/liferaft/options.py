@@ -57,8 +57,12 @@ class SaveOptions:
         (on every rank).
     compression: "auto" (default), "on" or "off". Lossless: each chunk's hash blocks are stored as byte-plane +
         zstd frames where a sample block shrinks (else the chunk is stored raw), encoded on worker threads.
-        "auto" compresses for remote storage always, and for local storage only when the codec keeps up with the
-        disk (both measured in this process, ``codecs.advisor``). Loads decode whatever they find.
+        "auto" compresses for remote storage (object stores) always, and for local storage only when
+        ``storage_write_bps`` is given and the codec threads encode at least that fast (else raw): a function of
+        the options and the storage's kind alone, never of earlier saves (``codecs.advisor``). Loads decode
+        whatever they find.
+    storage_write_bps: the local storage's write throughput in bytes/s, as the caller knows or measured it (e.g.
+        ``bytes_written / timings["write"]`` of an earlier raw save); only ``compression="auto"`` uses it.
     chunk_bytes: largest chunk written; larger boxes are cut into row-major runs of at most this size (the unit
         an incremental save can skip, and of load balancing between ranks).
     incremental_base: name of a committed checkpoint next to this one (same parent folder or prefix, e.g.
@@ -98,6 +102,7 @@ class SaveOptions:
     staging: Staging = "blocking"
     if_busy: IfBusy = "wait"
     compression: Compression = "auto"
+    storage_write_bps: float | None = None
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     incremental_base: str | None = None
     reference_min_share: float = DEFAULT_MIN_SHARE
@@ -108,6 +113,9 @@ class SaveOptions:
 
     def __post_init__(self) -> None:
         _check_choice("SaveOptions", "compression", self.compression, Compression)
+        if self.storage_write_bps is not None and not self.storage_write_bps > 0:
+            raise OptionsError(f"SaveOptions.storage_write_bps must be a positive rate in bytes/s, got "
+                               f"{self.storage_write_bps}")
         if self.chunk_bytes < (64 << 10):
             raise OptionsError(f"SaveOptions.chunk_bytes must be at least 64 KiB, got {self.chunk_bytes}")
         if self.incremental_base is not None and (not self.incremental_base or "/" in self.incremental_base

@@ -1,69 +1,32 @@
-"""``compression="auto"``: compress when it makes the save faster or the checkpoint smaller at no cost in time.
+"""``compression="auto"``: whether a save tries the lossless codec, as a pure function of what the caller states.
 
-- Remote storage (an object store: bytes cross a network and cost money): always compress.
-- Local storage: compress only when the codec keeps up with the disk, i.e. when the codec threads
-  (``frames.threads()``) together encode at least as fast as this process last measured its raw writes
-  (``record_write``). The codec's speed is
-  measured once per process on a sample of the state (about 1 MiB: a few ms). Until a raw write has been
-  measured, the first local save is written raw (and measures the disk).
+The decision depends only on its arguments, never on what earlier saves of the process measured, so two identical
+saves write the same bytes whatever ran before them (issue #15), and every rank of a save decides alike:
+
+- remote storage (``Storage.remote``: an object store, where bytes cross a network and cost money): compress;
+- local storage whose write throughput the caller states (``SaveOptions.storage_write_bps``, e.g. measured by
+  the caller on its earlier raw saves: ``SaveResult.bytes_written / SaveResult.timings["write"]``): compress
+  when the codec threads together encode at least that fast (``threads`` × ``ENCODE_BPS``), i.e. when encoding
+  keeps up with the disk;
+- local storage otherwise: raw. (Measured: on the reference 2-core VM, 1 codec thread encodes ~0.5 GB/s and the
+  disk writes ~2.5 GB/s, so a compressed local save is 3–5× slower; README "Limits".)
+
+Either way the writer keeps a chunk encoded only where its first block shrinks below ``frames.PAYS_RATIO``
+(deterministic too: a function of the chunk's bytes).
 """
 
 from __future__ import annotations
 
-import threading
-import time
-from typing import Sequence
-
-import torch
-
-_LOCK = threading.Lock()
-_CODEC_BPS: float | None = None         # bytes of input per second per codec thread
-_DISK_BPS: float | None = None          # raw bytes per second of this process's last raw write
-SAMPLE = 1 << 20
+#: Encoding throughput of ``bytegroup-zstd`` per codec thread, bytes of input per second: the low end of
+#: ``benchmarks/bench_codec.py`` on trained weights and AdamW moments (459–1188 MB/s per core, reference VM).
+ENCODE_BPS = 500e6
 
 
-def record_write(nbytes: int, seconds: float) -> None:
-    """Remember the throughput of a raw write of ``nbytes`` (only writes of at least 64 MiB count)."""
-    global _DISK_BPS
-    if nbytes >= 64 << 20 and seconds > 0:
-        with _LOCK:
-            _DISK_BPS = nbytes / seconds
-
-
-def _codec_speed(tensors: Sequence[torch.Tensor]) -> float | None:
-    from liferaft.codecs import bytegroup
-
-    for t in tensors:
-        if t.is_floating_point() and t.numel() * t.element_size() >= 64 << 10:
-            flat = t.detach().reshape(-1)[: SAMPLE // t.element_size()].cpu().contiguous()
-            data = memoryview(flat.view(torch.uint8).numpy())
-            t0 = time.perf_counter()
-            bytegroup.encode(data, t.element_size())
-            return len(data) / max(time.perf_counter() - t0, 1e-9)
-    return None
-
-
-def should_compress(remote: bool, tensors: Sequence[torch.Tensor]) -> bool:
-    """The "auto" decision for a save of ``tensors`` (this rank's chunks) to remote or local storage."""
-    global _CODEC_BPS
+def should_compress(remote: bool, storage_write_bps: float | None, threads: int) -> bool:
+    """The "auto" decision for a save to remote (object store) or local storage, given the storage's stated
+    write throughput in bytes/s (None: unknown) and the number of codec threads."""
     if remote:
         return True
-    with _LOCK:
-        disk, codec = _DISK_BPS, _CODEC_BPS
-    if disk is None:
+    if storage_write_bps is None:
         return False
-    if codec is None:
-        codec = _codec_speed(tensors)
-        if codec is None:
-            return False
-        with _LOCK:
-            _CODEC_BPS = codec
-    from liferaft.codecs.frames import threads
-
-    return codec * threads() >= disk
-
-
-def measured() -> dict[str, float | None]:
-    """What the advisor has measured in this process (bytes/s): for benchmarks and tests."""
-    with _LOCK:
-        return {"codec_bps_per_thread": _CODEC_BPS, "disk_bps": _DISK_BPS}
+    return threads * ENCODE_BPS >= storage_write_bps

@@ -10,18 +10,22 @@ when zstd would not shrink it (so random bytes cost a copy, not an expansion). F
 
 mode 0 = raw plane, 1 = zstd frame. A tail of ``length % itemsize`` bytes is stored as one more raw plane.
 Pure functions of bytes; numpy does the grouping and zstd (the ``zstandard`` package) the entropy coding, both
-outside the GIL for large buffers. Used per hash block by ``codecs.frames`` (codec ``bytegroup-zstd``).
+outside the GIL for large buffers. ``ByteGroupZstd`` is the codec ``bytegroup-zstd`` (``codecs.base``): one frame
+per hash block. Each thread keeps its own zstd contexts (``_compressor``), for as long as the thread lives.
 """
 
 from __future__ import annotations
 
 import struct
 import threading
-from typing import Any
+from concurrent.futures import Executor
+from typing import Any, Sequence
 
 import numpy as np
 
+from liferaft.codecs.base import Codec, EncodedChunk, map_blocks
 from liferaft.errors import CorruptCheckpointError
+from liferaft.format.manifest import DTYPE_ITEMSIZE
 
 MAGIC = b"LRBG"
 _HEAD = struct.Struct("<4sBBQ")
@@ -98,7 +102,8 @@ def incompressible(frame: bytes | memoryview, threshold: float = 0.97) -> frozen
 
 def decode(blob: bytes | memoryview, out: memoryview | None = None, where: str = "chunk") -> bytes | None:
     """Invert ``encode``: into ``out`` (a writable buffer of exactly the original length; returns None) or as new
-    bytes. Raises CorruptCheckpointError naming ``where`` on any inconsistency."""
+    bytes. Raises CorruptCheckpointError naming ``where`` on any inconsistency (and no other exception: the
+    frame's lengths are checked before anything is allocated or decoded)."""
     import zstandard
 
     mv = memoryview(blob).cast("B")
@@ -108,27 +113,40 @@ def decode(blob: bytes | memoryview, out: memoryview | None = None, where: str =
         raise CorruptCheckpointError(f"{where}: compressed frame too short") from None
     if magic != MAGIC or version != 1 or not 1 <= itemsize <= 8:
         raise CorruptCheckpointError(f"{where}: not a liferaft byte-group frame (magic {magic!r}, v{version})")
-    pos = _HEAD.size
-    specs = []
-    for _ in range(itemsize + 1):
-        mode, size = _PLANE.unpack_from(mv, pos)
-        specs.append((mode, size))
-        pos += _PLANE.size
+    pos = _HEAD.size + (itemsize + 1) * _PLANE.size
+    if len(mv) < pos:
+        raise CorruptCheckpointError(f"{where}: compressed frame too short")
     whole = n - n % itemsize
     per_plane = whole // itemsize
-    target = np.empty(n, dtype=np.uint8) if out is None else np.frombuffer(out, dtype=np.uint8)
-    if len(target) != n:
-        raise CorruptCheckpointError(f"{where}: the frame holds {n} bytes, the block has {len(target)}")
-    grid = target[:whole].reshape(-1, itemsize) if itemsize > 1 else None
-    dctx = _decompressor()
-    for k, (mode, size) in enumerate(specs):
+    if out is not None and len(out) != n:
+        raise CorruptCheckpointError(f"{where}: the frame holds {n} bytes, the block has {len(out)}")
+    planes = []
+    for k in range(itemsize + 1):
+        mode, size = _PLANE.unpack_from(mv, _HEAD.size + k * _PLANE.size)
+        want = per_plane if k < itemsize else n - whole
         payload = mv[pos:pos + size]
         pos += size
-        want = per_plane if k < itemsize else n - whole
         if len(payload) != size:
             raise CorruptCheckpointError(f"{where}: compressed frame truncated")
+        if mode == 0 and size != want or mode not in (0, 1):
+            raise CorruptCheckpointError(f"{where}: plane {k} (mode {mode}, {size} bytes) does not hold the "
+                                         f"{want} bytes of the frame")
+        if mode == 1:
+            try:
+                stated = zstandard.frame_content_size(payload)
+            except zstandard.ZstdError as e:
+                raise CorruptCheckpointError(f"{where}: zstd plane {k} does not decode: {e}") from None
+            if stated not in (-1, want):
+                raise CorruptCheckpointError(f"{where}: plane {k} has {stated} bytes, expected {want}")
+        planes.append((mode, payload, want))
+    if pos != len(mv):
+        raise CorruptCheckpointError(f"{where}: compressed frame has {len(mv) - pos} bytes after its planes")
+    target = np.empty(n, dtype=np.uint8) if out is None else np.frombuffer(out, dtype=np.uint8)
+    grid = target[:whole].reshape(-1, itemsize) if itemsize > 1 else None
+    dctx = _decompressor()
+    for k, (mode, payload, want) in enumerate(planes):
         try:
-            plane = bytes(payload) if mode == 0 else dctx.decompress(payload, max_output_size=want)
+            plane = payload if mode == 0 else dctx.decompress(payload, max_output_size=want)
         except zstandard.ZstdError as e:
             raise CorruptCheckpointError(f"{where}: zstd plane {k} does not decode: {e}") from None
         if len(plane) != want:
@@ -141,3 +159,40 @@ def decode(blob: bytes | memoryview, out: memoryview | None = None, where: str =
         else:
             target[:whole] = arr
     return None if out is not None else target.tobytes()
+
+
+def _plane_width(dtype: str) -> int:
+    """Bytes per element as the planes see it: the dtype's item size, except complex128, grouped as the two
+    float64 it holds (a frame stores at most 8 planes)."""
+    return min(DTYPE_ITEMSIZE[dtype], 8)
+
+
+class ByteGroupZstd(Codec):
+    """Codec ``bytegroup-zstd`` (lossless, any dtype): one ``encode`` frame per hash block, at zstd ``level``.
+
+    ``encode_chunk`` with ``pays`` encodes the first block alone; when it pays, the later blocks store raw the
+    planes the first one showed to be random (``incompressible``) without trying zstd on them."""
+
+    name = "bytegroup-zstd"
+    lossless = True
+
+    def __init__(self, level: int = 1) -> None:
+        self.level = level
+
+    def encode_block(self, block: memoryview, dtype: str) -> bytes:
+        return encode(block, _plane_width(dtype), self.level)
+
+    def decode_block(self, frame: memoryview, out: memoryview, dtype: str, where: str) -> None:
+        decode(frame, out, where)
+
+    def encode_chunk(self, blocks: Sequence[memoryview], dtype: str, pool: Executor | None,
+                     pays: float | None = None) -> EncodedChunk | None:
+        if pays is None or not blocks:
+            return super().encode_chunk(blocks, dtype, pool, pays)
+        itemsize = _plane_width(dtype)
+        first = encode(blocks[0], itemsize, self.level)
+        if len(first) >= pays * len(blocks[0]):
+            return None
+        raw = incompressible(first)
+        rest = map_blocks(pool, lambda b: encode(b, itemsize, self.level, raw), blocks[1:])
+        return EncodedChunk(frames=[first] + rest)

@@ -8,15 +8,18 @@ never chosen by default. Frame layout (little endian)::
 
 A value decodes to ``q × scale`` of its group (scale = max |x| / 127 over the group, 0 for an all-zero group),
 cast back to the saved dtype. Non-finite values cannot be quantized: a block holding one is refused
-(``encode`` raises ValueError and the writer stores that chunk losslessly instead).
+(``encode`` raises CannotEncode and the writer stores that chunk raw instead). ``Q8Block`` is the codec
+(``codecs.base``).
 """
 
 from __future__ import annotations
 
 import struct
+from typing import Any, Mapping
 
 import torch
 
+from liferaft.codecs.base import CannotEncode, Codec
 from liferaft.errors import CorruptCheckpointError
 
 MAGIC = b"LRQ8"
@@ -28,12 +31,12 @@ _BY_CODE = {code: dt for code, dt in DTYPES.values()}
 
 
 def encode(block: memoryview, dtype: str) -> bytes:
-    """The q8 frame of ``block`` (raw values of ``dtype``)."""
+    """The q8 frame of ``block`` (raw values of ``dtype``, one of ``DTYPES``)."""
     code, tdt = DTYPES[dtype]
     x = torch.frombuffer(bytearray(block), dtype=tdt).float() if len(block) else torch.empty(0)
     n = x.numel()
     if not bool(torch.isfinite(x).all()):
-        raise ValueError("block holds non-finite values")
+        raise CannotEncode("block holds non-finite values")
     pad = (-n) % GROUP
     g = torch.nn.functional.pad(x, (0, pad)).view(-1, GROUP)
     scale = g.abs().amax(dim=1) / 127.0
@@ -65,20 +68,31 @@ def dequantize(frame: memoryview | bytes, where: str = "chunk") -> torch.Tensor:
 def decode(frame: memoryview, out: memoryview, dtype: str, where: str = "chunk") -> None:
     """Dequantize ``frame`` into ``out`` (the raw bytes of the block in ``dtype``)."""
     vals = dequantize(frame, where)
-    if vals.dtype != DTYPES[dtype][1] or vals.numel() * vals.element_size() != len(out):
+    if dtype not in DTYPES or vals.dtype != DTYPES[dtype][1] or vals.numel() * vals.element_size() != len(out):
         raise CorruptCheckpointError(f"{where}: quantized frame holds {vals.numel()} {vals.dtype} values, the block "
                                      f"has {len(out)} bytes of {dtype}")
     torch.frombuffer(out, dtype=torch.uint8).copy_(vals.view(torch.uint8))
 
 
-def encode_checked(block: memoryview, dtype: str) -> tuple[bytes, str, float, float, int]:
-    """(frame, xxh3_64 of the values it decodes to, max abs error, sum of abs errors, values): what a writer
-    records for a lossy chunk, whose block hashes describe the decoded values."""
-    from liferaft.codecs.checksum import digest
+class Q8Block(Codec):
+    """Codec ``q8-block`` (lossy, opt-in, floating-point dtypes): one q8 frame per hash block."""
 
-    frame = encode(block, dtype)
-    vals = dequantize(frame)
-    orig = torch.frombuffer(bytearray(block), dtype=DTYPES[dtype][1]).double()
-    diff = (vals.double() - orig).abs()
-    raw = vals.contiguous().view(torch.uint8).numpy()
-    return frame, digest(memoryview(raw)), float(diff.max()) if diff.numel() else 0.0, float(diff.sum()), diff.numel()
+    name = "q8-block"
+    lossless = False
+    dtypes = frozenset(DTYPES)
+    params: Mapping[str, Any] = {"group": GROUP}
+
+    def encode_block(self, block: memoryview, dtype: str) -> bytes:
+        return encode(block, dtype)
+
+    def decode_block(self, frame: memoryview, out: memoryview, dtype: str, where: str) -> None:
+        decode(frame, out, dtype, where)
+
+    def error_bound(self, block: memoryview, dtype: str) -> float:
+        """Half a quantization step of the largest group (max |x| / 254), plus the float32 arithmetic and the
+        rounding of the cast back to ``dtype`` (its unit roundoff × max |x|; fp16 subnormals: 2^-25)."""
+        if not len(block):
+            return 0.0
+        peak = float(torch.frombuffer(bytearray(block), dtype=DTYPES[dtype][1]).double().abs().max())
+        unit = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}.get(dtype, 0.0)
+        return peak * (1 / 254 + unit + 2.0 ** -21) + (2.0 ** -25 if dtype == "float16" else 0.0)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
+from liferaft.codecs import registry as codec_registry
 from liferaft.codecs.checksum import digest
 from liferaft.errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError, LiferaftError
 from liferaft.format.layout import COMMIT_MARKER, is_stale, manifest_name
@@ -83,7 +84,7 @@ def open_checkpoint(storage: Storage) -> Manifest:
     if len(data) != marker.manifest_size or digest(data) != marker.manifest_hash:
         raise CorruptCheckpointError(f"{storage.url}: manifest {marker.manifest!r} does not match the size/checksum "
                                      "recorded in the commit marker; the checkpoint is damaged")
-    manifest = decode_manifest(data, f"{storage.url}/{marker.manifest}")
+    manifest = decode_manifest(data, f"{storage.url}/{marker.manifest}", codecs=codec_registry.names())
     for entry in manifest.tensors:
         problem = check_chunks_tile(entry.shape, [(c.offsets, c.sizes) for c in entry.chunks])
         if problem:

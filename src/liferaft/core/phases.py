@@ -219,7 +219,7 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
         if w.parent is not None:
             sources[(w.key, (w.offsets, w.sizes))] = sub_view(sources[(w.key, w.parent)], w.parent,
                                                               (w.offsets, w.sizes))
-    policy, lossy = chunk_policy(plan, storage, opts, base, sources, coord.rank)
+    policy, lossy = chunk_policy(plan, storage, opts, base)
     prepared = PreparedSave(storage=storage, plan=plan, save_id=save_id, rank=coord.rank, world=coord.world,
                             sources=sources, policy=policy, t_start=t_start, lossy=lossy)
     prepared.timings["plan"] = time.perf_counter() - t_start
@@ -239,10 +239,6 @@ def finish_save(coord: Coordinator, prep: PreparedSave, write: Callable[[], Writ
     timings.setdefault("stage", outcome.stage_s)
     timings["write"] = outcome.write_s
     timings["encode"] = outcome.encode_s
-    if not outcome.bytes_encoded and not outcome.bytes_reused:
-        from liferaft.codecs import advisor
-
-        advisor.record_write(outcome.bytes_written, outcome.write_s)
     t0 = time.perf_counter()
 
     def commit() -> None:
@@ -329,18 +325,18 @@ def open_base(storage: Storage, name: str) -> tuple[str, Manifest] | None:
         return None
 
 
-def chunk_policy(plan: SavePlan, storage: Storage, opts: SaveOptions, base: tuple[str, Manifest] | None,
-                 sources: dict[tuple[str, Box], torch.Tensor], rank: int
+def chunk_policy(plan: SavePlan, storage: Storage, opts: SaveOptions, base: tuple[str, Manifest] | None
                  ) -> tuple[ChunkPolicy, dict[str, dict[str, Any]]]:
-    """How this rank's writer stores each chunk (compression, lossy keys, reusable chunks of the base), and
-    the lossy entries the manifest will describe."""
+    """How the writers store each chunk (compression, lossy keys, reusable chunks of the base), and the lossy
+    entries the manifest will describe: a function of its arguments only (the same on every rank, whatever
+    earlier saves of the process did; ``codecs.advisor`` for ``compression="auto"``)."""
     from fnmatch import fnmatchcase
 
-    from liferaft.codecs import advisor
-    from liferaft.format.manifest import DTYPE_ITEMSIZE
+    from liferaft.codecs import advisor, frames, registry
 
     dtypes = {t.key: t.dtype for t in plan.tensors}
-    lossy = {t.key: "q8-block" for t in plan.tensors if t.dtype in QUANTIZABLE and t.kind == "tensor"
+    quantizer = registry.get(registry.QUANTIZE)
+    lossy = {t.key: quantizer.name for t in plan.tensors if quantizer.accepts(t.dtype) and t.kind == "tensor"
              and any(fnmatchcase(t.key, p) for p in opts.quantize)}
     reuse, delta = {}, {}
     if base is not None:
@@ -354,19 +350,17 @@ def chunk_policy(plan: SavePlan, storage: Storage, opts: SaveOptions, base: tupl
                 reuse[box] = _rebased(c, name, manifest.files)
                 if xor and t.lossy is None:
                     delta[box] = _rebased(c.delta or c, name, manifest.files)
-    if opts.compression == "auto":
-        mine = [sources[(w.key, (w.offsets, w.sizes))] for w in plan.writes[rank]]
-        compress = advisor.should_compress(storage.remote, mine)
+    if opts.compression == "auto":       # a pure function of the options and the storage's kind
+        compress = advisor.should_compress(storage.remote, opts.storage_write_bps, frames.threads())
     else:
         compress = opts.compression == "on"
     selective = {t.key: opts.selective for t in plan.tensors if opts.selective is not None and base is not None
                  and t.dtype in QUANTIZABLE and t.kind == "tensor" and t.key not in lossy
                  and any(fnmatchcase(t.key, p) for p in opts.selective_keys)}
-    policy = ChunkPolicy(dtypes=dtypes, itemsizes={k: DTYPE_ITEMSIZE[d] for k, d in dtypes.items()},
-                         block_size=opts.block_size, alignment=opts.alignment, compress=compress, lossy=lossy,
+    policy = ChunkPolicy(dtypes=dtypes, block_size=opts.block_size, alignment=opts.alignment, compress=compress, lossy=lossy,
                          reuse=reuse, delta=delta, reader=with_references(storage) if delta or selective else None,
                          selective=selective)
-    described: dict[str, dict[str, Any]] = {k: {"method": c, "group": 256} for k, c in lossy.items()}
+    described: dict[str, dict[str, Any]] = {k: {"method": c, **registry.get(c).params} for k, c in lossy.items()}
     described.update({k: {"method": "selective", "threshold": v} for k, v in selective.items()})
     return policy, described
 

@@ -11,7 +11,7 @@ import json
 import posixpath
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 from liferaft.errors import CorruptCheckpointError, FormatVersionError, UnsafePathError
 
@@ -60,11 +60,6 @@ def check_chunk_file(name: str) -> str:
         check_relative_path(rest, "file")
         return name
     return check_relative_path(name)
-
-
-#: Lossless chunk codecs a reader decodes (``ChunkRecord.codec``); lossy ones are listed in LOSSY_CODECS.
-LOSSLESS_CODECS = ("bytegroup-zstd",)
-LOSSY_CODECS = ("q8-block",)
 
 
 @dataclass(frozen=True)
@@ -342,14 +337,14 @@ def decode_commit_marker(data: bytes) -> CommitMarker:
 
 
 def _decode_chunk(c: Any, where: str, ndim: int, files: Mapping[str, int], itemsize: int,
-                  nested: bool = False) -> ChunkRecord:
+                  codecs: Collection[str] | None, nested: bool = False) -> ChunkRecord:
     if not isinstance(c, dict):
         raise _fail(where, "chunk is not an object")
     delta = None
     if c.get("delta") is not None:
         if nested:
             raise _fail(where, "a delta chunk's base is itself a delta")
-        delta = _decode_chunk(c["delta"], f"{where} (delta base)", ndim, files, itemsize, nested=True)
+        delta = _decode_chunk(c["delta"], f"{where} (delta base)", ndim, files, itemsize, codecs, nested=True)
     rec = ChunkRecord(
         offsets=_ints(c.get("offsets"), where), sizes=_ints(c.get("sizes"), where),
         file=check_chunk_file(_str(c.get("file"), where)), byte_offset=_int(c.get("byte_offset"), where),
@@ -376,16 +371,22 @@ def _decode_chunk(c: Any, where: str, ndim: int, files: Mapping[str, int], items
     nblocks = -(-rec.length // rec.block_size) if rec.length else 0
     if len(rec.hashes) != nblocks:
         raise _fail(where, f"chunk has {len(rec.hashes)} block hashes, expected {nblocks}")
-    if rec.codec is not None and rec.codec not in LOSSLESS_CODECS + LOSSY_CODECS:
-        raise _fail(where, f"chunk codec {rec.codec!r} is unknown to this liferaft (known: "
-                           f"{', '.join(LOSSLESS_CODECS + LOSSY_CODECS)}); upgrade liferaft to read it")
+    if rec.codec is not None and codecs is not None and rec.codec not in codecs:
+        raise CorruptCheckpointError(f"{where}: chunk codec {rec.codec!r} is unknown to this liferaft (known: "
+                                     f"{', '.join(codecs)}); the checkpoint was written by a newer liferaft or "
+                                     "with a codec registered there: upgrade liferaft (or register that codec) "
+                                     "to read it")
     if (rec.codec is None) != (rec.frames is None) or (rec.frames is not None and len(rec.frames) != nblocks):
         raise _fail(where, "an encoded chunk needs one frame length per hash block (and a raw chunk none)")
     return rec
 
 
-def decode_manifest(data: bytes, name: str = "manifest") -> Manifest:
-    """Parse and validate a manifest. Raises CorruptCheckpointError, FormatVersionError or UnsafePathError."""
+def decode_manifest(data: bytes, name: str = "manifest", codecs: Collection[str] | None = None) -> Manifest:
+    """Parse and validate a manifest. Raises CorruptCheckpointError, FormatVersionError or UnsafePathError.
+
+    ``codecs``: the names of the chunk codecs the reader knows (``codecs.registry.names()``; this layer does not
+    import them): a chunk stored with another codec is refused naming the tensor. None: codec names are not
+    checked here (a read then refuses an unknown one when it meets it)."""
     doc = _loads(data, name)
     version = _check_version(doc, name)
     if doc.get("checksum") != CHECKSUM_ALGO:
@@ -412,7 +413,8 @@ def decode_manifest(data: bytes, name: str = "manifest") -> Manifest:
         if kind not in TENSOR_KINDS:
             raise _fail(where, f"unknown kind {kind!r}")
         shape = _ints(t.get("shape"), where)
-        chunks = tuple(_decode_chunk(c, where, len(shape), files, DTYPE_ITEMSIZE[dtype]) for c in t.get("chunks") or [])
+        chunks = tuple(_decode_chunk(c, where, len(shape), files, DTYPE_ITEMSIZE[dtype], codecs)
+                       for c in t.get("chunks") or [])
         lossy = t.get("lossy")
         if lossy is not None and not (isinstance(lossy, dict) and isinstance(lossy.get("method"), str)):
             raise _fail(where, f"lossy must be an object with a method, got {lossy!r:.80}")

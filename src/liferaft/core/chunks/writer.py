@@ -22,7 +22,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from liferaft.codecs import frames as codecs
+from liferaft.codecs import frames, registry
 from liferaft.codecs.checksum import BlockHasher, choose_block_size
 from liferaft.errors import StorageError
 from liferaft.format.manifest import ChunkRecord
@@ -39,8 +39,9 @@ ReuseKey = tuple[str, tuple[int, ...], tuple[int, ...]]       # (tensor key, off
 class ChunkPolicy:
     """How the writer stores each chunk of one save (decided before it starts, the same on every rank).
 
-    compress: try the lossless codec on every chunk (kept per chunk only where a sample block shrinks).
-    lossy: tensor key → lossy codec (``"q8-block"``) for keys the caller opted in.
+    compress: try the lossless codec (``registry.LOSSLESS``) on every chunk (kept per chunk only where its first
+        block shrinks below ``frames.PAYS_RATIO``).
+    lossy: tensor key → lossy codec name (``registry.QUANTIZE``) for keys the caller opted in.
     reuse: (key, offsets, sizes) → the base checkpoint's record of that box (its files already relative to the
         new checkpoint) and the sizes of the files it needs; a chunk with the same block hashes is referenced,
         not written.
@@ -49,11 +50,9 @@ class ChunkPolicy:
     """
 
     dtypes: Mapping[str, str]
-    itemsizes: Mapping[str, int]
     block_size: int | None = None
     alignment: int = 64
     compress: bool = False
-    level: int = 1
     lossy: Mapping[str, str] = field(default_factory=dict)
     reuse: Mapping[ReuseKey, tuple[ChunkRecord, dict[str, int]]] = field(default_factory=dict)
     delta: Mapping[ReuseKey, tuple[ChunkRecord, dict[str, int]]] = field(default_factory=dict)
@@ -285,7 +284,7 @@ def _decided(f: _File, w: WriteItem, held: Sequence[Piece], hashes: tuple[str, .
         out.bytes_reused += w.length
         return StoredChunk(file=rec.file, byte_offset=rec.byte_offset, block_size=rec.block_size, hashes=rec.hashes,
                            codec=rec.codec, frames=rec.frames, delta=rec.delta, ref_files=sizes)
-    dtype, itemsize = policy.dtypes[w.key], policy.itemsizes[w.key]
+    dtype = policy.dtypes[w.key]
     if base is not None and w.key in policy.selective and policy.reader is not None:
         change = _change(held, base[0], dtype, w.key, policy.reader)
         if change is not None and change < policy.selective[w.key]:
@@ -299,21 +298,21 @@ def _decided(f: _File, w: WriteItem, held: Sequence[Piece], hashes: tuple[str, .
         stored = _delta(f, w, held, hashes, block_size, delta, policy, out)
         if stored is not None:
             return stored
-    codec = policy.lossy.get(w.key) or (codecs.LOSSLESS if policy.compress else None)
+    codec = policy.lossy.get(w.key) or (registry.LOSSLESS if policy.compress else None)
     if codec is not None and w.length:
+        impl = registry.get(codec, f"key {w.key!r}")
         t0 = time.perf_counter()
         blocks = _blocks(held, block_size)
-        stored = _encode(blocks, codec, itemsize, dtype, policy.level)
+        enc = impl.encode_chunk(blocks, dtype, frames.executor(), frames.PAYS_RATIO if impl.lossless else None)
         out.encode_s += time.perf_counter() - t0
-        if stored is not None:
-            frames, new_hashes, error = stored
+        if enc is not None:
             t0 = time.perf_counter()
-            pos, n = f.write_frames(frames)
+            pos, n = f.write_frames(enc.frames)
             out.write_s += time.perf_counter() - t0
             out.bytes_written += n
             out.bytes_encoded += w.length
-            return StoredChunk(file=w.file, byte_offset=pos, block_size=block_size, hashes=new_hashes or hashes,
-                               codec=codec, frames=tuple(len(x) for x in frames), error=error)
+            return StoredChunk(file=w.file, byte_offset=pos, block_size=block_size, hashes=enc.hashes or hashes,
+                               codec=codec, frames=tuple(len(x) for x in enc.frames), error=enc.error)
     pos = f.start(w.length, w.length >= PAGE_ALIGN_MIN)
     t0 = time.perf_counter()
     for p in held:
@@ -361,38 +360,14 @@ def _delta(f: _File, w: WriteItem, held: Sequence[Piece], hashes: tuple[str, ...
     cur = bytearray(b"".join(memoryview(p.data.numpy()).cast("B") for p in held))
     xor_into(memoryview(cur), base)
     view = memoryview(cur)
-    frames = codecs.encode_blocks([view[i:i + block_size] for i in range(0, len(view), block_size)],
-                                  codecs.LOSSLESS, policy.itemsizes[w.key], policy.dtypes[w.key], policy.level)
+    enc = registry.get(registry.LOSSLESS).encode_chunk(
+        [view[i:i + block_size] for i in range(0, len(view), block_size)], policy.dtypes[w.key], frames.executor())
+    assert enc is not None          # (lossless, and not asked whether it pays: always encodes)
     out.encode_s += time.perf_counter() - t0
     t0 = time.perf_counter()
-    pos, n = f.write_frames(frames)
+    pos, n = f.write_frames(enc.frames)
     out.write_s += time.perf_counter() - t0
     out.bytes_written += n
     out.bytes_encoded += w.length
-    return StoredChunk(file=w.file, byte_offset=pos, block_size=block_size, hashes=hashes, codec=codecs.LOSSLESS,
-                       frames=tuple(len(x) for x in frames), delta=rec, ref_files=sizes)
-
-
-def _encode(blocks: list[memoryview], codec: str, itemsize: int, dtype: str,
-            level: int) -> tuple[list[bytes], tuple[str, ...] | None, tuple[float, float, int] | None] | None:
-    """(frames, hashes of the decoded blocks for a lossy codec, error stats) or None: store the chunk raw
-    (the lossless codec does not shrink a sample block enough, or a lossy codec cannot take these values)."""
-    if codec == codecs.LOSSLESS:
-        from liferaft.codecs.bytegroup import incompressible
-
-        first = codecs.encode_blocks(blocks[:1], codec, itemsize, dtype, level)
-        if len(first[0]) >= codecs.PAYS_RATIO * len(blocks[0]):
-            return None
-        rest = codecs.encode_blocks(blocks[1:], codec, itemsize, dtype, level,
-                                    raw_planes=incompressible(first[0])) if len(blocks) > 1 else []
-        return first + rest, None, None
-    from liferaft.codecs import quantize
-
-    try:
-        results = list(codecs.executor().map(lambda b: quantize.encode_checked(b, dtype), blocks))
-    except ValueError:
-        return None
-    frames = [r[0] for r in results]
-    hashes = tuple(r[1] for r in results)
-    err = (max(r[2] for r in results), sum(r[3] for r in results), sum(r[4] for r in results))
-    return frames, hashes, err
+    return StoredChunk(file=w.file, byte_offset=pos, block_size=block_size, hashes=hashes, codec=registry.LOSSLESS,
+                       frames=tuple(len(x) for x in enc.frames), delta=rec, ref_files=sizes)
