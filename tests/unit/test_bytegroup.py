@@ -41,3 +41,27 @@ def test_damaged_frames_raise_naming_the_chunk():
     frame[0] = ord("X")
     with pytest.raises(CorruptCheckpointError, match="not a liferaft byte-group frame"):
         decode(bytes(frame))
+
+
+def test_a_frame_cut_short_or_lying_about_its_length_is_corrupt_not_a_raw_error():
+    """(Before: a frame cut inside its plane table raised struct.error, and a length field damaged to 2^50 made
+    ``decode`` try to allocate a petabyte.)"""
+    raw = (np.random.default_rng(0).standard_normal(1024).astype(np.float32) * 0.02).tobytes()
+    frame = encode(raw, 4)
+    for cut in (3, 20, 30, len(frame) - 1):
+        with pytest.raises(CorruptCheckpointError, match="key 'w'"):
+            decode(frame[:cut], memoryview(bytearray(len(raw))), where="key 'w'")
+    huge = bytearray(frame)
+    huge[6:14] = (1 << 50).to_bytes(8, "little")
+    with pytest.raises(CorruptCheckpointError):
+        decode(bytes(huge))
+    noise = bytearray(encode(os.urandom(4096), 4))          # every plane raw
+    noise[6:14] = (1 << 50).to_bytes(8, "little")
+    with pytest.raises(CorruptCheckpointError):
+        decode(bytes(noise))
+    bad_mode = bytearray(frame)
+    bad_mode[14] = 7                                        # plane 0's mode: neither raw (0) nor zstd (1)
+    with pytest.raises(CorruptCheckpointError, match="plane 0"):
+        decode(bytes(bad_mode))
+    with pytest.raises(CorruptCheckpointError, match="after its planes"):
+        decode(frame + b"\0")

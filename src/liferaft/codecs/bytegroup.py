@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import struct
 import threading
+from collections.abc import Sequence
 from concurrent.futures import Executor
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 

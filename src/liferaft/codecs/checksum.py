@@ -5,7 +5,7 @@ Blocks let a resharding load verify exactly the bytes it reads without reading w
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import xxhash
 

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
-from typing import Sequence
 
 from liferaft.codecs.registry import LOSSLESS, get
 from liferaft.errors import CorruptCheckpointError
 
-__all__ = ["LOSSLESS", "PAYS_RATIO", "threads", "executor", "load_executor", "shutdown", "decode_frames"]
+__all__ = ["LOSSLESS", "PAYS_RATIO", "decode_frames", "executor", "load_executor", "shutdown", "threads"]
 
 PAYS_RATIO = 0.97       # a chunk whose sample block does not shrink below this is stored raw
 

@@ -15,7 +15,8 @@ cast back to the saved dtype. Non-finite values cannot be quantized: a block hol
 from __future__ import annotations
 
 import struct
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -71,7 +72,8 @@ def decode(frame: memoryview, out: memoryview, dtype: str, where: str = "chunk")
     if dtype not in DTYPES or vals.dtype != DTYPES[dtype][1] or vals.numel() * vals.element_size() != len(out):
         raise CorruptCheckpointError(f"{where}: quantized frame holds {vals.numel()} {vals.dtype} values, the block "
                                      f"has {len(out)} bytes of {dtype}")
-    torch.frombuffer(out, dtype=torch.uint8).copy_(vals.view(torch.uint8))
+    if len(out):
+        torch.frombuffer(out, dtype=torch.uint8).copy_(vals.view(torch.uint8))
 
 
 class Q8Block(Codec):

@@ -14,7 +14,7 @@ on import.
 from __future__ import annotations
 
 import re
-from typing import Iterator
+from collections.abc import Iterator
 
 from liferaft.codecs.base import Codec
 from liferaft.codecs.bytegroup import ByteGroupZstd

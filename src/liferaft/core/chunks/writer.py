@@ -17,8 +17,9 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -172,7 +173,7 @@ class _File:
         self.w.pwrite(data, offset)
 
 
-def write_staged(storage: Storage, items: Sequence[WriteItem], pieces: "queue.Queue[Any]", pool: BufferPool,
+def write_staged(storage: Storage, items: Sequence[WriteItem], pieces: queue.Queue[Any], pool: BufferPool,
                  policy: ChunkPolicy) -> WriteOutcome:
     """Write staged pieces (see ``staging.stager``) as they arrive; durable on return.
 
@@ -235,7 +236,7 @@ def write_staged(storage: Storage, items: Sequence[WriteItem], pieces: "queue.Qu
     return out
 
 
-def _next(pieces: "queue.Queue[Any]", pool: BufferPool, waiting_ok: bool) -> Piece | None:
+def _next(pieces: queue.Queue[Any], pool: BufferPool, waiting_ok: bool) -> Piece | None:
     """The next staged piece; None when the stager waits for room that only this writer can free (while a
     chunk is being held: ``waiting_ok`` False)."""
     while True:
