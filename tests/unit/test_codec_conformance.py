@@ -265,7 +265,7 @@ def test_codec_threads_are_bounded_and_released():
         return sum(1 for t in threading.enumerate() if t.name.startswith(prefix))
     assert 0 < alive("liferaft-codec") <= frames.threads()
     assert alive("liferaft-decode") <= max(1, os.cpu_count() or 1)
-    frames.shutdown()
+    liferaft.release()                                                  # (frames.shutdown)
     assert alive("liferaft-codec") == 0 and alive("liferaft-decode") == 0
     again = registry.get(registry.LOSSLESS).encode_chunk(blocks, "float32", frames.executor())   # new pools
     assert again is not None and len(again.frames) == len(blocks)

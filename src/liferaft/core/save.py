@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from liferaft.codecs import frames
 from liferaft.core.chunks.writer import WriteOutcome, write_staged, write_streamed
 from liferaft.core.phases import PLANS, PreparedSave, finish_save, prepare_save
 from liferaft.core.process import PROCESS, AsyncSaveHandle
@@ -145,12 +146,13 @@ def _write_and_commit(coord: Coordinator, prep: PreparedSave, pieces: "queue.Que
 
 def release() -> None:
     """Free what liferaft keeps in this process between calls: wait for an ``async_save`` still in flight, then
-    drop the buffer pools ``save``/``async_save`` reuse, the cached save plans and liferaft's gloo groups (of
-    every process group). Not collective, and safe at any point between liferaft calls: the next call makes
+    drop the buffer pools ``save``/``async_save`` reuse, the cached save plans, the codec threads
+    (``codecs.frames.shutdown``) and liferaft's gloo groups (of every process group). Not collective, and safe at any point between liferaft calls: the next call makes
     what it needs anew (a first save is then as slow as the very first). Raises, after freeing everything, the
     error of an async save that failed while nobody waited for it."""
     try:
         PROCESS.release()
     finally:
         PLANS.clear()
+        frames.shutdown()
         release_groups()
