@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 import liferaft
+from liferaft.manager import JobOptions
 from liferaft.testing import RankFailure, run_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -80,7 +81,7 @@ def train(rank: int, state: dict[str, Any], mgr: liferaft.CheckpointManager, log
 
 def job(rank: int, world: int, root: str, log: str, fp_dir: str, crash_at: int | None) -> dict[str, Any]:
     state = build(rank, world)
-    mgr = liferaft.CheckpointManager(root, every_steps=EVERY, keep_last=3, job_id="demo")
+    mgr = liferaft.CheckpointManager(root, every_steps=EVERY, keep_last=3, job=JobOptions(job_id="demo"))
     t0 = time.perf_counter()
     restored = mgr.restore(state)
     load_s = time.perf_counter() - t0
@@ -197,7 +198,7 @@ def main() -> int:
             print("   the job died as planned:")
             for r, v in sorted(e.errors.items()):
                 print(f"     rank {r}: {v.strip().splitlines()[-1]}")
-        mgr_view = liferaft.CheckpointManager(root, job_id="demo", lease_ttl=1.0)
+        mgr_view = liferaft.CheckpointManager(root, job=JobOptions(job_id="demo", lease_ttl=1.0))
         print("   steps on disk: " + ", ".join(f"{i.step} ({i.status})" for i in mgr_view.steps()))
         mgr_view.close()
 

@@ -22,6 +22,7 @@ from torch import nn
 
 import liferaft
 from liferaft.data import GlobalSampler
+from liferaft.manager import SavePolicy
 
 VOCAB, DIM, LAYERS, SEQ = 512, 128, 4, 32
 SOURCES, WEIGHTS = {"web": 4096, "code": 1024}, {"web": 0.8, "code": 0.2}
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     state = build(rank, world, args.layout, args.device, args.batch)
     mgr = liferaft.CheckpointManager(args.root, every_steps=args.every, keep_last=args.keep_last,
-                                     last_step=args.steps - 1, async_save=not args.sync)
+                                     async_save=not args.sync, save_policy=SavePolicy(last_step=args.steps - 1))
     start = mgr.restore(state)
     if rank == 0:
         print(f"{'resumed from step ' + str(start) if start is not None else 'starting'} on {world} rank(s), "

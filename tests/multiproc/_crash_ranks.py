@@ -12,6 +12,7 @@ import torch
 
 import liferaft
 from liferaft import CheckpointManager, Sharded
+from liferaft.manager import JobOptions
 from liferaft.storage import register_scheme
 from liferaft.testing.faults import CrashPlan, CrashStorage
 
@@ -36,7 +37,8 @@ def job(rank: int, world: int, root: str, last: int, crash_step: int, plan: dict
     ``plan`` (a CrashPlan as a dict), or with ``kill_after_call`` die right after maybe_save returns (the
     snapshot is taken, the background save running). Returns (restored step, restored state exact)."""
     register_scheme("crash", CrashStorage)
-    mgr = CheckpointManager(f"crash://{root}", every_steps=1, keep_last=2, job_id="crash-test", lease_ttl=5.0,
+    mgr = CheckpointManager(f"crash://{root}", every_steps=1, keep_last=2,
+                            job=JobOptions(job_id="crash-test", lease_ttl=5.0),
                             save_options=liferaft.SaveOptions(timeout=30))
     st = state_at(rank, world, -1)
     start = mgr.restore(st)
@@ -57,7 +59,7 @@ def restore_crashing(rank: int, world: int, root: str, plan: dict, crash_ranks: 
     register_scheme("crash", CrashStorage)
     if rank in crash_ranks:
         CrashStorage.arm(CrashPlan(**plan))
-    mgr = CheckpointManager(f"crash://{root}", job_id="crash-test", lease_ttl=5.0,
+    mgr = CheckpointManager(f"crash://{root}", job=JobOptions(job_id="crash-test", lease_ttl=5.0),
                             save_options=liferaft.SaveOptions(timeout=30))
     mgr.restore(state_at(rank, world, -1))
     mgr.close()

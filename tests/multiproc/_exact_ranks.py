@@ -13,6 +13,7 @@ from torch import nn
 
 import liferaft
 from liferaft.data import GlobalSampler
+from liferaft.manager import JobOptions
 
 VOCAB, SEQ, DIM = 64, 12, 32
 SOURCES = {"prose": 96, "code": 40}
@@ -115,14 +116,15 @@ def run_straight(rank: int, world: int, steps: int) -> tuple[list[float], dict]:
 def run_until_crash(rank: int, world: int, root: str, steps: int, crash_at: int) -> None:
     torch.set_num_threads(1)
     state = build(world)
-    mgr = liferaft.CheckpointManager(root, every_steps=5, job_id="exact", save_options=liferaft.SaveOptions(timeout=60))
+    mgr = liferaft.CheckpointManager(root, every_steps=5, job=JobOptions(job_id="exact"),
+                                     save_options=liferaft.SaveOptions(timeout=60))
     train(state, 0, steps, mgr, die_after=crash_at)
 
 
 def resume(rank: int, world: int, root: str, steps: int) -> tuple[int, list[float], dict]:
     torch.set_num_threads(1)
     state = build(world)
-    with liferaft.CheckpointManager(root, every_steps=5, job_id="exact",
+    with liferaft.CheckpointManager(root, every_steps=5, job=JobOptions(job_id="exact"),
                                     save_options=liferaft.SaveOptions(timeout=60)) as mgr:
         last = mgr.restore(state)
         assert last is not None and state["step"] == last + 1

@@ -7,6 +7,7 @@ import time
 import torch
 
 import liferaft
+from liferaft.manager import JobOptions
 
 
 def save_release_cycles(rank: int, world: int, root: str, cycles: int) -> int:
@@ -20,7 +21,7 @@ def save_release_cycles(rank: int, world: int, root: str, cycles: int) -> int:
         liferaft.release_groups()
         if i % 3 == 0:                 # a manager closed, then a plain save in the same process
             with liferaft.CheckpointManager(f"{root}/mgr", every_steps=1, keep_last=1, async_save=i % 2 == 0,
-                                            save_options=opts, lease_ttl=5.0) as mgr:
+                                            job=JobOptions(lease_ttl=5.0), save_options=opts) as mgr:
                 mgr.save(i, state)
             liferaft.save(f"{root}/plain", state, options=opts)
         done += 1

@@ -9,6 +9,7 @@ import torch
 
 import liferaft
 from liferaft import CheckpointManager, Sharded
+from liferaft.manager import PreemptionOptions
 
 ROWS, COLS = 12, 5
 
@@ -25,7 +26,7 @@ def state_at(rank: int, world: int, step: int) -> dict:
 
 def train_and_preempt(rank: int, world: int, root: str) -> tuple[list[int], bool, int]:
     """Save every 3 steps; at step 7 only rank 1 gets SIGUSR1: every rank must save step 7 and stop there."""
-    mgr = CheckpointManager(root, every_steps=3, keep_last=2, preemption_signals=[signal.SIGUSR1],
+    mgr = CheckpointManager(root, every_steps=3, keep_last=2, preemption=PreemptionOptions(signals=[signal.SIGUSR1]),
                             save_options=liferaft.SaveOptions(timeout=60))
     start = mgr.restore(state_at(rank, world, -1))
     stopped = -1

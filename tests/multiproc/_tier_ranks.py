@@ -11,6 +11,7 @@ import torch
 from multiproc._crash_ranks import _equal, state_at
 
 import liferaft
+from liferaft.manager import JobOptions, TierOptions
 from liferaft.tiers.memory import MemoryTier
 
 
@@ -75,8 +76,8 @@ def managed(rank: int, world: int, base: str, root: str, per_node: int, last: in
 
     tier = MemoryTier("tier-test", node=node_of(rank, per_node), base=base)
     st = state_at(rank, world, -1)
-    with CheckpointManager(root, every_steps=4, memory=tier, drain=drain, job_id="tier-job", lease_ttl=5.0,
-                           remote=remote, remote_every=2) as mgr:
+    with CheckpointManager(root, every_steps=4, tiers=TierOptions(tier, drain=drain, remote=remote, remote_every=2),
+                           job=JobOptions(job_id="tier-job", lease_ttl=5.0)) as mgr:
         start = mgr.restore(st)
         exact = start is None or _equal(st, state_at(rank, world, start))
         info = dict(tier.last_restore)

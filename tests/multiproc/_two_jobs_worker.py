@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from liferaft import CheckpointManager
+from liferaft.manager import JobOptions, PreemptionOptions
 
 
 def report(root: str, line: str) -> None:
@@ -39,7 +40,8 @@ def main() -> None:
                             world_size=int(os.environ["WORLD_SIZE"]))
     t0 = time.monotonic()
     # preemption_signals=(): torchrun's SIGTERM (sent to the survivors when a worker dies) ends a worker at once
-    mgr = CheckpointManager(root, every_steps=1, lease_ttl=ttl, async_save=False, preemption_signals=())
+    mgr = CheckpointManager(root, every_steps=1, async_save=False, preemption=PreemptionOptions(signals=()),
+                            job=JobOptions(lease_ttl=ttl))
     report(root, f"JOB {rank} {restart} {mgr.job_id} {time.monotonic() - t0:.2f}")
     state = {"w": torch.zeros(8)}
     start = mgr.restore(state)

@@ -13,6 +13,7 @@ import torch
 
 import liferaft
 from liferaft.cli import main
+from liferaft.manager import JobOptions
 
 safetensors = pytest.importorskip("safetensors.torch")
 
@@ -158,7 +159,7 @@ def test_a_root_with_step_folders_of_another_format_lists_them_as_that_and_gc_le
     import torch.distributed.checkpoint as dcp
 
     root = str(tmp_path / "run")
-    with liferaft.CheckpointManager(root, every_steps=1, async_save=False, job_id="job") as mgr:
+    with liferaft.CheckpointManager(root, every_steps=1, async_save=False, job=JobOptions(job_id="job")) as mgr:
         for step in range(3):
             mgr.maybe_save(step, {"w": torch.full((4,), float(step)), "step": step})
     with warnings.catch_warnings():

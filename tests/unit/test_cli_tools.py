@@ -13,6 +13,7 @@ import torch
 
 import liferaft
 from liferaft import CheckpointManager, diff, gc, ls
+from liferaft.manager import JobOptions
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -24,7 +25,7 @@ def root(tmp_path):
     """A manager root with steps 0-4: a frozen 4 MiB tensor (so later steps reference step 0) and a moving one."""
     path = str(tmp_path / "run")
     state = {"frozen": torch.randn(1024, 1024), "w": torch.zeros(64, 64), "step": 0}
-    with CheckpointManager(path, every_steps=1, async_save=False, job_id="job-x") as mgr:
+    with CheckpointManager(path, every_steps=1, async_save=False, job=JobOptions(job_id="job-x")) as mgr:
         for step in range(5):
             state["w"] += 1
             state["step"] = step

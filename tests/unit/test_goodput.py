@@ -11,7 +11,9 @@ import sys
 import pytest
 import torch
 
+import liferaft
 from liferaft import CheckpointManager
+from liferaft.manager import SavePolicy
 from liferaft.manager.goodput import Cluster, Costs, compare, goodput, young_daly
 from liferaft.manager.policies import AutoInterval, mtbf_from_starts
 
@@ -55,14 +57,16 @@ def test_auto_interval_follows_measured_costs_and_learned_failure_rate():
 def test_manager_every_seconds_auto_records_starts_and_recomputes(tmp_path):
     root = str(tmp_path / "run")
     model = torch.nn.Linear(64, 64)
+    liferaft.save(str(tmp_path / "warm-up"), {"model": model})  # (the first save of a process imports torch.dcp)
     for _ in range(3):
-        with CheckpointManager(root, every_seconds="auto", async_save=False) as mgr:
+        with CheckpointManager(root, async_save=False, save_policy=SavePolicy(every_seconds="auto")) as mgr:
             first = mgr.interval_s                            # from a guessed 1 s stall
             mgr.maybe_save(0, {"model": model}, force=True)   # this small save stalls far less: save more often
             assert 1.0 <= mgr.interval_s < first
     starts = json.loads((tmp_path / "run" / "STARTS").read_text())
     assert len(starts) == 3 and starts == sorted(starts)
-    with CheckpointManager(root, every_seconds="auto", mtbf_hours=1.0, async_save=False) as mgr:
+    auto_1h = SavePolicy(every_seconds="auto", mtbf_hours=1.0)
+    with CheckpointManager(root, async_save=False, save_policy=auto_1h) as mgr:
         assert mgr.interval_s == pytest.approx(young_daly(1.0, 3600.0))
 
 

@@ -10,6 +10,7 @@ import pytest
 
 import liferaft
 from liferaft import CheckpointManager, OptionsError
+from liferaft.manager import JobOptions
 from liferaft.manager.identity import (
     ProcessFacts,
     job_identity,
@@ -78,7 +79,7 @@ def test_job_id_must_be_a_non_empty_string(tmp_path):
     assert validate_job_id(None) is None and validate_job_id("a") == "a"
     for bad in ["", "   ", 7]:
         with pytest.raises(OptionsError, match="job_id"):
-            CheckpointManager(str(tmp_path / "run"), job_id=bad)
+            CheckpointManager(str(tmp_path / "run"), job=JobOptions(job_id=bad))
 
 
 def test_process_facts_come_from_proc():

@@ -12,7 +12,7 @@ import torch
 
 import liferaft
 from liferaft import CheckpointBusyError, CheckpointManager, CheckpointNotFoundError, OptionsError
-from liferaft.manager.policies import RetentionPolicy, SavePolicy
+from liferaft.manager import JobOptions, PreemptionOptions, RetentionPolicy, SavePolicy
 from liferaft.storage import register_scheme
 from liferaft.testing.faults import FailingStorage
 
@@ -87,13 +87,14 @@ def committed(mgr):
 def test_three_lines_train_save_restore(tmp_path, async_save):
     root = str(tmp_path / "run")
     state = make_state()
-    with CheckpointManager(root, every_steps=3, keep_last=2, last_step=10, async_save=async_save) as mgr:
+    with CheckpointManager(root, every_steps=3, keep_last=2, async_save=async_save,
+                           save_policy=SavePolicy(last_step=10)) as mgr:
         assert mgr.restore(state) is None
         for step in range(11):
             train_step(state, step)
             mgr.maybe_save(step, state, metrics={"loss": 1.0 / (step + 1)})
     saved = params(state)
-    with CheckpointManager(root, every_steps=3, keep_last=2, last_step=10) as mgr:
+    with CheckpointManager(root, every_steps=3, keep_last=2, save_policy=SavePolicy(last_step=10)) as mgr:
         assert committed(mgr) == [9, 10]           # 0, 3, 6 saved and deleted by keep_last=2
         info = {i.step: i for i in mgr.steps()}[10]
         assert info.world_size == 1 and info.nbytes > 0 and info.metrics == {"loss": pytest.approx(1 / 11)}
@@ -162,8 +163,8 @@ def test_keep_every_best_and_pins(tmp_path):
     root = str(tmp_path / "run")
     state = make_state()
     losses = {s: (s - 4) ** 2 for s in range(10)}          # best at step 4, then 3/5
-    with CheckpointManager(root, every_steps=1, keep_last=1, keep_every=5, keep_best=1, metric="loss",
-                           async_save=False) as mgr:
+    with CheckpointManager(root, every_steps=1, keep_last=1, async_save=False,
+                           retention=RetentionPolicy(keep_every=5, keep_best=1, metric="loss")) as mgr:
         for step in range(10):
             if step == 2:
                 mgr.pin(1)
@@ -176,17 +177,17 @@ def test_keep_every_best_and_pins(tmp_path):
 
 def test_a_second_job_on_the_same_root_is_refused(tmp_path):
     root = str(tmp_path / "run")
-    first = CheckpointManager(root, job_id="job-a", lease_ttl=1.0)
+    first = CheckpointManager(root, job=JobOptions(job_id="job-a", lease_ttl=1.0))
     try:
         with pytest.raises(CheckpointBusyError, match="job-a"):      # renewed every 0.33 s: never stale for 3 s
-            CheckpointManager(root, job_id="job-b", lease_ttl=3.0)
-        again = CheckpointManager(root, job_id="job-a", lease_ttl=1.0)     # a restart of the same job
+            CheckpointManager(root, job=JobOptions(job_id="job-b", lease_ttl=3.0))
+        again = CheckpointManager(root, job=JobOptions(job_id="job-a", lease_ttl=1.0))     # a restart of the same job
         again.close()
         with pytest.raises(CheckpointBusyError, match="lost its lease"):  # ... took the lease over
             first.save(0, make_state())
     finally:
         first.close()
-    second = CheckpointManager(root, job_id="job-b", lease_ttl=1.0)         # free after close
+    second = CheckpointManager(root, job=JobOptions(job_id="job-b", lease_ttl=1.0))         # free after close
     second.close()
     assert not os.path.exists(os.path.join(root, "LEASE"))
 
@@ -194,7 +195,7 @@ def test_a_second_job_on_the_same_root_is_refused(tmp_path):
 def test_preemption_signal_saves_at_the_next_call(tmp_path):
     root = str(tmp_path / "run")
     state = make_state()
-    with CheckpointManager(root, every_steps=100, preemption_signals=[signal.SIGUSR1]) as mgr:
+    with CheckpointManager(root, every_steps=100, preemption=PreemptionOptions(signals=[signal.SIGUSR1])) as mgr:
         assert not mgr.maybe_save(3, state)
         os.kill(os.getpid(), signal.SIGUSR1)
         train_step(state, 4)
@@ -206,7 +207,7 @@ def test_preemption_signal_saves_at_the_next_call(tmp_path):
 
 def test_every_seconds_and_force(tmp_path):
     state = make_state()
-    with CheckpointManager(str(tmp_path / "run"), every_seconds=1e-6, async_save=False) as mgr:
+    with CheckpointManager(str(tmp_path / "run"), async_save=False, save_policy=SavePolicy(every_seconds=1e-6)) as mgr:
         assert mgr.maybe_save(1, state) and mgr.maybe_save(2, state)
         assert not mgr.maybe_save(2, state)                    # never the same step twice
         assert mgr.maybe_save(2, state, force=True)

@@ -10,6 +10,7 @@ import torch
 
 import liferaft
 from liferaft.cli import main
+from liferaft.manager import JobOptions
 
 
 def test_restore_sees_the_save_still_in_flight(tmp_path):
@@ -44,7 +45,7 @@ def test_a_foreign_folder_under_a_step_name_is_not_cleaned_up_as_a_leftover(tmp_
 def test_ls_shows_whole_job_ids(tmp_path, capsys):
     root = str(tmp_path / "run")
     job = "torchrun:a-rather-long-host-name.example.org:123456:987654321"
-    with liferaft.CheckpointManager(root, every_steps=1, async_save=False, job_id=job) as mgr:
+    with liferaft.CheckpointManager(root, every_steps=1, async_save=False, job=JobOptions(job_id=job)) as mgr:
         mgr.save(0, {"w": torch.ones(2)})
     assert main(["ls", root]) == 0
     out = capsys.readouterr().out

@@ -10,6 +10,7 @@ import torch
 
 import liferaft
 from liferaft import CheckpointManager
+from liferaft.manager import SavePolicy
 from liferaft.manager.policies import referenced_closure
 
 
@@ -40,7 +41,8 @@ def own_bytes(root, step):
 def test_frozen_weights_are_written_once_per_full_save(tmp_path, async_save):
     root = str(tmp_path / "run")
     state = fine_tuning_state()
-    with CheckpointManager(root, every_steps=1, keep_last=2, full_every=3, async_save=async_save) as mgr:
+    with CheckpointManager(root, every_steps=1, keep_last=2, async_save=async_save,
+                           save_policy=SavePolicy(full_every=3)) as mgr:
         for step in range(7):
             train(state, step)
             mgr.maybe_save(step, state)
@@ -65,7 +67,8 @@ def test_frozen_weights_are_written_once_per_full_save(tmp_path, async_save):
 def test_retention_keeps_a_referenced_step_until_nothing_kept_refers_to_it(tmp_path):
     root = str(tmp_path / "run")
     state = fine_tuning_state()
-    with CheckpointManager(root, every_steps=1, keep_last=1, full_every=100, async_save=False) as mgr:
+    with CheckpointManager(root, every_steps=1, keep_last=1, async_save=False,
+                           save_policy=SavePolicy(full_every=100)) as mgr:
         for step in range(4):
             train(state, step)
             mgr.maybe_save(step, state)
@@ -74,7 +77,8 @@ def test_retention_keeps_a_referenced_step_until_nothing_kept_refers_to_it(tmp_p
     assert [i.step for i in listing] == [0, 3] and listing[1].depends_on == (0,)
     final = {k: v.clone() for k, v in state["head"].state_dict().items()}
     fresh = fine_tuning_state()
-    with CheckpointManager(root, every_steps=1, keep_last=1, full_every=1, async_save=False) as mgr:
+    with CheckpointManager(root, every_steps=1, keep_last=1, async_save=False,
+                           save_policy=SavePolicy(full_every=1)) as mgr:
         assert mgr.restore(fresh) == 3
         assert all(torch.equal(fresh["head"].state_dict()[k], v) for k, v in final.items())
         train(fresh, 4)
@@ -87,11 +91,11 @@ def test_retention_keeps_a_referenced_step_until_nothing_kept_refers_to_it(tmp_p
 def test_restore_continues_the_chain_from_what_the_manifest_says(tmp_path):
     root = str(tmp_path / "run")
     state = fine_tuning_state()
-    with CheckpointManager(root, every_steps=1, full_every=3, async_save=False) as mgr:
+    with CheckpointManager(root, every_steps=1, async_save=False, save_policy=SavePolicy(full_every=3)) as mgr:
         for step in range(2):
             train(state, step)
             mgr.maybe_save(step, state)
-    with CheckpointManager(root, every_steps=1, full_every=3, async_save=False) as mgr:
+    with CheckpointManager(root, every_steps=1, async_save=False, save_policy=SavePolicy(full_every=3)) as mgr:
         assert mgr.restore(state) == 1
         train(state, 2)
         mgr.maybe_save(2, state)            # since_full 2: incremental
@@ -105,7 +109,7 @@ def test_restore_continues_the_chain_from_what_the_manifest_says(tmp_path):
 def test_without_incremental_every_save_is_full(tmp_path):
     root = str(tmp_path / "run")
     state = fine_tuning_state()
-    with CheckpointManager(root, every_steps=1, incremental=False, async_save=False) as mgr:
+    with CheckpointManager(root, every_steps=1, async_save=False, save_policy=SavePolicy(full_every=1)) as mgr:
         for step in range(3):
             train(state, step)
             mgr.maybe_save(step, state)

@@ -14,6 +14,9 @@ import pytest
 import torch
 
 from liferaft import CheckpointManager, ReadOnlyRootError, StorageError
+from liferaft.manager import JobOptions, PreemptionOptions
+
+NO_SIGNALS = PreemptionOptions(signals=())        # these managers never install handlers
 
 
 def _state(value: float) -> dict:
@@ -22,7 +25,7 @@ def _state(value: float) -> dict:
 
 def _writer_saves(root, steps=(0, 1), **kw) -> CheckpointManager:
     """A manager that saved ``steps`` and stays open (its job still runs: it holds the lease)."""
-    mgr = CheckpointManager(root, async_save=False, preemption_signals=(), **kw)
+    mgr = CheckpointManager(root, async_save=False, preemption=NO_SIGNALS, **kw)
     for s in steps:
         mgr.save(s, _state(float(s)))
     return mgr
@@ -62,13 +65,13 @@ def read_only_view(tmp_path):
 
 def test_a_read_only_mount_of_a_root_in_use_restores_at_once(read_only_view):
     rw, ro = read_only_view
-    writer = _writer_saves(os.path.join(rw, "run"), lease_ttl=5.0)       # the training job, still running
+    writer = _writer_saves(os.path.join(rw, "run"), job=JobOptions(lease_ttl=5.0))       # the training job, still running
     try:
         os.makedirs(os.path.join(rw, "run", "step-0000000002"))           # its save in flight: no commit marker
         with open(os.path.join(rw, "run", "step-0000000002", "data"), "wb") as f:
             f.write(b"x")
         t0 = time.monotonic()
-        reader = CheckpointManager(os.path.join(ro, "run"), preemption_signals=())    # an evaluation job
+        reader = CheckpointManager(os.path.join(ro, "run"), preemption=NO_SIGNALS)    # an evaluation job
         assert time.monotonic() - t0 < 3.0                    # it does not wait for the writer's lease
         assert reader.job_id != writer.job_id
         _check_restores_but_does_not_save(reader, os.path.join(ro, "run"))
@@ -77,7 +80,7 @@ def test_a_read_only_mount_of_a_root_in_use_restores_at_once(read_only_view):
     finally:
         writer.close()
     # a root that does not exist yet under a read-only folder: nothing to restore, no saving
-    mgr = CheckpointManager(os.path.join(ro, "new-run"), preemption_signals=())
+    mgr = CheckpointManager(os.path.join(ro, "new-run"), preemption=NO_SIGNALS)
     assert mgr.read_only and mgr.restore(_state(0.0)) is None
     with pytest.raises(ReadOnlyRootError, match="read-only file system"):
         mgr.save(0, _state(0.0))
@@ -106,14 +109,14 @@ def test_an_s3_root_where_writes_are_denied_restores(monkeypatch):
             monkeypatch.setenv(k, v)
         url = f"s3://{server.bucket}/{uuid.uuid4().hex[:10]}"
         proxy.fail_next(None, status=403, methods={"PUT", "POST", "DELETE"})       # a read-only policy
-        writer = _writer_saves(S3Storage(url), lease_ttl=5.0)
+        writer = _writer_saves(S3Storage(url), job=JobOptions(lease_ttl=5.0))
         try:
             t0 = time.monotonic()                 # a live writer's lease: the reader finds out by a refused PUT
-            reader = CheckpointManager(S3Storage(url, endpoint_url=proxy.url), preemption_signals=())
+            reader = CheckpointManager(S3Storage(url, endpoint_url=proxy.url), preemption=NO_SIGNALS)
             assert time.monotonic() - t0 < 3.0
             _check_restores_but_does_not_save(reader, url)
         finally:
             writer.close()
-        reader = CheckpointManager(S3Storage(url, endpoint_url=proxy.url), preemption_signals=())    # no lease
+        reader = CheckpointManager(S3Storage(url, endpoint_url=proxy.url), preemption=NO_SIGNALS)    # no lease
         _check_restores_but_does_not_save(reader, url)
         assert {r.outcome for r in proxy.requests if r.method == "PUT"} == {"403"}

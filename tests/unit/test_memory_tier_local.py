@@ -13,6 +13,7 @@ import torch
 
 import liferaft
 from liferaft import CheckpointManager
+from liferaft.manager import SavePolicy, TierOptions
 from liferaft.tiers.memory import MemoryTier, fetch_plan, newest_complete
 
 
@@ -37,7 +38,7 @@ def test_a_namespace_belongs_to_one_job(base):
 def test_a_damaged_copy_is_refused_and_the_manager_falls_back_to_the_root(base, tmp_path):
     tier = MemoryTier("job", node="n0", base=base)
     root = str(tmp_path / "root")
-    with CheckpointManager(root, every_steps=10, memory=tier, async_save=False) as mgr:
+    with CheckpointManager(root, every_steps=10, async_save=False, tiers=TierOptions(tier)) as mgr:
         for step in range(3):
             mgr.maybe_save(step, state(float(step)))
             tier.wait()
@@ -48,7 +49,7 @@ def test_a_damaged_copy_is_refused_and_the_manager_falls_back_to_the_root(base, 
     with pytest.raises(liferaft.CorruptCheckpointError):
         MemoryTier("job", node="n0", base=base).restore(state(0.0))
     got = state(-1.0)
-    with CheckpointManager(root, memory=MemoryTier("job", node="n0", base=base)) as mgr:
+    with CheckpointManager(root, tiers=TierOptions(MemoryTier("job", node="n0", base=base))) as mgr:
         with pytest.warns(UserWarning, match="memory tier could not be restored"):
             assert mgr.restore(got) == 0                   # the root's newest: step 0
     assert got["step"] == 0
@@ -56,8 +57,9 @@ def test_a_damaged_copy_is_refused_and_the_manager_falls_back_to_the_root(base, 
 
 def test_memory_every_auto_saves_by_time_and_release_frees_memory(base, tmp_path):
     tier = MemoryTier("job", node="n0", base=base, keep=2)
-    with CheckpointManager(str(tmp_path / "root"), every_steps=1000, memory=tier, memory_every="auto",
-                           mtbf_hours=1e-4, async_save=False) as mgr:     # failures every 0.36 s: save often
+    with CheckpointManager(str(tmp_path / "root"), every_steps=1000, async_save=False,
+                           save_policy=SavePolicy(mtbf_hours=1e-4),         # failures every 0.36 s: save often
+                           tiers=TierOptions(tier, memory_every="auto")) as mgr:
         assert mgr.memory_interval_s is not None and mgr.memory_interval_s < 5
         for step in range(1, 4):
             mgr.maybe_save(step, state(float(step)))

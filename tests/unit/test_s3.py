@@ -20,6 +20,7 @@ pytest.importorskip("moto")
 
 import liferaft  # noqa: E402
 from liferaft.errors import CheckpointNotFoundError, IncompleteCheckpointError, StorageError  # noqa: E402
+from liferaft.manager import JobOptions  # noqa: E402
 from liferaft.storage import resolve  # noqa: E402
 from liferaft.storage.s3 import S3Storage, S3StorageError  # noqa: E402
 from liferaft.testing.s3server import FaultProxy, MotoS3Server  # noqa: E402
@@ -258,7 +259,7 @@ def test_manager_on_s3_saves_keeps_restores_and_skips_a_damaged_step(s3):
 def test_command_line_on_an_s3_root(s3, tmp_path):
     """ls, inspect, verify, diff, gc --dry-run and conversions both ways, run as the real command on s3:// URLs."""
     url = _url(s3)
-    with liferaft.CheckpointManager(url, every_steps=1, keep_last=5, job_id="s3-cli") as mgr:
+    with liferaft.CheckpointManager(url, every_steps=1, keep_last=5, job=JobOptions(job_id="s3-cli")) as mgr:
         for step in range(3):
             mgr.maybe_save(step, {"w": torch.arange(12.0).reshape(3, 4) * step, "step": step})
 

@@ -16,6 +16,9 @@ finds out before its first commit.
 
 A root that cannot be written (read-only file system, no write permission, PUT denied) raises ReadOnlyRootError
 from ``acquire`` before any waiting: the manager then only restores.
+
+The holder also records the start of each of its processes in ``STARTS`` (``record_start``): the restarts a root
+has seen are the failure rate that ``every_seconds="auto"`` learns.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from liferaft.manager.identity import machine_key, process_start
 from liferaft.storage import PosixStorage, Storage
 
 LEASE = "LEASE"
+STARTS = "STARTS"              # start times of the jobs' processes on this root (every_seconds="auto" learns from it)
 #: The longest a newcomer waits for a lease held by another job (the holder's recorded ttl is taken up to this,
 #: or up to the newcomer's own ttl if that is longer).
 MAX_WAIT_S = 300.0
@@ -305,3 +309,15 @@ class Lease:
                     self.storage.delete(LEASE)
             except OSError:
                 pass
+
+
+def record_start(storage: Storage) -> list[float]:
+    """Rank 0, holding the lease: append this start to ``STARTS`` under the root (the last 100; an unreadable
+    record starts over); return them all."""
+    try:
+        starts = [float(x) for x in json.loads(storage.read_all(STARTS))][-99:]
+    except (FileNotFoundError, ValueError, TypeError):
+        starts = []
+    starts.append(time.time())
+    storage.put_atomic(STARTS, json.dumps(starts).encode())
+    return starts

@@ -1,18 +1,22 @@
 """The steps under a manager root: their names (``step-<step, 10 digits>``), what each holds and whether it is
-committed, incomplete or corrupt. Reads only (no lease, no collective)."""
+committed, incomplete or corrupt; the pins. No collective; only ``delete_step``, ``remove_leftovers`` and
+``write_pins`` write (rank 0, holding the lease)."""
 
 from __future__ import annotations
 
+import json
+import warnings
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping
 
 from liferaft.core.commit import check_files, open_checkpoint
-from liferaft.errors import LiferaftError
+from liferaft.errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError, LiferaftError
 from liferaft.format.layout import COMMIT_MARKER, STEP_PREFIX, is_layout_name, parse_step, step_name
 from liferaft.storage import Storage
 from liferaft.storage.refs import with_references
 
 _parse_step = parse_step
+PINS = "PINS"                  # the steps the user pinned (a JSON list) under the root
 
 
 @dataclass(frozen=True)
@@ -98,4 +102,74 @@ def _references(files: Mapping[str, int]) -> tuple[int, ...]:
     return tuple(sorted(out))
 
 
-__all__ = ["StepInfo", "STEP_PREFIX", "step_name", "list_steps"]
+def read_pins(storage: Storage) -> frozenset[int]:
+    """The pinned steps under the root ``storage`` (none when there is no ``PINS``)."""
+    try:
+        return frozenset(int(s) for s in json.loads(storage.read_all(PINS)))
+    except FileNotFoundError:
+        return frozenset()
+    except (ValueError, TypeError) as e:
+        raise CorruptCheckpointError(f"{storage.url}/{PINS}: not a JSON list of steps ({e})") from None
+
+
+def write_pins(storage: Storage, pins: Iterable[int]) -> None:
+    storage.put_atomic(PINS, json.dumps(sorted(pins)).encode())
+
+
+def delete_step(storage: Storage, step: int) -> None:
+    """Delete ``step`` under the root ``storage``: marker first, so that a crash halfway leaves an incomplete step
+    (removed at the next start), never a committed step with missing files."""
+    prefix = step_name(step) + "/"
+    storage.delete(prefix + COMMIT_MARKER)
+    for name in storage.list():
+        if name.startswith(prefix):
+            storage.delete(name)           # (through the root: empty folders go too)
+
+
+def remove_leftovers(storage: Storage, listing: list[StepInfo]) -> None:
+    """Rank 0, holding the lease: remove steps of saves that never committed (no job writes them now) — not one
+    that committed steps reference, nor one holding files liferaft never writes (warnings say so)."""
+    needed = {d for i in listing if i.status == "committed" for d in i.depends_on}
+    foreign = _foreign_steps(storage.list()) if any(i.status == "incomplete" for i in listing) else {}
+    for info in listing:
+        if info.status == "incomplete" and info.step in needed:
+            warnings.warn(f"liferaft: step {info.step} has no commit marker but committed steps reference its "
+                          "chunks; keeping its files", stacklevel=3)
+        elif info.status == "incomplete" and info.step in foreign:
+            warnings.warn(f"liferaft: {info.path} has no commit marker but holds files liferaft does not write "
+                          f"({foreign[info.step]!r}...): not a leftover of an interrupted save; leaving it",
+                          stacklevel=3)
+        elif info.status == "incomplete":
+            delete_step(storage, info.step)
+
+
+def restore_candidates(listing: list[StepInfo], step: int | None, url: str) -> list[StepInfo]:
+    """The committed steps to try to restore, newest first: every one (corrupt ones are skipped with a warning),
+    or exactly ``step`` (CheckpointNotFoundError, IncompleteCheckpointError or CorruptCheckpointError if it
+    cannot be)."""
+    if step is None:
+        for info in reversed(listing):
+            if info.status == "corrupt":
+                warnings.warn(f"liferaft: skipping step {info.step} ({info.path}): {info.reason}", stacklevel=3)
+        return [i for i in reversed(listing) if i.status == "committed"]
+    match = [i for i in listing if i.step == step]
+    if not match:
+        raise CheckpointNotFoundError(f"{url}: there is no step {step}; steps: {[i.step for i in listing]}")
+    if match[0].status != "committed":
+        cls = IncompleteCheckpointError if match[0].status == "incomplete" else CorruptCheckpointError
+        raise cls(f"{url}: step {step} cannot be restored ({match[0].reason})")
+    return match
+
+
+__all__ = [
+    "PINS",
+    "STEP_PREFIX",
+    "StepInfo",
+    "delete_step",
+    "list_steps",
+    "read_pins",
+    "remove_leftovers",
+    "restore_candidates",
+    "step_name",
+    "write_pins",
+]

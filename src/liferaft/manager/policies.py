@@ -7,36 +7,67 @@ directly.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
+from typing import Literal
 
 from liferaft.errors import OptionsError
+
+PRIOR_MTBF_HOURS = 24.0        # assumed mean time between failures until restarts say otherwise
 
 
 @dataclass(frozen=True)
 class SavePolicy:
-    """Save policies, combined with OR (any one that fires saves).
+    """When the manager saves: policies combined with OR (any one that fires saves), and which saves are full.
 
     every_steps: save when ``step % every_steps == 0``.
-    every_seconds: save when at least this many seconds passed since the last save (or since the start).
-    at_steps: save at exactly these steps.
+    every_seconds: save when at least this many seconds passed since the last save (or since the start); "auto":
+      the Young/Daly interval from the measured save stall and time to durability and the mean time between
+      failures (recomputed after every save).
+    at_steps: save at exactly these steps (any iterable of ints; kept as a frozenset).
     last_step: the final step of the run (saved always).
+    full_every: every ``full_every``-th save is full (self-contained); the others reference the chunks that did
+      not change since the previous committed step (incremental saves). 1: every save is full.
+    mtbf_hours: the mean time between failures that ``every_seconds="auto"`` (and the memory tier's
+      ``memory_every="auto"``) assume; None: learned from the job starts recorded under the root (24 h prior).
     """
 
     every_steps: int | None = None
-    every_seconds: float | None = None
+    every_seconds: float | Literal["auto"] | None = None
     at_steps: frozenset[int] = field(default_factory=frozenset)
     last_step: int | None = None
+    full_every: int = 10
+    mtbf_hours: float | None = None
 
     def __post_init__(self) -> None:
-        if self.every_steps is not None and self.every_steps < 1:
-            raise OptionsError(f"every_steps must be >= 1, got {self.every_steps}")
-        if self.every_seconds is not None and self.every_seconds <= 0:
-            raise OptionsError(f"every_seconds must be > 0, got {self.every_seconds}")
+        if self.every_steps is not None and (not isinstance(self.every_steps, int) or self.every_steps < 1):
+            raise OptionsError(f"SavePolicy.every_steps must be an int >= 1, got {self.every_steps!r}")
+        if isinstance(self.every_seconds, str):
+            if self.every_seconds != "auto":
+                raise OptionsError(f"SavePolicy.every_seconds must be a number of seconds or 'auto', got "
+                                   f"{self.every_seconds!r}")
+        elif self.every_seconds is not None and not self.every_seconds > 0:
+            raise OptionsError(f"SavePolicy.every_seconds must be > 0, got {self.every_seconds}")
+        try:
+            object.__setattr__(self, "at_steps", frozenset(int(s) for s in self.at_steps))
+        except (TypeError, ValueError):
+            raise OptionsError(f"SavePolicy.at_steps must be steps (ints), got {self.at_steps!r}") from None
+        if not isinstance(self.full_every, int) or self.full_every < 1:
+            raise OptionsError(f"SavePolicy.full_every must be an int >= 1, got {self.full_every!r}")
+        if self.mtbf_hours is not None and not (self.mtbf_hours > 0 and math.isfinite(self.mtbf_hours)):
+            raise OptionsError(f"SavePolicy.mtbf_hours must be a finite number of hours > 0, got {self.mtbf_hours}")
 
-    def due(self, step: int, now: float, last_save_step: int | None, last_save_time: float) -> str | None:
+    @property
+    def auto_interval(self) -> bool:
+        """Whether ``every_seconds`` is "auto"."""
+        return self.every_seconds == "auto"
+
+    def due(self, step: int, now: float, last_save_step: int | None, last_save_time: float,
+            interval_s: float | None = None) -> str | None:
         """The reason to save at ``step`` ("every_steps", "every_seconds", "at_steps", "last_step"), or None.
-        Never twice for the same step."""
+        Never twice for the same step. ``interval_s``: the time interval in force when ``every_seconds`` is
+        "auto" (the caller measures it; without it the time policy does not fire)."""
         if last_save_step == step:
             return None
         if self.last_step is not None and step == self.last_step:
@@ -45,7 +76,8 @@ class SavePolicy:
             return "at_steps"
         if self.every_steps is not None and step % self.every_steps == 0:
             return "every_steps"
-        if self.every_seconds is not None and now - last_save_time >= self.every_seconds:
+        every = interval_s if self.auto_interval else self.every_seconds
+        if isinstance(every, (int, float)) and now - last_save_time >= every:
             return "every_seconds"
         return None
 
@@ -64,13 +96,13 @@ class RetentionPolicy:
     keep_every: int | None = None
     keep_best: int | None = None
     metric: str | None = None
-    mode: str = "min"
+    mode: Literal["min", "max"] = "min"
 
     def __post_init__(self) -> None:
         for name in ("keep_last", "keep_every", "keep_best"):
             v = getattr(self, name)
-            if v is not None and v < 1:
-                raise OptionsError(f"{name} must be >= 1, got {v}")
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise OptionsError(f"{name} must be an int >= 1, got {v!r}")
         if self.keep_best is not None and not self.metric:
             raise OptionsError("keep_best needs metric=<name of a metric passed to save/maybe_save>")
         if self.mode not in ("min", "max"):

@@ -1,128 +1,174 @@
-"""The parts of CheckpointManager that deal with the memory tier and the automatic interval (docs/TIERS.md):
-saving to memory and draining root saves from it, restoring from it, recording job starts. A mixin of
-``CheckpointManager``: it uses the manager's attributes and collectives."""
+"""The tiers of a manager besides its root (docs/TIERS.md): the memory tier it saves into between root saves and
+drains root saves from, and a remote tier drained from memory too; restoring from the nearest of them.
+
+``Tiers`` is a component the manager holds: it gets the root, the coordinator and the process group at
+construction and everything else as arguments, and returns what it did (the manager keeps its own bookkeeping).
+It never imports the manager.
+"""
 
 from __future__ import annotations
 
-import json
 import time
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
-from liferaft.errors import LiferaftError
-from liferaft.format.layout import COMMIT_MARKER, step_name
+from liferaft.core.load import load
+from liferaft.dist import Coordinator
+from liferaft.errors import CorruptCheckpointError, IncompleteCheckpointError, LiferaftError
+from liferaft.format.layout import COMMIT_MARKER, parse_step, step_name
+from liferaft.manager.options import TierOptions
+from liferaft.manager.policies import AutoInterval
+from liferaft.options import LoadOptions, LoadResult, SaveOptions
+from liferaft.storage import Storage, resolve
 
 if TYPE_CHECKING:
-    from liferaft.manager.listing import StepInfo
+    from liferaft.tiers.memory import MemoryTier
 
-STARTS = "STARTS"              # start times of the jobs' processes on this root (every_seconds="auto" learns from it)
-PRIOR_MTBF_HOURS = 24.0        # assumed mean time between failures until restarts say otherwise
+_DAMAGE = (CorruptCheckpointError.__name__, IncompleteCheckpointError.__name__)    # restore falls back on these
 
 
-class TierMixin:
-    """Memory-tier saves, drains and restores, and the job-start record, for ``CheckpointManager``."""
+def first_that_loads(coord: Coordinator, candidates: Sequence[tuple[int, str]],
+                     load_one: Callable[[int], LoadResult], raise_last: bool) -> tuple[int, LoadResult] | None:
+    """Load the first of ``candidates`` ((step, where) newest first) that loads on every rank, by ``load_one``;
+    return (step, its LoadResult). Collective: the ranks agree on each outcome, and fall back to the next step
+    only if some rank found damage (a corrupt or incomplete checkpoint) and no rank failed for another reason
+    (a state that does not match raises at once: falling back would hide a bug), with a warning naming the step
+    and why. When the last candidate is damaged too: raise its error (``raise_last``) or return None."""
+    from liferaft.errors import DistributedError
+
+    for i, (step, where) in enumerate(candidates):
+        err: LiferaftError | None = None
+        result: LoadResult | None = None
+        try:
+            result = load_one(step)
+        except LiferaftError as e:
+            err = e
+        kinds = coord.exchange(type(err).__name__ if err else None, None, "restore (outcome)")
+        if err is None and not any(kinds):
+            assert result is not None
+            return step, result
+        damaged = any(k in _DAMAGE for k in kinds) and all(k is None or k in _DAMAGE or k == "DistributedError"
+                                                           for k in kinds)
+        last = i == len(candidates) - 1
+        if not damaged or (last and raise_last):
+            raise err if err is not None else DistributedError(
+                f"restore of step {step} failed on other ranks: {[k for k in kinds if k]}")
+        why = f"{type(err).__name__}: {err}" if err is not None else f"on other ranks: {[k for k in kinds if k]}"
+        then = "" if last else f"; trying step {candidates[i + 1][0]}"
+        warnings.warn(f"liferaft: step {step} ({where}) did not load ({why}){then}", stacklevel=3)
+    return None
+
+
+class Tiers:
+    """The memory tier (and the remote tier) of one manager. ``root`` is the manager's root, ``coord`` its
+    coordinator; ``mtbf_s`` the failure rate ``memory_every="auto"`` assumes."""
+
+    def __init__(self, options: TierOptions, root: Storage, coord: Coordinator, process_group: Any,
+                 mtbf_s: float) -> None:
+        self.memory: MemoryTier = options.memory
+        self.memory_every = options.memory_every
+        self.drain = options.drain
+        self.remote = resolve(options.remote) if options.remote is not None else None
+        self.remote_every = options.remote_every
+        #: with ``memory_every="auto"``: the Young/Daly interval of memory saves (seconds)
+        self.auto = AutoInterval(mtbf_s=mtbf_s, stall_s=0.1) if options.memory_every == "auto" else None
+        self._root, self._coord, self._process_group = root, coord, process_group
+        self._last = time.monotonic()
+        self._drains = 0
 
     @property
-    def memory_interval_s(self) -> float | None:
+    def interval_s(self) -> float | None:
         """With ``memory_every="auto"``: the current time interval between memory-tier saves."""
-        return self._mem_auto.interval_s if self._mem_auto is not None else None
+        return self.auto.interval_s if self.auto is not None else None
 
-    def _record_start(self) -> list[float]:
-        """Rank 0, holding the lease: append this start to root/STARTS (the last 100); return them all."""
-        starts: list[float] = []
-        try:
-            starts = [float(x) for x in json.loads(self.storage.read_all(STARTS))][-99:]
-        except (FileNotFoundError, ValueError, TypeError):
-            starts = []
-        starts.append(time.time())
-        self.storage.put_atomic(STARTS, json.dumps(starts).encode())
-        return starts
+    @property
+    def busy(self) -> bool:
+        return self.memory.busy
 
-    def _restore_memory(self, state: Any, listing: list[StepInfo], strict: bool = True) -> int | None:
-        """Load from the memory tier if it holds a step at least as new as the root's newest committed one."""
-        newest = max((i.step for i in listing if i.status == "committed"), default=None)
-        if self.remote is not None:
-            newest = max([s for s in [newest] + self._remote_newest()[:1] if s is not None], default=None)
-        try:
-            got = self.memory.restore(state, options=self.load_options, strict=strict,
-                                      newer_than=None if newest is None else newest - 1,
-                                      fallback=self._slower_copy)
-        except LiferaftError as e:          # collective: every rank falls back together
-            warnings.warn(f"liferaft: the memory tier could not be restored ({type(e).__name__}: {e}); "
-                          "restoring from the root", stacklevel=3)
-            return None
-        if got is not None:
-            self.last_load = self.memory.last_load
-            self._last_step, self._last_time = got, time.monotonic()
-            match = [i for i in listing if i.step == got and i.status == "committed"]
-            self._base = (got, match[0].since_full or 0) if match and match[0].since_full is not None else None
-        return got
+    def wait(self) -> None:
+        """Wait for the memory tier's save in flight (and its drains); raise what it raised, on every rank."""
+        self.memory.wait()
 
-    def _memory_due(self, step: int) -> bool:
-        """Whether the memory tier saves at ``step`` (this rank's view; agreed in ``maybe_save``)."""
-        if self.memory is None:
-            return False
-        if self._mem_auto is None:
+    def local_steps(self) -> list[int]:
+        """Steps this node's memory tier holds committed (no collective)."""
+        return self.memory.local_steps()
+
+    def step_url(self, step: int) -> str:
+        return self.memory.step_storage(step).url
+
+    # ------------------------------------------------------------------ saving
+
+    def due(self, step: int) -> bool:
+        """Whether the memory tier saves at ``step`` (this rank's view; the manager agrees on it)."""
+        if self.auto is None:
             return step % int(self.memory_every) == 0
-        return time.monotonic() - self._mem_last >= self._mem_auto.interval_s
+        return time.monotonic() - self._last >= self.auto.interval_s
 
-    def _drain_save(self, step: int, state: Any, metrics: Mapping[str, float] | None, reason: str) -> None:
-        """Save into the memory tier and drain that copy to the root in the background."""
-        self._begin_save()
-        meta = self._metadata(step, reason, metrics, 0)         # drained root steps are full
-        self._last_step, self._last_time = step, time.monotonic()
+    def save(self, step: int, state: Any, options: SaveOptions) -> None:
+        """A memory save between root saves (skipped on every rank while the previous one still runs)."""
         t0 = time.perf_counter()
-        targets = [self._step_storage(step)]
+        self.memory.save(step, state, options=replace(options, if_busy="skip"))
+        if self.auto is not None:
+            self.auto.record(time.perf_counter() - t0, 0.0)
+        self._last = time.monotonic()
+
+    def drain_save(self, step: int, state: Any, options: SaveOptions, wait: bool) -> None:
+        """Save into the memory tier and drain that copy to the root (and every ``remote_every``-th to the remote
+        tier) in the background; ``wait``: return once drained. ``options.metadata`` is the step's."""
+        targets = [self._root.child(step_name(step))]
         if self.remote is not None and self._drains % self.remote_every == 0:
             targets.append(self.remote.child(step_name(step)))
         self._drains += 1
-        self.memory.save(step, state, options=replace(self.save_options, metadata=meta, if_busy="wait"),
-                         drain_to=targets, wait=not self.async_save)
-        self._stall = time.perf_counter() - t0
-        self._draining = (step, dict(metrics or {}))
-        if not self.async_save:
-            self.wait()
+        self.memory.save(step, state, options=replace(options, if_busy="wait"), drain_to=targets, wait=wait)
 
-    def _slower_copy(self, step: int) -> Any:
+    # ------------------------------------------------------------------ restoring
+
+    def restore(self, state: Any, root_newest: int | None, load_options: LoadOptions,
+                strict: bool) -> tuple[int, LoadResult] | None:
+        """Load the newest step the tiers hold that is at least as new as the root's newest committed one
+        (``root_newest``): from memory (files no live node holds taken from the root's or the remote's copy of the
+        same save), else — newer than the root's — from the remote tier. None if the tiers hold none. Collective."""
+        remote = self._remote_steps() if self.remote is not None else []
+        newest = max([s for s in [root_newest] + remote[:1] if s is not None], default=None)
+        try:
+            got = self.memory.restore(state, options=load_options, strict=strict,
+                                      newer_than=None if newest is None else newest - 1, fallback=self._slower_copy)
+        except LiferaftError as e:          # collective: every rank falls back together
+            warnings.warn(f"liferaft: the memory tier could not be restored ({type(e).__name__}: {e}); "
+                          "restoring from the root", stacklevel=3)
+            got = None
+        if got is not None:
+            return got, self.memory.last_load
+        newer = [s for s in remote if root_newest is None or s > root_newest]
+        if not newer:
+            return None
+        assert self.remote is not None
+        remote_root = self.remote
+
+        def load_one(step: int) -> LoadResult:
+            return load(remote_root.child(step_name(step)), state, process_group=self._process_group,
+                        strict=strict, options=load_options)
+
+        return first_that_loads(self._coord, [(s, f"{remote_root.url}/{step_name(s)}") for s in newer], load_one,
+                                raise_last=False)
+
+    def _slower_copy(self, step: int) -> Storage:
         """The root's copy of ``step`` if it has a commit there, else the remote tier's (memory restores take files
         no live node holds from it)."""
-        st = self._step_storage(step)
+        st = self._root.child(step_name(step))
         if self.remote is not None and not st.exists(COMMIT_MARKER):
             return self.remote.child(step_name(step))
         return st
 
-    def _remote_newest(self) -> list[int]:
+    def _remote_steps(self) -> list[int]:
         """Committed steps on the remote tier, newest first (rank 0 lists, every rank gets it)."""
-        steps: list[int] | None = None
-        err: BaseException | None = None
-        if self.coord.rank == 0:
-            try:
-                names = {n.split("/", 1)[0] for n in self.remote.list() if n.endswith("/" + COMMIT_MARKER)}
-                steps = sorted((int(n[5:]) for n in names if n.startswith("step-") and n[5:].isdigit()),
-                               reverse=True)
-            except BaseException as e:  # noqa: BLE001
-                err = e
-        return self.coord.broadcast_from_zero(steps, err, "restore (remote listing)") or []
+        remote = self.remote
+        assert remote is not None
 
-    def _restore_remote(self, state: Any, newer_than: int | None, strict: bool = True) -> int | None:
-        """Load the newest committed step of the remote tier newer than ``newer_than`` that loads (damaged ones
-        are skipped with a warning, collectively); None if none."""
-        from liferaft.core.load import load
+        def listing() -> list[int]:
+            names = {n.split("/", 1)[0] for n in remote.list() if n.endswith("/" + COMMIT_MARKER)}
+            return sorted((s for s in map(parse_step, names) if s is not None), reverse=True)
 
-        for step in self._remote_newest():
-            if newer_than is not None and step <= newer_than:
-                return None
-            err: BaseException | None = None
-            try:
-                self.last_load = load(self.remote.child(step_name(step)), state, process_group=self.process_group,
-                                      strict=strict, options=self.load_options)
-            except LiferaftError as e:
-                err = e
-            kinds = self.coord.exchange(type(err).__name__ if err else None, None, "restore (remote outcome)")
-            if not any(kinds):
-                self._last_step, self._last_time, self._base = step, time.monotonic(), None
-                return step
-            warnings.warn(f"liferaft: step {step} on the remote tier did not load ({kinds}); trying an older one",
-                          stacklevel=3)
-        return None
+        return self._coord.run_on_zero(listing, "restore (remote listing)")
