@@ -18,11 +18,11 @@ Bytes written: the files a checkpoint adds (a reference costs nothing). Time: th
 method is then loaded into a fresh state after dropping the page cache (load seconds, checked bit-exact against
 the saved state except for the lossy method).
 
-Bytes on disk vs ``keep_last`` (``--mgr-saves`` saves through ``CheckpointManager(keep_last=2, full_every=10)``
+Bytes on disk vs ``keep_last`` (``--mgr-saves`` saves through ``CheckpointManager(keep_last=2)``, ``full_every=10``
 per regime, the same states into three roots): "always reference" (``reference_min_share=0``: every unchanged
 chunk is referenced, however few, which keeps the older step it lives in), "default" (a step that would give
 less than 10 % of the save's bytes is not referenced; its chunks are copied) and "every save full"
-(``incremental=False``). After each save, once retention has run: the bytes the step added, the steps and bytes on
+(``SavePolicy(full_every=1)``). After each save, once retention has run: the bytes the step added, the steps and bytes on
 disk. The newest step of each root is restored and checked bit-exact.
 
 The threshold sweep (``--sweep``): a synthetic state of 256 tensors of which a chosen share never changes, saved
@@ -175,15 +175,16 @@ def report(regime: str, rows: list[dict[str, Any]]) -> str:
 
 POLICIES = {"always reference": dict(save_options={"reference_min_share": 0.0}),
             "default (copy < 10 %)": dict(save_options={}),
-            "every save full": dict(incremental=False, save_options={})}
+            "every save full": dict(full_every=1, save_options={})}
 
 
 def _manager(root: str, keep_last: int, policy: dict[str, Any]) -> Any:
     from liferaft import CheckpointManager, SaveOptions
+    from liferaft.manager import SavePolicy
 
     opts = SaveOptions(compression="off", **policy.get("save_options", {}))
-    return CheckpointManager(root, every_steps=1, keep_last=keep_last, full_every=10, async_save=False,
-                             incremental=policy.get("incremental", True), save_options=opts)
+    return CheckpointManager(root, every_steps=1, keep_last=keep_last, async_save=False,
+                             save_policy=SavePolicy(full_every=policy.get("full_every", 10)), save_options=opts)
 
 
 def _settled(mgr: Any) -> None:
@@ -245,7 +246,7 @@ def run_sweep(args: argparse.Namespace, tmp: str, jsonl: str, run_id: str) -> li
     """Synthetic state: ``n`` tensors, the first ``frozen`` never change, the others change at every save."""
     n, numel = (64, 16384) if args.quick else (256, 65536)           # 4 MiB / 64 MiB of float32
     policies = {"reference": {"save_options": {"reference_min_share": 0.0}},
-                "copy": {"save_options": {"reference_min_share": 1.0}}, "full": {"incremental": False}}
+                "copy": {"save_options": {"reference_min_share": 1.0}}, "full": {"full_every": 1}}
     rows = []
     for frozen in sorted({max(1, round(n * u)) for u in args.sweep}):
         label = f"{frozen / n:.1%}"

@@ -1,0 +1,155 @@
+"""The manager's option objects (each validated on its own, OptionsError naming the field; the shorthands given
+once), signal handlers installed only at the first maybe_save or by handle_preemption() and put back by close(),
+the tiers as a component that never imports the manager, and the remote tier's fallback rule."""
+
+from __future__ import annotations
+
+import ast
+import os
+import shutil
+import signal
+import uuid
+import warnings
+
+import pytest
+import torch
+
+import liferaft
+from liferaft import CheckpointManager, OptionsError, StateMismatchError
+from liferaft.manager import JobOptions, PreemptionOptions, RetentionPolicy, SavePolicy, TierOptions
+from liferaft.tiers.memory import MemoryTier
+
+
+def _state(v: float) -> dict:
+    return {"w": torch.full((64,), v), "step": int(v)}
+
+
+@pytest.mark.parametrize("make, field", [
+    (lambda: SavePolicy(every_steps=0), "every_steps"),
+    (lambda: SavePolicy(every_seconds="often"), "every_seconds"),      # type: ignore[arg-type]
+    (lambda: SavePolicy(every_seconds=-1.0), "every_seconds"),
+    (lambda: SavePolicy(at_steps=["x"]), "at_steps"),                  # type: ignore[list-item]
+    (lambda: SavePolicy(full_every=0), "full_every"),
+    (lambda: SavePolicy(mtbf_hours=0.0), "mtbf_hours"),
+    (lambda: RetentionPolicy(keep_last=0), "keep_last"),
+    (lambda: RetentionPolicy(mode="median"), "mode"),                   # type: ignore[arg-type]
+    (lambda: TierOptions(None), "memory"),                              # type: ignore[arg-type]
+    (lambda: TierOptions(object(), memory_every=0), "memory_every"),    # type: ignore[arg-type]
+    (lambda: TierOptions(object(), memory_every="often"), "memory_every"),  # type: ignore[arg-type]
+    (lambda: TierOptions(object(), remote_every=0), "remote_every"),    # type: ignore[arg-type]
+    (lambda: TierOptions(object(), remote="/x", drain=False), "remote"),  # type: ignore[arg-type]
+    (lambda: PreemptionOptions(signals=[12345]), "signals"),
+    (lambda: PreemptionOptions(deadline=0), "deadline"),
+    (lambda: PreemptionOptions(install="now"), "install"),              # type: ignore[arg-type]
+    (lambda: JobOptions(job_id=""), "job_id"),
+    (lambda: JobOptions(lease_ttl=float("nan")), "lease_ttl"),
+])
+def test_each_option_object_refuses_a_bad_value_naming_the_field(make, field):
+    with pytest.raises(OptionsError, match=field):
+        make()
+
+
+def test_options_are_frozen_and_normalised():
+    p = SavePolicy(at_steps=[3, 1], every_seconds="auto")
+    assert p.at_steps == frozenset({1, 3}) and p.auto_interval
+    with pytest.raises(AttributeError):
+        p.every_steps = 3                                                 # type: ignore[misc]
+    assert PreemptionOptions(signals=[signal.SIGUSR1]).signals == (signal.SIGUSR1,)
+
+
+def test_a_shorthand_and_the_same_field_of_a_policy_is_refused(tmp_path):
+    with pytest.raises(OptionsError, match="every_steps is given twice"):
+        CheckpointManager(str(tmp_path / "a"), every_steps=2, save_policy=SavePolicy(every_steps=3))
+    with pytest.raises(OptionsError, match="keep_last is given twice"):
+        CheckpointManager(str(tmp_path / "b"), keep_last=2, retention=RetentionPolicy(keep_last=3))
+    with CheckpointManager(str(tmp_path / "c"), every_steps=2, keep_last=1,
+                           save_policy=SavePolicy(last_step=9), retention=RetentionPolicy(keep_every=4)) as mgr:
+        assert mgr.save_policy == SavePolicy(every_steps=2, last_step=9)
+        assert mgr.retention == RetentionPolicy(keep_last=1, keep_every=4)
+
+
+def test_constructing_installs_no_handler_the_first_maybe_save_does_and_close_puts_it_back(tmp_path):
+    before = signal.getsignal(signal.SIGUSR1)
+    mgr = CheckpointManager(str(tmp_path / "run"), every_steps=100, async_save=False,
+                            preemption=PreemptionOptions(signals=[signal.SIGUSR1]))
+    try:
+        assert signal.getsignal(signal.SIGUSR1) is before                 # nothing installed by the constructor
+        assert not mgr.maybe_save(1, _state(1.0))
+        assert signal.getsignal(signal.SIGUSR1) is not before
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert mgr.maybe_save(2, _state(2.0)) and mgr.preempted
+    finally:
+        mgr.close()
+    assert signal.getsignal(signal.SIGUSR1) is before
+
+
+def test_explicit_install_only_by_handle_preemption(tmp_path):
+    before = signal.getsignal(signal.SIGUSR1)
+    with CheckpointManager(str(tmp_path / "run"), every_steps=100, async_save=False,
+                           preemption=PreemptionOptions(signals=[signal.SIGUSR1], install="explicit")) as mgr:
+        assert not mgr.maybe_save(1, _state(1.0))
+        assert signal.getsignal(signal.SIGUSR1) is before                 # "explicit": maybe_save installs nothing
+        mgr.handle_preemption()
+        mgr.handle_preemption()                                           # idempotent
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert mgr.maybe_save(2, _state(2.0)) and mgr.preempted
+    assert signal.getsignal(signal.SIGUSR1) is before
+
+
+def test_the_tiers_component_does_not_import_the_manager():
+    import liferaft.manager.tiering as tiering
+
+    tree = ast.parse(open(tiering.__file__).read())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | \
+        {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert "liferaft.manager.manager" not in imported and "liferaft.manager" not in imported
+    assert not any(c.name.endswith("Mixin") for c in ast.walk(tree) if isinstance(c, ast.ClassDef))
+
+
+@pytest.fixture
+def shm():
+    path = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else "/tmp", f"liferaft-unit-{uuid.uuid4().hex[:8]}")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_a_remote_step_that_does_not_match_the_state_raises_instead_of_restoring_nothing(tmp_path, shm):
+    """Defect: the remote tier fell back on any error, so a state that did not match made restore return None
+    ("nothing to restore": the job would start over) when only the remote tier held the steps."""
+    root, remote = str(tmp_path / "root"), str(tmp_path / "remote")
+    tiers = TierOptions(MemoryTier("job", node="n0", base=shm), remote=remote)
+    with CheckpointManager(root, every_steps=1, async_save=False, tiers=tiers) as mgr:
+        for step in range(2):
+            mgr.maybe_save(step, _state(float(step)))
+    shutil.rmtree(root)                                                   # the node-local disk is lost
+    shutil.rmtree(shm)                                                    # and so is the node's memory
+    fresh = TierOptions(MemoryTier("job", node="n0", base=shm), remote=remote)
+    with CheckpointManager(root, tiers=fresh) as mgr:
+        got = _state(0.0)
+        assert mgr.restore(got) == 1 and torch.equal(got["w"], _state(1.0)["w"])   # from the remote tier
+        with pytest.raises(StateMismatchError):
+            mgr.restore({"other": torch.zeros(3)})
+    liferaft.verify(os.path.join(remote, "step-0000000001"))
+
+
+def test_a_damaged_remote_step_is_skipped_for_the_one_before(tmp_path, shm):
+    root, remote = str(tmp_path / "root"), str(tmp_path / "remote")
+    with CheckpointManager(root, every_steps=1, async_save=False,
+                           tiers=TierOptions(MemoryTier("job", node="n0", base=shm), remote=remote)) as mgr:
+        for step in range(2):
+            mgr.maybe_save(step, _state(float(step)))
+    shutil.rmtree(root)
+    shutil.rmtree(shm)
+    data = os.path.join(remote, "step-0000000001", "data")
+    for dirpath, _, files in os.walk(data):
+        for f in files:
+            with open(os.path.join(dirpath, f), "r+b") as fh:
+                fh.seek(40)
+                fh.write(b"\xff" * 8)                                     # damage step 1's bytes
+    with CheckpointManager(root, tiers=TierOptions(MemoryTier("job", node="n0", base=shm), remote=remote)) as mgr:
+        got = _state(9.0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert mgr.restore(got) == 0
+        assert any("step 1" in str(w.message) and "trying step 0" in str(w.message) for w in caught)
+        assert torch.equal(got["w"], _state(0.0)["w"])
