@@ -97,9 +97,10 @@ def test_explicit_install_only_by_handle_preemption(tmp_path):
 
 
 def test_the_tiers_component_does_not_import_the_manager():
-    import liferaft.manager.tiering as tiering
+    from liferaft.manager import tiering
 
-    tree = ast.parse(open(tiering.__file__).read())
+    with open(tiering.__file__) as f:
+        tree = ast.parse(f.read())
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | \
         {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     assert "liferaft.manager.manager" not in imported and "liferaft.manager" not in imported

@@ -14,8 +14,8 @@ that survives it and, on average, half the interval of that tier in recomputed w
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
 
 
 def young_daly(cost_s: float, mtbf_s: float) -> float:

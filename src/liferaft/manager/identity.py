@@ -27,8 +27,8 @@ from __future__ import annotations
 import os
 import socket
 import uuid
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Mapping
 
 from liferaft.errors import OptionsError
 
@@ -151,5 +151,14 @@ def this_job(explicit: str | None) -> JobIdentity:
     return job_identity(env, explicit=explicit, host=socket.gethostname(), launcher=launcher)
 
 
-__all__ = ["JobIdentity", "ProcessFacts", "job_identity", "this_job", "validate_job_id", "process_start",
-           "machine_key", "torchrun_agent", "PLACEHOLDER_RUN_IDS"]
+__all__ = [
+    "PLACEHOLDER_RUN_IDS",
+    "JobIdentity",
+    "ProcessFacts",
+    "job_identity",
+    "machine_key",
+    "process_start",
+    "this_job",
+    "torchrun_agent",
+    "validate_job_id",
+]

@@ -238,7 +238,7 @@ class Lease:
             time.sleep(min(1.0, self._wait_of(other) / 10))
         try:
             self._write()
-        except Exception as e:  # noqa: BLE001 - classified below
+        except Exception as e:
             if _denied(e):
                 raise self._read_only(str(e)) from e
             raise
@@ -255,7 +255,7 @@ class Lease:
         name = f"{LEASE}.probe-{self.me.token}"
         try:
             self.storage.put_atomic(name, b"")
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             if _denied(e):
                 raise self._read_only(str(e)) from e
             raise
