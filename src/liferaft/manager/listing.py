@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from liferaft.core.commit import check_files, open_checkpoint
 from liferaft.errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError, LiferaftError
 from liferaft.format.layout import COMMIT_MARKER, STEP_PREFIX, is_layout_name, parse_step, step_name
+from liferaft.manager.policies import RetentionPolicy, referenced_closure
 from liferaft.storage import Storage
 from liferaft.storage.refs import with_references
 
@@ -143,6 +144,17 @@ def remove_leftovers(storage: Storage, listing: list[StepInfo]) -> None:
             delete_step(storage, info.step)
 
 
+def kept_steps(listing: list[StepInfo], policy: RetentionPolicy, pins: frozenset[int],
+               metrics: Mapping[int, Mapping[str, float]] | None = None, protect: Iterable[int] = ()) -> set[int]:
+    """The steps retention keeps: what ``policy`` keeps of the committed steps (by the metrics their manifests
+    record, overridden by ``metrics``), the pinned ones, ``protect`` (being written or read), and every step a kept
+    one references (pure)."""
+    committed = [i.step for i in listing if i.status == "committed"]
+    recorded = {i.step: i.metrics for i in listing if i.metrics}
+    keep = set(policy.keep(committed, {**recorded, **(metrics or {})}, pins)) | set(protect)
+    return referenced_closure(keep, {i.step: i.depends_on for i in listing})
+
+
 def restore_candidates(listing: list[StepInfo], step: int | None, url: str) -> list[StepInfo]:
     """The committed steps to try to restore, newest first: every one (corrupt ones are skipped with a warning),
     or exactly ``step`` (CheckpointNotFoundError, IncompleteCheckpointError or CorruptCheckpointError if it
@@ -166,6 +178,7 @@ __all__ = [
     "STEP_PREFIX",
     "StepInfo",
     "delete_step",
+    "kept_steps",
     "list_steps",
     "read_pins",
     "remove_leftovers",

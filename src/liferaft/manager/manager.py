@@ -31,6 +31,7 @@ from liferaft.manager.listing import (  # noqa: F401 - PINS, _parse_step: re-exp
     StepInfo,
     _parse_step,
     delete_step,
+    kept_steps,
     list_steps,
     read_pins,
     remove_leftovers,
@@ -45,7 +46,6 @@ from liferaft.manager.policies import (
     RetentionPolicy,
     SavePolicy,
     mtbf_from_starts,
-    referenced_closure,
 )
 from liferaft.manager.tiering import Tiers, first_that_loads
 from liferaft.options import LoadOptions, LoadResult, SaveOptions, SaveResult
@@ -69,20 +69,13 @@ class CheckpointManager:
 
     ``every_steps``, ``keep_last`` and ``async_save`` are the knobs nearly every script sets: shorthands for
     ``SavePolicy(every_steps=...)`` and ``RetentionPolicy(keep_last=...)`` (given in both places: OptionsError),
-    and whether ``maybe_save`` returns once the snapshot is taken (True) or once the step is committed.
-
-    - ``save_policy``: when to save (``every_steps``, ``every_seconds`` or "auto", ``at_steps``, ``last_step``;
-      any fires) and which saves are full (``full_every``; the others are incremental).
-    - ``retention``: what to keep (``keep_last``, ``keep_every``, ``keep_best`` by ``metric``; any keeps; pinned
-      steps and the newest committed step always). Deletion runs in a background thread after a save commits and
-      never touches the newest committed step, an unfinished one, or one a kept step references.
-    - ``tiers``: a memory tier (and a remote tier drained from it), docs/TIERS.md.
-    - ``preemption``: the signals (default SIGTERM, SIGUSR1) after which the next ``maybe_save`` saves at once,
-      synchronously, within ``deadline``, and sets ``preempted``. The handlers are installed at the first
-      ``maybe_save`` (or by ``handle_preemption()``), never here, and put back by ``close()``.
-    - ``job``: the job id (default: derived from the launcher) and the lease's ttl. A root used by another job,
-      or by another live process on this host, is refused (CheckpointBusyError, see ``manager.lease``).
-    - ``save_options`` / ``load_options``: passed to every save and load (``staging`` must be "blocking").
+    and whether ``maybe_save`` returns once the snapshot is taken (True) or once the step is committed. The rest
+    comes in option objects: ``save_policy`` (when to save; which saves are full), ``retention`` (what to keep;
+    deleted in a background thread, never the newest committed step, an unfinished one or one a kept step
+    references), ``tiers`` (memory and remote tiers, docs/TIERS.md), ``preemption`` (the signals after which the
+    next ``maybe_save`` saves at once and sets ``preempted``; handlers installed at the first ``maybe_save`` or by
+    ``handle_preemption()``, never here), ``job`` (job id, lease ttl: a root another job or another live process
+    on this host writes is refused with CheckpointBusyError), ``save_options`` / ``load_options``.
 
     On construction rank 0 takes the lease and removes leftovers of interrupted saves. A root that cannot be
     written (``read_only``) still restores; saving there raises ReadOnlyRootError. A root that is not a directory
@@ -397,16 +390,11 @@ class CheckpointManager:
         """Rank 0, background: delete committed steps the retention policy does not keep."""
         try:
             listing = self._list()
-            committed = [i.step for i in listing if i.status == "committed"]
-            metrics = {i.step: i.metrics for i in listing if i.metrics}
-            keep = set(self.retention.keep(committed, {**metrics, **self._metrics}, self._pins()))
-            inflight = self._inflight[0] if self._inflight is not None else None
-            keep |= {inflight} if inflight is not None else set()
-            keep |= set(self._reading)
-            keep = referenced_closure(keep, {i.step: i.depends_on for i in listing})
-            for s in committed:
-                if s not in keep:
-                    delete_step(self.storage, s)
+            busy = {self._inflight[0]} if self._inflight is not None else set()
+            keep = kept_steps(listing, self.retention, self._pins(), self._metrics, busy | self._reading)
+            for info in listing:
+                if info.status == "committed" and info.step not in keep:
+                    delete_step(self.storage, info.step)
         except Exception as e:  # noqa: BLE001 - retention must not stop training; it runs again after the next save
             warnings.warn(f"liferaft: removing old checkpoints under {self.storage.url} failed: {e}", stacklevel=2)
 
