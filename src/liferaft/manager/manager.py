@@ -133,7 +133,7 @@ class CheckpointManager:
         mtbf_s = hours * 3600.0 if hours is not None else \
             mtbf_from_starts(starts, PRIOR_MTBF_HOURS * 3600.0, time.time())
         self._auto = AutoInterval(mtbf_s=mtbf_s) if self.save_policy.auto_interval else None
-        self.tiers = Tiers(tiers, self.storage, self.coord, process_group, mtbf_s) if tiers is not None else None
+        self._tiers = Tiers(tiers, self.storage, self.coord, process_group, mtbf_s) if tiers is not None else None
 
     def _start(self, learn: bool) -> tuple[list[float], str | None]:
         """Rank 0: take the lease, remove leftovers, record this start (``learn``); (starts, why read-only)."""
@@ -165,7 +165,7 @@ class CheckpointManager:
     @property
     def memory_interval_s(self) -> float | None:
         """With ``TierOptions(memory_every="auto")``: the current time interval between memory-tier saves."""
-        return self.tiers.interval_s if self.tiers is not None else None
+        return self._tiers.interval_s if self._tiers is not None else None
 
     # ------------------------------------------------------------------ listing
 
@@ -185,11 +185,11 @@ class CheckpointManager:
         data). Not collective: a memory-tier step is listed as this node sees it (its data may be spread over
         the nodes)."""
         out = {i.step: replace(i, tiers=("root",) if i.status == "committed" else ()) for i in self._list(deep=verify)}
-        if self.tiers is not None:
-            for step in self.tiers.local_steps():
+        if self._tiers is not None:
+            for step in self._tiers.local_steps():
                 info = out.get(step)
                 if info is None:
-                    out[step] = StepInfo(step, self.tiers.step_url(step), "committed", tiers=("memory",))
+                    out[step] = StepInfo(step, self._tiers.step_url(step), "committed", tiers=("memory",))
                 else:
                     out[step] = replace(info, status="committed", tiers=info.tiers + ("memory",))
         return [out[s] for s in sorted(out)]
@@ -214,8 +214,8 @@ class CheckpointManager:
         listing = self.coord.run_on_zero(self._list, "restore (listing)")
         committed = [i for i in listing if i.status == "committed"]
         got: tuple[int, LoadResult] | None = None
-        if step is None and self.tiers is not None:
-            got = self.tiers.restore(state, max((i.step for i in committed), default=None), self.load_options,
+        if step is None and self._tiers is not None:
+            got = self._tiers.restore(state, max((i.step for i in committed), default=None), self.load_options,
                                      strict)
         if got is None:
             candidates = [(i.step, i.path) for i in restore_candidates(listing, step, self.storage.url)]
@@ -269,7 +269,7 @@ class CheckpointManager:
         reason = "force" if force else self.save_policy.due(step, time.monotonic(), self._last_step,
                                                             self._last_time, self.interval_s)
         preempt = self._signalled.is_set()
-        mem_due = self.tiers is not None and self.tiers.due(step)
+        mem_due = self._tiers is not None and self._tiers.due(step)
         if self.coord.world > 1 and (self.save_policy.every_seconds is not None or self._handlers_wanted
                                      or self.memory_interval_s is not None):
             votes = self.coord.exchange((reason, preempt, mem_due), None, "maybe_save (agree)")
@@ -279,9 +279,9 @@ class CheckpointManager:
         self._settle()
         if preempt:
             reason = reason or "preemption"
-        if mem_due and reason is None and self.tiers is not None:
+        if mem_due and reason is None and self._tiers is not None:
             # (skipped on every rank while the previous memory save or a save to the root is still running)
-            self.tiers.save(step, state, self.save_options)
+            self._tiers.save(step, state, self.save_options)
         if reason is None or (self._last_step == step and not force):
             return False
         if preempt:
@@ -292,7 +292,7 @@ class CheckpointManager:
             if spent > self.preemption.deadline:
                 warnings.warn(f"liferaft: the preemption save of step {step} took {spent:.0f} s, more than "
                               f"PreemptionOptions.deadline={self.preemption.deadline:.0f} s", stacklevel=2)
-        elif self.tiers is not None and self.tiers.drain:
+        elif self._tiers is not None and self._tiers.drain:
             self._drain_save(step, state, metrics, reason)
         else:
             self._save(step, state, metrics, reason, wait=not self.async_save)
@@ -341,12 +341,12 @@ class CheckpointManager:
 
     def _drain_save(self, step: int, state: Any, metrics: Mapping[str, float] | None, reason: str) -> None:
         """Save into the memory tier and drain that copy to the root in the background (a full step)."""
-        assert self.tiers is not None
+        assert self._tiers is not None
         self._begin_save()
         opts = self._options(step, reason, metrics, 0)
         self._last_step, self._last_time = step, time.monotonic()
         t0 = time.perf_counter()
-        self.tiers.drain_save(step, state, opts, wait=not self.async_save)
+        self._tiers.drain_save(step, state, opts, wait=not self.async_save)
         self._stall = time.perf_counter() - t0
         self._draining = (step, dict(metrics or {}))
         if not self.async_save:
@@ -356,15 +356,15 @@ class CheckpointManager:
         """If the save in flight has finished, account for it (raises its error)."""
         if self._inflight is not None and self._inflight[1].done():
             self.wait()
-        if self._draining is not None and self.tiers is not None and not self.tiers.busy:
+        if self._draining is not None and self._tiers is not None and not self._tiers.busy:
             self.wait()
 
     def wait(self) -> None:
         """Wait for the save in flight (raises what it raised, on every rank)."""
-        if self._draining is not None and self.tiers is not None:
+        if self._draining is not None and self._tiers is not None:
             step, metrics = self._draining
             self._draining = None
-            self.tiers.wait()
+            self._tiers.wait()
             self._committed(step, metrics, 0, None)
         if self._inflight is None:
             return
@@ -424,9 +424,9 @@ class CheckpointManager:
             self.wait()
         except BaseException as e:  # noqa: BLE001 - raised below, after the clean-up
             err = e
-        if self.tiers is not None:
+        if self._tiers is not None:
             try:
-                self.tiers.wait()
+                self._tiers.wait()
             except BaseException as e:  # noqa: BLE001
                 err = err or e
         for sig, old in self._old_handlers.items():
