@@ -179,8 +179,7 @@ POLICIES = {"always reference": dict(save_options={"reference_min_share": 0.0}),
 
 
 def _manager(root: str, keep_last: int, policy: dict[str, Any]) -> Any:
-    from liferaft import CheckpointManager, SaveOptions
-    from liferaft.manager import SavePolicy
+    from liferaft import CheckpointManager, SaveOptions, SavePolicy
 
     opts = SaveOptions(compression="off", **policy.get("save_options", {}))
     return CheckpointManager(root, every_steps=1, keep_last=keep_last, async_save=False,

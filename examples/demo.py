@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 import liferaft
-from liferaft.manager import JobOptions
+from liferaft import JobOptions
 from liferaft.testing import RankFailure, run_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))

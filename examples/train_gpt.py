@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 import liferaft
+from liferaft import SavePolicy
 from liferaft.data import GlobalSampler
-from liferaft.manager import SavePolicy
 
 VOCAB, DIM, LAYERS, SEQ = 512, 128, 4, 32
 SOURCES, WEIGHTS = {"web": 4096, "code": 1024}, {"web": 0.8, "code": 0.2}

@@ -30,6 +30,8 @@ from liferaft.errors import (
                              UnsafePathError,
 )
 from liferaft.manager.manager import CheckpointManager, StepInfo
+from liferaft.manager.options import JobOptions, PreemptionOptions, TierOptions
+from liferaft.manager.policies import RetentionPolicy, SavePolicy
 from liferaft.options import LoadOptions, LoadResult, SaveOptions, SaveResult
 from liferaft.state.rng import RNGState
 from liferaft.state.sharded import Sharded
@@ -49,8 +51,9 @@ __all__ = [  # noqa: RUF022 (grouped as docs/API.md, not sorted)
     "Sharded", "RNGState", "PerRank",
     # Look into a checkpoint in one process: read, summarize, verify, per-key storage view
     "read", "inspect", "verify", "describe", "CheckpointInfo", "TensorInfo", "VerifyReport", "KeyInfo",
-    # Training runs: the manager, the memory tier, a root's steps from outside a job
-    "CheckpointManager", "StepInfo", "MemoryTier", "ls", "gc", "GcReport",
+    # Training runs: the manager and its option objects, the memory tier, a root's steps from outside a job
+    "CheckpointManager", "SavePolicy", "RetentionPolicy", "TierOptions", "PreemptionOptions", "JobOptions",
+    "StepInfo", "MemoryTier", "ls", "gc", "GcReport",
     # Compare and convert checkpoints of any format
     "diff", "DiffReport", "KeyDiff", "convert", "ConvertReport", "find_model",
     # What liferaft keeps in the process between calls

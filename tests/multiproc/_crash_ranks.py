@@ -11,8 +11,7 @@ from typing import Any
 import torch
 
 import liferaft
-from liferaft import CheckpointManager, Sharded
-from liferaft.manager import JobOptions
+from liferaft import CheckpointManager, JobOptions, Sharded
 from liferaft.storage import register_scheme
 from liferaft.testing.faults import CrashPlan, CrashStorage
 

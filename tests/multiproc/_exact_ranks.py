@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 import liferaft
+from liferaft import JobOptions
 from liferaft.data import GlobalSampler
-from liferaft.manager import JobOptions
 
 VOCAB, SEQ, DIM = 64, 12, 32
 SOURCES = {"prose": 96, "code": 40}

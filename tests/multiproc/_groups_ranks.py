@@ -7,7 +7,7 @@ import time
 import torch
 
 import liferaft
-from liferaft.manager import JobOptions
+from liferaft import JobOptions
 
 
 def save_release_cycles(rank: int, world: int, root: str, cycles: int) -> int:

@@ -8,8 +8,7 @@ import signal
 import torch
 
 import liferaft
-from liferaft import CheckpointManager, Sharded
-from liferaft.manager import PreemptionOptions
+from liferaft import CheckpointManager, PreemptionOptions, Sharded
 
 ROWS, COLS = 12, 5
 

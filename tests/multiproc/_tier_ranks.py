@@ -11,7 +11,7 @@ import torch
 from multiproc._crash_ranks import _equal, state_at
 
 import liferaft
-from liferaft.manager import JobOptions, TierOptions
+from liferaft import JobOptions, TierOptions
 from liferaft.tiers.memory import MemoryTier
 
 

@@ -17,8 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from liferaft import CheckpointManager
-from liferaft.manager import JobOptions, PreemptionOptions
+from liferaft import CheckpointManager, JobOptions, PreemptionOptions
 
 
 def report(root: str, line: str) -> None:

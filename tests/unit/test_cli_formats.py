@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import liferaft
+from liferaft import JobOptions
 from liferaft.cli import main
-from liferaft.manager import JobOptions
 
 safetensors = pytest.importorskip("safetensors.torch")
 

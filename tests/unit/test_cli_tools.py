@@ -12,8 +12,7 @@ import pytest
 import torch
 
 import liferaft
-from liferaft import CheckpointManager, diff, gc, ls
-from liferaft.manager import JobOptions
+from liferaft import CheckpointManager, JobOptions, diff, gc, ls
 
 
 def run(*args: str) -> subprocess.CompletedProcess:

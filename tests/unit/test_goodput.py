@@ -12,8 +12,7 @@ import pytest
 import torch
 
 import liferaft
-from liferaft import CheckpointManager
-from liferaft.manager import SavePolicy
+from liferaft import CheckpointManager, SavePolicy
 from liferaft.manager.goodput import Cluster, Costs, compare, goodput, young_daly
 from liferaft.manager.policies import AutoInterval, mtbf_from_starts
 

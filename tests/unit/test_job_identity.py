@@ -9,8 +9,7 @@ import sys
 import pytest
 
 import liferaft
-from liferaft import CheckpointManager, OptionsError
-from liferaft.manager import JobOptions
+from liferaft import CheckpointManager, JobOptions, OptionsError
 from liferaft.manager.identity import (
     ProcessFacts,
     job_identity,

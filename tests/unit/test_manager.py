@@ -11,8 +11,16 @@ import pytest
 import torch
 
 import liferaft
-from liferaft import CheckpointBusyError, CheckpointManager, CheckpointNotFoundError, OptionsError
-from liferaft.manager import JobOptions, PreemptionOptions, RetentionPolicy, SavePolicy
+from liferaft import (
+    CheckpointBusyError,
+    CheckpointManager,
+    CheckpointNotFoundError,
+    JobOptions,
+    OptionsError,
+    PreemptionOptions,
+    RetentionPolicy,
+    SavePolicy,
+)
 from liferaft.storage import register_scheme
 from liferaft.testing.faults import FailingStorage
 

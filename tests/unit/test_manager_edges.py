@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import liferaft
+from liferaft import JobOptions
 from liferaft.cli import main
-from liferaft.manager import JobOptions
 
 
 def test_restore_sees_the_save_still_in_flight(tmp_path):

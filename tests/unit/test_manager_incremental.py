@@ -9,8 +9,7 @@ import pytest
 import torch
 
 import liferaft
-from liferaft import CheckpointManager
-from liferaft.manager import SavePolicy
+from liferaft import CheckpointManager, SavePolicy
 from liferaft.manager.policies import referenced_closure
 
 

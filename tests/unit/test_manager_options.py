@@ -15,8 +15,16 @@ import pytest
 import torch
 
 import liferaft
-from liferaft import CheckpointManager, OptionsError, StateMismatchError
-from liferaft.manager import JobOptions, PreemptionOptions, RetentionPolicy, SavePolicy, TierOptions
+from liferaft import (
+    CheckpointManager,
+    JobOptions,
+    OptionsError,
+    PreemptionOptions,
+    RetentionPolicy,
+    SavePolicy,
+    StateMismatchError,
+    TierOptions,
+)
 from liferaft.tiers.memory import MemoryTier
 
 

@@ -13,8 +13,7 @@ import uuid
 import pytest
 import torch
 
-from liferaft import CheckpointManager, ReadOnlyRootError, StorageError
-from liferaft.manager import JobOptions, PreemptionOptions
+from liferaft import CheckpointManager, JobOptions, PreemptionOptions, ReadOnlyRootError, StorageError
 
 NO_SIGNALS = PreemptionOptions(signals=())        # these managers never install handlers
 

@@ -12,8 +12,7 @@ import pytest
 import torch
 
 import liferaft
-from liferaft import CheckpointManager
-from liferaft.manager import SavePolicy, TierOptions
+from liferaft import CheckpointManager, SavePolicy, TierOptions
 from liferaft.tiers.memory import MemoryTier, fetch_plan, newest_complete
 
 

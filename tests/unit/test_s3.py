@@ -19,8 +19,8 @@ pytest.importorskip("obstore")
 pytest.importorskip("moto")
 
 import liferaft  # noqa: E402
+from liferaft import JobOptions  # noqa: E402
 from liferaft.errors import CheckpointNotFoundError, IncompleteCheckpointError, StorageError  # noqa: E402
-from liferaft.manager import JobOptions  # noqa: E402
 from liferaft.storage import resolve  # noqa: E402
 from liferaft.storage.s3 import S3Storage, S3StorageError  # noqa: E402
 from liferaft.testing.s3server import FaultProxy, MotoS3Server  # noqa: E402

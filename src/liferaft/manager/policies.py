@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from liferaft.errors import OptionsError
+from liferaft.options import MetricMode
 
 PRIOR_MTBF_HOURS = 24.0        # assumed mean time between failures until restarts say otherwise
 
@@ -96,7 +97,7 @@ class RetentionPolicy:
     keep_every: int | None = None
     keep_best: int | None = None
     metric: str | None = None
-    mode: Literal["min", "max"] = "min"
+    mode: MetricMode = "min"
 
     def __post_init__(self) -> None:
         for name in ("keep_last", "keep_every", "keep_best"):
