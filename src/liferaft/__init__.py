@@ -8,8 +8,9 @@ and may change. The package is typed (``py.typed``).
 """
 
 from liferaft.core.load import load
-from liferaft.core.read import CheckpointInfo, PerRank, TensorInfo, VerifyReport, inspect, read, verify
+from liferaft.core.read import CheckpointInfo, TensorInfo, VerifyReport, inspect, read, verify
 from liferaft.core.save import AsyncSaveHandle, async_save, release, save
+from liferaft.state.values import PerRank
 from liferaft.dist import release_groups
 from liferaft.errors import (
                              CheckpointBusyError,

@@ -155,7 +155,7 @@ def test_an_index_or_a_file_that_is_a_fifo_never_hangs(tmp_path):
             one_error(cli(cmd, path), "FIFO")
         one_error(cli("convert", path, str(tmp_path / "imported"), "--to", "liferaft"), "FIFO")
     one_error(cli("inspect", file), file)
-    code = ("import sys, liferaft; from liferaft.tools.convert import safetensors_state\n"
+    code = ("import sys, liferaft; from liferaft.formats.safetensors import safetensors_state\n"
             "try: safetensors_state(sys.argv[1])\n"
             "except liferaft.CorruptCheckpointError as e: print('refused:', e)\n")
     r = subprocess.run([sys.executable, "-c", code, file], capture_output=True, text=True, timeout=30)

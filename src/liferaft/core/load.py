@@ -1,136 +1,107 @@
-"""The native load: open → plan → read → apply. Every step that can fail on one rank is followed by an exchange,
-so that every rank raises when any rank fails and nothing hangs (collectives time out)."""
+"""The one load pipeline, for every format: open → plan → read → apply.
+
+Whatever the checkpoint's format (liferaft, DCP, safetensors, ``torch.save``: a :class:`formats.base.Reader`), the
+same checks run on every rank before any byte is copied — keys (strict / missing / unexpected, stateful objects
+that refuse what they would load, optional subtrees, buffers not persisted), kinds, shapes, dtypes, per-rank values
+against the world size, lossy entries against ``exact``, data files present and long enough — then the same reads
+into the live tensors (liferaft's verified, coalesced and shared between ranks on remote storage), then one
+assignment into the state and ``load_state_dict`` of its stateful objects. Every step that can fail on one rank is
+followed by an exchange, so every rank raises when any rank fails and nothing hangs (collectives time out).
+"""
 
 from __future__ import annotations
 
 import os
 import time
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from liferaft.core.chunks.dtypes import torch_dtype
-from liferaft.core.chunks.reader import ReadStats, execute_reads
-from liferaft.core.commit import check_files, open_checkpoint
-from liferaft.core.read import PerRank, as_leaf, copy_shape, decode_entry_value, per_rank_leaf
+from liferaft.core.open import open_reader
 from liferaft.dist import Coordinator
-from liferaft.errors import CheckpointNotFoundError, LossyCheckpointError, StateMismatchError
-from liferaft.format.manifest import Manifest, PathPart
+from liferaft.errors import LossyCheckpointError, StateMismatchError
+from liferaft.formats.base import Box, BoxRead, Reader, TensorSpec
+from liferaft.formats.detect import NAMES
 from liferaft.options import LoadOptions, LoadResult
-from liferaft.planning.load_plan import plan_reads
-from liferaft.planning.share_plan import MIN_SHARED_BYTES, plan_sharing
-from liferaft.state.flatten import FlatState, flatten, key_of
-from liferaft.state.matching import drop_absent, matches_emptied, not_persisted, param_groups_mismatch, settle_missing
-from liferaft.storage import Storage, resolve
-from liferaft.storage.refs import with_references
+from liferaft.planning.share_plan import plan_sharing
+from liferaft.state.dtypes import torch_dtype
+from liferaft.state.flatten import FlatState, PathPart, flatten, key_of
+from liferaft.state.matching import (drop_absent, matches_emptied, not_persisted, param_groups_mismatch,
+                                    settle_missing)
+from liferaft.state.values import PerRank, as_leaf, per_rank_leaf
+from liferaft.storage import Storage
 
 __all__ = ["load"]
 
 PathLike = str | os.PathLike[str]
 
 
-def load(path: PathLike, state: Any, *, process_group: Any = None, strict: bool = True,
+def load(path: PathLike | Storage, state: Any, *, process_group: Any = None, strict: bool = True,
          options: LoadOptions | None = None) -> LoadResult:
     """Load the checkpoint at ``path`` into ``state`` in place, in the layout ``state`` has now.
 
-    Tensors, DTensors and ``Sharded`` shards are filled in place from whichever saved chunks overlap them
-    (only those byte ranges are read, every byte verified); plain values are replaced in their containers;
-    stateful objects get ``load_state_dict`` with the loaded values. With ``strict`` (default) a key missing
-    from the checkpoint or present in it but absent from every rank's state raises StateMismatchError before
-    anything is changed; otherwise they are listed in the result. Shape/dtype mismatches always raise. Every
-    check that needs no data (keys, shapes, dtypes, files present and long enough, format version, paths) runs
-    on every rank before any byte is copied; ``LoadOptions(atomic=True)`` extends that to the checksums.
-    ``path`` may also be a Hugging Face safetensors folder (or file): then each rank memory-maps it and copies
-    the boxes it holds (``tools.sources``; safetensors have no checksums, so these bytes are not verified); or a
-    PyTorch DCP checkpoint folder (``tools.dcp_format``: each rank memory-maps the data files and copies the
-    parts of the saved chunks its boxes overlap; DCP has no checksums either).
+    ``path`` is a liferaft checkpoint (a folder, a URL, a storage backend), a PyTorch DCP folder, a safetensors
+    file or Hugging Face folder, or a ``torch.save`` file (read with ``weights_only=True``): one pipeline for all.
+    Tensors, DTensors and ``Sharded`` shards are filled in place from whichever saved chunks overlap them (only
+    those byte ranges are read; liferaft's bytes are verified against their checksums, the other formats carry
+    none); plain values are replaced in their containers; stateful objects get ``load_state_dict`` with the
+    loaded values. With ``strict`` (default) a key missing from the checkpoint or present in it but absent from
+    every rank's state raises StateMismatchError before anything is changed; otherwise they are listed in the
+    result. Shape/dtype mismatches always raise. Every check that needs no data (keys, shapes, dtypes, files
+    present and long enough, format version, paths) runs on every rank before any byte is copied;
+    ``LoadOptions(atomic=True)`` extends that to the checksums.
     """
     opts = options or LoadOptions()
-    from liferaft.formats.dcp import is_dcp as is_dcp_source
-    from liferaft.tools.sources import is_safetensors_source, load_dcp, load_safetensors
-
-    if is_safetensors_source(path):         # a Hugging Face model: each rank reads the boxes it holds (unverified)
-        return load_safetensors(path, state, strict, process_group)
-    if is_dcp_source(path):                 # a PyTorch DCP checkpoint: the same, from the chunks' blobs
-        return load_dcp(path, state, strict, process_group)
-    if isinstance(path, (str, os.PathLike)) and os.path.isfile(path):
-        raise CheckpointNotFoundError(
-            f"{os.fspath(path)} is a file, not a checkpoint folder: liferaft.load reads liferaft, DCP and "
-            "safetensors checkpoints. A torch.save file is a pickle and is not loaded as it is; convert it first "
-            "(`liferaft convert FILE DST --to liferaft`, which reads it with weights_only=True)")
     t_start = time.perf_counter()
     coord = Coordinator(process_group, opts.timeout)
-    storage = with_references(resolve(path))
+    reader = open_reader(path, opts, coord=coord)
     timings: dict[str, float] = {}
-    manifest = None
-    err: BaseException | None = None
-    if coord.rank == 0:
-        try:
-            manifest = open_checkpoint(storage)
-        except BaseException as e:  # noqa: BLE001
-            err = e
-    manifest = coord.broadcast_from_zero(manifest, err, "load (open)")
-    assert manifest is not None
+    plans: list[_LoadPlan] = []
+    share = reader.verified and (opts.share_reads if opts.share_reads is not None else
+                                 bool(getattr(getattr(reader, "storage", None), "remote", False)))
 
-    plan: _LoadPlan | None = None
-    try:
-        plan = _plan_load(storage, manifest, flatten(state, template=True, world=coord.world), coord, opts, strict)
-    except BaseException as e:  # noqa: BLE001
-        err = e
-    share = opts.share_reads if opts.share_reads is not None else storage.remote
-    spans = [] if plan is None or not share else \
-        [(u.file, u.file_offset, u.length) for u, _ in plan.units if u.length >= MIN_SHARED_BYTES]
-    gathered = coord.exchange((plan.covered, plan.missing, spans, plan.skipped) if plan else None, err,
-                              "load (planning)")
-    assert plan is not None
-    all_keys = [t.key for t in manifest.tensors] + [v.key for v in manifest.values]
+    def planned() -> Any:
+        plans.append(_plan_load(reader, flatten(state, template=True, world=coord.world), coord, opts, strict))
+        p = plans[0]
+        return p.covered, p.missing, p.job.spans if share else [], p.skipped
+    gathered = coord.run(planned, "load (planning)")
+    plan = plans[0]
+    all_keys = reader.keys
     covered = bytearray(len(all_keys))
     for c, *_ in gathered:
         covered = bytearray(a | b for a, b in zip(covered, c))
     unexpected = tuple(k for k, hit in zip(all_keys, covered) if not hit)
     missing = tuple(sorted({k for _, m, *_ in gathered for k in m}))
     skipped = tuple(sorted({k for *_, s in gathered for k in s}))
-    sharing = plan_sharing([g[2] for g in gathered]) if coord.world > 1 else {}
+    sharing = plan_sharing([g[2] for g in gathered]) if coord.world > 1 and share else {}
     peers = coord if sharing else None
     if strict and (missing or unexpected):
-        raise StateMismatchError(_mismatch_message(storage.url, missing, unexpected))
+        raise StateMismatchError(_mismatch_message(reader.url, NAMES[reader.fmt] if reader.fmt != "liferaft" else
+                                                 "checkpoint", missing, unexpected))
     timings["plan"] = time.perf_counter() - t_start
 
     t0 = time.perf_counter()
-    stats = ReadStats()
-    if opts.atomic:
-        try:
-            execute_reads(storage, plan.units, plan.targets, copy=False, max_read=opts.max_read_bytes,
-                          peers=peers, rank=coord.rank, sharing=sharing)
-        except BaseException as e:  # noqa: BLE001
-            err = e
-        coord.exchange(None, err, "load (verify)")
+    if opts.atomic and reader.verified:
+        coord.run(lambda: plan.job.run(check_only=True, peers=peers, rank=coord.rank, sharing=sharing) and None,
+                  "load (verify)")
         timings["verify"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-    try:
-        stats = execute_reads(storage, plan.units, plan.targets, max_read=opts.max_read_bytes,
-                              peers=peers, rank=coord.rank, sharing=sharing)
-    except BaseException as e:  # noqa: BLE001
-        err = e
-    coord.exchange(None, err, "load (read)")
+    stats = coord.run(lambda: plan.job.run(peers=peers, rank=coord.rank, sharing=sharing), "load (read)")[coord.rank]
     timings["read"] = time.perf_counter() - t0
     timings["checksum"] = stats.verify_s        # part of "read" (overlapped with the I/O): the cost of verifying
 
     t0 = time.perf_counter()
-    try:
-        plan.apply()
-    except BaseException as e:  # noqa: BLE001
-        err = e
-    coord.exchange(None, err, "load (apply)")
+    coord.run(plan.apply, "load (apply)")
     timings["apply"] = time.perf_counter() - t0
     timings["total"] = time.perf_counter() - t_start
+    reader.close()
     if plan.lossy:
         shown = "; ".join(f"{k}: {_describe_lossy(v)}" for k, v in list(plan.lossy.items())[:5])
         more = f" and {len(plan.lossy) - 5} more" if len(plan.lossy) > 5 else ""
-        warnings.warn(f"{storage.url}: {len(plan.lossy)} loaded tensor(s) were stored lossily: {shown}{more}",
+        warnings.warn(f"{reader.url}: {len(plan.lossy)} loaded tensor(s) were stored lossily: {shown}{more}",
                       stacklevel=2)
-    return LoadResult(path=storage.url, rank=coord.rank, bytes_read=stats.used, bytes_received=stats.received,
+    return LoadResult(path=reader.url, rank=coord.rank, bytes_read=stats.used, bytes_received=stats.received,
                       missing_keys=missing, unexpected_keys=unexpected, timings=timings, lossy=plan.lossy,
                       skipped_keys=skipped)
 
@@ -145,8 +116,8 @@ def _describe_lossy(how: Any) -> str:
     return str(how)
 
 
-def _mismatch_message(url: str, missing: tuple[str, ...], unexpected: tuple[str, ...]) -> str:
-    parts = [f"{url}: the state does not match the checkpoint (nothing was loaded)."]
+def _mismatch_message(url: str, what: str, missing: tuple[str, ...], unexpected: tuple[str, ...]) -> str:
+    parts = [f"{url}: the state does not match the {what} (nothing was loaded)."]
     if missing:
         parts.append(f"Missing from the checkpoint: {', '.join(repr(k) for k in missing[:10])}"
                      + (f" and {len(missing) - 10} more" if len(missing) > 10 else ""))
@@ -160,125 +131,109 @@ def _mismatch_message(url: str, missing: tuple[str, ...], unexpected: tuple[str,
 class _LoadPlan:
     """One rank's load: reads into targets, then values to assign and stateful objects to update."""
 
-    def __init__(self, flat: FlatState) -> None:
-        self.flat = flat
-        self.units: list = []
-        self.targets: list[torch.Tensor] = []
+    def __init__(self, flat: FlatState, reader: Reader, strict: bool) -> None:
+        self.flat, self.reader, self.strict = flat, reader, strict
+        self.requests: list[BoxRead] = []
+        self.job: Any = None
         self.assign: list[tuple[tuple[PathPart, ...], Any]] = []
-        self.fresh: list[tuple[tuple[PathPart, ...], Any, torch.Tensor]] = []   # (path, entry, tensor read into)
-        #: per-rank entries loaded whole on another world size: (path, entry, target index, saving world size)
-        self.fresh_per_rank: list[tuple[tuple[PathPart, ...], Any, torch.Tensor, int]] = []
-        self.covered = bytearray()     # one byte per manifest key (tensors, then values): 1 = this rank loads it
+        #: tensors read whole, then converted to what the state holds there: (path, kind, tensor read into)
+        self.fresh: list[tuple[tuple[PathPart, ...], str, torch.Tensor]] = []
+        #: per-rank tensors loaded whole on another world size: (path, spec, tensor read into, saving world size)
+        self.fresh_per_rank: list[tuple[tuple[PathPart, ...], TensorSpec, torch.Tensor, int]] = []
+        self.covered = bytearray()     # one byte per reader key (tensors, then values): 1 = this rank loads it
         self.missing: list[str] = []
-        self.strict = True             # False: a per-rank key that cannot be mapped is listed as missing
         self.absent: list[tuple[PathPart, ...]] = []   # optional subtrees the checkpoint lacks (state.matching)
         self.skipped: list[str] = []                   # checkpoint keys the state does not persist
         self.lossy: dict[str, dict[str, Any]] = {}
 
+    def want(self, spec: TensorSpec, boxes: list[tuple[Box, torch.Tensor]]) -> None:
+        self.requests.extend((spec.key, box, local) for box, local in boxes)
+
+    def want_whole(self, spec: TensorSpec) -> torch.Tensor:
+        target = torch.empty(spec.shape, dtype=torch_dtype(spec.dtype))
+        self.want(spec, [((tuple(0 for _ in spec.shape), spec.shape), target)])
+        return target
+
     def apply(self) -> None:
-        for path, entry, target in self.fresh:
-            self.assign.append((path, as_leaf(entry, target)))
-        for path, entry, target, world in self.fresh_per_rank:
-            self.assign.append((path, per_rank_leaf(entry, target, world)))
-        for path, value in self.assign:
-            _assign(self.flat, path, value)
+        for path, kind, target in self.fresh:
+            self.assign.append((path, as_leaf(kind, target)))
+        for path, spec, target, world in self.fresh_per_rank:
+            self.assign.append((path, per_rank_leaf(spec.kind, spec.per_rank or (), target, world)))
+        with torch.no_grad():
+            for path, value in self.assign:
+                _assign(self.flat, path, value)
         drop_absent(self.flat, self.absent)
         for _, adapter, sd in reversed(self.flat.statefuls):
             adapter.load_state_dict(sd)
 
 
-def _plan_load(storage: Storage, manifest: Manifest, flat: FlatState, coord: Coordinator,
-               opts: LoadOptions, strict: bool = True) -> _LoadPlan:
-    plan = _LoadPlan(flat)
-    plan.strict = strict
-    tensors = manifest.tensor_map()
-    values = {v.key: v for v in manifest.values}
-    index = {k: i for i, k in enumerate([t.key for t in manifest.tensors] + [v.key for v in manifest.values])}
+def _plan_load(reader: Reader, flat: FlatState, coord: Coordinator, opts: LoadOptions,
+               strict: bool = True) -> _LoadPlan:
+    plan = _LoadPlan(flat, reader, strict)
+    tensors, values = reader.tensors, reader.values
+    index = {k: i for i, k in enumerate(reader.keys)}
     plan.covered = bytearray(len(index))
-    files: set[str] = set()
-
-    def want(entry: Any, boxes: list[tuple[tuple, torch.Tensor]]) -> None:
-        for box, local in boxes:
-            plan.targets.append(local)
-            units = plan_reads(entry, [(len(plan.targets) - 1, box)], opts.max_read_bytes)
-            plan.units.extend((u, local.dtype) for u in units)
-            files.update(u.file for u in units)
-
     for leaf in flat.tensors:
-        entry = tensors.get(leaf.key)
-        if leaf.kind == "tensor":
-            if entry is None:
-                if leaf.key in values:
-                    raise StateMismatchError(f"key {leaf.key!r} is a plain value in the checkpoint but a tensor in "
-                                             "the state")
-                plan.missing.append(leaf.key)
-                continue
-            if entry.kind != "tensor" or entry.dtype != leaf.dtype_name or copy_shape(entry) != leaf.shape:
-                raise StateMismatchError(
-                    f"key {leaf.key!r}: the checkpoint holds {entry.kind} {list(copy_shape(entry))} {entry.dtype}"
-                    f"{' per rank' if entry.per_rank is not None else ''} but the state holds {list(leaf.shape)} "
-                    f"{leaf.dtype_name}; nothing was loaded")
-            plan.covered[index[leaf.key]] = 1
-            if entry.lossy is not None:
-                if opts.exact:
-                    raise LossyCheckpointError(
-                        f"key {leaf.key!r} is stored lossily in the checkpoint ({_describe_lossy(entry.lossy)}) and "
-                        "the load asked for an exact resume (LoadOptions(exact=True)); nothing was loaded. Load an "
-                        "exact checkpoint, or load without exact=True to accept the recorded error")
-                plan.lossy[leaf.key] = dict(entry.lossy)
-            if entry.per_rank is None:
-                want(entry, leaf.parts)
-                continue
-            full = (tuple(0 for _ in leaf.shape), leaf.shape)
-            if any(box != full for box, _ in leaf.parts):
-                raise StateMismatchError(f"key {leaf.key!r} was saved per rank (its copies differed between the "
-                                         "ranks), but the state holds a shard of it; nothing was loaded")
-            row = _per_rank_row(plan, leaf.key, leaf.path, entry, manifest.world_size, coord)
-            if row is None:
-                continue
-            if row >= 0:
-                want(entry, [(((row,) + full[0], (1,) + full[1]), local.unsqueeze(0)) for _, local in leaf.parts])
-            else:
-                _want_all_rows(plan, leaf.path, entry, manifest.world_size, want)
-        else:
-            _plan_value(plan, leaf.key, leaf.path, tensors, values, index, want, coord, opts)
-    for key, path, _ in flat.values:
-        _plan_value(plan, key, path, tensors, values, index, want, coord, opts, manifest.world_size)
-    for spath, adapter, _ in flat.statefuls:     # objects that refuse what they would load, before any byte moves
-        check = getattr(adapter, "check_load", None)
-        if check is not None:
-            check({p[len(spath):]: v for p, v in plan.assign if p[:len(spath)] == spath}, coord.world,
-                  f"key {key_of(spath)!r}")
-    kept = []
-    for path, value in plan.assign:             # another kind of optimizer's param_groups (state.matching)
-        problem = param_groups_mismatch(flat, path, value)
-        if problem is None:
-            kept.append((path, value))
+        spec = tensors.get(leaf.key)
+        if leaf.kind != "tensor":                       # numpy arrays and bytes: new values, not filled in place
+            _plan_value(plan, leaf.key, leaf.path, index, coord, opts, leaf.kind)
             continue
-        if strict:
-            raise StateMismatchError(f"{problem}; nothing was loaded. Load it into the optimizer that saved it, "
-                                     "or pass strict=False to keep the live optimizer's param_groups")
-        plan.covered[index[key_of(path)]] = 0
-        plan.missing.append(key_of(path))
-    plan.assign = kept
-    plan.missing, plan.absent = settle_missing(
-        flat, plan.missing, {c.path: c.cls for c in manifest.containers if c.kind == "stateful"}, index)
-    for v in manifest.values if plan.absent else ():
-        if not plan.covered[index[v.key]] and v.path in flat.nodes and v.per_rank is None and \
-                matches_emptied(flat, plan.absent, v.path, decode_entry_value(v, opts.allow_pickle)):
-            plan.covered[index[v.key]] = 1
+        if spec is None:
+            if leaf.key in values:
+                raise StateMismatchError(f"key {leaf.key!r} is a plain value in the checkpoint but a tensor in the "
+                                         "state")
+            plan.missing.append(leaf.key)
+            continue
+        if spec.kind != "tensor" or spec.dtype != leaf.dtype_name or spec.held_shape != leaf.shape:
+            raise StateMismatchError(
+                f"key {leaf.key!r}: the checkpoint holds {spec.kind} {list(spec.held_shape)} {spec.dtype}"
+                f"{' per rank' if spec.per_rank is not None else ''} but the state holds {list(leaf.shape)} "
+                f"{leaf.dtype_name}; nothing was loaded")
+        plan.covered[index[leaf.key]] = 1
+        if spec.lossy is not None:
+            if opts.exact:
+                raise LossyCheckpointError(
+                    f"key {leaf.key!r} is stored lossily in the checkpoint ({_describe_lossy(spec.lossy)}) and the "
+                    "load asked for an exact resume (LoadOptions(exact=True)); nothing was loaded. Load an exact "
+                    "checkpoint, or load without exact=True to accept the recorded error")
+            plan.lossy[leaf.key] = dict(spec.lossy)
+        if spec.per_rank is None:
+            plan.want(spec, leaf.parts)
+            continue
+        full = (tuple(0 for _ in leaf.shape), leaf.shape)
+        if any(box != full for box, _ in leaf.parts):
+            raise StateMismatchError(f"key {leaf.key!r} was saved per rank (its copies differed between the "
+                                     "ranks), but the state holds a shard of it; nothing was loaded")
+        row = _per_rank_row(plan, leaf.key, leaf.path, spec, coord)
+        if row is None:
+            continue
+        if row >= 0:
+            plan.want(spec, [(((row,) + full[0], (1,) + full[1]), local.unsqueeze(0)) for _, local in leaf.parts])
+        else:
+            plan.fresh_per_rank.append((leaf.path, spec, plan.want_whole(spec), reader.world_size or coord.world))
+    for key, path, _ in flat.values:
+        _plan_value(plan, key, path, index, coord, opts)
+    _check_statefuls(plan, index, coord, strict)
+    plan.missing, plan.absent = settle_missing(flat, plan.missing, reader.classes, index)
+    for k in reader.values if plan.absent else ():
+        spec = values[k]
+        if not plan.covered[index[k]] and spec.path in flat.nodes and not spec.per_rank and \
+                matches_emptied(flat, plan.absent, spec.path, reader.value(k)):
+            plan.covered[index[k]] = 1
     plan.skipped = not_persisted(flat, (k for k, i in index.items() if not plan.covered[i]))
     for k in plan.skipped:
         plan.covered[index[k]] = 1
-    check_files(storage, manifest, files)
+    plan.job = reader.plan(plan.requests)           # files present and long enough: checked here
     return plan
 
 
-def _plan_value(plan: _LoadPlan, key: str, path: tuple, tensors: dict, values: dict, index: dict, want: Any,
-                coord: Coordinator, opts: LoadOptions, saved_world: int) -> None:
-    v = values.get(key)
-    if v is not None:
-        value = decode_entry_value(v, opts.allow_pickle)
+def _plan_value(plan: _LoadPlan, key: str, path: tuple, index: dict[str, int], coord: Coordinator,
+                opts: LoadOptions, kind: str | None = None) -> None:
+    """A leaf of the state that is replaced, not filled: a plain value, or (``kind``) a numpy array or bytes."""
+    reader = plan.reader
+    spec = reader.tensors.get(key)
+    if key in reader.values:
+        value = reader.value(key)
         if isinstance(value, PerRank):
             if len(value) != coord.world and _accepts_per_rank(plan.flat, path):
                 plan.assign.append((path, value))       # the object maps the saved ranks' values itself
@@ -288,54 +243,76 @@ def _plan_value(plan: _LoadPlan, key: str, path: tuple, tensors: dict, values: d
                 raise StateMismatchError(_resize_message(plan.flat, key, path, len(value), coord.world))
             value = value[coord.rank]
         plan.assign.append((path, value))
-    elif key in tensors and tensors[key].kind in ("numpy", "bytes"):
-        entry = tensors[key]
-        if entry.per_rank is None:
-            target = torch.empty(entry.shape, dtype=torch_dtype(entry.dtype))
-            want(entry, [((tuple(0 for _ in entry.shape), entry.shape), target)])
-            plan.fresh.append((path, entry, target))
+    elif spec is not None and (spec.kind in ("numpy", "bytes") or kind is not None):
+        as_kind = spec.kind if spec.kind != "tensor" else (kind or "tensor")
+        if spec.per_rank is None:
+            plan.fresh.append((path, as_kind, plan.want_whole(spec)))
         else:
-            row = _per_rank_row(plan, key, path, entry, saved_world, coord)
+            row = _per_rank_row(plan, key, path, spec, coord)
             if row is None:
                 return
             if row >= 0:
-                shape = copy_shape(entry)
-                target = torch.empty(shape, dtype=torch_dtype(entry.dtype))
-                want(entry, [(((row,) + tuple(0 for _ in shape), (1,) + shape), target.unsqueeze(0))])
-                plan.fresh.append((path, entry, target))
+                shape = spec.held_shape
+                target = torch.empty(shape, dtype=torch_dtype(spec.dtype))
+                plan.want(spec, [(((row,) + tuple(0 for _ in shape), (1,) + shape), target.unsqueeze(0))])
+                plan.fresh.append((path, as_kind, target))
             else:
-                _want_all_rows(plan, path, entry, saved_world, want)
-    elif key in tensors:
+                plan.fresh_per_rank.append((path, spec, plan.want_whole(spec), reader.world_size or coord.world))
+    elif spec is not None:
         raise StateMismatchError(f"key {key!r} is a tensor in the checkpoint but a plain value in the state; "
-                                 f"put a tensor of shape {list(tensors[key].shape)} there")
+                                 f"put a tensor of shape {list(spec.shape)} there")
+    elif parts := reader.value_parts(key):              # a nested value the format split into several keys
+        plan.assign.append((path, reader.joined_value(key, parts)))
+        for p in parts:
+            plan.covered[index[p]] = 1
     else:
         plan.missing.append(key)
         return
-    plan.covered[index[key]] = 1
+    plan.covered[index[key] if key in index else index[parts[0]]] = 1
 
 
-def _per_rank_row(plan: _LoadPlan, key: str, path: tuple, entry: Any, saved_world: int,
-                  coord: Coordinator) -> int | None:
+def _check_statefuls(plan: _LoadPlan, index: dict[str, int], coord: Coordinator, strict: bool) -> None:
+    """Stateful objects that refuse what they would load, and optimizers whose saved param_groups are of another
+    kind (``state.matching``), before any byte moves."""
+    flat = plan.flat
+    for spath, adapter, _ in flat.statefuls:
+        check: Callable[..., Any] | None = getattr(adapter, "check_load", None)
+        if check is not None:
+            check({p[len(spath):]: v for p, v in plan.assign if p[:len(spath)] == spath}, coord.world,
+                  f"key {key_of(spath)!r}")
+    kept = []
+    for path, value in plan.assign:
+        problem = param_groups_mismatch(flat, path, value)
+        if problem is None:
+            kept.append((path, value))
+            continue
+        if strict:
+            raise StateMismatchError(f"{problem}; nothing was loaded. Load it into the optimizer that saved it, "
+                                     "or pass strict=False to keep the live optimizer's param_groups")
+        key = key_of(path)
+        if key in index:
+            plan.covered[index[key]] = 0
+        plan.missing.append(key)
+    plan.assign = kept
+
+
+def _per_rank_row(plan: _LoadPlan, key: str, path: tuple, spec: TensorSpec, coord: Coordinator) -> int | None:
     """Which row of a tensor stored per rank this rank loads: its own when the world size is the one that saved
     (None, and the key is missing, if this rank did not hold it then); -1: every row, as a ``PerRank`` for an
     object that maps the saved ranks itself (``accepts_per_rank``). Else the load is refused."""
+    saved_world = plan.reader.world_size or coord.world
+    ranks = spec.per_rank or ()
     if coord.world == saved_world:
-        if coord.rank not in entry.per_rank:
+        if coord.rank not in ranks:
             plan.missing.append(key)
             return None
-        return entry.per_rank.index(coord.rank)
+        return ranks.index(coord.rank)
     if _accepts_per_rank(plan.flat, path):
         return -1
     if not plan.strict:                 # left as it is, listed as missing
         plan.missing.append(key)
         return None
     raise StateMismatchError(_resize_message(plan.flat, key, path, saved_world, coord.world))
-
-
-def _want_all_rows(plan: _LoadPlan, path: tuple, entry: Any, saved_world: int, want: Any) -> None:
-    target = torch.empty(entry.shape, dtype=torch_dtype(entry.dtype))
-    want(entry, [((tuple(0 for _ in entry.shape), entry.shape), target)])
-    plan.fresh_per_rank.append((path, entry, target, saved_world))
 
 
 def _resize_message(flat: FlatState, key: str, path: tuple, saved: int, world: int) -> str:

@@ -1,133 +1,47 @@
-"""The one-process tools over a native checkpoint: read, inspect, verify."""
+"""The one-process tools, for a checkpoint in any format (``core.open.open_reader``): read, inspect, verify."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from liferaft.core.chunks.blocks import read_blocks
-from liferaft.core.chunks.dtypes import torch_dtype
-from liferaft.core.chunks.reader import execute_reads
-from liferaft.core.commit import check_files, open_checkpoint
-from liferaft.errors import CorruptCheckpointError, LiferaftError, StateMismatchError
-from liferaft.format.manifest import PathPart, TensorEntry, ValueEntry
+from liferaft.core.open import format_of, open_reader
+from liferaft.errors import CorruptCheckpointError, StateMismatchError
+from liferaft.formats.base import CheckReport, select
 from liferaft.options import LoadOptions
-from liferaft.planning.load_plan import plan_reads
-from liferaft.state.values import PerRank, decode_value
-from liferaft.storage import Storage, resolve
-from liferaft.storage.refs import with_references
-
-
-def decode_entry_value(v: ValueEntry, allow_pickle: bool) -> Any:
-    if v.per_rank is None:
-        return decode_value(v.value, v.key, allow_pickle)
-    return PerRank(decode_value(x, v.key, allow_pickle) for x in v.per_rank)
-
-
-def as_leaf(entry: TensorEntry, t: torch.Tensor) -> Any:
-    """Convert a loaded full tensor back to what was saved (tensor, numpy array or bytes)."""
-    if entry.kind == "numpy":
-        return t.numpy()
-    if entry.kind == "bytes":
-        return t.numpy().tobytes()
-    return t
-
-
-def copy_shape(entry: TensorEntry) -> tuple[int, ...]:
-    """The shape of the tensor as each rank held it: the entry's shape, less the ranks' dimension of one stored
-    per rank (docs/FORMAT.md §4.5)."""
-    return entry.shape[1:] if entry.per_rank is not None else entry.shape
-
-
-def per_rank_leaf(entry: TensorEntry, t: torch.Tensor, world: int) -> "PerRank":
-    """A tensor stored per rank, read whole, as a ``PerRank`` of ``world`` items (None for a rank that did not
-    hold it)."""
-    rows = dict(zip(entry.per_rank, t.unbind(0)))
-    plain = TensorEntry(key=entry.key, path=entry.path, kind=entry.kind, dtype=entry.dtype, shape=copy_shape(entry),
-                        chunks=())
-    return PerRank(as_leaf(plain, rows[r].clone()) if r in rows else None for r in range(world))
-
-
-def read_full(storage: Storage, entries: Sequence[TensorEntry], max_read: int) -> list[torch.Tensor]:
-    """Full tensors for ``entries``, read and verified."""
-    targets = [torch.empty(e.shape, dtype=torch_dtype(e.dtype)) for e in entries]
-    units = []
-    for i, e in enumerate(entries):
-        dt = targets[i].dtype
-        units.extend((u, dt) for u in plan_reads(e, [(i, (tuple(0 for _ in e.shape), e.shape))], max_read))
-    execute_reads(storage, units, targets, max_read=max_read)
-    return targets
-
-
-def _select(keys: Sequence[str] | None, all_keys: Iterable[str]) -> set[str]:
-    all_keys = list(all_keys)
-    if keys is None:
-        return set(all_keys)
-    chosen: set[str] = set()
-    for k in keys:
-        hit = {a for a in all_keys if a == k or a.startswith(k + ".")}
-        if not hit:
-            raise StateMismatchError(f"key {k!r} is not in the checkpoint (nor any key under it)")
-        chosen |= hit
-    return chosen
+from liferaft.state.dtypes import torch_dtype
+from liferaft.state.values import as_leaf, per_rank_leaf
 
 
 def read(path: str | os.PathLike[str], keys: Sequence[str] | None = None, *,
          options: LoadOptions | None = None) -> Any:
-    """Read a checkpoint in one process, without a template: full tensors, in the saved nesting.
+    """Read a checkpoint of any format in one process, without a template: full tensors, in the saved nesting
+    (a flat dict for formats that record none, like safetensors).
 
-    ``keys`` limits the result to these keys or key prefixes (``"model"`` selects ``model.*``). Stateful
-    objects come back as their state dicts; numpy arrays and bytes as such; a value that differed per
-    saving rank as a :class:`PerRank` tuple.
+    ``keys`` selects keys (``formats.base.select``: a key, every key under a prefix — ``"model"`` selects
+    ``model.*`` —, or a glob); a pattern that selects nothing raises StateMismatchError. Stateful objects come back
+    as their state dicts; numpy arrays and bytes as such; a value that differed per saving rank as a
+    :class:`PerRank` tuple. liferaft's bytes are verified; the other formats carry no checksums.
     """
-    opts = options or LoadOptions()
-    storage = with_references(resolve(path))
-    manifest = open_checkpoint(storage)
-    chosen = _select(keys, [t.key for t in manifest.tensors] + [v.key for v in manifest.values])
-    entries = [t for t in manifest.tensors if t.key in chosen]
-    check_files(storage, manifest, (c.file for e in entries for c in e.chunks))
-    tensors = read_full(storage, entries, opts.max_read_bytes)
-    leaves: dict[tuple[PathPart, ...], Any] = {
-        e.path: per_rank_leaf(e, t, manifest.world_size) if e.per_rank is not None else as_leaf(e, t)
-        for e, t in zip(entries, tensors)}
-    for v in manifest.values:
-        if v.key in chosen:
-            leaves[v.path] = decode_entry_value(v, opts.allow_pickle)
-    kinds = {c.path: c.kind for c in manifest.containers}
-    orders = {c.path: c.children for c in manifest.containers if c.children is not None}
-    if keys is not None:  # keep only containers on the way to chosen leaves
-        needed = {p[:i] for p in leaves for i in range(len(p))}
-        kinds = {p: k for p, k in kinds.items() if p in needed}
-    return build_tree(kinds, leaves, orders)
-
-
-def build_tree(kinds: Mapping[tuple[PathPart, ...], str], leaves: Mapping[tuple[PathPart, ...], Any],
-               orders: Mapping[tuple[PathPart, ...], Sequence[PathPart]] | None = None) -> Any:
-    """Nested dict/list/tuple from container kinds and leaf values keyed by path, children in saved order."""
-    children: dict[tuple[PathPart, ...], list[PathPart]] = {p: [] for p in kinds}
-    for p in list(kinds) + list(leaves):
-        if p:
-            children.setdefault(p[:-1], []).append(p[-1])
-    for p, order in (orders or {}).items():
-        if p in children:
-            present = set(children[p])
-            rank = {k: i for i, k in enumerate(order)}
-            children[p] = sorted(present, key=lambda k: (rank.get(k, len(rank)), str(k)))
-
-    def node(p: tuple[PathPart, ...]) -> Any:
-        if p in leaves:
-            return leaves[p]
-        kind = kinds.get(p, "dict")
-        parts = children.get(p, [])
-        if kind in ("list", "tuple"):
-            items = [node(p + (k,)) for k in sorted(parts, key=lambda x: int(x))]
-            return items if kind == "list" else tuple(items)
-        return {k: node(p + (k,)) for k in parts}
-
-    return node(())
+    reader = open_reader(path, options)
+    try:
+        chosen = set(select(reader.keys, keys, url=reader.url, error=StateMismatchError))
+        specs = [t for k, t in reader.tensors.items() if k in chosen]
+        targets = [torch.empty(t.shape, dtype=torch_dtype(t.dtype)) for t in specs]
+        reader.plan([(t.key, (tuple(0 for _ in t.shape), t.shape), out) for t, out in zip(specs, targets)]).run()
+        world = reader.world_size or 1
+        leaves: dict[str, Any] = {
+            t.key: per_rank_leaf(t.kind, t.per_rank, out, world) if t.per_rank is not None else as_leaf(t.kind, out)
+            for t, out in zip(specs, targets)}
+        for k in reader.values:
+            if k in chosen:
+                leaves[k] = reader.value(k)
+        return reader.tree({k: leaves[k] for k in reader.keys if k in leaves})
+    finally:
+        reader.close()
 
 
 @dataclass(frozen=True)
@@ -142,7 +56,8 @@ class TensorInfo:
 
 @dataclass(frozen=True)
 class CheckpointInfo:
-    """Summary of a committed checkpoint (from its manifest only)."""
+    """Summary of a checkpoint (from its metadata only). For formats other than liferaft (``format``) the fields
+    they do not record are empty (``format_version`` 0, no save id, versions or files)."""
 
     path: str
     format_version: int
@@ -155,14 +70,17 @@ class CheckpointInfo:
     values: tuple[str, ...]
     files: Mapping[str, int]
     metadata: Mapping[str, Any]
+    format: str = "liferaft"
 
     @property
     def total_bytes(self) -> int:
         return sum(self.files.values())
 
     def __str__(self) -> str:
-        lines = [f"checkpoint {self.path}: format v{self.format_version}, written by {self.world_size} rank(s), "
-                 f"liferaft {self.liferaft_version}, torch {self.torch_version}",
+        head = (f"checkpoint {self.path}: format v{self.format_version}, written by {self.world_size} rank(s), "
+                f"liferaft {self.liferaft_version}, torch {self.torch_version}") if self.format == "liferaft" else \
+            f"{self.format} checkpoint {self.path}"
+        lines = [head,
                  f"{len(self.tensors)} tensors, {len(self.values)} values, {len(self.files)} data files, "
                  f"{self.total_bytes / 2**20:.1f} MiB"]
         for t in self.tensors:
@@ -174,58 +92,62 @@ class CheckpointInfo:
 
 
 def inspect(path: str | os.PathLike[str]) -> CheckpointInfo:
-    """Summary of the committed checkpoint at ``path``: keys, shapes, dtypes, chunks and bytes."""
-    storage = resolve(path)
-    m = open_checkpoint(storage)
-    return CheckpointInfo(
-        path=storage.url, format_version=m.version, save_id=m.save_id, world_size=m.world_size,
-        created_unix=m.created_unix, liferaft_version=m.liferaft_version, torch_version=m.torch_version,
-        tensors=tuple(TensorInfo(t.key, t.kind, t.dtype, t.shape, t.nbytes, len(t.chunks)) for t in m.tensors),
-        values=tuple(v.key for v in m.values), files=dict(m.files), metadata=dict(m.extra))
+    """Summary of the checkpoint at ``path``, in any format: keys, shapes, dtypes, chunks and bytes (from its
+    metadata only: no tensor data is read)."""
+    reader = open_reader(path)
+    try:
+        info = reader.info
+        return CheckpointInfo(
+            path=reader.url, format_version=info.get("format_version", 0), save_id=info.get("save_id", ""),
+            world_size=reader.world_size or 0, created_unix=info.get("created_unix", 0.0),
+            liferaft_version=info.get("liferaft_version", ""), torch_version=info.get("torch_version", ""),
+            tensors=tuple(TensorInfo(t.key, t.kind, t.dtype, t.shape, t.nbytes, len(t.boxes))
+                          for t in reader.tensors.values()),
+            values=tuple(reader.values), files=dict(info.get("files", {})), metadata=dict(info.get("metadata", {})),
+            format=reader.fmt)
+    finally:
+        reader.close()
 
 
 @dataclass(frozen=True)
 class VerifyReport:
+    """What ``verify`` checked: ``chunks`` units (liferaft's chunks; zip records of the other formats) holding
+    ``bytes_checked`` bytes checked against checksums, and what carried nothing to check against (``unchecked``)."""
+
     path: str
     chunks: int
     bytes_checked: int
+    format: str = "liferaft"
+    bytes_read: int = 0
+    unchecked: tuple[str, ...] = ()
+
+
+def check(path: str | os.PathLike[str], *, max_read_bytes: int = 32 << 20,
+          progress: Callable[[int], None] | None = None) -> CheckReport:
+    """What ``verify`` checks, reported instead of raised: every fault found, and what could not be checked. A
+    safetensors file whose header is damaged is a fault of the report (its folder's index must be usable)."""
+    if format_of(path) == "safetensors":         # each file's damage is a fault, not a refusal to look
+        from liferaft.formats.safetensors import verify_files
+
+        return verify_files(os.fspath(path), progress)
+    reader = open_reader(path, LoadOptions(max_read_bytes=max_read_bytes))
+    try:
+        return reader.verify(progress)
+    finally:
+        reader.close()
 
 
 def verify(path: str | os.PathLike[str], *, max_read_bytes: int = 32 << 20,
            progress: Callable[[int], None] | None = None) -> VerifyReport:
-    """Re-hash every block of every chunk; raise CorruptCheckpointError listing every fault found. ``progress`` is
-    called with the bytes of each read (for a progress bar)."""
-    storage = with_references(resolve(path))
-    m = open_checkpoint(storage)
-    faults: list[str] = []
-    for name, size in m.files.items():
-        try:
-            actual = storage.size(name)
-        except FileNotFoundError:
-            faults.append(f"data file {name!r} is missing")
-            continue
-        if actual != size:
-            faults.append(f"data file {name!r} has {actual} bytes, the manifest says {size}")
-    chunks = checked = 0
-    for t in m.tensors:
-        for c in t.chunks:
-            chunks += 1
-            per_read = max(1, max_read_bytes // c.block_size)
-            for first in range(0, len(c.hashes), per_read):
-                end = min(len(c.hashes), first + per_read)
-                try:
-                    got = len(read_blocks(storage, c, first, end, t.dtype, t.key))
-                    checked += got
-                    if progress is not None:
-                        progress(got)
-                except LiferaftError as e:
-                    if "is missing" not in str(e):          # (missing files are reported above)
-                        faults.append(str(e))
-                    break
-    if faults:
-        shown = "\n  ".join(faults[:20])
-        more = f"\n  ... and {len(faults) - 20} more" if len(faults) > 20 else ""
-        raise CorruptCheckpointError(f"{storage.url}: verify found {len(faults)} fault(s):\n  {shown}{more}")
-    return VerifyReport(path=storage.url, chunks=chunks, bytes_checked=checked)
-
-
+    """Read and check the checkpoint at ``path`` as far as its format allows; raise CorruptCheckpointError listing
+    every fault found. A liferaft checkpoint: every data file present with its recorded size and every block of
+    every chunk re-hashed. A DCP folder or ``torch.save`` file: every zip record's CRC-32. safetensors: the header
+    and layout checked and every byte read (they carry no checksums). ``progress`` is called with the bytes of
+    each read (for a progress bar)."""
+    report = check(path, max_read_bytes=max_read_bytes, progress=progress)
+    if report.faults:
+        shown = "\n  ".join(report.faults[:20])
+        more = f"\n  ... and {len(report.faults) - 20} more" if len(report.faults) > 20 else ""
+        raise CorruptCheckpointError(f"{report.path}: verify found {len(report.faults)} fault(s):\n  {shown}{more}")
+    return VerifyReport(path=report.path, chunks=report.units, bytes_checked=report.checked_bytes,
+                        format=report.fmt, bytes_read=report.bytes_read, unchecked=report.unchecked)

@@ -32,6 +32,10 @@ import numpy as np
 import torch
 
 from liferaft.errors import CorruptCheckpointError, PickleNotAllowedError, StateMismatchError, UnsafePathError
+from liferaft.formats.base import CheckReport, Reader, TensorSpec, ValueSpec
+from liferaft.formats.zipfiles import View, check_zip
+from liferaft.state.dtypes import dtype_name
+from liferaft.state.tree import nest
 
 _DCP = "torch.distributed.checkpoint.metadata"
 _ALLOWED = {(_DCP, n) for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
@@ -55,40 +59,6 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise PickleNotAllowedError(
             f"{self.path}: refers to {module}.{name}, which DCP metadata never holds; liferaft does not unpickle it "
             "(a checkpoint never runs code here). Load it with DCP itself if you trust its author")
-
-
-def is_dcp(path: Any) -> bool:
-    """True for a local DCP checkpoint folder (a ``.metadata`` file, no liferaft commit marker)."""
-    from liferaft.formats.sources import sniff
-
-    return sniff(path) == "dcp"
-
-
-class _View(io.RawIOBase):
-    """A read-only window ``[start, start + length)`` of an open file."""
-
-    def __init__(self, f: Any, start: int, length: int) -> None:
-        self.f, self.start, self.length, self.pos = f, start, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        self.pos = {0: pos, 1: self.pos + pos, 2: self.length + pos}[whence]
-        return self.pos
-
-    def readinto(self, b: Any) -> int:
-        n = max(0, min(len(b), self.length - self.pos))
-        self.f.seek(self.start + self.pos)
-        got = self.f.readinto(memoryview(b)[:n])
-        self.pos += got
-        return got
 
 
 @dataclass(frozen=True)
@@ -184,7 +154,7 @@ class DcpCheckpoint:
         materialized for chunks stored through DCP extensions."""
         t = self.tensors[key]
         with self._blob(c, key) as f:
-            view = _View(f, c.offset, c.length)
+            view = View(f, c.offset, c.length)
             try:
                 if c.transforms:
                     return self._transformed(key, c, view)
@@ -217,7 +187,7 @@ class DcpCheckpoint:
         window.keep = storage                                   # the array owns a reference to its mapping
         return torch.from_numpy(np.frombuffer(window, dtype=np.uint8))
 
-    def _transformed(self, key: str, c: DcpChunk, view: _View) -> torch.Tensor:
+    def _transformed(self, key: str, c: DcpChunk, view: View) -> torch.Tensor:
         import torch.distributed.checkpoint as dcp
 
         stream = dcp.FileSystemReader(self.folder).transforms.transform_load_stream(None, c.transforms, view)
@@ -230,7 +200,7 @@ class DcpCheckpoint:
         c = DcpChunk((), (), file, int(info.offset), int(info.length),
                      tuple(getattr(info, "transform_descriptors", None) or ()))
         with self._blob(c, key) as f:
-            view: Any = _View(f, c.offset, c.length)
+            view: Any = View(f, c.offset, c.length)
             if c.transforms:
                 import torch.distributed.checkpoint as dcp
 
@@ -265,19 +235,6 @@ class DcpCheckpoint:
         return done * out.element_size()
 
 
-def nest(leaves: dict[tuple[Any, ...], Any]) -> Any:
-    """Nested containers from leaves keyed by path: lists where every child is an int index, else dicts."""
-    from liferaft.core.read import build_tree
-
-    children: dict[tuple[Any, ...], list[Any]] = {}
-    for p in leaves:
-        for i in range(len(p)):
-            children.setdefault(p[:i], []).append(p[i])
-    kinds = {p: "list" if all(isinstance(k, int) for k in ks) and sorted(set(ks)) == list(range(len(set(ks))))
-             else "dict" for p, ks in children.items()}
-    return build_tree(kinds, leaves)
-
-
 def value_parts(saved: Iterable[str], key: str) -> list[str]:
     """The saved keys that hold the plain value ``key``: ``[key]``, or the leaves DCP split a nested value into
     (``key.lr``, ``key.milestones``: DCP flattens every dict; liferaft keeps a container of plain values whole)."""
@@ -294,6 +251,83 @@ def joined_value(key: str, parts: list[str], get: Callable[[str], Any],
     paths = paths or {}
     depth = len(paths.get(key, tuple(key.split("."))))
     return nest({tuple(paths.get(k, tuple(k.split("."))))[depth:]: get(k) for k in parts})
+
+
+class DcpReader(Reader):
+    """A DCP checkpoint folder (``DcpCheckpoint``) as a :class:`Reader`: keys are DCP's flattened names; plain
+    values that DCP split into several keys (nested dicts) are rebuilt with ``value_parts``/``joined_value``."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        ck = self.ck = DcpCheckpoint(path)
+        super().__init__(url=ck.folder, fmt="dcp", tensors={
+            k: TensorSpec(key=k, dtype=dtype_name(t.dtype), shape=t.shape, path=ck.paths.get(k),
+                          boxes=tuple((c.offsets, c.sizes) for c in t.chunks), nbytes=t.nbytes)
+            for k, t in ck.tensors.items()}, values={k: ValueSpec(key=k, path=ck.paths.get(k)) for k in ck.values})
+
+    def value(self, key: str) -> Any:
+        return self.ck.value(key)
+
+    def value_parts(self, key: str) -> list[str]:
+        return [] if key in self.ck.values else value_parts(self.ck.values, key)
+
+    def joined_value(self, key: str, parts: Sequence[str]) -> Any:
+        return joined_value(key, list(parts), self.ck.value, self.ck.paths)
+
+    def copy_box(self, key: str, offsets: Sequence[int], out: torch.Tensor) -> int:
+        return self.ck.copy_box(key, offsets, out)
+
+    def tree(self, leaves: Mapping[str, Any]) -> Any:
+        return nest({tuple(self.ck.paths.get(k, tuple(k.split(".")))): v for k, v in leaves.items()})
+
+    def verify(self, progress: Callable[[int], None] | None = None) -> CheckReport:
+        """Every data file the metadata names exists and is long enough, and every blob (one ``torch.save``
+        archive per chunk and per value) is read with its records' zip CRC-32 checked; blobs stored through a DCP
+        extension are read through it (and listed as unchecked)."""
+        ck, p = self.ck, self.ck.folder
+        records = crc_bytes = nbytes = no_crc = 0
+        faults: list[str] = []
+        unchecked: list[str] = []
+        blobs: dict[tuple[str, int, int], tuple[str, str, tuple[str, ...]]] = {}
+        for key, t in ck.tensors.items():
+            for c in t.chunks:
+                blobs.setdefault((c.file, c.offset, c.length), (key, f"chunk at {list(c.offsets)}", c.transforms))
+        for key, info in ck.values.items():
+            file = ck._inside(info.relative_path, key)
+            blobs.setdefault((file, int(info.offset), int(info.length)),
+                             (key, "value", tuple(getattr(info, "transform_descriptors", None) or ())))
+        sizes: dict[str, int | None] = {}
+        for (file, offset, length), (key, part, transforms) in blobs.items():
+            name = os.path.relpath(file, p)
+            if file not in sizes:
+                sizes[file] = os.path.getsize(file) if os.path.isfile(file) else None
+                if sizes[file] is None:
+                    faults.append(f"data file {name!r} is missing")
+            if sizes[file] is None:
+                continue
+            what = f"file {name!r} (key {key!r}, {part}, bytes {offset}..{offset + length})"
+            if offset + length > sizes[file]:
+                faults.append(f"{what}: the file has {sizes[file]} bytes; truncated")
+                continue
+            if transforms:                          # a DCP extension (zstd, ...): read through DCP's transforms
+                try:
+                    if part == "value":
+                        ck.value(key)
+                    else:
+                        ck.chunk(key, next(c for c in ck.tensors[key].chunks if c.file == file and
+                                           c.offset == offset))
+                    nbytes += length
+                    unchecked.append(f"{key} ({part}: stored through {'+'.join(transforms)})")
+                except Exception as e:  # noqa: BLE001 - any failure of the extension is a fault of this blob
+                    faults.append(f"{what}: cannot be read ({e})")
+                continue
+            with open(file, "rb") as f:
+                r, cb, n, fs, nc = check_zip(io.BufferedReader(View(f, offset, length)), what, progress)
+            records, crc_bytes, nbytes, no_crc = records + r, crc_bytes + cb, nbytes + n, no_crc + nc
+            faults += fs
+        if no_crc:
+            unchecked.append(f"{no_crc} zip record(s) written without a CRC-32 (torch.save with compute_crc32 off)")
+        return CheckReport(path=p, fmt=self.fmt, units=records, checked_bytes=crc_bytes, bytes_read=nbytes,
+                           unchecked=tuple(unchecked), faults=tuple(faults))
 
 
 # --------------------------------------------------------------------------- writing

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import os
+import pickle
 import struct
 import zipfile
 import zlib
@@ -22,7 +23,11 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from liferaft.errors import StorageError
+from liferaft.errors import CorruptCheckpointError, PickleNotAllowedError, StorageError
+from liferaft.formats.base import CheckReport, Reader, TensorSpec, ValueSpec
+from liferaft.formats.zipfiles import View, check_zip
+from liferaft.state.dtypes import dtype_name
+from liferaft.state.tree import build_tree
 
 PAGE = 4096
 
@@ -49,10 +54,9 @@ def skeleton(f: Any, obj: Any) -> int:
 def record_offsets(path: str, start: int, length: int) -> Any:
     """The archive at ``[start, start + length)`` of ``path`` loaded to the meta device: each tensor's
     ``untyped_storage()._checkpoint_offset`` is its record's offset from ``start`` (only the pickle is read)."""
-    from liferaft.formats.dcp import _View
 
     with open(path, "rb") as f:
-        return torch.load(_View(f, start, length), map_location="meta", weights_only=True)
+        return torch.load(View(f, start, length), map_location="meta", weights_only=True)
 
 
 def with_crc(slabs: Iterable[torch.Tensor], crc: list[int]) -> Iterator[torch.Tensor]:
@@ -112,10 +116,9 @@ def set_crcs(path: str, start: int, length: int, crcs: dict[int, tuple[int, int]
     """Write the CRC-32 of each filled record of the archive at ``[start, start + length)`` of ``path``
     (``crcs``: absolute data offset -> (crc, length)) into its local header, data descriptor and central
     directory entry."""
-    from liferaft.formats.dcp import _View
 
     with open(path, "r+b") as f:
-        z = zipfile.ZipFile(io.BufferedReader(_View(f, start, length)))
+        z = zipfile.ZipFile(io.BufferedReader(View(f, start, length)))
         names: dict[str, int] = {}
         for info in z.infolist():
             f.seek(start + info.header_offset + 26)
@@ -190,3 +193,84 @@ def write_torch_file(dst: str, tree: Any,
 
     _fsync_dir(os.path.dirname(os.path.abspath(dst)))
     return length
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def torch_file_state(path: str | os.PathLike[str]) -> Any:
+    """A ``torch.save`` file loaded with ``weights_only=True`` (no code runs), memory-mapped where the archive
+    allows it (the legacy, pre-zip format is read whole)."""
+    p = os.fspath(path)
+    if not zipfile.is_zipfile(p):
+        with open(p, "rb") as f:
+            head = f.read(16)
+        if not head.startswith(b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"):
+            raise CorruptCheckpointError(f"{p}: not a torch.save file (neither a zip archive nor torch's legacy "
+                                         "format), nor any other checkpoint format liferaft reads")
+    try:
+        try:
+            return torch.load(p, weights_only=True, mmap=True, map_location="cpu")
+        except RuntimeError as e:
+            if "mmap" not in str(e):
+                raise
+            return torch.load(p, weights_only=True, map_location="cpu")    # the legacy (non-zip) format
+    except pickle.UnpicklingError as e:
+        why = next((x.strip() for x in str(e).splitlines() if "WeightsUnpickler error" in x),
+                   (str(e).splitlines() or [""])[0])
+        raise PickleNotAllowedError(f"{p}: weights_only loading refuses it ({why.split('. Please')[0]}); liferaft "
+                                    "never runs code from a checkpoint: load it with torch.load(weights_only=False) "
+                                    "if you trust its author") from e
+    except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile) as e:
+        raise CorruptCheckpointError(f"{p}: not a readable torch.save file ({(str(e).splitlines() or [''])[0]})") \
+            from e
+
+
+class TorchFileReader(Reader):
+    """A ``torch.save`` file, loaded with ``weights_only=True`` and memory-mapped (``torch_file_state``): its
+    tensors by their liferaft keys (``model.layer.weight``), its other leaves as plain values, nested as saved."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        from liferaft.state.flatten import flatten
+
+        state = torch_file_state(path)
+        flat = flatten(state if isinstance(state, (dict, list, tuple)) else {"state": state})
+        self._full = {leaf.key: leaf.parts[0][1] for leaf in flat.tensors}
+        self._values = {k: v for k, _, v in flat.values}
+        self._kinds = {c.path: c.kind for c in flat.containers}
+        self._paths = {leaf.key: tuple(leaf.path) for leaf in flat.tensors} | {k: tuple(p) for k, p, _ in flat.values}
+        super().__init__(url=os.fspath(path), fmt="torch", tensors={
+            leaf.key: TensorSpec(key=leaf.key, dtype=dtype_name(leaf.dtype), shape=tuple(leaf.shape), kind=leaf.kind,
+                                 path=tuple(leaf.path), boxes=((tuple(0 for _ in leaf.shape), tuple(leaf.shape)),),
+                                 nbytes=self._full[leaf.key].numel() * self._full[leaf.key].element_size())
+            for leaf in flat.tensors}, values={k: ValueSpec(key=k, path=tuple(p)) for k, p, _ in flat.values})
+
+    def value(self, key: str) -> Any:
+        return self._values[key]
+
+    def copy_box(self, key: str, offsets: Any, out: torch.Tensor) -> int:
+        view = self._full[key]
+        for d, (o, n) in enumerate(zip(offsets, out.shape)):
+            view = view.narrow(d, o, n)
+        out.copy_(view)
+        return out.numel() * out.element_size()
+
+    def tree(self, leaves: Any) -> Any:
+        return build_tree({p: k for p, k in self._kinds.items()
+                           if any(self._paths[key][:len(p)] == p for key in leaves)},
+                          {self._paths[k]: v for k, v in leaves.items()})
+
+    def verify(self, progress: Callable[[int], None] | None = None) -> CheckReport:
+        """Every zip record read with its CRC-32 checked (torch.save's legacy format carries none)."""
+        p, unchecked = self.url, []
+        if zipfile.is_zipfile(p):
+            with open(p, "rb") as f:
+                records, crc_bytes, nbytes, faults, no_crc = check_zip(f, f"file {os.path.basename(p)!r}", progress)
+        else:
+            records = crc_bytes = no_crc = 0
+            nbytes, faults = os.path.getsize(p), []
+            unchecked.append("torch.save's legacy (pre-zip) format carries no checksums")
+        if no_crc:
+            unchecked.append(f"{no_crc} zip record(s) written without a CRC-32 (torch.save with compute_crc32 off)")
+        return CheckReport(path=p, fmt=self.fmt, units=records, checked_bytes=crc_bytes, bytes_read=nbytes,
+                           unchecked=tuple(unchecked), faults=tuple(faults))

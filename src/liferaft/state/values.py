@@ -12,7 +12,7 @@ import base64
 import json
 import math
 import pickle
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -153,3 +153,19 @@ def _decode_tag(tag: str, body: Any, key: str, allow_pickle: bool) -> Any:
     except Exception as e:  # noqa: BLE001 - malformed data of any shape
         raise CorruptCheckpointError(f"key {key!r}: malformed stored value with tag {tag}: {e}") from None
     raise CorruptCheckpointError(f"key {key!r}: unknown value tag {tag!r}; written by a newer liferaft?")
+
+
+def as_leaf(kind: str, t: Any) -> Any:
+    """A loaded tensor as what was saved: the tensor itself, or for ``kind`` "numpy"/"bytes" a numpy array/bytes."""
+    if kind == "numpy":
+        return t.numpy()
+    if kind == "bytes":
+        return t.numpy().tobytes()
+    return t
+
+
+def per_rank_leaf(kind: str, ranks: Sequence[int], t: Any, world: int) -> PerRank:
+    """A tensor stored per rank (rows ``ranks`` of ``t``), read whole, as a ``PerRank`` of ``world`` items (None
+    for a rank that did not hold it)."""
+    rows = dict(zip(ranks, t.unbind(0)))
+    return PerRank(as_leaf(kind, rows[r].clone()) if r in rows else None for r in range(world))

@@ -8,7 +8,7 @@ from typing import Any, Iterator, TypeVar
 
 import torch
 
-from liferaft.core.chunks.dtypes import torch_dtype
+from liferaft.state.dtypes import torch_dtype
 from liferaft.core.chunks.reader import execute_reads
 from liferaft.format.manifest import TensorEntry
 from liferaft.planning.load_plan import plan_reads

@@ -26,13 +26,13 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from liferaft.core.chunks.dtypes import torch_dtype
+from liferaft.state.dtypes import torch_dtype
 from liferaft.core.commit import check_files, open_checkpoint
 from liferaft.errors import CorruptCheckpointError, InvalidStateError, OptionsError
 from liferaft.options import ConvertFormat, SaveOptions
 from liferaft.storage import resolve
 from liferaft.storage.refs import with_references
-from liferaft.tools.hf_folder import (  # noqa: F401 (the API of this module too)
+from liferaft.formats.hf_folder import (  # noqa: F401 (the API of this module too)
     bring_config,
     model_subtree,
     open_regular,
@@ -42,10 +42,8 @@ from liferaft.tools.hf_folder import (  # noqa: F401 (the API of this module too
     write_config,
 )
 
-ST_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
-             "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "uint16": "U16", "uint32": "U32",
-             "uint64": "U64", "bool": "BOOL", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
-FROM_ST = {v: k for k, v in ST_DTYPES.items()}
+from liferaft.formats.safetensors import FROM_ST, ST_DTYPES, safetensors_state  # noqa: E402,F401
+
 INDEX = "model.safetensors.index.json"
 
 
@@ -246,34 +244,6 @@ def to_hf(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, module: s
                          notes=notes)
 
 
-def _st_files(src: str) -> list[str]:
-    """The safetensors files of a file or folder, each checked (``hf_folder.st_files``)."""
-    return st_files(src)
-
-
-def safetensors_state(src: str | os.PathLike[str], keys: Sequence[str] | None = None,
-                      rename: Sequence[tuple[str, str]] | None = None) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file or Hugging Face folder as a flat dict of memory-mapped (copy-on-write)
-    tensors: nothing is read until used. Every file is checked first (``hf_folder.st_files``) and its header
-    validated (``formats.read_st_header``): CorruptCheckpointError naming the file and key."""
-    from liferaft.formats.sources import read_st_header
-
-    rn = _renamer(rename)
-    out: dict[str, torch.Tensor] = {}
-    for path in _st_files(os.fspath(src)):
-        with open_regular(path, path, CorruptCheckpointError, what="safetensors file") as f:
-            size = os.fstat(f.fileno()).st_size
-            tensors, start = read_st_header(f, path, size)
-            data = np.memmap(f, dtype=np.uint8, mode="c", offset=start) if size > start \
-                else np.zeros(0, dtype=np.uint8)
-        for key, (dtype, shape, a, b) in tensors.items():
-            if not _selected(key, keys):
-                continue
-            out[rn(key)] = torch.empty(shape, dtype=torch_dtype(dtype)) if a == b else \
-                torch.from_numpy(data[a:b]).view(torch_dtype(dtype)).reshape(shape)
-    return out
-
-
 def from_safetensors(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, keys: Sequence[str] | None = None,
                      rename: Sequence[tuple[str, str]] | None = None, options: Any = None) -> ConvertReport:
     """Import a safetensors file or Hugging Face folder (single or sharded) into a liferaft checkpoint at ``dst``
@@ -283,7 +253,8 @@ def from_safetensors(src: str | os.PathLike[str], dst: str | os.PathLike[str], *
 
     import liferaft
 
-    state = safetensors_state(src, keys, rename)
+    rn = _renamer(rename)
+    state = {rn(k): t for k, t in safetensors_state(src).items() if _selected(k, keys)}
     if os.path.isdir(src):              # its config (and tokenizer, ...) files, for an export back to HF
         recorded = recorded_files(os.fspath(src))
         if recorded:
@@ -310,7 +281,7 @@ def _export_source(src: str | os.PathLike[str], keys: Sequence[str] | None) -> t
 
 def _plain(v: Any) -> Any:
     """A value entry decoded for another format (no pickles; per-rank values as a plain tuple)."""
-    from liferaft.core.read import decode_entry_value
+    from liferaft.core.native import decode_entry_value
 
     x = decode_entry_value(v, False)
     return tuple(x) if isinstance(x, tuple) else x
@@ -339,7 +310,9 @@ def to_torch(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, keys: 
     """Export to one ``torch.save`` file, streamed (``tools.torch_file``: about three slabs of ``slab_bytes`` in
     memory, not the state), in the saved nesting; with ``rename`` a flat dict of the renamed keys. Stateful objects
     come out as their state dicts, values that differed per saving rank as tuples."""
-    from liferaft.core.read import as_leaf, build_tree, read_full
+    from liferaft.core.native import read_full
+    from liferaft.state.tree import build_tree
+    from liferaft.state.values import as_leaf
     from liferaft.formats.torch_file import placeholder, with_crc, write_torch_file
     from liferaft.staging.pool import page_aligned_empty
     from liferaft.tools._slabs import prefetched, slab_values
@@ -352,7 +325,7 @@ def to_torch(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, keys: 
     for e in tensors:
         where = (rn(e.key),) if flat else e.path
         if e.kind == "bytes":
-            leaves[where] = as_leaf(e, read_full(storage, [e], 32 << 20)[0])
+            leaves[where] = as_leaf(e.kind, read_full(storage, [e], 32 << 20)[0])
             continue
         t = leaves[where] = placeholder(tuple(e.shape), _out_dtype(e, cast))
         fills[id(t)] = e
@@ -386,7 +359,8 @@ def to_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, keys: Se
     chunks of about ``slab_bytes``, the next read while one is written). Keys are the liferaft keys (renamed if asked),
     with the saved nesting recorded as DCP does, so ``dcp.load`` into the same nested state and
     ``dcp_to_torch_save`` both work; numpy arrays become tensors."""
-    from liferaft.core.read import as_leaf, read_full
+    from liferaft.core.native import read_full
+    from liferaft.state.values import as_leaf
     from liferaft.formats.dcp import DcpItem, write_dcp
     from liferaft.staging.pool import page_aligned_empty
     from liferaft.tools._slabs import prefetched, slab_values
@@ -404,7 +378,7 @@ def to_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, keys: Se
     for e in tensors:
         path = tuple(rn(e.key).split(".")) if rename else dcp_path(e.path)
         if e.kind == "bytes":
-            items.append(DcpItem(rn(e.key), path, value=as_leaf(e, read_full(storage, [e], 32 << 20)[0])))
+            items.append(DcpItem(rn(e.key), path, value=as_leaf(e.kind, read_full(storage, [e], 32 << 20)[0])))
             continue
 
         def produce(e: Any = e) -> Any:
@@ -460,7 +434,8 @@ def from_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, keys: 
     stored in several chunks becomes a ``Sharded`` with those boxes); nesting from DCP's record of it, or a flat
     dict with ``keys``/``rename``."""
     import liferaft
-    from liferaft.formats.dcp import DcpCheckpoint, nest
+    from liferaft.formats.dcp import DcpCheckpoint
+    from liferaft.state.tree import nest
     from liferaft.state.sharded import Sharded
 
     ck = DcpCheckpoint(src)
@@ -495,7 +470,7 @@ FORMATS = ("liferaft", "safetensors", "hf", "torch", "dcp")
 
 def detect_format(src: str | os.PathLike[str]) -> str:
     """What ``src`` holds: ``tools.formats.detect`` (the one detector every tool uses)."""
-    from liferaft.formats.sources import detect
+    from liferaft.formats.detect import detect
 
     return detect(src)
 

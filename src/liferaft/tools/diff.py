@@ -19,9 +19,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from liferaft.core.chunks.dtypes import torch_dtype
+from liferaft.state.dtypes import torch_dtype
 from liferaft.errors import LiferaftError
-from liferaft.formats.sources import Source, _dt
+from liferaft.tools._source import Source, _dt
 from liferaft.options import LoadOptions
 from liferaft.tools._slabs import slabs
 
@@ -105,13 +105,15 @@ def _regroup(mine: Source, other: Source) -> None:
     value whole ("sched"): leaves under a value key the other side holds whole are compared as that one nested
     value (rebuilt by the nesting DCP recorded, else by the dots of the keys; ``same_value`` then compares it by
     value, whatever container shape the rebuilding chose)."""
-    from liferaft.formats.dcp import joined_value, value_parts
-
+    if mine.reader is None:
+        return
+    reader = mine.reader
     for key in [k for k in other.values if k not in mine.values and k not in mine.tensors]:
-        under = value_parts(mine.values, key)
+        under = [k for k in reader.value_parts(key) if k in mine.values]
         if under:
-            got = {k: mine.values.pop(k) for k in under}
-            mine.values[key] = lambda key=key, got=got: joined_value(key, list(got), lambda k: got[k](), mine.paths)
+            for k in under:
+                mine.values.pop(k)
+            mine.values[key] = lambda key=key, under=under: reader.joined_value(key, under)
 
 
 def diff(a: str | os.PathLike[str], b: str | os.PathLike[str], *, keys: Sequence[str] | None = None,
@@ -130,7 +132,7 @@ def diff(a: str | os.PathLike[str], b: str | os.PathLike[str], *, keys: Sequence
     integer and bool tensors never by tolerance. Plain values are compared exactly, up to the container shapes
     formats rebuild (``value_difference``: lists and tuples alike, int dict keys as strings, a dict keyed 0..n-1
     as the list it was flattened from; ``True``, ``1`` and ``1.0`` differ)."""
-    from liferaft.formats.sources import open_source
+    from liferaft.tools._source import open_source
     from liferaft.tools.convert import _renamer
 
     opts = options or LoadOptions()

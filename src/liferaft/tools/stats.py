@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from liferaft.core.chunks.dtypes import torch_dtype
+from liferaft.state.dtypes import torch_dtype
 from liferaft.core.commit import check_files, open_checkpoint
 from liferaft.storage import resolve
 from liferaft.storage.refs import with_references
@@ -89,7 +89,7 @@ def describe(path: str | os.PathLike[str], keys: Sequence[str] | None = None, *,
     """The tensors of a checkpoint matching ``keys`` (globs): how each is stored, and with ``stats`` its
     min / max / mean / std over the finite values and its NaN / Inf counts (read and verified in slabs). ``path``
     may also be a DCP folder, a safetensors folder/file or a ``torch.save`` file (nothing to verify there)."""
-    from liferaft.formats.sources import detect, open_source
+    from liferaft.tools._source import detect, open_source
 
     if detect(path) != "liferaft":
         return describe_side(open_source(path, keys), stats, slab_bytes)

@@ -26,7 +26,7 @@ def _pins(storage: Storage) -> frozenset[int]:
 def _root(root: str | os.PathLike[str] | Storage) -> Storage:
     """The storage of a manager root; a path that is itself a checkpoint (of any format) is refused, naming it."""
     from liferaft.errors import OptionsError
-    from liferaft.formats.sources import NAMES, detect_names, sniff
+    from liferaft.formats.detect import NAMES, detect_names, sniff
 
     if isinstance(root, (str, os.PathLike)) and "://" not in os.fspath(root):
         fmt = sniff(root)
@@ -47,7 +47,7 @@ def _listing(storage: Storage, pins: frozenset[int], verify: bool = False,
              progress: Callable[[int], None] | None = None) -> list[StepInfo]:
     """``list_steps``, with step folders that hold a checkpoint of another format (torchtitan's ``step-N`` DCP
     folders, say) given that format as their status instead of "incomplete": restore skips them, gc leaves them."""
-    from liferaft.formats.sources import NAMES, detect_names
+    from liferaft.formats.detect import NAMES, detect_names
 
     by_folder: dict[str, list[str]] = {}
     for name in storage.list():

@@ -1,18 +1,5 @@
-"""Views of tensor memory as bytes, and dtype names."""
+"""Dtype names (moved to ``liferaft.state.dtypes``; kept here for the chunk executors' imports)."""
 
-from __future__ import annotations
+from liferaft.state.dtypes import dtype_name, torch_dtype
 
-import torch
-
-from liferaft.errors import CorruptCheckpointError
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
-        raise CorruptCheckpointError(f"unknown dtype {name!r} in manifest")
-    return dt
-
-
-def dtype_name(dt: torch.dtype) -> str:
-    return str(dt).removeprefix("torch.")
+__all__ = ["dtype_name", "torch_dtype"]

@@ -327,7 +327,7 @@ def _decided(f: _File, w: WriteItem, held: Sequence[Piece], hashes: tuple[str, .
 def _change(held: Sequence[Piece], base: ChunkRecord, dtype: str, key: str, reader: Storage) -> float | None:
     """‖x − x_base‖ / ‖x_base‖ of this chunk against the base's stored values (None: not comparable)."""
     from liferaft.core.chunks.blocks import read_blocks
-    from liferaft.core.chunks.dtypes import torch_dtype
+    from liferaft.state.dtypes import torch_dtype
     from liferaft.errors import LiferaftError
 
     try:

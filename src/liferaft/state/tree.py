@@ -1,0 +1,47 @@
+"""Nested containers rebuilt from leaves keyed by path: what ``read`` returns and what the readers of formats
+that record a nesting (liferaft's containers, DCP's ``planner_data``) give back."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+PathPart = str | int
+
+
+def build_tree(kinds: Mapping[tuple[PathPart, ...], str], leaves: Mapping[tuple[PathPart, ...], Any],
+               orders: Mapping[tuple[PathPart, ...], Sequence[PathPart]] | None = None) -> Any:
+    """Nested dict/list/tuple from container kinds and leaf values keyed by path, children in saved order."""
+    children: dict[tuple[PathPart, ...], list[PathPart]] = {p: [] for p in kinds}
+    for p in list(kinds) + list(leaves):
+        if p:
+            children.setdefault(p[:-1], []).append(p[-1])
+    for p, order in (orders or {}).items():
+        if p in children:
+            present = set(children[p])
+            rank = {k: i for i, k in enumerate(order)}
+            children[p] = sorted(present, key=lambda k: (rank.get(k, len(rank)), str(k)))
+
+    def node(p: tuple[PathPart, ...]) -> Any:
+        if p in leaves:
+            return leaves[p]
+        kind = kinds.get(p, "dict")
+        parts = children.get(p, [])
+        if kind in ("list", "tuple"):
+            items = [node(p + (k,)) for k in sorted(parts, key=lambda x: int(x))]
+            return items if kind == "list" else tuple(items)
+        return {k: node(p + (k,)) for k in parts}
+
+    return node(())
+
+
+def nest(leaves: dict[tuple[Any, ...], Any]) -> Any:
+    """Nested containers from leaves keyed by path: lists where every child is an int index, else dicts."""
+    children: dict[tuple[Any, ...], list[Any]] = {}
+    for p in leaves:
+        for i in range(len(p)):
+            children.setdefault(p[:i], []).append(p[i])
+    kinds = {p: "list" if all(isinstance(k, int) for k in ks) and sorted(set(ks)) == list(range(len(set(ks))))
+             else "dict" for p, ks in children.items()}
+    return build_tree(kinds, leaves)
+
+
