@@ -8,9 +8,9 @@ and may change. The package is typed (``py.typed``).
 """
 
 from liferaft.core.load import load
-from liferaft.core.read import CheckpointInfo, TensorInfo, VerifyReport, inspect, read, verify
+from liferaft.core.open import format_of
+from liferaft.core.read import CheckpointInfo, ContainerInfo, TensorInfo, VerifyReport, inspect, read, verify
 from liferaft.core.save import AsyncSaveHandle, async_save, release, save
-from liferaft.state.values import PerRank
 from liferaft.dist import release_groups
 from liferaft.errors import (
                              CheckpointBusyError,
@@ -36,6 +36,7 @@ from liferaft.manager.policies import RetentionPolicy, SavePolicy
 from liferaft.options import LoadOptions, LoadResult, SaveOptions, SaveResult
 from liferaft.state.rng import RNGState
 from liferaft.state.sharded import Sharded
+from liferaft.state.values import PerRank
 from liferaft.tiers.memory import MemoryTier
 from liferaft.tools.convert import ConvertReport, convert, find_model
 from liferaft.tools.diff import DiffReport, KeyDiff, diff
@@ -51,7 +52,8 @@ __all__ = [  # noqa: RUF022 (grouped as docs/API.md, not sorted)
     # What a state may hold besides tensors, modules, optimizers and plain values
     "Sharded", "RNGState", "PerRank",
     # Look into a checkpoint in one process: read, summarize, verify, per-key storage view
-    "read", "inspect", "verify", "describe", "CheckpointInfo", "TensorInfo", "VerifyReport", "KeyInfo",
+    "read", "inspect", "verify", "format_of", "describe", "CheckpointInfo", "TensorInfo", "ContainerInfo",
+    "VerifyReport", "KeyInfo",
     # Training runs: the manager and its option objects, the memory tier, a root's steps from outside a job
     "CheckpointManager", "SavePolicy", "RetentionPolicy", "TierOptions", "PreemptionOptions", "JobOptions",
     "StepInfo", "MemoryTier", "ls", "gc", "GcReport",

@@ -16,7 +16,7 @@ import torch
 
 import liferaft
 from liferaft.cli import main
-from liferaft.formats.sources import check_source, open_source
+from liferaft.tools._source import check_source, open_source
 
 safetensors = pytest.importorskip("safetensors.torch")
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
-import warnings
 
 import pytest
 import torch

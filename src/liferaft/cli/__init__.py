@@ -20,12 +20,9 @@ The commands use the public API only: the names of ``liferaft.__all__`` and the 
 ``liferaft.errors``, ``liferaft.options`` and ``liferaft.storage`` (docs/API.md), with these exceptions, each
 marked where it is imported (``# not public:``) and listed in docs/API.md:
 
-- ``plan`` uses the goodput model ``liferaft.manager.goodput`` (pure arithmetic, not part of the API);
-- ``inspect``'s key tree of a liferaft checkpoint reads the manifest's containers (``core.commit.open_checkpoint``),
-  which ``liferaft.inspect`` does not report yet;
-- the lines that tell formats apart and open, read or check a checkpoint of another format
-  (``formats.sources.detect`` / ``open_source`` / ``check_source``, ``tools.convert.detect_format``,
-  ``tools.stats.describe_side``), until ``liferaft.inspect`` / ``verify`` / ``read`` take every format.
+- ``plan`` uses the goodput model ``liferaft.manager.goodput`` (pure arithmetic, not part of the API).
+
+``inspect``, ``verify`` and ``read`` take every format through ``liferaft.inspect`` / ``verify`` / ``read``.
 
 ``--json`` (every command) prints one JSON document for scripts. Errors are printed to stderr as one line and give
 exit status 1 (``--debug``: with the traceback); usage errors give exit status 2; ``diff`` exits 1 when the

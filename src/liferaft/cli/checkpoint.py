@@ -49,21 +49,17 @@ def add_parsers(sub: Any) -> None:
 def run_inspect(args: argparse.Namespace) -> int:
     """Header, key tree (or one line per key) and metadata of a checkpoint; with key globs, --stats or --json the
     per-key table of ``liferaft.describe``."""
-    # not public (lead: formats): which format PATH holds
-    from liferaft.tools.convert import detect_format
-
     if args.glob or args.stats or args.json:
         return _inspect_keys(args)
-    fmt = detect_format(args.path)
-    if fmt != "liferaft":
-        _print_other(args.path, fmt, args.flat)
-        return 0
     info = liferaft.inspect(args.path)
+    if info.format != "liferaft":
+        _print_other(info, args.flat)
+        return 0
     if args.flat:
         print(info)
     else:
         print("\n".join(str(info).splitlines()[:2]))
-        _print_tree(args.path)
+        _print_tree(info)
     created = datetime.datetime.fromtimestamp(info.created_unix, tz=datetime.timezone.utc)
     print(f"save id {info.save_id}, created {created.isoformat(timespec='seconds')}")
     if info.metadata:
@@ -75,31 +71,22 @@ def run_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_tree(path: str) -> None:
+def _print_tree(info: liferaft.CheckpointInfo) -> None:
     """The keys of a liferaft checkpoint as a tree of their path parts (manifest only), children in saved order."""
-    # not public: the containers (paths, saved order, classes), which liferaft.inspect does not report yet
-    from liferaft.core.commit import open_checkpoint
-    from liferaft.storage import resolve
-
-    m = open_checkpoint(resolve(path))
-    leaf = {e.path: e.key for e in m.tensors} | {v.path: v.key for v in m.values}
-    orders = {c.path: list(c.children) for c in m.containers if c.children is not None}
-    classes = {c.path: c.cls.rsplit(".", 1)[-1] for c in m.containers if c.cls}
-    _tree(leaf, {i.key: i for i in liferaft.describe(path)}, [c.path for c in m.containers], orders, classes)
+    leaf = {p: k for k, p in info.paths.items()}
+    orders = {c.path: list(c.children) for c in info.containers if c.children is not None}
+    classes = {c.path: c.cls.rsplit(".", 1)[-1] for c in info.containers if c.cls}
+    _tree(leaf, {i.key: i for i in liferaft.describe(info.path)}, [c.path for c in info.containers], orders, classes)
 
 
-def _print_other(path: str, fmt: str, flat: bool = False) -> None:
+def _print_other(ci: liferaft.CheckpointInfo, flat: bool = False) -> None:
     """Header and key tree (or one line per key) of a DCP folder, safetensors folder/file or torch.save file."""
-    # not public (lead: formats): open a checkpoint of another format, describe its tensors
-    from liferaft.formats.sources import open_source
-    from liferaft.tools.stats import describe_side
-
-    side = open_source(path)
-    info = {i.key: i for i in describe_side(side)}
-    keys = list(info) + [k for k in side.values if k not in info]
+    fmt, path = ci.format, ci.path
+    info = {i.key: i for i in liferaft.describe(path)}
+    keys = list(info) + [k for k in ci.values if k not in info]
     size = sum(i.nbytes for i in info.values())
     check = "liferaft verify checks its zip CRC-32s" if fmt in ("dcp", "torch") else "no checksums to verify"
-    print(f"{fmt} checkpoint {path} (not liferaft: {check})\n{len(info)} tensors, {len(side.values)} "
+    print(f"{fmt} checkpoint {path} (not liferaft: {check})\n{len(info)} tensors, {len(ci.values)} "
           f"values, {size / 2**20:.1f} MiB of tensors")
     if flat:
         for k in keys:
@@ -107,7 +94,7 @@ def _print_other(path: str, fmt: str, flat: bool = False) -> None:
             print(f"  {k:<50} value" if i is None else f"  {k:<50} {i.dtype:<9} {str(list(i.shape)):<20} "
                   f"{i.chunks:>4} chunk(s) {i.nbytes / 2**20:10.3f} MiB")
         return
-    _tree({tuple(side.paths.get(k, k.split("."))): k for k in keys}, info, [], {})
+    _tree({tuple(ci.paths.get(k, k.split("."))): k for k in keys}, info, [], {})
 
 
 def _tree(leaf: dict[tuple, str], info: dict[str, liferaft.KeyInfo], containers: list[tuple],
@@ -184,70 +171,51 @@ def _inspect_keys(args: argparse.Namespace) -> int:
     return 0
 
 
-def _verify_other(args: argparse.Namespace, fmt: str) -> int:
-    """verify for a DCP folder, a torch.save file or safetensors: the checks their format allows."""
-    # not public (lead: formats): check a checkpoint of another format, and its format's name
-    from liferaft.formats.sources import NAMES, check_source
+_FORMAT_NAMES = {"liferaft": "liferaft checkpoint", "dcp": "DCP checkpoint",
+                 "safetensors": "safetensors checkpoint", "torch": "torch.save file"}
 
+
+def run_verify(args: argparse.Namespace) -> int:
+    """Re-hash every stored byte (another format: the checks it allows); exit status 1 listing every fault."""
     p = args.path
-    total = os.path.getsize(p) if os.path.isfile(p) else \
+    fmt = liferaft.format_of(p)
+    total = sum(t.nbytes for t in liferaft.inspect(p).tensors) if fmt == "liferaft" else \
+        os.path.getsize(p) if os.path.isfile(p) else \
         sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(p) for f in fs)
-    with Progress(total, "verify", None if not args.json else False) as tick:
-        r = check_source(args.path, progress=tick)
-    if args.json:
-        print(json.dumps({"path": r.path, "format": fmt, "ok": not r.faults, "checksums": r.records > 0,
-                          "records": r.records, "crc_bytes": r.crc_bytes, "bytes_read": r.bytes_read,
-                          "unchecked": list(r.unchecked), "faults": list(r.faults)}))
-        return 1 if r.faults else 0
-    if r.faults:
-        print(f"FAILED {args.path}: {len(r.faults)} fault(s)")
-        for x in r.faults:
+    try:
+        with Progress(total, "verify", None if not args.json else False) as tick:
+            r = liferaft.verify(p, progress=tick)
+    except liferaft.CorruptCheckpointError as e:         # the report: every fault on stdout, one error line
+        if fmt != "liferaft" and "verify found" not in str(e):
+            raise                                         # (an unusable index or metadata: one error line)
+        lines = str(e).split("\n")
+        faults = [x.strip() for x in lines[1:] if x.strip()] or [lines[0]]
+        if args.json:
+            print(json.dumps({"path": str(p), "format": fmt, "ok": False, "faults": faults}))
+            return 1
+        print(f"FAILED {p}: {len(faults)} fault(s)")
+        for x in faults:
             print(f"  {x}")
-        print(f"liferaft verify: error: {args.path}: {len(r.faults)} fault(s) found (listed above) in this "
-              f"{NAMES[fmt]}; its data is damaged or incomplete", file=sys.stderr)
+        what = "the stored data is damaged: restore from another checkpoint or copy" if fmt == "liferaft" else \
+            f"in this {_FORMAT_NAMES[fmt]}; its data is damaged or incomplete"
+        print(f"liferaft verify: error: {p}: {len(faults)} fault(s) found (listed above); {what}", file=sys.stderr)
         return 1
-    if r.records:
-        print(f"OK {r.path}: {r.records} zip record(s), {r.crc_bytes} bytes checked against their CRC-32 "
-              f"({NAMES[fmt]}: {'DCP has no checksums of its own; ' if fmt == 'dcp' else ''}torch.save archives "
-              "carry CRC-32s)")
+    if args.json:
+        print(json.dumps({"path": r.path, "format": fmt, "ok": True, "checksums": bool(r.chunks), "chunks": r.chunks,
+                          "bytes_checked": r.bytes_checked, "bytes_read": r.bytes_read,
+                          "unchecked": list(r.unchecked)}))
+    elif fmt == "liferaft":
+        print(f"OK {r.path}: {r.chunks} chunk(s), {r.bytes_checked} bytes verified")
+    elif r.chunks:
+        print(f"OK {r.path}: {r.chunks} zip record(s), {r.bytes_checked} bytes checked against their CRC-32 "
+              f"({_FORMAT_NAMES[fmt]}: {'DCP has no checksums of its own; ' if fmt == 'dcp' else ''}torch.save "
+              "archives carry CRC-32s)")
         for x in r.unchecked:
             print(f"  not checked: {x}")
     else:
         layout = ", header and layout consistent" if fmt == "safetensors" else ""
         print(f"READ {r.path}: {r.bytes_read} bytes read{layout}; NOT verified: {'; '.join(r.unchecked)}, so damaged "
               "values of the right length cannot be found")
-    return 0
-
-
-def run_verify(args: argparse.Namespace) -> int:
-    """Re-hash every stored byte (another format: the checks it allows); exit status 1 listing every fault."""
-    # not public (lead: formats): which format PATH holds
-    from liferaft.formats.sources import detect
-
-    fmt = detect(args.path)
-    if fmt != "liferaft":
-        return _verify_other(args, fmt)
-    info = liferaft.inspect(args.path)
-    try:
-        with Progress(sum(t.nbytes for t in info.tensors), "verify", None if not args.json else False) as tick:
-            report = liferaft.verify(args.path, progress=tick)
-    except liferaft.CorruptCheckpointError as e:         # the report: every fault on stdout, one error line
-        lines = str(e).split("\n")
-        faults = [x.strip() for x in lines[1:] if x.strip()] or [lines[0]]
-        if args.json:
-            print(json.dumps({"path": str(args.path), "ok": False, "faults": faults}))
-            return 1
-        print(f"FAILED {args.path}: {len(faults)} fault(s)")
-        for x in faults:
-            print(f"  {x}")
-        print(f"liferaft verify: error: {args.path}: {len(faults)} fault(s) found (listed above); the stored data is "
-              "damaged: restore from another checkpoint or copy", file=sys.stderr)
-        return 1
-    if args.json:
-        print(json.dumps({"path": report.path, "ok": True, "chunks": report.chunks,
-                          "bytes_checked": report.bytes_checked}))
-    else:
-        print(f"OK {report.path}: {report.chunks} chunk(s), {report.bytes_checked} bytes verified")
     return 0
 
 
@@ -294,47 +262,12 @@ def _leaves(node: Any, path: tuple[Any, ...], leaf_keys: set[str]) -> Iterator[t
         yield key, node
 
 
-def _read_other(args: argparse.Namespace) -> list[tuple[str, str, str]]:
-    """The rows of ``read`` for a DCP folder, safetensors or a torch.save file: every tensor read (one at a time)
-    and every value decoded, under the keys that format stores (DCP: each leaf of a nested value on its own)."""
-    # not public (lead: formats): open a checkpoint of another format
-    from liferaft.formats.sources import open_source
-
-    src = open_source(args.path, options=liferaft.LoadOptions(allow_pickle=args.allow_pickle))
-    every = list(src.tensors) + [k for k in src.values if k not in src.tensors]
-    chosen = set(every)
-    if args.keys is not None:
-        chosen = set()
-        for k in args.keys:
-            hit = {a for a in every if a == k or a.startswith(k + ".")}
-            if not hit:
-                raise liferaft.StateMismatchError(f"key {k!r} is not in the checkpoint (nor any key under it)")
-            chosen |= hit
-    rows = []
-    for key in every:
-        if key not in chosen:
-            continue
-        if key in src.tensors:
-            _, shape, _ = src.tensors[key]
-            v: Any = src.read(key, ((0,) * len(shape), tuple(shape)))
-        else:
-            v = src.values[key]()
-        rows.append((key, *_describe(v)))
-    return rows
-
-
 def run_read(args: argparse.Namespace) -> int:
     """Read the checkpoint in this process and print one line (or JSON object) per leaf: key, type, details."""
-    # not public (lead: formats): which format PATH holds
-    from liferaft.formats.sources import detect
-
-    if detect(args.path) != "liferaft":
-        rows = _read_other(args)
-    else:
-        info = liferaft.inspect(args.path)
-        leaf_keys = {t.key for t in info.tensors} | set(info.values)
-        tree = liferaft.read(args.path, args.keys, options=liferaft.LoadOptions(allow_pickle=args.allow_pickle))
-        rows = [(key, *_describe(v)) for key, v in _leaves(tree, (), leaf_keys)]
+    info = liferaft.inspect(args.path)
+    leaf_keys = {".".join(str(x) for x in p) for p in info.paths.values()}
+    tree = liferaft.read(args.path, args.keys, options=liferaft.LoadOptions(allow_pickle=args.allow_pickle))
+    rows = [(key, *_describe(v)) for key, v in _leaves(tree, (), leaf_keys)]
     if args.json:
         print(json.dumps([{"key": k, "type": t, "details": d} for k, t, d in rows]))
         return 0

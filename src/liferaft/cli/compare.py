@@ -60,10 +60,8 @@ def _tree_bytes(path: str) -> int:
 
 def run_convert(args: argparse.Namespace) -> int:
     """Convert SRC to DST (an export streams with a bar of the bytes read, an import with the files written)."""
-    # not public (lead: formats): which format SRC holds
-    from liferaft.tools.convert import detect_format
-
-    src = {"hf": "safetensors"}.get(args.source or detect_format(args.src), args.source or detect_format(args.src))
+    fmt = args.source or liferaft.format_of(args.src)
+    src = {"hf": "safetensors"}.get(fmt, fmt)
     to = args.to
     hf = {"module": args.module, "config": args.config}
     rename = [(a, b) for a, b in args.rename or []]
@@ -95,11 +93,8 @@ def run_convert(args: argparse.Namespace) -> int:
 
 def run_diff(args: argparse.Namespace) -> int:
     """Print the keys that differ and a summary line (or JSON); exit status 1 when the checkpoints differ."""
-    # not public (lead: formats): which format A holds
-    from liferaft.tools.convert import detect_format
-
     total = sum(t.nbytes for t in liferaft.inspect(args.a).tensors if not args.module or
-                t.key.startswith(args.module + ".")) if detect_format(args.a) == "liferaft" else 0
+                t.key.startswith(args.module + ".")) if liferaft.format_of(args.a) == "liferaft" else 0
     with Progress(total, "diff", None if not args.json else False) as tick:
         r = liferaft.diff(args.a, args.b, keys=args.keys, tolerance=args.tolerance, progress=tick,
                           rename=[(a, b) for a, b in args.rename or []], module=args.module)

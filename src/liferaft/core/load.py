@@ -27,8 +27,7 @@ from liferaft.options import LoadOptions, LoadResult
 from liferaft.planning.share_plan import plan_sharing
 from liferaft.state.dtypes import torch_dtype
 from liferaft.state.flatten import FlatState, PathPart, flatten, key_of
-from liferaft.state.matching import (drop_absent, matches_emptied, not_persisted, param_groups_mismatch,
-                                    settle_missing)
+from liferaft.state.matching import drop_absent, matches_emptied, not_persisted, param_groups_mismatch, settle_missing
 from liferaft.state.values import PerRank, as_leaf, per_rank_leaf
 from liferaft.storage import Storage
 

@@ -13,7 +13,7 @@ from liferaft.core.chunks.reader import execute_reads
 from liferaft.core.commit import check_files
 from liferaft.errors import LiferaftError
 from liferaft.format.manifest import Manifest, TensorEntry, ValueEntry
-from liferaft.formats.base import BoxRead, CheckReport, ReadJob, ReadOutcome, Reader, TensorSpec, ValueSpec
+from liferaft.formats.base import BoxRead, CheckReport, Reader, ReadJob, ReadOutcome, TensorSpec, ValueSpec
 from liferaft.options import LoadOptions
 from liferaft.planning.load_plan import plan_reads
 from liferaft.planning.share_plan import MIN_SHARED_BYTES
@@ -54,7 +54,8 @@ class NativeReader(Reader):
             classes={c.path: c.cls for c in m.containers if c.kind == "stateful"},
             info={"format_version": m.version, "save_id": m.save_id, "created_unix": m.created_unix,
                   "liferaft_version": m.liferaft_version, "torch_version": m.torch_version,
-                  "files": dict(m.files), "metadata": dict(m.extra)})
+                  "files": dict(m.files), "metadata": dict(m.extra),
+                  "containers": [(c.path, c.kind, c.children, c.cls) for c in m.containers]})
 
     def value(self, key: str) -> Any:
         return decode_entry_value(self._values[key], self.options.allow_pickle)

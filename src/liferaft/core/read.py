@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -45,7 +45,20 @@ def read(path: str | os.PathLike[str], keys: Sequence[str] | None = None, *,
 
 
 @dataclass(frozen=True)
+class ContainerInfo:
+    """A dict, list, tuple or stateful object of the saved nesting: its path, kind, children in saved order (None:
+    not recorded) and, for a stateful object, its class."""
+
+    path: tuple[str | int, ...]
+    kind: str
+    children: tuple[str | int, ...] | None = None
+    cls: str | None = None
+
+
+@dataclass(frozen=True)
 class TensorInfo:
+    """One saved tensor: key, what it was in the state (``kind``), dtype, shape, bytes and chunks saved."""
+
     key: str
     kind: str
     dtype: str
@@ -71,6 +84,10 @@ class CheckpointInfo:
     files: Mapping[str, int]
     metadata: Mapping[str, Any]
     format: str = "liferaft"
+    #: each key's place in the saved nesting (a dotted key split, for formats that record none)
+    paths: Mapping[str, tuple[str | int, ...]] = field(default_factory=dict)
+    #: the containers liferaft recorded (empty for other formats)
+    containers: tuple[ContainerInfo, ...] = ()
 
     @property
     def total_bytes(self) -> int:
@@ -104,7 +121,9 @@ def inspect(path: str | os.PathLike[str]) -> CheckpointInfo:
             tensors=tuple(TensorInfo(t.key, t.kind, t.dtype, t.shape, t.nbytes, len(t.boxes))
                           for t in reader.tensors.values()),
             values=tuple(reader.values), files=dict(info.get("files", {})), metadata=dict(info.get("metadata", {})),
-            format=reader.fmt)
+            format=reader.fmt, paths={k: tuple(s.path) if s.path is not None else tuple(k.split("."))
+                                      for k, s in [*reader.tensors.items(), *reader.values.items()]},
+            containers=tuple(ContainerInfo(*c) for c in info.get("containers", ())))
     finally:
         reader.close()
 

@@ -158,7 +158,7 @@ def verify_files(path: str, progress: Callable[[int], None] | None = None) -> Ch
         n, fs = check_file(file, os.path.relpath(file, path) if file != path else os.path.basename(path), progress)
         nbytes += n
         faults += fs
-    return CheckReport(path=path, fmt="safetensors", units=len(files), checked_bytes=0, bytes_read=nbytes,
+    return CheckReport(path=path, fmt="safetensors", units=0, checked_bytes=0, bytes_read=nbytes,
                        unchecked=("safetensors carry no checksums",), faults=tuple(faults))
 
 

@@ -8,10 +8,10 @@ from typing import Any, Iterator, TypeVar
 
 import torch
 
-from liferaft.state.dtypes import torch_dtype
 from liferaft.core.chunks.reader import execute_reads
 from liferaft.format.manifest import TensorEntry
 from liferaft.planning.load_plan import plan_reads
+from liferaft.state.dtypes import torch_dtype
 
 T = TypeVar("T")
 

@@ -26,12 +26,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from liferaft.state.dtypes import torch_dtype
 from liferaft.core.commit import check_files, open_checkpoint
 from liferaft.errors import CorruptCheckpointError, InvalidStateError, OptionsError
-from liferaft.options import ConvertFormat, SaveOptions
-from liferaft.storage import resolve
-from liferaft.storage.refs import with_references
 from liferaft.formats.hf_folder import (  # noqa: F401 (the API of this module too)
     bring_config,
     model_subtree,
@@ -41,8 +37,11 @@ from liferaft.formats.hf_folder import (  # noqa: F401 (the API of this module t
     st_files,
     write_config,
 )
-
 from liferaft.formats.safetensors import FROM_ST, ST_DTYPES, safetensors_state  # noqa: E402,F401
+from liferaft.options import ConvertFormat, SaveOptions
+from liferaft.state.dtypes import torch_dtype
+from liferaft.storage import resolve
+from liferaft.storage.refs import with_references
 
 INDEX = "model.safetensors.index.json"
 
@@ -311,10 +310,10 @@ def to_torch(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, keys: 
     memory, not the state), in the saved nesting; with ``rename`` a flat dict of the renamed keys. Stateful objects
     come out as their state dicts, values that differed per saving rank as tuples."""
     from liferaft.core.native import read_full
-    from liferaft.state.tree import build_tree
-    from liferaft.state.values import as_leaf
     from liferaft.formats.torch_file import placeholder, with_crc, write_torch_file
     from liferaft.staging.pool import page_aligned_empty
+    from liferaft.state.tree import build_tree
+    from liferaft.state.values import as_leaf
     from liferaft.tools._slabs import prefetched, slab_values
 
     storage, m, tensors, values = _export_source(src, keys)
@@ -360,9 +359,9 @@ def to_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, keys: Se
     with the saved nesting recorded as DCP does, so ``dcp.load`` into the same nested state and
     ``dcp_to_torch_save`` both work; numpy arrays become tensors."""
     from liferaft.core.native import read_full
-    from liferaft.state.values import as_leaf
     from liferaft.formats.dcp import DcpItem, write_dcp
     from liferaft.staging.pool import page_aligned_empty
+    from liferaft.state.values import as_leaf
     from liferaft.tools._slabs import prefetched, slab_values
 
     storage, m, tensors, values = _export_source(src, keys)
@@ -435,8 +434,8 @@ def from_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, keys: 
     dict with ``keys``/``rename``."""
     import liferaft
     from liferaft.formats.dcp import DcpCheckpoint
-    from liferaft.state.tree import nest
     from liferaft.state.sharded import Sharded
+    from liferaft.state.tree import nest
 
     ck = DcpCheckpoint(src)
     leaves: list[tuple[str, Any]] = []

@@ -19,11 +19,11 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from liferaft.state.dtypes import torch_dtype
 from liferaft.errors import LiferaftError
-from liferaft.tools._source import Source, _dt
 from liferaft.options import LoadOptions
+from liferaft.state.dtypes import torch_dtype
 from liferaft.tools._slabs import slabs
+from liferaft.tools._source import Source, _dt
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from liferaft.state.dtypes import torch_dtype
 from liferaft.core.commit import check_files, open_checkpoint
+from liferaft.state.dtypes import torch_dtype
 from liferaft.storage import resolve
 from liferaft.storage.refs import with_references
 from liferaft.tools._slabs import read_box, slabs

@@ -327,8 +327,8 @@ def _decided(f: _File, w: WriteItem, held: Sequence[Piece], hashes: tuple[str, .
 def _change(held: Sequence[Piece], base: ChunkRecord, dtype: str, key: str, reader: Storage) -> float | None:
     """‖x − x_base‖ / ‖x_base‖ of this chunk against the base's stored values (None: not comparable)."""
     from liferaft.core.chunks.blocks import read_blocks
-    from liferaft.state.dtypes import torch_dtype
     from liferaft.errors import LiferaftError
+    from liferaft.state.dtypes import torch_dtype
 
     try:
         old = read_blocks(reader, base, 0, len(base.hashes), dtype, key)
