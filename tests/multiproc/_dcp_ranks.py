@@ -59,3 +59,19 @@ def dcp_load_export(rank: int, world: int, path: str) -> list[bool]:
     return [torch.equal(state["model"]["w"].full_tensor(), full("w")),
             torch.equal(state["model"]["h"].full_tensor(), full("h")), torch.equal(state["b"], full("b")),
             state["step"] == 11]
+
+
+def load_dcp_one_rank_wrong(rank: int, world: int, path: str) -> tuple[str, int]:
+    """Rank 1 holds a wrong shape: every rank raises (the one pipeline exchanges every rank's outcome), and nothing
+    of rank 0's state changed; with matching states each rank reports its own rank."""
+    w = torch.zeros(12, 10 if rank == 0 else 11)
+    state = {"model": {"w": w}}
+    try:
+        liferaft.load(path, state, strict=False)
+    except liferaft.LiferaftError as e:
+        outcome = type(e).__name__
+    else:
+        outcome = "loaded"
+    ok = {"model": {"w": torch.zeros(12, 10)}}
+    res = liferaft.load(path, ok, strict=False)
+    return outcome + ("" if torch.count_nonzero(w) == 0 else " (changed)"), res.rank

@@ -39,3 +39,13 @@ def test_liferaft_export_of_a_two_rank_save_loads_with_dcp_on_two_ranks(tmp_path
     assert (w.layout, w.ranks) == ("dim 1 in 2 (cut at 5)", (0, 1))
     liferaft.convert(src, dst, "dcp")
     assert run_ranks(dcp_load_export, 2, dst) == [[True] * 4] * 2
+
+
+def test_a_dcp_load_raises_on_every_rank_when_one_rank_fails(tmp_path):
+    """The DCP path of load used to skip the all-ranks error exchange (and report rank 0 everywhere): a shape
+    mismatch on rank 1 left rank 0 loaded and waiting. Now one pipeline: every rank raises before anything moves."""
+    from multiproc._dcp_ranks import load_dcp_one_rank_wrong
+
+    dcp_path = str(tmp_path / "dcp")
+    run_ranks(dcp_save_sharded, 2, dcp_path)
+    assert run_ranks(load_dcp_one_rank_wrong, 2, dcp_path) == [("DistributedError", 0), ("StateMismatchError", 1)]

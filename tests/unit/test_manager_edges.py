@@ -52,9 +52,15 @@ def test_ls_shows_whole_job_ids(tmp_path, capsys):
     assert job in out                        # whole (it used to be cut to 16 characters: "torchrun:a-rathe")
 
 
-def test_load_of_a_torch_save_file_says_to_convert_it(tmp_path):
+def test_load_of_a_torch_save_file_reads_it_with_weights_only(tmp_path):
+    """One load pipeline for every format: a torch.save file loads (weights_only, nothing run) and is untouched;
+    a file that is no checkpoint at all is refused naming it."""
     path = str(tmp_path / "model.pt")
     torch.save({"w": torch.ones(2)}, path)
-    with pytest.raises(liferaft.CheckpointNotFoundError, match="convert it first"):
-        liferaft.load(path, {"w": torch.zeros(2)})
-    assert os.path.exists(path)
+    state = {"w": torch.zeros(2)}
+    liferaft.load(path, state)
+    assert torch.equal(state["w"], torch.ones(2)) and os.path.exists(path)
+    junk = tmp_path / "notes.txt"
+    junk.write_text("not a checkpoint")
+    with pytest.raises(liferaft.CorruptCheckpointError, match="notes.txt"):
+        liferaft.load(str(junk), state)

@@ -50,9 +50,13 @@ from liferaft.storage.refs import with_references
 
 
 def _version() -> str:
-    from liferaft import __version__
+    """The installed liferaft's version (recorded in the manifest), from the package metadata."""
+    from importlib.metadata import PackageNotFoundError, version
 
-    return __version__
+    try:
+        return version("liferaft")
+    except PackageNotFoundError:            # run from a source tree that was never installed
+        return "unknown"
 
 
 PlanKey = tuple[str, int, int, int, int]

@@ -166,6 +166,11 @@ class Reader(ABC):
         """Release what the reader holds (mappings, descriptors)."""
 
 
+def matches(key: str, patterns: Sequence[str] | None) -> bool:
+    """Whether ``patterns`` select ``key`` (the rule of :func:`select`); every key when there are none."""
+    return not patterns or any(key == p or key.startswith(p + ".") or fnmatch.fnmatchcase(key, p) for p in patterns)
+
+
 def select(keys: Sequence[str], patterns: Sequence[str] | None, *, url: str = "", required: bool = True,
            error: type[LiferaftError] = OptionsError) -> list[str]:
     """The keys that ``patterns`` select — the one meaning of ``keys=`` everywhere: a pattern selects a key equal
@@ -178,7 +183,7 @@ def select(keys: Sequence[str], patterns: Sequence[str] | None, *, url: str = ""
     for p in patterns:
         if not isinstance(p, str) or not p:
             raise OptionsError(f"key pattern {p!r} is not a non-empty string")
-        hit = {k for k in keys if k == p or k.startswith(p + ".") or fnmatch.fnmatchcase(k, p)}
+        hit = {k for k in keys if matches(k, (p,))}
         if not hit and required:
             raise error(f"{url + ': ' if url else ''}key {p!r} is not in the checkpoint (no key equals it, "
                                "lies under it or matches it as a glob)")

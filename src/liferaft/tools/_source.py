@@ -4,7 +4,6 @@ built on the one reader protocol (``formats.base.Reader``, opened by ``core.open
 
 from __future__ import annotations
 
-import fnmatch
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -12,7 +11,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from liferaft.core.open import open_reader
-from liferaft.formats.base import CheckReport, Reader
+from liferaft.formats.base import CheckReport, Reader, matches
 from liferaft.formats.dcp import DcpReader
 from liferaft.formats.detect import NAMES, detect  # noqa: F401  (the tools' detector)
 from liferaft.options import LoadOptions
@@ -46,22 +45,22 @@ class Source:
                       {rename(k): v for k, v in self.chunks.items()})      # (the recorded nesting no longer fits)
 
     def selected(self, keys: Sequence[str] | None) -> "Source":
-        """Only the keys matching one of the globs ``keys`` (all for None)."""
+        """Only the keys ``keys`` select (``formats.base.matches``: a key, a prefix or a glob; all for None)."""
         if not keys:
             return self
 
         def keep(k: str) -> bool:
-            return any(fnmatch.fnmatchcase(k, p) for p in keys)
+            return matches(k, keys)
         return Source(self.url, self.fmt, {k: v for k, v in self.tensors.items() if keep(k)}, self.read,
                       {k: v for k, v in self.values.items() if keep(k)}, self.chunks, self.paths, self.reader)
 
 
 def open_source(path: str | os.PathLike[str], keys: Sequence[str] | None = None,
                 options: LoadOptions | None = None) -> Source:
-    """The tensors and values of a checkpoint in any format (``keys``: globs to keep), read on demand: liferaft's
+    """The tensors and values of a checkpoint in any format (``keys``: keys, prefixes or globs to keep, ``formats.base.matches``), read on demand: liferaft's
     verified like any load, the others as they are (memory-mapped)."""
     r = open_reader(path, options)
-    picked = (lambda k: not keys or any(fnmatch.fnmatchcase(k, p) for p in keys))
+    picked = (lambda k: matches(k, keys))
     return Source(r.url, r.fmt, {k: (t.dtype, tuple(t.shape), t.kind) for k, t in r.tensors.items() if picked(k)},
                   r.read_box, {k: (lambda k=k: r.value(k)) for k in r.values if picked(k)},
                   {k: t.chunks for k, t in r.ck.tensors.items()} if isinstance(r, DcpReader) else {},

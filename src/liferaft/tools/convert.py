@@ -8,13 +8,12 @@ Every direction streams, holding a few 64 MiB slabs, never the state: exports re
 header, raw bytes; page-aligned, O_DIRECT), into a ``torch.save`` archive whose records are filled in place
 (``tools.torch_file``) or into DCP's format (``tools.dcp_format``); imports memory-map the source (safetensors and
 ``torch.save`` files as they are, DCP chunks where DCP's blobs keep their bytes) and save from the mapping. Keys
-can be selected (globs) and renamed (regex) in every direction; the results are checked against the
+can be selected (keys, prefixes or globs) and renamed (regex) in every direction; the results are checked against the
 ``safetensors`` package, ``torch.load`` and DCP's own loader in the tests.
 """
 
 from __future__ import annotations
 
-import fnmatch
 import json
 import math
 import os
@@ -28,6 +27,7 @@ import torch
 
 from liferaft.core.commit import check_files, open_checkpoint
 from liferaft.errors import CorruptCheckpointError, InvalidStateError, OptionsError
+from liferaft.formats.base import matches
 from liferaft.formats.hf_folder import (  # noqa: F401 (the API of this module too)
     bring_config,
     model_subtree,
@@ -57,7 +57,9 @@ def _renamer(rename: Sequence[tuple[str, str]] | None):
 
 
 def _selected(key: str, keys: Sequence[str] | None) -> bool:
-    return not keys or any(fnmatch.fnmatchcase(key, p) for p in keys)
+    """Whether ``keys`` select ``key``: a key, a prefix (``model`` selects ``model.*``) or a glob
+    (``formats.base.matches``, the one meaning of ``keys=``)."""
+    return matches(key, keys)
 
 
 def _refuse_per_rank(entries: Sequence[Any]) -> None:
@@ -485,7 +487,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], to: Conver
     ``from_pretrained`` loads (``to_hf``: one module's weights, its config), where "safetensors" writes every
     tensor under its full key. Streams in bounded memory. Between two formats other than liferaft (DCP → HF, say)
     the state goes through a temporary liferaft checkpoint next to ``dst`` (disk space: the state's size once
-    more), removed afterwards; ``keys`` and ``rename`` then apply on the way in. ``keys``: globs of keys to keep;
+    more), removed afterwards; ``keys`` and ``rename`` then apply on the way in. ``keys``: keys, key prefixes or globs to keep (``formats.base.matches``);
     ``rename``: ``(regex, replacement)`` pairs applied in order; ``dtype``: cast floating-point tensors on export;
     ``max_shard_bytes``: per safetensors shard; ``module``, ``config``: of an ``hf`` export; ``options``:
     ``SaveOptions`` of an import; ``progress(nbytes)`` called as an export writes."""

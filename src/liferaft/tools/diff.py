@@ -126,7 +126,7 @@ def diff(a: str | os.PathLike[str], b: str | os.PathLike[str], *, keys: Sequence
     Keys are matched in A's names: B's keys are first renamed by ``rename`` (``(regex, replacement)`` pairs applied
     in order, ``re.sub`` syntax), then, with ``module="KEY"``, prefixed by ``KEY.`` while A is restricted to its
     keys under ``KEY`` — so an export of one module (``convert --to hf``, keys without the prefix) is compared with
-    its subtree of the source. ``keys``: glob patterns (in A's names) to restrict to. Tensors are "equal" when
+    its subtree of the source. ``keys``: keys, key prefixes or globs (in A's names) to restrict to. Tensors are "equal" when
     their bits are (``-0.0`` is not ``0.0``; integers exact at any magnitude); a float tensor whose largest
     absolute difference is ≤ ``tolerance`` (> 0) counts as "equal" too (NaNs at the same places: no difference),
     integer and bool tensors never by tolerance. Plain values are compared exactly, up to the container shapes

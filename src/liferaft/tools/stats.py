@@ -3,7 +3,6 @@ key (chunks, files, stored bytes, codecs, lossy): ``liferaft inspect --stats`` (
 
 from __future__ import annotations
 
-import fnmatch
 import math
 import os
 import re
@@ -14,6 +13,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from liferaft.core.commit import check_files, open_checkpoint
+from liferaft.formats.base import matches
 from liferaft.state.dtypes import torch_dtype
 from liferaft.storage import resolve
 from liferaft.storage.refs import with_references
@@ -86,7 +86,7 @@ def _stats(read: Callable[[Any], torch.Tensor], entry: Any, slab_bytes: int) -> 
 
 def describe(path: str | os.PathLike[str], keys: Sequence[str] | None = None, *, stats: bool = False,
              slab_bytes: int = 64 << 20) -> list[KeyInfo]:
-    """The tensors of a checkpoint matching ``keys`` (globs): how each is stored, and with ``stats`` its
+    """The tensors of a checkpoint selected by ``keys`` (keys, key prefixes or globs: ``formats.base.matches``): how each is stored, and with ``stats`` its
     min / max / mean / std over the finite values and its NaN / Inf counts (read and verified in slabs). ``path``
     may also be a DCP folder, a safetensors folder/file or a ``torch.save`` file (nothing to verify there)."""
     from liferaft.tools._source import detect, open_source
@@ -95,7 +95,7 @@ def describe(path: str | os.PathLike[str], keys: Sequence[str] | None = None, *,
         return describe_side(open_source(path, keys), stats, slab_bytes)
     storage = with_references(resolve(path))
     m = open_checkpoint(storage)
-    picked = [e for e in m.tensors if not keys or any(fnmatch.fnmatchcase(e.key, p) for p in keys)]
+    picked = [e for e in m.tensors if matches(e.key, keys)]
     if stats:
         check_files(storage, m, {c.file for e in picked for c in e.chunks})
     out = []

@@ -8,10 +8,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable
 
-from liferaft.format.manifest import COMMIT_MARKER
+from liferaft.format.layout import parse_step as _parse_step
+from liferaft.format.layout import step_name
 from liferaft.manager.lease import Lease
-from liferaft.manager.manager import PINS, StepInfo, _parse_step, list_steps, step_name
-from liferaft.manager.policies import RetentionPolicy, referenced_closure
+from liferaft.manager.listing import PINS, StepInfo, delete_step, kept_steps, list_steps, read_pins
+from liferaft.manager.policies import RetentionPolicy
 from liferaft.options import MetricMode
 from liferaft.storage import Storage, resolve
 
@@ -108,21 +109,17 @@ def gc(root: str | os.PathLike[str] | Storage, *, keep_last: int | None = None, 
     if lease is not None:
         lease.acquire()
     try:
-        listing = _listing(storage, _pins(storage))             # (steps of other formats: never deleted)
+        pins = read_pins(storage)                               # (a damaged PINS refuses: nothing deleted)
+        listing = _listing(storage, pins)                       # (steps of other formats: never deleted)
         committed = [i.step for i in listing if i.status == "committed"]
-        keep = set(policy.keep(committed, {i.step: i.metrics for i in listing if i.metrics}, _pins(storage)))
-        keep = referenced_closure(keep, {i.step: i.depends_on for i in listing})
+        keep = kept_steps(listing, policy, pins)
         doomed = [i for i in listing if i.status == "committed" and i.step not in keep]
         if incomplete:
             doomed += [i for i in listing if i.status == "incomplete" and i.step not in keep]
         freed = sum(i.nbytes for i in doomed)
         if not dry_run:
             for info in doomed:
-                prefix = step_name(info.step) + "/"
-                storage.delete(prefix + COMMIT_MARKER)
-                for name in storage.list():
-                    if name.startswith(prefix):
-                        storage.delete(name)
+                delete_step(storage, info.step)
         return GcReport(deleted=tuple(i.step for i in doomed), kept=tuple(sorted(keep & set(committed))),
                         freed_bytes=freed, dry_run=dry_run)
     finally:
