@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
-from _common import PeakRss
+from _common import PeakRss, fsync_path
 
 # DCP warns on every no_dist call that it assumes a single process; that is what we ask for.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -180,14 +180,6 @@ def flat_names(state: dict[str, Any], cfg: Config) -> dict[str, torch.Tensor]:
 
 # ---------------------------------------------------------------- the operations
 
-def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def do_save(method: str, path: str, state: dict[str, Any], cfg: Config | None, solo: bool) -> dict[str, Any]:
     """Save ``state`` to directory ``path`` with ``method``, durably (fsync); return liferaft's phase timings."""
     if method == "liferaft":
@@ -216,10 +208,10 @@ def do_save(method: str, path: str, state: dict[str, Any], cfg: Config | None, s
 
         file = os.path.join(path, "state.safetensors")
         save_file(flat_names(state, cfg) if cfg else state, file)
-        _fsync_path(file)
+        fsync_path(file)
     else:
         raise ValueError(method)
-    _fsync_path(path)
+    fsync_path(path)
     return {}
 
 

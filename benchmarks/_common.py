@@ -124,3 +124,12 @@ def run_and_report(bench: Any) -> int:
     bench.report()
     print(f"\n(run {bench.run_id} took {time.perf_counter() - t0:.0f} s; raw data in {bench.jsonl})", file=sys.stderr)
     return 0
+
+
+def fsync_path(path: str) -> None:
+    """fsync one file or folder (what a durable save must have done)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -122,7 +122,7 @@ def _fsync_tree(path: str) -> None:
     mine = files[rank::world] + ([d for d, _, _ in walk] + [os.path.dirname(os.path.abspath(path))]
                                  if rank == 0 else [])
     for p in mine:
-        _fsync_path(p)
+        fsync_path(p)
     if world > 1:
         dist.barrier()
 
