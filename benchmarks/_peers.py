@@ -58,7 +58,7 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
-from _bench_ranks import _fsync_path
+from _common import fsync_path
 
 PEERS = ("bytecheckpoint", "torchsnapshot")
 FRAMEWORK = "fsdp2"          # ByteCheckpoint framework: DTensor parameters, DCP-style resharding planner
