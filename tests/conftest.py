@@ -1,7 +1,13 @@
 import os
 import sys
+import uuid
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from liferaft.testing.s3server import MotoS3Server
 
 # multi-process tests import their rank functions from this folder
 sys.path.insert(0, os.path.dirname(__file__))
@@ -18,3 +24,23 @@ def backend_path(request, tmp_path):
         name = f"test-{os.getpid()}-{request.node.name}"
         yield f"memory://{name}"
         drop_memory_store(name)
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator["MotoS3Server"]:
+    """One moto S3 server (a subprocess on 127.0.0.1) for the whole session, started on first use; each test takes
+    its own prefix (``s3_prefix``). Skips when the ``test`` extra's obstore/moto are missing."""
+    pytest.importorskip("obstore")
+    pytest.importorskip("moto")
+    from liferaft.testing.s3server import MotoS3Server
+
+    with MotoS3Server() as server:
+        yield server
+
+
+@pytest.fixture
+def s3_prefix(s3_server: "MotoS3Server", monkeypatch: pytest.MonkeyPatch) -> str:
+    """``s3://bucket/<fresh prefix>`` on the session's server, its endpoint and credentials in the environment."""
+    for k, v in s3_server.env().items():
+        monkeypatch.setenv(k, v)
+    return f"s3://{s3_server.bucket}/{uuid.uuid4().hex[:12]}"
