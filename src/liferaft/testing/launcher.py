@@ -36,7 +36,7 @@ def free_port() -> int:
 
 def _context() -> Any:
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "numpy", "liferaft"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor", "numpy", "liferaft"])
     return ctx
 
 
