@@ -2,6 +2,8 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
+# test processes side by side (pytest-xdist; a test file stays on one worker, so its module fixtures start once)
+TEST_WORKERS ?= 2
 
 .PHONY: demo test bench clean
 
@@ -16,7 +18,7 @@ demo: $(VENV)/.installed
 	$(PY) examples/demo.py
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 # Peer libraries the benchmark compares against (not needed by liferaft or its tests). ByteCheckpoint 0.0.2 pins
 # torch<=2.5, so it goes in without its dependencies, which are added here (torch stays 2.13.0).
