@@ -16,8 +16,9 @@ import pytest
 
 pytest.importorskip("importlinter")
 
-import liferaft  # noqa: E402
-from import_contracts import imported_names  # noqa: E402
+from import_contracts import imported_names
+
+import liferaft
 
 ROOT = Path(__file__).resolve().parents[2]
 SRC = Path(liferaft.__file__).resolve().parents[1]    # the tree under test, wherever it was imported from
@@ -30,7 +31,7 @@ def _lint_imports(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command as c; sys.exit(c())",
          "--no-cache", "--no-logo", *args],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+        check=False, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
 
 
 def test_the_import_contracts_hold() -> None:
