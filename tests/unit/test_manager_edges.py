@@ -64,3 +64,29 @@ def test_load_of_a_torch_save_file_reads_it_with_weights_only(tmp_path):
     junk.write_text("not a checkpoint")
     with pytest.raises(liferaft.CorruptCheckpointError, match="notes.txt"):
         liferaft.load(str(junk), state)
+
+
+@pytest.mark.parametrize("async_mode", [False, True])
+def test_a_manager_save_is_never_skipped_by_if_busy(tmp_path, async_mode):
+    """SaveOptions(if_busy="skip") given to the manager must not make a save it decided on vanish: with another
+    save of the process in flight, the step was recorded as committed (sync) or an AssertionError raised (async)."""
+    import threading
+
+    from liferaft.storage import register_scheme
+    from liferaft.testing.faults import GatedStorage
+
+    register_scheme("gatedmgr", GatedStorage)
+    GatedStorage.gate.clear()
+    other = liferaft.async_save(f"gatedmgr://{tmp_path / 'other'}", {"x": torch.ones(1 << 16)})
+    threading.Timer(0.5, GatedStorage.gate.set).start()
+    mgr = liferaft.CheckpointManager(str(tmp_path / "root"), async_save=async_mode,
+                                     save_options=liferaft.SaveOptions(if_busy="skip"))
+    try:
+        mgr.save(3, {"w": torch.arange(4.0)})
+        mgr.wait()
+        assert [i.step for i in liferaft.ls(str(tmp_path / "root")) if i.status == "committed"] == [3]
+    finally:
+        mgr.close()
+        GatedStorage.gate.set()
+        assert other is not None
+        other.wait()

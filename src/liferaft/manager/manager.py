@@ -322,7 +322,9 @@ class CheckpointManager:
         self._begin_save()
         base = self._base if self._base is not None and self._base[0] != step else None
         since = base[1] + 1 if base is not None and base[1] + 1 < self.save_policy.full_every else 0
-        opts = replace(self._options(step, reason, metrics, since), overwrite=True,
+        # if_busy="wait": a save this manager decided on is never skipped (a skipped one would be taken as
+        # committed); another save of the process in flight (the memory tier's) is waited for instead
+        opts = replace(self._options(step, reason, metrics, since), overwrite=True, if_busy="wait",
                        incremental_base=step_name(base[0]) if base is not None and since else None)
         if timeout is not None:                     # a preemption save: no rank waits past the deadline
             opts = replace(opts, timeout=min(opts.timeout, timeout))
