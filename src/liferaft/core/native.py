@@ -1,10 +1,17 @@
 """liferaft's own format as a :class:`formats.base.Reader`: the committed manifest (``core.commit.open_checkpoint``)
 and chunk reads that are coalesced, shared between ranks on remote storage and verified block by block
-(``core.chunks.reader``). The one reader whose bytes are ``verified``."""
+(``core.chunks.reader``). The one reader whose bytes are ``verified``.
+
+What only this format records reaches the tools through the reader, never by reopening the manifest:
+``chunks(key)`` (each chunk's codecs, file, stored bytes, writing rank, references), ``info`` (version, save id,
+files, ``metadata`` — the manifest's ``extra`` —, ``containers``) and the documented attributes ``manifest`` (the
+verified ``format.manifest.Manifest``, read-only) and ``storage`` (where it lies, references resolved)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -13,11 +20,19 @@ from liferaft.core.chunks.reader import execute_reads
 from liferaft.core.commit import check_files
 from liferaft.errors import LiferaftError
 from liferaft.format.manifest import Manifest, TensorEntry, ValueEntry
-from liferaft.formats.base import BoxRead, CheckReport, Reader, ReadJob, ReadOutcome, TensorSpec, ValueSpec
+from liferaft.formats.base import (
+    BoxRead,
+    CheckReport,
+    ChunkInfo,
+    Reader,
+    ReadJob,
+    ReadOutcome,
+    TensorSpec,
+    ValueSpec,
+)
 from liferaft.options import LoadOptions
 from liferaft.planning.load_plan import plan_reads
 from liferaft.planning.share_plan import MIN_SHARED_BYTES
-from liferaft.state.dtypes import torch_dtype
 from liferaft.state.tree import build_tree
 from liferaft.state.values import PerRank, decode_value
 from liferaft.storage import Storage
@@ -36,15 +51,22 @@ def _spec(e: TensorEntry) -> TensorSpec:
                       nbytes=e.nbytes)
 
 
+#: The data files of a save are ``data/<save id>/r<rank>.bin``: the rank that wrote a chunk, from its file name.
+_WRITER = re.compile(r"/r(\d+)\.bin$")
+
+
 class NativeReader(Reader):
     """A committed liferaft checkpoint in ``storage`` (with references to sibling checkpoints resolved), read
-    through its verified ``manifest``."""
+    through its verified ``manifest``. ``manifest``, ``storage`` and ``entries`` (the manifest's tensor entries by
+    key) are read-only; each data file is checked present and long enough once per reader (``check_present``, or
+    the first ``plan`` that reads from it), not again for every read."""
 
     def __init__(self, storage: Storage, manifest: Manifest, options: LoadOptions | None = None) -> None:
         self.storage, self.manifest = storage, manifest
         self.options = options or LoadOptions()
         self.entries = manifest.tensor_map()
         self._values = {v.key: v for v in manifest.values}
+        self._checked: set[str] = set()             # data files found present and long enough
         m = manifest
         super().__init__(
             url=storage.url, fmt="liferaft", verified=True, world_size=m.world_size,
@@ -65,6 +87,29 @@ class NativeReader(Reader):
 
     def copy_box(self, key: str, offsets: Sequence[int], out: torch.Tensor) -> int:
         return self.plan([(key, (tuple(offsets), tuple(out.shape)), out)]).run().used
+
+    def chunks(self, key: str) -> tuple[ChunkInfo, ...]:
+        """Each chunk of ``key`` as saved: its codec (``"raw"`` for none) and ``"xor-delta"`` when it is stored
+        as a delta, its file (relative to the checkpoint; ``../<sibling>/...`` for a reference), the bytes it
+        takes there, the rank whose file holds it."""
+        out = []
+        for c in self.entries[key].chunks:
+            found = _WRITER.search(c.file)
+            out.append(ChunkInfo(offsets=tuple(c.offsets), sizes=tuple(c.sizes), file=c.file,
+                                 codecs=(c.codec or "raw",) + (("xor-delta",) if c.delta is not None else ()),
+                                 stored_bytes=c.stored_length, rank=int(found.group(1)) if found else None,
+                                 referenced=c.is_reference))
+        return tuple(out)
+
+    def check_present(self, keys: Iterable[str]) -> None:
+        self._check({c.file for k in keys for c in self.entries[k].chunks})
+
+    def _check(self, files: set[str]) -> None:
+        """``core.commit.check_files`` for the files not yet checked by this reader."""
+        todo = files - self._checked
+        if todo:
+            check_files(self.storage, self.manifest, todo)
+            self._checked |= todo
 
     def tree(self, leaves: Mapping[str, Any]) -> Any:
         m = self.manifest
@@ -112,7 +157,8 @@ class NativeReader(Reader):
 
 class _NativeJob(ReadJob):
     """The reads of a native load: per box, the planned byte ranges of the chunks it overlaps
-    (``planning.load_plan.plan_reads``), their files checked present and long enough at once."""
+    (``planning.load_plan.plan_reads``), their files checked present and long enough at once (those the reader
+    has not checked before)."""
 
     def __init__(self, reader: NativeReader, requests: Sequence[BoxRead]) -> None:
         super().__init__(reader, requests)
@@ -126,7 +172,7 @@ class _NativeJob(ReadJob):
             units = plan_reads(reader.entries[key], [(len(self.targets) - 1, box)], max_read)
             self.units.extend((u, dest.dtype) for u in units)
             files.update(u.file for u in units)
-        check_files(reader.storage, reader.manifest, files)
+        reader._check(files)
         self.spans = [(u.file, u.file_offset, u.length) for u, _ in self.units if u.length >= MIN_SHARED_BYTES]
 
     def run(self, *, check_only: bool = False, peers: Any = None, rank: int = 0,
@@ -135,14 +181,3 @@ class _NativeJob(ReadJob):
                               max_read=self.native.options.max_read_bytes, peers=peers, rank=rank,
                               sharing=sharing or {})
         return ReadOutcome(used=stats.used, received=stats.received, verify_s=stats.verify_s)
-
-
-def read_full(storage: Storage, entries: Sequence[TensorEntry], max_read: int) -> list[torch.Tensor]:
-    """Full tensors for ``entries``, read and verified (the exports of ``tools.convert``)."""
-    targets = [torch.empty(e.shape, dtype=torch_dtype(e.dtype)) for e in entries]
-    units = []
-    for i, e in enumerate(entries):
-        dt = targets[i].dtype
-        units.extend((u, dt) for u in plan_reads(e, [(i, (tuple(0 for _ in e.shape), e.shape))], max_read))
-    execute_reads(storage, units, targets, max_read=max_read)
-    return targets

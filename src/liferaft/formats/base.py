@@ -13,9 +13,11 @@ checksums (only liferaft's are). Readers are opened by ``liferaft.core.open.open
 from __future__ import annotations
 
 import fnmatch
+import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -51,6 +53,23 @@ class TensorSpec:
 
 
 @dataclass(frozen=True)
+class ChunkInfo:
+    """How one saved chunk of a tensor is stored (``Reader.chunks``): its box in the global tensor, the file that
+    holds it, the codecs its bytes went through (``("raw",)`` for none; liferaft's XOR deltas show as
+    ``"xor-delta"``, DCP's stream transforms joined by ``+``), the bytes it takes there, the rank that wrote it
+    (None when the format does not say), and whether it lies in another checkpoint (``referenced``: an incremental
+    liferaft save pointing at a sibling's bytes instead of storing them again)."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str
+    codecs: tuple[str, ...] = ("raw",)
+    stored_bytes: int = 0
+    rank: int | None = None
+    referenced: bool = False
+
+
+@dataclass(frozen=True)
 class ValueSpec:
     """One saved plain value; ``per_rank``: it differed between the saving ranks (it decodes to a ``PerRank``)."""
 
@@ -75,7 +94,7 @@ class ReadJob:
     verifies without copying, for formats that verify). This default copies each request with the reader's
     ``copy_box``."""
 
-    def __init__(self, reader: "Reader", requests: Sequence[BoxRead]) -> None:
+    def __init__(self, reader: Reader, requests: Sequence[BoxRead]) -> None:
         self.reader, self.requests = reader, list(requests)
         self.spans: list[tuple[str, int, int]] = []
 
@@ -152,6 +171,23 @@ class Reader(ABC):
         out = torch.empty(box[1], dtype=torch_dtype(self.tensors[key].dtype))
         self.plan([(key, box, out)]).run()
         return out
+
+    def chunks(self, key: str) -> tuple[ChunkInfo, ...]:
+        """How the tensor ``key`` is stored, chunk by chunk (``describe``). This default: one raw chunk per saved
+        box (the whole tensor when the format records none) in the checkpoint's own file, its logical bytes
+        stored, no writer known; readers that know more (liferaft's: codecs, files, writing ranks, references)
+        say so."""
+        spec = self.tensors[key]
+        itemsize = torch.empty(0, dtype=torch_dtype(spec.dtype)).element_size()
+        boxes = spec.boxes or ((tuple(0 for _ in spec.shape), tuple(spec.shape)),)
+        return tuple(ChunkInfo(offsets=tuple(o), sizes=tuple(s), file=self.url, stored_bytes=math.prod(s) * itemsize)
+                     for o, s in boxes)
+
+    def check_present(self, keys: Iterable[str]) -> None:
+        """Raise CorruptCheckpointError when data that reading the tensors ``keys`` needs is missing or shorter
+        than recorded — the checks ``plan`` makes before copying, made up front (an export calls it once, before
+        it writes anything). A reader checks each file once: the ``plan`` of every later read skips it. This
+        default has nothing to check (the formats whose files are mapped when opened)."""
 
     def tree(self, leaves: Mapping[str, Any]) -> Any:
         """``leaves`` (values by key) nested as the checkpoint recorded them; a flat dict when it records no
