@@ -1,48 +1,64 @@
-"""Reading one tensor of a checkpoint in slabs of leading-dimension rows (bounded memory), for the tools."""
+"""Reading one tensor of a checkpoint of any format in slabs of leading-dimension rows (bounded memory), through the
+reader protocol (``formats.base.Reader.plan``), for the tools: exports, ``diff`` and ``describe --stats``."""
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
-from typing import Any, Iterator, TypeVar
+from collections.abc import Iterator, Sequence
+from typing import Any, TypeVar
 
 import torch
 
-from liferaft.core.chunks.reader import execute_reads
-from liferaft.format.manifest import TensorEntry
-from liferaft.planning.load_plan import plan_reads
+from liferaft.formats.base import Box, Reader
 from liferaft.state.dtypes import torch_dtype
 
 T = TypeVar("T")
+PAGE = 4096
 
 
-def slabs(entry: TensorEntry, slab_bytes: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """Boxes of whole leading-dimension rows, about ``slab_bytes`` each, covering the tensor in order."""
-    shape = entry.shape
+def itemsize(dtype: str) -> int:
+    """Bytes per element of the dtype named ``dtype`` ("float32", "bfloat16", ...)."""
+    return torch.empty(0, dtype=torch_dtype(dtype)).element_size()
+
+
+def slabs(shape: Sequence[int], item: int, slab_bytes: int) -> list[Box]:
+    """Boxes of whole leading-dimension rows of a tensor of ``shape`` (``item`` bytes an element), about
+    ``slab_bytes`` each, covering the tensor in order; one empty box for a 0-d tensor."""
+    shape = tuple(shape)
     if not shape:
         return [((), ())]
-    row = entry.itemsize
-    for s in shape[1:]:
-        row *= s
+    row = item * math.prod(shape[1:])
     rows = max(1, slab_bytes // max(row, 1))
-    return [((r,) + (0,) * (len(shape) - 1), (min(rows, shape[0] - r),) + tuple(shape[1:]))
-            for r in range(0, shape[0], rows)] or [((0,) * len(shape), tuple(shape))]
+    return [((r,) + (0,) * (len(shape) - 1), (min(rows, shape[0] - r),) + shape[1:])
+            for r in range(0, shape[0], rows)] or [((0,) * len(shape), shape)]
 
 
-def read_box(storage: Any, entry: TensorEntry, box: Any, max_read: int,
-             out: torch.Tensor | None = None) -> torch.Tensor:
-    """The values of ``box`` of tensor ``entry``, read and verified (into ``out``, a uint8 buffer at least that
-    large, when given: reusing one buffer saves the first touch of fresh memory for every slab)."""
-    dt = torch_dtype(entry.dtype)
-    if out is not None:
-        n = 1
-        for s in box[1]:
-            n *= s
-        target = out[:n * torch.empty(0, dtype=dt).element_size()].view(dt).view(box[1])
-    else:
+def page_aligned(nbytes: int) -> torch.Tensor:
+    """An uninitialised uint8 buffer of ``nbytes`` whose first byte lies on a 4 KiB page (for O_DIRECT writes)."""
+    raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
+    skip = (-raw.data_ptr()) % PAGE
+    return raw[skip:skip + nbytes]
+
+
+def ring(slab_bytes: int, n: int = 3) -> list[torch.Tensor]:
+    """``n`` page-aligned buffers of ``slab_bytes`` + 4 KiB, for ``slab_values``: a slab read, one written, one
+    being filled."""
+    return [page_aligned(slab_bytes + PAGE) for _ in range(n)]
+
+
+def read_box(reader: Reader, key: str, box: Box, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The values of ``box`` of tensor ``key``, read through ``reader`` (liferaft's verified; its files checked
+    once per reader, not per box), into ``out`` (a uint8 buffer at least that large) when given: reusing one
+    buffer saves the first touch of fresh memory for every slab."""
+    dt = torch_dtype(reader.tensors[key].dtype)
+    if out is None:
         target = torch.empty(box[1], dtype=dt)
-    units = [(u, target.dtype) for u in plan_reads(entry, [(0, box)], max_read)]
-    execute_reads(storage, units, [target], max_read=max_read)
+    else:
+        n = math.prod(box[1]) * torch.empty(0, dtype=dt).element_size()
+        target = out[:n].view(dt).view(box[1])
+    reader.plan([(key, box, target)]).run()
     return target
 
 
@@ -67,7 +83,7 @@ def prefetched(items: Iterator[T], depth: int = 1) -> Iterator[T]:
                 if not put(("item", x)):
                     return
             put(("end", None))
-        except BaseException as e:              # handed to the consumer
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, who raises it
             put(("error", e))
 
     t = threading.Thread(target=run, name="liferaft-prefetch", daemon=True)
@@ -85,24 +101,22 @@ def prefetched(items: Iterator[T], depth: int = 1) -> Iterator[T]:
         t.join()
 
 
-def slab_values(storage: Any, entry: TensorEntry, slab_bytes: int, dtype: torch.dtype | None = None,
-                ring: list[torch.Tensor] | None = None, max_read: int = 32 << 20,
-                base: int | None = None) -> Iterator[tuple[Any, torch.Tensor]]:
-    """``(box, values)`` for the row slabs of ``entry`` in order, read and verified; cast to ``dtype`` when given.
-    With ``ring`` (uint8 buffers of at least ``slab_bytes`` + 4 KiB) slabs are read into its buffers in turn (no
-    fresh memory to touch; a consumer must be done with a slab ``len(ring) - 1`` slabs later), else into new
-    tensors. ``base``: the file offset the tensor's bytes will be written at; each slab then lies in its buffer
-    on the same 4 KiB boundaries as in the file (so the writer can use O_DIRECT without a copy)."""
-    row = entry.itemsize
-    for s in entry.shape[1:]:
-        row *= s
-    for i, box in enumerate(slabs(entry, slab_bytes)):
-        n = entry.itemsize
-        for s in box[1]:
-            n *= s
-        shift = (base + (box[0][0] if box[0] else 0) * row) % 4096 if base is not None else 0
-        if shift % entry.itemsize:              # (a view of the buffer must start on an element; the writer copies)
+def slab_values(reader: Reader, key: str, slab_bytes: int, dtype: torch.dtype | None = None,
+                buffers: list[torch.Tensor] | None = None,
+                base: int | None = None) -> Iterator[tuple[Box, torch.Tensor]]:
+    """``(box, values)`` for the row slabs of tensor ``key`` in order, read through ``reader``; cast to ``dtype``
+    when given. With ``buffers`` (``ring``: uint8 buffers of at least ``slab_bytes`` + 4 KiB) slabs are read into
+    them in turn (no fresh memory to touch; a consumer must be done with a slab ``len(buffers) - 1`` slabs later),
+    else into new tensors. ``base``: the file offset the tensor's bytes will be written at; each slab then lies in
+    its buffer on the same 4 KiB boundaries as in the file (so the writer can use O_DIRECT without a copy)."""
+    spec = reader.tensors[key]
+    item = itemsize(spec.dtype)
+    row = item * math.prod(spec.shape[1:])
+    for i, box in enumerate(slabs(spec.shape, item, slab_bytes)):
+        n = item * math.prod(box[1])
+        shift = (base + (box[0][0] if box[0] else 0) * row) % PAGE if base is not None else 0
+        if shift % item:                        # (a view of the buffer must start on an element; the writer copies)
             shift = 0
-        buf = ring[i % len(ring)] if ring and shift + n <= ring[0].numel() else None
-        t = read_box(storage, entry, box, max_read, out=None if buf is None else buf[shift:])
+        buf = buffers[i % len(buffers)] if buffers and shift + n <= buffers[0].numel() else None
+        t = read_box(reader, key, box, out=None if buf is None else buf[shift:])
         yield box, (t.to(dtype) if dtype is not None and dtype != t.dtype else t)

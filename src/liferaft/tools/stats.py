@@ -1,23 +1,22 @@
-"""Per-tensor summary statistics of a checkpoint, computed streaming (row slabs), and the storage view of each
-key (chunks, files, stored bytes, codecs, lossy): ``liferaft inspect --stats`` (docs/cli/inspect.md)."""
+"""Per-tensor summary statistics of a checkpoint of any format, computed streaming (row slabs), and the storage
+view of each key (chunks, files, stored bytes, codecs, lossy, writing ranks): ``liferaft inspect --stats``
+(docs/cli/inspect.md). Everything comes through the reader protocol (``formats.base.Reader``: ``chunks``,
+``check_present``, ``plan``), whatever the format."""
 
 from __future__ import annotations
 
 import math
 import os
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from types import SimpleNamespace
-from typing import Any, Callable, Sequence
 
 import torch
 
-from liferaft.core.commit import check_files, open_checkpoint
-from liferaft.formats.base import matches
-from liferaft.state.dtypes import torch_dtype
-from liferaft.storage import resolve
-from liferaft.storage.refs import with_references
-from liferaft.tools._slabs import read_box, slabs
+from liferaft.core.open import open_reader
+from liferaft.formats.base import Box, ChunkInfo, Reader, select
+from liferaft.formats.dcp import DcpReader
+from liferaft.tools._slabs import itemsize, read_box, slabs
 
 
 @dataclass(frozen=True)
@@ -41,30 +40,41 @@ class KeyInfo:
     stats: dict[str, float] | None = None
 
 
-def layout(entry: Any) -> str:
+def layout(shape: Sequence[int], chunks: Sequence[ChunkInfo]) -> str:
     """The chunk grid a tensor was saved in, per dimension cut: "dim 0 in 4 (cut at 256, 512, 768)"; "whole"
     for one chunk. Shards of the saving layout and the ≤ 16 MiB pieces they were cut into both show."""
     parts = []
-    for d in range(len(entry.shape)):
-        cuts = sorted({c.offsets[d] for c in entry.chunks} - {0})
+    for d in range(len(shape)):
+        cuts = sorted({c.offsets[d] for c in chunks} - {0})
         if cuts:
             shown = ", ".join(str(x) for x in cuts[:4]) + (", …" if len(cuts) > 4 else "")
             parts.append(f"dim {d} in {len(cuts) + 1} (cut at {shown})")
     return "; ".join(parts) or "whole"
 
 
-def writer_ranks(entry: Any) -> tuple[int, ...]:
-    """The ranks that wrote the chunks (data files are named ``r<rank>.bin``)."""
-    found = (re.search(r"/r(\d+)\.bin$", c.file) for c in entry.chunks)
-    return tuple(sorted({int(x.group(1)) for x in found if x}))
+_DCP_RANK = re.compile(r"__(\d+)_\d+\.distcp$")
 
 
-def _stats(read: Callable[[Any], torch.Tensor], entry: Any, slab_bytes: int) -> dict[str, float]:
-    """min / max / mean / std of the finite values and NaN / Inf counts, over slabs ``read(box)`` returns."""
+def chunks_of(reader: Reader, key: str) -> tuple[ChunkInfo, ...]:
+    """``reader.chunks(key)``; for a DCP folder each chunk's own file, its stream transforms as codecs and the
+    rank in its file name (``__<rank>_<n>.distcp``), which ``DcpReader`` does not report through ``chunks``."""
+    if not isinstance(reader, DcpReader):
+        return reader.chunks(key)
+    item = itemsize(reader.tensors[key].dtype)
+    out = []
+    for c in reader.ck.tensors[key].chunks:
+        found = _DCP_RANK.search(c.file)
+        out.append(ChunkInfo(offsets=c.offsets, sizes=c.sizes, file=c.file, codecs=("+".join(c.transforms) or "raw",),
+                             stored_bytes=math.prod(c.sizes) * item, rank=int(found.group(1)) if found else None))
+    return tuple(out)
+
+
+def _stats(read: Callable[[Box], torch.Tensor], boxes: Sequence[Box]) -> dict[str, float]:
+    """min / max / mean / std of the finite values and NaN / Inf counts, over the slabs ``read(box)`` returns."""
     n = nan = inf = 0
     total = sq = 0.0
     lo, hi = math.inf, -math.inf
-    for box in slabs(entry, slab_bytes):
+    for box in boxes:
         t = read(box)
         if t.is_complex():
             t = t.abs()
@@ -86,45 +96,31 @@ def _stats(read: Callable[[Any], torch.Tensor], entry: Any, slab_bytes: int) -> 
 
 def describe(path: str | os.PathLike[str], keys: Sequence[str] | None = None, *, stats: bool = False,
              slab_bytes: int = 64 << 20) -> list[KeyInfo]:
-    """The tensors of a checkpoint selected by ``keys`` (keys, key prefixes or globs: ``formats.base.matches``): how each is stored, and with ``stats`` its
-    min / max / mean / std over the finite values and its NaN / Inf counts (read and verified in slabs). ``path``
-    may also be a DCP folder, a safetensors folder/file or a ``torch.save`` file (nothing to verify there)."""
-    from liferaft.tools._source import detect, open_source
-
-    if detect(path) != "liferaft":
-        return describe_side(open_source(path, keys), stats, slab_bytes)
-    storage = with_references(resolve(path))
-    m = open_checkpoint(storage)
-    picked = [e for e in m.tensors if matches(e.key, keys)]
-    if stats:
-        check_files(storage, m, {c.file for e in picked for c in e.chunks})
-    out = []
-    for e in picked:
-        codecs = sorted({c.codec or "raw" for c in e.chunks} | ({"xor-delta"} if any(c.delta for c in e.chunks)
-                                                                 else set()))
-        lossy = None if e.lossy is None else str(e.lossy.get("method"))
-        out.append(KeyInfo(key=e.key, dtype=e.dtype, shape=e.shape, nbytes=e.nbytes,
-                           stored_bytes=sum(c.stored_length for c in e.chunks if not c.is_reference),
-                           chunks=len(e.chunks), files=len({c.file for c in e.chunks}), codecs=tuple(codecs),
-                           lossy=lossy, layout=layout(e), ranks=writer_ranks(e),
-                           stats=_stats(lambda box, e=e: read_box(storage, e, box, 32 << 20), e, slab_bytes)
-                           if stats else None))
-    return out
+    """The tensors of a checkpoint selected by ``keys`` (keys, key prefixes or globs: ``formats.base.matches``):
+    how each is stored, and with ``stats`` its min / max / mean / std over the finite values and its NaN / Inf
+    counts (read in slabs; liferaft's verified, its files checked once up front). ``path`` may be a liferaft
+    checkpoint, a DCP folder (its chunks: the layout and ranks that saved it), a safetensors folder/file or a
+    ``torch.save`` file (one whole chunk each, nothing to verify there)."""
+    reader = open_reader(path)
+    try:
+        picked = select(list(reader.tensors), keys, required=False)
+        if stats:
+            reader.check_present(picked)
+        return [_key_info(reader, key, stats, slab_bytes) for key in picked]
+    finally:
+        reader.close()
 
 
-def describe_side(side: Any, stats: bool = False, slab_bytes: int = 64 << 20) -> list[KeyInfo]:
-    """``describe`` of a checkpoint in another format (``tools.formats.open_source``): a DCP folder (its chunks: the
-    layout and ranks that saved it), a safetensors folder/file or a ``torch.save`` file (one whole chunk each)."""
-    out = []
-    for key, (dtype, shape, _) in side.tensors.items():
-        itemsize = torch.empty(0, dtype=torch_dtype(dtype)).element_size()
-        cs = side.chunks.get(key) or [SimpleNamespace(offsets=(0,) * len(shape), file=side.url, transforms=())]
-        entry = SimpleNamespace(shape=shape, itemsize=itemsize, chunks=cs)
-        found = (re.search(r"__(\d+)_\d+\.distcp$", c.file) for c in cs)
-        nbytes = math.prod(shape) * itemsize
-        out.append(KeyInfo(key=key, dtype=dtype, shape=tuple(shape), nbytes=nbytes, stored_bytes=nbytes,
-                           chunks=len(cs), files=len({c.file for c in cs}),
-                           codecs=tuple(sorted({"+".join(c.transforms) or "raw" for c in cs})), lossy=None,
-                           layout=layout(entry), ranks=tuple(sorted({int(x.group(1)) for x in found if x})),
-                           stats=_stats(lambda box, k=key: side.read(k, box), entry, slab_bytes) if stats else None))
-    return out
+def _key_info(reader: Reader, key: str, stats: bool, slab_bytes: int) -> KeyInfo:
+    spec = reader.tensors[key]
+    chunks = chunks_of(reader, key)
+    item = itemsize(spec.dtype)
+    return KeyInfo(key=key, dtype=spec.dtype, shape=tuple(spec.shape), nbytes=spec.nbytes,
+                   stored_bytes=sum(c.stored_bytes for c in chunks if not c.referenced),
+                   chunks=len(chunks), files=len({c.file for c in chunks}),
+                   codecs=tuple(sorted({x for c in chunks for x in c.codecs})),
+                   lossy=None if spec.lossy is None else str(spec.lossy.get("method")),
+                   layout=layout(spec.shape, chunks),
+                   ranks=tuple(sorted({c.rank for c in chunks if c.rank is not None})),
+                   stats=_stats(lambda box: read_box(reader, key, box), slabs(spec.shape, item, slab_bytes))
+                   if stats else None)
