@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 import os
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
-from liferaft.format.layout import parse_step as _parse_step
-from liferaft.format.layout import step_name
 from liferaft.manager.lease import Lease
-from liferaft.manager.listing import PINS, StepInfo, delete_step, kept_steps, list_steps, read_pins
+from liferaft.manager.listing import PINS, StepInfo, delete_step, kept_steps, list_steps, read_pins, step_name
+from liferaft.manager.listing import parse_step as _parse_step
 from liferaft.manager.policies import RetentionPolicy
 from liferaft.options import MetricMode
 from liferaft.storage import Storage, resolve
