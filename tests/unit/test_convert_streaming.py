@@ -342,3 +342,29 @@ def test_between_two_other_formats_through_a_temporary_checkpoint(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["dcp", "hf"]                     # the temporary checkpoint is gone
     liferaft.convert(str(tmp_path / "hf"), str(tmp_path / "m.pt"), "torch")
     assert liferaft.diff(str(tmp_path / "hf"), str(tmp_path / "m.pt")).identical
+
+
+def test_an_export_checks_each_data_file_once_not_per_slab(tmp_path, monkeypatch):
+    """Exports and diff read a tensor in many row slabs through ``Reader.plan``: the checkpoint's data files are
+    checked (present, long enough) once per export, up front, not again for every slab; the result is exact."""
+    from liferaft.storage.posix import PosixStorage
+
+    src = str(tmp_path / "ck")
+    state = {"w": torch.randn(256, 64), "b": torch.randn(64), "step": 3}
+    liferaft.save(src, state, options=liferaft.SaveOptions(compression="off"))
+    asked: list[str] = []
+    size = PosixStorage.size
+    monkeypatch.setattr(PosixStorage, "size", lambda self, name: (asked.append(name), size(self, name))[1])
+    to_torch(src, str(tmp_path / "m.pt"), slab_bytes=1024)              # 64 slabs of w
+    data = [n for n in asked if n.endswith(".bin")]
+    assert data and len(data) == len(set(data)), asked
+    got = torch.load(str(tmp_path / "m.pt"), weights_only=True)
+    assert torch.equal(got["w"], state["w"]) and torch.equal(got["b"], state["b"]) and got["step"] == 3
+    asked.clear()
+    to_dcp(src, str(tmp_path / "dcp"), slab_bytes=1024)
+    data = [n for n in asked if n.endswith(".bin")]
+    assert data and len(data) == len(set(data)), asked
+    asked.clear()
+    assert liferaft.diff(src, str(tmp_path / "dcp"), slab_bytes=1024).identical
+    data = [n for n in asked if n.endswith(".bin")]
+    assert len(data) == len(set(data)), asked
