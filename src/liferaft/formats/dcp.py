@@ -32,8 +32,9 @@ import numpy as np
 import torch
 
 from liferaft.errors import CorruptCheckpointError, PickleNotAllowedError, StateMismatchError, UnsafePathError
-from liferaft.formats.base import CheckReport, Reader, TensorSpec, ValueSpec
+from liferaft.formats.base import BoxRead, CheckReport, ReadJob, ReadOutcome, Reader, TensorSpec, ValueSpec
 from liferaft.formats.zipfiles import View, check_zip
+from liferaft.planning.geometry import check_chunks_tile
 from liferaft.state.dtypes import dtype_name
 from liferaft.state.tree import nest
 
@@ -94,6 +95,7 @@ class DcpCheckpoint:
         path = os.path.join(self.folder, ".metadata")
         if not os.path.isfile(path):
             raise StateMismatchError(f"{self.folder}: no .metadata file: not a DCP checkpoint (or not a finished one)")
+        self._inside(".metadata", ".metadata")          # a link to a file elsewhere is not this checkpoint's
         with open(path, "rb") as f:
             try:
                 self.meta = _MetadataUnpickler(f, path).load()
@@ -101,37 +103,77 @@ class DcpCheckpoint:
                 raise
             except Exception as e:
                 raise CorruptCheckpointError(f"{path}: cannot be read as DCP metadata ({e})") from e
-        from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+        from torch.distributed.checkpoint.metadata import Metadata
 
         if not isinstance(self.meta, Metadata):
             raise CorruptCheckpointError(f"{path}: holds a {type(self.meta).__qualname__}, not DCP Metadata")
+        self.tensors: dict[str, DcpTensor] = {}
+        self.values: dict[str, Any] = {}
+        self.paths: dict[str, tuple[Any, ...]] = {}
+        try:
+            self._interpret(path)
+        except (AttributeError, TypeError, ValueError, OverflowError, KeyError, RecursionError) as e:
+            raise CorruptCheckpointError(f"{path}: the DCP metadata does not hold what DCP writes "
+                                         f"({type(e).__name__}: {str(e)[:200]}); damaged or crafted") from None
+        self._maps: dict[str, torch.UntypedStorage] = {}
+
+    def _interpret(self, path: str) -> None:
+        """Every field of the metadata checked for type and range before it is used: keys are strings, dtypes
+        torch dtypes, shapes and offsets non-negative ints, each tensor's chunks tile it exactly (no overlap, no
+        gap: a gap would leave memory unread), each blob a non-negative span of a file inside the folder."""
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+        def ints(xs: Any, what: str, n: int | None = None) -> tuple[int, ...]:
+            out = tuple(xs)
+            if not all(type(x) is int and 0 <= x < 1 << 62 for x in out) or (n is not None and len(out) != n):
+                raise ValueError(f"{what} {str(out)[:80]} are not {n if n is not None else 'some'} non-negative ints")
+            return out
         storage = self.meta.storage_data or {}
+        if not isinstance(storage, dict) or not isinstance(self.meta.state_dict_metadata, dict):
+            raise TypeError("storage_data and state_dict_metadata must be dicts")
         by_key: dict[str, list[Any]] = {}
         for index, info in storage.items():
             by_key.setdefault(index.fqn, []).append((index, info))
-        self.tensors: dict[str, DcpTensor] = {}
-        self.values: dict[str, Any] = {}
         for key, md in self.meta.state_dict_metadata.items():
+            if not isinstance(key, str):
+                raise TypeError(f"key {key!r} is not a string")
             places = by_key.get(key, [])
             if isinstance(md, BytesStorageMetadata):
                 if not places:
                     raise CorruptCheckpointError(f"{path}: value {key!r} has no storage entry")
-                self.values[key] = places[0][1]
+                info = places[0][1]
+                ints((info.offset, info.length), f"value {key!r}: offset and length", 2)
+                self._inside(info.relative_path, key)
+                self.values[key] = info
             elif isinstance(md, TensorStorageMetadata):
+                dtype = md.properties.dtype
+                if not isinstance(dtype, torch.dtype):
+                    raise TypeError(f"key {key!r}: dtype {dtype!r} is not a torch dtype")
+                shape = ints(md.size, f"key {key!r}: shape")
                 where = {tuple(ix.offset or ()): info for ix, info in places}
                 chunks = []
                 for c in md.chunks:
-                    info = where.get(tuple(c.offsets))
+                    offsets = ints(c.offsets, f"key {key!r}: chunk offsets", len(shape))
+                    sizes = ints(c.sizes, f"key {key!r}: chunk sizes", len(shape))
+                    info = where.get(offsets)
                     if info is None:
-                        raise CorruptCheckpointError(f"{path}: key {key!r}: chunk at {list(c.offsets)} has no "
+                        raise CorruptCheckpointError(f"{path}: key {key!r}: chunk at {list(offsets)} has no "
                                                      "storage entry")
-                    chunks.append(DcpChunk(tuple(c.offsets), tuple(c.sizes), self._inside(info.relative_path, key),
-                                           int(info.offset), int(info.length),
-                                           tuple(getattr(info, "transform_descriptors", None) or ())))
-                self.tensors[key] = DcpTensor(key, md.properties.dtype, tuple(md.size), tuple(chunks))
+                    start, length = ints((info.offset, info.length), f"key {key!r}: blob offset and length", 2)
+                    chunks.append(DcpChunk(offsets, sizes, self._inside(info.relative_path, key), start, length,
+                                           tuple(str(t) for t in getattr(info, "transform_descriptors", None) or ())))
+                problem = check_chunks_tile(shape, [(c.offsets, c.sizes) for c in chunks])
+                if problem:
+                    raise CorruptCheckpointError(f"{path}: key {key!r}: {problem}; the DCP checkpoint is damaged")
+                self.tensors[key] = DcpTensor(key, dtype, shape, tuple(chunks))
+            else:
+                raise TypeError(f"key {key!r}: {type(md).__name__} is neither tensor nor bytes metadata")
         pd = self.meta.planner_data
-        self.paths: dict[str, tuple[Any, ...]] = {k: tuple(v) for k, v in pd.items()} if isinstance(pd, dict) else {}
-        self._maps: dict[str, torch.UntypedStorage] = {}
+        if isinstance(pd, dict):
+            for k, v in pd.items():
+                parts = tuple(v) if isinstance(v, (list, tuple)) else None
+                if isinstance(k, str) and parts and all(type(x) in (str, int) for x in parts):
+                    self.paths[k] = parts           # (a malformed entry: the key's dots are its nesting)
 
     def _inside(self, relative: Any, key: str) -> str:
         """The data file a storage entry names, which must lie in the checkpoint's folder."""
@@ -213,17 +255,21 @@ class DcpCheckpoint:
                                         f"refuses ({str(e).splitlines()[0]}); liferaft never runs code from a "
                                         "checkpoint") from e
 
-    def copy_box(self, key: str, offsets: Sequence[int], out: torch.Tensor) -> int:
-        """Fill ``out`` (the box of ``key`` starting at ``offsets``) from the chunks it overlaps; returns bytes
-        copied. Raises if the chunks leave part of the box uncovered."""
-        t = self.tensors[key]
+    def overlapping(self, key: str, offsets: Sequence[int], sizes: Sequence[int]) -> list[DcpChunk]:
+        """The saved chunks of ``key`` that the box (``offsets``, ``sizes``) overlaps."""
+        return [c for c in self.tensors[key].chunks
+                if all(max(o, co) < min(o + n, co + cn) for o, n, co, cn in zip(offsets, sizes, c.offsets, c.sizes))]
+
+    def copy_box(self, key: str, offsets: Sequence[int], out: torch.Tensor,
+                 opened: Mapping[DcpChunk, torch.Tensor] | None = None) -> int:
+        """Fill ``out`` (the box of ``key`` starting at ``offsets``) from the chunks it overlaps (``opened``: chunks
+        already opened by ``chunk``); returns bytes copied. Raises if the chunks leave part of the box uncovered."""
         done = 0
-        for c in t.chunks:
+        for c in self.overlapping(key, offsets, out.shape):
             lo = [max(o, co) for o, co in zip(offsets, c.offsets)]
             hi = [min(o + n, co + cn) for o, n, co, cn in zip(offsets, out.shape, c.offsets, c.sizes)]
-            if any(h <= l for l, h in zip(lo, hi)):
-                continue
-            src, dst = self.chunk(key, c), out
+            src = opened[c] if opened is not None and c in opened else self.chunk(key, c)
+            dst = out
             for d, (l, h) in enumerate(zip(lo, hi)):
                 src = src.narrow(d, l - c.offsets[d], h - l)
                 dst = dst.narrow(d, l - offsets[d], h - l)
@@ -275,6 +321,9 @@ class DcpReader(Reader):
 
     def copy_box(self, key: str, offsets: Sequence[int], out: torch.Tensor) -> int:
         return self.ck.copy_box(key, offsets, out)
+
+    def plan(self, requests: Sequence[BoxRead]) -> ReadJob:
+        return _DcpJob(self, requests)
 
     def tree(self, leaves: Mapping[str, Any]) -> Any:
         return nest({tuple(self.ck.paths.get(k, tuple(k.split(".")))): v for k, v in leaves.items()})
@@ -328,6 +377,37 @@ class DcpReader(Reader):
             unchecked.append(f"{no_crc} zip record(s) written without a CRC-32 (torch.save with compute_crc32 off)")
         return CheckReport(path=p, fmt=self.fmt, units=records, checked_bytes=crc_bytes, bytes_read=nbytes,
                            unchecked=tuple(unchecked), faults=tuple(faults))
+
+
+class _DcpJob(ReadJob):
+    """Reads from a DCP checkpoint: every chunk the requests overlap is opened while planning — its blob present
+    and long enough, its header a ``torch.save`` tensor of the recorded dtype and shape, the data memory-mapped
+    (nothing read yet) — so that a damaged checkpoint is refused before any byte of the state changes; ``run``
+    copies from those views. (Chunks stored through a DCP extension are decoded whole when copied; their blobs are
+    checked present here.)"""
+
+    def __init__(self, reader: DcpReader, requests: Sequence[BoxRead]) -> None:
+        super().__init__(reader, requests)
+        self.ck = reader.ck
+        self.opened: dict[DcpChunk, torch.Tensor] = {}
+        for key, (offsets, sizes), _ in self.requests:
+            for c in self.ck.overlapping(key, offsets, sizes):
+                if c in self.opened:
+                    continue
+                if c.transforms:
+                    self.ck._blob(c, key).close()
+                else:
+                    self.opened[c] = self.ck.chunk(key, c)
+
+    def run(self, *, check_only: bool = False, peers: Any = None, rank: int = 0,
+            sharing: Mapping[Any, Any] | None = None) -> ReadOutcome:
+        out = ReadOutcome()
+        if check_only:
+            return out
+        with torch.no_grad():
+            for key, (offsets, _), dest in self.requests:
+                out.used += self.ck.copy_box(key, offsets, dest, self.opened)
+        return out
 
 
 # --------------------------------------------------------------------------- writing

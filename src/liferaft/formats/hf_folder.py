@@ -168,6 +168,26 @@ def check_name(rel: Any, error: type[Exception], what: str) -> list[str]:
     return parts
 
 
+def index_map(src: str) -> dict[str, str] | None:
+    """The ``weight_map`` of a folder's ``model.safetensors.index.json`` (tensor name → file name), None for a file
+    or a folder without an index; CorruptCheckpointError for an index that is not one (capped read, regular file
+    inside the folder)."""
+    index = os.path.join(src, INDEX)
+    if not os.path.isdir(src) or not os.path.lexists(index):
+        return None
+    check_file(index, f"{src}/{INDEX}", roots(src), CorruptCheckpointError)
+    raw = read_capped(index, f"{src}/{INDEX}", CorruptCheckpointError)
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as e:
+        raise CorruptCheckpointError(f"file {src}/{INDEX} is not JSON ({e})") from e
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CorruptCheckpointError(f"file {src}/{INDEX} is not a safetensors index (a JSON object whose "
+                                     "\"weight_map\" maps each tensor name to its file)")
+    return weight_map
+
+
 def st_files(src: str) -> list[str]:
     """The safetensors files of ``src``: the file itself, or a folder's ``model.safetensors``, or the shards its
     ``model.safetensors.index.json`` names. Each must be a regular file (a FIFO or device would hang the
@@ -178,18 +198,8 @@ def st_files(src: str) -> list[str]:
         check_file(src, src, None, CorruptCheckpointError, "safetensors file")
         return [src]
     where = roots(src)
-    index = os.path.join(src, INDEX)
-    if os.path.lexists(index):
-        check_file(index, f"{src}/{INDEX}", where, CorruptCheckpointError)
-        raw = read_capped(index, f"{src}/{INDEX}", CorruptCheckpointError)
-        try:
-            doc = json.loads(raw.decode("utf-8"))
-        except (ValueError, RecursionError) as e:
-            raise CorruptCheckpointError(f"file {src}/{INDEX} is not JSON ({e})") from e
-        weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
-        if not isinstance(weight_map, dict):
-            raise CorruptCheckpointError(f"file {src}/{INDEX} is not a safetensors index (a JSON object whose "
-                                         "\"weight_map\" maps each tensor name to its file)")
+    weight_map = index_map(src)
+    if weight_map is not None:
         files: dict[str, str] = {}
         for key, name in weight_map.items():
             if not plain_name(name) or not name.endswith(".safetensors"):

@@ -18,9 +18,9 @@ from typing import Any, Callable, Collection
 import numpy as np
 import torch
 
-from liferaft.errors import CorruptCheckpointError, InvalidStateError
+from liferaft.errors import CorruptCheckpointError, InvalidStateError, OptionsError
 from liferaft.formats.base import CheckReport, Reader, TensorSpec
-from liferaft.formats.hf_folder import open_regular, st_files
+from liferaft.formats.hf_folder import index_map, open_regular, st_files
 from liferaft.formats.zipfiles import drain
 from liferaft.state.dtypes import dtype_name, torch_dtype
 
@@ -121,6 +121,8 @@ def safetensors_state(src: str | os.PathLike[str], keys: Collection[str] | None 
     validated (``formats.read_st_header``): CorruptCheckpointError naming the file and key."""
     rn = rename or (lambda k: k)
     out: dict[str, torch.Tensor] = {}
+    found: dict[str, str] = {}                  # key -> the file that holds it
+    index = index_map(os.fspath(src))
     for path in st_files(os.fspath(src)):
         with open_regular(path, path, CorruptCheckpointError, what="safetensors file") as f:
             size = os.fstat(f.fileno()).st_size
@@ -128,10 +130,24 @@ def safetensors_state(src: str | os.PathLike[str], keys: Collection[str] | None 
             data = np.memmap(f, dtype=np.uint8, mode="c", offset=start) if size > start \
                 else np.zeros(0, dtype=np.uint8)
         for key, (dtype, shape, a, b) in tensors.items():
+            if key in found:
+                raise CorruptCheckpointError(f"tensor {key!r} is in both {found[key]!r} and {path!r}; which one "
+                                             "holds it is ambiguous (a damaged or crafted folder)")
+            found[key] = path
+            if index is not None and index.get(key) != os.path.basename(path):
+                raise CorruptCheckpointError(
+                    f"file {path!r} holds tensor {key!r}, which the folder's index places "
+                    f"{'in ' + repr(index[key]) if key in index else 'nowhere'}; the folder is damaged or crafted")
             if keys is not None and key not in keys:
                 continue
+            if rn(key) in out:
+                raise OptionsError(f"the renaming maps two tensors to {rn(key)!r}")
             out[rn(key)] = torch.empty(shape, dtype=torch_dtype(dtype)) if a == b else \
                 torch.from_numpy(data[a:b]).view(torch_dtype(dtype)).reshape(shape)
+    if index is not None and set(index) - set(found):
+        missing = sorted(set(index) - set(found))
+        raise CorruptCheckpointError(f"{src}: the index names {len(missing)} tensor(s) no shard holds "
+                                     f"({', '.join(repr(k) for k in missing[:5])}); the folder is incomplete")
     return out
 
 
