@@ -155,7 +155,10 @@ class LoadOptions:
     atomic: read and verify every byte on every rank before any byte is copied into the state, so that even a
         checksum failure leaves the state untouched; costs a second read of the data (usually from the page
         cache). Without it, a checksum failure still stops the load before the bad bytes land, but tensors
-        filled earlier already hold loaded values.
+        filled earlier already hold loaded values. Formats without checksums (DCP, safetensors, torch.save)
+        have nothing more to verify: every check they allow (files present and long enough, headers, each DCP
+        chunk's blob opened) runs before any byte is copied, with or without ``atomic``. Either way, a stateful
+        object whose own ``load_state_dict`` fails on one rank leaves what was applied before it applied.
     share_reads: when several ranks need the same byte range (replicated tensors, or resharding that makes
         every rank read the same hash blocks), one rank reads it from storage and sends it to the others over the
         process group (received bytes are verified too), so each byte is read from storage once. None (default):

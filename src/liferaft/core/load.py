@@ -55,6 +55,14 @@ def load(path: PathLike | Storage, state: Any, *, process_group: Any = None, str
     t_start = time.perf_counter()
     coord = Coordinator(process_group, opts.timeout)
     reader = open_reader(path, opts, coord=coord)
+    try:
+        return _load(reader, state, coord, opts, strict, t_start)
+    finally:
+        reader.close()
+
+
+def _load(reader: Reader, state: Any, coord: Coordinator, opts: LoadOptions, strict: bool,
+          t_start: float) -> LoadResult:
     timings: dict[str, float] = {}
     plans: list[_LoadPlan] = []
     share = reader.verified and (opts.share_reads if opts.share_reads is not None else
@@ -94,12 +102,11 @@ def load(path: PathLike | Storage, state: Any, *, process_group: Any = None, str
     coord.run(plan.apply, "load (apply)")
     timings["apply"] = time.perf_counter() - t0
     timings["total"] = time.perf_counter() - t_start
-    reader.close()
     if plan.lossy:
         shown = "; ".join(f"{k}: {_describe_lossy(v)}" for k, v in list(plan.lossy.items())[:5])
         more = f" and {len(plan.lossy) - 5} more" if len(plan.lossy) > 5 else ""
         warnings.warn(f"{reader.url}: {len(plan.lossy)} loaded tensor(s) were stored lossily: {shown}{more}",
-                      stacklevel=2)
+                      stacklevel=3)
     return LoadResult(path=reader.url, rank=coord.rank, bytes_read=stats.used, bytes_received=stats.received,
                       missing_keys=missing, unexpected_keys=unexpected, timings=timings, lossy=plan.lossy,
                       skipped_keys=skipped)
@@ -237,6 +244,10 @@ def _plan_value(plan: _LoadPlan, key: str, path: tuple, index: dict[str, int], c
             if len(value) != coord.world and _accepts_per_rank(plan.flat, path):
                 plan.assign.append((path, value))       # the object maps the saved ranks' values itself
                 plan.covered[index[key]] = 1
+                return
+            if len(value) != coord.world and not plan.strict:     # left as it is, listed as missing
+                plan.covered[index[key]] = 1
+                plan.missing.append(key)
                 return
             if len(value) != coord.world:
                 raise StateMismatchError(_resize_message(plan.flat, key, path, len(value), coord.world))

@@ -8,6 +8,7 @@ import os
 from liferaft.core.commit import open_checkpoint
 from liferaft.core.native import NativeReader
 from liferaft.dist import Coordinator
+from liferaft.errors import CheckpointNotFoundError, StateMismatchError
 from liferaft.formats.base import Reader
 from liferaft.formats.detect import Format, detect, sniff
 from liferaft.options import LoadOptions
@@ -24,14 +25,35 @@ def format_of(path: PathLike | Storage) -> Format:
     return detect(path)
 
 
+def _seen(path: PathLike | Storage) -> Format | None:
+    """What this process sees at ``path``: its format, or None when a local path does not exist. A storage backend
+    or a URL is liferaft's; an existing folder with nothing recognizable too (liferaft's reader then says what is
+    wrong: an unfinished save, no checkpoint)."""
+    if isinstance(path, Storage) or "://" in os.fspath(path):
+        return "liferaft"
+    if not os.path.lexists(os.fspath(path)):
+        return None
+    return sniff(path) or "liferaft"
+
+
 def open_reader(path: PathLike | Storage, options: LoadOptions | None = None, *,
                 coord: Coordinator | None = None) -> Reader:
     """The checkpoint at ``path`` opened for reading, whatever its format (liferaft's verified; DCP, safetensors
-    and ``torch.save`` files memory-mapped, nothing run from them). With ``coord`` it is collective: a liferaft
-    manifest is read and verified by rank 0 and sent to the others; foreign files are opened by every rank (they
-    are memory-mapped where each rank reads); any rank's failure raises on every rank."""
+    and ``torch.save`` files memory-mapped, nothing run from them). With ``coord`` it is collective: the ranks first
+    agree on what the path holds (ranks that see different things — a node-local path, a shared file system not
+    yet in sync — all raise at once, naming what each saw); a liferaft manifest is then read and verified by rank
+    0 and sent to the others; foreign files are opened by every rank (they are memory-mapped where each rank
+    reads); any rank's failure raises on every rank."""
     opts = options or LoadOptions()
-    fmt: Format = "liferaft" if isinstance(path, Storage) or sniff(path) in (None, "liferaft") else detect(path)
+    where = path.url if isinstance(path, Storage) else os.fspath(path)
+    seen = [_seen(path)] if coord is None else coord.run(lambda: _seen(path), "load (format)")
+    if len(set(seen)) > 1:
+        views = ", ".join(f"rank {r}: {s or 'nothing'}" for r, s in enumerate(seen))
+        raise StateMismatchError(f"{where}: the ranks do not see the same checkpoint there ({views}); load from a "
+                                 "path every rank sees alike (shared storage, or the same files on every node)")
+    fmt = seen[0]
+    if fmt is None:
+        raise CheckpointNotFoundError(f"{where}: no checkpoint there (the path does not exist)")
     if fmt == "liferaft":
         storage = with_references(path if isinstance(path, Storage) else resolve(path))
         if coord is None:

@@ -97,9 +97,10 @@ class CheckpointInfo:
         head = (f"checkpoint {self.path}: format v{self.format_version}, written by {self.world_size} rank(s), "
                 f"liferaft {self.liferaft_version}, torch {self.torch_version}") if self.format == "liferaft" else \
             f"{self.format} checkpoint {self.path}"
+        size = f"{self.total_bytes / 2**20:.1f} MiB" if self.files else \
+            f"{sum(t.nbytes for t in self.tensors) / 2**20:.1f} MiB of tensors"
         lines = [head,
-                 f"{len(self.tensors)} tensors, {len(self.values)} values, {len(self.files)} data files, "
-                 f"{self.total_bytes / 2**20:.1f} MiB"]
+                 f"{len(self.tensors)} tensors, {len(self.values)} values, {len(self.files)} data files, {size}"]
         for t in self.tensors:
             lines.append(f"  {t.key:<50} {t.dtype:<9} {str(list(t.shape)):<20} {t.chunks:>4} chunk(s) "
                          f"{t.nbytes / 2**20:10.3f} MiB")
