@@ -14,8 +14,9 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor
-from typing import Any, Callable, Iterable
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -24,7 +25,7 @@ if HERE not in sys.path:
 if HERE not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH", "")) if p)
 
-import psutil  # noqa: E402
+import psutil
 
 
 def run_solo(fn: Callable[..., Any], *args: Any) -> Any:
@@ -101,7 +102,7 @@ class PeakRss:
         while not self._stop.wait(0.01):
             self._sample()
 
-    def start(self) -> "PeakRss":
+    def start(self) -> PeakRss:
         self.base = self.peak = self.proc.memory_info().rss
         self._thread.start()
         return self

@@ -53,8 +53,9 @@ import importlib
 import multiprocessing
 import os
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist

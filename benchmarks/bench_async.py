@@ -40,8 +40,8 @@ import statistics
 import sys
 from typing import Any
 
-import _bench_async_ops as O  # noqa: E402
-import _bench_ranks as W  # noqa: E402
+import _bench_async_ops as O
+import _bench_ranks as W
 from _common import ROOT, append_jsonl, machine, med_range, run_and_report, run_solo  # sets up the paths
 
 LABEL = {"liferaft-blocking": "liferaft async_save, blocking staging",

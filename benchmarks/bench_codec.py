@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 
-import numpy as np  # noqa: E402
+import numpy as np
 from _common import machine  # sets up the paths
 
 BLOCK = 256 << 10

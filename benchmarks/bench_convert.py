@@ -66,7 +66,6 @@ def make_state(path: str, nbytes: int) -> None:
 
 
 def op(kind: str, a: str, b: str) -> dict[str, float]:
-    import torch
 
     from liferaft.tools import convert
 

@@ -25,7 +25,7 @@ import sys
 import time
 from typing import Any
 
-import _bench_ranks as W  # noqa: E402
+import _bench_ranks as W
 from _common import ROOT, append_jsonl, drop_cache, machine, run_solo  # sets up the paths
 
 
@@ -66,7 +66,7 @@ def op(kind: str, target: str, cfg: W.Config, method: str, env: dict[str, str]) 
     if method == "liferaft-raw" and kind == "load":
         method = "liferaft"
     if method == "liferaft-nocheck":
-        import liferaft.core.chunks.reader as reader
+        from liferaft.core.chunks import reader
 
         reader.verify_blocks = lambda *args: None      # this benchmark process only
         method = "liferaft"

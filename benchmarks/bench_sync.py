@@ -35,11 +35,11 @@ import statistics
 import sys
 from typing import Any
 
-import _bench_async_ops as O  # noqa: E402
-import _bench_ranks as W  # noqa: E402
+import _bench_async_ops as O
+import _bench_ranks as W
 from _common import ROOT, append_jsonl, dir_bytes, drop_cache, machine, run_and_report, run_solo  # sets up the paths
 
-from liferaft.testing import run_ranks  # noqa: E402
+from liferaft.testing import run_ranks
 
 # (case, op, label) in table order
 ROWS = [("1p", "save", "1 process: save (+fsync)"), ("1p", "load", "1 process: load from disk"),

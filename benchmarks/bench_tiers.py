@@ -28,7 +28,7 @@ import time
 import uuid
 from typing import Any
 
-import torch  # noqa: E402
+import torch
 from _common import ROOT, append_jsonl, drop_cache, machine  # sets up the paths
 
 ROWS = 4096

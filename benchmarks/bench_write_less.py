@@ -44,8 +44,8 @@ import tempfile
 import time
 from typing import Any
 
-import _models as M  # noqa: E402
-import torch  # noqa: E402
+import _models as M
+import torch
 from _common import ROOT, append_jsonl, dir_bytes, drop_cache, machine  # sets up the paths
 
 METHODS = ("liferaft full", "liferaft incremental", "liferaft incr + zstd", "liferaft incr + zstd + xor",

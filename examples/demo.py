@@ -31,7 +31,7 @@ from liferaft.testing import RankFailure, run_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)                           # the rank processes find it through PYTHONPATH (main())
-from train_gpt import build, train_step  # noqa: E402
+from train_gpt import build, train_step
 
 STEPS, EVERY, CRASH_AT = 40, 5, 23
 # FSDP2 warns that the root returns a view (the LM head's output); nothing here modifies it in place.
@@ -46,7 +46,7 @@ def fingerprint(state: dict[str, Any]) -> dict[str, torch.Tensor]:
 
     model, opt = state["model"], state["optim"]
     o = StateDictOptions(full_state_dict=True)
-    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
+    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t
     out = {f"p:{k}": full(v).clone() for k, v in get_model_state_dict(model, options=o).items()}
     for k, st in get_optimizer_state_dict(model, opt, options=o)["state"].items():
         out.update({f"o:{k}.{n}": full(t).clone() for n, t in st.items()})

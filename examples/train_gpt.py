@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.distributed.init_process_group("nccl" if args.device == "cuda" else "gloo")
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     if args.device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     state = build(rank, world, args.layout, args.device, args.batch)
     mgr = liferaft.CheckpointManager(args.root, every_steps=args.every, keep_last=args.keep_last,
                                      async_save=not args.sync, save_policy=SavePolicy(last_step=args.steps - 1))

@@ -36,12 +36,14 @@ group made), never ``id()`` of a group, so they cannot match a group made later.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import hashlib
 import pickle
 import threading
 import traceback
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from liferaft.errors import DistributedError
 
@@ -84,10 +86,8 @@ class _Group:
             return False
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(Exception):    # a group whose peers are gone may fail to shut down cleanly
             self.backend.shutdown()
-        except Exception:  # noqa: BLE001 - a group whose peers are gone may fail to shut down cleanly
-            pass
 
 
 _LOCK = threading.Lock()

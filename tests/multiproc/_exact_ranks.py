@@ -137,7 +137,7 @@ def full_params(state: dict[str, Any]) -> dict[str, list[float]]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     o = StateDictOptions(full_state_dict=True, cpu_offload=False)
-    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
+    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t
     out = {f"p.{k}": full(v).flatten().tolist() for k, v in get_model_state_dict(state["model"], options=o).items()}
     for k, s in get_optimizer_state_dict(state["model"], state["optim"], options=o)["state"].items():
         for n, t in s.items():

@@ -44,7 +44,7 @@ def full_reference(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, An
     o = StateDictOptions(full_state_dict=True, cpu_offload=False)
     msd = get_model_state_dict(model, options=o)
     osd = get_optimizer_state_dict(model, opt, options=o)
-    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
+    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t
     return {"model": {k: full(v).clone() for k, v in msd.items()},
             "optim": {k: {n: full(t).clone() for n, t in s.items()} for k, s in osd["state"].items()},
             "lr": [g["lr"] for g in osd["param_groups"]]}
@@ -59,7 +59,6 @@ def save_fsdp(rank: int, world: int, path: str, ref_path: str) -> None:
         torch.save(ref, ref_path)
     liferaft.save(path, {"model": model, "optim": opt, "step": 3})
     # nothing was gathered: each rank's model params are still its own shards
-    return None
 
 
 def compare(ref: dict[str, Any], got: dict[str, Any]) -> list[str]:

@@ -33,5 +33,5 @@ def test_a_global_sampler_loader_reshards_to_another_world_size(tmp_path):
     path = str(tmp_path / "ck")
     two = run_ranks(global_save_go_on, 2, path)
     three = run_ranks(global_resume, 3, path)
-    order = lambda per_rank: [x for b in range(6) for share in per_rank for x in share[b]]  # noqa: E731
+    order = lambda per_rank: [x for b in range(6) for share in per_rank for x in share[b]]
     assert order(three) == order(two)

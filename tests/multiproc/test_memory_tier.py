@@ -118,7 +118,7 @@ def test_three_tiers_memory_root_remote(base, tmp_path):
 
     root, remote = str(tmp_path / "root"), str(tmp_path / "remote")
     run_ranks(managed, 4, base, root, 2, 9, True, remote, timeout=120)
-    steps = lambda d: sorted(x for x in os.listdir(d) if x.startswith("step-"))      # noqa: E731
+    steps = lambda d: sorted(x for x in os.listdir(d) if x.startswith("step-"))
     assert steps(root) == ["step-0000000000", "step-0000000004", "step-0000000008"]
     assert steps(remote) == ["step-0000000000", "step-0000000008"]            # every 2nd root save, drained too
     out = run_ranks(managed, 4, base, root, 2, 9, True, remote, timeout=120)

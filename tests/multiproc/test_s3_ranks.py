@@ -8,11 +8,11 @@ import torch
 pytest.importorskip("obstore")
 pytest.importorskip("moto")
 
-from multiproc._reshard_ranks import SHAPES, load_rank, reference, save_rank  # noqa: E402
+from multiproc._reshard_ranks import SHAPES, load_rank, reference, save_rank
 
-import liferaft  # noqa: E402
-from liferaft.testing import run_ranks  # noqa: E402
-from liferaft.testing.s3server import MotoS3Server  # noqa: E402
+import liferaft
+from liferaft.testing import run_ranks
+from liferaft.testing.s3server import MotoS3Server
 
 
 @pytest.fixture(scope="module")

@@ -52,7 +52,7 @@ def template() -> dict:
             "step": -1, "name": "old"}
 
 
-from compare import assert_same  # noqa: E402
+from compare import assert_same
 
 
 def assert_load_fails(path, state, exc, *needles, strict=True, options=None):

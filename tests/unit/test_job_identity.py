@@ -103,8 +103,8 @@ def test_the_agent_is_found_through_a_wrapper_that_torchrun_started(tmp_path):
     if not os.path.exists("/proc/self/environ"):
         pytest.skip("needs Linux /proc")
     pkg = os.path.dirname(liferaft.__file__)
-    code = ("import sys, types; p = types.ModuleType('liferaft'); p.__path__ = [%r]; sys.modules['liferaft'] = p; "
-            "from liferaft.manager.identity import torchrun_agent as a; print(a().pid)" % pkg)    # (no torch import)
+    code = (f"import sys, types; p = types.ModuleType('liferaft'); p.__path__ = [{pkg!r}]; sys.modules['liferaft'] = p; "
+            "from liferaft.manager.identity import torchrun_agent as a; print(a().pid)")    # (no torch import)
     agent = subprocess.Popen([sys.executable, "-c", (
         "import os, subprocess, sys; env = dict(os.environ, TORCHELASTIC_RESTART_COUNT='0');"
         "r = subprocess.run(['sh', '-c', '\"$PY\" -c \"$CODE\"; true'], env=env, capture_output=True, text=True);"

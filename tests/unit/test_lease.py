@@ -22,10 +22,11 @@ from liferaft.manager.lease import LEASE, Lease
 from liferaft.storage import resolve
 
 # (the liferaft package without its __init__, which imports torch: the holder starts in a blink)
-HOLD = ("import sys, types; p = types.ModuleType('liferaft'); p.__path__ = [%r]; sys.modules['liferaft'] = p;"
+HOLD = (f"import sys, types; p = types.ModuleType('liferaft'); p.__path__ = [{os.path.dirname(liferaft.__file__)!r}]; "
+        "sys.modules['liferaft'] = p;"
         "from liferaft.manager.lease import Lease; from liferaft.storage import resolve;"
         "lease = Lease(resolve(sys.argv[1]), sys.argv[2], ttl=float(sys.argv[3])); lease.acquire();"
-        "print('held', flush=True); sys.stdin.read()") % os.path.dirname(liferaft.__file__)
+        "print('held', flush=True); sys.stdin.read()")
 
 
 def _holder(root: str, job: str, ttl: float) -> subprocess.Popen:

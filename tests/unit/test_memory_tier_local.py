@@ -47,9 +47,9 @@ def test_a_damaged_copy_is_refused_and_the_manager_falls_back_to_the_root(base, 
     with pytest.raises(liferaft.CorruptCheckpointError):
         MemoryTier("job", node="n0", base=base).restore(state(0.0))
     got = state(-1.0)
-    with CheckpointManager(root, tiers=TierOptions(MemoryTier("job", node="n0", base=base))) as mgr:
-        with pytest.warns(UserWarning, match="memory tier could not be restored"):
-            assert mgr.restore(got) == 0                   # the root's newest: step 0
+    with CheckpointManager(root, tiers=TierOptions(MemoryTier("job", node="n0", base=base))) as mgr, \
+            pytest.warns(UserWarning, match="memory tier could not be restored"):
+        assert mgr.restore(got) == 0                       # the root's newest: step 0
     assert got["step"] == 0
 
 

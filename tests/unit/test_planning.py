@@ -38,7 +38,7 @@ def test_replicated_tensors_written_once_and_balanced_over_64_ranks():
     world = 64
     rng = random.Random(0)
     shapes = [(rng.randint(1, 300), rng.randint(1, 40)) for _ in range(500)]
-    full = lambda s: ((0, 0), s)  # noqa: E731
+    full = lambda s: ((0, 0), s)
     metas = [meta(r, [tmeta(f"t{i}", s, [full(s)]) for i, s in enumerate(shapes)]) for r in range(world)]
     plan = plan_save(metas, "id")
     written = [w.key for ws in plan.writes for w in ws]
@@ -74,7 +74,7 @@ def test_sharded_2d_uneven_64_ranks_each_rank_writes_own_chunk():
         got = [(w.offsets, w.sizes) for w in plan.writes[r]]
         assert got == ([boxes[r]] if boxes[r][1][0] * boxes[r][1][1] else [])
     for ws in plan.writes:
-        for a, b in zip(ws, ws[1:]):
+        for a, b in itertools.pairwise(ws):
             assert b.byte_offset >= a.byte_offset + a.length and b.byte_offset % 64 == 0
 
 

@@ -18,13 +18,13 @@ import torch
 pytest.importorskip("obstore")
 pytest.importorskip("moto")
 
-import liferaft  # noqa: E402
-from liferaft import JobOptions  # noqa: E402
-from liferaft.errors import CheckpointNotFoundError, IncompleteCheckpointError, StorageError  # noqa: E402
-from liferaft.storage import resolve  # noqa: E402
-from liferaft.storage.s3 import S3Storage, S3StorageError  # noqa: E402
-from liferaft.testing.s3server import FaultProxy, MotoS3Server  # noqa: E402
-from liferaft.testing.storage_conformance import StorageConformance  # noqa: E402
+import liferaft
+from liferaft import JobOptions
+from liferaft.errors import CheckpointNotFoundError, IncompleteCheckpointError, StorageError
+from liferaft.storage import resolve
+from liferaft.storage.s3 import S3Storage, S3StorageError
+from liferaft.testing.s3server import FaultProxy, MotoS3Server
+from liferaft.testing.storage_conformance import StorageConformance
 
 MiB = 1 << 20
 PART = 5 * MiB     # S3's smallest part: multipart files stay small

@@ -91,7 +91,7 @@ def _print_other(ci: liferaft.CheckpointInfo, flat: bool = False) -> None:
     if flat:
         for k in keys:
             i = info.get(k)
-            print(f"  {k:<50} value" if i is None else f"  {k:<50} {i.dtype:<9} {str(list(i.shape)):<20} "
+            print(f"  {k:<50} value" if i is None else f"  {k:<50} {i.dtype:<9} {list(i.shape)!s:<20} "
                   f"{i.chunks:>4} chunk(s) {i.nbytes / 2**20:10.3f} MiB")
         return
     _tree({tuple(ci.paths.get(k, k.split("."))): k for k in keys}, info, [], {})
@@ -133,7 +133,7 @@ def _tree(leaf: dict[tuple, str], info: dict[str, liferaft.KeyInfo], containers:
                 print(f"  {pad + str(child):<50} value")
             else:
                 k = info[key]
-                print(f"  {pad + str(child):<50} {k.dtype:<9} {str(list(k.shape)):<16} {k.nbytes / 2**20:12.3f} MiB"
+                print(f"  {pad + str(child):<50} {k.dtype:<9} {list(k.shape)!s:<16} {k.nbytes / 2**20:12.3f} MiB"
                       f"  {k.chunks} chunk(s)  {k.layout}  {'+'.join(k.codecs)}" + (f"  lossy: {k.lossy}" if k.lossy
                                                                                        else ""))
     if () in leaf:                                          # the state was a single tensor or value
@@ -158,7 +158,7 @@ def _inspect_keys(args: argparse.Namespace) -> int:
         print(json.dumps([i.__dict__ for i in infos], default=list))
         return 0
     for i in infos:
-        line = (f"{i.key:<44} {i.dtype:<9} {str(list(i.shape)):<16} {i.nbytes / 2**20:9.3f} MiB  stored here "
+        line = (f"{i.key:<44} {i.dtype:<9} {list(i.shape)!s:<16} {i.nbytes / 2**20:9.3f} MiB  stored here "
                 f"{i.stored_bytes / 2**20:9.3f} MiB  {i.chunks} chunk(s) in {i.files} file(s)  {'+'.join(i.codecs)}")
         if i.lossy:
             line += f"  lossy: {i.lossy}"

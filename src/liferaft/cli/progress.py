@@ -6,7 +6,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Self
 
 
 class Progress:
@@ -63,7 +63,7 @@ class FolderGrowth:
             self.tick(now - self._seen)
             self._seen = now
 
-    def __enter__(self) -> FolderGrowth:
+    def __enter__(self) -> Self:
         if "://" not in self.path:
             self._thread.start()
         return self

@@ -9,8 +9,8 @@ path, the memory tier, the manager and the tools all go through these functions 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 from liferaft.codecs import registry as codec_registry
 from liferaft.codecs.checksum import digest

@@ -14,7 +14,8 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

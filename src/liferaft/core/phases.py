@@ -18,8 +18,9 @@ import time
 import uuid
 import warnings
 from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 

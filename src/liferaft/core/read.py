@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -102,7 +103,7 @@ class CheckpointInfo:
         lines = [head,
                  f"{len(self.tensors)} tensors, {len(self.values)} values, {len(self.files)} data files, {size}"]
         for t in self.tensors:
-            lines.append(f"  {t.key:<50} {t.dtype:<9} {str(list(t.shape)):<20} {t.chunks:>4} chunk(s) "
+            lines.append(f"  {t.key:<50} {t.dtype:<9} {list(t.shape)!s:<20} {t.chunks:>4} chunk(s) "
                          f"{t.nbytes / 2**20:10.3f} MiB")
         for v in self.values:
             lines.append(f"  {v:<50} value")

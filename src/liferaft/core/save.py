@@ -122,7 +122,7 @@ def async_save(path: PathLike, state: Any, *, process_group: ProcessGroup | None
     return handle
 
 
-def _write_and_commit(coord: Coordinator, prep: PreparedSave, pieces: "queue.Queue[Any]", pool: BufferPool,
+def _write_and_commit(coord: Coordinator, prep: PreparedSave, pieces: queue.Queue[Any], pool: BufferPool,
                       opts: SaveOptions, handle: AsyncSaveHandle, hold: threading.Event | None) -> None:
     def write() -> WriteOutcome:
         try:

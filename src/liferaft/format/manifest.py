@@ -10,14 +10,15 @@ from __future__ import annotations
 import json
 import posixpath
 from collections import Counter
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Collection, Mapping
+from typing import Any
 
 from liferaft.errors import CorruptCheckpointError, FormatVersionError, UnsafePathError
 
 FORMAT_NAME = "liferaft"
 FORMAT_VERSION = 3          # the newest version this code reads; a save uses 2 or 3 only when it needs it (§4.1, §4.5)
-from liferaft.format.layout import COMMIT_MARKER  # noqa: E402,F401  (re-exported: the marker's name)
+from liferaft.format.layout import COMMIT_MARKER
 
 CHECKSUM_ALGO = "xxh3_64"
 
@@ -83,7 +84,7 @@ class ChunkRecord:
     frames: tuple[int, ...] | None = None
     #: When set, the decoded bytes are the XOR of this chunk's values with those of ``delta``, the record of the
     #: same box in an earlier checkpoint (never itself a delta): read both, XOR, then check ``hashes``.
-    delta: "ChunkRecord | None" = None
+    delta: ChunkRecord | None = None
 
     @property
     def stored_length(self) -> int:

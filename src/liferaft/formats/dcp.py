@@ -25,14 +25,15 @@ import os
 import pickle
 import uuid
 import zlib
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from liferaft.errors import CorruptCheckpointError, PickleNotAllowedError, StateMismatchError, UnsafePathError
-from liferaft.formats.base import BoxRead, CheckReport, ReadJob, ReadOutcome, Reader, TensorSpec, ValueSpec
+from liferaft.formats.base import BoxRead, CheckReport, Reader, ReadJob, ReadOutcome, TensorSpec, ValueSpec
 from liferaft.formats.zipfiles import View, check_zip
 from liferaft.planning.geometry import check_chunks_tile
 from liferaft.state.dtypes import dtype_name

@@ -7,7 +7,8 @@ its index) or "torch" (any other file: a ``torch.save`` archive). ``sniff`` is t
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable, Literal
+from collections.abc import Iterable
+from typing import Any, Literal
 
 from liferaft.errors import CheckpointNotFoundError, StateMismatchError
 from liferaft.format.layout import COMMIT_MARKER, DATA_DIR, MANIFEST_PREFIX

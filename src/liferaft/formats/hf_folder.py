@@ -315,8 +315,8 @@ def plan_config(config: str | os.PathLike[str] | None, recorded: Any, dtype: str
             raise OptionsError(f"--config {c}: no such file or folder")
         try:
             if not isinstance(json.loads(contents["config.json"].decode("utf-8")), dict):   # type: ignore[union-attr]
-                raise ValueError("not a JSON object")
-        except (ValueError, RecursionError) as e:
+                raise TypeError("not a JSON object")
+        except (ValueError, TypeError, RecursionError) as e:
             raise OptionsError(f"--config {c}: its config.json is not a JSON config ({e})") from e
         bad: type[Exception] = OptionsError
     elif recorded:

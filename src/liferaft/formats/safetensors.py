@@ -9,11 +9,13 @@ reads every byte, which is all that can be done.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
 import struct
-from typing import Any, Callable, Collection
+from collections.abc import Callable, Collection
+from typing import Any
 
 import numpy as np
 import torch
@@ -108,7 +110,7 @@ def read_st_header(f: Any, name: str, size: int
             raise bad(f"{what}: its bytes end at {8 + n + b}, the file has {size}; truncated")
         out[key] = (FROM_ST[dt], tuple(shape), a, b)
     spans = sorted((a, b, k) for k, (_, _, a, b) in out.items() if b > a)
-    for (_, b0, k0), (a1, _, k1) in zip(spans, spans[1:]):
+    for (_, b0, k0), (a1, _, k1) in itertools.pairwise(spans):
         if a1 < b0:
             raise bad(f"tensors {k0!r} and {k1!r} overlap in the file")
     return out, 8 + n

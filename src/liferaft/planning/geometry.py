@@ -5,7 +5,7 @@ A *box* is ``(offsets, sizes)``: the elements ``offsets[d] <= i[d] < offsets[d] 
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 

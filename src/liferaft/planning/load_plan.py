@@ -7,8 +7,8 @@ bytes into the destination boxes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from liferaft.format.manifest import ChunkRecord, TensorEntry
 from liferaft.planning.geometry import Box, byte_span, intersect, split_for_reading, strides

@@ -10,7 +10,8 @@ ranks exchanged after writing, so all take the same decision without another col
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from liferaft.planning.save_plan import WriteItem
 

@@ -12,8 +12,9 @@ tensor with one more leading dimension, one index per holding rank, each rank wr
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from liferaft.errors import InvalidStateError
 from liferaft.format.layout import data_file_name

@@ -9,8 +9,8 @@ shared (load planning cuts a chunk the same way on every rank that wants the sam
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 Span = tuple[str, int, int]          # (file, byte offset, length)
 

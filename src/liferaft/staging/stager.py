@@ -12,8 +12,9 @@ from __future__ import annotations
 import math
 import queue
 import time
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -79,7 +80,7 @@ def _align_of(nbytes: int) -> int:
 
 
 def stage(items: Sequence[WriteItem], sources: Mapping[tuple[str, Box], torch.Tensor], pool: BufferPool,
-          out: "queue.Queue[Any]", piece_limit: int, timeout: float | None = None) -> float:
+          out: queue.Queue[Any], piece_limit: int, timeout: float | None = None) -> float:
     """Copy every item into the pool and queue its pieces (then END); return the seconds spent copying.
 
     Blocks while the pool is full (the writer frees it). On error, queues StageFailed and re-raises.
@@ -102,7 +103,7 @@ def stage(items: Sequence[WriteItem], sources: Mapping[tuple[str, Box], torch.Te
         if stream is not None:
             stream.synchronize()
         out.put(END)
-    except BaseException as e:  # noqa: BLE001 - the writer must learn about it, then the caller
+    except BaseException as e:
         out.put(StageFailed(e))
         raise
     return copy_s

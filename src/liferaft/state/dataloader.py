@@ -20,8 +20,9 @@ PyTorch DCP stores one rank's copy of such a state for every rank (it deduplicat
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from liferaft.errors import StateMismatchError
 

@@ -26,7 +26,8 @@ PyTorch DCP (``set_optimizer_state_dict`` / ``set_model_state_dict`` strict) tre
 
 from __future__ import annotations
 
-from typing import Any, Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
+from typing import Any
 
 from liferaft.format.manifest import PathPart
 from liferaft.state.flatten import FlatState, key_of

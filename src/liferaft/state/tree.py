@@ -3,7 +3,8 @@ that record a nesting (liferaft's containers, DCP's ``planner_data``) give back.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 PathPart = str | int
 

@@ -12,7 +12,8 @@ import base64
 import json
 import math
 import pickle
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -147,7 +148,7 @@ def _decode_tag(tag: str, body: Any, key: str, allow_pickle: bool) -> Any:
                 raise PickleNotAllowedError(
                     f"key {key!r} holds a pickled value; loading it would run code from the checkpoint. "
                     "Pass allow_pickle=True only if you trust the checkpoint")
-            return pickle.loads(base64.b64decode(body))  # noqa: S301 - explicit opt-in above
+            return pickle.loads(base64.b64decode(body))
     except (CorruptCheckpointError, PickleNotAllowedError):
         raise
     except Exception as e:  # noqa: BLE001 - malformed data of any shape

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import os
-from typing import Callable
+from collections.abc import Callable
 
 from liferaft.errors import StorageError
 from liferaft.storage.base import FileWriter, Storage
 from liferaft.storage.memory import MemoryStorage
 from liferaft.storage.posix import PosixStorage
 
-__all__ = ["FileWriter", "Storage", "MemoryStorage", "PosixStorage", "register_scheme", "resolve"]
+__all__ = ["FileWriter", "MemoryStorage", "PosixStorage", "Storage", "register_scheme", "resolve"]
 
 
 def _s3(rest: str) -> Storage:

@@ -70,11 +70,11 @@ class Storage(ABC):
     def sync(self) -> None:
         """Make every file created or renamed so far durable as directory entries (fsync of folders)."""
 
-    def sibling(self, name: str) -> "Storage":
+    def sibling(self, name: str) -> Storage:
         """A Storage rooted at ``name`` next to this one (same parent folder or prefix): where an incremental
         checkpoint's referenced chunks live (``../<name>/...`` in its manifest)."""
         raise NotImplementedError(f"{type(self).__name__} has no sibling storages")
 
-    def child(self, name: str) -> "Storage":
+    def child(self, name: str) -> Storage:
         """A Storage rooted at folder ``name`` under this one (whose ``list()`` shows its files as ``name/...``)."""
         raise NotImplementedError(f"{type(self).__name__} has no child storages")

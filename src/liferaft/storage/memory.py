@@ -58,10 +58,10 @@ class MemoryStorage(Storage):
     def url(self) -> str:
         return f"memory://{self.name}"
 
-    def child(self, name: str) -> "MemoryStorage":
+    def child(self, name: str) -> MemoryStorage:
         return MemoryStorage(f"{self.name}/{name}")
 
-    def sibling(self, name: str) -> "MemoryStorage":
+    def sibling(self, name: str) -> MemoryStorage:
         parent = self.name.rpartition("/")[0]
         if not parent:
             raise NotImplementedError(f"{self.url} is a whole store; it has no siblings")

@@ -129,10 +129,10 @@ class PosixStorage(Storage):
         for m in missing:
             self._dirty_dirs.add(os.path.dirname(m))
 
-    def child(self, name: str) -> "PosixStorage":
+    def child(self, name: str) -> PosixStorage:
         return type(self)(self._p(name), direct_io=self.direct_io)     # fault-injecting subclasses stay so
 
-    def sibling(self, name: str) -> "PosixStorage":
+    def sibling(self, name: str) -> PosixStorage:
         return type(self)(os.path.join(os.path.dirname(self.root), name), direct_io=self.direct_io)
 
     def open_writer(self, name: str) -> FileWriter:

@@ -41,9 +41,10 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from liferaft.errors import OptionsError, StorageError
 from liferaft.storage.base import FileWriter, Storage
@@ -86,7 +87,7 @@ class S3Storage(Storage):
         ``retries``, exponential backoff from 0.1 s), after which it raises ``S3StorageError``."""
         from obstore.store import S3Store
 
-        spec = url_or_bucket_prefix[5:] if url_or_bucket_prefix.startswith("s3://") else url_or_bucket_prefix
+        spec = url_or_bucket_prefix.removeprefix("s3://")
         bucket, _, prefix = spec.partition("/")
         if not bucket:
             raise StorageError(f"{url_or_bucket_prefix!r}: no bucket named; use s3://bucket/prefix")
@@ -119,7 +120,7 @@ class S3Storage(Storage):
                              "base": 2}}
         try:
             self._store = S3Store(bucket, config=config, client_options=client, retry_config=retry)
-        except Exception as e:  # noqa: BLE001 - bad configuration: say which location
+        except Exception as e:
             raise S3StorageError(f"s3://{bucket}: cannot set up the S3 client: {_brief(e)}") from e
         self._pool_lock = threading.Lock()
         self._pool_box: list[ThreadPoolExecutor] = []     # shared with children, made on first large read
@@ -135,13 +136,13 @@ class S3Storage(Storage):
     def _where(self, name: str) -> str:
         return f"{self.url}/{name}"
 
-    def child(self, name: str) -> "S3Storage":
+    def child(self, name: str) -> S3Storage:
         c = object.__new__(S3Storage)
         c.__dict__.update(self.__dict__)
         c.prefix = self._key(name).strip("/")
         return c
 
-    def sibling(self, name: str) -> "S3Storage":
+    def sibling(self, name: str) -> S3Storage:
         c = object.__new__(S3Storage)
         c.__dict__.update(self.__dict__)
         parent = self.prefix.rpartition("/")[0]
@@ -157,7 +158,7 @@ class S3Storage(Storage):
             return fn(self._store, self._key(name), *args, **kw)
         except FileNotFoundError:
             raise FileNotFoundError(f"{self._where(name)}: no such object") from None
-        except Exception as e:  # noqa: BLE001 - every client failure becomes a StorageError naming the object
+        except Exception as e:
             raise S3StorageError(f"{self._where(name)}: {what} failed after retries: {_brief(e)}") from e
 
     def _put(self, name: str, data: Any) -> None:
@@ -227,7 +228,7 @@ class S3Storage(Storage):
         p = self.prefix
         try:
             keys = [m["path"] for batch in obstore.list(self._store, prefix=p or None) for m in batch]
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise S3StorageError(f"{self.url}: LIST failed after retries: {_brief(e)}") from e
         return sorted(k[len(p) + 1:] if p else k for k in keys)
 

@@ -9,6 +9,7 @@ server that has torch imported already, so a launch costs well under a second.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing as mp
 import os
@@ -16,7 +17,8 @@ import queue
 import socket
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 class RankFailure(AssertionError):
@@ -55,10 +57,8 @@ def _child(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple
         try:
             out = fn(rank, world, *args)
         finally:
-            try:
+            with contextlib.suppress(Exception):    # teardown after a failure must not mask it
                 dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - teardown after a failure must not mask it
-                pass
         results.put((rank, True, out))
     except BaseException:  # noqa: BLE001 - reported to the parent
         results.put((rank, False, traceback.format_exc()))

@@ -26,7 +26,7 @@ import urllib.error
 import urllib.request
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 from liferaft.testing.launcher import free_port
 
@@ -60,9 +60,9 @@ class MotoS3Server:
         """Environment variables that point an S3 client (``S3Storage``, boto3) at this server."""
         return {**CREDENTIALS, "AWS_ENDPOINT_URL": self.endpoint_url}
 
-    def start(self) -> "MotoS3Server":
+    def start(self) -> MotoS3Server:
         self.port = free_port()
-        self._log = tempfile.TemporaryFile()
+        self._log = tempfile.TemporaryFile()  # noqa: SIM115 - open for the server's life, closed by stop()
         self._proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
                                       stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **CREDENTIALS})
         deadline = time.monotonic() + self.start_timeout
@@ -93,7 +93,7 @@ class MotoS3Server:
         status, body = _http("GET", f"{self.endpoint_url}/{bucket or self.bucket}?uploads")
         if status != 200:
             raise RuntimeError(f"listing multipart uploads failed: {status} {body[:300]!r}")
-        return re.findall(r"<Upload>.*?<Key>(.*?)</Key>", body.decode(), flags=re.S)
+        return re.findall(r"<Upload>.*?<Key>(.*?)</Key>", body.decode(), flags=re.DOTALL)
 
     def stop(self) -> None:
         if self._proc is not None:
@@ -108,10 +108,10 @@ class MotoS3Server:
             self._log.close()
             self._log = None
 
-    def __enter__(self) -> "MotoS3Server":
+    def __enter__(self) -> Self:
         return self.start()
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
 
@@ -189,7 +189,7 @@ class FaultProxy:
         return None
 
     # -- serving -----------------------------------------------------------------------------------------------
-    def start(self) -> "FaultProxy":
+    def start(self) -> FaultProxy:
         self._listener = socket.create_server(("127.0.0.1", self.port))
         self.port = self._listener.getsockname()[1]
         threading.Thread(target=self._accept, name="fault-proxy", daemon=True).start()
@@ -207,10 +207,10 @@ class FaultProxy:
                     pass
                 s.close()
 
-    def __enter__(self) -> "FaultProxy":
+    def __enter__(self) -> Self:
         return self.start()
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
     def _accept(self) -> None:

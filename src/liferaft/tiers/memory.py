@@ -20,7 +20,8 @@ import os
 import shutil
 import threading
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -421,4 +422,4 @@ def _send_file(coord: Coordinator, path: str, spans: list[tuple[int, int]], bufs
                     p.wait()
 
 
-__all__ = ["MemoryTier", "default_node", "DEFAULT_BASE", "newest_complete", "fetch_plan", "transfer_files"]
+__all__ = ["DEFAULT_BASE", "MemoryTier", "default_node", "fetch_plan", "newest_complete", "transfer_files"]

@@ -8,8 +8,8 @@ of the new checkpoint, ``data/<save id>/r<rank>-copies.bin``, and reports the re
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import Mapping, Sequence
 
 from liferaft.codecs.checksum import verify_blocks
 from liferaft.core.chunks.blocks import decode_stored, read_blocks, xor_into

@@ -14,6 +14,7 @@ raw as it streams (as every chunk is when nothing is to be decided).
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -109,10 +110,8 @@ def write_streamed(storage: Storage, items: Sequence[WriteItem], sources: Mappin
     copy_s = [0.0]
 
     def run_stage() -> None:
-        try:
+        with contextlib.suppress(BaseException):   # queued as StageFailed for the writer, which raises it
             copy_s[0] = stage(items, sources, pool, pieces, limit)
-        except BaseException:  # noqa: BLE001 - queued as StageFailed for the writer, which raises it
-            pass
 
     stager = threading.Thread(target=run_stage, name="liferaft-stager", daemon=True)
     stager.start()
