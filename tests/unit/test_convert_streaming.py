@@ -148,7 +148,7 @@ def test_damaged_dcp_checkpoints_are_named(tmp_path):
 
     out = str(tmp_path / "dcp")
     dcp.save({"w": torch.ones(1000)}, checkpoint_id=out, no_dist=True)
-    data = [f for f in os.listdir(out) if f.endswith(".distcp")][0]
+    data = next(f for f in os.listdir(out) if f.endswith(".distcp"))
     with open(os.path.join(out, data), "r+b") as f:
         f.truncate(100)
     with pytest.raises(liferaft.CorruptCheckpointError, match=data):

@@ -19,7 +19,8 @@ import pickle
 import struct
 import zipfile
 import zlib
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 
