@@ -227,6 +227,13 @@ def torch_file_state(path: str | os.PathLike[str]) -> Any:
             from e
 
 
+def torch_file_tree(obj: Any) -> Any:
+    """The state a ``torch.save`` file's object stands for, the one rule the torch reader and ``convert`` share: a
+    dict, list or tuple as it is (a top-level list's items are keys ``0``, ``1``, ...), anything else (one tensor,
+    one number) under the key ``state``."""
+    return obj if isinstance(obj, (dict, list, tuple)) else {"state": obj}
+
+
 class TorchFileReader(Reader):
     """A ``torch.save`` file, loaded with ``weights_only=True`` and memory-mapped (``torch_file_state``): its
     tensors by their liferaft keys (``model.layer.weight``), its other leaves as plain values, nested as saved."""
@@ -235,7 +242,7 @@ class TorchFileReader(Reader):
         from liferaft.state.flatten import flatten
 
         state = torch_file_state(path)
-        flat = flatten(state if isinstance(state, (dict, list, tuple)) else {"state": state})
+        flat = flatten(torch_file_tree(state))
         self._full = {leaf.key: leaf.parts[0][1] for leaf in flat.tensors}
         self._values = {k: v for k, _, v in flat.values}
         self._kinds = {c.path: c.kind for c in flat.containers}

@@ -23,6 +23,7 @@ from liferaft.errors import CorruptCheckpointError, OptionsError
 from liferaft.formats.base import matches
 from liferaft.formats.hf_folder import recorded_files
 from liferaft.formats.safetensors import safetensors_state
+from liferaft.formats.torch_file import torch_file_state, torch_file_tree
 from liferaft.options import ConvertFormat, SaveOptions
 from liferaft.tools.export import (  # noqa: F401 - the API of this module too
     INDEX,
@@ -69,20 +70,15 @@ def _flat_selection(flat_items: Any, keys: Sequence[str] | None, rename: Sequenc
 
 def from_torch(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, keys: Sequence[str] | None = None,
                rename: Sequence[tuple[str, str]] | None = None, options: Any = None) -> ConvertReport:
-    """Import a ``torch.save`` file (loaded with ``weights_only=True`` and memory-mapped: no code runs, the
-    tensors are read once, by the save) into a liferaft checkpoint, nesting kept; with ``keys`` or ``rename`` a
-    flat dict of the chosen (renamed) keys."""
+    """Import a ``torch.save`` file into a liferaft checkpoint, nesting kept; with ``keys`` or ``rename`` a flat dict
+    of the chosen (renamed) keys. Read as the torch reader reads it (``formats.torch_file.torch_file_state``:
+    ``weights_only=True``, memory-mapped, so no code runs and the tensors are read once, by the save; a file
+    weights_only refuses raises PickleNotAllowedError, a damaged one CorruptCheckpointError, naming the file), and
+    keyed as it keys it (``torch_file_tree``: a top-level list's items are keys ``0``, ``1``, ...)."""
     import liferaft
     from liferaft.state.flatten import flatten
 
-    try:
-        state = torch.load(os.fspath(src), weights_only=True, mmap=True, map_location="cpu")
-    except RuntimeError as e:
-        if "mmap" not in str(e):
-            raise
-        state = torch.load(os.fspath(src), weights_only=True, map_location="cpu")   # legacy (non-zip) format
-    if not isinstance(state, dict):
-        state = {"state": state}
+    state = torch_file_tree(torch_file_state(src))
     if keys or rename:
         f = flatten(state)
         items = [(leaf.key, leaf.parts[0][1]) for leaf in f.tensors] + [(k, v) for k, _, v in f.values]

@@ -1,0 +1,82 @@
+"""Hostile review of the tools, mended: ``diff`` is exact about container types between two liferaft checkpoints
+and compares a value one side holds whole when ``keys`` selects its leaves; ``convert`` reads a ``torch.save``
+file through the torch reader (refusing pickles and damage with liferaft's errors, keying a top-level list as the
+reader does); an export refuses plain values holding numpy data that weights_only readers could not read back."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import warnings
+import zipfile
+
+import numpy as np
+import pytest
+import torch
+
+import liferaft
+from liferaft.cli import main
+from liferaft.core.open import open_reader
+from liferaft.errors import CorruptCheckpointError, OptionsError, PickleNotAllowedError
+from liferaft.tools.diff import value_difference
+
+
+class _Evil:
+    def __init__(self, mark: str) -> None:
+        self.mark = mark
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.mark}",))
+
+
+@pytest.fixture
+def torch_files(tmp_path):
+    """``torch.save`` files a convert must refuse: pickles running code (zip, legacy, a bare data.pkl in a zip),
+    a truncated zip and legacy file, a deflated archive."""
+    mark = str(tmp_path / "PWNED")
+    good, legacy = tmp_path / "good.pt", tmp_path / "legacy.pt"
+    torch.save({"w": torch.arange(1000.)}, good)
+    torch.save({"w": torch.ones(2), "s": 3}, legacy, _use_new_zipfile_serialization=False)
+    torch.save({"w": torch.ones(2), "e": _Evil(mark)}, tmp_path / "evil_zip.pt")
+    torch.save({"w": torch.ones(2), "e": _Evil(mark)}, tmp_path / "evil_legacy.pt",
+               _use_new_zipfile_serialization=False)
+    with zipfile.ZipFile(tmp_path / "evil_pkl.pt", "w") as z:
+        z.writestr("archive/data.pkl", pickle.dumps(_Evil(mark), protocol=2))
+        z.writestr("archive/version", "3\n")
+    b = good.read_bytes()
+    (tmp_path / "trunc_zip.pt").write_bytes(b[: len(b) // 2])
+    (tmp_path / "trunc_legacy.pt").write_bytes(legacy.read_bytes()[:-20])
+    with zipfile.ZipFile(good) as src, zipfile.ZipFile(tmp_path / "deflated.pt", "w",
+                                                       compression=zipfile.ZIP_DEFLATED) as z:
+        for info in src.infolist():
+            z.writestr(info.filename, src.read(info.filename))
+    return tmp_path, mark
+
+
+@pytest.mark.parametrize("name,error", [("evil_zip.pt", PickleNotAllowedError),
+                                        ("evil_legacy.pt", PickleNotAllowedError),
+                                        ("evil_pkl.pt", PickleNotAllowedError),
+                                        ("trunc_zip.pt", CorruptCheckpointError),
+                                        ("trunc_legacy.pt", CorruptCheckpointError),
+                                        ("deflated.pt", CorruptCheckpointError)])
+def test_convert_from_a_hostile_torch_file_raises_liferaft_errors_naming_it(torch_files, name, error, capsys):
+    root, mark = torch_files
+    src = str(root / name)
+    with pytest.raises(error, match=name):
+        liferaft.convert(src, str(root / "out"), "liferaft")
+    assert main(["convert", src, str(root / "out2"), "--to", "liferaft"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and name in err and len(err.strip().splitlines()) == 1
+    assert not os.path.exists(mark) and not os.path.exists(root / "out") and not os.path.exists(root / "out2")
+
+
+def test_convert_keys_a_top_level_list_as_the_torch_reader_does(tmp_path):
+    src = str(tmp_path / "list.pt")
+    torch.save([torch.ones(2), 5], src)
+    assert sorted(open_reader(src).keys) == ["0", "1"]
+    liferaft.convert(src, str(tmp_path / "ck"), "liferaft")
+    back = liferaft.read(str(tmp_path / "ck"))
+    assert isinstance(back, list) and torch.equal(back[0], torch.ones(2)) and back[1] == 5
+    assert liferaft.diff(src, str(tmp_path / "ck")).identical
+    liferaft.convert(src, str(tmp_path / "ck1"), "liferaft", keys=["1"])
+    assert liferaft.read(str(tmp_path / "ck1")) == {"1": 5}
