@@ -80,3 +80,42 @@ def test_convert_keys_a_top_level_list_as_the_torch_reader_does(tmp_path):
     assert liferaft.diff(src, str(tmp_path / "ck")).identical
     liferaft.convert(src, str(tmp_path / "ck1"), "liferaft", keys=["1"])
     assert liferaft.read(str(tmp_path / "ck1")) == {"1": 5}
+
+
+@pytest.mark.parametrize("x,y", [({1: "x"}, {"1": "x"}), ([1, 2], (1, 2)), ({0: "a", 1: "b"}, ["a", "b"]),
+                                 ({"k": [1, (2, 3)]}, {"k": [1, [2, 3]]}), (torch.Size([2]), (2,))])
+def test_diff_of_two_liferaft_checkpoints_is_exact_about_container_types(tmp_path, x, y):
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    liferaft.save(a, {"w": torch.ones(1), "m": x})
+    liferaft.save(b, {"w": torch.ones(1), "m": y})
+    r = liferaft.diff(a, b)
+    assert not r.identical and [(k.key, k.status) for k in r.changed()] == [("m", "changed")]
+    assert value_difference(x, y) is None and value_difference(x, y, lenient=False)    # lenient: other formats
+    liferaft.save(str(tmp_path / "a2"), {"w": torch.ones(1), "m": x})
+    assert liferaft.diff(a, str(tmp_path / "a2")).identical
+
+
+def test_diff_stays_lenient_where_one_side_does_not_record_container_types(tmp_path):
+    lf, pt = str(tmp_path / "lf"), str(tmp_path / "x.pt")
+    liferaft.save(lf, {"w": torch.ones(1), "m": {1: "x", 2: (1, 2)}})
+    torch.save({"w": torch.ones(1), "m": {"1": "x", "2": [1, 2]}}, pt)
+    assert liferaft.diff(lf, pt).identical and liferaft.diff(pt, lf).identical
+
+
+@pytest.mark.parametrize("keys", [["opt.nested"], ["opt.nested.a"], ["opt.nested.*"], ["*.a"], ["opt"]])
+def test_diff_keys_selecting_leaves_of_a_value_one_side_holds_whole_compare_the_whole_value(tmp_path, keys):
+    import torch.distributed.checkpoint as dcp
+
+    lf, same, other = str(tmp_path / "lf"), str(tmp_path / "same"), str(tmp_path / "other")
+    liferaft.save(lf, {"w": torch.ones(3), "opt": {"lr": 0.1, "nested": {"a": 1}}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.ones(3), "opt": {"lr": 0.1, "nested": {"a": 1}}}, checkpoint_id=same, no_dist=True)
+        dcp.save({"w": torch.ones(3), "opt": {"lr": 0.1, "nested": {"a": 2}}}, checkpoint_id=other, no_dist=True)
+    for a, b in [(lf, same), (same, lf)]:
+        r = liferaft.diff(a, b, keys=keys)
+        assert r.identical and [k.key for k in r.keys] == ["opt"]
+    for a, b in [(lf, other), (other, lf)]:
+        r = liferaft.diff(a, b, keys=keys)
+        assert [(k.key, k.status) for k in r.keys] == [("opt", "changed")] and "['nested']['a']" in r.keys[0].detail
+    assert [k.key for k in liferaft.diff(lf, other, keys=["w"]).keys] == ["w"]

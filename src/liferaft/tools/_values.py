@@ -1,5 +1,6 @@
-"""Exact comparison of plain values as formats rebuild them (``value_difference``), for ``diff``: lists and tuples
-alike, int dict keys as strings, DCP's index-keyed dicts as lists, numpy scalars and arrays by kind and bits."""
+"""Exact comparison of plain values as formats rebuild them (``value_difference``), for ``diff``: numpy scalars and
+arrays by kind and bits; and, where a side's format does not record container types (``lenient``), lists and tuples
+alike, int dict keys as strings, DCP's index-keyed dicts as lists."""
 
 from __future__ import annotations
 
@@ -29,9 +30,10 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return _plain_tensor(t).contiguous().reshape(-1).view(torch.uint8)
 
 
-def same_value(x: Any, y: Any) -> bool:
-    """Two plain values equal by value, whatever container shape each format rebuilt them in."""
-    return value_difference(x, y) is None
+def same_value(x: Any, y: Any, lenient: bool = True) -> bool:
+    """Two plain values equal by value (``value_difference``; ``lenient``: whatever container shape each format
+    rebuilt them in)."""
+    return value_difference(x, y, lenient=lenient) is None
 
 
 MAX_VALUE_DEPTH = 100
@@ -206,7 +208,7 @@ def _tensor_difference(x: torch.Tensor, y: torch.Tensor, at: str) -> str | None:
     return f"{at}: tensors differ at {_where_index(first, x.shape)} ({len(differ)} of {n} element(s)): {shown}"
 
 
-def _array_difference(x: Any, y: Any, where: str, depth: int) -> str | None:
+def _array_difference(x: Any, y: Any, where: str, depth: int, lenient: bool) -> str | None:
     """numpy arrays torch cannot hold (strings, bytes, datetimes, void/structured, longdouble, objects): equal when
     dtype, shape and every element are the same — bytes for fixed-size dtypes, values (with the sign of zero, any
     NaN equal to any NaN: the padding bytes of longdouble are not part of the value) for longdouble, each element
@@ -221,13 +223,13 @@ def _array_difference(x: Any, y: Any, where: str, depth: int) -> str | None:
     fx, fy = x.reshape(-1), y.reshape(-1)
     if x.dtype == object:
         for i, (p, q) in enumerate(zip(fx, fy)):
-            d = _difference(p, q, f"{where}{_where_index(i, x.shape)}", depth + 1)
+            d = _difference(p, q, f"{where}{_where_index(i, x.shape)}", depth + 1, lenient)
             if d:
                 return d
         return None
     if x.dtype.fields:
         for name in x.dtype.names:
-            d = _array_difference(x[name], y[name], f"{where}[{name!r}]", depth + 1)
+            d = _array_difference(x[name], y[name], f"{where}[{name!r}]", depth + 1, lenient)
             if d:
                 return d
         return None
@@ -249,12 +251,16 @@ def _array_difference(x: Any, y: Any, where: str, depth: int) -> str | None:
             f"{_pair(*(v.item() if x.dtype.kind in 'USb' else v for v in (fx[first], fy[first])))}")
 
 
-def value_difference(x: Any, y: Any, where: str = "") -> str | None:
+def value_difference(x: Any, y: Any, where: str = "", *, lenient: bool = True) -> str | None:
     """None when the plain values ``x`` (of A) and ``y`` (of B) are equal, else where and how they first differ
     (``"[0]['lr']: 0.001 vs 0.002"``). Equality is exact; only what formats change without changing the value is
-    normalised: a list equals a tuple (and ``torch.Size``) with equal items; an int dict key equals its decimal
-    string (JSON and DCP stringify int keys); a dict keyed exactly 0..n-1 equals the list of its values (DCP stores
-    a list of dicts as index keys); a numpy scalar equals the Python scalar of the same kind and exactly the same
+    normalised. With ``lenient`` (for a side whose format does not record container types: DCP, ``torch.save``,
+    safetensors rebuild them their own way) a list equals a tuple (and ``torch.Size``) with equal items, an int
+    dict key equals its decimal string (JSON and DCP stringify int keys) and a dict keyed exactly 0..n-1 equals the
+    list of its values (DCP stores a list of dicts as index keys); without it (two liferaft checkpoints, which store
+    and load back each of these as what it was) containers must be of the same type and dict keys of the same kind
+    (``{1: "x"}`` vs ``{"1": "x"}``, ``[1, 2]`` vs ``(1, 2)``, ``{0: "a", 1: "b"}`` vs ``["a", "b"]`` differ).
+    Always: a numpy scalar equals the Python scalar of the same kind and exactly the same
     value (``np.int64(3)`` and ``3``, ``np.float32(0.5)`` and ``0.5``, but not ``np.float32(0.1)`` and ``0.1``,
     which are different numbers), while two numpy scalars must also have the same dtype; a numpy array equals the
     tensor of the same dtype, shape and bits; bytes equal bytearrays; a Python float NaN equals any NaN.
@@ -263,10 +269,10 @@ def value_difference(x: Any, y: Any, where: str = "") -> str | None:
     at any magnitude); objects of other types must have the same type and compare with their ``==``, or attribute
     by attribute where the type has no ``==`` of its own; anything that cannot be decided counts as a difference.
     Raises ``ValueTooDeepError`` for values nested deeper than ``MAX_VALUE_DEPTH``."""
-    return _difference(x, y, where, 0)
+    return _difference(x, y, where, 0, lenient)
 
 
-def _difference(x: Any, y: Any, where: str, depth: int) -> str | None:
+def _difference(x: Any, y: Any, where: str, depth: int, lenient: bool) -> str | None:
     import numpy as np
 
     if depth > MAX_VALUE_DEPTH:
@@ -281,26 +287,29 @@ def _difference(x: Any, y: Any, where: str, depth: int) -> str | None:
             return f"{at}: {_pair(x, y)}"
         return _tensor_difference(x, y, at)
     if isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
-        return _array_difference(x, y, where, depth)
-    sx, sy = _sequence(x), _sequence(y)
+        return _array_difference(x, y, where, depth, lenient)
+    if not lenient and isinstance(x, (list, tuple, dict)) and type(x) is not type(y):
+        return f"{at}: {type(x).__name__} vs {type(y).__name__} ({_pair(x, y)})"
+    sx, sy = (_sequence(x), _sequence(y)) if lenient else (
+        (list(x), list(y)) if isinstance(x, (list, tuple)) else (None, None))
     if sx is not None and sy is not None and (not isinstance(x, dict) or not isinstance(y, dict)):
         if len(sx) != len(sy):
             return f"{at}: {len(sx)} item(s) vs {len(sy)}"
         for i, (p, q) in enumerate(zip(sx, sy)):
-            d = _difference(p, q, f"{where}[{i}]", depth + 1)
+            d = _difference(p, q, f"{where}[{i}]", depth + 1, lenient)
             if d:
                 return d
         return None
     if isinstance(x, dict) and isinstance(y, dict):
         kx, ky = {_dict_key(k): k for k in x}, {_dict_key(k): k for k in y}
-        if len(kx) != len(x) or len(ky) != len(y):      # both 1 and "1" in one dict: compare keys as they are
+        if not lenient or len(kx) != len(x) or len(ky) != len(y):      # both 1 and "1" in one dict: compare keys as they are
             kx, ky = {_strict_key(k): k for k in x}, {_strict_key(k): k for k in y}
         if set(kx) != set(ky):
-            only_a = sorted(str(kx[k]) for k in set(kx) - set(ky))
-            only_b = sorted(str(ky[k]) for k in set(ky) - set(kx))
+            only_a = sorted((kx[k] for k in set(kx) - set(ky)), key=str)      # shown as keys: 1 is not '1'
+            only_b = sorted((ky[k] for k in set(ky) - set(kx)), key=str)
             return f"{at}: keys only in A {only_a[:5]}, only in B {only_b[:5]}"
         for n, k in kx.items():
-            d = _difference(x[k], y[ky[n]], f"{where}[{k!r}]", depth + 1)
+            d = _difference(x[k], y[ky[n]], f"{where}[{k!r}]", depth + 1, lenient)
             if d:
                 return d
         return None
@@ -331,7 +340,7 @@ def _difference(x: Any, y: Any, where: str, depth: int) -> str | None:
             return None
         return f"{at}: {_pair(x, y)}"
     if type(x).__eq__ is object.__eq__ and hasattr(x, "__dict__"):     # no == of its own: compare attributes
-        return _difference(vars(x), vars(y), f"{where}.__dict__" if where else "__dict__", depth + 1)
+        return _difference(vars(x), vars(y), f"{where}.__dict__" if where else "__dict__", depth + 1, lenient)
     try:
         eq = x == y
     except Exception as e:  # noqa: BLE001 - an == that fails decides nothing: counted as a difference

@@ -2,8 +2,9 @@
 
 Tensors are compared in slabs of leading-dimension rows (at most ``slab_bytes`` per side in memory), read and
 verified like any load, whatever the layouts the two were saved in; plain values are compared decoded, exactly
-(``value_difference``: ``True``, ``1`` and ``1.0`` differ, arrays by dtype, shape and bits), except for the
-container shapes formats rebuild (list or tuple, int or string dict keys, DCP's flattened leaves). Either side
+(``value_difference``: ``True``, ``1`` and ``1.0`` differ, arrays by dtype, shape and bits), except, where a side
+is a format that does not record container types (not liferaft), for the container shapes such formats rebuild
+(list or tuple, int or string dict keys, DCP's flattened leaves). Either side
 may be any format ``core.open.open_reader`` opens (both read through the reader protocol); B's keys can be renamed
 (or put under a prefix) to match A's. Useful to check that a resume or a conversion was exact, or how far two
 steps drifted apart.
@@ -107,15 +108,14 @@ class _Side:
     renamed: bool = False
 
 
-def _side(reader: Reader, keys: Sequence[str] | None, rename: Callable[[str], str] | None = None) -> _Side:
-    """The keys of ``reader`` under their names (``rename``d when given: two keys to one name is an OptionsError),
-    those ``keys`` select (``formats.base.matches``, in those names)."""
+def _side(reader: Reader, rename: Callable[[str], str] | None = None) -> _Side:
+    """The keys of ``reader`` under their names (``rename``d when given: two keys to one name is an OptionsError);
+    ``_select`` then keeps those ``keys`` select."""
     names = {k: rename(k) if rename else k for k in reader.keys}
     if rename and len(set(names.values())) != len(names):
         raise OptionsError(f"{reader.url}: the renaming maps two keys to one name")
-    return _Side(reader, {names[k]: k for k in reader.tensors if matches(names[k], keys)},
-                 {names[k]: (lambda k=k: reader.value(k)) for k in reader.values if matches(names[k], keys)},
-                 renamed=rename is not None)
+    return _Side(reader, {names[k]: k for k in reader.tensors},
+                 {names[k]: (lambda k=k: reader.value(k)) for k in reader.values}, renamed=rename is not None)
 
 
 def _only(side: _Side, keys: Sequence[str]) -> None:
@@ -124,14 +124,15 @@ def _only(side: _Side, keys: Sequence[str]) -> None:
     side.values = {n: v for n, v in side.values.items() if matches(n, keys)}
 
 
-def _regroup(mine: _Side, other: _Side) -> None:
+def _regroup(mine: _Side, other: _Side) -> dict[str, list[str]]:
     """DCP stores each leaf of a nested plain value on its own ("sched.lr", "optim.param_groups.0.lr"), liferaft the
     value whole ("sched"): leaves under a value key the other side holds whole are compared as that one nested
     value (rebuilt by the nesting DCP recorded, else by the dots of the keys; ``same_value`` then compares it by
     value, whatever container shape the rebuilding chose). Not on a renamed side (its names are not the keys
-    the reader knows the parts by)."""
+    the reader knows the parts by). Returns the values rebuilt, with the names of their parts."""
+    joined: dict[str, list[str]] = {}
     if mine.renamed:
-        return
+        return joined
     reader = mine.reader
     for key in [k for k in other.values if k not in mine.values and k not in mine.tensors]:
         under = [k for k in reader.value_parts(key) if k in mine.values]
@@ -139,6 +140,26 @@ def _regroup(mine: _Side, other: _Side) -> None:
             for k in under:
                 mine.values.pop(k)
             mine.values[key] = lambda key=key, under=under: reader.joined_value(key, under)
+            joined[key] = under
+    return joined
+
+
+def _select(sides: Sequence[_Side], keys: Sequence[str] | None, parts: dict[str, list[str]]) -> None:
+    """Keep on every side the names ``keys`` select (``formats.base.matches``) — where a pattern selects leaves of
+    a plain value that a side holds whole (``opt.nested`` or ``opt.nested.*`` of a value ``opt`` liferaft keeps
+    whole and DCP split into ``opt.lr``, ``opt.nested.a``), the whole value ``opt`` on both sides, compared
+    whole. ``parts``: the leaves each rebuilt value was joined from (``_regroup``)."""
+    if not keys:
+        return
+
+    def chosen(name: str, value: bool) -> bool:
+        return matches(name, keys) or (value and (any(p.startswith(name + ".") for p in keys)
+                                                  or any(matches(k, keys) for k in parts.get(name, ()))))
+    names = {n for s in sides for n in s.tensors if matches(n, keys)} | \
+        {n for s in sides for n in s.values if chosen(n, True)}
+    for s in sides:
+        s.tensors = {n: k for n, k in s.tensors.items() if n in names}
+        s.values = {n: v for n, v in s.values.items() if n in names}
 
 
 def diff(a: str | os.PathLike[str], b: str | os.PathLike[str], *, keys: Sequence[str] | None = None,
@@ -154,9 +175,14 @@ def diff(a: str | os.PathLike[str], b: str | os.PathLike[str], *, keys: Sequence
     its subtree of the source. ``keys``: keys, key prefixes or globs (in A's names) to restrict to. Tensors are "equal" when
     their bits are (``-0.0`` is not ``0.0``; integers exact at any magnitude); a float tensor whose largest
     absolute difference is ≤ ``tolerance`` (> 0) counts as "equal" too (NaNs at the same places: no difference),
-    integer and bool tensors never by tolerance. Plain values are compared exactly, up to the container shapes
-    formats rebuild (``value_difference``: lists and tuples alike, int dict keys as strings, a dict keyed 0..n-1
-    as the list it was flattened from; ``True``, ``1`` and ``1.0`` differ)."""
+    integer and bool tensors never by tolerance. Plain values are compared exactly (``value_difference``:
+    ``True``, ``1`` and ``1.0`` differ). Where a side is a format that does not record container types (any but
+    liferaft: DCP, ``torch.save`` and safetensors rebuild containers their own way), up to the container shapes
+    formats rebuild: lists and tuples alike, int dict keys as strings, a dict keyed 0..n-1 as the list it was
+    flattened from. Between two liferaft checkpoints, which store containers exactly and load them back as they
+    were, not: ``{1: "x"}`` vs ``{"1": "x"}``, ``[1, 2]`` vs ``(1, 2)`` and ``{0: "a", 1: "b"}`` vs ``["a", "b"]``
+    are changes. Where ``keys`` selects leaves of a plain value that one side holds whole and the other split
+    into leaves (liferaft keeps ``opt`` whole, DCP stores ``opt.nested.a``), the whole value is compared."""
     from liferaft.tools.export import renamer
 
     opts = options or LoadOptions()
@@ -176,12 +202,13 @@ def diff(a: str | os.PathLike[str], b: str | os.PathLike[str], *, keys: Sequence
 
 def _diff(ra: Reader, rb: Reader, keys: Sequence[str] | None, tolerance: float, rn: Callable[[str], str] | None,
           module: str | None, slab_bytes: int, progress: Callable[[int], None] | None) -> DiffReport:
-    sa = _side(ra, keys)
-    sb = _side(rb, keys, None if rn is None else (lambda k: f"{module}.{rn(k)}") if module else rn)
+    sa = _side(ra)
+    sb = _side(rb, None if rn is None else (lambda k: f"{module}.{rn(k)}") if module else rn)
     if module:
         _only(sa, [module, f"{module}.*"])
-    _regroup(sa, sb)
-    _regroup(sb, sa)
+    parts = _regroup(sa, sb) | _regroup(sb, sa)
+    _select((sa, sb), keys, parts)
+    lenient = not (ra.fmt == rb.fmt == "liferaft")     # other formats do not record container types
     ta, tb, va, vb = sa.tensors, sb.tensors, sa.values, sb.values
     every = list(dict.fromkeys([*ta, *va, *tb, *vb]))
     out: list[KeyDiff] = []
@@ -196,7 +223,7 @@ def _diff(ra: Reader, rb: Reader, keys: Sequence[str] | None, tolerance: float, 
         if key in va or key in vb:
             if key in va and key in vb:
                 try:
-                    why = value_difference(va[key](), vb[key]())
+                    why = value_difference(va[key](), vb[key](), lenient=lenient)
                 except ValueTooDeepError as e:
                     raise ValueTooDeepError(f"key {key!r}: {e}") from None
                 out.append(KeyDiff(key, "changed", detail=why) if why else KeyDiff(key, "equal"))
