@@ -119,3 +119,30 @@ def test_diff_keys_selecting_leaves_of_a_value_one_side_holds_whole_compare_the_
         r = liferaft.diff(a, b, keys=keys)
         assert [(k.key, k.status) for k in r.keys] == [("opt", "changed")] and "['nested']['a']" in r.keys[0].detail
     assert [k.key for k in liferaft.diff(lf, other, keys=["w"]).keys] == ["w"]
+
+
+@pytest.mark.parametrize("value,where", [(np.arange(3, dtype=np.int16), "key 'np' holds a numpy array"),
+                                         (np.float32(0.5), "key 'np' holds a numpy scalar"),
+                                         ({"a": [1, np.int64(2)]}, "key 'np' at ['a'][1] holds a numpy scalar"),
+                                         ({np.int64(1): "x"}, "at (the dict key np.int64(1)) holds a numpy scalar")])
+@pytest.mark.parametrize("to", ["torch", "dcp"])
+def test_export_refuses_numpy_plain_values_naming_the_key_and_writes_nothing(tmp_path, value, where, to):
+    src = str(tmp_path / "src")
+    liferaft.save(src, {"model": {"w": torch.ones(2, 2)}, "step": 3, "np": value})
+    dst = str(tmp_path / ("o.pt" if to == "torch" else "o"))
+    with pytest.raises(OptionsError, match=r"numpy .*weights_only.*nothing was written.*--key") as e:
+        liferaft.convert(src, dst, to)
+    assert where in str(e.value)
+    assert not os.path.exists(dst) and os.listdir(tmp_path) == ["src"]
+    liferaft.convert(src, dst, to, keys=["model", "step"])            # the way out the error names
+    back = str(tmp_path / "back")
+    liferaft.convert(dst, back, "liferaft")
+    assert liferaft.diff(src, back, keys=["model", "step"]).identical and liferaft.diff(dst, back).identical
+
+
+def test_export_refuses_any_value_weights_only_cannot_read_back(tmp_path):
+    src = str(tmp_path / "src")
+    liferaft.save(src, {"w": torch.ones(2), "f": frozenset({1, 2})})
+    with pytest.raises(OptionsError, match="key 'f' holds a frozenset value that weights_only readers cannot read"):
+        liferaft.convert(src, str(tmp_path / "o.pt"), "torch")
+    assert not os.path.exists(tmp_path / "o.pt")

@@ -302,7 +302,7 @@ def _difference(x: Any, y: Any, where: str, depth: int, lenient: bool) -> str | 
         return None
     if isinstance(x, dict) and isinstance(y, dict):
         kx, ky = {_dict_key(k): k for k in x}, {_dict_key(k): k for k in y}
-        if not lenient or len(kx) != len(x) or len(ky) != len(y):      # both 1 and "1" in one dict: compare keys as they are
+        if not lenient or len(kx) != len(x) or len(ky) != len(y):  # exact, or 1 and "1" in one dict: keys as they are
             kx, ky = {_strict_key(k): k for k in x}, {_strict_key(k): k for k in y}
         if set(kx) != set(ky):
             only_a = sorted((kx[k] for k in set(kx) - set(ky)), key=str)      # shown as keys: 1 is not '1'

@@ -271,6 +271,65 @@ def _plain(reader: Reader, key: str) -> Any:
     return tuple(x) if isinstance(x, tuple) else x
 
 
+def _numpy_in(v: Any, at: str = "", depth: int = 0) -> tuple[str, Any] | None:
+    """Where the first numpy array or scalar lies in the plain value ``v`` (``"['opt'][0]"``; "" for ``v``
+    itself; a dict key counts), and it; None when there is none (or deeper than 100 levels: the weights_only check
+    of ``_portable_values`` still sees it)."""
+    if isinstance(v, (np.ndarray, np.generic)):
+        return at, v
+    if depth > 100:
+        return None
+    if isinstance(v, dict):
+        for k, x in v.items():
+            hit = _numpy_in(k, f"{at} (the dict key {k!r})".lstrip(), depth + 1) or \
+                _numpy_in(x, f"{at}[{k!r}]", depth + 1)
+            if hit:
+                return hit
+    elif isinstance(v, (list, tuple, set, frozenset)):
+        for i, x in enumerate(v):
+            hit = _numpy_in(x, f"{at}[{i}]", depth + 1)
+            if hit:
+                return hit
+    return None
+
+
+def _portable_values(reader: Reader, keys: Sequence[str], to: str) -> dict[str, Any]:
+    """The plain values ``keys`` decoded for an export to ``to`` ("torch" or "dcp", whose readers — liferaft's, and
+    ``torch.load(weights_only=True)`` — unpickle them with ``weights_only``), each checked to load back that way
+    before anything is written; else OptionsError naming the key. A numpy array or scalar inside a plain value
+    (liferaft stores small ones exactly, as values) is refused rather than converted: weights_only refuses numpy's
+    pickles, and writing it as a tensor or a list would change its type (or its dtype), so the round trip would
+    not be exact — the user chooses how to store it."""
+    import io
+
+    out: dict[str, Any] = {}
+    for k in keys:
+        v = _plain(reader, k)
+        hit = _numpy_in(v)
+        if hit is not None:
+            where, x = hit
+            raise OptionsError(
+                f"key {k!r}{' at ' + where if where else ''} holds a numpy "
+                f"{'array' if isinstance(x, np.ndarray) else 'scalar'} ({x.dtype}): a {to} file stores it as a "
+                "numpy pickle, which weights_only readers (liferaft's, torch.load(weights_only=True)) refuse, and "
+                "storing it as a tensor or list would change its type; nothing was written. Store it in the state "
+                "as a tensor (torch.from_numpy) or a Python list/number and save again, or leave the key out by "
+                "selecting the others with --key GLOB (keys=...)")
+        buf = io.BytesIO()
+        torch.save(v, buf)
+        buf.seek(0)
+        try:
+            torch.load(buf, weights_only=True)
+        except Exception as e:  # noqa: BLE001 - whatever weights_only refuses, the export refuses
+            why = next((x.strip() for x in str(e).splitlines() if "Unsupported" in x), type(e).__name__)
+            raise OptionsError(f"key {k!r} holds a {type(v).__name__} value that weights_only readers cannot read "
+                               f"back from a {to} file ({why}); nothing was written. Store it as plain numbers, "
+                               "strings, lists, tuples and dicts, or leave the key out with --key GLOB (keys=...)") \
+                from None
+        out[k] = v
+    return out
+
+
 def _whole(reader: Reader, key: str) -> Any:
     """A ``bytes`` tensor read whole, as the leaf it was in the state."""
     spec = reader.tensors[key]
@@ -299,7 +358,9 @@ def to_torch(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, keys: 
              progress: Callable[[int], None] | None = None, slab_bytes: int = SLAB) -> ConvertReport:
     """Export to one ``torch.save`` file, streamed (``formats.torch_file``: about three slabs of ``slab_bytes`` in
     memory, not the state), in the saved nesting (``Reader.tree``); with ``rename`` a flat dict of the renamed
-    keys. Stateful objects come out as their state dicts, values that differed per saving rank as tuples."""
+    keys. Stateful objects come out as their state dicts, values that differed per saving rank as tuples; a plain
+    value ``torch.load(weights_only=True)`` could not read back (numpy data inside it) is refused, naming the key,
+    before anything is written (``_portable_values``)."""
     from liferaft.formats.torch_file import placeholder, with_crc, write_torch_file
 
     reader, tensors, values = _export_source(src, keys)
@@ -313,8 +374,8 @@ def to_torch(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, keys: 
             continue
         t = leaves[rn(k)] = placeholder(tuple(spec.shape), _out_dtype(spec, cast))
         fills[id(t)] = k
-    for k in values:
-        leaves[rn(k)] = _plain(reader, k)
+    for k, v in _portable_values(reader, values, "torch").items():
+        leaves[rn(k)] = v
     if len(leaves) != len(tensors) + len(values):
         raise OptionsError("the renaming maps two keys to one name")
     tree = leaves if flat else reader.tree(leaves)
@@ -336,7 +397,9 @@ def to_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, keys: Se
     """Export to a PyTorch DCP checkpoint, streamed (``formats.dcp.write_dcp``: each tensor as row-slab chunks of
     about ``slab_bytes``, the next read while one is written). Keys are the liferaft keys (renamed if asked), with
     the saved nesting recorded as DCP does, so ``dcp.load`` into the same nested state and ``dcp_to_torch_save``
-    both work; numpy arrays become tensors."""
+    both work; numpy arrays stored as tensors (over ``INLINE_LIMIT``) become tensors; a plain value weights_only
+    readers could not read back (numpy data inside it) is refused, naming the key, before anything is written
+    (``_portable_values``)."""
     from liferaft.formats.dcp import DcpItem, write_dcp
 
     reader, tensors, values = _export_source(src, keys)
@@ -360,8 +423,8 @@ def to_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, keys: Se
             for box, t in slab_values(reader, k, slab_bytes, _out_dtype(reader.tensors[k], cast), buffers):
                 yield box[0], t
         items.append(DcpItem(rn(k), dcp_path(k, spec.path), _out_dtype(spec, cast), tuple(spec.shape), produce))
-    for k in values:
-        items.append(DcpItem(rn(k), dcp_path(k, reader.values[k].path), value=_plain(reader, k)))
+    for k, v in _portable_values(reader, values, "dcp").items():
+        items.append(DcpItem(rn(k), dcp_path(k, reader.values[k].path), value=v))
     if len({i.key for i in items}) != len(items):
         raise OptionsError("the renaming maps two keys to one name")
     size = write_dcp(dst, items, progress, prefetch=prefetched)
