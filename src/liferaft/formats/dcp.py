@@ -455,7 +455,7 @@ def write_dcp(dst: str | os.PathLike[str], items: Sequence[DcpItem], progress: C
     )
 
     from liferaft.formats.torch_file import RecordFiller, placeholder, record_offsets, set_crcs, skeleton
-    from liferaft.storage.posix import _fsync_dir
+    from liferaft.storage import fsync_dir
 
     dst = os.fspath(dst)
     os.makedirs(dst, exist_ok=True)
@@ -510,5 +510,5 @@ def write_dcp(dst: str | os.PathLike[str], items: Sequence[DcpItem], progress: C
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, os.path.join(dst, ".metadata"))
-    _fsync_dir(dst)
+    fsync_dir(dst)
     return total

@@ -190,9 +190,9 @@ def write_torch_file(dst: str, tree: Any,
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
     os.replace(tmp, dst)
-    from liferaft.storage.posix import _fsync_dir
+    from liferaft.storage import fsync_dir
 
-    _fsync_dir(os.path.dirname(os.path.abspath(dst)))
+    fsync_dir(os.path.dirname(os.path.abspath(dst)))
     return length
 
 

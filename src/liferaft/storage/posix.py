@@ -17,7 +17,8 @@ from liferaft.storage.base import FileWriter, Storage
 _PAGE = 4096
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
+    """fsync the folder ``path``, so that the entries created or renamed in it are durable."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
         os.fsync(fd)
@@ -229,10 +230,10 @@ class PosixStorage(Storage):
         except BaseException:
             w.abort()
             raise
-        _fsync_dir(os.path.dirname(path))
+        fsync_dir(os.path.dirname(path))
 
     def sync(self) -> None:
         for d in sorted(self._dirty_dirs, key=len, reverse=True):
             if os.path.isdir(d):
-                _fsync_dir(d)
+                fsync_dir(d)
         self._dirty_dirs.clear()

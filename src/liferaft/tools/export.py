@@ -32,7 +32,7 @@ from liferaft.formats.hf_folder import model_subtree, plan_config, write_config
 from liferaft.formats.safetensors import ST_DTYPES
 from liferaft.state.dtypes import torch_dtype
 from liferaft.state.values import as_leaf
-from liferaft.storage import resolve
+from liferaft.storage import fsync_dir, resolve
 from liferaft.tools._slabs import prefetched, ring, slab_values
 
 INDEX = "model.safetensors.index.json"
@@ -164,14 +164,6 @@ def _created(path: str) -> Any:
                              0o644), "wb")
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_shard(reader: Reader, path: str, shard: list[Any], progress: Callable[[int], None] | None = None) -> None:
     """One safetensors file, streamed: the header padded (with spaces, as the format allows) so that the data
     starts on a 4 KiB page, then each tensor in row slabs read into ring buffers on the file's page boundaries
@@ -205,7 +197,7 @@ def _write_shard(reader: Reader, path: str, shard: list[Any], progress: Callable
         os.unlink(tmp)
         raise
     os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def find_model(src: str | os.PathLike[str], module: str | None = None) -> str:
