@@ -392,7 +392,7 @@ def to_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, keys: Se
     both work; numpy arrays stored as tensors (over ``INLINE_LIMIT``) become tensors; a plain value weights_only
     readers could not read back (numpy data inside it) is refused, naming the key, before anything is written
     (``_portable_values``)."""
-    from liferaft.formats.dcp import DcpItem, write_dcp
+    from liferaft.formats.dcp_write import DcpItem, write_dcp
 
     reader, tensors, values = _export_source(src, keys)
     rn, cast = renamer(rename), torch_dtype(dtype) if dtype else None
