@@ -51,6 +51,46 @@ def _state(v: float) -> dict:
     (lambda: PreemptionOptions(install="now"), "install"),              # type: ignore[arg-type]
     (lambda: JobOptions(job_id=""), "job_id"),
     (lambda: JobOptions(lease_ttl=float("nan")), "lease_ttl"),
+    # what would be silently changed (never saved, saved at another step) or accepted as another type
+    (lambda: SavePolicy(last_step="3"), "last_step"),                  # type: ignore[arg-type]
+    (lambda: SavePolicy(last_step=-3), "last_step"),
+    (lambda: SavePolicy(last_step=2.5), "last_step"),                  # type: ignore[arg-type]
+    (lambda: SavePolicy(at_steps=[2.7]), "at_steps"),                  # type: ignore[list-item]
+    (lambda: SavePolicy(at_steps="123"), "at_steps"),                  # type: ignore[arg-type]
+    (lambda: SavePolicy(at_steps={"1": 1}), "at_steps"),               # type: ignore[arg-type]
+    (lambda: SavePolicy(at_steps=[-5]), "at_steps"),
+    (lambda: SavePolicy(at_steps=[True]), "at_steps"),
+    (lambda: SavePolicy(at_steps=5), "at_steps"),                      # type: ignore[arg-type]
+    (lambda: SavePolicy(every_steps=True), "every_steps"),
+    (lambda: SavePolicy(every_steps=2.0), "every_steps"),              # type: ignore[arg-type]
+    (lambda: SavePolicy(every_seconds=[1]), "every_seconds"),          # type: ignore[arg-type]
+    (lambda: SavePolicy(every_seconds=True), "every_seconds"),
+    (lambda: SavePolicy(every_seconds=float("inf")), "every_seconds"),
+    (lambda: SavePolicy(full_every=True), "full_every"),
+    (lambda: SavePolicy(mtbf_hours=True), "mtbf_hours"),
+    (lambda: SavePolicy(mtbf_hours="x"), "mtbf_hours"),                # type: ignore[arg-type]
+    (lambda: RetentionPolicy(keep_last=True), "keep_last"),
+    (lambda: RetentionPolicy(keep_every=2.0), "keep_every"),           # type: ignore[arg-type]
+    (lambda: RetentionPolicy(keep_best=1, metric=5), "metric"),        # type: ignore[arg-type]
+    (lambda: RetentionPolicy(keep_best=1, metric=""), "metric"),
+    (lambda: RetentionPolicy(keep_best=1), "metric"),
+    (lambda: RetentionPolicy(metric="loss"), "keep_best"),
+    (lambda: RetentionPolicy(mode=["min"]), "mode"),                    # type: ignore[arg-type]
+    (lambda: TierOptions(object()), "memory"),                          # type: ignore[arg-type]
+    (lambda: TierOptions(object(), drain="no"), "drain"),               # type: ignore[arg-type]
+    (lambda: TierOptions(object(), remote=5), "remote"),                # type: ignore[arg-type]
+    (lambda: TierOptions(object(), remote_every=True), "remote_every"),  # type: ignore[arg-type]
+    (lambda: TierOptions(object(), memory_every=True), "memory_every"),  # type: ignore[arg-type]
+    (lambda: PreemptionOptions(signals=[signal.SIGKILL]), "signals"),
+    (lambda: PreemptionOptions(signals=[signal.SIGTERM, signal.SIGSTOP]), "signals"),
+    (lambda: PreemptionOptions(signals=[True]), "signals"),
+    (lambda: PreemptionOptions(signals=None), "signals"),               # type: ignore[arg-type]
+    (lambda: PreemptionOptions(signals={15: 1}), "signals"),            # type: ignore[arg-type]
+    (lambda: PreemptionOptions(deadline=True), "deadline"),
+    (lambda: PreemptionOptions(deadline=float("inf")), "deadline"),
+    (lambda: JobOptions(lease_ttl=1e300), "lease_ttl"),
+    (lambda: JobOptions(lease_ttl=1e-9), "lease_ttl"),
+    (lambda: JobOptions(lease_ttl=True), "lease_ttl"),
 ])
 def test_each_option_object_refuses_a_bad_value_naming_the_field(make, field):
     with pytest.raises(OptionsError, match=field):
@@ -63,6 +103,29 @@ def test_options_are_frozen_and_normalised():
     with pytest.raises(AttributeError):
         p.every_steps = 3                                                 # type: ignore[misc]
     assert PreemptionOptions(signals=[signal.SIGUSR1]).signals == (signal.SIGUSR1,)
+
+
+def test_the_edges_of_the_ranges_are_accepted():
+    assert SavePolicy(at_steps=[0], last_step=0).at_steps == frozenset({0})
+    assert JobOptions(lease_ttl=1).lease_ttl == 1 and JobOptions(lease_ttl=86400.0).lease_ttl == 86400.0
+    assert RetentionPolicy(keep_best=2, metric="loss").metric == "loss"
+    assert PreemptionOptions(signals=[signal.SIGUSR1, signal.SIGUSR1]).signals == (signal.SIGUSR1,)
+    assert PreemptionOptions(signals=()).signals == ()
+
+
+@pytest.mark.parametrize("param, value, expected", [
+    ("save_policy", {"every_steps": 2}, "SavePolicy"),
+    ("retention", 3, "RetentionPolicy"),
+    ("preemption", {"signals": [15]}, "PreemptionOptions"),
+    ("job", "abc", "JobOptions"),
+    ("tiers", True, "TierOptions"),
+    ("save_options", {"staging": "blocking"}, "SaveOptions"),
+    ("load_options", {"x": 1}, "LoadOptions"),
+    ("async_save", "no", "True or False"),
+])
+def test_the_manager_refuses_a_parameter_of_the_wrong_type_naming_it(tmp_path, param, value, expected):
+    with pytest.raises(OptionsError, match=f"{param}=.*{expected}"):
+        CheckpointManager(str(tmp_path / "run"), **{param: value})
 
 
 def test_a_shorthand_and_the_same_field_of_a_policy_is_refused(tmp_path):
@@ -102,6 +165,52 @@ def test_explicit_install_only_by_handle_preemption(tmp_path):
         os.kill(os.getpid(), signal.SIGUSR1)
         assert mgr.maybe_save(2, _state(2.0)) and mgr.preempted
     assert signal.getsignal(signal.SIGUSR1) is before
+
+
+def test_a_first_maybe_save_from_a_thread_does_not_stop_the_main_thread_installing(tmp_path):
+    import threading
+
+    before = signal.getsignal(signal.SIGUSR1)
+    with CheckpointManager(str(tmp_path / "run"), every_steps=100, async_save=False,
+                           preemption=PreemptionOptions(signals=[signal.SIGUSR1])) as mgr:
+        t = threading.Thread(target=mgr.maybe_save, args=(1, _state(1.0)))
+        t.start()
+        t.join()
+        assert signal.getsignal(signal.SIGUSR1) is before                 # a worker thread cannot install
+        mgr.handle_preemption()
+        assert signal.getsignal(signal.SIGUSR1) is not before
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert mgr.maybe_save(2, _state(2.0)) and mgr.preempted
+    assert signal.getsignal(signal.SIGUSR1) is before
+    with CheckpointManager(str(tmp_path / "run2"), every_steps=100, async_save=False,
+                           preemption=PreemptionOptions(signals=[signal.SIGUSR1])) as mgr:
+        t = threading.Thread(target=mgr.maybe_save, args=(1, _state(1.0)))
+        t.start()
+        t.join()
+        assert not mgr.maybe_save(2, _state(2.0))                         # the main thread's first maybe_save
+        assert signal.getsignal(signal.SIGUSR1) is not before
+    assert signal.getsignal(signal.SIGUSR1) is before
+
+
+@pytest.mark.parametrize("order", ["AB", "BA"])
+def test_two_managers_closed_in_any_order_put_the_original_handler_back(tmp_path, order):
+    before = signal.getsignal(signal.SIGUSR1)
+    opts = PreemptionOptions(signals=[signal.SIGUSR1])
+    mgrs = {n: CheckpointManager(str(tmp_path / n), every_steps=100, async_save=False, preemption=opts) for n in "AB"}
+    try:
+        for n in "AB":
+            mgrs[n].handle_preemption()
+        first, second = mgrs[order[0]], mgrs[order[1]]
+        first.close()
+        assert signal.getsignal(signal.SIGUSR1) is not before             # the other one still handles it
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert second.maybe_save(1, _state(1.0)) and second.preempted
+        second.close()
+        assert signal.getsignal(signal.SIGUSR1) is before
+    finally:
+        for m in mgrs.values():
+            m.close()
+        signal.signal(signal.SIGUSR1, before)
 
 
 def test_the_tiers_component_does_not_import_the_manager():

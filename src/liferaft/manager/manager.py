@@ -11,7 +11,6 @@ the memory and remote tiers are a component of their own (``tiering.Tiers``).
 from __future__ import annotations
 
 import os
-import signal
 import threading
 import time
 import warnings
@@ -47,6 +46,7 @@ from liferaft.manager.policies import (
     SavePolicy,
     mtbf_from_starts,
 )
+from liferaft.manager.preemption import preemption_handlers
 from liferaft.manager.tiering import Tiers, first_that_loads
 from liferaft.options import LoadOptions, LoadResult, SaveOptions, SaveResult
 from liferaft.storage import Storage, resolve
@@ -92,6 +92,15 @@ class CheckpointManager:
                  preemption: PreemptionOptions | None = None, job: JobOptions | None = None,
                  save_options: SaveOptions | None = None, load_options: LoadOptions | None = None,
                  process_group: Any = None) -> None:
+        for name, value, kind in (("save_policy", save_policy, SavePolicy), ("retention", retention, RetentionPolicy),
+                                  ("tiers", tiers, TierOptions), ("preemption", preemption, PreemptionOptions),
+                                  ("job", job, JobOptions), ("save_options", save_options, SaveOptions),
+                                  ("load_options", load_options, LoadOptions)):
+            if value is not None and not isinstance(value, kind):
+                raise OptionsError(f"CheckpointManager({name}=...) must be a {kind.__name__} (or None), got "
+                                   f"{type(value).__name__}")
+        if not isinstance(async_save, bool):
+            raise OptionsError(f"CheckpointManager(async_save=...) must be True or False, got {async_save!r}")
         self.save_policy = _with(save_policy or SavePolicy(), "every_steps", every_steps)
         self.retention = _with(retention or RetentionPolicy(), "keep_last", keep_last)
         self.preemption = preemption or PreemptionOptions()
@@ -107,7 +116,7 @@ class CheckpointManager:
         self.coord = Coordinator(process_group, self.save_options.timeout)
         self.preempted = False
         self._signalled = threading.Event()
-        self._old_handlers: dict[int, Any] = {}
+        self._installed = False                 # this manager is in the handler chain of its signals
         self._handlers_wanted = False           # installed (or asked for) on every rank: maybe_save agrees
         self._inflight: tuple[int, AsyncSaveHandle, Mapping[str, float], int] | None = None
         self._draining: tuple[int, Mapping[str, float]] | None = None
@@ -242,17 +251,14 @@ class CheckpointManager:
     def handle_preemption(self) -> None:
         """Install the handlers of ``PreemptionOptions.signals`` now (call it on every rank, from the main
         thread: OptionsError elsewhere). A signal only sets a flag; the next ``maybe_save`` saves. Done by the
-        first ``maybe_save`` unless ``install="explicit"``; idempotent; ``close()`` puts the previous ones back."""
-        if self._closed or not self.preemption.signals or self._handlers_wanted:
+        first ``maybe_save`` from the main thread unless ``install="explicit"``; idempotent; ``close()`` puts
+        the previous ones back (``preemption.PreemptionHandlers``: any number of managers, closed in any order)."""
+        if self._closed or not self.preemption.signals or self._installed:
             return
         if threading.current_thread() is not threading.main_thread():
             raise OptionsError("handle_preemption() installs signal handlers: call it from the main thread")
-        self._handlers_wanted = True
-        for sig in self.preemption.signals:
-            self._old_handlers[sig] = signal.signal(sig, self._on_signal)
-
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        self._signalled.set()
+        preemption_handlers.add(self._signalled, self.preemption.signals)
+        self._installed = self._handlers_wanted = True
 
     # ------------------------------------------------------------------ saving
 
@@ -261,7 +267,7 @@ class CheckpointManager:
         """Save ``state`` as ``step`` if a save policy says so (or ``force``, or after a preemption signal);
         return whether a save started. With ``async_save`` it returns once the snapshot is taken (an earlier
         save still in flight is waited for first), else once the step is committed."""
-        if self.preemption.install == "first_save" and not self._handlers_wanted and self.preemption.signals:
+        if self.preemption.install == "first_save" and not self._installed and self.preemption.signals:
             if threading.current_thread() is threading.main_thread():
                 self.handle_preemption()
             else:                   # (handlers only from the main thread; still agree with the ranks that have)
@@ -431,9 +437,9 @@ class CheckpointManager:
                 self._tiers.wait()
             except BaseException as e:  # noqa: BLE001
                 err = err or e
-        for sig, old in self._old_handlers.items():
-            signal.signal(sig, old)
-        self._old_handlers.clear()
+        if self._installed:
+            preemption_handlers.remove(self._signalled)
+            self._installed = False
         if self._deleter is not None:
             self._deleter.shutdown(wait=True)
         if self._lease is not None:

@@ -3,14 +3,15 @@ validated on construction (``OptionsError`` naming the field); no I/O, no proces
 
 from __future__ import annotations
 
-import math
 import os
 import signal
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from liferaft.errors import OptionsError
 from liferaft.manager.identity import validate_job_id
+from liferaft.manager.policies import check_int, check_number
 
 if TYPE_CHECKING:
     from liferaft.storage import Storage
@@ -19,12 +20,11 @@ if TYPE_CHECKING:
 DEFAULT_SIGNALS: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1)
 
 
-def _number(owner: str, name: str, value: object, minimum: float, strict: bool = True) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and \
-        (value > minimum if strict else value >= minimum)
-    if not ok:
-        raise OptionsError(f"{owner}.{name} must be a finite number {'>' if strict else '>='} {minimum:g}, "
-                           f"got {value!r}")
+#: the signals a handler can be installed for (SIGKILL and SIGSTOP cannot be caught)
+CATCHABLE_SIGNALS: frozenset[int] = frozenset(signal.valid_signals()) - {signal.SIGKILL, signal.SIGSTOP}
+
+MIN_LEASE_TTL = 1.0             # seconds; renewed every ttl / 3
+MAX_LEASE_TTL = 86400.0         # one day
 
 
 @dataclass(frozen=True)
@@ -48,16 +48,23 @@ class TierOptions:
     remote_every: int = 1
 
     def __post_init__(self) -> None:
-        if self.memory is None:
-            raise OptionsError("TierOptions.memory: a MemoryTier is required (leave tiers=None for no tiers)")
-        if self.memory_every != "auto" and (not isinstance(self.memory_every, int) or isinstance(
-                self.memory_every, bool) or self.memory_every < 1):
-            raise OptionsError(f"TierOptions.memory_every must be a number of steps >= 1 or 'auto', got "
-                               f"{self.memory_every!r}")
-        if not isinstance(self.remote_every, int) or self.remote_every < 1:
-            raise OptionsError(f"TierOptions.remote_every must be an int >= 1, got {self.remote_every!r}")
+        from liferaft.storage import Storage
+        from liferaft.tiers.memory import MemoryTier
+
+        if self.memory_every != "auto":
+            check_int("TierOptions", "memory_every", self.memory_every, 1)
+        if not isinstance(self.drain, bool):
+            raise OptionsError(f"TierOptions.drain must be True or False, got {self.drain!r}")
+        if self.remote is not None and not isinstance(self.remote, (str, os.PathLike, Storage)):
+            raise OptionsError(f"TierOptions.remote must be a path, a URL or a Storage (or None), got "
+                               f"{self.remote!r}")
+        check_int("TierOptions", "remote_every", self.remote_every, 1)
         if self.remote is not None and not self.drain:
             raise OptionsError("TierOptions.remote drains from the memory tier: it needs drain=True")
+        if self.memory is None:
+            raise OptionsError("TierOptions.memory: a MemoryTier is required (leave tiers=None for no tiers)")
+        if not isinstance(self.memory, MemoryTier):
+            raise OptionsError(f"TierOptions.memory must be a MemoryTier, got {type(self.memory).__name__}")
 
 
 @dataclass(frozen=True)
@@ -65,7 +72,8 @@ class PreemptionOptions:
     """What a preemption signal does: the next ``maybe_save`` saves at once, synchronously, with every collective
     wait bounded by ``deadline`` seconds, and sets ``preempted`` (the loop should then stop).
 
-    signals: the signals that mean "preempted" (any iterable; kept as a tuple). Empty: no handlers.
+    signals: the signals that mean "preempted" (any iterable of catchable signals, not SIGKILL or SIGSTOP; kept as
+      a tuple without repeats). Empty: no handlers.
     deadline: seconds any rank waits at any step of the preemption save.
     install: "first_save": the handlers are installed at the first ``maybe_save`` (from the main thread only);
       "explicit": only by ``CheckpointManager.handle_preemption()``. Never at construction; ``close()`` puts the
@@ -77,13 +85,16 @@ class PreemptionOptions:
     install: Literal["first_save", "explicit"] = "first_save"
 
     def __post_init__(self) -> None:
-        try:
-            sigs = tuple(signal.Signals(s) for s in self.signals)
-        except (TypeError, ValueError):
-            raise OptionsError(f"PreemptionOptions.signals must be signal numbers, got {self.signals!r}") from None
-        object.__setattr__(self, "signals", sigs)
-        _number("PreemptionOptions", "deadline", self.deadline, 0.0)
-        if self.install not in ("first_save", "explicit"):
+        bad = OptionsError(f"PreemptionOptions.signals must be an iterable of catchable signal numbers (not "
+                           f"SIGKILL or SIGSTOP), got {self.signals!r}")
+        if isinstance(self.signals, (str, bytes, Mapping)) or not isinstance(self.signals, Iterable):
+            raise bad
+        sigs = tuple(self.signals)
+        if any(not isinstance(s, int) or isinstance(s, bool) or s not in CATCHABLE_SIGNALS for s in sigs):
+            raise bad
+        object.__setattr__(self, "signals", tuple(dict.fromkeys(signal.Signals(s) for s in sigs)))
+        check_number("PreemptionOptions", "deadline", self.deadline, 0.0)
+        if not isinstance(self.install, str) or self.install not in ("first_save", "explicit"):
             raise OptionsError(f"PreemptionOptions.install must be 'first_save' or 'explicit', got {self.install!r}")
 
 
@@ -93,7 +104,8 @@ class JobOptions:
 
     job_id: identifies the job across restarts; None: derived by rank 0 from torchrun's run id, Slurm's job and
       step, or the torchrun launch, else a random id per launch (``manager.identity``).
-    lease_ttl: seconds after which a lease nobody renewed is stale (renewed every ``lease_ttl / 3`` s).
+    lease_ttl: seconds after which a lease nobody renewed is stale (renewed every ``lease_ttl / 3`` s); from 1 s to
+      one day.
     """
 
     job_id: str | None = None
@@ -104,7 +116,10 @@ class JobOptions:
             validate_job_id(self.job_id)
         except OptionsError as e:
             raise OptionsError(f"JobOptions.{e}") from None
-        _number("JobOptions", "lease_ttl", self.lease_ttl, 0.0)
+        if not isinstance(self.lease_ttl, (int, float)) or isinstance(self.lease_ttl, bool) or \
+                not MIN_LEASE_TTL <= self.lease_ttl <= MAX_LEASE_TTL:
+            raise OptionsError(f"JobOptions.lease_ttl must be a number of seconds from {MIN_LEASE_TTL:g} to "
+                               f"{MAX_LEASE_TTL:g} (one day), got {self.lease_ttl!r}")
 
 
-__all__ = ["DEFAULT_SIGNALS", "JobOptions", "PreemptionOptions", "TierOptions"]
+__all__ = ["CATCHABLE_SIGNALS", "DEFAULT_SIGNALS", "JobOptions", "PreemptionOptions", "TierOptions"]

@@ -18,6 +18,41 @@ from liferaft.options import MetricMode
 PRIOR_MTBF_HOURS = 24.0        # assumed mean time between failures until restarts say otherwise
 
 
+def check_int(owner: str, name: str, value: object, minimum: int, optional: bool = False) -> None:
+    """OptionsError naming ``owner.name`` unless ``value`` is an ``int`` (not a ``bool``) >= ``minimum`` (or None
+    when ``optional``)."""
+    if optional and value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise OptionsError(f"{owner}.{name} must be an int >= {minimum}{' or None' if optional else ''}, got "
+                           f"{value!r}")
+
+
+def check_number(owner: str, name: str, value: object, minimum: float, maximum: float = math.inf,
+                 optional: bool = False, also: str = "") -> None:
+    """OptionsError naming ``owner.name`` unless ``value`` is a finite real number (not a ``bool``) with
+    ``minimum < value <= maximum`` (or None when ``optional``)."""
+    if optional and value is None:
+        return
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and \
+        minimum < value <= maximum
+    if not ok:
+        bound = f"> {minimum:g}" + (f" and <= {maximum:g}" if maximum != math.inf else "")
+        raise OptionsError(f"{owner}.{name} must be a finite number {bound}{' ' + also if also else ''}"
+                           f"{' or None' if optional else ''}, got {value!r}")
+
+
+def check_steps(owner: str, name: str, value: object) -> frozenset[int]:
+    """``value`` (an iterable of ints >= 0, not a string or a mapping) as a frozenset; else OptionsError."""
+    bad = OptionsError(f"{owner}.{name} must be an iterable of steps (ints >= 0), got {value!r}")
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
+        raise bad
+    steps = tuple(value)
+    if any(not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in steps):
+        raise bad
+    return frozenset(steps)
+
+
 @dataclass(frozen=True)
 class SavePolicy:
     """When the manager saves: policies combined with OR (any one that fires saves), and which saves are full.
@@ -26,8 +61,8 @@ class SavePolicy:
     every_seconds: save when at least this many seconds passed since the last save (or since the start); "auto":
       the Young/Daly interval from the measured save stall and time to durability and the mean time between
       failures (recomputed after every save).
-    at_steps: save at exactly these steps (any iterable of ints; kept as a frozenset).
-    last_step: the final step of the run (saved always).
+    at_steps: save at exactly these steps (any iterable of ints >= 0, not a string; kept as a frozenset).
+    last_step: the final step of the run (saved always; an int >= 0).
     full_every: every ``full_every``-th save is full (self-contained); the others reference the chunks that did
       not change since the previous committed step (incremental saves). 1: every save is full.
     mtbf_hours: the mean time between failures that ``every_seconds="auto"`` (and the memory tier's
@@ -42,22 +77,13 @@ class SavePolicy:
     mtbf_hours: float | None = None
 
     def __post_init__(self) -> None:
-        if self.every_steps is not None and (not isinstance(self.every_steps, int) or self.every_steps < 1):
-            raise OptionsError(f"SavePolicy.every_steps must be an int >= 1, got {self.every_steps!r}")
-        if isinstance(self.every_seconds, str):
-            if self.every_seconds != "auto":
-                raise OptionsError(f"SavePolicy.every_seconds must be a number of seconds or 'auto', got "
-                                   f"{self.every_seconds!r}")
-        elif self.every_seconds is not None and not self.every_seconds > 0:
-            raise OptionsError(f"SavePolicy.every_seconds must be > 0, got {self.every_seconds}")
-        try:
-            object.__setattr__(self, "at_steps", frozenset(int(s) for s in self.at_steps))
-        except (TypeError, ValueError):
-            raise OptionsError(f"SavePolicy.at_steps must be steps (ints), got {self.at_steps!r}") from None
-        if not isinstance(self.full_every, int) or self.full_every < 1:
-            raise OptionsError(f"SavePolicy.full_every must be an int >= 1, got {self.full_every!r}")
-        if self.mtbf_hours is not None and not (self.mtbf_hours > 0 and math.isfinite(self.mtbf_hours)):
-            raise OptionsError(f"SavePolicy.mtbf_hours must be a finite number of hours > 0, got {self.mtbf_hours}")
+        check_int("SavePolicy", "every_steps", self.every_steps, 1, optional=True)
+        if self.every_seconds != "auto":
+            check_number("SavePolicy", "every_seconds", self.every_seconds, 0.0, optional=True, also="or 'auto'")
+        object.__setattr__(self, "at_steps", check_steps("SavePolicy", "at_steps", self.at_steps))
+        check_int("SavePolicy", "last_step", self.last_step, 0, optional=True)
+        check_int("SavePolicy", "full_every", self.full_every, 1)
+        check_number("SavePolicy", "mtbf_hours", self.mtbf_hours, 0.0, optional=True)
 
     @property
     def auto_interval(self) -> bool:
@@ -90,6 +116,7 @@ class RetentionPolicy:
     keep_last: the newest k committed steps.
     keep_every: steps that are a multiple of n.
     keep_best: the k best steps by ``metric`` (``mode`` "min" or "max"); steps without the metric do not count.
+      ``keep_best`` and ``metric`` are given together or not at all.
     Pinned steps and the newest committed step are always kept.
     """
 
@@ -101,13 +128,15 @@ class RetentionPolicy:
 
     def __post_init__(self) -> None:
         for name in ("keep_last", "keep_every", "keep_best"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or v < 1):
-                raise OptionsError(f"{name} must be an int >= 1, got {v!r}")
-        if self.keep_best is not None and not self.metric:
-            raise OptionsError("keep_best needs metric=<name of a metric passed to save/maybe_save>")
-        if self.mode not in ("min", "max"):
-            raise OptionsError(f"mode must be 'min' or 'max', got {self.mode!r}")
+            check_int("RetentionPolicy", name, getattr(self, name), 1, optional=True)
+        if self.metric is not None and (not isinstance(self.metric, str) or not self.metric):
+            raise OptionsError(f"RetentionPolicy.metric must be the name of a metric (a non-empty string), got "
+                               f"{self.metric!r}")
+        if (self.keep_best is None) != (self.metric is None):
+            raise OptionsError("RetentionPolicy.keep_best and metric go together: keep_best=<k> needs "
+                               "metric=<name of a metric passed to save/maybe_save>, and metric only serves keep_best")
+        if not isinstance(self.mode, str) or self.mode not in ("min", "max"):
+            raise OptionsError(f"RetentionPolicy.mode must be 'min' or 'max', got {self.mode!r}")
 
     @property
     def deletes_anything(self) -> bool:
