@@ -202,6 +202,19 @@ class Reader(ABC):
         """Release what the reader holds (mappings, descriptors)."""
 
 
+def check_patterns(patterns: Any) -> tuple[str, ...]:
+    """``keys=`` as given by a caller, checked: None or a list/tuple of non-empty strings (a bare string is refused:
+    it would be read as one pattern per character). OptionsError otherwise."""
+    if patterns is None:
+        return ()
+    if isinstance(patterns, (str, bytes)) or not isinstance(patterns, (list, tuple)):
+        raise OptionsError(f"keys must be a list of key patterns, got {type(patterns).__name__} {patterns!r:.80}")
+    for p in patterns:
+        if not isinstance(p, str) or not p:
+            raise OptionsError(f"key pattern {p!r:.80} is not a non-empty string")
+    return tuple(patterns)
+
+
 def matches(key: str, patterns: Sequence[str] | None) -> bool:
     """Whether ``patterns`` select ``key`` (the rule of :func:`select`); every key when there are none."""
     return not patterns or any(key == p or key.startswith(p + ".") or fnmatch.fnmatchcase(key, p) for p in patterns)
@@ -213,12 +226,10 @@ def select(keys: Sequence[str], patterns: Sequence[str] | None, *, url: str = ""
     to it, every key under it (``"model"`` selects ``model.*``), or every key it matches as a glob (``*``, ``?``,
     ``[...]``). None or empty selects every key. With ``required`` a pattern that selects nothing raises ``error``
     naming it."""
-    if not patterns:
+    if not check_patterns(patterns):
         return list(keys)
     chosen: set[str] = set()
     for p in patterns:
-        if not isinstance(p, str) or not p:
-            raise OptionsError(f"key pattern {p!r} is not a non-empty string")
         hit = {k for k in keys if matches(k, (p,))}
         if not hit and required:
             raise error(f"{url + ': ' if url else ''}key {p!r} is not in the checkpoint (no key equals it, "

@@ -26,7 +26,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from liferaft.errors import CorruptCheckpointError, PickleNotAllowedError, StateMismatchError, UnsafePathError
+from liferaft.errors import (
+    CorruptCheckpointError,
+    LiferaftError,
+    PickleNotAllowedError,
+    StateMismatchError,
+    UnsafePathError,
+)
 from liferaft.formats.base import BoxRead, CheckReport, Reader, ReadJob, ReadOutcome, TensorSpec, ValueSpec
 from liferaft.formats.zipfiles import View, check_zip
 from liferaft.planning.geometry import check_chunks_tile
@@ -157,7 +163,12 @@ class DcpCheckpoint:
                     start, length = ints((info.offset, info.length), f"key {key!r}: blob offset and length", 2)
                     chunks.append(DcpChunk(offsets, sizes, self._inside(info.relative_path, key), start, length,
                                            tuple(str(t) for t in getattr(info, "transform_descriptors", None) or ())))
-                problem = check_chunks_tile(shape, [(c.offsets, c.sizes) for c in chunks])
+                boxes = [(c.offsets, c.sizes) for c in chunks]
+                outside = next((b for b in boxes if any(o + n > d for o, n, d in zip(*b, shape))), None)
+                problem = (f"chunk at {list(outside[0])} (sizes {list(outside[1])}) lies outside {list(shape)}"
+                           if outside is not None else
+                           "a chunk is listed twice" if len(set(boxes)) != len(boxes) else
+                           check_chunks_tile(shape, boxes))
                 if problem:
                     raise CorruptCheckpointError(f"{path}: key {key!r}: {problem}; the DCP checkpoint is damaged")
                 self.tensors[key] = DcpTensor(key, dtype, shape, tuple(chunks))
@@ -199,7 +210,8 @@ class DcpCheckpoint:
             except (RuntimeError, pickle.UnpicklingError, EOFError, ValueError) as e:
                 raise CorruptCheckpointError(f"{c.file}: key {key!r}: chunk at {list(c.offsets)} is not a "
                                              f"readable torch.save blob ({e})") from e
-        storage = meta.untyped_storage() if isinstance(meta, torch.Tensor) else None
+        strided = isinstance(meta, torch.Tensor) and meta.layout == torch.strided
+        storage = meta.untyped_storage() if strided else None
         start = getattr(storage, "_checkpoint_offset", None)
         if storage is None or start is None or meta.dtype != t.dtype or tuple(meta.shape) != c.sizes:
             raise CorruptCheckpointError(f"{c.file}: key {key!r}: chunk at {list(c.offsets)} holds "
@@ -209,7 +221,12 @@ class DcpCheckpoint:
         if start + nbytes > c.length:
             raise CorruptCheckpointError(f"{c.file}: key {key!r}: chunk data runs past its blob; truncated")
         raw = self._mapped(c.file, c.offset + start, nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
-        return raw.view(t.dtype).as_strided(meta.shape, meta.stride(), meta.storage_offset())
+        out = raw.view(t.dtype).as_strided(meta.shape, meta.stride(), meta.storage_offset())
+        if meta.is_conj():                  # the blob holds the values before the lazy conjugate / negation
+            out = out.conj()
+        if meta.is_neg():
+            out = out._neg_view()
+        return out
 
     def _mapped(self, file: str, offset: int, nbytes: int) -> torch.Tensor:
         """``nbytes`` of ``file`` from ``offset`` as a uint8 tensor of a private (copy-on-write) mapping of the
@@ -366,6 +383,11 @@ class DcpReader(Reader):
                 continue
             with open(file, "rb") as f:
                 r, cb, n, fs, nc = check_zip(io.BufferedReader(View(f, offset, length)), what, progress)
+            if part != "value" and not fs:          # the blob's header: the dtype, shape and layout recorded
+                try:
+                    ck.chunk(key, next(c for c in ck.tensors[key].chunks if c.file == file and c.offset == offset))
+                except LiferaftError as e:
+                    fs = [f"{what}: {e}"]
             records, crc_bytes, nbytes, no_crc = records + r, crc_bytes + cb, nbytes + n, no_crc + nc
             faults += fs
         if no_crc:

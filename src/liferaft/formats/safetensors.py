@@ -172,6 +172,10 @@ def verify_files(path: str, progress: Callable[[int], None] | None = None) -> Ch
     a fault of the report."""
     files = st_files(path)
     nbytes, faults = 0, []
+    try:
+        safetensors_state(path)         # keys across the files: each in one file, where the index places it
+    except CorruptCheckpointError as e:
+        faults.append(str(e))
     for file in files:
         n, fs = check_file(file, os.path.relpath(file, path) if file != path else os.path.basename(path), progress)
         nbytes += n

@@ -268,6 +268,9 @@ class TorchFileReader(Reader):
                            if any(self._paths[key][:len(p)] == p for key in leaves)},
                           {self._paths[k]: v for k, v in leaves.items()})
 
+    def close(self) -> None:
+        self._full, self._values = {}, {}       # the memory-mapped tensors go with them
+
     def verify(self, progress: Callable[[int], None] | None = None) -> CheckReport:
         """Every zip record read with its CRC-32 checked (torch.save's legacy format carries none)."""
         p, unchecked = self.url, []

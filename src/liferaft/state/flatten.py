@@ -266,6 +266,14 @@ class _Walker:
             raise InvalidStateError(f"key {key!r}: tensors of dtype {t.dtype} are not supported")
         if t.is_meta or any(p.is_meta for _, p in parts):
             raise InvalidStateError(f"key {key!r}: tensor is on the meta device and has no data")
+        if any(p.layout != torch.strided for _, p in parts):
+            raise InvalidStateError(f"key {key!r}: a {parts[0][1].layout} tensor; liferaft saves dense (strided) "
+                                    "tensors: save .to_dense() of it, or its indices and values")
+        if any(p.is_conj() or p.is_neg() for _, p in parts):
+            if self.template:           # a load would have to write through the lazy bit
+                raise InvalidStateError(f"key {key!r}: the state holds a conjugate or negative view; load into "
+                                        "a tensor without the lazy bit (.resolve_conj() / .resolve_neg())")
+            parts = [(box, p.resolve_conj().resolve_neg()) for box, p in parts]     # (a copy: what it reads as)
         self.flat.tensors.append(TensorLeaf(key=key, path=path, kind=kind, dtype=t.dtype, shape=tuple(shape),
                                             parts=parts, compare=compare))
 

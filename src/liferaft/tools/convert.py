@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 
+from liferaft.core.open import open_reader
 from liferaft.errors import CorruptCheckpointError, OptionsError
-from liferaft.formats.base import matches
+from liferaft.formats.base import check_patterns, matches, select
 from liferaft.formats.hf_folder import recorded_files
 from liferaft.formats.safetensors import safetensors_state
 from liferaft.formats.torch_file import torch_file_state, torch_file_tree
@@ -153,6 +154,12 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], to: Conver
     ``SaveOptions`` of an import; ``progress(nbytes)`` called as an export writes."""
     src_fmt = source or detect_format(src)
     src_fmt = "safetensors" if src_fmt == "hf" else src_fmt
+    if check_patterns(keys):                 # every pattern must select something (a typo is not "nothing to do")
+        reader = open_reader(src)
+        try:
+            select(reader.keys, keys, url=reader.url)
+        finally:
+            reader.close()
     for f in (src_fmt, to):
         if f not in FORMATS:
             raise OptionsError(f"unknown format {f!r}; one of {', '.join(FORMATS)}")

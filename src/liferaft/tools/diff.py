@@ -21,7 +21,7 @@ import torch
 
 from liferaft.core.open import open_reader
 from liferaft.errors import OptionsError
-from liferaft.formats.base import Reader, matches
+from liferaft.formats.base import Reader, check_patterns, matches
 from liferaft.options import LoadOptions
 from liferaft.state.dtypes import torch_dtype
 from liferaft.tools._slabs import itemsize, read_box, slabs
@@ -149,6 +149,7 @@ def _select(sides: Sequence[_Side], keys: Sequence[str] | None, parts: dict[str,
     a plain value that a side holds whole (``opt.nested`` or ``opt.nested.*`` of a value ``opt`` liferaft keeps
     whole and DCP split into ``opt.lr``, ``opt.nested.a``), the whole value ``opt`` on both sides, compared
     whole. ``parts``: the leaves each rebuilt value was joined from (``_regroup``)."""
+    keys = check_patterns(keys)
     if not keys:
         return
 
@@ -157,6 +158,11 @@ def _select(sides: Sequence[_Side], keys: Sequence[str] | None, parts: dict[str,
                                                   or any(matches(k, keys) for k in parts.get(name, ()))))
     names = {n for s in sides for n in s.tensors if matches(n, keys)} | \
         {n for s in sides for n in s.values if chosen(n, True)}
+    every = [*{n for s in sides for n in [*s.tensors, *s.values]}, *{p for ps in parts.values() for p in ps}]
+    for p in keys:                          # a pattern that selects nothing on either side is a mistake, not "equal"
+        if not any(matches(n, (p,)) for n in every) and not any(n.startswith(p + ".") for n in every):
+            raise OptionsError(f"key {p!r} is not in either checkpoint (no key equals it, lies under it or matches "
+                               "it as a glob)")
     for s in sides:
         s.tensors = {n: k for n, k in s.tensors.items() if n in names}
         s.values = {n: v for n, v in s.values.items() if n in names}

@@ -103,6 +103,7 @@ def describe(path: str | os.PathLike[str], keys: Sequence[str] | None = None, *,
     ``torch.save`` file (one whole chunk each, nothing to verify there)."""
     reader = open_reader(path)
     try:
+        select(reader.keys, keys, url=reader.url)          # a pattern that selects nothing: OptionsError
         picked = select(list(reader.tensors), keys, required=False)
         if stats:
             reader.check_present(picked)
