@@ -44,3 +44,15 @@ def s3_prefix(s3_server: "MotoS3Server", monkeypatch: pytest.MonkeyPatch) -> str
     for k, v in s3_server.env().items():
         monkeypatch.setenv(k, v)
     return f"s3://{s3_server.bucket}/{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def shm():
+    """A fresh folder name in node-local shared memory (/dev/shm, else /tmp) for a memory tier, removed after."""
+    import os
+    import shutil
+    import uuid
+
+    path = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else "/tmp", f"liferaft-test-{uuid.uuid4().hex[:8]}")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

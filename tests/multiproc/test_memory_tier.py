@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import uuid
 
 import pytest
 from multiproc._tier_ranks import held, job, release
@@ -15,10 +14,8 @@ from liferaft.testing import RankFailure, run_ranks
 
 
 @pytest.fixture
-def base():
-    path = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else "/tmp", f"liferaft-test-{uuid.uuid4().hex[:8]}")
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+def base(shm):
+    return shm
 
 
 def test_every_node_commits_and_holds_replicas_of_the_other(base, tmp_path):

@@ -8,7 +8,6 @@ import ast
 import os
 import shutil
 import signal
-import uuid
 import warnings
 
 import pytest
@@ -222,13 +221,6 @@ def test_the_tiers_component_does_not_import_the_manager():
         {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     assert "liferaft.manager.manager" not in imported and "liferaft.manager" not in imported
     assert not any(c.name.endswith("Mixin") for c in ast.walk(tree) if isinstance(c, ast.ClassDef))
-
-
-@pytest.fixture
-def shm():
-    path = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else "/tmp", f"liferaft-unit-{uuid.uuid4().hex[:8]}")
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def test_a_remote_step_that_does_not_match_the_state_raises_instead_of_restoring_nothing(tmp_path, shm):

@@ -202,6 +202,16 @@ class Reader(ABC):
         """Release what the reader holds (mappings, descriptors)."""
 
 
+def copy_from(full: torch.Tensor, offsets: Sequence[int], out: torch.Tensor) -> int:
+    """Copy the box of ``full`` that starts at ``offsets`` and has ``out``'s shape into ``out``; the bytes copied
+    (the readers whose tensors are whole in memory or mapped: safetensors, torch.save)."""
+    view = full
+    for d, (o, n) in enumerate(zip(offsets, out.shape)):
+        view = view.narrow(d, o, n)
+    out.copy_(view)
+    return out.numel() * out.element_size()
+
+
 def check_patterns(patterns: Any) -> tuple[str, ...]:
     """``keys=`` as given by a caller, checked: None or a list/tuple of non-empty strings (a bare string is refused:
     it would be read as one pattern per character). OptionsError otherwise."""

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from liferaft.errors import CorruptCheckpointError, InvalidStateError, OptionsError
-from liferaft.formats.base import CheckReport, Reader, TensorSpec
+from liferaft.formats.base import CheckReport, Reader, TensorSpec, copy_from
 from liferaft.formats.hf_folder import index_map, open_regular, st_files
 from liferaft.formats.zipfiles import drain
 from liferaft.state.dtypes import dtype_name, torch_dtype
@@ -200,11 +200,7 @@ class SafetensorsReader(Reader):
         raise KeyError(key)                             # safetensors hold tensors only
 
     def copy_box(self, key: str, offsets: Any, out: torch.Tensor) -> int:
-        view = self._mapped[key]
-        for d, (o, n) in enumerate(zip(offsets, out.shape)):
-            view = view.narrow(d, o, n)
-        out.copy_(view)
-        return out.numel() * out.element_size()
+        return copy_from(self._mapped[key], offsets, out)
 
     def verify(self, progress: Callable[[int], None] | None = None) -> CheckReport:
         return verify_files(self.url, progress)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from liferaft.errors import CorruptCheckpointError, PickleNotAllowedError, StorageError
-from liferaft.formats.base import CheckReport, Reader, TensorSpec, ValueSpec
+from liferaft.formats.base import CheckReport, Reader, TensorSpec, ValueSpec, copy_from
 from liferaft.formats.zipfiles import View, check_zip
 from liferaft.state.dtypes import dtype_name
 from liferaft.state.tree import build_tree
@@ -257,11 +257,7 @@ class TorchFileReader(Reader):
         return self._values[key]
 
     def copy_box(self, key: str, offsets: Any, out: torch.Tensor) -> int:
-        view = self._full[key]
-        for d, (o, n) in enumerate(zip(offsets, out.shape)):
-            view = view.narrow(d, o, n)
-        out.copy_(view)
-        return out.numel() * out.element_size()
+        return copy_from(self._full[key], offsets, out)
 
     def tree(self, leaves: Any) -> Any:
         return build_tree({p: k for p, k in self._kinds.items()
