@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from liferaft.errors import CorruptCheckpointError, FormatVersionError, UnsafePathError
+from liferaft.format import jsonsafe
+from liferaft.format.limits import MAX_MANIFEST_BYTES, MAX_MARKER_BYTES
 
 FORMAT_NAME = "liferaft"
 FORMAT_VERSION = 3          # the newest version this code reads; a save uses 2 or 3 only when it needs it (§4.1, §4.5)
@@ -317,18 +319,15 @@ def _check_version(doc: Mapping[str, Any], what: str) -> int:
     return version
 
 
-def _loads(data: bytes, what: str) -> dict[str, Any]:
-    try:
-        doc = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise _fail(what, f"not valid JSON ({e})") from None
+def _loads(data: bytes, what: str, max_bytes: int) -> dict[str, Any]:
+    doc = jsonsafe.loads(data, what, max_bytes)
     if not isinstance(doc, dict):
         raise _fail(what, "top level is not an object")
     return doc
 
 
 def decode_commit_marker(data: bytes) -> CommitMarker:
-    doc = _loads(data, COMMIT_MARKER)
+    doc = _loads(data, COMMIT_MARKER, MAX_MARKER_BYTES)
     version = _check_version(doc, COMMIT_MARKER)
     if doc.get("checksum") != CHECKSUM_ALGO:
         raise _fail(COMMIT_MARKER, f"checksum algorithm {doc.get('checksum')!r} is not {CHECKSUM_ALGO!r}")
@@ -388,7 +387,7 @@ def decode_manifest(data: bytes, name: str = "manifest", codecs: Collection[str]
     ``codecs``: the names of the chunk codecs the reader knows (``codecs.registry.names()``; this layer does not
     import them): a chunk stored with another codec is refused naming the tensor. None: codec names are not
     checked here (a read then refuses an unknown one when it meets it)."""
-    doc = _loads(data, name)
+    doc = _loads(data, name, MAX_MANIFEST_BYTES)
     version = _check_version(doc, name)
     if doc.get("checksum") != CHECKSUM_ALGO:
         raise _fail(name, f"checksum algorithm {doc.get('checksum')!r} is not {CHECKSUM_ALGO!r}")

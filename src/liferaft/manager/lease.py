@@ -34,7 +34,9 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 
-from liferaft.errors import CheckpointBusyError, ReadOnlyRootError, StorageError
+from liferaft.errors import CheckpointBusyError, LiferaftError, ReadOnlyRootError, StorageError
+from liferaft.format import jsonsafe
+from liferaft.format.limits import MAX_INT, MAX_ROOT_FILE_BYTES, MAX_UNIX_TIME
 from liferaft.manager.identity import machine_key, process_start
 from liferaft.storage import PosixStorage, Storage
 
@@ -59,25 +61,42 @@ class LeaseInfo:
 
 
 def _read(storage: Storage) -> LeaseInfo | None:
+    """The lease under the root, or None when there is none or it is damaged (not strict JSON, a field missing or
+    out of range): a damaged lease protects nothing, so it is treated as absent and overwritten by ``acquire``."""
     try:
-        raw = json.loads(storage.read_all(LEASE))
-        started = raw.get("started")
-        ttl = raw.get("ttl")
-        return LeaseInfo(job_id=str(raw["job_id"]), host=str(raw["host"]), pid=int(raw["pid"]),
-                         renewed_unix=_finite(float(raw["renewed_unix"])), token=str(raw.get("token", "")),
-                         started=int(started) if started is not None else None, machine=str(raw.get("machine", "")),
-                         ttl=float(ttl) if ttl is not None and math.isfinite(float(ttl)) and float(ttl) > 0
-                         else None)
+        raw = jsonsafe.loads(storage.read_all(LEASE), f"{storage.url}/{LEASE}", MAX_ROOT_FILE_BYTES)
+        if not isinstance(raw, dict):
+            return None
+        started, ttl, pid = raw.get("started"), raw.get("ttl"), raw["pid"]
+        if type(pid) is not int or not 0 <= pid <= MAX_INT or started is not None and (
+                type(started) is not int or not 0 <= started <= MAX_INT):
+            return None
+        return LeaseInfo(job_id=str(raw["job_id"]), host=str(raw["host"]), pid=pid,
+                         renewed_unix=_finite(raw["renewed_unix"]), token=str(raw.get("token", "")),
+                         started=started, machine=str(raw.get("machine", "")),
+                         ttl=float(ttl) if _number(ttl) and ttl > 0 else None)
     except FileNotFoundError:
         return None
-    except (ValueError, KeyError, TypeError, AttributeError):
+    except (LiferaftError, ValueError, KeyError, TypeError, AttributeError):
         return None        # a damaged lease protects nothing: treat as absent
 
 
-def _finite(x: float) -> float:
-    if not math.isfinite(x):
-        raise ValueError(f"not a finite number: {x}")
-    return x
+def _number(x: object) -> bool:
+    return type(x) in (int, float) and math.isfinite(x)       # type: ignore[arg-type]
+
+
+def _finite(x: object) -> float:
+    """A finite number, else ValueError."""
+    if not _number(x):
+        raise ValueError(f"not a finite number: {x!r:.40}")
+    return float(x)                                            # type: ignore[arg-type]
+
+
+def _time(x: object) -> float:
+    """A recorded time (seconds since 1970): a finite number in ``[0, MAX_UNIX_TIME]``, else ValueError."""
+    if not _number(x) or not 0 <= x <= MAX_UNIX_TIME:         # type: ignore[operator]
+        raise ValueError(f"not a time: {x!r:.40}")
+    return float(x)                                            # type: ignore[arg-type]
 
 
 def _pid_alive(pid: int, started: int | None = None) -> bool:
@@ -315,8 +334,9 @@ def record_start(storage: Storage) -> list[float]:
     """Rank 0, holding the lease: append this start to ``STARTS`` under the root (the last 100; an unreadable
     record starts over); return them all."""
     try:
-        starts = [float(x) for x in json.loads(storage.read_all(STARTS))][-99:]
-    except (FileNotFoundError, ValueError, TypeError):
+        doc = jsonsafe.loads(storage.read_all(STARTS), f"{storage.url}/{STARTS}", MAX_ROOT_FILE_BYTES)
+        starts = [_time(x) for x in doc][-99:] if isinstance(doc, list) else []
+    except (FileNotFoundError, LiferaftError, ValueError, TypeError):
         starts = []
     starts.append(time.time())
     storage.put_atomic(STARTS, json.dumps(starts).encode())

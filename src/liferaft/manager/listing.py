@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 
 from liferaft.core.commit import check_files, open_checkpoint
 from liferaft.errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError, LiferaftError
+from liferaft.format import jsonsafe
 from liferaft.format.layout import COMMIT_MARKER, STEP_PREFIX, is_layout_name, parse_step, step_name
+from liferaft.format.limits import MAX_INT, MAX_ROOT_FILE_BYTES
 from liferaft.manager.policies import RetentionPolicy, referenced_closure
 from liferaft.storage import Storage
 from liferaft.storage.refs import with_references
@@ -104,13 +106,18 @@ def _references(files: Mapping[str, int]) -> tuple[int, ...]:
 
 
 def read_pins(storage: Storage) -> frozenset[int]:
-    """The pinned steps under the root ``storage`` (none when there is no ``PINS``)."""
+    """The pinned steps under the root ``storage`` (none when there is no ``PINS``). Raises
+    CorruptCheckpointError naming the file when it is not a JSON list of steps (integers in ``[0, 2**63)``)."""
+    where = f"{storage.url}/{PINS}"
+    advice = "fix it or delete it (it lists the pinned steps; unpin and pin again)"
     try:
-        return frozenset(int(s) for s in json.loads(storage.read_all(PINS)))
+        raw = storage.read_all(PINS)
     except FileNotFoundError:
         return frozenset()
-    except (ValueError, TypeError) as e:
-        raise CorruptCheckpointError(f"{storage.url}/{PINS}: not a JSON list of steps ({e})") from None
+    doc = jsonsafe.loads(raw, where, MAX_ROOT_FILE_BYTES, advice=advice)
+    if not isinstance(doc, list) or not all(type(s) is int and 0 <= s <= MAX_INT for s in doc):
+        raise CorruptCheckpointError(f"{where}: not a JSON list of steps (integers from 0 to 2**63 - 1); {advice}")
+    return frozenset(doc)
 
 
 def write_pins(storage: Storage, pins: Iterable[int]) -> None:

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import os
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from liferaft.errors import LiferaftError
 from liferaft.manager.lease import Lease
-from liferaft.manager.listing import PINS, StepInfo, delete_step, kept_steps, list_steps, read_pins, step_name
+from liferaft.manager.listing import StepInfo, delete_step, kept_steps, list_steps, read_pins, step_name
 from liferaft.manager.listing import parse_step as _parse_step
 from liferaft.manager.policies import RetentionPolicy
 from liferaft.options import MetricMode
@@ -17,9 +17,10 @@ from liferaft.storage import Storage, resolve
 
 
 def _pins(storage: Storage) -> frozenset[int]:
+    """The pins ``ls`` shows: none when ``PINS`` is damaged (``gc`` refuses then: ``read_pins``)."""
     try:
-        return frozenset(int(x) for x in json.loads(storage.read_all(PINS)))
-    except (FileNotFoundError, ValueError, TypeError):
+        return read_pins(storage)
+    except LiferaftError:
         return frozenset()
 
 

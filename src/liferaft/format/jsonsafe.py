@@ -1,0 +1,96 @@
+"""The one strict JSON reader for every JSON document liferaft reads from disk (manifest, commit marker, LEASE,
+PINS, STARTS; foreign headers may use it too).
+
+``loads(data, where, ...)`` accepts exactly one UTF-8 JSON document and refuses, with CorruptCheckpointError
+naming ``where`` (and ending with ``advice``):
+
+- more than ``max_bytes`` bytes (checked before anything is decoded);
+- bytes that are not UTF-8 (no BOM, no UTF-16/32 guessing);
+- nesting deeper than ``max_depth``: measured by a linear scan of the brackets outside strings *before* the
+  parser runs, so the parser never recurses deeply (a RecursionError is still caught, as a last resort);
+- ``NaN``, ``Infinity``, ``-Infinity`` and numbers that overflow a float (``1e400``);
+- integer literals longer than CPython converts (4300 digits; the caller range-checks the rest);
+- an object with the same key twice (``unique_keys``, the default): two readers could disagree on which wins.
+
+It never raises another exception, whatever the bytes. Range checks of the values are the caller's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from itertools import accumulate
+from typing import Any
+
+from liferaft.errors import CorruptCheckpointError
+from liferaft.format.limits import MAX_JSON_DEPTH
+
+__all__ = ["json_depth", "loads"]
+
+_ESCAPE = re.compile(rb"\\.", re.DOTALL)            # an escape pair: never a quote or a bracket of the structure
+_STRING = re.compile(rb'"[^"]*"')                   # once escapes are gone, a string runs to the next quote
+_NOT_STRUCTURE = bytes(b for b in range(256) if b not in b'[]{}"')
+_STEP = [0] * 256
+_STEP[ord("[")] = _STEP[ord("{")] = 1
+_STEP[ord("]")] = _STEP[ord("}")] = -1
+_DEFAULT_ADVICE = "the checkpoint is damaged or not a liferaft checkpoint"
+
+
+def json_depth(data: bytes) -> int:
+    """The deepest bracket nesting of ``data`` outside strings, in linear time and without recursion (for any
+    bytes: an invalid document gets some number, which the parser then refuses anyway)."""
+    # Keep the quotes and brackets only. Dropping two adjacent quotes keeps the parity of the quotes before every
+    # other byte, so whether a bracket lies in a string is unchanged: what is left are the (rare) strings that hold
+    # brackets, removed in one pass over a short buffer.
+    marks = (_ESCAPE.sub(b"", data) if b"\\" in data else bytes(data)).translate(None, _NOT_STRUCTURE)
+    marks = marks.replace(b'""', b"")
+    if b'"' in marks:
+        marks = _STRING.sub(b"", marks)
+    return max(accumulate(map(_STEP.__getitem__, marks)), default=0)
+
+
+def _constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number liferaft accepts")
+
+
+def _float(text: str) -> float:
+    x = float(text)
+    if not math.isfinite(x):
+        raise ValueError(f"number {text[:40]} overflows a float")
+    return x
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))     # type: ignore[func-returns-value]
+        raise ValueError(f"key {dup[:80]!r} appears twice in one object")
+    return out
+
+
+def loads(data: bytes | bytearray | memoryview, where: str, max_bytes: int, max_depth: int = MAX_JSON_DEPTH,
+          unique_keys: bool = True, advice: str = _DEFAULT_ADVICE) -> Any:
+    """The JSON document ``data`` (the contents of the file ``where``), strictly (see the module docstring).
+    Raises CorruptCheckpointError "``where``: <what is wrong>; ``advice``" and nothing else."""
+    def fail(msg: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{where}: {msg}; {advice}")
+
+    if len(data) > max_bytes:
+        raise fail(f"{len(data)} bytes, more than the {max_bytes} a JSON file of this kind may hold")
+    raw = bytes(data)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise fail(f"not UTF-8 text ({e.reason} at byte {e.start})") from None
+    depth = json_depth(raw)
+    if depth > max_depth:
+        raise fail(f"JSON nested {depth} levels deep, more than the {max_depth} allowed")
+    try:
+        return json.loads(text, parse_constant=_constant, parse_float=_float,
+                          object_pairs_hook=_unique if unique_keys else None)
+    except RecursionError:
+        raise fail("JSON nested too deeply") from None
+    except (ValueError, TypeError) as e:      # JSONDecodeError, and the refusals above
+        raise fail(f"not valid JSON ({str(e)[:200]})") from None

@@ -1,0 +1,27 @@
+"""The limits of liferaft's on-disk contract (docs/FORMAT.md §6): what a reader refuses and a writer never writes.
+
+One place for each bound, so that the save side and the read side agree (liferaft never writes what it would
+refuse to read). Pure constants; imports nothing.
+"""
+
+from __future__ import annotations
+
+#: Container levels a plain value may nest (a list in a dict in a tuple ...: 3), and parts a key's path may have.
+#: Saving a deeper state is refused up front; a manifest holding a deeper value or a longer path is corrupt.
+MAX_NESTING = 100
+
+#: Nesting of any JSON document liferaft parses (manifest, commit marker, LEASE, PINS, STARTS). A plain value of
+#: MAX_NESTING levels takes up to 3 JSON levels per level (``{"$dict": [[k, v]]}``), under a manifest's 4.
+MAX_JSON_DEPTH = 3 * MAX_NESTING + 16
+
+#: Every integer of a manifest (offsets, sizes, shapes, byte ranges, file sizes, counts, steps, ranks) lies in
+#: ``[0, MAX_INT]``, and so does every product of them (a tensor's elements × item size).
+MAX_INT = 2 ** 63 - 1
+
+#: Largest time (seconds since 1970) a manifest may record: year 9999.
+MAX_UNIX_TIME = 253402300799.0
+
+#: Size caps of the small JSON files (bytes), checked before parsing.
+MAX_MANIFEST_BYTES = 1 << 30
+MAX_MARKER_BYTES = 64 << 10
+MAX_ROOT_FILE_BYTES = 1 << 20       # LEASE, PINS, STARTS of a manager root
