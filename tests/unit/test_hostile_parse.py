@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 
 import pytest
 import torch
@@ -22,7 +23,8 @@ from liferaft.testing import tamper
 
 def _state() -> dict:
     return {"model": {"w": torch.arange(12.0).view(3, 4), "b": torch.ones(5, dtype=torch.int64)},
-            "meta": {"step": 7, "lr": 0.5, "names": ["a", "b"], "pair": (1, 2)}}
+            "meta": {"step": 7, "lr": 0.5, "names": ["a", "b"], "layers": [torch.ones(1), torch.ones(2)],
+                     "pair": (torch.zeros(1), 3)}}
 
 
 @pytest.fixture
@@ -150,3 +152,224 @@ def test_hostile_lease_and_starts_are_treated_as_absent(root, data):
     starts = json.loads(open(os.path.join(root, "STARTS")).read()) if os.path.exists(
         os.path.join(root, "STARTS")) else []
     assert all(isinstance(x, float) for x in starts)
+
+
+# --------------------------------------------------------------------------- manifest fields, every one checked
+
+
+def _tensor(doc: dict, key: str = "model.w") -> dict:
+    return next(t for t in doc["tensors"] if t["key"] == key)
+
+
+def _set_chunk(field, value):
+    def edit(doc):
+        _tensor(doc)["chunks"][0][field] = value
+    return edit
+
+
+def _set_tensor(field, value):
+    def edit(doc):
+        _tensor(doc)[field] = value
+    return edit
+
+
+def _set_top(field, value):
+    def edit(doc):
+        doc[field] = value
+    return edit
+
+
+HOSTILE_NUMBERS = [2 ** 64, 2 ** 63, -1, 1.5, True, None, "3", [1]]
+
+
+@pytest.mark.parametrize("bad", HOSTILE_NUMBERS)
+@pytest.mark.parametrize("field", ["byte_offset", "length", "block_size"])
+def test_chunk_integers_are_range_checked(ckpt, capsys, field, bad):
+    tamper.rewrite_manifest(ckpt, _set_chunk(field, bad))
+    _refused_everywhere(ckpt, capsys)
+
+
+@pytest.mark.parametrize("bad", [[2 ** 64, 4], [-1, 4], [1.5, 4], [True, 4], [3], [3, 4, 1], "34"])
+@pytest.mark.parametrize("field", ["offsets", "sizes"])
+def test_chunk_boxes_are_range_checked(ckpt, capsys, field, bad):
+    tamper.rewrite_manifest(ckpt, _set_chunk(field, bad))
+    _refused_everywhere(ckpt, capsys)
+
+
+@pytest.mark.parametrize("bad", [[2 ** 64, 4], [-1, 4], [3.0, 4], [True, 4], [2 ** 40, 2 ** 40], [1] * 1000, 12])
+def test_shapes_are_range_checked(ckpt, capsys, bad):
+    tamper.rewrite_manifest(ckpt, _set_tensor("shape", bad))
+    _refused_everywhere(ckpt, capsys)
+
+
+@pytest.mark.parametrize("edit", [
+    _set_tensor("dtype", "float128"), _set_tensor("dtype", 5), _set_tensor("kind", "sparse"),
+    _set_chunk("codec", "lz4-future"), _set_chunk("file", "../../etc/passwd"), _set_chunk("hashes", [1]),
+    _set_top("world_size", 0), _set_top("world_size", 2 ** 63), _set_top("world_size", 1.0),
+    _set_top("created_unix", 1e300), _set_top("created_unix", -5), _set_top("created_unix", True),
+    _set_top("created_unix", "yesterday"), _set_top("version", 99.0), _set_top("tensors", {"a": 1}),
+    _set_top("files", []), lambda d: d["files"].update({k: 2 ** 64 for k in d["files"]}),
+    lambda d: d["files"].update({k: -1 for k in d["files"]}), _set_tensor("lossy", {"method": "q8", "max": 1e400})])
+def test_enums_files_and_times(ckpt, capsys, edit):
+    try:
+        tamper.rewrite_manifest(ckpt, edit)
+    except OverflowError:          # (1e400 is not writable as JSON: write it by hand)
+        pytest.skip("not writable")
+    _refused_everywhere(ckpt, capsys)
+
+
+def test_nan_and_huge_times_written_by_hand(ckpt, capsys):
+    for t in (b"NaN", b"Infinity", b"1e300", b"1e999"):
+        doc, _ = tamper.read_manifest(ckpt)
+        doc["created_unix"] = 12345.5
+        data = json.dumps(doc).encode().replace(b"12345.5", t)
+        tamper.write_manifest_bytes(ckpt, data)
+        _refused_everywhere(ckpt, capsys)
+
+
+def _containers(doc, path):
+    return next(c for c in doc["containers"] if c["path"] == path)
+
+
+@pytest.mark.parametrize("edit", [
+    lambda d: _containers(d, ["meta", "layers"]).update(kind="tuple", children=[0, 5]),     # a hole listed
+    lambda d: _tensor(d, "meta.layers.1").update(path=["meta", "layers", 5]),                # a hole
+    lambda d: _containers(d, ["meta"]).update(kind="list"),                                 # dict-keyed children
+    lambda d: _containers(d, ["meta", "pair"]).update(kind="dict", children=[0]),           # child not listed
+    lambda d: _containers(d, ["meta", "layers"]).update(children=["x", "y"]),
+    lambda d: _containers(d, ["meta", "layers"]).update(children=[0, 0]),
+    lambda d: _containers(d, ["meta", "layers"]).update(kind="bag"),
+    lambda d: _containers(d, ["meta", "layers"]).update(role=5),
+    lambda d: d["containers"].append(dict(_containers(d, ["meta"]))),                       # recorded twice
+    lambda d: d["values"].append({"key": "meta.step.x", "path": ["meta", "step", "x"], "value": 1}),  # under a leaf
+    lambda d: d["values"].append({"key": "dup", "path": ["meta", "step"], "value": 1}),     # path used twice
+    lambda d: next(v for v in d["values"] if v["key"] == "meta.pair.1").update(path=["meta", "pair", 7]),
+    lambda d: next(v for v in d["values"] if v["key"] == "meta.pair.1").update(path=["meta", "pair", True]),
+    lambda d: next(v for v in d["values"] if v["key"] == "meta.pair.1").update(path=["x"] * 1000),
+    lambda d: next(v for v in d["values"] if v["key"] == "meta.pair.1").update(path=["meta", "pair", 2 ** 64]),
+])
+def test_containers_whose_children_do_not_match_their_kind(ckpt, capsys, edit):
+    tamper.rewrite_manifest(ckpt, edit)
+    _refused_everywhere(ckpt, capsys)
+
+
+@pytest.mark.parametrize("value", [
+    {"$tuple": []}, [], {"a": 1}, {"$dict": []}, {"$set": []}])
+def test_plain_values_nested_too_deep(ckpt, capsys, value):
+    def nest(d):
+        deep = 1
+        for _ in range(150):
+            deep = json.loads(json.dumps(value).replace("[]", json.dumps([deep]), 1)) if "[]" in json.dumps(
+                value) else {"a": deep}
+        next(v for v in d["values"] if v["key"] == "meta.step")["value"] = deep
+    tamper.rewrite_manifest(ckpt, nest)
+    _refused_everywhere(ckpt, capsys, match="levels deep")
+
+
+def test_values_at_the_nesting_limit_are_read(tmp_path):
+    from liferaft.format.limits import MAX_NESTING
+
+    deep: object = 1
+    for _ in range(MAX_NESTING):
+        deep = [deep]
+    path = str(tmp_path / "ok")
+    liferaft.save(path, {"v": deep})
+    assert liferaft.read(path)["v"] == deep
+
+
+# ------------------------------------------------------------------------------------------------ codec frames
+
+
+@pytest.fixture
+def encoded(tmp_path):
+    """A checkpoint whose ``q`` is stored as q8 frames and ``z`` as bytegroup-zstd frames (one block each)."""
+    path = str(tmp_path / "enc")
+    state = {"q": torch.linspace(-1, 1, 4096), "z": torch.zeros(4096, dtype=torch.float64)}
+    liferaft.save(path, state, options=liferaft.SaveOptions(compression="on", quantize=("q",)))
+    doc, _ = tamper.read_manifest(path)
+    assert {t["key"]: t["chunks"][0].get("codec") for t in doc["tensors"]} == {"q": "q8-block",
+                                                                                "z": "bytegroup-zstd"}
+    return path
+
+
+def _frame(path: str, key: str) -> tuple[str, int, int]:
+    doc, _ = tamper.read_manifest(path)
+    c = _tensor(doc, key)["chunks"][0]
+    return os.path.join(path, c["file"]), c["byte_offset"], c["frames"][0]
+
+
+def _patch(file: str, offset: int, data: bytes) -> None:
+    with open(file, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+def _load_refused(path: str, capsys, key: str) -> None:
+    for call in (lambda: liferaft.read(path), lambda: liferaft.verify(path),
+                 lambda: liferaft.load(path, {"q": torch.zeros(4096), "z": torch.zeros(4096, dtype=torch.float64)})):
+        with pytest.raises(LiferaftError):
+            call()
+    capsys.readouterr()
+    assert main(["read", path]) == 1 and main(["verify", path]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and key in err
+
+
+HUGE = [struct.pack("<4sBBII", b"LRQ8", 1, 1, 16, 2 ** 31), struct.pack("<4sBBII", b"LRQ8", 1, 1, 16, 2 ** 32 - 1),
+        struct.pack("<4sBBII", b"LRQ8", 1, 1, 2 ** 32 - 1, 256), struct.pack("<4sBBII", b"LRQ8", 1, 1, 16, 0),
+        struct.pack("<4sBBII", b"LRQ8", 9, 1, 16, 256), struct.pack("<4sBBII", b"LRQ8", 1, 3, 4096, 256),
+        b"XXXX"]
+
+
+@pytest.mark.parametrize("header", HUGE)
+def test_q8_frames_declaring_more_are_refused_before_allocating(encoded, capsys, header):
+    file, offset, length = _frame(encoded, "q")
+    _patch(file, offset, header)
+    _load_refused(encoded, capsys, "q")
+
+
+def test_a_54_byte_q8_frame_with_a_huge_group_allocates_nothing(tmp_path):
+    from liferaft.codecs.quantize import Q8Block
+
+    frame = struct.pack("<4sBBII", b"LRQ8", 1, 1, 36, 2 ** 31) + b"\0" * 4 + b"\1" * 36
+    assert len(frame) == 54
+    for out in (bytearray(144), bytearray(4 * 2 ** 31 // 1024)):
+        with pytest.raises(CorruptCheckpointError, match="groups of"):
+            Q8Block().decode_block(memoryview(frame), memoryview(out), "float32", "k")
+
+
+@pytest.mark.parametrize("header", [
+    struct.pack("<4sBBQ", b"LRBG", 1, 8, 2 ** 50), struct.pack("<4sBBQ", b"LRBG", 1, 8, 2 ** 64 - 1),
+    struct.pack("<4sBBQ", b"LRBG", 1, 0, 32768), struct.pack("<4sBBQ", b"LRBG", 1, 200, 32768),
+    struct.pack("<4sBBQ", b"LRBG", 7, 8, 32768), b"LRX", b"\0" * 14])
+def test_bytegroup_frames_declaring_more_are_refused(encoded, capsys, header):
+    file, offset, length = _frame(encoded, "z")
+    _patch(file, offset, header)
+    _load_refused(encoded, capsys, "z")
+
+
+def test_bytegroup_plane_sizes_beyond_the_frame(encoded, capsys):
+    file, offset, length = _frame(encoded, "z")
+    for k in range(9):                  # each plane's declared size, in turn, far beyond the frame
+        _patch(file, offset + 14 + 9 * k + 1, struct.pack("<Q", 2 ** 50))
+        _load_refused(encoded, capsys, "z")
+
+
+def test_bytegroup_without_out_is_capped():
+    from liferaft.codecs import bytegroup
+
+    frame = bytegroup.encode(b"\0" * 4096, 8)
+    assert bytegroup.decode(frame) == b"\0" * 4096
+    with pytest.raises(CorruptCheckpointError, match="more than the 1024"):
+        bytegroup.decode(frame, max_size=1024)
+
+
+def test_truncated_frames(encoded, capsys):
+    for key in ("q", "z"):
+        file, offset, length = _frame(encoded, key)
+        for cut in (3, 9, length - 1):
+            def edit(doc, cut=cut, key=key):
+                c = _tensor(doc, key)["chunks"][0]
+                c["frames"] = [cut]
+            tamper.rewrite_manifest(encoded, edit)
+            _load_refused(encoded, capsys, key)

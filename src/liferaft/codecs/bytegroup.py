@@ -31,6 +31,8 @@ from liferaft.format.manifest import DTYPE_ITEMSIZE
 MAGIC = b"LRBG"
 _HEAD = struct.Struct("<4sBBQ")
 _PLANE = struct.Struct("<BQ")
+#: the most bytes ``decode`` makes without an ``out`` buffer (a frame holds one hash block: 4 MiB by default)
+MAX_DECODED = 1 << 30
 
 
 _LOCAL = threading.local()
@@ -101,10 +103,12 @@ def incompressible(frame: bytes | memoryview, threshold: float = 0.97) -> frozen
     return frozenset(out)
 
 
-def decode(blob: bytes | memoryview, out: memoryview | None = None, where: str = "chunk") -> bytes | None:
+def decode(blob: bytes | memoryview, out: memoryview | None = None, where: str = "chunk",
+           max_size: int = MAX_DECODED) -> bytes | None:
     """Invert ``encode``: into ``out`` (a writable buffer of exactly the original length; returns None) or as new
-    bytes. Raises CorruptCheckpointError naming ``where`` on any inconsistency (and no other exception: the
-    frame's lengths are checked before anything is allocated or decoded)."""
+    bytes (at most ``max_size``). Raises CorruptCheckpointError naming ``where`` on any inconsistency (and no
+    other exception: the frame's lengths are checked, against ``out`` or ``max_size``, before anything is
+    allocated or decoded; zstd never writes more than a plane's expected size)."""
     import zstandard
 
     mv = memoryview(blob).cast("B")
@@ -121,6 +125,8 @@ def decode(blob: bytes | memoryview, out: memoryview | None = None, where: str =
     per_plane = whole // itemsize
     if out is not None and len(out) != n:
         raise CorruptCheckpointError(f"{where}: the frame holds {n} bytes, the block has {len(out)}")
+    if out is None and n > max_size:
+        raise CorruptCheckpointError(f"{where}: the frame declares {n} bytes, more than the {max_size} expected")
     planes = []
     for k in range(itemsize + 1):
         mode, size = _PLANE.unpack_from(mv, _HEAD.size + k * _PLANE.size)

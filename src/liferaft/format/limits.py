@@ -18,6 +18,12 @@ MAX_JSON_DEPTH = 3 * MAX_NESTING + 16
 #: ``[0, MAX_INT]``, and so does every product of them (a tensor's elements × item size).
 MAX_INT = 2 ** 63 - 1
 
+#: Most dimensions a stored tensor may have (torch's own limit is lower for most operations).
+MAX_NDIM = 64
+
+#: Most ranks a save may record (a value stored per rank holds one item per rank).
+MAX_WORLD_SIZE = 1 << 20
+
 #: Largest time (seconds since 1970) a manifest may record: year 9999.
 MAX_UNIX_TIME = 253402300799.0
 

@@ -8,6 +8,7 @@ version, types and ranges of every number, and that every file name stays inside
 from __future__ import annotations
 
 import json
+import math
 import posixpath
 from collections import Counter
 from collections.abc import Collection, Mapping
@@ -16,7 +17,16 @@ from typing import Any
 
 from liferaft.errors import CorruptCheckpointError, FormatVersionError, UnsafePathError
 from liferaft.format import jsonsafe
-from liferaft.format.limits import MAX_MANIFEST_BYTES, MAX_MARKER_BYTES
+from liferaft.format.checks import check_tree, value_depth
+from liferaft.format.limits import (
+    MAX_INT,
+    MAX_MANIFEST_BYTES,
+    MAX_MARKER_BYTES,
+    MAX_NDIM,
+    MAX_NESTING,
+    MAX_UNIX_TIME,
+    MAX_WORLD_SIZE,
+)
 
 FORMAT_NAME = "liferaft"
 FORMAT_VERSION = 3          # the newest version this code reads; a save uses 2 or 3 only when it needs it (§4.1, §4.5)
@@ -274,16 +284,27 @@ def _fail(where: str, msg: str) -> CorruptCheckpointError:
     return CorruptCheckpointError(f"{where}: {msg}; the checkpoint is damaged or not a liferaft checkpoint")
 
 
-def _int(v: Any, where: str, lo: int = 0) -> int:
-    if type(v) is not int or v < lo:
-        raise _fail(where, f"expected an integer >= {lo}, got {v!r}")
+def _int(v: Any, where: str, lo: int = 0, hi: int = MAX_INT) -> int:
+    """``v`` if it is an int (not a bool, not a float) in ``[lo, hi]``."""
+    if type(v) is not int or not lo <= v <= hi:
+        raise _fail(where, f"expected an integer from {lo} to {hi}, got {v!r:.80}")
     return v
 
 
-def _ints(v: Any, where: str, lo: int = 0) -> tuple[int, ...]:
-    if not isinstance(v, list):
-        raise _fail(where, f"expected a list of integers, got {v!r}")
+def _ints(v: Any, where: str, lo: int = 0, max_len: int = MAX_INT) -> tuple[int, ...]:
+    if not isinstance(v, list) or len(v) > max_len:
+        raise _fail(where, f"expected a list of at most {max_len} integers, got {v!r:.80}")
     return tuple(_int(x, where, lo) for x in v)
+
+
+def _product(sizes: tuple[int, ...], itemsize: int, where: str) -> int:
+    """``itemsize`` × the product of ``sizes``, refused when it exceeds ``MAX_INT`` (no tensor holds that)."""
+    n = itemsize
+    for s in sizes:
+        n *= s
+        if n > MAX_INT:
+            raise _fail(where, f"shape {list(sizes)} of {itemsize}-byte items holds more than 2**63 - 1 bytes")
+    return n
 
 
 def _str(v: Any, where: str) -> str:
@@ -298,10 +319,15 @@ def _hashes(v: Any, where: str) -> tuple[str, ...]:
     return tuple(v)
 
 
-def _path(v: Any, where: str) -> tuple[PathPart, ...]:
-    if not isinstance(v, list) or not all(type(p) in (str, int) for p in v):
-        raise _fail(where, f"expected a list of str/int path parts, got {v!r}")
+def _parts(v: Any, where: str, max_len: int = MAX_INT) -> tuple[PathPart, ...]:
+    if not isinstance(v, list) or len(v) > max_len or not all(
+            type(p) is str or type(p) is int and -MAX_INT <= p <= MAX_INT for p in v):
+        raise _fail(where, f"expected a list of at most {max_len} str/int path parts, got {v!r:.80}")
     return tuple(v)
+
+
+def _path(v: Any, where: str) -> tuple[PathPart, ...]:
+    return _parts(v, where, MAX_NESTING)
 
 
 def _check_version(doc: Mapping[str, Any], what: str) -> int:
@@ -309,7 +335,7 @@ def _check_version(doc: Mapping[str, Any], what: str) -> int:
         raise _fail(what, f"format field is {doc.get('format')!r}, expected {FORMAT_NAME!r}")
     version = doc.get("version")
     if type(version) is not int:
-        raise _fail(what, f"version field is {version!r}")
+        raise _fail(what, f"version field is {version!r:.40}")
     if version > FORMAT_VERSION:
         raise FormatVersionError(
             f"{what} has format version {version}, but this liferaft reads versions up to {FORMAT_VERSION}; "
@@ -352,16 +378,16 @@ def _decode_chunk(c: Any, where: str, ndim: int, files: Mapping[str, int], items
         hashes=_hashes(c.get("hashes"), where),
         codec=None if c.get("codec") is None else _str(c.get("codec"), where),
         frames=None if c.get("frames") is None else _ints(c.get("frames"), where), delta=delta)
+    if rec.stored_length > MAX_INT or rec.byte_offset + rec.stored_length > MAX_INT:
+        raise _fail(where, "chunk's stored bytes end beyond 2**63 - 1")
     if delta is not None and (delta.offsets, delta.sizes, delta.block_size) != (rec.offsets, rec.sizes,
                                                                                rec.block_size):
         raise _fail(where, "a delta chunk's base must be the same box with the same block size")
     if len(rec.offsets) != ndim or len(rec.sizes) != ndim:
         raise _fail(where, f"chunk has {len(rec.offsets)}-d offsets / {len(rec.sizes)}-d sizes for a {ndim}-d tensor")
-    numel = 1
-    for s in rec.sizes:
-        numel *= s
-    if rec.length != numel * itemsize:
-        raise _fail(where, f"chunk length {rec.length} != {numel} elements x {itemsize} bytes")
+    nbytes = _product(rec.sizes, itemsize, where)
+    if rec.length != nbytes:
+        raise _fail(where, f"chunk length {rec.length} != {list(rec.sizes)} elements x {itemsize} bytes")
     if rec.block_size % itemsize:
         raise _fail(where, f"block size {rec.block_size} is not a multiple of the item size {itemsize}")
     if rec.file not in files:
@@ -396,8 +422,9 @@ def decode_manifest(data: bytes, name: str = "manifest", codecs: Collection[str]
     for section in ("tensors", "values", "containers"):
         if not isinstance(doc.get(section) or [], list) or not all(isinstance(x, dict) for x in doc.get(section) or []):
             raise _fail(name, f"{section} is not a list of objects")
-    if not isinstance(doc.get("created_unix", 0.0), (int, float)):
-        raise _fail(name, "created_unix is not a number")
+    created = doc.get("created_unix", 0.0)
+    if type(created) not in (int, float) or not 0 <= created <= MAX_UNIX_TIME:
+        raise _fail(name, f"created_unix {created!r:.40} is not a time (seconds since 1970, up to year 9999)")
     files_raw = doc.get("files")
     if not isinstance(files_raw, dict):
         raise _fail(name, "files is not an object")
@@ -412,11 +439,13 @@ def decode_manifest(data: bytes, name: str = "manifest", codecs: Collection[str]
         kind = _str(t.get("kind", "tensor"), where)
         if kind not in TENSOR_KINDS:
             raise _fail(where, f"unknown kind {kind!r}")
-        shape = _ints(t.get("shape"), where)
+        shape = _ints(t.get("shape"), where, max_len=MAX_NDIM)
+        _product(shape, DTYPE_ITEMSIZE[dtype], where)
         chunks = tuple(_decode_chunk(c, where, len(shape), files, DTYPE_ITEMSIZE[dtype], codecs)
                        for c in t.get("chunks") or [])
         lossy = t.get("lossy")
-        if lossy is not None and not (isinstance(lossy, dict) and isinstance(lossy.get("method"), str)):
+        if lossy is not None and not (isinstance(lossy, dict) and isinstance(lossy.get("method"), str)
+                                      and all(type(x) is not float or math.isfinite(x) for x in lossy.values())):
             raise _fail(where, f"lossy must be an object with a method, got {lossy!r:.80}")
         per_rank = t.get("per_rank")
         if per_rank is not None:
@@ -430,8 +459,13 @@ def decode_manifest(data: bytes, name: str = "manifest", codecs: Collection[str]
     for v in doc.get("values") or []:
         key = _str(v.get("key"), f"{name} value")
         per_rank = v.get("per_rank")
+        if per_rank is not None and not isinstance(per_rank, list):
+            raise _fail(f"{name} value {key!r}", "per_rank is not a list")
+        for x in [v.get("value")] if per_rank is None else per_rank:
+            if value_depth(x) > MAX_NESTING:
+                raise _fail(f"{name} value {key!r}", f"the value nests more than {MAX_NESTING} levels deep")
         values.append(ValueEntry(key=key, path=_path(v.get("path"), f"{name} value {key!r}"), value=v.get("value"),
-                                 per_rank=tuple(per_rank) if isinstance(per_rank, list) else None))
+                                 per_rank=None if per_rank is None else tuple(per_rank)))
     containers = []
     for c in doc.get("containers") or []:
         kind = _str(c.get("kind"), f"{name} container")
@@ -439,16 +473,26 @@ def decode_manifest(data: bytes, name: str = "manifest", codecs: Collection[str]
             raise _fail(name, f"unknown container kind {kind!r}")
         children = c.get("children")
         role, cls = c.get("role"), c.get("class")
+        if role is not None and not isinstance(role, str) or cls is not None and not isinstance(cls, str):
+            raise _fail(name, f"container role {role!r:.40} / class {cls!r:.80} is not a string")
         containers.append(ContainerEntry(path=_path(c.get("path"), f"{name} container"), kind=kind,
-                                         children=None if children is None else _path(children, f"{name} container"),
+                                         children=None if children is None else _parts(children, f"{name} container"),
                                          role=role if isinstance(role, str) else None,
                                          cls=cls if isinstance(cls, str) else None))
     keys = [t.key for t in tensors] + [v.key for v in values]
     if len(set(keys)) != len(keys):
         dup = sorted(k for k, n in Counter(keys).items() if n > 1)
         raise _fail(name, f"keys {dup[:5]} appear more than once")
+    problem = check_tree([(t.key, t.path) for t in tensors] + [(v.key, v.path) for v in values],
+                         [(c.path, c.kind, c.children) for c in containers])
+    if problem:
+        raise _fail(name, problem)
     extra = doc.get("extra") or {}
-    world_size = _int(doc.get("world_size"), name, 1)
+    world_size = _int(doc.get("world_size"), name, 1, MAX_WORLD_SIZE)
+    for v in values:
+        if v.per_rank is not None and len(v.per_rank) != world_size:
+            raise _fail(f"{name} value {v.key!r}", f"holds {len(v.per_rank)} per-rank values for a save by "
+                                                   f"{world_size} rank(s)")
     for t in tensors:
         if t.per_rank is not None and max(t.per_rank) >= world_size:
             raise _fail(f"{name} tensor {t.key!r}", f"per_rank names rank {max(t.per_rank)} of a save by "
