@@ -373,3 +373,27 @@ def test_truncated_frames(encoded, capsys):
                 c["frames"] = [cut]
             tamper.rewrite_manifest(encoded, edit)
             _load_refused(encoded, capsys, key)
+
+
+@pytest.mark.parametrize("key", ["q", "z"])
+def test_a_manifest_claiming_huge_decoded_blocks_for_small_frames_is_refused_at_open(encoded, capsys, key):
+    def edit(doc):
+        t = _tensor(doc, key)
+        t["shape"] = [2 ** 40]
+        c = t["chunks"][0]
+        c.update(sizes=[2 ** 40], length=2 ** 40 * (8 if key == "z" else 4), block_size=2 ** 40 * 8)
+    tamper.rewrite_manifest(encoded, edit)
+    _refused_everywhere(encoded, capsys, match="cannot hold a block")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16", "uint8"])
+def test_every_codec_keeps_within_its_max_expansion(dtype):
+    from liferaft.codecs.registry import CODECS
+
+    for codec in CODECS:
+        if codec.max_expansion is None or not codec.accepts(dtype):
+            continue
+        for size in (16, 4096, 1 << 20, 4 << 20, 64 << 20):
+            block = memoryview(bytearray(size))              # zeros: the densest a real block compresses
+            frame = codec.encode_block(block, dtype)
+            assert size <= len(frame) * codec.max_expansion, (codec.name, dtype, size, len(frame))

@@ -13,6 +13,8 @@ in ``ChunkRecord.frames`` and the codec's ``name`` in ``ChunkRecord.codec``. A c
 - ``encode_chunk``: the frames of a whole chunk's blocks on a worker pool, with what the writer records for a
   lossy codec (the hashes of the decoded blocks, the error); a codec may override it to share work between the
   blocks of a chunk (``bytegroup-zstd`` skips byte planes its first block showed to be random).
+- bounds: ``max_expansion``, the most raw bytes per stored byte; ``decode_block`` checks a frame's header
+  against ``out`` before allocating anything for it (a frame never declares more than its block).
 - damage: ``decode_block`` raises CorruptCheckpointError naming ``where`` for any frame whose structure does not
   hold (magic, version, lengths, entropy-coded payloads) and never another exception, whatever the bytes. Damage
   that leaves a frame well formed is caught by the block hashes, which are always those of the decoded bytes
@@ -59,6 +61,10 @@ class Codec(ABC):
     dtypes: ClassVar[frozenset[str] | None] = None
     #: settings a lossy codec records in the manifest's ``lossy`` entry (beside ``method`` = ``name``)
     params: ClassVar[Mapping[str, Any]] = {}
+    #: the most raw bytes one stored byte of a frame can decode to (a block of ``b`` bytes needs a frame of at
+    #: least ``b / max_expansion`` bytes): opening a checkpoint refuses a chunk whose frames claim more, before
+    #: anything is allocated for it. None: no bound (a codec registered without one).
+    max_expansion: ClassVar[int | None] = None
 
     def accepts(self, dtype: str) -> bool:
         """Whether blocks of ``dtype`` may be given to this codec."""

@@ -182,6 +182,8 @@ class ByteGroupZstd(Codec):
 
     name = "bytegroup-zstd"
     lossless = True
+    #: zstd's densest block (RLE: 4 bytes for 128 KiB) is 32768:1; byte planes, headers and tails only lower it
+    max_expansion = 1 << 15
 
     def __init__(self, level: int = 1) -> None:
         self.level = level

@@ -101,6 +101,7 @@ class Q8Block(Codec):
     lossless = False
     dtypes = frozenset(DTYPES)
     params: Mapping[str, Any] = {"group": GROUP}
+    max_expansion = 8           # n values of at most 8 bytes each take at least n bytes of the frame
 
     def encode_block(self, block: memoryview, dtype: str) -> bytes:
         return encode(block, dtype)

@@ -16,7 +16,7 @@ from liferaft.codecs import registry as codec_registry
 from liferaft.codecs.checksum import digest
 from liferaft.errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError, LiferaftError
 from liferaft.format.layout import COMMIT_MARKER, is_stale, manifest_name
-from liferaft.format.manifest import CommitMarker, Manifest, decode_commit_marker, decode_manifest
+from liferaft.format.manifest import ChunkRecord, CommitMarker, Manifest, decode_commit_marker, decode_manifest
 from liferaft.planning.geometry import check_chunks_tile
 from liferaft.storage import Storage
 
@@ -86,10 +86,27 @@ def open_checkpoint(storage: Storage) -> Manifest:
                                      "recorded in the commit marker; the checkpoint is damaged")
     manifest = decode_manifest(data, f"{storage.url}/{marker.manifest}", codecs=codec_registry.names())
     for entry in manifest.tensors:
-        problem = check_chunks_tile(entry.shape, [(c.offsets, c.sizes) for c in entry.chunks])
+        problem = check_chunks_tile(entry.shape, [(c.offsets, c.sizes) for c in entry.chunks]) or next(
+            (p for c in entry.chunks for p in (_frames_problem(c), c.delta and _frames_problem(c.delta)) if p), None)
         if problem:
             raise CorruptCheckpointError(f"{storage.url}: tensor {entry.key!r}: {problem}; the checkpoint is damaged")
     return manifest
+
+
+def _frames_problem(chunk: ChunkRecord) -> str | None:
+    """Why the frames of an encoded chunk cannot hold its blocks (each frame at least ``block / max_expansion``
+    bytes of its codec), or None: so that a manifest never makes a reader allocate far beyond the stored bytes."""
+    if chunk.codec is None or chunk.frames is None:
+        return None
+    limit = codec_registry.get(chunk.codec, "chunk").max_expansion
+    if limit is None:
+        return None
+    for i, stored in enumerate(chunk.frames):
+        block = min(chunk.block_size, chunk.length - i * chunk.block_size)
+        if block > stored * limit:
+            return (f"frame {i} of {chunk.file!r} ({stored} bytes of {chunk.codec}) cannot hold a block of {block} "
+                    f"bytes (at most {limit} x its size)")
+    return None
 
 
 def check_files(storage: Storage, manifest: Manifest, names: Iterable[str]) -> None:
