@@ -397,3 +397,11 @@ def test_every_codec_keeps_within_its_max_expansion(dtype):
             block = memoryview(bytearray(size))              # zeros: the densest a real block compresses
             frame = codec.encode_block(block, dtype)
             assert size <= len(frame) * codec.max_expansion, (codec.name, dtype, size, len(frame))
+
+
+def test_strings_with_escaped_surrogates_still_round_trip(tmp_path):
+    # a data loader's file name decoded with surrogateescape: strict JSON must not refuse what liferaft writes
+    path = str(tmp_path / "s")
+    state = {"files": ["caf\udce9.txt", "\U0001f600"], "t": torch.ones(1)}
+    liferaft.save(path, state)
+    assert liferaft.read(path)["files"] == state["files"]
