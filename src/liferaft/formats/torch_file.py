@@ -26,6 +26,7 @@ import torch
 
 from liferaft.errors import CorruptCheckpointError, PickleNotAllowedError, StorageError
 from liferaft.formats.base import CheckReport, Reader, TensorSpec, ValueSpec, copy_from
+from liferaft.formats.torch_checks import scan, scan_legacy
 from liferaft.formats.zipfiles import View, check_zip
 from liferaft.state.dtypes import dtype_name
 from liferaft.state.tree import build_tree
@@ -201,7 +202,9 @@ def write_torch_file(dst: str, tree: Any,
 
 def torch_file_state(path: str | os.PathLike[str]) -> Any:
     """A ``torch.save`` file loaded with ``weights_only=True`` (no code runs), memory-mapped where the archive
-    allows it (the legacy, pre-zip format is read whole)."""
+    allows it (the legacy, pre-zip format is read whole), once ``formats.torch_checks`` found every storage backed
+    by its record and every tensor inside its storage. Any refusal is a LiferaftError naming the file (and the
+    key where there is one)."""
     p = os.fspath(path)
     if not zipfile.is_zipfile(p):
         with open(p, "rb") as f:
@@ -209,6 +212,10 @@ def torch_file_state(path: str | os.PathLike[str]) -> Any:
         if not head.startswith(b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"):
             raise CorruptCheckpointError(f"{p}: not a torch.save file (neither a zip archive nor torch's legacy "
                                          "format), nor any other checkpoint format liferaft reads")
+        scan_legacy(p, p)                       # storages and views checked before anything is allocated
+    else:
+        with open(p, "rb") as f:
+            scan(f, p)                          # every storage within its record, every view within its storage
     try:
         try:
             return torch.load(p, weights_only=True, mmap=True, map_location="cpu")
@@ -222,7 +229,7 @@ def torch_file_state(path: str | os.PathLike[str]) -> Any:
         raise PickleNotAllowedError(f"{p}: weights_only loading refuses it ({why.split('. Please')[0]}); liferaft "
                                     "never runs code from a checkpoint: load it with torch.load(weights_only=False) "
                                     "if you trust its author") from e
-    except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile) as e:
+    except (RuntimeError, EOFError, ValueError, OverflowError, TypeError, zipfile.BadZipFile) as e:
         raise CorruptCheckpointError(f"{p}: not a readable torch.save file ({(str(e).splitlines() or [''])[0]})") \
             from e
 

@@ -1,0 +1,178 @@
+"""The one check of a ``torch.save`` archive's tensors before torch materializes any of them (for ``.pt`` files and
+the blobs inside DCP shards): every storage backed by a record of its full size, every tensor inside its storage.
+
+``torch.load(weights_only=True, mmap=True)`` refuses code, but trusts the sizes the pickle declares: a storage
+declared larger than the zip record that holds it is mapped over the bytes that follow (the next tensor's record,
+the zip directory: a silent wrong load), and a view may have more elements than its storage holds
+(``torch.ones(1).expand(2**40)`` is a valid 1.5 KB file whose one tensor is 4 TiB once copied: ``read`` allocates
+it, ``convert`` writes it). ``scan`` unpickles the archive's ``data.pkl`` with torch's own weights-only unpickler
+and storages on the meta device (nothing is read, nothing allocated) and checks, before the real load:
+
+- each storage's declared bytes fit the record ``<archive>/data/<key>`` that holds it (a record may not be missing);
+- each tensor's elements × item size fit the bytes its storage holds from its offset — the rule that refuses an
+  expansion bomb and still reads Hugging Face's ``position_ids = arange(n).expand(1, -1)`` (n elements over a
+  storage of n: only the leading size-1 dimension has stride 0);
+- the tensors viewing one storage hold together at most ``SHARE_LIMIT`` times its bytes (plus 16 MiB): tied weights
+  and fused-then-split views pass, a pickle that names one big storage under a hundred thousand keys does not;
+- nested and quantized tensors (which the meta device cannot rebuild) are refused.
+
+The legacy (pre-zip) format carries its storages inline: there the total the pickle declares must fit the file.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import zipfile
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from liferaft.errors import CorruptCheckpointError, InvalidStateError, PickleNotAllowedError
+
+#: how many times its bytes the tensors that share one storage may hold together (see the module's docstring)
+SHARE_LIMIT = 8
+_SHARE_SLACK = 16 << 20
+
+
+def tensors_in(obj: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """(dotted key, tensor) of every tensor in the nesting of dicts, lists and tuples ``obj`` (keys as liferaft
+    names them: ``model.layer.0.weight``); other objects are not entered."""
+    stack: list[tuple[str, Any, int]] = [(path, obj, 0)]
+    while stack:
+        key, o, depth = stack.pop()
+        if isinstance(o, torch.Tensor):
+            yield key or "state", o
+        elif depth < 1000 and isinstance(o, dict):
+            stack.extend((f"{key}.{k}" if key else str(k), v, depth + 1) for k, v in o.items())
+        elif depth < 1000 and isinstance(o, (list, tuple)):
+            stack.extend((f"{key}.{i}" if key else str(i), v, depth + 1) for i, v in enumerate(o))
+
+
+def _records(z: zipfile.ZipFile) -> tuple[str, dict[str, int]]:
+    """(the archive's record prefix, {record name: its uncompressed size})."""
+    names = [i.filename for i in z.infolist()]
+    pkl = next((n for n in names if n.endswith("data.pkl") and n.count("/") <= 1), None)
+    if pkl is None:
+        raise ValueError("no data.pkl record")
+    return pkl[:-len("data.pkl")], {i.filename: i.file_size for i in z.infolist()}
+
+
+def check_views(tensors: Iterator[tuple[str, torch.Tensor]], storage_of: dict[int, tuple[str, int]],
+                what: str) -> None:
+    """Every tensor (rebuilt on meta storages) inside its storage, and the tensors sharing a storage within
+    ``SHARE_LIMIT``; ``storage_of`` maps a storage's ``_cdata`` to (its name in messages, its bytes)."""
+    shared: dict[int, tuple[int, list[str]]] = {}
+    for key, t in tensors:
+        if t.layout != torch.strided or t.is_nested or t.is_quantized:
+            continue                                    # refused by name after the load (state.flatten)
+        st = t.untyped_storage()
+        if st._cdata not in storage_of:
+            continue                                    # no data of the file's (a meta-device tensor)
+        name, nbytes = storage_of[st._cdata]
+        need = (t.storage_offset() + t.numel()) * t.element_size() if t.numel() else 0
+        if need > nbytes:
+            raise CorruptCheckpointError(
+                f"{what}: tensor {key!r} ({t.dtype} {list(t.shape)[:8]}, offset {t.storage_offset()}) needs "
+                f"{need} bytes of storage {name}, which holds {nbytes}: an expanded or overlapping view, or a "
+                "crafted file; liferaft refuses it before allocating (save .contiguous() of a broadcast view)")
+        total, keys = shared.get(st._cdata, (0, []))
+        shared[st._cdata] = (total + t.numel() * t.element_size(), keys + [key] if len(keys) < 3 else keys)
+        if shared[st._cdata][0] > SHARE_LIMIT * nbytes + _SHARE_SLACK:
+            raise CorruptCheckpointError(
+                f"{what}: the tensors sharing storage {name} ({', '.join(map(repr, keys))}, ...) hold more than "
+                f"{SHARE_LIMIT} times its {nbytes} bytes; a crafted file (reading it would allocate without bound)")
+
+
+def _kinds_refused(what: str, e: Exception) -> InvalidStateError:
+    return InvalidStateError(f"{what}: holds a quantized or nested tensor ({(str(e).splitlines() or [''])[0][:120]}"
+                             "); liferaft reads dense tensors only: save .dequantize() / .unbind() of it")
+
+
+def _refused_pickle(what: str, e: Exception) -> PickleNotAllowedError:
+    lines = str(e).splitlines()
+    why = next((x.strip() for x in lines if "WeightsUnpickler error" in x), (lines or [""])[0])
+    return PickleNotAllowedError(f"{what}: weights_only loading refuses it ({why.split('. Please')[0][:200]}); "
+                                 "liferaft never runs code from a checkpoint: load it with "
+                                 "torch.load(weights_only=False) if you trust its author")
+
+
+def scan(f: Any, what: str) -> None:
+    """Check the ``torch.save`` zip archive open as ``f`` (seekable, at its start) as the module's docstring says,
+    reading only its directory and its pickle. PickleNotAllowedError for a pickle weights_only loading refuses,
+    InvalidStateError for a nested or quantized tensor, CorruptCheckpointError for anything else wrong (``what``
+    names the file in messages)."""
+    from torch import _weights_only_unpickler as wou
+
+    try:
+        with zipfile.ZipFile(f) as z:
+            prefix, sizes = _records(z)
+            info = z.getinfo(prefix + "data.pkl")
+            if info.file_size > max(sizes.values()) + (64 << 20) or info.compress_type != zipfile.ZIP_STORED:
+                raise ValueError("its data.pkl record is compressed or oversized")
+            pkl = z.read(info)
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError, KeyError) as e:
+        raise CorruptCheckpointError(f"{what}: not a readable torch.save archive ({str(e)[:200]}); damaged, "
+                                     "truncated or crafted") from e
+    storages: dict[str, Any] = {}
+    storage_of: dict[int, tuple[str, int]] = {}
+
+    def persistent_load(pid: Any) -> Any:
+        if not isinstance(pid, tuple) or len(pid) < 5 or pid[0] not in ("storage", b"storage"):
+            raise ValueError(f"a persistent id {str(pid)[:60]} that torch.save never writes")
+        storage_type, key, _, numel = pid[1:5]
+        key = key.decode() if isinstance(key, bytes) else str(key)
+        if type(numel) is not int or not 0 <= numel < 1 << 62:
+            raise ValueError(f"storage {key!r} declares {str(numel)[:40]} elements")
+        dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+        if key not in storages:
+            nbytes = numel * torch._utils._element_size(dtype)
+            record = f"{prefix}data/{key}"
+            if record not in sizes:
+                raise CorruptCheckpointError(f"{what}: storage {key!r} has no record {record!r} in the archive; "
+                                             "damaged or crafted")
+            if nbytes > sizes[record]:
+                raise CorruptCheckpointError(f"{what}: storage {key!r} declares {nbytes} bytes, its record holds "
+                                             f"{sizes[record]}; truncated or crafted (it would read past its record)")
+            untyped = torch.UntypedStorage(nbytes, device="meta")
+            storage_of[untyped._cdata] = (repr(key), nbytes)
+            storages[key] = torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
+        return storages[key]
+    try:
+        up = wou.Unpickler(io.BytesIO(pkl), encoding="utf-8")
+        up.persistent_load = persistent_load            # the hook torch.load itself sets on this unpickler
+        obj = up.load()
+    except (CorruptCheckpointError, PickleNotAllowedError):
+        raise
+    except pickle.UnpicklingError as e:
+        raise _refused_pickle(what, e) from e
+    except NotImplementedError as e:
+        raise _kinds_refused(what, e) from e
+    except Exception as e:  # noqa: BLE001 - nothing ran (weights_only) and nothing was read: any failure is damage
+        raise CorruptCheckpointError(f"{what}: its pickle does not rebuild ({type(e).__name__}: "
+                                     f"{(str(e).splitlines() or [''])[0][:200]}); damaged or crafted") from e
+    check_views(tensors_in(obj), storage_of, what)
+
+
+def scan_legacy(path: str, what: str) -> None:
+    """The legacy (pre-zip) format: loaded to the meta device (nothing allocated), the storages it declares
+    together no larger than the file that must hold them, every tensor inside its storage."""
+    try:
+        obj = torch.load(path, map_location="meta", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise _refused_pickle(what, e) from e
+    except NotImplementedError as e:
+        raise _kinds_refused(what, e) from e
+    except Exception as e:  # noqa: BLE001 - as in scan
+        raise CorruptCheckpointError(f"{what}: not a readable torch.save file ({type(e).__name__}: "
+                                     f"{(str(e).splitlines() or [''])[0][:200]})") from e
+    found = list(tensors_in(obj))
+    storage_of = {t.untyped_storage()._cdata: (f"of {k!r}", t.untyped_storage().nbytes()) for k, t in found
+                  if t.layout == torch.strided and not t.is_nested and not t.is_quantized}
+    total, size = sum(n for _, n in storage_of.values()), os.path.getsize(path)
+    if total > size:
+        raise CorruptCheckpointError(f"{what}: its storages declare {total} bytes, the file has {size}; "
+                                     "truncated or crafted")
+    check_views(iter(found), storage_of, what)
