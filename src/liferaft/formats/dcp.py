@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import io
+import math
 import os
 import pickle
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -34,6 +35,7 @@ from liferaft.errors import (
     UnsafePathError,
 )
 from liferaft.formats.base import BoxRead, CheckReport, Reader, ReadJob, ReadOutcome, TensorSpec, ValueSpec
+from liferaft.formats.torch_checks import scan
 from liferaft.formats.zipfiles import View, check_zip
 from liferaft.planning.geometry import check_chunks_tile
 from liferaft.state.dtypes import dtype_name
@@ -174,12 +176,36 @@ class DcpCheckpoint:
                 self.tensors[key] = DcpTensor(key, dtype, shape, tuple(chunks))
             else:
                 raise TypeError(f"key {key!r}: {type(md).__name__} is neither tensor nor bytes metadata")
+        self._check_spans(path)
         pd = self.meta.planner_data
         if isinstance(pd, dict):
             for k, v in pd.items():
                 parts = tuple(v) if isinstance(v, (list, tuple)) else None
                 if isinstance(k, str) and parts and all(type(x) in (str, int) for x in parts):
                     self.paths[k] = parts           # (a malformed entry: the key's dots are its nesting)
+
+    def _check_spans(self, path: str) -> None:
+        """Every blob's byte range inside its data file (files that exist: a missing one is reported where it is
+        opened, and by ``verify``) and no two blobs of a file overlapping. DCP's own ``FileSystemReader`` trusts
+        ``.metadata`` whole (it unpickles it with plain pickle, then slices each blob at the recorded offset and
+        length and ``torch.load``s it): liferaft checks, beyond it, every field's type and range, the chunks
+        tiling each tensor, these spans, and each blob's records and views (``formats.torch_checks.scan``) before
+        a byte is copied."""
+        spans = [(c.file, c.offset, c.offset + c.length, key) for key, t in self.tensors.items() for c in t.chunks]
+        spans += [(self._inside(info.relative_path, key), int(info.offset), int(info.offset) + int(info.length), key)
+                  for key, info in self.values.items()]
+        spans.sort()
+        sizes: dict[str, int | None] = {}
+        for i, (file, a, b, key) in enumerate(spans):
+            if file not in sizes:
+                sizes[file] = os.path.getsize(file) if os.path.isfile(file) else None
+            size = sizes[file]
+            if size is not None and b > size:
+                raise CorruptCheckpointError(f"{path}: key {key!r} is stored at bytes {a}..{b} of "
+                                             f"{os.path.basename(file)!r}, which has {size}; truncated or crafted")
+            if i and spans[i - 1][0] == file and a < spans[i - 1][2] and b > a:
+                raise CorruptCheckpointError(f"{path}: keys {spans[i - 1][3]!r} and {key!r} are stored at "
+                                             f"overlapping bytes of {os.path.basename(file)!r}; crafted or damaged")
 
     def _inside(self, relative: Any, key: str) -> str:
         """The data file a storage entry names, which must lie in the checkpoint's folder."""
@@ -206,13 +232,14 @@ class DcpCheckpoint:
             try:
                 if c.transforms:
                     return self._transformed(key, c, view)
-                meta = torch.load(view, map_location="meta", weights_only=True)
+                # the blob's pickle rebuilt on the meta device, its records and views checked (nothing read)
+                meta, at = scan(io.BufferedReader(view), f"{c.file}: key {key!r}: chunk at {list(c.offsets)}")
             except (RuntimeError, pickle.UnpicklingError, EOFError, ValueError) as e:
                 raise CorruptCheckpointError(f"{c.file}: key {key!r}: chunk at {list(c.offsets)} is not a "
                                              f"readable torch.save blob ({e})") from e
-        strided = isinstance(meta, torch.Tensor) and meta.layout == torch.strided
+        strided = isinstance(meta, torch.Tensor) and meta.layout == torch.strided and not meta.is_nested
         storage = meta.untyped_storage() if strided else None
-        start = getattr(storage, "_checkpoint_offset", None)
+        start = at.get(storage._cdata) if storage is not None else None
         if storage is None or start is None or meta.dtype != t.dtype or tuple(meta.shape) != c.sizes:
             raise CorruptCheckpointError(f"{c.file}: key {key!r}: chunk at {list(c.offsets)} holds "
                                          f"{getattr(meta, 'dtype', type(meta))} {list(getattr(meta, 'shape', []))}, "
@@ -244,8 +271,17 @@ class DcpCheckpoint:
     def _transformed(self, key: str, c: DcpChunk, view: View) -> torch.Tensor:
         import torch.distributed.checkpoint as dcp
 
+        t = self.tensors[key]
         stream = dcp.FileSystemReader(self.folder).transforms.transform_load_stream(None, c.transforms, view)
-        return torch.load(io.BytesIO(stream.read()), map_location="cpu", weights_only=True)
+        what = f"{c.file}: key {key!r}: chunk at {list(c.offsets)}"
+        data = _bounded(stream, math.prod(c.sizes) * t.dtype.itemsize + (1 << 20), what)
+        scan(data, what)
+        out = torch.load(data, map_location="cpu", weights_only=True)
+        if not isinstance(out, torch.Tensor) or out.dtype != t.dtype or tuple(out.shape) != c.sizes:
+            raise CorruptCheckpointError(f"{what}: holds {getattr(out, 'dtype', type(out))} "
+                                         f"{list(getattr(out, 'shape', []))}, the metadata says {t.dtype} "
+                                         f"{list(c.sizes)}")
+        return out
 
     def value(self, key: str) -> Any:
         """A non-tensor value, unpickled with ``weights_only=True`` (no code runs)."""
@@ -259,13 +295,18 @@ class DcpCheckpoint:
                 import torch.distributed.checkpoint as dcp
 
                 view = dcp.FileSystemReader(self.folder).transforms.transform_load_stream(None, c.transforms, view)
-            data = io.BytesIO(view.read())
+            # a value decoded by an extension is bounded too: a decompression bomb stops at 64 x its blob
+            data = _bounded(view, 64 * c.length + (16 << 20), f"{file}: value {key!r}")
+        scan(data, f"{file}: value {key!r}")            # records and views checked before torch allocates them
         try:
             return torch.load(data, weights_only=True)
         except pickle.UnpicklingError as e:
             raise PickleNotAllowedError(f"{file}: value {key!r} is a pickled object that weights_only loading "
                                         f"refuses ({str(e).splitlines()[0]}); liferaft never runs code from a "
                                         "checkpoint") from e
+        except (RuntimeError, EOFError, ValueError, OverflowError, TypeError, KeyError) as e:
+            raise CorruptCheckpointError(f"{file}: value {key!r} is not a readable torch.save blob "
+                                         f"({(str(e).splitlines() or [''])[0][:200]})") from e
 
     def overlapping(self, key: str, offsets: Sequence[int], sizes: Sequence[int]) -> list[DcpChunk]:
         """The saved chunks of ``key`` that the box (``offsets``, ``sizes``) overlaps."""
@@ -291,6 +332,16 @@ class DcpCheckpoint:
             raise CorruptCheckpointError(f"{self.folder}: key {key!r}: the saved chunks cover {done} of the "
                                          f"{out.numel()} elements asked for; the DCP checkpoint is incomplete")
         return done * out.element_size()
+
+
+def _bounded(stream: Any, limit: int, what: str) -> io.BytesIO:
+    """At most ``limit`` bytes of ``stream`` in memory (one more is a CorruptCheckpointError: a blob that decodes
+    to more than its tensor or value can hold)."""
+    data = stream.read(limit + 1)
+    if len(data) > limit:
+        raise CorruptCheckpointError(f"{what}: decodes to more than {limit} bytes, more than it can hold; crafted "
+                                     "or damaged")
+    return io.BytesIO(data)
 
 
 def value_parts(saved: Iterable[str], key: str) -> list[str]:

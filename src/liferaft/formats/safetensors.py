@@ -9,7 +9,6 @@ reads every byte, which is all that can be done.
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import os
@@ -43,7 +42,8 @@ def read_st_header(f: Any, name: str, size: int
     (at most ``ST_HEADER_LIMIT`` and within the file), a UTF-8 JSON object without repeated keys, ``__metadata__`` a
     str → str object, each entry an object with a known ``dtype``, a ``shape`` of non-negative ints whose product
     stays far from overflowing, ``data_offsets`` two ints ``0 <= a <= b <= data size`` with ``b - a`` the
-    tensor's bytes, no two tensors overlapping. CorruptCheckpointError naming the file and key otherwise
+    tensor's bytes, the tensors tiling the data exactly (no overlap, hole or trailing byte). CorruptCheckpointError
+    naming the file and key otherwise
     (InvalidStateError for a well-formed dtype liferaft does not know)."""
     def bad(why: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"file {name!r}: {why}; not a valid safetensors file (damaged, truncated or "
@@ -109,10 +109,22 @@ def read_st_header(f: Any, name: str, size: int
         if b > data:
             raise bad(f"{what}: its bytes end at {8 + n + b}, the file has {size}; truncated")
         out[key] = (FROM_ST[dt], tuple(shape), a, b)
-    spans = sorted((a, b, k) for k, (_, _, a, b) in out.items() if b > a)
-    for (_, b0, k0), (a1, _, k1) in itertools.pairwise(spans):
-        if a1 < b0:
-            raise bad(f"tensors {k0!r} and {k1!r} overlap in the file")
+    # The tensors must tile the data section exactly, as the safetensors library itself demands (it refuses a
+    # file otherwise, so every writer of the ecosystem, liferaft's export included, writes them so): no overlap —
+    # a tensor would be read from another's bytes, the silent wrong load — and no hole or trailing bytes either.
+    # A hole is not merely waste: with the sizes fixed, a shifted data_offsets pair that stays in bounds leaves
+    # one, so refusing holes turns a damaged offset into an error instead of a tensor read from the wrong bytes.
+    spans = sorted((a, b, k) for k, (_, _, a, b) in out.items())
+    end, last = 0, None
+    for a, b, k in spans:
+        if a < end:
+            raise bad(f"tensors {last!r} and {k!r} overlap in the file")
+        if a > end:
+            raise bad(f"bytes {end}..{a} of the data lie between tensors ({last!r} and {k!r}), which no tensor "
+                      "covers; a damaged offset or a crafted file")
+        end, last = b, k
+    if end != data:
+        raise bad(f"the tensors cover {end} bytes of the data, the file holds {data}; damaged, truncated or crafted")
     return out, 8 + n
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import struct
 import zipfile
 from collections.abc import Iterator
 from typing import Any
@@ -99,9 +100,11 @@ def _refused_pickle(what: str, e: Exception) -> PickleNotAllowedError:
                                  "torch.load(weights_only=False) if you trust its author")
 
 
-def scan(f: Any, what: str) -> None:
+def scan(f: Any, what: str) -> tuple[Any, dict[int, int]]:
     """Check the ``torch.save`` zip archive open as ``f`` (seekable, at its start) as the module's docstring says,
-    reading only its directory and its pickle. PickleNotAllowedError for a pickle weights_only loading refuses,
+    reading only its directory and its pickle. Returns (the archive's object with its tensors on the meta device,
+    {a storage's ``_cdata``: where its record's bytes start in ``f``}: the record torch reads it from, not an
+    offset the pickle or a calculation claims). PickleNotAllowedError for a pickle weights_only loading refuses,
     InvalidStateError for a nested or quantized tensor, CorruptCheckpointError for anything else wrong (``what``
     names the file in messages)."""
     from torch import _weights_only_unpickler as wou
@@ -113,11 +116,17 @@ def scan(f: Any, what: str) -> None:
             if info.file_size > max(sizes.values()) + (64 << 20) or info.compress_type != zipfile.ZIP_STORED:
                 raise ValueError("its data.pkl record is compressed or oversized")
             pkl = z.read(info)
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError, KeyError) as e:
+            starts = {}
+            for i in z.infolist():
+                f.seek(i.header_offset + 26)
+                n, m = struct.unpack("<HH", f.read(4))
+                starts[i.filename] = i.header_offset + 30 + n + m
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError, KeyError, struct.error) as e:
         raise CorruptCheckpointError(f"{what}: not a readable torch.save archive ({str(e)[:200]}); damaged, "
                                      "truncated or crafted") from e
     storages: dict[str, Any] = {}
     storage_of: dict[int, tuple[str, int]] = {}
+    at: dict[int, int] = {}
 
     def persistent_load(pid: Any) -> Any:
         if not isinstance(pid, tuple) or len(pid) < 5 or pid[0] not in ("storage", b"storage"):
@@ -138,6 +147,7 @@ def scan(f: Any, what: str) -> None:
                                              f"{sizes[record]}; truncated or crafted (it would read past its record)")
             untyped = torch.UntypedStorage(nbytes, device="meta")
             storage_of[untyped._cdata] = (repr(key), nbytes)
+            at[untyped._cdata] = starts[record]
             storages[key] = torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
         return storages[key]
     try:
@@ -154,6 +164,8 @@ def scan(f: Any, what: str) -> None:
         raise CorruptCheckpointError(f"{what}: its pickle does not rebuild ({type(e).__name__}: "
                                      f"{(str(e).splitlines() or [''])[0][:200]}); damaged or crafted") from e
     check_views(tensors_in(obj), storage_of, what)
+    f.seek(0)
+    return obj, at
 
 
 def scan_legacy(path: str, what: str) -> None:
