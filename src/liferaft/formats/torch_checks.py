@@ -160,7 +160,7 @@ def scan(f: Any, what: str) -> tuple[Any, dict[int, int]]:
         raise _refused_pickle(what, e) from e
     except NotImplementedError as e:
         raise _kinds_refused(what, e) from e
-    except Exception as e:  # noqa: BLE001 - nothing ran (weights_only) and nothing was read: any failure is damage
+    except Exception as e:  # nothing ran (weights_only) and nothing was read: any failure is damage
         raise CorruptCheckpointError(f"{what}: its pickle does not rebuild ({type(e).__name__}: "
                                      f"{(str(e).splitlines() or [''])[0][:200]}); damaged or crafted") from e
     check_views(tensors_in(obj), storage_of, what)
@@ -177,7 +177,7 @@ def scan_legacy(path: str, what: str) -> None:
         raise _refused_pickle(what, e) from e
     except NotImplementedError as e:
         raise _kinds_refused(what, e) from e
-    except Exception as e:  # noqa: BLE001 - as in scan
+    except Exception as e:  # as in scan
         raise CorruptCheckpointError(f"{what}: not a readable torch.save file ({type(e).__name__}: "
                                      f"{(str(e).splitlines() or [''])[0][:200]})") from e
     found = list(tensors_in(obj))

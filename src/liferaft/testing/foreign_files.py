@@ -118,7 +118,7 @@ def rewrite_dcp_metadata(folder: str | os.PathLike[str], edit: Callable[[Any], A
     ``Metadata`` object and mutates it (or returns a replacement object to pickle instead)."""
     path = os.path.join(os.fspath(folder), ".metadata")
     with open(path, "rb") as f:
-        meta = pickle.load(f)  # noqa: S301 - a file this module's caller wrote with dcp_folder
+        meta = pickle.load(f)  # a file this module's caller wrote with dcp_folder
     out = edit(meta)
     with open(path, "wb") as f:
         pickle.dump(meta if out is None else out, f)
