@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from liferaft.errors import CorruptCheckpointError, OptionsError, StateMismatchError
+from liferaft.format import jsonsafe
 
 #: Files of a Hugging Face folder that hold weights (never copied with a config; the export writes its own).
 WEIGHTS = re.compile(r".*\.(safetensors|bin|pt|pth|ckpt|h5|msgpack|onnx|gguf|ot|tflite|npz)$|"
@@ -177,10 +178,8 @@ def index_map(src: str) -> dict[str, str] | None:
         return None
     check_file(index, f"{src}/{INDEX}", roots(src), CorruptCheckpointError)
     raw = read_capped(index, f"{src}/{INDEX}", CorruptCheckpointError)
-    try:
-        doc = json.loads(raw.decode("utf-8"))
-    except (ValueError, RecursionError) as e:
-        raise CorruptCheckpointError(f"file {src}/{INDEX} is not JSON ({e})") from e
+    doc = jsonsafe.loads(raw, f"file {src}/{INDEX}", len(raw),     # (read_capped capped it) strict: depth, no NaN
+                         advice="not a safetensors index; the folder is damaged or crafted")
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict):
         raise CorruptCheckpointError(f"file {src}/{INDEX} is not a safetensors index (a JSON object whose "
