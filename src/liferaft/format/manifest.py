@@ -320,8 +320,13 @@ def _hashes(v: Any, where: str) -> tuple[str, ...]:
 
 
 def _parts(v: Any, where: str, max_len: int = MAX_INT) -> tuple[PathPart, ...]:
-    if not isinstance(v, list) or len(v) > max_len or not all(
-            type(p) is str or type(p) is int and -MAX_INT <= p <= MAX_INT for p in v):
+    ok = type(v) is list and len(v) <= max_len
+    if ok:
+        for p in v:
+            if type(p) is not str and not (type(p) is int and -MAX_INT <= p <= MAX_INT):
+                ok = False
+                break
+    if not ok:
         raise _fail(where, f"expected a list of at most {max_len} str/int path parts, got {v!r:.80}")
     return tuple(v)
 
