@@ -21,7 +21,7 @@ import torch
 
 from liferaft.core.open import open_reader
 from liferaft.dist import Coordinator
-from liferaft.errors import LossyCheckpointError, StateMismatchError
+from liferaft.errors import InvalidStateError, LossyCheckpointError, StateMismatchError
 from liferaft.formats.base import Box, BoxRead, Reader, TensorSpec
 from liferaft.formats.detect import NAMES
 from liferaft.options import LoadOptions, LoadResult
@@ -196,6 +196,8 @@ def _plan_load(reader: Reader, flat: FlatState, coord: Coordinator, opts: LoadOp
                 f"key {leaf.key!r}: the checkpoint holds {spec.kind} {list(spec.held_shape)} {spec.dtype}"
                 f"{' per rank' if spec.per_rank is not None else ''} but the state holds {list(leaf.shape)} "
                 f"{leaf.dtype_name}; nothing was loaded")
+        for _, local in leaf.parts:
+            check_writable(leaf.key, local)
         plan.covered[index[leaf.key]] = 1
         if spec.lossy is not None:
             if opts.exact:
@@ -232,6 +234,41 @@ def _plan_load(reader: Reader, flat: FlatState, coord: Coordinator, opts: LoadOp
         plan.covered[index[k]] = 1
     plan.job = reader.plan(plan.requests)           # files present and long enough: checked here
     return plan
+
+
+def has_internal_overlap(t: torch.Tensor) -> bool:
+    """Whether two elements of the strided tensor ``t`` share a memory location (an ``expand``-ed, stride-0 view,
+    an overlapping ``as_strided``): exact. With the dimensions of size > 1 sorted by stride, ``t`` is overlap-free
+    iff each stride is at least the extent the smaller dimensions span (their ``(size - 1) * stride``, plus one)."""
+    dims = sorted((st, n) for st, n in zip(t.stride(), t.shape) if n > 1)
+    if t.numel() == 0:
+        return False
+    extent = 1
+    for stride, n in dims:
+        if stride < extent:
+            return True
+        extent += (n - 1) * stride
+    return False
+
+
+def check_writable(key: str, t: torch.Tensor) -> None:
+    """InvalidStateError naming ``key`` unless a load can copy into ``t`` in place: a strided tensor with data
+    (not on the meta device), not an inference tensor, no two elements sharing memory. Run for every destination
+    before any byte is copied, so a refusal leaves the whole state unchanged."""
+    fix = "; nothing was loaded. Load into a tensor that owns its memory (e.g. .clone() it into the state)"
+    if t.is_meta:
+        raise InvalidStateError(f"key {key!r}: the destination is on the meta device and has no memory to load "
+                                f"into{fix}")
+    if t.layout != torch.strided:
+        raise InvalidStateError(f"key {key!r}: the destination is a {t.layout} tensor; loads fill dense (strided) "
+                                f"tensors{fix}")
+    if t.is_inference():
+        raise InvalidStateError(f"key {key!r}: the destination is an inference tensor (made under "
+                                f"torch.inference_mode()), which cannot be updated in place{fix}")
+    if has_internal_overlap(t):
+        raise InvalidStateError(f"key {key!r}: the destination has elements sharing memory (an expand()-ed or "
+                                f"overlapping as_strided view: shape {list(t.shape)}, stride {list(t.stride())}), "
+                                f"so it cannot be written in place{fix}")
 
 
 def _plan_value(plan: _LoadPlan, key: str, path: tuple, index: dict[str, int], coord: Coordinator,

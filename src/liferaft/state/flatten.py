@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from liferaft.errors import InvalidStateError
+from liferaft.format.limits import MAX_NESTING
 from liferaft.format.manifest import ContainerEntry, PathPart
 from liferaft.planning.geometry import Box
 from liferaft.state.adapters import Adapter, is_stateful, make_adapters, replicated_by_contract
@@ -171,13 +172,15 @@ def _is_leaf_bytes(v: Any) -> bool:
 
 
 class _Walker:
-    def __init__(self, template: bool = False) -> None:
+    def __init__(self, template: bool = False, world: int | None = None) -> None:
         self.flat = FlatState()
+        self.world = world
         self.dtensor = _dtensor_type()
         self.keys: dict[str, tuple[PathPart, ...]] = {}
         self.adapters: dict[int, Adapter] = {}
         self.template = template
         self.trusted = 0            # > 0 while walking the state dict of a module / optimizer
+        self.open: set[int] = set()     # ids of the containers being walked (a state that contains itself)
 
     def _claim(self, path: tuple[PathPart, ...]) -> str:
         key = key_of(path)
@@ -187,13 +190,20 @@ class _Walker:
         self.keys[key] = path
         return key
 
-    def needs_walk(self, v: Any) -> bool:
-        if isinstance(v, (torch.Tensor, Sharded)) or is_stateful(v) or _is_leaf_array(v) or _is_leaf_bytes(v):
-            return True
-        if isinstance(v, dict):
-            return any(self.needs_walk(x) for x in v.values())
-        if type(v) in (list, tuple):
-            return any(self.needs_walk(x) for x in v)
+    def needs_walk(self, v: Any, path: tuple[PathPart, ...]) -> bool:
+        """Whether the container ``v`` at ``path`` holds a tensor or a stateful object anywhere (else it is one plain
+        value). Iterative, so a value nested deeper than MAX_NESTING or holding itself ends in the value's own
+        check (``state.values.encode_value``), not in a RecursionError."""
+        todo, seen = [(v, 0)], set()
+        while todo:
+            x, depth = todo.pop()
+            if isinstance(x, (torch.Tensor, Sharded)) or is_stateful(x) or _is_leaf_array(x) or _is_leaf_bytes(x):
+                if depth + len(path) > MAX_NESTING:
+                    _too_deep(path)
+                return True
+            if (isinstance(x, dict) or type(x) in (list, tuple)) and id(x) not in seen and depth <= MAX_NESTING:
+                seen.add(id(x))
+                todo.extend((y, depth + 1) for y in (x.values() if isinstance(x, dict) else x))
         return False
 
     def walk(self, v: Any, path: tuple[PathPart, ...]) -> None:
@@ -217,7 +227,11 @@ class _Walker:
             t = torch.frombuffer(bytearray(v), dtype=torch.uint8)
             self._tensor(path, "bytes", t, (len(v),), [(((0,), (len(v),)), t)], compare=not self.trusted)
         elif is_stateful(v):
-            adapter = self.adapters[id(v)]
+            if id(v) in self.open:
+                self._container(path, "stateful", v)         # (raises: the object holds itself)
+            adapter = self.adapters.get(id(v))
+            if adapter is None:         # an object inside another's state_dict(): adapted on its own
+                adapter = self.adapters[id(v)] = make_adapters([v], self.world)[id(v)]
             template = getattr(adapter, "load_template", None) if self.template else None
             sd = template() if template is not None else adapter.state_dict()
             if not isinstance(sd, dict):
@@ -233,11 +247,13 @@ class _Walker:
                 "optimizer" if isinstance(v, torch.optim.Optimizer) else None
             trusted = replicated_by_contract(v)
             self.trusted += trusted
+            self.open.add(id(v))
             try:
                 self._container(path, "stateful", sd, role, f"{type(v).__module__}.{type(v).__qualname__}")
             finally:
                 self.trusted -= trusted
-        elif (isinstance(v, dict) or type(v) in (list, tuple)) and (not path or self.needs_walk(v)):
+                self.open.discard(id(v))
+        elif (isinstance(v, dict) or type(v) in (list, tuple)) and (not path or self.needs_walk(v, path)):
             trusted = is_model_or_optimizer_state_dict(v)
             self.trusted += trusted
             try:
@@ -249,6 +265,19 @@ class _Walker:
 
     def _container(self, path: tuple[PathPart, ...], kind: str, v: Any, role: str | None = None,
                    cls: str | None = None) -> None:
+        if len(path) >= MAX_NESTING:
+            _too_deep(path)
+        if id(v) in self.open:
+            raise InvalidStateError(f"key {key_of(path)!r}: the state contains itself there (a {type(v).__name__} "
+                                    f"that holds itself, directly or through other containers or objects); a "
+                                    "state must be a tree: break the cycle before saving or loading")
+        self.open.add(id(v))
+        try:
+            self._children(path, kind, v, role, cls)
+        finally:
+            self.open.discard(id(v))
+
+    def _children(self, path: tuple[PathPart, ...], kind: str, v: Any, role: str | None, cls: str | None) -> None:
         items = list(v.items() if isinstance(v, dict) else enumerate(v))
         self.flat.containers.append(ContainerEntry(path=path, kind=kind, children=tuple(k for k, _ in items),
                                                    role=role, cls=cls))
@@ -281,23 +310,32 @@ class _Walker:
         self.flat.values.append((self._claim(path), path, v))
 
 
+def _too_deep(path: tuple[PathPart, ...]) -> None:
+    shown = key_of(path[:8]) + (f"... ({len(path)} levels)" if len(path) > 8 else "")
+    raise InvalidStateError(f"key {shown!r}: the state nests containers deeper than {MAX_NESTING} levels (or "
+                            "contains itself); flatten it (liferaft keys are paths of at most "
+                            f"{MAX_NESTING} parts)")
+
+
 _SUPPORTED = {torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
               torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128, torch.uint16, torch.uint32,
               torch.uint64, torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz}
 
 
-def _collect_statefuls(v: Any, out: list[Any], seen: set[int]) -> None:
-    if id(v) in seen:
-        return
-    if is_stateful(v) and not isinstance(v, torch.Tensor):
-        seen.add(id(v))
-        out.append(v)
-    elif isinstance(v, dict):
-        for x in v.values():
-            _collect_statefuls(x, out, seen)
-    elif type(v) in (list, tuple):
-        for x in v:
-            _collect_statefuls(x, out, seen)
+def _collect_statefuls(state: Any, out: list[Any], seen: set[int]) -> None:
+    """The stateful objects in the containers of ``state``, in walking order (each once). Iterative and bounded:
+    a cycle or a nesting too deep is reported by the walk that follows, naming the path."""
+    todo = [(state, 0)]
+    while todo:
+        v, depth = todo.pop()
+        if id(v) in seen or depth > MAX_NESTING + 1:
+            continue
+        if is_stateful(v) and not isinstance(v, torch.Tensor):
+            seen.add(id(v))
+            out.append(v)
+        elif isinstance(v, dict) or type(v) in (list, tuple):
+            seen.add(id(v))
+            todo.extend((x, depth + 1) for x in reversed(list(v.values() if isinstance(v, dict) else v)))
 
 
 def flatten(state: Any, *, template: bool = False, world: int | None = None) -> FlatState:
@@ -308,7 +346,7 @@ def flatten(state: Any, *, template: bool = False, world: int | None = None) -> 
     if not isinstance(state, dict) and type(state) not in (list, tuple) and not is_stateful(state):
         raise InvalidStateError(f"state must be a dict, list, tuple or an object with state_dict(); got "
                                 f"{type(state).__qualname__}")
-    w = _Walker(template)
+    w = _Walker(template, world)
     objs: list[Any] = []
     _collect_statefuls(state, objs, set())
     w.adapters = make_adapters(objs, world)

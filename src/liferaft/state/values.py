@@ -17,7 +17,11 @@ from typing import Any
 
 import numpy as np
 
-from liferaft.errors import CorruptCheckpointError, PickleNotAllowedError
+from liferaft.errors import CorruptCheckpointError, InvalidStateError, PickleNotAllowedError
+from liferaft.format.limits import MAX_NESTING
+
+
+__all__ = ["MAX_NESTING", "PerRank", "as_leaf", "decode_value", "digest_encoded", "encode_value", "per_rank_leaf"]
 
 
 class PerRank(tuple):
@@ -29,8 +33,13 @@ def _b64(b: bytes) -> str:
     return base64.b64encode(b).decode("ascii")
 
 
-def encode_value(v: Any, key: str, allow_pickle: bool = False) -> Any:
-    """Encode ``v`` (stored under ``key``) to JSON-compatible data."""
+def encode_value(v: Any, key: str, allow_pickle: bool = False, _depth: int = 0) -> Any:
+    """Encode ``v`` (stored under ``key``) to JSON-compatible data. A value nesting containers deeper than
+    ``MAX_NESTING`` levels (or containing itself) is refused with InvalidStateError naming ``key``."""
+    if _depth > MAX_NESTING:
+        raise InvalidStateError(f"key {key!r}: the plain value nests containers deeper than {MAX_NESTING} levels "
+                                "(or contains itself); store it flatter, e.g. as a string or a tensor")
+    d = _depth + 1
     if v is None or isinstance(v, (bool, str)):
         return v
     if type(v) is int:
@@ -38,7 +47,7 @@ def encode_value(v: Any, key: str, allow_pickle: bool = False) -> Any:
     if type(v) is float:
         return v if math.isfinite(v) else {"$float": repr(v)}
     if isinstance(v, complex):
-        return {"$complex": [encode_value(v.real, key), encode_value(v.imag, key)]}
+        return {"$complex": [encode_value(v.real, key, _depth=d), encode_value(v.imag, key, _depth=d)]}
     if isinstance(v, (bytes, bytearray)):
         return {"$bytes": _b64(bytes(v))}
     if isinstance(v, np.ndarray):
@@ -49,15 +58,16 @@ def encode_value(v: Any, key: str, allow_pickle: bool = False) -> Any:
     if isinstance(v, np.generic):
         return {"$npscalar": {"dtype": v.dtype.str, "data": _b64(v.tobytes())}}
     if type(v) is list:
-        return [encode_value(x, key, allow_pickle) for x in v]
+        return [encode_value(x, key, allow_pickle, d) for x in v]
     if type(v) is tuple:
-        return {"$tuple": [encode_value(x, key, allow_pickle) for x in v]}
+        return {"$tuple": [encode_value(x, key, allow_pickle, d) for x in v]}
     if type(v) in (set, frozenset):
-        return {"$set" if type(v) is set else "$frozenset": [encode_value(x, key, allow_pickle) for x in v]}
+        return {"$set" if type(v) is set else "$frozenset": [encode_value(x, key, allow_pickle, d) for x in v]}
     if type(v) is dict:
         if all(type(k) is str and not k.startswith("$") for k in v):
-            return {k: encode_value(x, key, allow_pickle) for k, x in v.items()}
-        return {"$dict": [[encode_value(k, key, allow_pickle), encode_value(x, key, allow_pickle)] for k, x in v.items()]}
+            return {k: encode_value(x, key, allow_pickle, d) for k, x in v.items()}
+        return {"$dict": [[encode_value(k, key, allow_pickle, d), encode_value(x, key, allow_pickle, d)]
+                          for k, x in v.items()]}
     tv = _torch_value(v)
     if tv is not None:
         return tv

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from liferaft.errors import LiferaftError
+from liferaft.state.values import MAX_NESTING
 
 
 def _dt(t: torch.dtype) -> str:
@@ -36,8 +37,8 @@ def same_value(x: Any, y: Any, lenient: bool = True) -> bool:
     return value_difference(x, y, lenient=lenient) is None
 
 
-MAX_VALUE_DEPTH = 100
-"""How deep ``value_difference`` follows nested plain values (lists, dicts, object arrays, objects' attributes)."""
+MAX_VALUE_DEPTH = MAX_NESTING
+"""(``format.limits.MAX_NESTING``, the one nesting limit) How deep ``value_difference`` follows nested plain values (lists, dicts, object arrays, objects' attributes)."""
 
 
 class ValueTooDeepError(LiferaftError):
