@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import json
+import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any, Literal, TypeVar, get_args
 
 from liferaft.errors import OptionsError
 from liferaft.planning.load_plan import DEFAULT_MAX_READ
@@ -24,6 +26,86 @@ ConvertFormat = Literal["liferaft", "safetensors", "hf", "torch", "dcp"]
 #: ``liferaft.gc`` (and the manager's retention) with ``keep_best``: the best metric is the smallest or the largest.
 MetricMode = Literal["min", "max"]
 
+_O = TypeVar("_O")
+
+
+#: Longest ``timeout`` (seconds) an option takes: 30 days (collectives take it as a ``timedelta`` in milliseconds).
+MAX_TIMEOUT = 30 * 86400.0
+#: Bounds of ``LoadOptions.max_read_bytes``: a page, and 64 GiB (the scratch buffer a load allocates).
+MIN_READ_BYTES, MAX_READ_BYTES = 4096, 64 << 30
+#: Largest byte count any size option takes (chunk_bytes, memory_budget, block_size, alignment): 1 PiB.
+MAX_BYTES = 1 << 50
+
+
+def check_int(owner: str, name: str, value: object, low: int, high: int = MAX_BYTES, *,
+              none: bool = False) -> None:
+    """OptionsError unless ``value`` is an int (not a bool) in ``[low, high]`` (or None, with ``none``)."""
+    if value is None and none:
+        return
+    if type(value) is not int and not (isinstance(value, int) and not isinstance(value, bool)):
+        raise OptionsError(f"{owner}.{name} must be an integer{' or None' if none else ''}, got {value!r}")
+    if not low <= value <= high:
+        raise OptionsError(f"{owner}.{name} must be between {low} and {high}, got {value}")
+
+
+def check_number(owner: str, name: str, value: object, low: float, high: float = math.inf, *,
+                 above: bool = False, none: bool = False) -> None:
+    """OptionsError unless ``value`` is a finite int or float (not a bool, not a string) in ``[low, high]``
+    (``above``: ``> low``), or None with ``none``."""
+    if value is None and none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise OptionsError(f"{owner}.{name} must be a number{' or None' if none else ''}, got {value!r}")
+    if not math.isfinite(value) or value < low or (above and value == low) or value > high:
+        bound = f"greater than {low:g}" if above else f"at least {low:g}"
+        raise OptionsError(f"{owner}.{name} must be a finite number {bound}"
+                           + (f" and at most {high:g}" if math.isfinite(high) else "") + f", got {value!r}")
+
+
+def check_bool(owner: str, name: str, value: object, *, none: bool = False) -> None:
+    """OptionsError unless ``value`` is True or False (or None, with ``none``)."""
+    if not isinstance(value, bool) and not (none and value is None):
+        raise OptionsError(f"{owner}.{name} must be True or False{' (or None)' if none else ''}, got {value!r}")
+
+
+def check_patterns(owner: str, name: str, value: object) -> tuple[str, ...]:
+    """``value`` as a tuple of glob strings (one string is one pattern); OptionsError for anything else."""
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) and v for v in value):
+        return tuple(value)
+    raise OptionsError(f"{owner}.{name} must be a glob pattern or a list of non-empty glob patterns, got {value!r}")
+
+
+def check_path(path: object, what: str = "path", *, storage: bool = True) -> None:
+    """OptionsError unless ``path`` is a non-empty ``str`` or ``os.PathLike`` of ``str`` (or, with ``storage``, a
+    ``liferaft.storage.Storage``): what every API entry taking a checkpoint or root path checks first (bytes,
+    numbers, None and "" are refused, naming ``what``)."""
+    from liferaft.storage import Storage
+
+    if storage and isinstance(path, Storage):
+        return
+    s = os.fspath(path) if isinstance(path, os.PathLike) else path
+    if not isinstance(s, str):
+        raise OptionsError(f"{what} must be a str path, a URL{' or a liferaft.storage.Storage' if storage else ''}"
+                           f", got {type(path).__qualname__} {path!r}"[:300])
+    if not s:
+        raise OptionsError(f"{what} is empty: give the path of a checkpoint (or root) folder or a URL")
+    if "\x00" in s:
+        raise OptionsError(f"{what} holds a NUL character: {s!r}"[:300])
+
+
+def check_options(value: Any, cls: type[_O], where: str) -> _O:
+    """``value`` when it is a ``cls`` (the default ``cls()`` for None); OptionsError, saying what to pass, for
+    anything else (a dict of options, another options class)."""
+    if value is None:
+        return cls()
+    if not isinstance(value, cls):
+        raise OptionsError(f"{where}: options= must be a liferaft.{cls.__name__} (or None), got "
+                           f"{type(value).__qualname__}; pass options=liferaft.{cls.__name__}(...) — e.g. "
+                           f"{cls.__name__}(**your_dict) for a dict of its fields")
+    return value
+
 
 def _check_choice(owner: str, name: str, value: object, choices: Any) -> None:
     """OptionsError unless ``value`` is one of the ``Literal`` type ``choices``."""
@@ -35,12 +117,14 @@ def _check_choice(owner: str, name: str, value: object, choices: Any) -> None:
 
 @dataclass(frozen=True)
 class SaveOptions:
-    """How to save.
+    """How to save. Every field is checked on construction (OptionsError naming it): bools are bools, sizes ints
+    (not bools, not floats), numbers finite ints or floats, patterns strings, choices one of their names.
 
     overwrite: replace a committed checkpoint at the path. The old one stays loadable until the new one is
         committed; there is never a mix of the two.
     allow_pickle: store values that are not plain data with pickle (loading them needs allow_pickle too).
-    timeout: seconds any rank waits for the others at each step before raising DistributedError.
+    timeout: seconds any rank waits for the others at each step before raising DistributedError (a finite number
+        > 0, at most 30 days).
     block_size: bytes per checksum block (a resharding load reads and verifies whole blocks); None (default)
         picks per chunk about 1/64 of its size, as a power of two between 64 KiB and 4 MiB.
     alignment: byte alignment of every chunk in the data files.
@@ -112,28 +196,31 @@ class SaveOptions:
     selective_keys: tuple[str, ...] = ("*",)
 
     def __post_init__(self) -> None:
-        _check_choice("SaveOptions", "compression", self.compression, Compression)
-        if self.storage_write_bps is not None and not self.storage_write_bps > 0:
-            raise OptionsError(f"SaveOptions.storage_write_bps must be a positive rate in bytes/s, got "
-                               f"{self.storage_write_bps}")
-        if self.chunk_bytes < (64 << 10):
-            raise OptionsError(f"SaveOptions.chunk_bytes must be at least 64 KiB, got {self.chunk_bytes}")
+        o = "SaveOptions"
+        for name in ("overwrite", "allow_pickle"):
+            check_bool(o, name, getattr(self, name))
+        check_number(o, "timeout", self.timeout, 0, MAX_TIMEOUT, above=True)
+        _check_choice(o, "compression", self.compression, Compression)
+        check_number(o, "storage_write_bps", self.storage_write_bps, 0, above=True, none=True)
+        check_int(o, "chunk_bytes", self.chunk_bytes, 64 << 10)
+        check_int(o, "memory_budget", self.memory_budget, 1 << 20, none=True)
+        check_int(o, "block_size", self.block_size, 16, none=True)
+        check_int(o, "alignment", self.alignment, 1, 1 << 30)
+        check_number(o, "reference_min_share", self.reference_min_share, 0, 1)
+        check_number(o, "selective", self.selective, 0, above=True, none=True)
+        for name in ("quantize", "delta", "selective_keys"):
+            object.__setattr__(self, name, check_patterns(o, name, getattr(self, name)))
+        if not isinstance(self.metadata, Mapping):
+            raise OptionsError(f"SaveOptions.metadata must be a dict of JSON data, got {self.metadata!r}"[:300])
+        if self.incremental_base is not None and not isinstance(self.incremental_base, str):
+            raise OptionsError(f"SaveOptions.incremental_base must be the name of a checkpoint (a str) or None, got "
+                               f"{self.incremental_base!r}")
         if self.incremental_base is not None and (not self.incremental_base or "/" in self.incremental_base
                                                   or self.incremental_base in (".", "..")):
             raise OptionsError(f"SaveOptions.incremental_base must be the name of a checkpoint in the same folder "
                                f"(no '/'), got {self.incremental_base!r}")
-        if not 0 <= self.reference_min_share <= 1:
-            raise OptionsError(f"SaveOptions.reference_min_share must be a share between 0 and 1, got "
-                               f"{self.reference_min_share}")
-        if self.selective is not None and not self.selective > 0:
-            raise OptionsError(f"SaveOptions.selective must be a positive relative change, got {self.selective}")
-        for name in ("quantize", "delta", "selective_keys"):
-            if isinstance(getattr(self, name), str):
-                object.__setattr__(self, name, (getattr(self, name),))
         _check_choice("SaveOptions", "staging", self.staging, Staging)
         _check_choice("SaveOptions", "if_busy", self.if_busy, IfBusy)
-        if self.memory_budget is not None and self.memory_budget < (1 << 20):
-            raise OptionsError(f"SaveOptions.memory_budget must be at least 1 MiB, got {self.memory_budget}")
         if self.block_size is not None and (self.block_size < 16 or self.block_size % 16):
             raise OptionsError(f"SaveOptions.block_size must be a positive multiple of 16, got {self.block_size}")
         if self.alignment < 1 or self.alignment & (self.alignment - 1):
@@ -150,8 +237,8 @@ class LoadOptions:
     """How to load.
 
     allow_pickle: trust and unpickle pickled values.
-    timeout: seconds any rank waits for the others at each step, as for save.
-    max_read_bytes: largest single read, i.e. the scratch buffer a load allocates.
+    timeout: seconds any rank waits for the others at each step, as for save (finite, > 0, at most 30 days).
+    max_read_bytes: largest single read, i.e. the scratch buffer a load allocates (4 KiB to 64 GiB).
     atomic: read and verify every byte on every rank before any byte is copied into the state, so that even a
         checksum failure leaves the state untouched; costs a second read of the data (usually from the page
         cache). Without it, a checksum failure still stops the load before the bad bytes land, but tensors
@@ -175,6 +262,14 @@ class LoadOptions:
     share_reads: bool | None = None
     timeout: float = 600.0
     max_read_bytes: int = DEFAULT_MAX_READ
+
+    def __post_init__(self) -> None:
+        o = "LoadOptions"
+        for name in ("allow_pickle", "exact", "atomic"):
+            check_bool(o, name, getattr(self, name))
+        check_bool(o, "share_reads", self.share_reads, none=True)
+        check_number(o, "timeout", self.timeout, 0, MAX_TIMEOUT, above=True)
+        check_int(o, "max_read_bytes", self.max_read_bytes, MIN_READ_BYTES, MAX_READ_BYTES)
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from liferaft.dist import Coordinator
 from liferaft.errors import InvalidStateError, LossyCheckpointError, StateMismatchError
 from liferaft.formats.base import Box, BoxRead, Reader, TensorSpec
 from liferaft.formats.detect import NAMES
-from liferaft.options import LoadOptions, LoadResult
+from liferaft.options import LoadOptions, LoadResult, check_options, check_path
 from liferaft.planning.share_plan import plan_sharing
 from liferaft.state.dtypes import torch_dtype
 from liferaft.state.flatten import FlatState, PathPart, flatten, key_of
@@ -52,7 +52,8 @@ def load(path: PathLike | Storage, state: Any, *, process_group: Any = None, str
     present and long enough, format version, paths) runs on every rank before any byte is copied;
     ``LoadOptions(atomic=True)`` extends that to the checksums.
     """
-    opts = options or LoadOptions()
+    check_path(path, "load(path=...)")
+    opts = check_options(options, LoadOptions, "load")
     t_start = time.perf_counter()
     coord = Coordinator(process_group, opts.timeout)
     reader = open_reader(path, opts, coord=coord)

@@ -11,7 +11,7 @@ from liferaft.dist import Coordinator
 from liferaft.errors import CheckpointNotFoundError, StateMismatchError
 from liferaft.formats.base import Reader
 from liferaft.formats.detect import Format, detect, sniff
-from liferaft.options import LoadOptions
+from liferaft.options import LoadOptions, check_options, check_path
 from liferaft.storage import Storage, resolve
 from liferaft.storage.refs import with_references
 
@@ -20,6 +20,7 @@ PathLike = str | os.PathLike[str]
 
 def format_of(path: PathLike | Storage) -> Format:
     """What ``path`` holds (``formats.detect.detect``); a storage backend or a URL is always liferaft's."""
+    check_path(path, "format_of(path=...)")
     if isinstance(path, Storage):
         return "liferaft"
     return detect(path)
@@ -44,7 +45,8 @@ def open_reader(path: PathLike | Storage, options: LoadOptions | None = None, *,
     yet in sync — all raise at once, naming what each saw); a liferaft manifest is then read and verified by rank
     0 and sent to the others; foreign files are opened by every rank (they are memory-mapped where each rank
     reads); any rank's failure raises on every rank."""
-    opts = options or LoadOptions()
+    check_path(path)
+    opts = check_options(options, LoadOptions, "open")
     where = path.url if isinstance(path, Storage) else os.fspath(path)
     seen = [_seen(path)] if coord is None else coord.run(lambda: _seen(path), "load (format)")
     if len(set(seen)) > 1:

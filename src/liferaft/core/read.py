@@ -12,7 +12,7 @@ import torch
 from liferaft.core.open import format_of, open_reader
 from liferaft.errors import CorruptCheckpointError, StateMismatchError
 from liferaft.formats.base import CheckReport, select
-from liferaft.options import LoadOptions
+from liferaft.options import MAX_READ_BYTES, MIN_READ_BYTES, LoadOptions, check_int, check_path
 from liferaft.state.dtypes import torch_dtype
 from liferaft.state.values import as_leaf, per_rank_leaf
 
@@ -147,6 +147,8 @@ def check(path: str | os.PathLike[str], *, max_read_bytes: int = 32 << 20,
           progress: Callable[[int], None] | None = None) -> CheckReport:
     """What ``verify`` checks, reported instead of raised: every fault found, and what could not be checked. A
     safetensors file whose header is damaged is a fault of the report (its folder's index must be usable)."""
+    check_path(path, "verify(path=...)")
+    check_int("verify", "max_read_bytes", max_read_bytes, MIN_READ_BYTES, MAX_READ_BYTES)
     if format_of(path) == "safetensors":         # each file's damage is a fault, not a refusal to look
         from liferaft.formats.safetensors import verify_files
 

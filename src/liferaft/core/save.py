@@ -29,7 +29,7 @@ from liferaft.core.chunks.writer import WriteOutcome, write_staged, write_stream
 from liferaft.core.phases import PLANS, PreparedSave, finish_save, prepare_save
 from liferaft.core.process import PROCESS, AsyncSaveHandle
 from liferaft.dist import Coordinator, release_groups
-from liferaft.options import SaveOptions, SaveResult
+from liferaft.options import SaveOptions, SaveResult, check_options, check_path
 from liferaft.staging.pool import BufferPool
 from liferaft.staging.stager import PIECE_LIMIT, stage, staged_size
 from liferaft.storage import resolve
@@ -57,7 +57,8 @@ def save(path: PathLike, state: Any, *, process_group: ProcessGroup | None = Non
     ``async_save`` pool when the process has one), kept for later saves: a copy into it overlaps the direct
     (O_DIRECT) write of the previous piece, so no page cache is filled and extra memory stays bounded.
     """
-    opts = options or SaveOptions()
+    check_path(path, "save(path=...)")
+    opts = check_options(options, SaveOptions, "save")
     if not PROCESS.settle(opts, process_group):
         return None  # if_busy="skip"
     coord = Coordinator(process_group, opts.timeout)
@@ -83,7 +84,8 @@ def async_save(path: PathLike, state: Any, *, process_group: ProcessGroup | None
     or at once (``"overlapped"``: call ``handle.wait_staged()`` before changing the state). Collective, like
     ``save``; returns None when skipped by ``if_busy="skip"``. The snapshot lives in a per-process buffer pool
     of at most ``memory_budget`` bytes that is reused by later saves."""
-    opts = options or SaveOptions()
+    check_path(path, "async_save(path=...)")
+    opts = check_options(options, SaveOptions, "async_save")
     t_call = time.perf_counter()
     if not PROCESS.settle(opts, process_group):
         return None

@@ -48,7 +48,7 @@ from liferaft.manager.policies import (
 )
 from liferaft.manager.preemption import preemption_handlers
 from liferaft.manager.tiering import Tiers, first_that_loads
-from liferaft.options import LoadOptions, LoadResult, SaveOptions, SaveResult
+from liferaft.options import LoadOptions, LoadResult, SaveOptions, SaveResult, check_path
 from liferaft.storage import Storage, resolve
 
 _P = TypeVar("_P", SavePolicy, RetentionPolicy)
@@ -92,6 +92,7 @@ class CheckpointManager:
                  preemption: PreemptionOptions | None = None, job: JobOptions | None = None,
                  save_options: SaveOptions | None = None, load_options: LoadOptions | None = None,
                  process_group: Any = None) -> None:
+        check_path(root, "CheckpointManager(root=...)")
         for name, value, kind in (("save_policy", save_policy, SavePolicy), ("retention", retention, RetentionPolicy),
                                   ("tiers", tiers, TierOptions), ("preemption", preemption, PreemptionOptions),
                                   ("job", job, JobOptions), ("save_options", save_options, SaveOptions),

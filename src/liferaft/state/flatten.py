@@ -192,16 +192,16 @@ class _Walker:
 
     def needs_walk(self, v: Any, path: tuple[PathPart, ...]) -> bool:
         """Whether the container ``v`` at ``path`` holds a tensor or a stateful object anywhere (else it is one plain
-        value). Iterative, so a value nested deeper than MAX_NESTING or holding itself ends in the value's own
-        check (``state.values.encode_value``), not in a RecursionError."""
+        value). Iterative; containers nested deeper than MAX_NESTING (counting ``path``) are refused here, one
+        holding itself is walked once (and refused by the walk or ``state.values.encode_value``)."""
         todo, seen = [(v, 0)], set()
         while todo:
             x, depth = todo.pop()
             if isinstance(x, (torch.Tensor, Sharded)) or is_stateful(x) or _is_leaf_array(x) or _is_leaf_bytes(x):
+                return True
+            if (isinstance(x, dict) or type(x) in (list, tuple)) and id(x) not in seen:
                 if depth + len(path) > MAX_NESTING:
                     _too_deep(path)
-                return True
-            if (isinstance(x, dict) or type(x) in (list, tuple)) and id(x) not in seen and depth <= MAX_NESTING:
                 seen.add(id(x))
                 todo.extend((y, depth + 1) for y in (x.values() if isinstance(x, dict) else x))
         return False

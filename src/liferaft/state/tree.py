@@ -11,7 +11,8 @@ PathPart = str | int
 
 def build_tree(kinds: Mapping[tuple[PathPart, ...], str], leaves: Mapping[tuple[PathPart, ...], Any],
                orders: Mapping[tuple[PathPart, ...], Sequence[PathPart]] | None = None) -> Any:
-    """Nested dict/list/tuple from container kinds and leaf values keyed by path, children in saved order."""
+    """Nested dict/list/tuple from container kinds and leaf values keyed by path, children in saved order. Built
+    deepest level first, without recursion: however long a path a (foreign) checkpoint's keys make."""
     children: dict[tuple[PathPart, ...], list[PathPart]] = {p: [] for p in kinds}
     for p in list(kinds) + list(leaves):
         if p:
@@ -22,17 +23,20 @@ def build_tree(kinds: Mapping[tuple[PathPart, ...], str], leaves: Mapping[tuple[
             rank = {k: i for i, k in enumerate(order)}
             children[p] = sorted(present, key=lambda k: (rank.get(k, len(rank)), str(k)))
 
-    def node(p: tuple[PathPart, ...]) -> Any:
-        if p in leaves:
-            return leaves[p]
+    built: dict[tuple[PathPart, ...], Any] = {}
+    for p in sorted(children.keys() - leaves.keys(), key=len, reverse=True):   # deepest first: no recursion
         kind = kinds.get(p, "dict")
-        parts = children.get(p, [])
+        parts = children[p]
         if kind in ("list", "tuple"):
-            items = [node(p + (k,)) for k in sorted(parts, key=lambda x: int(x))]
-            return items if kind == "list" else tuple(items)
-        return {k: node(p + (k,)) for k in parts}
+            items = [_got(p + (k,), leaves, built) for k in sorted(parts, key=lambda x: int(x))]
+            built[p] = items if kind == "list" else tuple(items)
+        else:
+            built[p] = {k: _got(p + (k,), leaves, built) for k in parts}
+    return _got((), leaves, built)
 
-    return node(())
+
+def _got(p: tuple[PathPart, ...], leaves: Mapping[tuple[PathPart, ...], Any], built: dict) -> Any:
+    return leaves[p] if p in leaves else built.get(p, {})
 
 
 def nest(leaves: dict[tuple[Any, ...], Any]) -> Any:

@@ -20,7 +20,6 @@ import numpy as np
 from liferaft.errors import CorruptCheckpointError, InvalidStateError, PickleNotAllowedError
 from liferaft.format.limits import MAX_NESTING
 
-
 __all__ = ["MAX_NESTING", "PerRank", "as_leaf", "decode_value", "digest_encoded", "encode_value", "per_rank_leaf"]
 
 

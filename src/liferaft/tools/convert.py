@@ -25,7 +25,7 @@ from liferaft.formats.base import check_patterns, matches, select
 from liferaft.formats.hf_folder import recorded_files
 from liferaft.formats.safetensors import safetensors_state
 from liferaft.formats.torch_file import torch_file_state, torch_file_tree
-from liferaft.options import ConvertFormat, SaveOptions
+from liferaft.options import ConvertFormat, SaveOptions, check_options, check_path
 from liferaft.tools.export import (  # noqa: F401 - the API of this module too
     INDEX,
     SLAB,
@@ -152,6 +152,10 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], to: Conver
     ``rename``: ``(regex, replacement)`` pairs applied in order; ``dtype``: cast floating-point tensors on export;
     ``max_shard_bytes``: per safetensors shard; ``module``, ``config``: of an ``hf`` export; ``options``:
     ``SaveOptions`` of an import; ``progress(nbytes)`` called as an export writes."""
+    check_path(src, "convert(src=...)")
+    check_path(dst, "convert(dst=...)")
+    if options is not None:
+        check_options(options, SaveOptions, "convert")
     src_fmt = source or detect_format(src)
     src_fmt = "safetensors" if src_fmt == "hf" else src_fmt
     if check_patterns(keys):                 # every pattern must select something (a typo is not "nothing to do")

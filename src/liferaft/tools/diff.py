@@ -22,7 +22,7 @@ import torch
 from liferaft.core.open import open_reader
 from liferaft.errors import OptionsError
 from liferaft.formats.base import Reader, check_patterns, matches
-from liferaft.options import LoadOptions
+from liferaft.options import LoadOptions, check_int, check_number, check_options, check_path
 from liferaft.state.dtypes import torch_dtype
 from liferaft.tools._slabs import itemsize, read_box, slabs
 from liferaft.tools._values import (  # noqa: F401 - the API of this module too
@@ -92,8 +92,8 @@ def _compare(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float, bool]:
     d = (a64 - b64).abs()
     if not a.is_complex():
         d = torch.where(torch.isnan(a64) & torch.isnan(b64), torch.zeros_like(d), d)
-    d = torch.nan_to_num(d, nan=float("inf"))
-    rel = d / a64.abs().clamp_min(1e-30)
+    d = torch.nan_to_num(d, nan=float("inf"), posinf=float("inf"))       # (+inf vs -inf, NaN vs a number: inf)
+    rel = torch.nan_to_num(d / a64.abs().clamp_min(1e-30), nan=float("inf"), posinf=float("inf"))
     return (float(d.max()) if d.numel() else 0.0, float(rel.max()) if rel.numel() else 0.0, False)
 
 
@@ -191,7 +191,11 @@ def diff(a: str | os.PathLike[str], b: str | os.PathLike[str], *, keys: Sequence
     into leaves (liferaft keeps ``opt`` whole, DCP stores ``opt.nested.a``), the whole value is compared."""
     from liferaft.tools.export import renamer
 
-    opts = options or LoadOptions()
+    check_path(a, "diff(a=...)")
+    check_path(b, "diff(b=...)")
+    opts = check_options(options, LoadOptions, "diff")
+    check_number("diff", "tolerance", tolerance, 0)
+    check_int("diff", "slab_bytes", slab_bytes, 4096)
     ra = open_reader(a, opts)
     try:
         rb = open_reader(b, opts)

@@ -12,7 +12,7 @@ from liferaft.manager.lease import Lease
 from liferaft.manager.listing import StepInfo, delete_step, kept_steps, list_steps, read_pins, step_name
 from liferaft.manager.listing import parse_step as _parse_step
 from liferaft.manager.policies import RetentionPolicy
-from liferaft.options import MetricMode
+from liferaft.options import MetricMode, check_path
 from liferaft.storage import Storage, resolve
 
 
@@ -29,6 +29,7 @@ def _root(root: str | os.PathLike[str] | Storage) -> Storage:
     from liferaft.errors import OptionsError
     from liferaft.formats.detect import NAMES, detect_names, sniff
 
+    check_path(root, "root")
     if isinstance(root, (str, os.PathLike)) and "://" not in os.fspath(root):
         fmt = sniff(root)
         if fmt is not None and fmt != "liferaft" or os.path.isfile(os.fspath(root)):
