@@ -24,9 +24,12 @@ marked where it is imported (``# not public:``) and listed in docs/API.md:
 
 ``inspect``, ``verify`` and ``read`` take every format through ``liferaft.inspect`` / ``verify`` / ``read``.
 
-``--json`` (every command) prints one JSON document for scripts. Errors are printed to stderr as one line and give
-exit status 1 (``--debug``: with the traceback); usage errors give exit status 2; ``diff`` exits 1 when the
-checkpoints differ.
+``--json`` (every command) prints one JSON document for scripts. The command never prints a traceback (unless
+``--debug``): errors are printed to stderr as one line naming the file or argument and give exit status 1 (any
+other exception too, as an "internal error" line with its type); usage errors, and argument values argparse's
+``type=`` validators refuse (``liferaft.cli.args``: numbers, counts, regexes), give exit status 2; ``diff`` exits 1
+when the checkpoints differ, ``ls --verify`` when a step is corrupt (every step still listed); 130 on Ctrl-C.
+Output is linear in the number of keys.
 """
 
 from __future__ import annotations
@@ -65,14 +68,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:                     # the reader went away (``liferaft inspect X | head``): quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    except KeyboardInterrupt:
+        print(f"liferaft {args.command}: interrupted", file=sys.stderr)
+        return 130
     except (liferaft.LiferaftError, OSError) as e:
-        if args.debug:
-            import traceback
-
-            traceback.print_exc()
-        lines = str(e).splitlines() or [type(e).__name__]
-        print(f"liferaft {args.command}: error: {lines[0]}", file=sys.stderr)
+        _report(args, (str(e).splitlines() or [type(e).__name__])[0])
         return 1
+    except Exception as e:  # noqa: BLE001 - the last resort: one line, never a traceback (unless --debug)
+        first = (str(e).splitlines() or [""])[0][:500]
+        _report(args, f"internal error: {type(e).__name__}: {first} (a liferaft bug: please report it; --debug "
+                      "shows the traceback)")
+        return 1
+
+
+def _report(args: argparse.Namespace, line: str) -> None:
+    """One error line on stderr (with ``--debug``, after the traceback of the exception being handled)."""
+    if args.debug:
+        import traceback
+
+        traceback.print_exc()
+    print(f"liferaft {args.command}: error: {line}", file=sys.stderr)
 
 
 __all__ = ["build_parser", "main"]

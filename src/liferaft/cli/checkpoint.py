@@ -102,43 +102,47 @@ def _tree(leaf: dict[tuple, str], info: dict[str, liferaft.KeyInfo], containers:
     """Print leaves (path -> key) as a tree: containers with their number of keys and bytes (and the class of a
     saved object: ``classes``), tensors with dtype, shape, bytes, chunks, the sharding as saved and codecs
     (``info``: key -> KeyInfo), values as "value"."""
-    kids: dict[tuple, list] = {}
-    for p in list(leaf) + containers:
+    kids: dict[tuple, dict] = {}                             # node -> its children, in first-seen order (a dict:
+    for p in list(leaf) + containers:                        # membership is O(1), so this is linear in the keys)
         for i in range(1, len(p) + 1):
-            siblings = kids.setdefault(tuple(p[:i - 1]), [])
-            if p[i - 1] not in siblings:
-                siblings.append(p[i - 1])
+            kids.setdefault(tuple(p[:i - 1]), {})[p[i - 1]] = None
+    ordered: dict[tuple, list] = {node: list(children) for node, children in kids.items()}
     for p, order in orders.items():                          # children in the order they were saved
-        if p in kids:
+        if p in ordered:
             rank = {k: i for i, k in enumerate(order)}
-            kids[p].sort(key=lambda k: rank.get(k, len(rank)))
+            ordered[p].sort(key=lambda k: rank.get(k, len(rank)))
     totals: dict[tuple, list[int]] = {}
     for p, key in leaf.items():
         for i in range(len(p)):
             t = totals.setdefault(tuple(p[:i]), [0, 0])
             t[0] += info[key].nbytes if key in info else 0
             t[1] += 1
-
-    def walk(node: tuple, depth: int) -> None:
-        for child in kids.get(node, []):
-            p, pad = node + (child,), "  " * depth
-            key = leaf.get(p)
-            if key is None:
-                n = f"{totals[p][1]} key(s)"
-                cls = (classes or {}).get(p)
-                print(f"  {pad + str(child) + '/':<50} {'':<9} {n:<16} {totals[p][0] / 2**20:12.3f} MiB"
-                      + (f"  {cls}" if cls else ""))
-                walk(p, depth + 1)
-            elif key not in info:
-                print(f"  {pad + str(child):<50} value")
-            else:
-                k = info[key]
-                print(f"  {pad + str(child):<50} {k.dtype:<9} {list(k.shape)!s:<16} {k.nbytes / 2**20:12.3f} MiB"
-                      f"  {k.chunks} chunk(s)  {k.layout}  {'+'.join(k.codecs)}" + (f"  lossy: {k.lossy}" if k.lossy
-                                                                                       else ""))
+    out: list[str] = []
     if () in leaf:                                          # the state was a single tensor or value
-        print(f"  {leaf[()]}")
-    walk((), 0)
+        out.append(f"  {leaf[()]}")
+    todo = [((), child, 0) for child in reversed(ordered.get((), []))]
+    while todo:                                             # depth first, without recursion (any nesting)
+        node, child, depth = todo.pop()
+        p, pad = node + (child,), "  " * depth
+        key = leaf.get(p)
+        if key is None:
+            n = f"{totals.get(p, [0, 0])[1]} key(s)"
+            cls = (classes or {}).get(p)
+            out.append(f"  {pad + str(child) + '/':<50} {'':<9} {n:<16} {totals.get(p, [0, 0])[0] / 2**20:12.3f} MiB"
+                       + (f"  {cls}" if cls else ""))
+            todo.extend((p, c, depth + 1) for c in reversed(ordered.get(p, [])))
+        elif key not in info:
+            out.append(f"  {pad + str(child):<50} value")
+        else:
+            k = info[key]
+            out.append(f"  {pad + str(child):<50} {k.dtype:<9} {list(k.shape)!s:<16} {k.nbytes / 2**20:12.3f} MiB"
+                       f"  {k.chunks} chunk(s)  {k.layout}  {'+'.join(k.codecs)}"
+                       + (f"  lossy: {k.lossy}" if k.lossy else ""))
+        if len(out) >= 4096:
+            print("\n".join(out))
+            out.clear()
+    if out:
+        print("\n".join(out))
 
 
 def _ranges(xs: Any) -> str:
@@ -237,29 +241,29 @@ def _describe(v: Any) -> tuple[str, str]:
     return type(v).__name__, _short_repr(v)
 
 
-def _leaves(node: Any, path: tuple[Any, ...], leaf_keys: set[str]) -> Iterator[tuple[str, Any]]:
+def _leaves(tree: Any, leaf_keys: set[str]) -> Iterator[tuple[str, Any]]:
     """(key, value) of every leaf in a tree returned by liferaft.read, in order.
 
     A node is a leaf when its key is a leaf key of the checkpoint (so a dict stored as one plain value stays
-    one leaf); otherwise it is a container and is walked. Empty containers are reported as leaves.
+    one leaf); otherwise it is a container and is walked. Empty containers are reported as leaves. Depth first
+    without recursion (any nesting); each key is built once from its parent's (linear in the keys).
     """
-    key = ".".join(str(p) for p in path)
-    if path and key in leaf_keys:
-        yield key, node
-        return
-    if isinstance(node, dict):
-        items: Any = node.items()
-    elif isinstance(node, (list, tuple)):
-        items = enumerate(node)
-    else:  # not expected from liferaft.read, but never drop a value
-        yield key, node
-        return
-    empty = True
-    for k, child in items:
-        empty = False
-        yield from _leaves(child, path + (k,), leaf_keys)
-    if empty and path:
-        yield key, node
+    todo: list[tuple[str | None, Any]] = [(None, tree)]
+    while todo:
+        key, node = todo.pop()
+        if key is not None and key in leaf_keys:
+            yield key, node
+            continue
+        if isinstance(node, dict):
+            items: Any = list(node.items())
+        elif isinstance(node, (list, tuple)):
+            items = list(enumerate(node))
+        else:  # not expected from liferaft.read, but never drop a value
+            yield key or "", node
+            continue
+        if not items and key is not None:
+            yield key, node
+        todo.extend((str(k) if key is None else f"{key}.{k}", child) for k, child in reversed(items))
 
 
 def run_read(args: argparse.Namespace) -> int:
@@ -267,7 +271,7 @@ def run_read(args: argparse.Namespace) -> int:
     info = liferaft.inspect(args.path)
     leaf_keys = {".".join(str(x) for x in p) for p in info.paths.values()}
     tree = liferaft.read(args.path, args.keys, options=liferaft.LoadOptions(allow_pickle=args.allow_pickle))
-    rows = [(key, *_describe(v)) for key, v in _leaves(tree, (), leaf_keys)]
+    rows = [(key, *_describe(v)) for key, v in _leaves(tree, leaf_keys)]
     if args.json:
         print(json.dumps([{"key": k, "type": t, "details": d} for k, t, d in rows]))
         return 0

@@ -6,10 +6,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 from typing import Any
 
 import liferaft
+from liferaft.cli.args import number
 from liferaft.cli.progress import FolderGrowth, Progress
+from liferaft.errors import OptionsError
 
 FORMATS = ["liferaft", "safetensors", "hf", "torch", "dcp"]
 
@@ -21,7 +24,7 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("a", metavar="A")
     p.add_argument("b", metavar="B")
     p.add_argument("--key", "-k", dest="keys", action="append", metavar="GLOB", help="only keys matching; repeatable")
-    p.add_argument("--tolerance", type=float, default=0.0, help="max abs difference still counted as equal")
+    p.add_argument("--tolerance", type=number(0), default=0.0, help="max abs difference still counted as equal")
     p.add_argument("--rename", nargs=2, action="append", metavar=("REGEX", "REPLACEMENT"),
                    help="rename B's keys to A's names before comparing (applied in order); repeatable")
     p.add_argument("--module", metavar="KEY", help="compare A's subtree KEY with all of B (an hf export of that "
@@ -42,7 +45,7 @@ def add_parsers(sub: Any) -> None:
                    "saved as an nn.Module; needed when there are several; '' for every tensor)")
     p.add_argument("--config", metavar="PATH", help="--to hf: a config.json, or a model folder whose config and "
                    "tokenizer files are copied (default: those recorded when SRC was imported from one)")
-    p.add_argument("--max-shard-size", type=float, default=5.0, help="GB per safetensors shard (default 5)")
+    p.add_argument("--max-shard-size", type=number(1e-6, 1e6), default=5.0, help="GB per safetensors shard (default 5)")
     p.add_argument("--dtype", help="cast floating-point tensors on export (e.g. bfloat16)")
     p.add_argument("--key", "-k", dest="keys", action="append", metavar="GLOB", help="only keys matching; repeatable")
     p.add_argument("--rename", nargs=2, action="append", metavar=("REGEX", "REPLACEMENT"),
@@ -64,7 +67,7 @@ def run_convert(args: argparse.Namespace) -> int:
     src = {"hf": "safetensors"}.get(fmt, fmt)
     to = args.to
     hf = {"module": args.module, "config": args.config}
-    rename = [(a, b) for a, b in args.rename or []]
+    rename = _renames(args.rename)
     if src == "liferaft":
         tensors = liferaft.inspect(args.src).tensors
         if to == "hf":                                     # the bar counts the model's bytes only
@@ -91,13 +94,27 @@ def run_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _renames(pairs: list[list[str]] | None) -> list[tuple[str, str]]:
+    """``--rename REGEX REPLACEMENT`` pairs, each checked (OptionsError naming the pair: one error line)."""
+    out = []
+    for a, b in pairs or []:
+        try:
+            re.compile(a).sub(b, "")
+        except (re.error, RecursionError, OverflowError) as e:
+            raise OptionsError(f"--rename {a!r} {b!r}: not a valid regular expression and replacement: {e}") \
+                from None
+        out.append((a, b))
+    return out
+
+
 def run_diff(args: argparse.Namespace) -> int:
     """Print the keys that differ and a summary line (or JSON); exit status 1 when the checkpoints differ."""
+    rename = _renames(args.rename)
     total = sum(t.nbytes for t in liferaft.inspect(args.a).tensors if not args.module or
                 t.key.startswith(args.module + ".")) if liferaft.format_of(args.a) == "liferaft" else 0
     with Progress(total, "diff", None if not args.json else False) as tick:
         r = liferaft.diff(args.a, args.b, keys=args.keys, tolerance=args.tolerance, progress=tick,
-                          rename=[(a, b) for a, b in args.rename or []], module=args.module)
+                          rename=rename, module=args.module)
     if args.json:
         print(json.dumps({"a": r.a, "b": r.b, "identical": r.identical,
                           "keys": [k.__dict__ for k in r.keys]}))

@@ -4,8 +4,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+import stat
 from collections.abc import Mapping
 from typing import Any
+
+from liferaft.cli.args import integers, number
+from liferaft.errors import OptionsError
+
+#: Largest ``--costs`` file read (bytes), and how deep its JSON may nest.
+MAX_COSTS_BYTES = 1 << 20
+MAX_COSTS_DEPTH = 8
+#: The fields ``--costs`` must give (tier → seconds); ``persist`` (tier → seconds) and ``restart`` are optional.
+REQUIRED_COSTS = {"stall": ("memory", "remote"), "restore": ("memory", "peer", "remote")}
 
 #: Default costs for 1 GiB of state per rank: stalls and memory/peer restores as measured on this project's VM
 #: (README: bench_async, bench_tiers); remote persist and restore assume each rank gets ~50 MB/s of a shared
@@ -21,10 +33,10 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--costs", metavar="F.json", help="measured costs in seconds: {\"stall\": {\"memory\": s, "
                    "\"remote\": s}, \"persist\": {...}, \"restore\": {\"memory\": s, \"peer\": s, \"remote\": s}, "
                    "\"restart\": s}; default: DEFAULT_COSTS in liferaft/cli/plan.py")
-    p.add_argument("--gpus", default="1000,16000,100000", help="comma list of GPU counts")
-    p.add_argument("--failures-per-gpu-hour", type=float, default=2e-5)
-    p.add_argument("--node-share", type=float, default=0.5, help="share of failures that take a node down")
-    p.add_argument("--multi-node-share", type=float, default=0.02,
+    p.add_argument("--gpus", type=integers(1), default=[1000, 16000, 100000], help="comma list of GPU counts")
+    p.add_argument("--failures-per-gpu-hour", type=number(0, above=True), default=2e-5)
+    p.add_argument("--node-share", type=number(0, 1), default=0.5, help="share of failures that take a node down")
+    p.add_argument("--multi-node-share", type=number(0, 1), default=0.02,
                    help="share of failures that take several nodes (and maybe both copies of a replica) down")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=run_plan)
@@ -35,13 +47,10 @@ def run_plan(args: argparse.Namespace) -> int:
     # not public: the goodput model is pure arithmetic beside the manager's policies, not part of the API
     from liferaft.manager.goodput import Cluster, Costs, compare, table
 
-    raw = DEFAULT_COSTS
-    if args.costs:
-        with open(args.costs) as f:
-            raw = json.load(f)
+    raw = load_costs(args.costs) if args.costs else DEFAULT_COSTS
     costs = Costs(stall=raw["stall"], restore=raw["restore"], restart=float(raw.get("restart", 120.0)),
                   persist=raw.get("persist", {}))
-    gpus = [int(x) for x in args.gpus.split(",") if x]
+    gpus = args.gpus
     if args.json:
         print(json.dumps([{"gpus": n, "plan": p.name, "intervals_s": dict(p.intervals), "goodput": p.goodput}
                           for n in gpus for p in compare(costs, Cluster(
@@ -53,3 +62,61 @@ def run_plan(args: argparse.Namespace) -> int:
     print(table(costs, gpus, failures_per_gpu_hour=args.failures_per_gpu_hour, node_share=args.node_share,
                 multi_node_share=args.multi_node_share))
     return 0
+
+
+def load_costs(path: str) -> dict[str, Any]:
+    """The costs of ``--costs`` checked whole: a regular JSON file of at most ``MAX_COSTS_BYTES``, an object with
+    ``stall`` and ``restore`` (objects of the ``REQUIRED_COSTS`` tiers), optional ``persist`` (tier → seconds) and
+    ``restart``, every time a finite number ≥ 0. OptionsError naming the file and the field otherwise."""
+    where = f"--costs {path}"
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError as e:
+        raise OptionsError(f"{where}: cannot open it: {e.strerror}") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise OptionsError(f"{where}: not a regular file")
+        if st.st_size > MAX_COSTS_BYTES:
+            raise OptionsError(f"{where}: {st.st_size} bytes, more than a costs file holds ({MAX_COSTS_BYTES})")
+        data = f.read(MAX_COSTS_BYTES + 1)
+    depth = 0
+    for ch in data:                       # (brackets inside strings count too: a bound, not a parser)
+        depth += (ch in b"[{") - (ch in b"]}")
+        if depth > MAX_COSTS_DEPTH:
+            raise OptionsError(f"{where}: the JSON nests deeper than {MAX_COSTS_DEPTH} levels")
+
+    def no_constant(name: str) -> Any:
+        raise ValueError(f"{name} is not a number JSON allows")
+    try:
+        raw = json.loads(data.decode("utf-8"), parse_constant=no_constant)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise OptionsError(f"{where}: not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise OptionsError(f"{where}: expected a JSON object with stall, restore, persist and restart, got "
+                           f"{type(raw).__name__}")
+    unknown = sorted(set(raw) - {"stall", "restore", "persist", "restart"})
+    if unknown:
+        raise OptionsError(f"{where}: unknown field(s) {', '.join(map(repr, unknown))} (stall, restore, persist, "
+                           "restart)")
+    for name, tiers in (*REQUIRED_COSTS.items(), ("persist", None)):
+        if name not in raw and tiers is None:
+            continue
+        section = raw.get(name)
+        if not isinstance(section, dict):
+            raise OptionsError(f"{where}: field {name!r} must be an object of tier -> seconds"
+                               + (f" with {', '.join(tiers)}" if tiers else "") + f", got {section!r}"[:200])
+        for tier in tiers or ():
+            if tier not in section:
+                raise OptionsError(f"{where}: field {name}.{tier} is missing (seconds)")
+        for tier, value in section.items():
+            _seconds(where, f"{name}.{tier}", value)
+    if "restart" in raw:
+        _seconds(where, "restart", raw["restart"])
+    return raw
+
+
+def _seconds(where: str, field: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0 \
+            or value > 1e9:
+        raise OptionsError(f"{where}: field {field} must be a number of seconds (finite, >= 0), got {value!r}"[:300])

@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 import liferaft
+from liferaft.cli.args import integer
 from liferaft.cli.progress import Progress
 
 
@@ -21,9 +22,9 @@ def add_parsers(sub: Any) -> None:
 
     p = sub.add_parser("gc", help="delete steps the retention policy does not keep (never referenced ones)")
     p.add_argument("root", metavar="ROOT")
-    p.add_argument("--keep-last", type=int)
-    p.add_argument("--keep-every", type=int)
-    p.add_argument("--keep-best", type=int)
+    p.add_argument("--keep-last", type=integer(0))
+    p.add_argument("--keep-every", type=integer(0))
+    p.add_argument("--keep-best", type=integer(0))
     p.add_argument("--metric")
     p.add_argument("--mode", choices=["min", "max"], default="min")
     p.add_argument("--incomplete", action="store_true", help="also remove steps without a commit marker")
@@ -51,7 +52,10 @@ def run_ls(args: argparse.Namespace) -> int:
     if args.verify and not args.json:
         for i in liferaft.ls(args.root):                  # what the re-hash will read, for the bar
             if i.status == "committed":
-                total += sum(t.nbytes for t in liferaft.inspect(i.path).tensors)
+                try:
+                    total += sum(t.nbytes for t in liferaft.inspect(i.path).tensors)
+                except liferaft.LiferaftError:          # (listed as corrupt below, with the reason)
+                    pass
     with Progress(total, "verify", None if args.verify and not args.json else False) as tick:
         steps = liferaft.ls(args.root, verify=args.verify, progress=tick)
     if args.json:
@@ -59,7 +63,7 @@ def run_ls(args: argparse.Namespace) -> int:
                            "created_unix": i.created_unix, "world_size": i.world_size, "job_id": i.job_id,
                            "tiers": list(i.tiers), "depends_on": list(i.depends_on), "pinned": i.pinned,
                            "metrics": dict(i.metrics)} for i in steps]))
-        return 0
+        return _ls_status(args, steps)
     jobs = [_short(i.job_id or "-", 64) for i in steps]
     width = max([3] + [len(j) for j in jobs])
     print(f"{'step':>10}  {'status':<10} {'MiB':>9}  {'age':>8}  {'ranks':>5}  {'tiers':<6} {'job':<{width}} "
@@ -69,7 +73,12 @@ def run_ls(args: argparse.Namespace) -> int:
             (("refs " + ",".join(map(str, i.depends_on))) if i.depends_on else "") + (" pinned" if i.pinned else "")
         print(f"{i.step:>10}  {i.status:<10} {i.nbytes / 2**20:>9.1f}  {_age(i.created_unix):>8}  "
               f"{i.world_size or '-':>5}  {','.join(i.tiers) or '-':<6} {job:<{width}} {note}")
-    return 0
+    return _ls_status(args, steps)
+
+
+def _ls_status(args: argparse.Namespace, steps: list[liferaft.StepInfo]) -> int:
+    """Exit status of ``ls``: 1 with ``--verify`` when any step is corrupt (each listed with its reason)."""
+    return 1 if args.verify and any(i.status == "corrupt" for i in steps) else 0
 
 
 def run_gc(args: argparse.Namespace) -> int:

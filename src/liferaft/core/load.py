@@ -237,19 +237,35 @@ def _plan_load(reader: Reader, flat: FlatState, coord: Coordinator, opts: LoadOp
     return plan
 
 
+#: Elements up to which ``has_internal_overlap`` decides an interleaved layout by listing its memory offsets.
+EXACT_OVERLAP_ELEMENTS = 1 << 26
+
+
 def has_internal_overlap(t: torch.Tensor) -> bool:
     """Whether two elements of the strided tensor ``t`` share a memory location (an ``expand``-ed, stride-0 view,
-    an overlapping ``as_strided``): exact. With the dimensions of size > 1 sorted by stride, ``t`` is overlap-free
-    iff each stride is at least the extent the smaller dimensions span (their ``(size - 1) * stride``, plus one)."""
-    dims = sorted((st, n) for st, n in zip(t.stride(), t.shape) if n > 1)
-    if t.numel() == 0:
+    an overlapping ``as_strided``). With the dimensions of size > 1 sorted by stride, ``t`` is overlap-free when
+    each stride is at least the extent the smaller dimensions span (``(size - 1) * stride`` each, plus one): every
+    dense, permuted or sliced tensor, decided at once. A layout that fails that test may still be overlap-free
+    (interleaved: shape (2, 3), strides (3, 2)); it is decided exactly by counting its distinct offsets, up to
+    ``EXACT_OVERLAP_ELEMENTS`` elements (beyond, such a layout counts as overlapping: refused, not guessed)."""
+    if t.numel() <= 1:
         return False
+    dims = sorted((st, n) for st, n in zip(t.stride(), t.shape) if n > 1)
     extent = 1
     for stride, n in dims:
-        if stride < extent:
+        if stride == 0:
             return True
+        if stride < extent:
+            break
         extent += (n - 1) * stride
-    return False
+    else:
+        return False
+    if t.numel() > EXACT_OVERLAP_ELEMENTS:
+        return True
+    offsets = torch.zeros((), dtype=torch.int64)
+    for stride, n in dims:
+        offsets = (offsets.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * stride).reshape(-1)
+    return int(torch.unique(offsets).numel()) != t.numel()
 
 
 def check_writable(key: str, t: torch.Tensor) -> None:

@@ -67,8 +67,8 @@ def list_steps(storage: Storage, pins: frozenset[int] = frozenset(), deep: bool 
                 from liferaft.core.read import verify
 
                 verify(st, progress=progress)
-        except LiferaftError as e:
-            out.append(StepInfo(step, path, "corrupt", str(e), pinned=pinned))
+        except (LiferaftError, OSError) as e:            # (one bad step never hides the others)
+            out.append(StepInfo(step, path, "corrupt", str(e) or type(e).__name__, pinned=pinned))
             continue
         metrics = m.extra.get("metrics") if isinstance(m.extra.get("metrics"), dict) else {}
         since = m.extra.get("since_full")

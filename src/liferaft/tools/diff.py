@@ -12,6 +12,7 @@ steps drifted apart.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -33,6 +34,11 @@ from liferaft.tools._values import (  # noqa: F401 - the API of this module too
     same_value,
     value_difference,
 )
+
+#: Tensors of at most this many bytes are read in batches (one read job for up to ``BATCH_KEYS`` of them, at most
+#: ``slab_bytes`` a batch): a checkpoint of 100,000 small tensors is compared in seconds, not one job per key.
+SMALL_TENSOR = 1 << 20
+BATCH_KEYS = 4096
 
 
 @dataclass(frozen=True)
@@ -222,6 +228,23 @@ def _diff(ra: Reader, rb: Reader, keys: Sequence[str] | None, tolerance: float, 
     ta, tb, va, vb = sa.tensors, sb.tensors, sa.values, sb.values
     every = list(dict.fromkeys([*ta, *va, *tb, *vb]))
     out: list[KeyDiff] = []
+    batch: list[tuple[int, str, tuple[int, ...], torch.dtype]] = []     # small tensors not compared yet
+    batch_bytes = 0
+
+    def settle() -> None:
+        nonlocal batch_bytes
+        if not batch:
+            return
+        shapes, dtypes = [b[2] for b in batch], [b[3] for b in batch]
+        xs = _read_whole(ra, [ta[b[1]] for b in batch], shapes, dtypes)
+        ys = _read_whole(rb, [tb[b[1]] for b in batch], shapes, dtypes)
+        for (i, key, _, dtype), x, y in zip(batch, xs, ys):
+            d_abs, d_rel, eq = _compare(x, y)
+            out[i] = _verdict(key, dtype, d_abs, d_rel, eq, tolerance)
+        if progress is not None:
+            progress(sum(x.numel() * x.element_size() for x in xs))
+        batch.clear()
+        batch_bytes = 0
     for key in every:
         in_a, in_b = key in ta or key in va, key in tb or key in vb
         if not in_b:
@@ -246,18 +269,38 @@ def _diff(ra: Reader, rb: Reader, keys: Sequence[str] | None, tolerance: float, 
         if (sha, da) != (shb, db) or kinds_differ:
             out.append(KeyDiff(key, "mismatch", detail=f"{ka} {list(sha)} {da} vs {kb} {list(shb)} {db}"))
             continue
+        dtype = torch_dtype(da)
+        nbytes = itemsize(da) * math.prod(sha)
+        if nbytes <= min(slab_bytes, SMALL_TENSOR):     # read with others: one read job per batch, not per key
+            out.append(KeyDiff(key, "equal"))           # (a placeholder, settled by the batch)
+            batch.append((len(out) - 1, key, sha, dtype))
+            batch_bytes += nbytes
+            if batch_bytes >= slab_bytes or len(batch) >= BATCH_KEYS:
+                settle()
+            continue
         max_abs = max_rel = 0.0
         equal = True
-        dtype = torch_dtype(da)
         for box in slabs(sha, itemsize(da), slab_bytes):
             x, y = read_box(ra, ta[key], box), read_box(rb, tb[key], box)
             d_abs, d_rel, eq = _compare(x, y)
             if progress is not None:
                 progress(x.numel() * x.element_size())
             max_abs, max_rel, equal = max(max_abs, d_abs), max(max_rel, d_rel), equal and eq
-        if equal or (tolerance > 0 and not _exact(dtype) and max_abs <= tolerance):
-            out.append(KeyDiff(key, "equal", max_abs, max_rel))
-        else:
-            why = "" if max_abs else "the same numbers, other bits: -0.0 vs 0.0 or NaN payloads"
-            out.append(KeyDiff(key, "changed", max_abs, max_rel, why))
+        out.append(_verdict(key, dtype, max_abs, max_rel, equal, tolerance))
+    settle()
     return DiffReport(a=ra.url, b=rb.url, keys=tuple(out))
+
+
+def _verdict(key: str, dtype: torch.dtype, max_abs: float, max_rel: float, equal: bool, tolerance: float) -> KeyDiff:
+    if equal or (tolerance > 0 and not _exact(dtype) and max_abs <= tolerance):
+        return KeyDiff(key, "equal", max_abs, max_rel)
+    why = "" if max_abs else "the same numbers, other bits: -0.0 vs 0.0 or NaN payloads"
+    return KeyDiff(key, "changed", max_abs, max_rel, why)
+
+
+def _read_whole(reader: Reader, keys: Sequence[str], shapes: Sequence[tuple[int, ...]],
+                dtypes: Sequence[torch.dtype]) -> list[torch.Tensor]:
+    """Whole small tensors ``keys`` of ``reader``, read by one read job (one pass over their files)."""
+    targets = [torch.empty(shape, dtype=dt) for shape, dt in zip(shapes, dtypes)]
+    reader.plan([(k, ((0,) * len(shape), shape), t) for k, shape, t in zip(keys, shapes, targets)]).run()
+    return targets

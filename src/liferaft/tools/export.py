@@ -54,8 +54,20 @@ class ConvertReport:
 
 
 def renamer(rename: Sequence[tuple[str, str]] | None) -> Callable[[str], str]:
-    """A key renamed by ``rename``: ``(regex, replacement)`` pairs applied in order (``re.sub``)."""
-    pats = [(re.compile(p), r) for p, r in (rename or ())]
+    """A key renamed by ``rename``: ``(regex, replacement)`` pairs applied in order (``re.sub``). A pair that is
+    not two strings, a pattern that does not compile or a replacement that refers to a group the pattern lacks:
+    OptionsError naming it, before any key is renamed."""
+    pats = []
+    for pair in rename or ():
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not all(isinstance(x, str) for x in pair):
+            raise OptionsError(f"rename= takes (regex, replacement) pairs of strings, got {pair!r}"[:300])
+        try:
+            p = re.compile(pair[0])
+            p.sub(pair[1], "")                  # (checks the replacement's group references)
+        except (re.error, RecursionError, OverflowError) as e:
+            raise OptionsError(f"rename: {pair[0]!r} -> {pair[1]!r} is not a valid regular expression and "
+                               f"replacement: {e}") from None
+        pats.append((p, pair[1]))
 
     def apply(key: str) -> str:
         for p, r in pats:

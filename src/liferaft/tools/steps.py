@@ -12,7 +12,7 @@ from liferaft.manager.lease import Lease
 from liferaft.manager.listing import StepInfo, delete_step, kept_steps, list_steps, read_pins, step_name
 from liferaft.manager.listing import parse_step as _parse_step
 from liferaft.manager.policies import RetentionPolicy
-from liferaft.options import MetricMode, check_path
+from liferaft.options import MetricMode
 from liferaft.storage import Storage, resolve
 
 
@@ -28,6 +28,7 @@ def _root(root: str | os.PathLike[str] | Storage) -> Storage:
     """The storage of a manager root; a path that is itself a checkpoint (of any format) is refused, naming it."""
     from liferaft.errors import OptionsError
     from liferaft.formats.detect import NAMES, detect_names, sniff
+    from liferaft.options import check_path
 
     check_path(root, "root")
     if isinstance(root, (str, os.PathLike)) and "://" not in os.fspath(root):

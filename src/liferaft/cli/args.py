@@ -1,0 +1,59 @@
+"""argparse ``type=`` validators of the ``liferaft`` command's arguments: a bad value is a usage error (exit status
+2, one line naming the argument), never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from collections.abc import Callable
+
+
+def integer(low: int = 0) -> Callable[[str], int]:
+    """An integer ≥ ``low`` (``--keep-last 3``)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text, 10)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+    return parse
+
+
+def number(low: float = 0.0, high: float = math.inf, *, above: bool = False) -> Callable[[str], float]:
+    """A finite number in ``[low, high]`` (``above``: > ``low``); NaN and infinities refused."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(value) or value < low or (above and value == low) or value > high:
+            bound = f"> {low:g}" if above else f">= {low:g}"
+            raise argparse.ArgumentTypeError(f"must be a finite number {bound}"
+                                             + (f" and <= {high:g}" if math.isfinite(high) else "")
+                                             + f", got {text!r}")
+        return value
+    return parse
+
+
+def integers(low: int = 1) -> Callable[[str], list[int]]:
+    """A comma list of integers ≥ ``low`` (``--gpus 1000,16000``)."""
+    one = integer(low)
+
+    def parse(text: str) -> list[int]:
+        values = [one(x.strip()) for x in text.split(",") if x.strip()]
+        if not values:
+            raise argparse.ArgumentTypeError(f"expected a comma list of whole numbers, got {text!r}")
+        return values
+    return parse
+
+
+def regex(text: str) -> str:
+    """A regular expression that compiles (``--rename '(' X`` is a usage error naming it)."""
+    try:
+        re.compile(text)
+    except (re.error, RecursionError, OverflowError) as e:
+        raise argparse.ArgumentTypeError(f"not a valid regular expression {text!r}: {e}") from None
+    return text
