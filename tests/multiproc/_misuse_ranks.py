@@ -1,0 +1,26 @@
+"""Rank functions of tests/multiproc/test_misuse_ranks.py: a load whose destination on one rank cannot be written
+in place (imported by child processes as ``multiproc._misuse_ranks``)."""
+
+from __future__ import annotations
+
+import torch
+
+import liferaft
+from liferaft import LiferaftError, LoadOptions
+
+TIMEOUT = 60.0
+
+
+def load_rank1_unwritable(rank: int, world: int, path: str, kind: str) -> tuple[str, str, bool]:
+    """Rank 1's "w" is an expanded (stride-0) view or an overlapping as_strided; rank 0's is fine. Returns (error
+    type, message, every tensor of this rank's state bitwise unchanged)."""
+    w = torch.zeros(4, 4)
+    if rank == 1:
+        w = torch.zeros(1, 4).expand(4, 4) if kind == "expand" else torch.zeros(10).as_strided((4, 4), (2, 1))
+    state = {"a": torch.zeros(4), "w": w, "z": torch.zeros(3)}
+    before = {k: v.clone() for k, v in state.items()}
+    try:
+        liferaft.load(path, state, options=LoadOptions(timeout=TIMEOUT))
+    except LiferaftError as e:
+        return type(e).__name__, str(e), all(torch.equal(state[k], before[k]) for k in state)
+    return "no error", "", all(torch.equal(state[k], before[k]) for k in state)
