@@ -201,7 +201,7 @@ def diff(a: str | os.PathLike[str], b: str | os.PathLike[str], *, keys: Sequence
     check_path(b, "diff(b=...)")
     opts = check_options(options, LoadOptions, "diff")
     check_number("diff", "tolerance", tolerance, 0)
-    check_int("diff", "slab_bytes", slab_bytes, 4096)
+    check_int("diff", "slab_bytes", slab_bytes, 1)
     ra = open_reader(a, opts)
     try:
         rb = open_reader(b, opts)
