@@ -14,8 +14,14 @@ from dataclasses import dataclass
 
 from liferaft.codecs import registry as codec_registry
 from liferaft.codecs.checksum import digest
-from liferaft.errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError, LiferaftError
-from liferaft.format.layout import COMMIT_MARKER, is_stale, manifest_name
+from liferaft.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    LiferaftError,
+    UnsafePathError,
+)
+from liferaft.format.layout import COMMIT_MARKER, DATA_DIR, is_stale, manifest_name
 from liferaft.format.manifest import ChunkRecord, CommitMarker, Manifest, decode_commit_marker, decode_manifest
 from liferaft.planning.geometry import check_chunks_tile
 from liferaft.storage import Storage
@@ -51,33 +57,69 @@ def publish_commit(storage: Storage, record: CommitRecord) -> None:
     storage.put_atomic(COMMIT_MARKER, record.marker)
 
 
+#: A commit marker is a tiny JSON document: a larger ``COMMIT`` (a link to /dev/zero, a sparse file) is refused.
+MARKER_LIMIT = 64 << 10
+#: No manifest is larger than this (100,000 tensors take tens of MB): a marker saying more is refused.
+MANIFEST_LIMIT = 1 << 30
+
+
+def read_marker(storage: Storage) -> bytes:
+    """The bytes of ``COMMIT`` (at most ``MARKER_LIMIT``: a larger one is refused before it is read)."""
+    return storage.read_all(COMMIT_MARKER, MARKER_LIMIT)
+
+
+def read_manifest(storage: Storage, marker: CommitMarker) -> bytes:
+    """The bytes of the manifest ``marker`` names, its size compared to the marker's before any of it is read."""
+    if not 0 <= marker.manifest_size <= MANIFEST_LIMIT:
+        raise CorruptCheckpointError(f"{storage.url}: the commit marker gives manifest {marker.manifest!r} a size of "
+                                     f"{marker.manifest_size} bytes (at most {MANIFEST_LIMIT}); it is damaged")
+    try:
+        return storage.read_all(marker.manifest, marker.manifest_size)
+    except CorruptCheckpointError as e:
+        raise CorruptCheckpointError(f"{storage.url}: manifest {marker.manifest!r} is larger than the "
+                                     f"{marker.manifest_size} bytes its commit marker records ({e}); the "
+                                     "checkpoint is damaged") from e
+
+
 def read_commit(storage: Storage) -> CommitRecord:
-    """The commit record of the checkpoint in ``storage`` (its marker and the manifest it names), as stored;
-    :func:`open_checkpoint` is what checks them."""
-    marker = storage.read_all(COMMIT_MARKER)
-    name = decode_commit_marker(marker).manifest
-    return CommitRecord(marker, name, storage.read_all(name))
+    """The commit record of the checkpoint in ``storage`` (its marker and the manifest it names), as stored
+    (both read with their size caps); :func:`open_checkpoint` is what checks them."""
+    marker = read_marker(storage)
+    decoded = decode_commit_marker(marker)
+    return CommitRecord(marker, decoded.manifest, read_manifest(storage, decoded))
 
 
 def open_checkpoint(storage: Storage) -> Manifest:
     """The verified manifest of the committed checkpoint in ``storage``.
 
+    ``COMMIT`` is read with a small cap and the manifest's size compared to the marker's before it is read (the
+    storage opens regular files only, no link: a FIFO, a device, a link to anything is refused). Every reference
+    ``../<sibling>/<file>`` must name a data file that the committed manifest of the sibling checkpoint
+    ``<sibling>`` (under the same root) lists as its own: nothing else next to the checkpoint is ever read.
+
     Raises CheckpointNotFoundError (nothing there), IncompleteCheckpointError (files but no commit marker),
     CorruptCheckpointError (manifest missing/damaged/not matching the marker, chunks not tiling a tensor),
-    FormatVersionError (written by a newer format) or UnsafePathError (a path leaving the checkpoint).
+    FormatVersionError (written by a newer format) or UnsafePathError (a path leaving the checkpoint, a link, a
+    reference to anything but a committed sibling's data file).
     """
+    manifest = _open(storage)
+    check_references(storage, manifest)
+    return manifest
+
+
+def _open(storage: Storage) -> Manifest:
+    """``open_checkpoint`` without the check of references."""
     try:
-        marker_bytes = storage.read_all(COMMIT_MARKER)
+        marker_bytes = read_marker(storage)
     except (FileNotFoundError, NotADirectoryError):
-        files = storage.list()
-        if files:
+        if storage.has_files():
             raise IncompleteCheckpointError(
-                f"{storage.url}: holds {len(files)} file(s) but no {COMMIT_MARKER} marker, so it is not a checkpoint "
+                f"{storage.url}: holds files but no {COMMIT_MARKER} marker, so it is not a checkpoint "
                 "(a save did not finish). Load an older checkpoint, or save again") from None
         raise CheckpointNotFoundError(f"{storage.url}: no checkpoint there (no {COMMIT_MARKER} marker)") from None
     marker = decode_commit_marker(marker_bytes)
     try:
-        data = storage.read_all(marker.manifest)
+        data = read_manifest(storage, marker)
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{storage.url}: the commit marker names manifest {marker.manifest!r}, "
                                      "which is missing") from None
@@ -109,6 +151,28 @@ def _frames_problem(chunk: ChunkRecord) -> str | None:
     return None
 
 
+def check_references(storage: Storage, manifest: Manifest) -> None:
+    """UnsafePathError unless every ``../<sibling>/<file>`` of ``manifest`` names a data file listed (as its
+    own, not a reference) by the committed manifest of the sibling checkpoint ``<sibling>`` of ``storage``."""
+    wanted: dict[str, list[str]] = {}
+    for name in manifest.files:
+        if name.startswith("../"):
+            sibling, _, rest = name[3:].partition("/")
+            wanted.setdefault(sibling, []).append(rest)
+    for sibling, names in sorted(wanted.items()):
+        try:
+            theirs = _open(storage.sibling(sibling)).files
+        except (LiferaftError, OSError, NotImplementedError) as e:
+            raise UnsafePathError(f"{storage.url}: the manifest references files of {sibling!r} next to it, which is "
+                                  f"not a committed checkpoint there ({e}); liferaft reads nothing else outside the "
+                                  "checkpoint") from e
+        for rest in sorted(names):
+            if rest not in theirs or not rest.startswith(DATA_DIR + "/"):
+                raise UnsafePathError(f"{storage.url}: the manifest references {f'../{sibling}/{rest}'!r}, which is "
+                                      f"not a data file of the committed checkpoint {sibling!r}; liferaft reads "
+                                      "nothing else outside the checkpoint")
+
+
 def check_files(storage: Storage, manifest: Manifest, names: Iterable[str]) -> None:
     """Raise CorruptCheckpointError if any of ``names`` is missing or shorter than the manifest says."""
     for name in sorted(set(names)):
@@ -124,7 +188,7 @@ def check_files(storage: Storage, manifest: Manifest, names: Iterable[str]) -> N
 def is_committed(storage: Storage, save_id: str) -> bool:
     """Whether the ``COMMIT`` marker in ``storage`` names the manifest of ``save_id``."""
     try:
-        return decode_commit_marker(storage.read_all(COMMIT_MARKER)).manifest == manifest_name(save_id)
+        return decode_commit_marker(read_marker(storage)).manifest == manifest_name(save_id)
     except (OSError, LiferaftError):
         return False
 

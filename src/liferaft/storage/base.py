@@ -9,6 +9,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+from liferaft.errors import CorruptCheckpointError
+
+
+def check_limit(url: str, name: str, size: int, limit: int | None) -> None:
+    """CorruptCheckpointError when the file ``name`` of ``size`` bytes is larger than ``limit`` (``read_all``)."""
+    if limit is not None and size > limit:
+        raise CorruptCheckpointError(f"{url}/{name} holds {size} bytes, more than the {limit} liferaft reads of such "
+                                     "a file; it is damaged or not what its name says")
+
 
 class FileWriter(ABC):
     """Writes one new file by positioned writes; ``close()`` makes its bytes durable."""
@@ -46,17 +55,27 @@ class Storage(ABC):
         """Read up to ``len(out)`` bytes at ``offset`` into ``out``; return the count (short only at end of file)."""
 
     @abstractmethod
-    def read_all(self, name: str) -> bytes: ...
+    def read_all(self, name: str, limit: int | None = None) -> bytes:
+        """The whole file ``name``. With ``limit``, a file larger than ``limit`` bytes is refused (a
+        ``LiferaftError`` naming it, ``CorruptCheckpointError`` by default) before any of it is read: a backend
+        checks the size first (``fstat``, a HEAD), never reads a whole unbounded file to find out."""
 
     @abstractmethod
     def size(self, name: str) -> int: ...
 
     @abstractmethod
-    def exists(self, name: str) -> bool: ...
+    def exists(self, name: str) -> bool:
+        """Whether ``name`` is a file. A local backend refuses (``LiferaftError``) what is there but is not a
+        regular file of this root: a link, a FIFO, a device, a folder."""
 
     @abstractmethod
     def list(self) -> list[str]:
         """Every file name under the root, recursively, sorted."""
+
+    def has_files(self) -> bool:
+        """Whether any file lies under the root; a backend may answer without listing everything (a local
+        ``load('/')`` must not walk the disk)."""
+        return bool(self.list())
 
     @abstractmethod
     def delete(self, name: str) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from liferaft.storage.base import FileWriter, Storage
+from liferaft.storage.base import FileWriter, Storage, check_limit
 
 _LOCK = threading.Lock()
 _STORES: dict[str, dict[str, bytearray]] = {}
@@ -83,8 +83,10 @@ class MemoryStorage(Storage):
         mv[:len(chunk)] = chunk
         return len(chunk)
 
-    def read_all(self, name: str) -> bytes:
-        return bytes(self._get(name))
+    def read_all(self, name: str, limit: int | None = None) -> bytes:
+        buf = self._get(name)
+        check_limit(self.url, name, len(buf), limit)
+        return bytes(buf)
 
     def size(self, name: str) -> int:
         return len(self._get(name))

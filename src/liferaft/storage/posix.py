@@ -10,8 +10,11 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import stat
 import uuid
 
+from liferaft.errors import CorruptCheckpointError, UnsafePathError
+from liferaft.storage import files
 from liferaft.storage.base import FileWriter, Storage
 
 _PAGE = 4096
@@ -29,13 +32,32 @@ def fsync_dir(path: str) -> None:
 class _PosixWriter(FileWriter):
     """Positioned writes; when a buffer lies on the same page boundaries as its file range, its whole pages go
     through O_DIRECT (a second descriptor) and the partial first and last pages through the page cache, which
-    takes everything else. ``close`` fsyncs the file either way. ``truncate=False`` writes into an existing file
-    (liferaft's tools fill records of archives laid out by others)."""
+    takes everything else. ``close`` fsyncs the file either way. The file is created exclusively and never through
+    a link (``files.create_exclusive``: whatever lies at ``path`` — an older file, a planted link — is removed
+    first); ``truncate=False`` writes into an existing regular file (liferaft's tools fill records of archives
+    laid out by others), opened without following a link. ``fd``/``dir_fd``: a file the caller created so."""
 
-    def __init__(self, path: str, direct: bool = False, truncate: bool = True) -> None:
+    def __init__(self, path: str, direct: bool = False, truncate: bool = True, *,
+                 fd: int | None = None, dir_fd: int | None = None) -> None:
         self.path = path
-        flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if truncate else 0) | getattr(os, "O_CLOEXEC", 0)
-        self.fd: int | None = os.open(path, flags, 0o644)
+        self._name = os.path.basename(path)
+        if fd is None:
+            if truncate:
+                fd, dir_fd = files.create_exclusive(os.path.dirname(path) or ".", self._name, mkdirs=False)
+            else:
+                dir_fd = files.open_root(os.path.dirname(path) or ".")
+                try:
+                    fd = os.open(self._name, os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK |
+                                 getattr(os, "O_CLOEXEC", 0), dir_fd=dir_fd)
+                    files.check_fd(fd, path)
+                    os.set_blocking(fd, True)
+                except BaseException:
+                    if fd is not None:
+                        os.close(fd)
+                    os.close(dir_fd)
+                    raise
+        self.fd: int | None = fd
+        self._dir: int | None = dir_fd
         self.direct = direct and hasattr(os, "O_DIRECT")
         self._dfd: int | None = None
 
@@ -43,7 +65,13 @@ class _PosixWriter(FileWriter):
         """Bytes written with O_DIRECT (0 if refused: then this writer stops trying)."""
         if self._dfd is None:
             try:
-                self._dfd = os.open(self.path, os.O_WRONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))
+                self._dfd = os.open(self._name, os.O_WRONLY | os.O_DIRECT | getattr(os, "O_NOFOLLOW", 0) |
+                                    getattr(os, "O_CLOEXEC", 0), dir_fd=self._dir)
+                if os.fstat(self._dfd).st_ino != os.fstat(self.fd).st_ino:     # replaced since: not ours
+                    os.close(self._dfd)
+                    self._dfd = None
+                    self.direct = False
+                    return 0
             except OSError as e:
                 if e.errno != errno.EINVAL:
                     raise
@@ -78,6 +106,11 @@ class _PosixWriter(FileWriter):
             mv = mv[n:]
             offset += n
 
+    def _close_dir(self) -> None:
+        if self._dir is not None:
+            os.close(self._dir)
+            self._dir = None
+
     def close(self) -> None:
         if self._dfd is not None:
             os.close(self._dfd)
@@ -88,6 +121,7 @@ class _PosixWriter(FileWriter):
                 os.fsync(fd)
             finally:
                 os.close(fd)
+                self._close_dir()
 
     def abort(self, unlink: bool = True) -> None:
         """Close without fsync; remove the file unless ``unlink`` is False (the caller removes or keeps it)."""
@@ -97,18 +131,26 @@ class _PosixWriter(FileWriter):
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
-        if unlink:
+        if unlink and self._dir is not None:
             try:
-                os.unlink(self.path)
+                os.unlink(self._name, dir_fd=self._dir)
             except FileNotFoundError:
                 pass
+        self._close_dir()
 
 
 class PosixStorage(Storage):
-    """A checkpoint directory on a local (or mounted) file system."""
+    """A checkpoint directory on a local (or mounted) file system. Its root is resolved once (links above it are
+    the caller's); below it every file is opened through ``storage.files``: no link is followed (a data file,
+    ``data/``, ``COMMIT`` or the manifest that is a link is refused with UnsafePathError), only regular files
+    are read (a FIFO, device, folder: CorruptCheckpointError, never a hang), and writes create their files
+    exclusively. A ``child`` or ``sibling`` is a folder below (or next to) this root that is not followed
+    either when it is a link."""
 
     def __init__(self, root: str, direct_io: bool = True) -> None:
         self.root = os.path.abspath(root)
+        self._base = os.path.realpath(self.root)
+        self._sub: tuple[str, ...] = ()
         self._dirty_dirs: set[str] = set()
         self.direct_io = direct_io and hasattr(os, "O_DIRECT")
 
@@ -117,29 +159,58 @@ class PosixStorage(Storage):
         return self.root
 
     def _p(self, name: str) -> str:
-        return os.path.join(self.root, *name.split("/"))
+        return os.path.join(self._base, *self._sub, *name.split("/"))
+
+    @property
+    def _top(self) -> str:
+        return os.path.join(self._base, *self._sub)
+
+    def _rel(self, name: str) -> str:
+        files.parts_of(name, self.root)
+        return "/".join((*self._sub, name))
+
+    def _shown(self, name: str) -> str:
+        return f"{self.root}/{name}"
 
     def _mkdirs(self, path: str) -> None:
         parent = os.path.dirname(path)
         missing = []
-        while not os.path.isdir(parent):
+        while not os.path.lexists(parent):
             missing.append(parent)
             parent = os.path.dirname(parent)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
         self._dirty_dirs.add(os.path.dirname(path))
         for m in missing:
             self._dirty_dirs.add(os.path.dirname(m))
+        os.makedirs(self._base, exist_ok=True)              # the root itself: the caller's path
+        rel = os.path.relpath(os.path.dirname(path), self._base)
+        if rel != ".":
+            os.close(files.open_folder(self._base, rel.split(os.sep), create=True))
+
+    def _derived(self, root: str, base: str, sub: tuple[str, ...]) -> PosixStorage:
+        s = type(self)(root, direct_io=self.direct_io)     # fault-injecting subclasses stay so
+        s._base, s._sub = base, sub
+        return s
 
     def child(self, name: str) -> PosixStorage:
-        return type(self)(self._p(name), direct_io=self.direct_io)     # fault-injecting subclasses stay so
+        return self._derived(os.path.join(self.root, *name.split("/")), self._base,
+                             (*self._sub, *files.parts_of(name, self.root)))
 
     def sibling(self, name: str) -> PosixStorage:
-        return type(self)(os.path.join(os.path.dirname(self.root), name), direct_io=self.direct_io)
+        if not files.plain_component(name):
+            raise UnsafePathError(f"{self.root}: sibling {name!r} is not the name of a folder next to it")
+        root = os.path.join(os.path.dirname(self.root), name)
+        if self._sub:
+            return self._derived(root, self._base, (*self._sub[:-1], name))
+        return self._derived(root, os.path.dirname(self._base), (name,))
 
     def open_writer(self, name: str) -> FileWriter:
         path = self._p(name)
         self._mkdirs(path)
-        return _PosixWriter(path, direct=self.direct_io)
+        fd, at = files.create_exclusive(self._base, self._rel(name))
+        return _PosixWriter(path, direct=self.direct_io, fd=fd, dir_fd=at)
+
+    def _open(self, name: str, limit: int | None = None, direct: bool = False) -> int:
+        return files.open_read(self._base, self._rel(name), limit=limit, direct=direct, shown=self._shown(name))
 
     def read_into(self, name: str, offset: int, out: memoryview) -> int:
         mv = memoryview(out).cast("B")
@@ -148,7 +219,7 @@ class PosixStorage(Storage):
             n = self._read_direct(name, offset, mv)
             if n is not None:
                 return n
-        fd = os.open(self._p(name), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        fd = self._open(name)
         try:
             total = 0
             while total < len(mv):
@@ -163,7 +234,7 @@ class PosixStorage(Storage):
     def _read_direct(self, name: str, offset: int, mv: memoryview) -> int | None:
         """Read with O_DIRECT; None if the file system refuses it (then direct I/O is off for this storage)."""
         try:
-            fd = os.open(self._p(name), os.O_RDONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))
+            fd = self._open(name, direct=True)
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise
@@ -186,32 +257,93 @@ class PosixStorage(Storage):
         finally:
             os.close(fd)
 
-    def read_all(self, name: str) -> bytes:
-        with open(self._p(name), "rb") as f:
-            return f.read()
+    def read_all(self, name: str, limit: int | None = None) -> bytes:
+        fd = self._open(name, limit)
+        try:
+            return files.read_fd(fd, self._shown(name), limit)
+        finally:
+            os.close(fd)
 
     def size(self, name: str) -> int:
-        return os.stat(self._p(name)).st_size
+        fd = self._open(name)
+        try:
+            return os.fstat(fd).st_size
+        finally:
+            os.close(fd)
 
     def exists(self, name: str) -> bool:
-        return os.path.isfile(self._p(name))
+        """Whether ``name`` is a regular file; a link, FIFO, device or folder there is refused (not "absent")."""
+        parts = self._rel(name).split("/")
+        try:
+            at = files.open_folder(self._base, parts[:-1], self._shown(name))
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        try:
+            st = os.stat(parts[-1], dir_fd=at, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        finally:
+            os.close(at)
+        if stat.S_ISREG(st.st_mode):
+            return True
+        if stat.S_ISLNK(st.st_mode):
+            raise UnsafePathError(f"{self._shown(name)} is a symbolic link: liferaft follows no link inside a "
+                                  "checkpoint; put the file itself there")
+        raise CorruptCheckpointError(f"{self._shown(name)} is {files.kind(st.st_mode)}, not a regular file")
 
     def list(self) -> list[str]:
-        out = []
-        for dirpath, _, files in os.walk(self.root):
-            rel = os.path.relpath(dirpath, self.root)
-            for f in files:
+        """Every name under the root (links to folders are not followed: their files are not this checkpoint's)."""
+        out: list[str] = []
+        top = self._top
+        if not self._folder_ok():
+            return out
+        for dirpath, _, names in os.walk(top):
+            rel = os.path.relpath(dirpath, top)
+            for f in names:
                 out.append(f if rel == "." else f"{rel.replace(os.sep, '/')}/{f}")
         return sorted(out)
 
-    def delete(self, name: str) -> None:
-        path = self._p(name)
+    def _folder_ok(self) -> bool:
+        """Whether the root is there as a folder (a child or sibling that is a link: UnsafePathError)."""
         try:
-            os.unlink(path)
+            os.close(files.open_folder(self._base, self._sub, self.root))
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        return True
+
+    def has_files(self, budget: int = 10_000) -> bool:
+        """Whether any file lies under the root, looking at ``budget`` entries at most (more: True): a
+        ``load('/')`` must not walk the disk to say there is no checkpoint."""
+        stack = [self._top] if self._folder_ok() else []
+        seen = 0
+        while stack:
+            try:
+                it = os.scandir(stack.pop())
+            except (FileNotFoundError, NotADirectoryError, PermissionError):
+                continue
+            with it:
+                for e in it:
+                    seen += 1
+                    if seen > budget or not e.is_dir(follow_symlinks=False):
+                        return True
+                    stack.append(e.path)
+        return False
+
+    def delete(self, name: str) -> None:
+        parts = self._rel(name).split("/")
+        try:
+            at = files.open_folder(self._base, parts[:-1], self._shown(name))
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        try:
+            os.unlink(parts[-1], dir_fd=at)
         except FileNotFoundError:
             return
-        parent = os.path.dirname(path)
-        while parent != self.root and parent.startswith(self.root):
+        finally:
+            os.close(at)
+        top = self._top
+        parent = os.path.dirname(self._p(name))
+        while parent != top and parent.startswith(top):
             try:
                 os.rmdir(parent)
             except OSError:
@@ -221,16 +353,28 @@ class PosixStorage(Storage):
     def put_atomic(self, name: str, data: bytes) -> None:
         path = self._p(name)
         self._mkdirs(path)
-        tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
-        w = _PosixWriter(tmp)
+        rel = self._rel(name)
+        tmp = f"{rel}.tmp-{uuid.uuid4().hex[:12]}"
+        fd, at = files.create_exclusive(self._base, tmp, replace=False)
+        tname, fname = tmp.rsplit("/", 1)[-1], rel.rsplit("/", 1)[-1]
         try:
-            w.pwrite(data, 0)
-            w.close()
-            os.replace(tmp, path)
+            try:
+                view, done = memoryview(data).cast("B"), 0
+                while done < len(view):
+                    done += os.pwrite(fd, view[done:], done)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tname, fname, src_dir_fd=at, dst_dir_fd=at)   # replaces a link at fname, never its target
+            os.fsync(at)
         except BaseException:
-            w.abort()
+            try:
+                os.unlink(tname, dir_fd=at)
+            except FileNotFoundError:
+                pass
             raise
-        fsync_dir(os.path.dirname(path))
+        finally:
+            os.close(at)
 
     def sync(self) -> None:
         for d in sorted(self._dirty_dirs, key=len, reverse=True):

@@ -39,9 +39,9 @@ class ReferencingStorage(Storage):
         st, rest = self._route(name)
         return st.read_into(rest, offset, out)
 
-    def read_all(self, name: str) -> bytes:
+    def read_all(self, name: str, limit: int | None = None) -> bytes:
         st, rest = self._route(name)
-        return st.read_all(rest)
+        return st.read_all(rest, limit)
 
     def size(self, name: str) -> int:
         st, rest = self._route(name)
@@ -53,6 +53,9 @@ class ReferencingStorage(Storage):
 
     def list(self) -> list[str]:
         return self.inner.list()
+
+    def has_files(self) -> bool:
+        return self.inner.has_files()
 
     def delete(self, name: str) -> None:
         self.inner.delete(name)

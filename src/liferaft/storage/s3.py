@@ -47,7 +47,7 @@ from datetime import timedelta
 from typing import Any
 
 from liferaft.errors import OptionsError, StorageError
-from liferaft.storage.base import FileWriter, Storage
+from liferaft.storage.base import FileWriter, Storage, check_limit
 
 MiB = 1 << 20
 _MIN_PART = 5 * MiB          # S3's minimum size of every part but the last
@@ -205,9 +205,17 @@ class S3Storage(Storage):
                 self._pool_box.append(ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="liferaft-s3"))
             return self._pool_box[0]
 
-    def read_all(self, name: str) -> bytes:
+    def read_all(self, name: str, limit: int | None = None) -> bytes:
+        """The whole object; with ``limit``, its size is asked first (HEAD) and only that much is read (ranged
+        GETs), so an object larger than ``limit`` is refused without a byte of it fetched."""
         import obstore
 
+        if limit is not None:
+            size = self.size(name)
+            check_limit(self.url, name, size, limit)
+            buf = bytearray(size)
+            n = self.read_into(name, 0, memoryview(buf))
+            return bytes(buf[:n])
         return bytes(self._call(name, "GET", lambda st, k: obstore.get(st, k).bytes()))
 
     def size(self, name: str) -> int:
