@@ -40,6 +40,7 @@ from liferaft.formats.zipfiles import View, check_zip
 from liferaft.planning.geometry import check_chunks_tile
 from liferaft.state.dtypes import dtype_name
 from liferaft.state.tree import nest
+from liferaft.storage import files
 
 _DCP = "torch.distributed.checkpoint.metadata"
 _ALLOWED = {(_DCP, n) for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
@@ -99,7 +100,7 @@ class DcpCheckpoint:
         if not os.path.isfile(path):
             raise StateMismatchError(f"{self.folder}: no .metadata file: not a DCP checkpoint (or not a finished one)")
         self._inside(".metadata", ".metadata")          # a link to a file elsewhere is not this checkpoint's
-        with open(path, "rb") as f:
+        with self.open_file(path, ".metadata") as f:
             try:
                 self.meta = _MetadataUnpickler(f, path).load()
             except PickleNotAllowedError:
@@ -214,14 +215,28 @@ class DcpCheckpoint:
         if os.path.isabs(str(relative)) or not path.startswith(root + os.sep):
             raise UnsafePathError(f"{self.folder}: key {key!r} is stored at {relative!r}, outside the checkpoint "
                                   "folder; refusing to read it")
+        if path != os.path.normpath(os.path.join(root, str(relative))):     # a link on the way, to anywhere
+            raise UnsafePathError(f"{self.folder}: key {key!r} is stored at {relative!r}, which is (or lies under) "
+                                  "a link: liferaft follows no link inside a checkpoint; put the file itself there")
         return path
 
+    def open_file(self, path: str, what: str) -> io.BufferedReader:
+        """The file ``path`` of this folder (checked by ``_inside``) opened through ``storage.files``: no link
+        followed, a regular file only (a FIFO cannot hang it); a missing one is FileNotFoundError."""
+        root = os.path.realpath(self.folder)
+        fd = files.open_read(root, os.path.relpath(path, root).replace(os.sep, "/"), shown=f"{self.folder}: {what}")
+        return os.fdopen(fd, "rb")
+
     def _blob(self, c: DcpChunk, key: str) -> Any:
-        if not os.path.isfile(c.file):
-            raise CorruptCheckpointError(f"{c.file}: missing (key {key!r}); the DCP checkpoint is incomplete")
-        if os.path.getsize(c.file) < c.offset + c.length:
+        try:
+            f = self.open_file(c.file, f"data file {os.path.basename(c.file)!r} (key {key!r})")
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{c.file}: missing (key {key!r}); the DCP checkpoint is incomplete") \
+                from None
+        if os.fstat(f.fileno()).st_size < c.offset + c.length:
+            f.close()
             raise CorruptCheckpointError(f"{c.file}: shorter than the metadata says (key {key!r}); truncated")
-        return open(c.file, "rb")
+        return f
 
     def chunk(self, key: str, c: DcpChunk) -> torch.Tensor:
         """The chunk's values: memory-mapped copy-on-write (nothing read until used) for plain DCP blobs,
@@ -432,7 +447,7 @@ class DcpReader(Reader):
                 except Exception as e:  # noqa: BLE001 - any failure of the extension is a fault of this blob
                     faults.append(f"{what}: cannot be read ({e})")
                 continue
-            with open(file, "rb") as f:
+            with ck.open_file(file, f"data file {name!r}") as f:
                 r, cb, n, fs, nc = check_zip(io.BufferedReader(View(f, offset, length)), what, progress)
             if part != "value" and not fs:          # the blob's header: the dtype, shape and layout recorded
                 try:

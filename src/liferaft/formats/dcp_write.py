@@ -61,7 +61,7 @@ def write_dcp(dst: str | os.PathLike[str], items: Sequence[DcpItem], progress: C
     )
 
     from liferaft.formats.torch_file import RecordFiller, placeholder, record_offsets, set_crcs, skeleton
-    from liferaft.storage import fsync_dir
+    from liferaft.storage import files, fsync_dir
 
     dst = os.fspath(dst)
     os.makedirs(dst, exist_ok=True)
@@ -71,7 +71,9 @@ def write_dcp(dst: str | os.PathLike[str], items: Sequence[DcpItem], progress: C
     path = os.path.join(dst, name)
     sd_meta: dict[str, Any] = {}
     storage: dict[Any, Any] = {}
-    with open(path, "wb") as f:
+    fd, at_dir = files.create_exclusive(dst, name)          # never through a link planted at that name
+    os.close(at_dir)
+    with os.fdopen(fd, "wb") as f:
         filler = RecordFiller(path)
         try:
             for item in items:
@@ -110,11 +112,21 @@ def write_dcp(dst: str | os.PathLike[str], items: Sequence[DcpItem], progress: C
     meta = Metadata(state_dict_metadata=sd_meta, planner_data={i.key: i.path for i in items},
                     storage_data=storage, storage_meta=StorageMeta(checkpoint_id=dst, save_id=str(uuid.uuid4())),
                     version="1.0.0")
-    tmp = os.path.join(dst, ".metadata.tmp")
-    with open(tmp, "wb") as f:
-        pickle.dump(meta, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(dst, ".metadata"))
+    tmp = f".metadata.tmp-{uuid.uuid4().hex[:12]}"
+    fd, at_dir = files.create_exclusive(dst, tmp, replace=False)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            pickle.dump(meta, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, ".metadata", src_dir_fd=at_dir, dst_dir_fd=at_dir)     # (a link there: replaced itself)
+    except BaseException:
+        try:
+            os.unlink(tmp, dir_fd=at_dir)
+        except FileNotFoundError:
+            pass
+        raise
+    finally:
+        os.close(at_dir)
     fsync_dir(dst)
     return total

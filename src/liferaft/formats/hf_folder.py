@@ -13,6 +13,7 @@ from typing import Any, BinaryIO
 
 from liferaft.errors import CorruptCheckpointError, OptionsError, StateMismatchError
 from liferaft.format import jsonsafe
+from liferaft.storage import files
 
 #: Files of a Hugging Face folder that hold weights (never copied with a config; the export writes its own).
 WEIGHTS = re.compile(r".*\.(safetensors|bin|pt|pth|ckpt|h5|msgpack|onnx|gguf|ot|tflite|npz)$|"
@@ -78,9 +79,9 @@ INDEX = "model.safetensors.index.json"
 
 
 def roots(folder: str) -> tuple[str, ...]:
-    """Where the files of ``folder`` may lie once their links are resolved: the folder itself, and for a snapshot
-    of the Hugging Face hub cache (``models--org--name/snapshots/REV``, whose files are links to ``../../blobs/``)
-    that repository's ``blobs`` folder."""
+    """Where the files of ``folder`` may lie: the folder itself (resolved: links above it are the user's), and
+    for a snapshot of the Hugging Face hub cache (``models--org--name/snapshots/REV``, whose files are links to
+    ``../../blobs/``) that repository's ``blobs`` folder, the one place a link may lead."""
     real = os.path.realpath(folder)
     parent = os.path.dirname(real)
     if os.path.basename(parent) == "snapshots":
@@ -88,21 +89,16 @@ def roots(folder: str) -> tuple[str, ...]:
     return (real,)
 
 
-def _within(path: str, where: tuple[str, ...]) -> bool:
-    real = os.path.realpath(path)
+def _within(real: str, where: tuple[str, ...]) -> bool:
     return any(real == r or real.startswith(r.rstrip(os.sep) + os.sep) for r in where)
-
-
-def _kind(mode: int) -> str:
-    return ("a FIFO" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else
-            "a socket" if stat.S_ISSOCK(mode) else "a folder" if stat.S_ISDIR(mode) else "not a regular file")
 
 
 def check_file(path: str, name: str, where: tuple[str, ...] | None, error: type[Exception] = OptionsError,
                what: str = "file") -> int:
-    """The size of ``path`` (``name`` in messages), which must be a regular file once its links are resolved (a
-    FIFO or a device would hang a reader or never end) and, unless ``where`` is None, lie inside one of the
-    folders ``where`` (``roots``); ``error`` naming it otherwise."""
+    """The size of ``path`` (``name`` in messages), which must be a regular file (a FIFO or a device would hang
+    a reader or never end). Unless ``where`` is None (a file the user named: its links are the user's), it
+    must be a plain file of the folder ``where[0]`` (``roots``), not a link — except a hub-cache snapshot's
+    link into that repository's blobs (``where[1]``); ``error`` naming it otherwise."""
     try:
         st = os.stat(path)
     except FileNotFoundError as e:
@@ -111,51 +107,39 @@ def check_file(path: str, name: str, where: tuple[str, ...] | None, error: type[
     except OSError as e:
         raise error(f"{what} {name!r} cannot be read ({e.strerror})") from e
     if not stat.S_ISREG(st.st_mode):
-        raise error(f"{what} {name!r} is {_kind(st.st_mode)}, not a regular file: liferaft reads only regular files "
-                    "(remove it, or put the file itself there)")
-    if where is not None and not _within(path, where):
-        raise error(f"{what} {name!r} is a link to {os.path.realpath(path)}, outside its folder: liferaft reads "
-                    "nothing outside it (copy the file in)")
+        raise error(f"{what} {name!r} is {files.kind(st.st_mode)}, not a regular file: liferaft reads only regular "
+                    "files (remove it, or put the file itself there)")
+    if where is not None:
+        real = os.path.realpath(path)
+        plain = os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
+        if not _within(real, where[:1] if real == plain else where[1:]):
+            where_to = "" if _within(real, where[:1]) else ", outside its folder"
+            raise error(f"{what} {name!r} is a link to {real}{where_to}: liferaft follows no link in a folder it "
+                        "reads (but a hub-cache snapshot's links to its blobs), so nothing outside it is read; copy "
+                        "the file in")
     return st.st_size
 
 
 def open_regular(path: str, name: str, error: type[Exception] = OptionsError, limit: int | None = None,
                  what: str = "file") -> BinaryIO:
     """``path`` open for reading, checked after opening (nothing can swap it in between): a regular file (opened
-    without blocking, so a FIFO cannot hang the open) of at most ``limit`` bytes; ``error`` naming it otherwise."""
+    without blocking, so a FIFO cannot hang the open) of at most ``limit`` bytes (``storage.files.open_path``);
+    ``error`` naming it otherwise."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        fd = files.open_path(path, limit=limit, error=error, shown=f"{what} {name!r}")
     except OSError as e:
         raise error(f"{what} {name!r} cannot be opened ({e.strerror})") from e
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise error(f"{what} {name!r} is {_kind(st.st_mode)}, not a regular file: liferaft reads only regular "
-                        "files")
-        if limit is not None and st.st_size > limit:
-            raise error(f"{what} {name!r} holds {st.st_size} bytes, more than the {limit} liferaft reads of such a "
-                        "file")
-        os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
+    return os.fdopen(fd, "rb")
 
 
 def read_capped(path: str, name: str, error: type[Exception] = OptionsError, limit: int = JSON_LIMIT,
                 what: str = "file") -> bytes:
     """The bytes of the regular file ``path``, at most ``limit`` of them (``open_regular``)."""
     with open_regular(path, name, error, limit, what) as f:
-        raw = f.read(limit + 1)
-    if len(raw) > limit:
-        raise error(f"{what} {name!r} grew past {limit} bytes while it was read")
-    return raw
+        return files.read_fd(f.fileno(), f"{what} {name!r}", limit, error)
 
 
-def plain_name(name: Any) -> bool:
-    """A file name of one component: a non-empty str without ``/``, ``\\`` or NUL, not ``.``/``..``."""
-    return (isinstance(name, str) and name not in ("", ".", "..") and not any(c in name for c in "/\\\0")
-            and len(name.encode("utf-8", "surrogateescape")) <= 255)
+plain_name = files.plain_component
 
 
 def check_name(rel: Any, error: type[Exception], what: str) -> list[str]:

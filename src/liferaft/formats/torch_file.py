@@ -17,6 +17,7 @@ import io
 import os
 import pickle
 import struct
+import uuid
 import zipfile
 import zlib
 from collections.abc import Callable, Iterable, Iterator
@@ -30,6 +31,7 @@ from liferaft.formats.torch_checks import scan, scan_legacy
 from liferaft.formats.zipfiles import View, check_zip
 from liferaft.state.dtypes import dtype_name
 from liferaft.state.tree import build_tree
+from liferaft.storage import files
 
 PAGE = 4096
 
@@ -119,7 +121,7 @@ def set_crcs(path: str, start: int, length: int, crcs: dict[int, tuple[int, int]
     (``crcs``: absolute data offset -> (crc, length)) into its local header, data descriptor and central
     directory entry."""
 
-    with open(path, "r+b") as f:
+    with os.fdopen(os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)), "r+b") as f:
         z = zipfile.ZipFile(io.BufferedReader(View(f, start, length)))
         names: dict[str, int] = {}
         for info in z.infolist():
@@ -160,10 +162,13 @@ def write_torch_file(dst: str, tree: Any,
     record: ``fills`` maps a tensor's path in ``tree`` to a function that, given the record's file offset and a
     one-item list, yields the slabs in row-major order and leaves their CRC-32 in the list (``with_crc``). Written to ``dst + ".tmp"`` (removed
     on any error), fsynced, then renamed. Returns the file size."""
-    tmp = dst + ".tmp"
+    folder, base = os.path.split(os.path.abspath(dst))
+    tmp = os.path.join(folder, f"{base}.tmp-{uuid.uuid4().hex[:12]}")   # fresh, created exclusively: no planted link
+    fd, at_dir = files.create_exclusive(folder, os.path.basename(tmp), replace=False)
+    os.close(at_dir)
     filler = None
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(fd, "wb") as f:
             length = skeleton(f, tree)
         meta = record_offsets(tmp, 0, length)
         crcs: dict[int, tuple[int, int]] = {}
@@ -185,11 +190,14 @@ def write_torch_file(dst: str, tree: Any,
     except BaseException:
         if filler is not None:
             filler.abort()
-        if os.path.exists(tmp):
+        if os.path.lexists(tmp):
             os.unlink(tmp)
         raise
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
+    fd = os.open(tmp, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     os.replace(tmp, dst)
     from liferaft.storage import fsync_dir
 
@@ -206,6 +214,7 @@ def torch_file_state(path: str | os.PathLike[str]) -> Any:
     by its record and every tensor inside its storage. Any refusal is a LiferaftError naming the file (and the
     key where there is one)."""
     p = os.fspath(path)
+    os.close(files.open_path(p))        # a regular file (a FIFO would hang every reader below): else refused
     if not zipfile.is_zipfile(p):
         with open(p, "rb") as f:
             head = f.read(16)
@@ -278,7 +287,7 @@ class TorchFileReader(Reader):
         """Every zip record read with its CRC-32 checked (torch.save's legacy format carries none)."""
         p, unchecked = self.url, []
         if zipfile.is_zipfile(p):
-            with open(p, "rb") as f:
+            with os.fdopen(files.open_path(p), "rb") as f:
                 records, crc_bytes, nbytes, faults, no_crc = check_zip(f, f"file {os.path.basename(p)!r}", progress)
         else:
             records = crc_bytes = no_crc = 0

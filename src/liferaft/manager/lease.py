@@ -64,7 +64,8 @@ def _read(storage: Storage) -> LeaseInfo | None:
     """The lease under the root, or None when there is none or it is damaged (not strict JSON, a field missing or
     out of range): a damaged lease protects nothing, so it is treated as absent and overwritten by ``acquire``."""
     try:
-        raw = jsonsafe.loads(storage.read_all(LEASE), f"{storage.url}/{LEASE}", MAX_ROOT_FILE_BYTES)
+        raw = jsonsafe.loads(storage.read_all(LEASE, MAX_ROOT_FILE_BYTES), f"{storage.url}/{LEASE}",
+                            MAX_ROOT_FILE_BYTES)
         if not isinstance(raw, dict):
             return None
         started, ttl, pid = raw.get("started"), raw.get("ttl"), raw["pid"]
@@ -334,7 +335,8 @@ def record_start(storage: Storage) -> list[float]:
     """Rank 0, holding the lease: append this start to ``STARTS`` under the root (the last 100; an unreadable
     record starts over); return them all."""
     try:
-        doc = jsonsafe.loads(storage.read_all(STARTS), f"{storage.url}/{STARTS}", MAX_ROOT_FILE_BYTES)
+        doc = jsonsafe.loads(storage.read_all(STARTS, MAX_ROOT_FILE_BYTES), f"{storage.url}/{STARTS}",
+                            MAX_ROOT_FILE_BYTES)
         starts = [_time(x) for x in doc][-99:] if isinstance(doc, list) else []
     except (FileNotFoundError, LiferaftError, ValueError, TypeError):
         starts = []

@@ -111,7 +111,7 @@ def read_pins(storage: Storage) -> frozenset[int]:
     where = f"{storage.url}/{PINS}"
     advice = "fix it or delete it (it lists the pinned steps; unpin and pin again)"
     try:
-        raw = storage.read_all(PINS)
+        raw = storage.read_all(PINS, MAX_ROOT_FILE_BYTES)
     except FileNotFoundError:
         return frozenset()
     doc = jsonsafe.loads(raw, where, MAX_ROOT_FILE_BYTES, advice=advice)

@@ -26,9 +26,6 @@ _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _DIR = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _NOFOLLOW | _CLOEXEC
 
-#: A commit marker, lease, pins or starts file is a tiny JSON document: at most this is read of one.
-SMALL_LIMIT = 64 << 10
-
 
 def kind(mode: int) -> str:
     """What a file of ``mode`` is, in words (for messages)."""

@@ -209,8 +209,12 @@ class PosixStorage(Storage):
         fd, at = files.create_exclusive(self._base, self._rel(name))
         return _PosixWriter(path, direct=self.direct_io, fd=fd, dir_fd=at)
 
-    def _open(self, name: str, limit: int | None = None, direct: bool = False) -> int:
+    def open_read(self, name: str, limit: int | None = None, direct: bool = False) -> int:
+        """A descriptor of the regular file ``name`` open for reading (``files.open_read``: no link followed,
+        at most ``limit`` bytes); the caller closes it."""
         return files.open_read(self._base, self._rel(name), limit=limit, direct=direct, shown=self._shown(name))
+
+    _open = open_read
 
     def read_into(self, name: str, offset: int, out: memoryview) -> int:
         mv = memoryview(out).cast("B")

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from liferaft.core.commit import CommitRecord, open_checkpoint, publish_commit, read_commit
+from liferaft.core.commit import CommitRecord, open_checkpoint, publish_commit, read_commit, read_marker
 from liferaft.dist import Coordinator
 from liferaft.errors import LiferaftError, OptionsError
 from liferaft.format.layout import COMMIT_MARKER, DATA_DIR, data_file_rank, manifest_name, parse_step, step_name
@@ -200,7 +200,7 @@ class MemoryTier:
     def _replicate(self, step: int) -> None:
         """Send this rank's data file to its replica targets; receive those it holds copies of."""
         mine = self._own_file(step)
-        size = os.path.getsize(os.path.join(self.step_storage(step).root, *mine.split("/"))) if mine else 0
+        size = self.step_storage(step).size(mine) if mine else 0
         files = self.bg.exchange((mine, size), None, "memory tier (replicate)")
         sends = [(t, mine, size) for t in self.replica_targets(self.rank)] if mine else []
         recvs = [(src, name, n) for src, (name, n) in enumerate(files)
@@ -280,7 +280,10 @@ class MemoryTier:
         held = {}
         for name in st.list():
             if name.startswith(DATA_DIR + "/"):
-                held[name] = os.path.getsize(os.path.join(st.root, *name.split("/")))
+                try:
+                    held[name] = st.size(name)
+                except (OSError, LiferaftError):
+                    continue            # not a regular file of this node's copy: not held
         return tuple(sorted(m.files)), held, manifest_name(m.save_id)
 
     def release(self) -> None:
@@ -310,7 +313,7 @@ def _newest_mixed(everyone: list[dict[int, Any]], fallback: Callable[[int], Stor
             return None
         holders = [r for r, held in enumerate(everyone) if step in held]
         try:
-            marker = decode_commit_marker(fallback(step).read_all(COMMIT_MARKER))
+            marker = decode_commit_marker(read_marker(fallback(step)))
         except (OSError, LiferaftError):
             continue
         if marker.manifest == everyone[holders[0]][step][2]:
@@ -381,7 +384,7 @@ def transfer_files(coord: Coordinator, storage: PosixStorage, sends: list[tuple[
     for name, kind, peer, size in ops:
         spans = [(off, min(piece, size - off)) for off in range(0, size, piece)]
         if kind == "send":
-            _send_file(coord, os.path.join(storage.root, *name.split("/")), spans, bufs, peer, bandwidth)
+            _send_file(coord, storage, name, spans, bufs, peer, bandwidth)
             continue
         w = storage.open_writer(name)
         try:
@@ -398,12 +401,13 @@ def transfer_files(coord: Coordinator, storage: PosixStorage, sends: list[tuple[
         storage.sync()
 
 
-def _send_file(coord: Coordinator, path: str, spans: list[tuple[int, int]], bufs: list[torch.Tensor], peer: int,
+def _send_file(coord: Coordinator, storage: PosixStorage, name: str, spans: list[tuple[int, int]], bufs: list[torch.Tensor], peer: int,
                bandwidth: float | None) -> None:
-    """Read and send ``spans`` of ``path``: piece k+1 is read while piece k is on its way (tags alternate 0/1,
+    """Read and send ``spans`` of the file ``name`` of ``storage`` (opened through it: no link followed, a regular
+    file only): piece k+1 is read while piece k is on its way (tags alternate 0/1,
     as the receiver posts them), paced to ``bandwidth`` bytes/s."""
     pending: list[Any] = [None, None]
-    with open(path, "rb") as f:
+    with os.fdopen(storage.open_read(name), "rb") as f:
         t_start, sent = time.monotonic(), 0
         try:
             for k, (_, n) in enumerate(spans):
