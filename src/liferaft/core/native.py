@@ -127,11 +127,16 @@ class NativeReader(Reader):
         (``max_read_bytes`` at a time)."""
         storage, m = self.storage, self.manifest
         faults: list[str] = []
+        refused: set[str] = set()
         for name, size in m.files.items():
             try:
                 actual = storage.size(name)
             except FileNotFoundError:
                 faults.append(f"data file {name!r} is missing")
+                continue
+            except LiferaftError as e:          # a link, a FIFO, a folder: refused, never read
+                faults.append(f"data file {name!r}: {e}")
+                refused.add(name)
                 continue
             if actual != size:
                 faults.append(f"data file {name!r} has {actual} bytes, the manifest says {size}")
@@ -139,6 +144,8 @@ class NativeReader(Reader):
         for t in m.tensors:
             for c in t.chunks:
                 chunks += 1
+                if c.file in refused:
+                    continue
                 per_read = max(1, self.options.max_read_bytes // c.block_size)
                 for first in range(0, len(c.hashes), per_read):
                     end = min(len(c.hashes), first + per_read)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from liferaft.errors import LiferaftError
 from liferaft.storage.base import Storage
 
 
@@ -45,6 +46,23 @@ class StorageConformance:
             with pytest.raises(FileNotFoundError):
                 call()
         st.delete("nope")  # not an error
+
+    def test_read_all_with_a_limit_refuses_a_larger_file_before_reading_it(self, st: Storage) -> None:
+        st.put_atomic("COMMIT", b"x" * 100)
+        assert st.read_all("COMMIT", 100) == b"x" * 100 and st.read_all("COMMIT", None) == b"x" * 100
+        with pytest.raises(LiferaftError, match="COMMIT"):
+            st.read_all("COMMIT", 99)
+        with pytest.raises(FileNotFoundError):
+            st.read_all("nope", 10)
+        st.put_atomic("empty", b"")
+        assert st.read_all("empty", 0) == b""
+
+    def test_has_files_says_whether_anything_is_there(self, st: Storage) -> None:
+        assert not st.has_files()
+        st.put_atomic("data/s/x", b"1")
+        assert st.has_files() and st.child("data").has_files()
+        st.delete("data/s/x")
+        assert not st.has_files()
 
     def test_put_atomic_replaces(self, st: Storage) -> None:
         st.put_atomic("COMMIT", b"one")
