@@ -206,16 +206,15 @@ class S3Storage(Storage):
             return self._pool_box[0]
 
     def read_all(self, name: str, limit: int | None = None) -> bytes:
-        """The whole object; with ``limit``, its size is asked first (HEAD) and only that much is read (ranged
-        GETs), so an object larger than ``limit`` is refused without a byte of it fetched."""
+        """The whole object; with ``limit``, its size is asked first (HEAD), so an object larger than ``limit`` is
+        refused without a byte of it fetched (one replaced in between by a larger one: refused after the GET)."""
         import obstore
 
         if limit is not None:
-            size = self.size(name)
-            check_limit(self.url, name, size, limit)
-            buf = bytearray(size)
-            n = self.read_into(name, 0, memoryview(buf))
-            return bytes(buf[:n])
+            check_limit(self.url, name, self.size(name), limit)
+            data = bytes(self._call(name, "GET", lambda st, k: obstore.get(st, k).bytes()))
+            check_limit(self.url, name, len(data), limit)
+            return data
         return bytes(self._call(name, "GET", lambda st, k: obstore.get(st, k).bytes()))
 
     def size(self, name: str) -> int:
