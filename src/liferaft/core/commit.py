@@ -22,6 +22,7 @@ from liferaft.errors import (
     UnsafePathError,
 )
 from liferaft.format.layout import COMMIT_MARKER, DATA_DIR, is_stale, manifest_name
+from liferaft.format.limits import MAX_MANIFEST_BYTES, MAX_MARKER_BYTES
 from liferaft.format.manifest import ChunkRecord, CommitMarker, Manifest, decode_commit_marker, decode_manifest
 from liferaft.planning.geometry import check_chunks_tile
 from liferaft.storage import Storage
@@ -57,10 +58,10 @@ def publish_commit(storage: Storage, record: CommitRecord) -> None:
     storage.put_atomic(COMMIT_MARKER, record.marker)
 
 
-#: A commit marker is a tiny JSON document: a larger ``COMMIT`` (a link to /dev/zero, a sparse file) is refused.
-MARKER_LIMIT = 64 << 10
-#: No manifest is larger than this (100,000 tensors take tens of MB): a marker saying more is refused.
-MANIFEST_LIMIT = 1 << 30
+#: A commit marker is a tiny JSON document: a larger ``COMMIT`` (a sparse file) is refused before it is read.
+MARKER_LIMIT = MAX_MARKER_BYTES
+#: No manifest is larger than this: a marker saying more is refused.
+MANIFEST_LIMIT = MAX_MANIFEST_BYTES
 
 
 def read_marker(storage: Storage) -> bytes:
