@@ -5,7 +5,7 @@ PYTHON ?= python3
 # test processes side by side (pytest-xdist; a test file stays on one worker, so its module fixtures start once)
 TEST_WORKERS ?= 2
 
-.PHONY: demo test bench clean
+.PHONY: demo test fuzz bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,6 +19,12 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
+
+# The fuzzing suite (tests/fuzz, docs/SECURITY.md) far longer than `make test` runs it: random seeds, FUZZ_EXAMPLES
+# examples per target, a 4 GiB address-space limit; prints the examples run per target.
+FUZZ_EXAMPLES ?= 120
+fuzz: $(VENV)/.installed
+	$(PY) tests/fuzz/run.py --random --examples $(FUZZ_EXAMPLES)
 
 # Peer libraries the benchmark compares against (not needed by liferaft or its tests). ByteCheckpoint 0.0.2 pins
 # torch<=2.5, so it goes in without its dependencies, which are added here (torch stays 2.13.0).

@@ -132,6 +132,11 @@ def _recording(bounds: Bounds, name: str) -> Iterator[None]:
             bounds.failures.append(f"{name}: opened files outside the checkpoint: {bad[:5]}")
 
 
+def _abort(bounds: Bounds) -> None:
+    """A hang or an allocation bomb: the example stops here (the next calls would likely do the same)."""
+    raise AssertionError("\n".join(bounds.failures))
+
+
 def call(bounds: Bounds, name: str, fn: Callable[[], Any]) -> Outcome:
     """Run ``fn`` under the bounds: its value, or the LiferaftError it raised; anything else is a failure
     recorded in ``bounds.failures`` (the test reports them all at the end of the example)."""
@@ -144,6 +149,10 @@ def call(bounds: Bounds, name: str, fn: Callable[[], Any]) -> Outcome:
         return Outcome(name, False, error=e)
     except CallTimeout:
         bounds.failures.append(f"{name}: no answer within {bounds.timeout} s")
+        _abort(bounds)
+    except MemoryError:
+        bounds.failures.append(f"{name}: MemoryError (an allocation beyond the fuzz process's memory limit)")
+        _abort(bounds)
     except RecursionError as e:
         bounds.failures.append(f"{name}: raw RecursionError: {str(e)[:200]}")
     except Exception as e:
@@ -162,7 +171,7 @@ def run_cli(bounds: Bounds, argv: list[str]) -> tuple[int, str, str]:
             rc = cli_main(argv)
     except CallTimeout:
         bounds.failures.append(f"{name}: no answer within {bounds.timeout} s")
-        return rc, out.getvalue(), err.getvalue()
+        _abort(bounds)
     except BaseException as e:  # a traceback escapes main
         bounds.failures.append(f"{name}: {type(e).__name__} escaped main: {str(e)[:300]}")
         return rc, out.getvalue(), err.getvalue()

@@ -33,10 +33,11 @@ def _tensors_match(bounds: Bounds, name: str, got: Any, want: Any) -> None:
 
 
 def exercise(data: st.DataObject, bounds: Bounds, src: str, *, fmt: str, expected: Any, original: str,
-             strict: bool, out: str, root: str | None = None) -> None:
+             strict: bool, out: str, root: str | None = None, refuse: str | None = None) -> None:
     """Call everything on ``src`` (format ``fmt``; ``original``: the untouched copy; ``expected``: what reading it
-    gives). ``strict``: a success must give ``expected`` exactly; else only a well-formed answer. One convert target
-    and one CLI command are drawn per example (each example costs every API call)."""
+    gives). ``strict``: a success must give ``expected`` exactly; else only a well-formed answer. ``refuse``: why
+    the input is invalid (the test knows it): reading its tensors must raise. One convert target and one CLI command
+    are drawn per example (each example costs every API call)."""
     r = call(bounds, "read", lambda: liferaft.read(src))
     if strict and r.ok:
         _compare(bounds, "read", r.value, expected)
@@ -70,6 +71,10 @@ def exercise(data: st.DataObject, bounds: Bounds, src: str, *, fmt: str, expecte
     if strict and cmd == "verify" and rc == 0 and not r.ok:
         bounds.failures.append("liferaft verify exit 0 where read refused")
     del i
+    if refuse:
+        for o in (r, v, ld, c):
+            if o.ok:
+                bounds.failures.append(f"{o.name} accepted an invalid input ({refuse})")
     harness.canary_check(bounds)
 
 
@@ -99,9 +104,10 @@ class Workspace:
     def __exit__(self, *exc: object) -> None:
         shutil.rmtree(self.top, ignore_errors=True)
 
-    def run(self, data: st.DataObject, strict: bool) -> None:
+    def run(self, data: st.DataObject, strict: bool, refuse: str | None = None) -> None:
         """Exercise every call on ``src`` and fail with every broken promise found."""
         exercise(data, self.bounds, self.src, fmt=self.seed.fmt, expected=self.seed.expected,
                  original=self.seed.path, strict=strict, out=self.out,
-                 root=self.base if self.seed.fmt == "liferaft" and "native" in self.seed.base else None)
+                 root=self.base if self.seed.fmt == "liferaft" and "native" in self.seed.base else None,
+                 refuse=refuse)
         assert not self.bounds.failures, "\n".join(self.bounds.failures)
