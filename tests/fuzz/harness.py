@@ -29,7 +29,7 @@ from liferaft.cli import main as cli_main
 from liferaft.errors import LiferaftError
 
 
-class CallTimeout(BaseException):  # noqa: N818 (not an Exception: liferaft must not be able to swallow it)
+class CallTimeout(BaseException):  # not an Exception: liferaft must not be able to swallow it
     """A call ran past its time bound (raised by SIGALRM in the main thread)."""
 
 
@@ -155,7 +155,7 @@ def call(bounds: Bounds, name: str, fn: Callable[[], Any]) -> Outcome:
         _abort(bounds)
     except RecursionError as e:
         bounds.failures.append(f"{name}: raw RecursionError: {str(e)[:200]}")
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 (any other exception is the failure being looked for)
         bounds.failures.append(f"{name}: raw {type(e).__name__}: {str(e)[:300]}")
     return Outcome(name, False, error=None)
 
@@ -172,7 +172,7 @@ def run_cli(bounds: Bounds, argv: list[str]) -> tuple[int, str, str]:
     except CallTimeout:
         bounds.failures.append(f"{name}: no answer within {bounds.timeout} s")
         _abort(bounds)
-    except BaseException as e:  # a traceback escapes main
+    except BaseException as e:  # noqa: BLE001 (a traceback escapes main)
         bounds.failures.append(f"{name}: {type(e).__name__} escaped main: {str(e)[:300]}")
         return rc, out.getvalue(), err.getvalue()
     text = err.getvalue()
@@ -216,7 +216,7 @@ def same(a: Any, b: Any) -> bool:
         return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
     try:
         return bool(a == b) and type(a) is type(b)
-    except Exception:
+    except Exception:  # noqa: BLE001 (values that cannot be compared are not the same)
         return False
 
 

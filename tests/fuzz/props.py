@@ -98,7 +98,7 @@ class Workspace:
             f.write(b"secret bytes no checkpoint may reach" * 4)
         self.bounds = Bounds(timeout, (self.base, self.out, seed.base))
 
-    def __enter__(self) -> Workspace:
+    def __enter__(self) -> Workspace:  # noqa: PYI034
         return self
 
     def __exit__(self, *exc: object) -> None:

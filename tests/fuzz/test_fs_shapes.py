@@ -65,7 +65,7 @@ def test_fs_shape(seeds, call_timeout, case, data):
         elif which == "manifest":
             path = os.path.join(w.src, read_manifest(w.src)[1])
         elif which == "shard":
-            path = os.path.join(w.src, sorted(f for f in os.listdir(w.src) if f.endswith(".safetensors"))[0])
+            path = os.path.join(w.src, min(f for f in os.listdir(w.src) if f.endswith(".safetensors")))
         else:
             path = os.path.join(w.src, which)
         if target == "secret":
