@@ -45,6 +45,9 @@ class Seed:
     fmt: str
     expected: Any
 
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:   # hypothesis prints the fixtures of a failing example
+        p.text(f"Seed({self.fmt}: {self.rel})")
+
     @property
     def path(self) -> str:
         return os.path.join(self.base, self.rel)

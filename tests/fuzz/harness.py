@@ -85,6 +85,8 @@ def outside(records: list[str], allowed: tuple[str, ...]) -> list[str]:
             continue
         if where.startswith(_PYTHON_FILES) or where.startswith(_SYSTEM) or where in ("/dev/null", "/proc/self"):
             continue
+        if r[0] == "D" and where in {os.path.realpath(p or ".") for p in sys.path}:
+            continue                 # the import system lists the folders of sys.path (a lazy import)
         bad.append(f"{r[1:]} -> {where}" if where != r[1:] else where)
     return bad
 
@@ -132,6 +134,14 @@ def _recording(bounds: Bounds, name: str) -> Iterator[None]:
             bounds.failures.append(f"{name}: opened files outside the checkpoint: {bad[:5]}")
 
 
+def _origin(e: BaseException) -> str:
+    """Where ``e`` was raised: the innermost frames inside liferaft."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if f"{os.sep}liferaft{os.sep}" in f.filename]
+    return " < ".join(f"{f.filename.rsplit(os.sep + 'liferaft' + os.sep, 1)[-1]}:{f.lineno}" for f in frames[::-1][:3])
+
+
 def _abort(bounds: Bounds) -> None:
     """A hang or an allocation bomb: the example stops here (the next calls would likely do the same)."""
     raise AssertionError("\n".join(bounds.failures))
@@ -156,7 +166,7 @@ def call(bounds: Bounds, name: str, fn: Callable[[], Any]) -> Outcome:
     except RecursionError as e:
         bounds.failures.append(f"{name}: raw RecursionError: {str(e)[:200]}")
     except Exception as e:  # noqa: BLE001 (any other exception is the failure being looked for)
-        bounds.failures.append(f"{name}: raw {type(e).__name__}: {str(e)[:300]}")
+        bounds.failures.append(f"{name}: raw {type(e).__name__}: {str(e)[:300]} (at {_origin(e)})")
     return Outcome(name, False, error=None)
 
 
