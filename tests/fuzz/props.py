@@ -41,7 +41,13 @@ def exercise(data: st.DataObject, bounds: Bounds, src: str, *, fmt: str, expecte
     r = call(bounds, "read", lambda: liferaft.read(src))
     if strict and r.ok:
         _compare(bounds, "read", r.value, expected)
-    i = call(bounds, "inspect", lambda: str(liferaft.inspect(src)))
+    i = call(bounds, "inspect", lambda: liferaft.inspect(src))
+    if i.ok:
+        call(bounds, "str(inspect)", lambda: str(i.value))
+    if r.ok and i.ok and fmt == "liferaft":            # whatever a sealed manifest says, read returns all of it
+        lost = sorted({t.key for t in i.value.tensors} - set(flat(r.value)))
+        if lost:
+            bounds.failures.append(f"read dropped tensors the manifest declares: {lost[:5]}")
     v = call(bounds, "verify", lambda: liferaft.verify(src))
     if strict and v.ok and not r.ok:
         bounds.failures.append(f"verify said OK where read refused: {r.error}")
@@ -70,7 +76,6 @@ def exercise(data: st.DataObject, bounds: Bounds, src: str, *, fmt: str, expecte
     rc, _, _ = run_cli(bounds, argv)
     if strict and cmd == "verify" and rc == 0 and not r.ok:
         bounds.failures.append("liferaft verify exit 0 where read refused")
-    del i
     if refuse:
         for o in (r, v, ld, c):
             if o.ok:

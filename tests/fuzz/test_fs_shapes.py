@@ -88,3 +88,32 @@ def test_canary_is_live():
         assert fuzz_canary.fired() and os.path.exists(fuzz_canary.MARKER)
     finally:
         fuzz_canary.reset()
+
+
+@pytest.mark.parametrize("damage", ["deep manifest", "planted DCP pickle", "truncated torch file"])
+def test_cli_subprocess_sample(seeds, call_timeout, damage):
+    """A sample of the CLI as users run it (``python -m liferaft``, a fresh process): exit 1, one line on stderr,
+    no traceback, the canary untouched."""
+    import subprocess
+    import sys
+
+    seed = {"deep manifest": "native", "planted DCP pickle": "dcp", "truncated torch file": "torch"}[damage]
+    with Workspace(seeds[seed], call_timeout) as w:
+        if damage == "deep manifest":
+            from liferaft.testing.tamper import write_manifest_bytes
+
+            write_manifest_bytes(w.src, b'{"a":' * 50_000 + b"1" + b"}" * 50_000)
+        elif damage == "planted DCP pickle":
+            with open(os.path.join(w.src, ".metadata"), "wb") as f:
+                f.write(planted()[1])
+        else:
+            with open(w.src, "r+b") as f:
+                f.truncate(os.path.getsize(w.src) // 2)
+        cmds = {"deep manifest": ["inspect", w.src], "planted DCP pickle": ["read", w.src],
+                "truncated torch file": ["convert", w.src, os.path.join(w.out, "c"), "--to", "liferaft"]}
+        for cmd in [cmds[damage]]:            # one process each: a fresh interpreter costs seconds
+            p = subprocess.run([sys.executable, "-m", "liferaft", *cmd], capture_output=True, text=True,
+                               timeout=60 + call_timeout)
+            assert p.returncode == 1 and "Traceback" not in p.stderr and len(p.stderr.splitlines()) == 1, \
+                f"liferaft {cmd[0]}: exit {p.returncode}, stderr {p.stderr[-500:]!r}"
+        assert not fuzz_canary.fired(), fuzz_canary.what()
