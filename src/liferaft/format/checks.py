@@ -51,7 +51,8 @@ def check_tree(leaves: Iterable[tuple[str, Sequence[PathPart]]],
                containers: Iterable[tuple[Sequence[PathPart], str, Sequence[PathPart] | None]]) -> str | None:
     """The problem with a saved tree, or None. ``leaves``: (key, path) of every tensor and value; ``containers``:
     (path, kind, listed children or None). The tree holds when: paths have at most ``MAX_NESTING`` parts; no
-    path is used twice (by two leaves, two containers, or a leaf and a container); nothing lies under a leaf;
+    path is used twice (by two leaves, two containers, or a leaf and a container); every key is its path joined
+    by ``.``; nothing lies under a leaf;
     a list / tuple container's children are exactly the indices 0..n-1; listed children are distinct and name
     what lies under the container (some may be missing: a load with ``keys=`` saved a part)."""
     kinds: dict[tuple[PathPart, ...], str] = {}
@@ -72,6 +73,8 @@ def check_tree(leaves: Iterable[tuple[str, Sequence[PathPart]]],
         p = tuple(path)
         if len(p) > MAX_NESTING:
             return f"key {key!r:.200}: its path has {len(p)} parts, more than {MAX_NESTING}"
+        if key != ".".join(str(x) for x in p):          # FORMAT.md §7: a key is its path's parts joined by "."
+            return f"key {key!r:.200} is not its path {list(p)!r:.200} joined by '.'"
         if p in leaf_paths or p in kinds:
             return f"key {key!r:.200}: its path {list(p)!r:.200} is used twice"
         leaf_paths[p] = key

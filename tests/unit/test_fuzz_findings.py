@@ -1,0 +1,52 @@
+"""Regressions for what the fuzzing suite (tests/fuzz) found, each a class of input, with the API and the CLI."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import liferaft
+from liferaft.cli import main
+from liferaft.errors import CorruptCheckpointError
+from liferaft.testing import tamper
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    path = str(tmp_path / "ck")
+    liferaft.save(path, {"model": {"w": torch.arange(6.0), "u": torch.ones(2, dtype=torch.uint8)},
+                         "meta": {"step": 3}})
+    return path
+
+
+def _set_path(section: str, index: int, path: list):
+    def edit(doc):
+        doc[section][index]["path"] = path
+    return edit
+
+
+@pytest.mark.parametrize("section,path", [
+    ("tensors", [2**63 - 1, "w"]),      # the tensor vanished from read's tree and convert --to torch hit a KeyError
+    ("tensors", [0, "w"]),              # read put it under "0.w" while inspect said "model.w"
+    ("tensors", ["model", "other"]),
+    ("values", ["meta", "step"]),
+])
+def test_key_must_be_its_path_joined(ckpt, capsys, section, path):
+    """FORMAT.md §7: a key is its path's parts joined by '.'; a sealed manifest whose key and path disagree is
+    corrupt (read and export otherwise disagreed on where the leaf lies)."""
+    tamper.rewrite_manifest(ckpt, _set_path(section, 0, path))
+    for fn in (liferaft.read, liferaft.inspect, liferaft.verify):
+        with pytest.raises(CorruptCheckpointError, match="joined"):
+            fn(ckpt)
+    capsys.readouterr()
+    assert main(["convert", ckpt, ckpt + ".pt", "--to", "torch"]) == 1
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "joined" in err
+
+
+def test_keys_with_dots_in_a_dict_key_still_round_trip(tmp_path):
+    path = str(tmp_path / "ck")
+    state = {"a.b": torch.arange(3), "c": {"d.e": 5}}
+    liferaft.save(path, state)
+    back = liferaft.read(path)
+    assert torch.equal(back["a.b"], state["a.b"]) and back["c"] == {"d.e": 5}
