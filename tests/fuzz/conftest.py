@@ -104,6 +104,16 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("filterwarnings", "ignore::UserWarning")       # lossy loads warn, by design
 
 
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """The fuzz process's address space at the end (it runs under RLIMIT_AS: tests/fuzz/run.py)."""
+    try:
+        with open("/proc/self/status") as f:
+            vm = [line.split(":")[1].strip() for line in f if line.startswith(("VmPeak", "VmSize", "VmHWM"))]
+        terminalreporter.write_line(f"fuzz process memory: VmPeak {vm[0]}, VmSize {vm[1]}, VmHWM (RSS peak) {vm[2]}")
+    except (OSError, IndexError):
+        pass
+
+
 @pytest.fixture(scope="session")
 def call_timeout() -> int:
     return CALL_TIMEOUT

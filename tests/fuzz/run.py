@@ -22,7 +22,8 @@ def main() -> None:
     args, rest = p.parse_known_args()
     limit = int(args.memory_gib * (1 << 30))
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    env = dict(os.environ, LIFERAFT_FUZZ_EXAMPLES=str(args.examples), LIFERAFT_FUZZ_RANDOM="1" if args.random else "",
+    # glibc reserves 64 MiB of address space per thread's malloc arena: few arenas, so the limit bounds allocations
+    env = dict(os.environ, MALLOC_ARENA_MAX="2", LIFERAFT_FUZZ_EXAMPLES=str(args.examples), LIFERAFT_FUZZ_RANDOM="1" if args.random else "",
                LIFERAFT_FUZZ_CALL_TIMEOUT=str(args.call_timeout))
     here = os.path.dirname(os.path.abspath(__file__))
     argv = [sys.executable, "-m", "pytest", here, "-p", "no:cacheprovider", "-q", "-p", "no:xdist",

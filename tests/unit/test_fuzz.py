@@ -12,7 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def test_fuzz_suite_bounded_budget():
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "fuzz", "run.py"), "--examples", "6",
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "fuzz", "run.py"), "--examples", "8",
                            "--call-timeout", "10"], cwd=ROOT, capture_output=True, text=True, timeout=900)
     tail = (proc.stdout + proc.stderr)[-6000:]
     assert proc.returncode == 0, f"the fuzzing suite failed (exit {proc.returncode}):\n{tail}"

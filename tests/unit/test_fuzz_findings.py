@@ -1,4 +1,4 @@
-"""Regressions for what the fuzzing suite (tests/fuzz) found, each a class of input, with the API and the CLI."""
+"""Regressions for what the fuzzing suite (tests/fuzz) found in sealed (re-signed) manifests, each a class of input."""
 
 from __future__ import annotations
 
@@ -50,3 +50,16 @@ def test_keys_with_dots_in_a_dict_key_still_round_trip(tmp_path):
     liferaft.save(path, state)
     back = liferaft.read(path)
     assert torch.equal(back["a.b"], state["a.b"]) and back["c"] == {"d.e": 5}
+
+
+def test_a_node_without_a_container_entry_keeps_what_lies_under_it(ckpt):
+    """A sealed manifest whose container ``model`` is recorded at ``["model", "model"]`` instead: read dropped the
+    whole ``model`` subtree (build_tree attached only direct children); now every tensor the manifest declares
+    comes back."""
+    def edit(doc):
+        c = next(c for c in doc["containers"] if c["path"] == ["model"])
+        c["path"] = ["model", "model"]
+    tamper.rewrite_manifest(ckpt, edit)
+    tree = liferaft.read(ckpt)
+    assert torch.equal(tree["model"]["w"], torch.arange(6.0)) and tree["model"]["model"] == {}
+    assert {t.key for t in liferaft.inspect(ckpt).tensors} == {"model.w", "model.u"}

@@ -12,11 +12,16 @@ PathPart = str | int
 def build_tree(kinds: Mapping[tuple[PathPart, ...], str], leaves: Mapping[tuple[PathPart, ...], Any],
                orders: Mapping[tuple[PathPart, ...], Sequence[PathPart]] | None = None) -> Any:
     """Nested dict/list/tuple from container kinds and leaf values keyed by path, children in saved order. Built
-    deepest level first, without recursion: however long a path a (foreign) checkpoint's keys make."""
+    deepest level first, without recursion: however long a path a (foreign) checkpoint's keys make. A node on the
+    way to a leaf or container that has no kind of its own is a dict (nothing below it is dropped)."""
     children: dict[tuple[PathPart, ...], list[PathPart]] = {p: [] for p in kinds}
+    seen: set[tuple[PathPart, ...]] = set()
     for p in list(kinds) + list(leaves):
-        if p:
-            children.setdefault(p[:-1], []).append(p[-1])
+        for i in range(len(p), 0, -1):             # every node on the way, not only the parent
+            if p[:i] in seen:
+                break
+            seen.add(p[:i])
+            children.setdefault(p[:i - 1], []).append(p[i - 1])
     for p, order in (orders or {}).items():
         if p in children:
             present = set(children[p])
