@@ -405,3 +405,38 @@ def test_strings_with_escaped_surrogates_still_round_trip(tmp_path):
     state = {"files": ["caf\udce9.txt", "\U0001f600"], "t": torch.ones(1)}
     liferaft.save(path, state)
     assert liferaft.read(path)["files"] == state["files"]
+
+
+_CLAIMS_RUN = """
+import resource, sys, torch, liferaft
+resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))
+p = sys.argv[1]
+for name, call in [("read", lambda: liferaft.read(p)), ("verify", lambda: liferaft.verify(p)),
+                   ("diff", lambda: liferaft.diff(p, p)), ("convert", lambda: liferaft.convert(p, p + ".st", to="safetensors")),
+                   ("load", lambda: liferaft.load(p, {"model": {"w": torch.empty(0)}}, strict=False))]:
+    try:
+        call()
+        print(name, "returned")
+    except liferaft.LiferaftError as e:
+        print(name, "refused")
+    except BaseException as e:
+        print(name, "RAW", type(e).__name__, e)
+"""
+
+
+def test_file_sizes_the_manifest_claims_are_checked_before_allocating(ckpt):
+    import subprocess
+    import sys
+
+    def edit(doc):
+        t = _tensor(doc)
+        t["shape"] = [2 ** 60, 1]
+        c = t["chunks"][0]
+        c.update(sizes=[2 ** 60, 1], length=2 ** 62, block_size=2 ** 62, hashes=["0" * 16])
+        doc["files"][c["file"]] = 2 ** 62
+    tamper.rewrite_manifest(ckpt, edit)
+    r = subprocess.run([sys.executable, "-c", _CLAIMS_RUN, ckpt], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    lines = r.stdout.split("\n")
+    assert [ln for ln in lines if ln.endswith("refused")] == [f"{n} refused" for n in ("read", "verify", "diff",
+                                                                                       "convert", "load")], r

@@ -31,6 +31,7 @@ def read(path: str | os.PathLike[str], keys: Sequence[str] | None = None, *,
     try:
         chosen = set(select(reader.keys, keys, url=reader.url, error=StateMismatchError))
         specs = [t for k, t in reader.tensors.items() if k in chosen]
+        reader.check_present([t.key for t in specs])        # (sizes the manifest claims hold, before allocating)
         targets = [torch.empty(t.shape, dtype=torch_dtype(t.dtype)) for t in specs]
         reader.plan([(t.key, (tuple(0 for _ in t.shape), t.shape), out) for t, out in zip(specs, targets)]).run()
         world = reader.world_size or 1

@@ -226,6 +226,8 @@ def _diff(ra: Reader, rb: Reader, keys: Sequence[str] | None, tolerance: float, 
     _select((sa, sb), keys, parts)
     lenient = not (ra.fmt == rb.fmt == "liferaft")     # other formats do not record container types
     ta, tb, va, vb = sa.tensors, sb.tensors, sa.values, sb.values
+    ra.check_present([ta[k] for k in ta if k in tb])    # the sizes the manifests claim hold, before any slab
+    rb.check_present([tb[k] for k in tb if k in ta])
     every = list(dict.fromkeys([*ta, *va, *tb, *vb]))
     out: list[KeyDiff] = []
     batch: list[tuple[int, str, tuple[int, ...], torch.dtype]] = []     # small tensors not compared yet

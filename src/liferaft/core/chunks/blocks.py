@@ -15,6 +15,9 @@ from liferaft.errors import CorruptCheckpointError
 from liferaft.format.manifest import ChunkRecord
 from liferaft.storage.base import Storage
 
+#: reads longer than this check the file's size first (a manifest's claim is never allocated before it holds)
+_CHECK_SIZE_ABOVE = 64 << 20
+
 
 def decode_stored(stored: memoryview, rec: ChunkRecord, first: int, end: int, dtype: str, where: str) -> memoryview:
     """The raw bytes of blocks ``[first, end)`` of ``rec`` from their stored bytes (not yet XORed, not verified)."""
@@ -38,6 +41,14 @@ def read_blocks(storage: Storage, rec: ChunkRecord, first: int, end: int, dtype:
     file and key on a missing file, short read, bad frame or checksum mismatch."""
     offset, length = rec.frame_span(first, end)
     where = f"file {rec.file!r} (key {key!r}, chunk at {list(rec.offsets)}, blocks {first}..{end})"
+    if length > _CHECK_SIZE_ABOVE:          # the manifest's claim, checked against the file before allocating
+        try:
+            size = storage.size(rec.file)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{storage.url}: data file {rec.file!r} is missing") from None
+        if offset + length > size:
+            raise CorruptCheckpointError(f"{where}: the file is truncated ({size} bytes, the chunk's blocks end at "
+                                         f"{offset + length})")
     buf = bytearray(length)
     try:
         n = storage.read_into(rec.file, offset, memoryview(buf))
