@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from liferaft.core.open import open_reader
+from liferaft.core.process import in_call
 from liferaft.dist import Coordinator
 from liferaft.errors import InvalidStateError, LossyCheckpointError, StateMismatchError
 from liferaft.formats.base import Box, BoxRead, Reader, TensorSpec
@@ -37,6 +38,7 @@ __all__ = ["load"]
 PathLike = str | os.PathLike[str]
 
 
+@in_call
 def load(path: PathLike | Storage, state: Any, *, process_group: Any = None, strict: bool = True,
          options: LoadOptions | None = None) -> LoadResult:
     """Load the checkpoint at ``path`` into ``state`` in place, in the layout ``state`` has now.

@@ -7,6 +7,7 @@ import os
 
 from liferaft.core.commit import open_checkpoint
 from liferaft.core.native import NativeReader
+from liferaft.core.process import in_call
 from liferaft.dist import Coordinator
 from liferaft.errors import CheckpointNotFoundError, StateMismatchError
 from liferaft.formats.base import Reader
@@ -82,4 +83,4 @@ def _open_foreign(path: str, fmt: Format) -> Reader:
     return TorchFileReader(path)
 
 
-__all__ = ["format_of", "open_reader"]
+__all__ = ["format_of", "in_call", "open_reader"]

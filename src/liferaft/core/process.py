@@ -15,8 +15,11 @@ drops both pools; otherwise they live until the process exits.
 
 from __future__ import annotations
 
+import functools
 import threading
-from typing import Any
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
 
 from liferaft.dist import Coordinator
 from liferaft.errors import CheckpointBusyError, LiferaftError
@@ -24,6 +27,72 @@ from liferaft.options import SaveOptions, SaveResult
 from liferaft.staging.pool import BufferPool, PoolClosedError
 
 SYNC_RING = 64 << 20        # the ring a sync save streams through, unless the async pool is there
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class CallGate:
+    """Keeps ``liferaft.release()`` out of the way of liferaft calls running in other threads.
+
+    Every public call that uses what ``release`` frees (the pools, the codec threads, the gloo groups) runs inside
+    :meth:`call` (the decorator :func:`in_call`); :meth:`exclusive` (``release``) waits until no call runs and holds
+    new calls back until it is done. ``release`` from inside a call of its own thread (a ``state_dict()`` hook
+    calling it) cannot wait for itself: CheckpointBusyError.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._active = 0
+        self._releasing = False
+        self._local = threading.local()
+
+    @contextmanager
+    def call(self) -> Iterator[None]:
+        depth = getattr(self._local, "depth", 0)
+        with self._cond:
+            while self._releasing and depth == 0:
+                self._cond.wait()
+            self._active += 1
+        self._local.depth = depth + 1
+        try:
+            yield
+        finally:
+            self._local.depth = depth
+            with self._cond:
+                self._active -= 1
+                self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        if getattr(self._local, "depth", 0):
+            raise CheckpointBusyError("liferaft.release() was called from inside a liferaft call of the same thread "
+                                      "(a state_dict() or load_state_dict() hook?): call it after the save or load "
+                                      "returns")
+        with self._cond:
+            while self._releasing:
+                self._cond.wait()
+            self._releasing = True
+            while self._active:
+                self._cond.wait()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._releasing = False
+                self._cond.notify_all()
+
+
+#: The process's one gate between liferaft calls and ``release``.
+CALLS = CallGate()
+
+
+def in_call(fn: F) -> F:
+    """Run ``fn`` inside ``CALLS.call()`` (a ``release`` from another thread waits for it to return)."""
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with CALLS.call():
+            return fn(*args, **kwargs)
+    return wrapper  # type: ignore[return-value]
 
 
 class AsyncSaveHandle:

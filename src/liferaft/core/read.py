@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from liferaft.core.open import format_of, open_reader
+from liferaft.core.process import in_call
 from liferaft.errors import CorruptCheckpointError, StateMismatchError
 from liferaft.formats.base import CheckReport, select
 from liferaft.options import MAX_READ_BYTES, MIN_READ_BYTES, LoadOptions, check_int, check_path
@@ -17,6 +18,7 @@ from liferaft.state.dtypes import torch_dtype
 from liferaft.state.values import as_leaf, per_rank_leaf
 
 
+@in_call
 def read(path: str | os.PathLike[str], keys: Sequence[str] | None = None, *,
          options: LoadOptions | None = None) -> Any:
     """Read a checkpoint of any format in one process, without a template: full tensors, in the saved nesting
@@ -111,6 +113,7 @@ class CheckpointInfo:
         return "\n".join(lines)
 
 
+@in_call
 def inspect(path: str | os.PathLike[str]) -> CheckpointInfo:
     """Summary of the checkpoint at ``path``, in any format: keys, shapes, dtypes, chunks and bytes (from its
     metadata only: no tensor data is read)."""
@@ -144,6 +147,7 @@ class VerifyReport:
     unchecked: tuple[str, ...] = ()
 
 
+@in_call
 def check(path: str | os.PathLike[str], *, max_read_bytes: int = 32 << 20,
           progress: Callable[[int], None] | None = None) -> CheckReport:
     """What ``verify`` checks, reported instead of raised: every fault found, and what could not be checked. A

@@ -27,7 +27,7 @@ import torch
 from liferaft.codecs import frames
 from liferaft.core.chunks.writer import WriteOutcome, write_staged, write_streamed
 from liferaft.core.phases import PLANS, PreparedSave, finish_save, prepare_save
-from liferaft.core.process import PROCESS, AsyncSaveHandle
+from liferaft.core.process import CALLS, PROCESS, AsyncSaveHandle, in_call
 from liferaft.dist import Coordinator, release_groups
 from liferaft.options import SaveOptions, SaveResult, check_options, check_path
 from liferaft.staging.pool import BufferPool
@@ -42,6 +42,7 @@ __all__ = ["AsyncSaveHandle", "async_save", "release", "save"]
 PathLike = str | os.PathLike[str]
 
 
+@in_call
 def save(path: PathLike, state: Any, *, process_group: ProcessGroup | None = None,
          options: SaveOptions | None = None) -> SaveResult | None:
     """Save ``state`` to ``path``, collectively over ``process_group`` (default: the world, or one process).
@@ -78,6 +79,7 @@ def save(path: PathLike, state: Any, *, process_group: ProcessGroup | None = Non
     return dataclasses.replace(result, staging_bytes=pool.capacity if pool is not None else 0)
 
 
+@in_call
 def async_save(path: PathLike, state: Any, *, process_group: ProcessGroup | None = None,
                options: SaveOptions | None = None) -> AsyncSaveHandle | None:
     """Start a save of ``state`` to ``path``; return once this rank's snapshot is taken (``staging="blocking"``)
@@ -149,12 +151,16 @@ def _write_and_commit(coord: Coordinator, prep: PreparedSave, pieces: queue.Queu
 def release() -> None:
     """Free what liferaft keeps in this process between calls: wait for an ``async_save`` still in flight, then
     drop the buffer pools ``save``/``async_save`` reuse, the cached save plans, the codec threads
-    (``codecs.frames.shutdown``) and liferaft's gloo groups (of every process group). Not collective, and safe at any point between liferaft calls: the next call makes
-    what it needs anew (a first save is then as slow as the very first). Raises, after freeing everything, the
-    error of an async save that failed while nobody waited for it."""
-    try:
-        PROCESS.release()
-    finally:
-        PLANS.clear()
-        frames.shutdown()
-        release_groups()
+    (``codecs.frames.shutdown``) and liferaft's gloo groups (of every process group). Not collective; the next
+    call makes what it needs anew (a first save is then as slow as the very first). Raises, after freeing
+    everything, the error of an async save that failed while nobody waited for it. Called from another thread
+    while a liferaft call (save, load, read, verify, diff, convert, ...) runs there, it waits for that call to
+    return and holds new ones back until it is done; called from inside one (a ``state_dict()`` hook), it raises
+    CheckpointBusyError."""
+    with CALLS.exclusive():
+        try:
+            PROCESS.release()
+        finally:
+            PLANS.clear()
+            frames.shutdown()
+            release_groups()

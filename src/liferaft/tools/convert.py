@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from liferaft.core.open import open_reader
+from liferaft.core.open import in_call, open_reader
 from liferaft.errors import CorruptCheckpointError, OptionsError
 from liferaft.formats.base import check_patterns, matches, select
 from liferaft.formats.hf_folder import recorded_files
@@ -39,6 +39,7 @@ from liferaft.tools.export import (  # noqa: F401 - the API of this module too
 )
 
 
+@in_call
 def from_safetensors(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, keys: Sequence[str] | None = None,
                      rename: Sequence[tuple[str, str]] | None = None, options: Any = None) -> ConvertReport:
     """Import a safetensors file or Hugging Face folder (single or sharded) into a liferaft checkpoint at ``dst``
@@ -69,6 +70,7 @@ def _flat_selection(flat_items: Any, keys: Sequence[str] | None, rename: Sequenc
     return out
 
 
+@in_call
 def from_torch(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, keys: Sequence[str] | None = None,
                rename: Sequence[tuple[str, str]] | None = None, options: Any = None) -> ConvertReport:
     """Import a ``torch.save`` file into a liferaft checkpoint, nesting kept; with ``keys`` or ``rename`` a flat dict
@@ -89,6 +91,7 @@ def from_torch(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, keys
     return ConvertReport(files=(res.path,), tensors=n, bytes=res.total_bytes)
 
 
+@in_call
 def from_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, keys: Sequence[str] | None = None,
              rename: Sequence[tuple[str, str]] | None = None, options: Any = None) -> ConvertReport:
     """Import a PyTorch DCP checkpoint, streamed: its chunks are memory-mapped where DCP's blobs hold them
@@ -137,6 +140,7 @@ def detect_format(src: str | os.PathLike[str]) -> str:
     return detect(src)
 
 
+@in_call
 def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], to: ConvertFormat, *,
             source: ConvertFormat | None = None, keys: Sequence[str] | None = None,
             rename: Sequence[tuple[str, str]] | None = None, dtype: str | None = None,

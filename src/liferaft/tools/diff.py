@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from liferaft.core.open import open_reader
+from liferaft.core.open import in_call, open_reader
 from liferaft.errors import OptionsError
 from liferaft.formats.base import Reader, check_patterns, matches
 from liferaft.options import LoadOptions, check_int, check_number, check_options, check_path
@@ -174,6 +174,7 @@ def _select(sides: Sequence[_Side], keys: Sequence[str] | None, parts: dict[str,
         s.values = {n: v for n, v in s.values.items() if n in names}
 
 
+@in_call
 def diff(a: str | os.PathLike[str], b: str | os.PathLike[str], *, keys: Sequence[str] | None = None,
          tolerance: float = 0.0, rename: Sequence[tuple[str, str]] | None = None, module: str | None = None,
          slab_bytes: int = 64 << 20, options: LoadOptions | None = None,

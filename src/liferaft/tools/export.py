@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from liferaft.core.open import open_reader
+from liferaft.core.open import in_call, open_reader
 from liferaft.errors import InvalidStateError, OptionsError
 from liferaft.formats.base import Reader, TensorSpec, matches
 from liferaft.formats.hf_folder import model_subtree, plan_config, write_config
@@ -103,6 +103,7 @@ def refuse_per_rank(specs: Sequence[TensorSpec]) -> None:
             "with liferaft.read")
 
 
+@in_call
 def to_safetensors(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, max_shard_bytes: int = 5 << 30,
                    dtype: str | None = None, keys: Sequence[str] | None = None,
                    rename: Sequence[tuple[str, str]] | None = None,
@@ -219,6 +220,7 @@ def find_model(src: str | os.PathLike[str], module: str | None = None) -> str:
     return model_subtree(manifest_of(open_liferaft(src)), module)[0]
 
 
+@in_call
 def to_hf(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, module: str | None = None,
           config: str | os.PathLike[str] | None = None, max_shard_bytes: int = 5 << 30, dtype: str | None = None,
           keys: Sequence[str] | None = None, rename: Sequence[tuple[str, str]] | None = None,
@@ -357,6 +359,7 @@ def _ids(tree: Any, path: tuple[Any, ...], out: dict[int, tuple[Any, ...]]) -> N
             _ids(v, path + (i,), out)
 
 
+@in_call
 def to_torch(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, keys: Sequence[str] | None = None,
              rename: Sequence[tuple[str, str]] | None = None, dtype: str | None = None,
              progress: Callable[[int], None] | None = None, slab_bytes: int = SLAB) -> ConvertReport:
@@ -395,6 +398,7 @@ def to_torch(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, keys: 
     return ConvertReport(files=(os.fspath(dst),), tensors=len(tensors), bytes=size)
 
 
+@in_call
 def to_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, keys: Sequence[str] | None = None,
            rename: Sequence[tuple[str, str]] | None = None, dtype: str | None = None,
            progress: Callable[[int], None] | None = None, slab_bytes: int = SLAB) -> ConvertReport:

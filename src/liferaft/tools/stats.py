@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from liferaft.core.open import open_reader
+from liferaft.core.open import in_call, open_reader
 from liferaft.formats.base import Box, ChunkInfo, Reader, select
 from liferaft.formats.dcp import DcpReader
 from liferaft.tools._slabs import itemsize, read_box, slabs
@@ -94,6 +94,7 @@ def _stats(read: Callable[[Box], torch.Tensor], boxes: Sequence[Box]) -> dict[st
             "nan": nan, "inf": inf}
 
 
+@in_call
 def describe(path: str | os.PathLike[str], keys: Sequence[str] | None = None, *, stats: bool = False,
              slab_bytes: int = 64 << 20) -> list[KeyInfo]:
     """The tensors of a checkpoint selected by ``keys`` (keys, key prefixes or globs: ``formats.base.matches``):
