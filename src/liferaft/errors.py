@@ -63,6 +63,15 @@ class StorageError(LiferaftError):
     """The storage backend failed (I/O error, unknown URL scheme, ...)."""
 
 
+class FileAccessError(StorageError, OSError):
+    """A local file or folder could not be opened or put in place (permission denied, a name too long, a folder
+    where a file belongs, too many open files, ...): the message names it and says what to do. Also an
+    ``OSError`` with the ``errno`` of the failure, for code that tells them apart."""
+
+    def __str__(self) -> str:
+        return str(self.strerror) if self.strerror else super().__str__()
+
+
 class ReadOnlyRootError(StorageError):
     """A CheckpointManager root cannot be written (read-only file system, no write permission, PUT denied): the
     manager can restore from it and list its steps, but not save, pin or delete there."""

@@ -360,3 +360,78 @@ def test_the_files_module_refuses_links_fifos_devices_and_oversize(tmp_path):
     os.close(fd)
     os.close(at)
     assert not os.path.islink(tmp_path / "a" / "l") and (tmp_path / "a" / "f").read_bytes() == b"12345"
+
+
+# --------------------------------------------------------------------------- names too long, folders in the way
+
+
+@pytest.mark.parametrize("name", ["data/" + "a" * 300 + "/r00000.bin", "data/x/" + "é" * 128 + ".bin",
+                                  "../" + "s" * 300 + "/data/x"])
+def test_a_manifest_naming_a_component_longer_than_255_bytes_is_refused(tmp_path, name):
+    """One rule (format.limits.MAX_NAME_BYTES) for the manifest parser and storage.files: never a raw
+    ENAMETOOLONG, and verify reports rather than crashes."""
+    ck = saved(str(tmp_path / "ck"))
+    point_at(ck, name)
+    all_refused(ck, str(tmp_path), cli_too=True)
+    with pytest.raises(UnsafePathError, match="255 bytes"):
+        liferaft.verify(ck)
+
+
+def test_the_files_module_maps_every_open_failure_to_a_liferaft_error(tmp_path):
+    from liferaft.errors import FileAccessError
+    from liferaft.storage.files import open_path
+
+    with pytest.raises(UnsafePathError, match="255 bytes"):
+        open_read(str(tmp_path), "x" * 256)
+    with pytest.raises(FileAccessError, match="shorter") as e:
+        open_path(str(tmp_path / ("x" * 300)))
+    assert isinstance(e.value, OSError) and e.value.errno == 36     # still an OSError with its errno
+    (tmp_path / "d").mkdir()
+    with pytest.raises(FileAccessError, match="folder"):
+        create_exclusive(str(tmp_path), "d")
+    with pytest.raises(FileNotFoundError):                          # the storage contract: missing stays so
+        open_read(str(tmp_path), "missing")
+
+
+def test_a_dcp_file_name_longer_than_255_bytes_is_refused(tmp_path):
+    from liferaft.testing import foreign_files as ff
+
+    dcp = ff.dcp_folder(str(tmp_path / "dcp"))
+
+    def edit(meta):
+        for info in meta.storage_data.values():
+            object.__setattr__(info, "relative_path", "y" * 300 + ".distcp")
+    ff.rewrite_dcp_metadata(dcp, edit)
+    for call in (lambda: liferaft.read(dcp), lambda: liferaft.verify(dcp)):
+        assert isinstance(bounded(call), LiferaftError)
+    one_error(cli("read", dcp))
+
+
+@pytest.mark.parametrize("fmt,folder", [("safetensors", "model.safetensors"), ("safetensors", "model.safetensors.tmp"),
+                                        ("torch", "DST"), ("dcp", ".metadata")])
+def test_an_export_onto_a_folder_is_refused_and_leaves_no_temporary_file(tmp_path, fmt, folder):
+    src = saved(str(tmp_path / "ck"))
+    dst = str(tmp_path / ("m.pt" if fmt == "torch" else "out"))
+    if fmt == "torch":
+        os.makedirs(dst)
+    else:
+        os.makedirs(os.path.join(dst, folder))
+    e = bounded(lambda: liferaft.convert(src, dst, fmt))
+    assert isinstance(e, LiferaftError), e
+    where = dst if fmt == "torch" else os.path.join(dst, folder)
+    if fmt != "dcp":                                        # (a DCP destination holding .metadata: not empty)
+        assert where in str(e) and "folder" in str(e), e
+    left = [n for n in os.listdir(os.path.dirname(dst) if fmt == "torch" else dst) if ".tmp" in n]
+    assert left in ([], [folder]), left
+    one_error(cli("convert", src, dst, "--to", fmt))
+
+
+@pytest.mark.parametrize("which", ["data", "data/<id>"])
+def test_a_linked_folder_is_named_in_the_message_not_the_file_below_it(tmp_path, which):
+    ck = saved(str(tmp_path / "ck"))
+    folder = os.path.dirname(data_file(ck)) if which == "data/<id>" else os.path.join(ck, "data")
+    shutil.move(folder, str(tmp_path / "moved"))
+    os.symlink(str(tmp_path / "moved"), folder)
+    with pytest.raises(UnsafePathError) as e:
+        liferaft.read(ck)
+    assert str(e.value).startswith(f"{folder} (a folder on the way to"), e.value

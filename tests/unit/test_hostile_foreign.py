@@ -11,6 +11,7 @@ import pickle
 import struct
 import subprocess
 import sys
+import zipfile
 
 import pytest
 import torch
@@ -142,6 +143,51 @@ def _records(edit):
     return make
 
 
+def _past_storage(m):
+    """A (2, 3) view over a storage that holds 1 element (the pickle's numel and the record both shrunk)."""
+    pkl = next(k for k in m if k.endswith("data.pkl"))
+    m[pkl] = m[pkl].replace(b"X\x03\x00\x00\x00cpuq\x06K\x06", b"X\x03\x00\x00\x00cpuq\x06K\x01")
+    m[next(k for k in m if k.endswith("/data/0"))] = b"\0" * 4
+
+
+def _zip_edit(edit):
+    """A torch.save file of ``{"w": ones(1024)}`` rewritten by ``edit(path, zipfile of it)``."""
+    def make(p):
+        torch.save({"w": torch.ones(1024)}, p)
+        with zipfile.ZipFile(p) as z:
+            edit(p, z)
+    return make
+
+
+def _deflated(p, z):
+    """Every data record deflated: a valid zip that torch.load (no mmap) reads; a map would see compressed bytes."""
+    members = [(i.filename, z.read(i)) for i in z.infolist()]
+    with zipfile.ZipFile(p, "w") as out:
+        for name, blob in members:
+            out.writestr(name, blob, zipfile.ZIP_DEFLATED if "/data/" in name else zipfile.ZIP_STORED)
+
+
+def _oversized(p, z):
+    """A record of 16 bytes whose directory entries declare 4096 (CRC of the 16): a map would read past it."""
+    members = [(i.filename, z.read(i)) for i in z.infolist()]
+    with zipfile.ZipFile(p, "w") as out:
+        for name, blob in members:
+            out.writestr(name, blob[:16] if name.endswith("/data/0") else blob)
+            if name.endswith("/data/0"):
+                out.writestr(name[:-1] + "pad", bytes(range(256)) * 32)
+    raw = bytearray(open(p, "rb").read())
+    with zipfile.ZipFile(p) as zz:
+        info = next(i for i in zz.infolist() if i.filename.endswith("/data/0"))
+        struct.pack_into("<I", raw, info.header_offset + 22, 4096)
+    at = raw.find(b"PK\x01\x02")
+    while at != -1:
+        n = struct.unpack_from("<H", raw, at + 28)[0]
+        if bytes(raw[at + 46:at + 46 + n]).endswith(b"/data/0"):
+            struct.pack_into("<I", raw, at + 24, 4096)
+        at = raw.find(b"PK\x01\x02", at + 4)
+    open(p, "wb").write(raw)
+
+
 def _short(m):
     k = next(k for k in m if k.endswith("/data/0"))
     m[k] = m[k][:4]
@@ -154,11 +200,14 @@ TORCH_CASES = {
     "missing_record": (_records(lambda m: [m.pop(k) for k in list(m) if k.endswith("/data/0")]), "no record"),
     "short_record": (_records(_short), "its record holds"),
     "no_pickle": (_records(lambda m: [m.pop(k) for k in list(m) if k.endswith("data.pkl")]), "torch.save"),
-    "expanded": (lambda p: ff.torch_file(p, {"a": torch.ones(1).expand(2, 3)}), "'a'.*needs 24 bytes"),
-    "legacy_expanded": (lambda p: torch.save({"a": torch.ones(1).expand(2, 3)}, p,
-                                             _use_new_zipfile_serialization=False), "'a'.*needs 24 bytes"),
+    "view_past_storage": (_records(_past_storage), "'a'.*needs 24 bytes"),
+    "expansion_bomb": (lambda p: ff.torch_file(p, {"a": torch.ones(1).expand(2**40)}), "'a'.*once copied"),
+    "legacy_expansion_bomb": (lambda p: torch.save({"a": torch.ones(1).expand(2**40)}, p,
+                                                   _use_new_zipfile_serialization=False), "'a'.*once copied"),
     "shared_storage_bomb": (lambda p: ff.torch_file(p, {f"k{i}": t for t in [torch.zeros(1 << 20)]
-                                                       for i in range(100)}), "sharing storage"),
+                                                       for i in range(100)}), "once copied"),
+    "deflated_record": (_zip_edit(_deflated), "data/0' is compressed"),
+    "record_size_beyond_its_data": (_zip_edit(_oversized), "data/0' declares 4096 bytes but stores 16"),
     "sparse_coo": (lambda p: ff.torch_file(p, {"a": torch.eye(3).to_sparse()}), "'a'.*sparse"),
     "sparse_csr": (lambda p: ff.torch_file(p, {"a": torch.eye(3).to_sparse_csr()}), "'a'.*sparse_csr"),
     "sparse_bsr": (lambda p: ff.torch_file(p, {"a": torch.eye(4).to_sparse_bsr((2, 2))}), "'a'.*sparse_bsr"),
@@ -198,6 +247,31 @@ def test_broadcast_buffers_that_fit_their_storage_still_load(tmp_path):
     liferaft.verify(path)
     liferaft.convert(path, str(tmp_path / "st"), "safetensors")
     assert torch.equal(liferaft.read(str(tmp_path / "st"))["position_ids"], torch.arange(8)[None])
+
+
+BROADCASTS = {"zeros(1).expand(10)": lambda: torch.zeros(1).expand(10),
+              "arange(8).expand(4, 8)": lambda: torch.arange(8).expand(4, 8),
+              "arange(4.).expand(3, 1, 4)": lambda: torch.arange(4.).expand(3, 1, 4),
+              "tensor(1.).expand(2, 3)": lambda: torch.tensor(1.).expand(2, 3),
+              "column expand": lambda: torch.arange(3.)[:, None].expand(3, 5),
+              "expanded slice": lambda: torch.arange(10.)[4:6].expand(3, 2)}
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("legacy", [False, True])
+def test_small_broadcast_buffers_read_exactly_and_convert(tmp_path, legacy):
+    """A view whose extent (offset + Σ (size − 1) × stride + 1 elements) fits its storage reads, however many
+    elements it shows, while the file's copied bytes stay within the budget; the values survive convert."""
+    want = {k.replace(" ", "_"): make() for k, make in BROADCASTS.items()}
+    path = str(tmp_path / "b.pt")
+    torch.save(want, path, _use_new_zipfile_serialization=not legacy)
+    got = liferaft.read(path)
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+    liferaft.verify(path)
+    for to in ("safetensors", "liferaft"):
+        liferaft.convert(path, str(tmp_path / to), to)
+        back = liferaft.read(str(tmp_path / to))
+        assert all(torch.equal(back[k], v.contiguous()) for k, v in want.items()), to
 
 
 BOMB = """
@@ -273,13 +347,38 @@ def _blob_swap(tensor):
     return make
 
 
+def _blob_deflated(d):
+    """The blob of "a" re-zipped with its data record deflated (torch.load of the blob still reads it)."""
+    import io
+
+    ff.dcp_folder(d)
+
+    def edit(meta):
+        info = _storage(meta, "a")
+        file = os.path.join(d, info.relative_path)
+        with open(file, "rb") as f:
+            f.seek(info.offset)
+            src = zipfile.ZipFile(io.BytesIO(f.read(info.length)))
+        out = io.BytesIO()
+        with zipfile.ZipFile(out, "w") as z:
+            for i in src.infolist():
+                z.writestr(i.filename, src.read(i), zipfile.ZIP_DEFLATED if "/data/" in i.filename else 0)
+        at = os.path.getsize(file)
+        with open(file, "ab") as f:
+            f.write(out.getvalue())
+        object.__setattr__(info, "offset", at)
+        object.__setattr__(info, "length", len(out.getvalue()))
+    ff.rewrite_dcp_metadata(d, edit)
+
+
 DCP_CASES = {
     "overlapping_blobs": (_dcp_edit(_overlap), "overlapping bytes|overlap"),
     "past_end": (_dcp_edit(lambda m: object.__setattr__(_storage(m, "a"), "length", 10**9)), "truncated"),
     "negative_length": (_dcp_edit(lambda m: object.__setattr__(_storage(m, "a"), "length", -1)), "non-negative"),
     "beyond_int64": (_dcp_edit(lambda m: object.__setattr__(_storage(m, "a"), "offset", 2**70)), "non-negative"),
     "float_length": (_dcp_edit(lambda m: object.__setattr__(_storage(m, "a"), "length", 12.0)), "non-negative"),
-    "expanded_blob": (_blob_swap(torch.ones(1).expand(2, 3)), "'a'.*needs 24 bytes"),
+    "expanded_blob": (_blob_swap(torch.ones(1).expand(2**40)), "'a'.*once copied"),
+    "deflated_blob": (_blob_deflated, "data/0' is compressed"),
     "sparse_blob": (_blob_swap(torch.eye(2, 3).to_sparse()), "'a'"),
     "pickle_blob": (_blob_swap(Evil()), "weights_only"),
 }

@@ -31,3 +31,12 @@ MAX_UNIX_TIME = 253402300799.0
 MAX_MANIFEST_BYTES = 1 << 30
 MAX_MARKER_BYTES = 64 << 10
 MAX_ROOT_FILE_BYTES = 1 << 20       # LEASE, PINS, STARTS of a manager root
+
+#: Longest file or folder name (one path component, in UTF-8 bytes) liferaft writes or opens: the limit of every
+#: common local file system (NAME_MAX); a manifest or foreign index naming a longer one is refused by name.
+MAX_NAME_BYTES = 255
+
+
+def name_bytes(name: str) -> int:
+    """The bytes the one-component ``name`` takes on disk (UTF-8; a lone surrogate counted, not an error)."""
+    return len(name.encode("utf-8", "surrogatepass"))

@@ -22,10 +22,12 @@ from liferaft.format.limits import (
     MAX_INT,
     MAX_MANIFEST_BYTES,
     MAX_MARKER_BYTES,
+    MAX_NAME_BYTES,
     MAX_NDIM,
     MAX_NESTING,
     MAX_UNIX_TIME,
     MAX_WORLD_SIZE,
+    name_bytes,
 )
 
 FORMAT_NAME = "liferaft"
@@ -58,6 +60,9 @@ def check_relative_path(name: str, what: str = "file") -> str:
     norm = posixpath.normpath(name)
     if norm != name or norm == "." or norm.startswith("../") or norm == ".." or "/../" in f"/{norm}/":
         raise UnsafePathError(f"manifest {what} path {name!r} points outside the checkpoint; refusing to read it")
+    if any(name_bytes(part) > MAX_NAME_BYTES for part in name.split("/")):
+        raise UnsafePathError(f"manifest {what} path {name[:80]!r}... has a component longer than {MAX_NAME_BYTES} "
+                              "bytes, which no file system holds; the manifest is damaged or crafted")
     return name
 
 

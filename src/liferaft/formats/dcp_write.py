@@ -119,7 +119,8 @@ def write_dcp(dst: str | os.PathLike[str], items: Sequence[DcpItem], progress: C
             pickle.dump(meta, f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, ".metadata", src_dir_fd=at_dir, dst_dir_fd=at_dir)     # (a link there: replaced itself)
+        # (a link there: replaced itself; a folder: FileAccessError naming it, tmp removed)
+        files.put_in_place(tmp, ".metadata", dir_fd=at_dir, shown=os.path.join(dst, ".metadata"))
     except BaseException:
         try:
             os.unlink(tmp, dir_fd=at_dir)

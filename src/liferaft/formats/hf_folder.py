@@ -250,8 +250,9 @@ def _with_dtype(text: str, dtype: str | None) -> str:
     if not dtype:
         return text
     try:
-        doc = json.loads(text)
-    except (ValueError, RecursionError):
+        raw = text.encode("utf-8")
+        doc = jsonsafe.loads(raw, "config.json", len(raw))     # strict: depth limit, no NaN/Infinity
+    except (CorruptCheckpointError, UnicodeEncodeError):
         return text
     if not isinstance(doc, dict) or not ({"dtype", "torch_dtype"} & set(doc)):
         return text
@@ -296,11 +297,14 @@ def plan_config(config: str | os.PathLike[str] | None, recorded: Any, dtype: str
             note = f"config: {c}"
         else:
             raise OptionsError(f"--config {c}: no such file or folder")
-        try:
-            if not isinstance(json.loads(contents["config.json"].decode("utf-8")), dict):   # type: ignore[union-attr]
-                raise TypeError("not a JSON object")
-        except (ValueError, TypeError, RecursionError) as e:
-            raise OptionsError(f"--config {c}: its config.json is not a JSON config ({e})") from e
+        raw = contents["config.json"]
+        try:                                    # strict: a depth limit, no NaN/Infinity, no repeated key
+            doc = jsonsafe.loads(raw, f"--config {c}: config.json", len(raw),  # type: ignore[arg-type]
+                                 advice="pass the model's config.json")
+        except CorruptCheckpointError as e:
+            raise OptionsError(f"{e} (its config.json is not a JSON config)") from e
+        if not isinstance(doc, dict):
+            raise OptionsError(f"--config {c}: its config.json is not a JSON config (not a JSON object)")
         bad: type[Exception] = OptionsError
     elif recorded:
         if not isinstance(recorded, dict) or not all(isinstance(t, str) for t in recorded.values()):

@@ -9,11 +9,11 @@ it, ``convert`` writes it). ``scan`` unpickles the archive's ``data.pkl`` with t
 and storages on the meta device (nothing is read, nothing allocated) and checks, before the real load:
 
 - each storage's declared bytes fit the record ``<archive>/data/<key>`` that holds it (a record may not be missing);
-- each tensor's elements × item size fit the bytes its storage holds from its offset — the rule that refuses an
-  expansion bomb and still reads Hugging Face's ``position_ids = arange(n).expand(1, -1)`` (n elements over a
-  storage of n: only the leading size-1 dimension has stride 0);
-- the tensors viewing one storage hold together at most ``SHARE_LIMIT`` times its bytes (plus 16 MiB): tied weights
-  and fused-then-split views pass, a pickle that names one big storage under a hundred thousand keys does not;
+- every record stored uncompressed, whole inside the file, apart from the others (``zipfiles.stored_records``);
+- each tensor's extent (the bytes its strides reach from its offset) within its storage, and the bytes all the
+  file's tensors hold once copied at most ``SHARE_LIMIT`` times the bytes of the storages they view (plus 16 MiB):
+  broadcast buffers (``zeros(1).expand(10)``, ``position_ids = arange(n).expand(1, -1)``) and tied weights read,
+  an expansion bomb and one big storage under a hundred thousand keys are refused (``check_views``);
 - nested and quantized tensors (which the meta device cannot rebuild) are refused.
 
 The legacy (pre-zip) format carries its storages inline: there the total the pickle declares must fit the file.
@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from liferaft.errors import CorruptCheckpointError, InvalidStateError, PickleNotAllowedError
+from liferaft.formats.zipfiles import stored_records
 
 #: how many times its bytes the tensors that share one storage may hold together (see the module's docstring)
 SHARE_LIMIT = 8
@@ -52,20 +53,31 @@ def tensors_in(obj: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
             stack.extend((f"{key}.{i}" if key else str(i), v, depth + 1) for i, v in enumerate(o))
 
 
-def _records(z: zipfile.ZipFile) -> tuple[str, dict[str, int]]:
-    """(the archive's record prefix, {record name: its uncompressed size})."""
-    names = [i.filename for i in z.infolist()]
-    pkl = next((n for n in names if n.endswith("data.pkl") and n.count("/") <= 1), None)
+def _records(z: zipfile.ZipFile, f: Any) -> tuple[str, dict[str, tuple[int, int]]]:
+    """(the archive's record prefix, {record name: (where its bytes start in ``f``, how many)}: every record stored
+    uncompressed, whole inside the file and apart from the others, ``zipfiles.stored_records``)."""
+    records = stored_records(z, f)
+    pkl = next((n for n in records if n.endswith("data.pkl") and n.count("/") <= 1), None)
     if pkl is None:
         raise ValueError("no data.pkl record")
-    return pkl[:-len("data.pkl")], {i.filename: i.file_size for i in z.infolist()}
+    return pkl[:-len("data.pkl")], records
 
 
 def check_views(tensors: Iterator[tuple[str, torch.Tensor]], storage_of: dict[int, tuple[str, int]],
                 what: str) -> None:
-    """Every tensor (rebuilt on meta storages) inside its storage, and the tensors sharing a storage within
-    ``SHARE_LIMIT``; ``storage_of`` maps a storage's ``_cdata`` to (its name in messages, its bytes)."""
-    shared: dict[int, tuple[int, list[str]]] = {}
+    """Every tensor (rebuilt on meta storages) inside its storage, and what the file's tensors materialize within
+    its budget; ``storage_of`` maps a storage's ``_cdata`` to (its name in messages, its bytes).
+
+    - inside: the bytes a view touches, its extent ``(offset + Σ (size − 1) × stride + 1) × itemsize`` (0 for an
+      empty tensor), at most its storage's bytes — a broadcast buffer (``zeros(1).expand(10)``) is one element of
+      its storage and reads, a view past its storage's end does not;
+    - budget: the bytes the tensors hold once copied (``numel × itemsize``, summed over every tensor of the file)
+      at most ``SHARE_LIMIT`` times the bytes of the storages they view plus ``_SHARE_SLACK`` (16 MiB): broadcast
+      buffers, tied weights and fused-then-split views pass; an expansion bomb (``ones(1).expand(2**40)``, 4 TiB
+      from a 1.5 KB file) and one storage named under a hundred thousand keys are refused before any allocation.
+    """
+    total = 0
+    viewed: dict[int, int] = {}
     for key, t in tensors:
         if t.layout != torch.strided or t.is_nested or t.is_quantized:
             continue                                    # refused by name after the load (state.flatten)
@@ -73,18 +85,23 @@ def check_views(tensors: Iterator[tuple[str, torch.Tensor]], storage_of: dict[in
         if st._cdata not in storage_of:
             continue                                    # no data of the file's (a meta-device tensor)
         name, nbytes = storage_of[st._cdata]
-        need = (t.storage_offset() + t.numel()) * t.element_size() if t.numel() else 0
-        if need > nbytes:
+        extent = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
+        need = extent * t.element_size() if t.numel() else 0
+        if need > nbytes or min(t.stride(), default=0) < 0:
             raise CorruptCheckpointError(
-                f"{what}: tensor {key!r} ({t.dtype} {list(t.shape)[:8]}, offset {t.storage_offset()}) needs "
-                f"{need} bytes of storage {name}, which holds {nbytes}: an expanded or overlapping view, or a "
-                "crafted file; liferaft refuses it before allocating (save .contiguous() of a broadcast view)")
-        total, keys = shared.get(st._cdata, (0, []))
-        shared[st._cdata] = (total + t.numel() * t.element_size(), keys + [key] if len(keys) < 3 else keys)
-        if shared[st._cdata][0] > SHARE_LIMIT * nbytes + _SHARE_SLACK:
+                f"{what}: tensor {key!r} ({t.dtype} {list(t.shape)[:8]}, offset {t.storage_offset()}, strides "
+                f"{list(t.stride())[:8]}) needs {need} bytes of storage {name}, which holds {nbytes}: a view past "
+                "its storage's end; a damaged or crafted file")
+        viewed[st._cdata] = nbytes
+        total += t.numel() * t.element_size()
+        budget = SHARE_LIMIT * sum(viewed.values()) + _SHARE_SLACK
+        if total > budget:
             raise CorruptCheckpointError(
-                f"{what}: the tensors sharing storage {name} ({', '.join(map(repr, keys))}, ...) hold more than "
-                f"{SHARE_LIMIT} times its {nbytes} bytes; a crafted file (reading it would allocate without bound)")
+                f"{what}: tensor {key!r} ({t.dtype} {list(t.shape)[:8]} over storage {name}) brings what the "
+                f"file's tensors hold once copied to {total} bytes, more than {SHARE_LIMIT} times the "
+                f"{sum(viewed.values())} bytes of the storages they view (+16 MiB): an expanded view or one storage "
+                "under many keys; a crafted file (reading it would allocate without bound): save .contiguous() of "
+                "it")
 
 
 def _kinds_refused(what: str, e: Exception) -> InvalidStateError:
@@ -111,16 +128,10 @@ def scan(f: Any, what: str) -> tuple[Any, dict[int, int]]:
 
     try:
         with zipfile.ZipFile(f) as z:
-            prefix, sizes = _records(z)
-            info = z.getinfo(prefix + "data.pkl")
-            if info.file_size > max(sizes.values()) + (64 << 20) or info.compress_type != zipfile.ZIP_STORED:
-                raise ValueError("its data.pkl record is compressed or oversized")
-            pkl = z.read(info)
-            starts = {}
-            for i in z.infolist():
-                f.seek(i.header_offset + 26)
-                n, m = struct.unpack("<HH", f.read(4))
-                starts[i.filename] = i.header_offset + 30 + n + m
+            prefix, records = _records(z, f)
+            if records[prefix + "data.pkl"][1] > 256 << 20:
+                raise ValueError("its data.pkl record is oversized")
+            pkl = z.read(prefix + "data.pkl")
     except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError, KeyError, struct.error) as e:
         raise CorruptCheckpointError(f"{what}: not a readable torch.save archive ({str(e)[:200]}); damaged, "
                                      "truncated or crafted") from e
@@ -139,15 +150,16 @@ def scan(f: Any, what: str) -> tuple[Any, dict[int, int]]:
         if key not in storages:
             nbytes = numel * torch._utils._element_size(dtype)
             record = f"{prefix}data/{key}"
-            if record not in sizes:
+            if record not in records:
                 raise CorruptCheckpointError(f"{what}: storage {key!r} has no record {record!r} in the archive; "
                                              "damaged or crafted")
-            if nbytes > sizes[record]:
+            if nbytes > records[record][1]:
                 raise CorruptCheckpointError(f"{what}: storage {key!r} declares {nbytes} bytes, its record holds "
-                                             f"{sizes[record]}; truncated or crafted (it would read past its record)")
+                                             f"{records[record][1]}; truncated or crafted (it would read past its "
+                                             "record)")
             untyped = torch.UntypedStorage(nbytes, device="meta")
             storage_of[untyped._cdata] = (repr(key), nbytes)
-            at[untyped._cdata] = starts[record]
+            at[untyped._cdata] = records[record][0]
             storages[key] = torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
         return storages[key]
     try:

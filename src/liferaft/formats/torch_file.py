@@ -163,6 +163,7 @@ def write_torch_file(dst: str, tree: Any,
     one-item list, yields the slabs in row-major order and leaves their CRC-32 in the list (``with_crc``). Written to ``dst + ".tmp"`` (removed
     on any error), fsynced, then renamed. Returns the file size."""
     folder, base = os.path.split(os.path.abspath(dst))
+    files.check_target(dst)                 # a folder there: refused before a byte is written
     tmp = os.path.join(folder, f"{base}.tmp-{uuid.uuid4().hex[:12]}")   # fresh, created exclusively: no planted link
     fd, at_dir = files.create_exclusive(folder, os.path.basename(tmp), replace=False)
     os.close(at_dir)
@@ -198,7 +199,7 @@ def write_torch_file(dst: str, tree: Any,
         os.fsync(fd)
     finally:
         os.close(fd)
-    os.replace(tmp, dst)
+    files.put_in_place(tmp, dst)            # a failure removes tmp and names dst (FileAccessError)
     from liferaft.storage import fsync_dir
 
     fsync_dir(os.path.dirname(os.path.abspath(dst)))

@@ -4,6 +4,7 @@ the check of every record's CRC-32 that ``verify`` runs where a format carries n
 from __future__ import annotations
 
 import io
+import itertools
 import zipfile
 from collections.abc import Callable
 from typing import Any
@@ -49,7 +50,8 @@ def drain(f: Any, progress: Callable[[int], None] | None) -> int:
 
 
 def check_zip(f: Any, what: str, progress: Callable[[int], None] | None) -> tuple[int, int, int, list[str], int]:
-    """Read every record of the zip archive ``f`` (a ``torch.save`` archive) and check its CRC-32. Returns
+    """Check the zip archive ``f`` (a ``torch.save`` archive) as ``stored_records`` does, then read every record
+    and check its CRC-32. Returns
     (records checked, their bytes, bytes read, faults, records without a CRC: ``torch.save`` with
     ``compute_crc32`` off writes 0)."""
     records = crc_bytes = nbytes = no_crc = 0
@@ -59,6 +61,10 @@ def check_zip(f: Any, what: str, progress: Callable[[int], None] | None) -> tupl
     except (zipfile.BadZipFile, OSError, ValueError) as e:
         return 0, 0, 0, [f"{what}: not a readable zip archive ({e}); the data is damaged or truncated"], 0
     with zf:
+        try:
+            stored_records(zf, f)
+        except (ValueError, OSError) as e:
+            faults.append(f"{what}: {e}; damaged or crafted (a reader would map the wrong bytes)")
         for info in zf.infolist():
             size = 0
             try:
@@ -78,3 +84,43 @@ def check_zip(f: Any, what: str, progress: Callable[[int], None] | None) -> tupl
     return records, crc_bytes, nbytes, faults, no_crc
 
 
+
+
+def stored_records(z: zipfile.ZipFile, f: Any) -> dict[str, tuple[int, int]]:
+    """{record name: (where its bytes start in ``f``, how many)} of the zip archive ``z`` open on ``f``, once every
+    record is checked to be what ``torch.save`` writes and what a memory map of the file can read in place: stored
+    uncompressed (ZIP_STORED in the central directory and in its local header: a deflated record would be mapped
+    as its compressed bytes), its size equal to its stored size, its bytes (after its LOCAL header, whose own name
+    and extra lengths count) inside the file, before the central directory and overlapping no other record, and no
+    name twice. ValueError naming the record otherwise."""
+    end = f.seek(0, 2)
+    directory = getattr(z, "start_dir", end)
+    out: dict[str, tuple[int, int]] = {}
+    spans = []
+    for i in z.infolist():
+        if i.filename in out:
+            raise ValueError(f"record {i.filename!r} appears twice")
+        if i.compress_type != zipfile.ZIP_STORED:
+            raise ValueError(f"record {i.filename!r} is compressed (method {i.compress_type}); torch.save stores "
+                             "records uncompressed, and liferaft maps them in place")
+        if i.file_size != i.compress_size:
+            raise ValueError(f"record {i.filename!r} declares {i.file_size} bytes but stores {i.compress_size}")
+        f.seek(i.header_offset)
+        head = f.read(30)
+        if len(head) < 30 or head[:4] != b"PK\x03\x04":
+            raise ValueError(f"record {i.filename!r} has no local header at {i.header_offset}")
+        method, n, m = int.from_bytes(head[8:10], "little"), int.from_bytes(head[26:28], "little"), \
+            int.from_bytes(head[28:30], "little")
+        if method != zipfile.ZIP_STORED:
+            raise ValueError(f"record {i.filename!r} is compressed (method {method} in its local header)")
+        start = i.header_offset + 30 + n + m
+        if start + i.file_size > min(end, directory):
+            raise ValueError(f"record {i.filename!r} ({i.file_size} bytes from {start}) runs past the records "
+                             f"(into the zip directory or past the file's {end} bytes)")
+        out[i.filename] = (start, i.file_size)
+        spans.append((i.header_offset, start + i.file_size, i.filename))
+    spans.sort()
+    for (_, stop, a), (begin, _, b) in itertools.pairwise(spans):
+        if begin < stop:
+            raise ValueError(f"records {a!r} and {b!r} overlap")
+    return out

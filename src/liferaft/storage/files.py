@@ -20,7 +20,8 @@ import os
 import stat
 from collections.abc import Sequence
 
-from liferaft.errors import CorruptCheckpointError, UnsafePathError
+from liferaft.errors import CorruptCheckpointError, FileAccessError, UnsafePathError
+from liferaft.format.limits import MAX_NAME_BYTES, name_bytes
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -41,7 +42,39 @@ def parts_of(rel: str, where: str) -> list[str]:
     if not parts or any(p in ("", ".", "..") or "\0" in p for p in parts):
         raise UnsafePathError(f"{where}: {rel!r} is not a plain relative file name (absolute, or with an empty, '.' "
                               "or '..' component): liferaft reads nothing outside the checkpoint")
+    if any(name_bytes(p) > MAX_NAME_BYTES for p in parts):
+        raise UnsafePathError(f"{where}: {rel[:80]!r}... has a component longer than {MAX_NAME_BYTES} bytes, which "
+                              "no file system holds: a damaged or crafted name")
     return parts
+
+
+#: what to do, by errno, for a file that cannot be opened (the rest: "check the file and its folder")
+_ADVICE = {errno.EACCES: "permission denied: grant read (and, to write, write) access to it and its folders",
+           errno.EPERM: "operation not permitted: check its permissions and attributes",
+           errno.ENAMETOOLONG: f"a name longer than {MAX_NAME_BYTES} bytes (or the whole path too long): use a "
+                               "shorter one",
+           errno.ELOOP: "a symbolic link, or too many levels of them: liferaft follows no link inside a checkpoint",
+           errno.EISDIR: "a folder is where a file belongs: remove it or choose another name",
+           errno.ENOTEMPTY: "a folder is where a file belongs: remove it or choose another name",
+           errno.EEXIST: "something is already there: remove it or choose another name",
+           errno.EXDEV: "the temporary file and the destination lie on different file systems",
+           errno.EMFILE: "too many open files in this process: raise the limit (ulimit -n) or close some",
+           errno.ENFILE: "too many open files on this system",
+           errno.EROFS: "a read-only file system: choose a writable destination",
+           errno.ENOSPC: "no space left on the device",
+           errno.EDQUOT: "the disk quota is exceeded",
+           errno.ENXIO: "a special file with nothing behind it (e.g. a socket or a FIFO without a writer)"}
+
+
+def access_error(shown: str, e: OSError, doing: str = "open") -> OSError:
+    """``e`` (an OSError of an operation on the file shown as ``shown``) as the error liferaft raises: a missing
+    file stays FileNotFoundError, a file where a folder belongs NotADirectoryError (the storage contract), EINVAL
+    stays as it is (how ``O_DIRECT`` is refused); any other errno is a FileAccessError naming the file, saying what
+    went wrong and what to do, with the same ``errno``."""
+    if isinstance(e, (FileNotFoundError, NotADirectoryError, FileAccessError)) or e.errno in (None, errno.EINVAL):
+        return e
+    advice = _ADVICE.get(e.errno, f"{e.strerror or e}: check the file and its folder")
+    return FileAccessError(e.errno, f"{shown}: cannot {doing} it ({advice})")
 
 
 def _refuse(at: int, name: str, shown: str, e: OSError, error: type[Exception] | None) -> BaseException:
@@ -50,7 +83,7 @@ def _refuse(at: int, name: str, shown: str, e: OSError, error: type[Exception] |
     try:
         st = os.stat(name, dir_fd=at, follow_symlinks=False)
     except OSError:
-        return e
+        return access_error(shown, e)
     if stat.S_ISLNK(st.st_mode):
         target = os.readlink(name, dir_fd=at)
         return (error or UnsafePathError)(
@@ -58,12 +91,15 @@ def _refuse(at: int, name: str, shown: str, e: OSError, error: type[Exception] |
             "outside it is read or written; put the file itself there")
     if e.errno == errno.ENOTDIR:
         return NotADirectoryError(e.errno, f"{shown}: {kind(st.st_mode)} is where a folder should be")
-    return e
+    return access_error(shown, e)
 
 
 def open_root(root: str) -> int:
     """The folder ``root`` opened (links in ``root`` itself are followed: it is the caller's path)."""
-    return os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _CLOEXEC)
+    try:
+        return os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _CLOEXEC)
+    except OSError as e:
+        raise access_error(root, e) from None
 
 
 def open_folder(root: str, parts: Sequence[str], shown: str | None = None, *, create: bool = False,
@@ -79,10 +115,15 @@ def open_folder(root: str, parts: Sequence[str], shown: str | None = None, *, cr
                     os.mkdir(p, 0o777, dir_fd=fd)
                 except FileExistsError:
                     pass
+                except OSError as e:
+                    raise access_error(os.path.join(root, *done), e, "create") from None
             try:
                 nxt = os.open(p, _DIR, dir_fd=fd)
             except OSError as e:
-                raise _refuse(fd, p, shown or os.path.join(root, *done), e, error) from None
+                folder = os.path.join(root, *done)      # the folder is what the message names, not the file
+                if shown and shown != folder:
+                    folder += f" (a folder on the way to {shown})"
+                raise _refuse(fd, p, folder, e, error) from None
             os.close(fd)
             fd = nxt
         return fd
@@ -138,6 +179,8 @@ def open_path(path: str, *, limit: int | None = None, error: type[Exception] | N
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _CLOEXEC)
     except IsADirectoryError:
         raise (error or CorruptCheckpointError)(f"{shown or path} is a folder, not a regular file") from None
+    except OSError as e:
+        raise access_error(shown or path, e) from None
     try:
         check_fd(fd, shown or path, limit, error)
         os.set_blocking(fd, True)
@@ -188,15 +231,20 @@ def create_exclusive(root: str, rel: str, *, replace: bool = True, mkdirs: bool 
     try:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC
         try:
-            fd = os.open(parts[-1], flags, 0o644, dir_fd=at)
-        except FileExistsError:
-            if not replace:
+            try:
+                fd = os.open(parts[-1], flags, 0o644, dir_fd=at)
+            except FileExistsError:
+                if not replace:
+                    raise
+                if stat.S_ISDIR(os.stat(parts[-1], dir_fd=at, follow_symlinks=False).st_mode):
+                    raise FileAccessError(errno.EISDIR, f"{shown}: a folder is where a file is to be written "
+                                          "(remove it or choose another destination)") from None
+                os.unlink(parts[-1], dir_fd=at)
+                fd = os.open(parts[-1], flags, 0o644, dir_fd=at)
+        except OSError as e:
+            if isinstance(e, FileAccessError) or (isinstance(e, FileExistsError) and not replace):
                 raise
-            if stat.S_ISDIR(os.stat(parts[-1], dir_fd=at, follow_symlinks=False).st_mode):
-                raise IsADirectoryError(errno.EISDIR, f"{shown}: a folder is where a file is to be written") \
-                    from None
-            os.unlink(parts[-1], dir_fd=at)
-            fd = os.open(parts[-1], flags, 0o644, dir_fd=at)
+            raise access_error(shown, e, "create") from None
         return fd, at
     except BaseException:
         os.close(at)
@@ -223,3 +271,29 @@ def plain_component(name: object) -> bool:
     """A file or folder name of one component: a non-empty str without ``/``, ``\\`` or NUL, not ``.``/``..``."""
     return (isinstance(name, str) and name not in ("", ".", "..") and not any(c in name for c in "/\\\0")
             and len(name.encode("utf-8", "surrogateescape")) <= 255)
+
+
+def check_target(path: str) -> None:
+    """Refuse, before anything is written, a destination file ``path`` that a rename could not replace: a folder
+    is there (FileAccessError naming it and what to do)."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    if stat.S_ISDIR(st.st_mode):
+        raise FileAccessError(errno.EISDIR, f"{path}: a folder is where the file is to be written (remove it or "
+                                            "choose another destination)")
+
+
+def put_in_place(tmp: str, dst: str, *, dir_fd: int | None = None, shown: str | None = None) -> None:
+    """Rename the finished temporary file ``tmp`` to ``dst`` (both in the folder ``dir_fd`` when given), replacing
+    a file or a link there (never writing through it). On failure ``tmp`` is removed and the error is a
+    FileAccessError naming the destination and what to do (a folder in the way, permissions, ...)."""
+    try:
+        os.replace(tmp, dst, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except OSError as e:
+        try:
+            os.unlink(tmp, dir_fd=dir_fd)
+        except OSError:
+            pass
+        raise access_error(shown or dst, e, "write") from None

@@ -32,6 +32,7 @@ from liferaft.formats.hf_folder import model_subtree, plan_config, write_config
 from liferaft.formats.safetensors import ST_DTYPES
 from liferaft.state.dtypes import torch_dtype
 from liferaft.state.values import as_leaf
+from liferaft.storage import files as files_io
 from liferaft.storage import fsync_dir, resolve
 from liferaft.tools._slabs import prefetched, ring, slab_values
 
@@ -147,6 +148,10 @@ def _write_safetensors(reader: Reader, pairs: list[tuple[str, str]], dst: str | 
             shards.append([])
         shards[-1].append(p)
     os.makedirs(dst, exist_ok=True)
+    names = ["model.safetensors"] if len(shards) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for name in [*names, *(n + ".tmp" for n in names), *([INDEX, INDEX + ".tmp"] if len(shards) > 1 else [])]:
+        files_io.check_target(os.path.join(dst, name))     # a folder in the way: refused before any byte is written
     files, total, weight_map = [], 0, {}
     for i, shard in enumerate(shards):
         name = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
@@ -158,7 +163,7 @@ def _write_safetensors(reader: Reader, pairs: list[tuple[str, str]], dst: str | 
     if len(shards) > 1:
         with _created(os.path.join(dst, INDEX + ".tmp")) as f:
             f.write(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2).encode())
-        os.replace(os.path.join(dst, INDEX + ".tmp"), os.path.join(dst, INDEX))
+        files_io.put_in_place(os.path.join(dst, INDEX + ".tmp"), os.path.join(dst, INDEX))
         files.append(INDEX)
     for old in os.listdir(dst):                 # an earlier export's weights would be read instead, or as well
         if old not in files and (old == INDEX or re.fullmatch(r"model(-\d{5}-of-\d{5})?\.safetensors", old)):
@@ -168,13 +173,10 @@ def _write_safetensors(reader: Reader, pairs: list[tuple[str, str]], dst: str | 
 
 def _created(path: str) -> Any:
     """``path`` created anew for writing: whatever lay there (a link to elsewhere, a FIFO) removed first, never
-    written through."""
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0),
-                             0o644), "wb")
+    written through; a folder there is a FileAccessError naming it (``storage.files.create_exclusive``)."""
+    fd, at = files_io.create_exclusive(os.path.dirname(os.path.abspath(path)), os.path.basename(path))
+    os.close(at)
+    return os.fdopen(fd, "wb")
 
 
 def _write_shard(reader: Reader, path: str, shard: list[Any], progress: Callable[[int], None] | None = None) -> None:
@@ -209,7 +211,7 @@ def _write_shard(reader: Reader, path: str, shard: list[Any], progress: Callable
         filler.abort()
         os.unlink(tmp)
         raise
-    os.replace(tmp, path)
+    files_io.put_in_place(tmp, path)        # a failure (a folder planted meanwhile) removes tmp, names path
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
