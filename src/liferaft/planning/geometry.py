@@ -46,8 +46,14 @@ def check_chunks_tile(shape: Sequence[int], boxes: Iterable[Box]) -> str | None:
     """Return a description of the problem unless the distinct boxes tile ``shape`` exactly, else None.
 
     Identical boxes count once (replicas). Checks bounds, pairwise overlap (sweep along the dimension with
-    the most distinct starts, so 1-D shardings of thousands of chunks stay fast) and full coverage.
+    the most distinct starts, so 1-D shardings of thousands of chunks stay fast) and full coverage. A tensor
+    stored whole (one box at offset 0 that is the shape, the common case) is answered at once.
     """
+    if isinstance(boxes, Sequence) and len(boxes) == 1:
+        offsets, sizes = boxes[0]
+        if (len(offsets) == len(shape) and tuple(sizes) == tuple(shape) and not any(offsets)
+                and min(shape, default=0) >= 0):
+            return None
     distinct = sorted({(tuple(o), tuple(s)) for o, s in boxes if numel(s) > 0})
     for box in distinct:
         if not in_bounds(box, shape):
