@@ -21,6 +21,7 @@ from liferaft.errors import (
     LiferaftError,
     UnsafePathError,
 )
+from liferaft.format.jsonsafe import paused_gc
 from liferaft.format.layout import COMMIT_MARKER, DATA_DIR, is_stale, manifest_name
 from liferaft.format.limits import MAX_MANIFEST_BYTES, MAX_MARKER_BYTES
 from liferaft.format.manifest import ChunkRecord, CommitMarker, Manifest, decode_commit_marker, decode_manifest
@@ -90,8 +91,26 @@ def read_commit(storage: Storage) -> CommitRecord:
     return CommitRecord(marker, decoded.manifest, read_manifest(storage, decoded))
 
 
-def open_checkpoint(storage: Storage) -> Manifest:
+#: The manifest ``open_checkpoint(..., reuse=True)`` decoded last: (storage URL, codec names, the manifest's
+#: bytes, the manifest). A one-process command that opens one checkpoint several times (``liferaft inspect`` then
+#: ``read``, ``diff``'s progress bar then the diff) decodes it once: every open still reads ``COMMIT`` and the
+#: manifest (capped, no link followed), compares every byte with these, and checks the references. One entry;
+#: ``forget_opened()`` (``liferaft.release()``) drops it.
+_OPENED: list[tuple[str, tuple[str, ...], bytes, Manifest]] = []
+
+
+def forget_opened() -> None:
+    """Drop the manifest ``open_checkpoint`` keeps for reuse (the next open decodes again)."""
+    _OPENED.clear()
+
+
+def open_checkpoint(storage: Storage, *, reuse: bool = False) -> Manifest:
     """The verified manifest of the committed checkpoint in ``storage``.
+
+    ``reuse``: when the manifest is byte for byte the one the last ``reuse=True`` call decoded (same storage URL,
+    same codecs registered), return that decoded manifest instead of decoding it again, and keep this one for the
+    next call (one manifest is kept, until ``forget_opened``). Every check below is made as without it: decoding
+    and validating is a function of those bytes and codecs alone.
 
     ``COMMIT`` is read with a small cap and the manifest's size compared to the marker's before it is read (the
     storage opens regular files only, no link: a FIFO, a device, a link to anything is refused). Every reference
@@ -103,12 +122,12 @@ def open_checkpoint(storage: Storage) -> Manifest:
     FormatVersionError (written by a newer format) or UnsafePathError (a path leaving the checkpoint, a link, a
     reference to anything but a committed sibling's data file).
     """
-    manifest = _open(storage)
+    manifest = _open(storage, reuse)
     check_references(storage, manifest)
     return manifest
 
 
-def _open(storage: Storage) -> Manifest:
+def _open(storage: Storage, reuse: bool = False) -> Manifest:
     """``open_checkpoint`` without the check of references."""
     try:
         marker_bytes = read_marker(storage)
@@ -127,12 +146,25 @@ def _open(storage: Storage) -> Manifest:
     if len(data) != marker.manifest_size or digest(data) != marker.manifest_hash:
         raise CorruptCheckpointError(f"{storage.url}: manifest {marker.manifest!r} does not match the size/checksum "
                                      "recorded in the commit marker; the checkpoint is damaged")
-    manifest = decode_manifest(data, f"{storage.url}/{marker.manifest}", codecs=codec_registry.names())
-    for entry in manifest.tensors:
-        problem = check_chunks_tile(entry.shape, [(c.offsets, c.sizes) for c in entry.chunks]) or next(
-            (p for c in entry.chunks for p in (_frames_problem(c), c.delta and _frames_problem(c.delta)) if p), None)
-        if problem:
-            raise CorruptCheckpointError(f"{storage.url}: tensor {entry.key!r}: {problem}; the checkpoint is damaged")
+    codecs = codec_registry.names()
+    if reuse:
+        for url, names, raw, manifest in _OPENED:
+            if url == storage.url and names == codecs and raw == data:
+                return manifest
+    with paused_gc():
+        manifest = decode_manifest(data, f"{storage.url}/{marker.manifest}", codecs=codecs)
+        for entry in manifest.tensors:
+            problem = check_chunks_tile(entry.shape, [(c.offsets, c.sizes) for c in entry.chunks])
+            for c in entry.chunks if problem is None else ():
+                if c.codec is not None or c.delta is not None:
+                    problem = _frames_problem(c) or (c.delta and _frames_problem(c.delta))
+                    if problem:
+                        break
+            if problem:
+                raise CorruptCheckpointError(f"{storage.url}: tensor {entry.key!r}: {problem}; the checkpoint is "
+                                             "damaged")
+    if reuse:
+        _OPENED[:] = [(storage.url, codecs, bytes(data), manifest)]
     return manifest
 
 

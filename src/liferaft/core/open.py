@@ -60,7 +60,7 @@ def open_reader(path: PathLike | Storage, options: LoadOptions | None = None, *,
     if fmt == "liferaft":
         storage = with_references(path if isinstance(path, Storage) else resolve(path))
         if coord is None:
-            return NativeReader(storage, open_checkpoint(storage), opts)
+            return NativeReader(storage, open_checkpoint(storage, reuse=True), opts)
         return NativeReader(storage, coord.run_on_zero(lambda: open_checkpoint(storage), "load (open)"), opts)
     if coord is None:
         return _open_foreign(os.fspath(path), fmt)

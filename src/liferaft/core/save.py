@@ -26,6 +26,7 @@ import torch
 
 from liferaft.codecs import frames
 from liferaft.core.chunks.writer import WriteOutcome, write_staged, write_streamed
+from liferaft.core.commit import forget_opened
 from liferaft.core.phases import PLANS, PreparedSave, finish_save, prepare_save
 from liferaft.core.process import CALLS, PROCESS, AsyncSaveHandle, in_call
 from liferaft.dist import Coordinator, release_groups
@@ -150,8 +151,9 @@ def _write_and_commit(coord: Coordinator, prep: PreparedSave, pieces: queue.Queu
 
 def release() -> None:
     """Free what liferaft keeps in this process between calls: wait for an ``async_save`` still in flight, then
-    drop the buffer pools ``save``/``async_save`` reuse, the cached save plans, the codec threads
-    (``codecs.frames.shutdown``) and liferaft's gloo groups (of every process group). Not collective; the next
+    drop the buffer pools ``save``/``async_save`` reuse, the cached save plans, the manifest kept for reuse by
+    the one-process tools (``core.commit.forget_opened``), the codec threads (``codecs.frames.shutdown``) and
+    liferaft's gloo groups (of every process group). Not collective; the next
     call makes what it needs anew (a first save is then as slow as the very first). Raises, after freeing
     everything, the error of an async save that failed while nobody waited for it. Called from another thread
     while a liferaft call (save, load, read, verify, diff, convert, ...) runs there, it waits for that call to
@@ -162,5 +164,6 @@ def release() -> None:
             PROCESS.release()
         finally:
             PLANS.clear()
+            forget_opened()
             frames.shutdown()
             release_groups()

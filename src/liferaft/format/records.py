@@ -1,0 +1,232 @@
+"""The manifest and the commit marker as data: frozen dataclasses, the names and constants of the format, and
+their JSON encoding (docs/FORMAT.md). ``format.manifest`` decodes and validates them (and re-exports every name
+here). Imports nothing of liferaft and no torch.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+FORMAT_NAME = "liferaft"
+FORMAT_VERSION = 3          # the newest version this code reads; a save uses 2 or 3 only when it needs it (§4.1, §4.5)
+
+CHECKSUM_ALGO = "xxh3_64"
+
+PathPart = str | int
+
+# dtype names stored in the manifest (torch names without the "torch." prefix).
+DTYPE_ITEMSIZE: dict[str, int] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1,
+    "uint16": 2, "uint32": 4, "uint64": 8, "bool": 1,
+    "complex64": 8, "complex128": 16,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
+}
+
+TENSOR_KINDS = ("tensor", "numpy", "bytes")
+CONTAINER_KINDS = ("dict", "list", "tuple", "stateful")
+
+
+@dataclass(frozen=True)
+class ChunkRecord:
+    """One stored box of a global tensor: ``sizes`` elements starting at ``offsets`` (row-major, raw bytes).
+
+    The bytes live in ``file`` at ``[byte_offset, byte_offset + length)``. They are hashed in blocks of
+    ``block_size`` bytes (the last one may be shorter); ``hashes[i]`` is the xxh3_64 hex digest of block i.
+    """
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str
+    byte_offset: int
+    length: int
+    block_size: int
+    hashes: tuple[str, ...]
+    #: None: the bytes are stored raw. Else each hash block is stored as one frame of this codec, ``frames[i]``
+    #: bytes long, back to back from ``byte_offset``; ``hashes`` stay those of the decoded (raw) blocks.
+    codec: str | None = None
+    frames: tuple[int, ...] | None = None
+    #: When set, the decoded bytes are the XOR of this chunk's values with those of ``delta``, the record of the
+    #: same box in an earlier checkpoint (never itself a delta): read both, XOR, then check ``hashes``.
+    delta: ChunkRecord | None = None
+
+    @property
+    def stored_length(self) -> int:
+        """Bytes the chunk occupies in ``file``."""
+        return self.length if self.frames is None else sum(self.frames)
+
+    @property
+    def is_reference(self) -> bool:
+        """True when the bytes live in another checkpoint (an incremental save reused them)."""
+        return self.file.startswith("../")
+
+    def frame_span(self, first: int, end: int) -> tuple[int, int]:
+        """(offset in the file, length) of the stored bytes of hash blocks ``[first, end)``."""
+        if self.frames is None:
+            lo = first * self.block_size
+            return self.byte_offset + lo, min(end * self.block_size, self.length) - lo
+        lo = sum(self.frames[:first])
+        return self.byte_offset + lo, sum(self.frames[first:end])
+
+    def to_json(self) -> dict[str, Any]:
+        out = {"offsets": list(self.offsets), "sizes": list(self.sizes), "file": self.file,
+               "byte_offset": self.byte_offset, "length": self.length, "block_size": self.block_size,
+               "hashes": list(self.hashes)}
+        if self.codec is not None:
+            out["codec"] = self.codec
+            out["frames"] = list(self.frames or ())
+        if self.delta is not None:
+            out["delta"] = self.delta.to_json()
+        return out
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """A global tensor (or a numpy array / bytes value stored as one) and the chunks that cover it."""
+
+    key: str
+    path: tuple[PathPart, ...]
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    chunks: tuple[ChunkRecord, ...]
+    #: None when the stored values are exactly those saved; else what was lost and how much (docs/FORMAT.md
+    #: §4.3): ``{"method": "q8-block" | "selective", ...}``.
+    lossy: Mapping[str, Any] | None = None
+    #: None for a tensor every rank held alike (or sharded); else the saving ranks whose copies differed, one per
+    #: index of dimension 0: the stored shape is ``[len(per_rank), *shape of each copy]`` (docs/FORMAT.md §4.5)
+    per_rank: tuple[int, ...] | None = None
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_ITEMSIZE[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        n = self.itemsize
+        for s in self.shape:
+            n *= s
+        return n
+
+    def to_json(self) -> dict[str, Any]:
+        out = {"key": self.key, "path": list(self.path), "kind": self.kind, "dtype": self.dtype,
+               "shape": list(self.shape), "chunks": [c.to_json() for c in self.chunks]}
+        if self.lossy is not None:
+            out["lossy"] = dict(self.lossy)
+        if self.per_rank is not None:
+            out["per_rank"] = list(self.per_rank)
+        return out
+
+
+@dataclass(frozen=True)
+class ValueEntry:
+    """A plain (non-tensor) value, encoded as tagged JSON (see ``liferaft.state.values``).
+
+    ``per_rank`` is None when every rank held the same value (stored once in ``value``); otherwise it holds one
+    encoded value per saving rank and ``value`` is None.
+    """
+
+    key: str
+    path: tuple[PathPart, ...]
+    value: Any = None
+    per_rank: tuple[Any, ...] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"key": self.key, "path": list(self.path)}
+        if self.per_rank is None:
+            out["value"] = self.value
+        else:
+            out["per_rank"] = list(self.per_rank)
+        return out
+
+
+@dataclass(frozen=True)
+class ContainerEntry:
+    """A dict / list / tuple / stateful object in the saved tree (so that empty containers survive).
+
+    ``children`` lists the keys/indices under it in the order they were saved (None: unknown, sort them). A
+    stateful object records what it was: ``role`` "module" (an ``nn.Module``: its subtree is a model's state dict,
+    which exports take) or "optimizer", and ``cls`` its class ("transformers...BertModel"); both None in
+    checkpoints written before they were recorded, and for other objects.
+    """
+
+    path: tuple[PathPart, ...]
+    kind: str
+    children: tuple[PathPart, ...] | None = None
+    role: str | None = None
+    cls: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"path": list(self.path), "kind": self.kind}
+        if self.children is not None:
+            out["children"] = list(self.children)
+        if self.role is not None:
+            out["role"] = self.role
+        if self.cls is not None:
+            out["class"] = self.cls
+        return out
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Everything a reader needs: entries, files and who wrote the checkpoint."""
+
+    save_id: str
+    world_size: int
+    created_unix: float
+    liferaft_version: str
+    torch_version: str
+    files: Mapping[str, int]
+    tensors: tuple[TensorEntry, ...]
+    values: tuple[ValueEntry, ...]
+    containers: tuple[ContainerEntry, ...]
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    version: int = 1
+
+    def needs_version(self) -> int:
+        """The lowest format version that describes this manifest: 3 when a tensor is stored per rank; 2 when a
+        chunk is encoded or lives in another checkpoint, or an entry is lossy; else 1 (readable by liferaft
+        versions that predate them)."""
+        if any(t.per_rank is not None for t in self.tensors):
+            return 3
+        for t in self.tensors:
+            if t.lossy is not None or any(c.codec is not None or c.is_reference or c.delta is not None
+                                          for c in t.chunks):
+                return 2
+        return 1
+
+    @property
+    def lossy(self) -> bool:
+        return any(t.lossy is not None for t in self.tensors)
+
+    def to_json_bytes(self) -> bytes:
+        doc = {
+            "format": FORMAT_NAME, "version": max(self.version, self.needs_version()), "save_id": self.save_id,
+            "world_size": self.world_size, "created_unix": self.created_unix,
+            "liferaft_version": self.liferaft_version, "torch_version": self.torch_version,
+            "checksum": CHECKSUM_ALGO, "byte_order": "little", "files": dict(sorted(self.files.items())),
+            "tensors": [t.to_json() for t in self.tensors], "values": [v.to_json() for v in self.values],
+            "containers": [c.to_json() for c in self.containers], "extra": dict(self.extra),
+        }
+        return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+
+    def tensor_map(self) -> dict[str, TensorEntry]:
+        return {t.key: t for t in self.tensors}
+
+
+@dataclass(frozen=True)
+class CommitMarker:
+    """The last object written: names the manifest and pins its size and checksum."""
+
+    manifest: str
+    manifest_size: int
+    manifest_hash: str
+    version: int = FORMAT_VERSION
+
+    def to_json_bytes(self) -> bytes:
+        return json.dumps({"format": FORMAT_NAME, "version": self.version, "manifest": self.manifest,
+                           "manifest_size": self.manifest_size, "manifest_hash": self.manifest_hash,
+                           "checksum": CHECKSUM_ALGO}).encode()
