@@ -331,7 +331,7 @@ def test_cli_read_of_a_deep_tree_is_no_traceback(tmp_path, capsys):
 
 # ------------------------------------------------------------------------------------ output linear in keys
 
-N_KEYS = 20_000          # (100,000 takes minutes on the shared 2-core machine: saving them and decoding the
+N_KEYS = 100_000         # (100,000 takes minutes on the shared 2-core machine: saving them and decoding the
 #                           manifest dominate; a quadratic step at 20,000 keys still costs minutes, see the report)
 
 

@@ -22,7 +22,7 @@ from liferaft.errors import LiferaftError
 from liferaft.format import manifest as M
 from liferaft.format.jsonsafe import paused_gc
 from liferaft.format.limits import MAX_INT
-from liferaft.planning.geometry import check_chunks_tile
+from liferaft.planning.geometry import _max_gap, byte_span, check_chunks_tile, numel
 from liferaft.storage import PosixStorage
 from liferaft.testing import tamper
 
@@ -172,3 +172,25 @@ def test_the_cli_reads_a_damaged_manifest_after_a_good_one_as_damaged(tmp_path, 
     assert main(["inspect", path]) == 1
     assert "checksum" in capsys.readouterr().err
     json.loads(data)                                              # (the original was a manifest)
+
+
+@pytest.mark.parametrize("box, sizes, max_read", [(((0, 0), (4, 3)), (4, 3), 48), (((0, 0), (4, 3)), (4, 3), 47),
+                                                  (((0,), (5,)), (5,), 1 << 20), (((0, 0), (2, 3)), (4, 3), 48),
+                                                  (((), ()), (), 8)])
+def test_a_whole_chunk_is_read_as_the_split_reads_it(box, sizes, max_read):
+    from liferaft.planning.geometry import split_for_reading
+
+    got = split_for_reading(box, sizes, 4, 16, max_read)
+    stack, want = [box], []
+    while stack:                                          # what the general split makes of it
+        b = stack.pop()
+        lo, hi = byte_span(b, sizes, 4)
+        if (hi - lo <= max_read and _max_gap(b, sizes, 4) < 16) or numel(b[1]) <= 1:
+            want.append(b)
+            continue
+        d = next(i for i, s in enumerate(b[1]) if s > 1)
+        half = b[1][d] // 2
+        o, s = list(b[0]), list(b[1])
+        stack.append((tuple(o[:d] + [o[d] + half] + o[d + 1:]), tuple(s[:d] + [s[d] - half] + s[d + 1:])))
+        stack.append((tuple(o), tuple(s[:d] + [half] + s[d + 1:])))
+    assert got == want

@@ -106,6 +106,8 @@ def split_for_reading(box: Box, chunk_sizes: Sequence[int], itemsize: int, block
     contiguous innermost run is split) and contains no hole of ``block`` bytes or more, so reading it (rounded
     out to whole hash blocks) fetches little more than the needed bytes.
     """
+    if not any(box[0]) and tuple(box[1]) == tuple(chunk_sizes) and numel(chunk_sizes) * itemsize <= max_read:
+        return [box]                    # the whole chunk: one contiguous range without holes (the common read)
     out: list[Box] = []
     stack = [box]
     while stack:

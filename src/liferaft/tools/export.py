@@ -143,10 +143,13 @@ def _write_safetensors(reader: Reader, pairs: list[tuple[str, str]], dst: str | 
         raise OptionsError("the renaming maps two keys to one name")
     reader.check_present([p[0] for p in picked])
     shards: list[list[Any]] = [[]]
+    filled = 0                                  # bytes of the last shard (a running sum: linear in the keys)
     for p in picked:
-        if shards[-1] and sum(q[3] for q in shards[-1]) + p[3] > max_shard_bytes:
+        if shards[-1] and filled + p[3] > max_shard_bytes:
             shards.append([])
+            filled = 0
         shards[-1].append(p)
+        filled += p[3]
     os.makedirs(dst, exist_ok=True)
     names = ["model.safetensors"] if len(shards) == 1 else \
         [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
