@@ -331,8 +331,8 @@ def test_cli_read_of_a_deep_tree_is_no_traceback(tmp_path, capsys):
 
 # ------------------------------------------------------------------------------------ output linear in keys
 
-N_KEYS = 100_000         # (100,000 takes minutes on the shared 2-core machine: saving them and decoding the
-#                           manifest dominate; a quadratic step at 20,000 keys still costs minutes, see the report)
+N_KEYS = 75_000          # (100,000 runs in ~80 s on the shared 2-core machine, half of it the fixture's two
+#                           saves: 75,000 keeps the test near 60 s; a quadratic step at this size costs minutes)
 
 
 @pytest.fixture(scope="module")
