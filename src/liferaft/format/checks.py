@@ -73,7 +73,7 @@ def check_tree(leaves: Iterable[tuple[str, Sequence[PathPart]]],
         p = tuple(path)
         if len(p) > MAX_NESTING:
             return f"key {key!r:.200}: its path has {len(p)} parts, more than {MAX_NESTING}"
-        if key != ".".join(str(x) for x in p):          # FORMAT.md §7: a key is its path's parts joined by "."
+        if key != ".".join(map(str, p)):                # FORMAT.md §7: a key is its path's parts joined by "."
             return f"key {key!r:.200} is not its path {list(p)!r:.200} joined by '.'"
         if p in leaf_paths or p in kinds:
             return f"key {key!r:.200}: its path {list(p)!r:.200} is used twice"
