@@ -29,6 +29,7 @@ from liferaft.options import LoadOptions, LoadResult, check_options, check_path
 from liferaft.planning.share_plan import plan_sharing
 from liferaft.state.dtypes import torch_dtype
 from liferaft.state.flatten import FlatState, PathPart, flatten, key_of
+from liferaft.core.aliasing import check_disjoint
 from liferaft.state.matching import drop_absent, matches_emptied, not_persisted, param_groups_mismatch, settle_missing
 from liferaft.state.values import PerRank, as_leaf, per_rank_leaf
 from liferaft.storage import Storage
@@ -223,6 +224,8 @@ def _plan_load(reader: Reader, flat: FlatState, coord: Coordinator, opts: LoadOp
             plan.want(spec, [(((row,) + full[0], (1,) + full[1]), local.unsqueeze(0)) for _, local in leaf.parts])
         else:
             plan.fresh_per_rank.append((leaf.path, spec, plan.want_whole(spec), reader.world_size or coord.world))
+    check_disjoint((leaf.key, local) for leaf in flat.tensors if leaf.kind == "tensor" and leaf.key in tensors
+                   for _, local in leaf.parts)
     for key, path, _ in flat.values:
         _plan_value(plan, key, path, index, coord, opts)
     _check_statefuls(plan, index, coord, strict)

@@ -40,3 +40,12 @@ MAX_NAME_BYTES = 255
 def name_bytes(name: str) -> int:
     """The bytes the one-component ``name`` takes on disk (UTF-8; a lone surrogate counted, not an error)."""
     return len(name.encode("utf-8", "surrogatepass"))
+
+
+#: Most chunks one tensor may have in a manifest or a DCP checkpoint (far above any real layout: 100k ranks × a few
+#: chunks each); a tiling check of more is refused as corrupt rather than run.
+MAX_CHUNKS_PER_TENSOR = 1 << 20
+
+#: Pairwise comparisons per chunk the tiling check's sweep may make when the chunks are not one grid (a real
+#: layout needs a handful: the chunks sharing a row); beyond it the layout is refused as too fragmented.
+SWEEP_BUDGET = 64

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from liferaft.format.limits import MAX_CHUNKS_PER_TENSOR, SWEEP_BUDGET
+
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 
 
@@ -42,12 +44,37 @@ def in_bounds(box: Box, shape: Sequence[int]) -> bool:
         o >= 0 and s >= 0 and o + s <= n for o, s, n in zip(box[0], box[1], shape))
 
 
+def _depth(boxes: Sequence[Box], dim: int) -> int:
+    """Most boxes whose extents along ``dim`` share one coordinate (an event sweep: O(n log n))."""
+    events = sorted([(b[0][dim], 1) for b in boxes] + [(b[0][dim] + b[1][dim], -1) for b in boxes])
+    depth = best = 0
+    for _, step in events:                  # ends (-1) sort before starts at one coordinate: half-open extents
+        depth += step
+        best = max(best, depth)
+    return best
+
+
+def _grid_disjoint(shape: Sequence[int], boxes: Sequence[Box]) -> bool | None:
+    """Whether ``boxes`` are pairwise disjoint, when each box is one cell of the grid its distinct offsets draw
+    (the layout of every real sharding: row, column and block shards); None when they are not such a grid."""
+    cuts = [sorted({b[0][d] for b in boxes} | {shape[d]}) for d in range(len(shape))]
+    nxt = [dict(zip(c, c[1:])) for c in cuts]
+    for b in boxes:
+        if any(nxt[d].get(b[0][d]) != b[0][d] + b[1][d] for d in range(len(shape))):
+            return None
+    return len({b[0] for b in boxes}) == len(boxes)
+
+
 def check_chunks_tile(shape: Sequence[int], boxes: Iterable[Box]) -> str | None:
     """Return a description of the problem unless the distinct boxes tile ``shape`` exactly, else None.
 
-    Identical boxes count once (replicas). Checks bounds, pairwise overlap (sweep along the dimension with
-    the most distinct starts, so 1-D shardings of thousands of chunks stay fast) and full coverage. A tensor
-    stored whole (one box at offset 0 that is the shape, the common case) is answered at once.
+    Identical boxes count once (replicas). In bounds, pairwise disjoint and their volumes summing to the shape's
+    (exact integers) is an exact tiling. Checked in near-linear time for any input: bounds and the volume sum
+    first; then disjointness by the grid the offsets draw (each box one cell: O(n log n)), else by a sweep along
+    the dimension where the fewest boxes share a coordinate, whose pairwise comparisons are capped
+    (``SWEEP_BUDGET`` per box): a layout that would need more is refused as too fragmented rather than hang.
+    More than ``MAX_CHUNKS_PER_TENSOR`` boxes are refused up front. A tensor stored whole (one box at offset
+    0 that is the shape, the common case) is answered at once.
     """
     if isinstance(boxes, Sequence) and len(boxes) == 1:
         offsets, sizes = boxes[0]
@@ -55,26 +82,42 @@ def check_chunks_tile(shape: Sequence[int], boxes: Iterable[Box]) -> str | None:
                 and min(shape, default=0) >= 0):
             return None
     distinct = sorted({(tuple(o), tuple(s)) for o, s in boxes if numel(s) > 0})
+    if len(distinct) > MAX_CHUNKS_PER_TENSOR:
+        return f"{len(distinct)} chunks, more than the {MAX_CHUNKS_PER_TENSOR} a tensor may have"
     for box in distinct:
         if not in_bounds(box, shape):
             return f"chunk at offsets {list(box[0])} with sizes {list(box[1])} lies outside the global shape {list(shape)}"
     total = numel(shape)
     if not shape:
         return None if len(distinct) == 1 else "no chunk covers the scalar"
-    dim = max(range(len(shape)), key=lambda d: len({b[0][d] for b in distinct}))
+    covered = sum(numel(b[1]) for b in distinct)
+    problem = None if not distinct or _grid_disjoint(shape, distinct) else _overlap(shape, distinct)
+    if problem:
+        return problem
+    if covered != total:
+        return f"chunks cover {covered} of {total} elements of the global shape {list(shape)}"
+    return None
+
+
+def _overlap(shape: Sequence[int], distinct: Sequence[Box]) -> str | None:
+    """The first two of ``distinct`` that overlap, described; None when none do (or when the sweep's budget ran
+    out: then a refusal naming the fragmentation)."""
+    dim = min(range(len(shape)), key=lambda d: _depth(distinct, d))
     order = sorted(distinct, key=lambda b: b[0][dim])
+    budget = SWEEP_BUDGET * len(order) + SWEEP_BUDGET
     active: list[Box] = []
     for box in order:
         start = box[0][dim]
         active = [a for a in active if a[0][dim] + a[1][dim] > start]
+        budget -= len(active) + 1
+        if budget < 0:
+            return (f"its {len(distinct)} chunks are too fragmented to check (more than {SWEEP_BUDGET} comparisons "
+                    "per chunk); no writer lays chunks out this way")
         for other in active:
             if intersect(other, box) is not None:
                 return (f"chunks at offsets {list(other[0])} (sizes {list(other[1])}) and {list(box[0])} "
                         f"(sizes {list(box[1])}) overlap without being identical")
         active.append(box)
-    covered = sum(numel(b[1]) for b in distinct)
-    if covered != total:
-        return f"chunks cover {covered} of {total} elements of the global shape {list(shape)}"
     return None
 
 

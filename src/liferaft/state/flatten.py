@@ -84,6 +84,23 @@ def _dtensor_type() -> type | None:
 
 
 @functools.lru_cache(maxsize=65536)
+def _refuse_exotic(t: torch.Tensor, key: str) -> None:
+    """A tensor liferaft cannot save or load into, refused before anything asks for its shape (a nested tensor's
+    ``shape`` raises): nested (jagged or strided) tensors, and tensor subclasses that intercept torch's operators
+    (``__torch_dispatch__``: FakeTensor, functional or user wrappers; DTensor has its own branch) — InvalidStateError
+    naming the key."""
+    if getattr(t, "is_nested", False):
+        raise InvalidStateError(f"key {key!r}: a nested tensor; liferaft saves dense (strided) tensors: save "
+                                ".unbind() of it (a list of tensors), or .to_padded_tensor(0)")
+    if getattr(type(t), "__torch_dispatch__", None) is not _PLAIN_DISPATCH:
+        raise InvalidStateError(f"key {key!r}: a {type(t).__module__}.{type(t).__qualname__}, a tensor subclass "
+                                "that intercepts torch operations (__torch_dispatch__); save or load into a plain "
+                                "torch.Tensor (or nn.Parameter) holding its values")
+
+
+_PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
+
+
 def _local_runs(shape: tuple[int, ...], mesh: Any, placements: tuple[Any, ...],
                 coordinate: tuple[int, ...] | None
                 ) -> tuple[tuple[int, ...], tuple[tuple[tuple[int, int, int], ...], ...]]:
@@ -208,11 +225,13 @@ class _Walker:
 
     def walk(self, v: Any, path: tuple[PathPart, ...]) -> None:
         if isinstance(v, Sharded):
+            _refuse_exotic(v.local, key_of(path))
             self._tensor(path, "tensor", v.local, v.global_shape, v.boxes())
         elif self.dtensor is not None and isinstance(v, self.dtensor):
             key = key_of(path)
             self._tensor(path, "tensor", v, tuple(v.shape), _dtensor_parts(v, key))
         elif isinstance(v, torch.Tensor):
+            _refuse_exotic(v, key_of(path))
             self._tensor(path, "tensor", v, tuple(v.shape), [((tuple(0 for _ in v.shape), tuple(v.shape)), v)],
                          compare=not self.trusted)
         elif _is_leaf_array(v):

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from liferaft.errors import CorruptCheckpointError, InvalidStateError, PickleNotAllowedError
-from liferaft.format.limits import MAX_NESTING
+from liferaft.format.limits import MAX_INT, MAX_NDIM, MAX_NESTING
 
 __all__ = ["MAX_NESTING", "PerRank", "as_leaf", "decode_value", "digest_encoded", "encode_value", "per_rank_leaf"]
 
@@ -108,7 +108,7 @@ def decode_value(d: Any, key: str, allow_pickle: bool = False) -> Any:
     if isinstance(d, list):
         return [decode_value(x, key, allow_pickle) for x in d]
     if not isinstance(d, dict):
-        raise CorruptCheckpointError(f"key {key!r}: malformed stored value {d!r}")
+        raise CorruptCheckpointError(f"key {key!r}: malformed stored value of type {type(d).__name__}: {repr(d)[:80]}")
     if len(d) == 1:
         (tag, body), = d.items()
         if tag.startswith("$"):
@@ -116,53 +116,111 @@ def decode_value(d: Any, key: str, allow_pickle: bool = False) -> Any:
     return {k: decode_value(x, key, allow_pickle) for k, x in d.items()}
 
 
-def _decode_tag(tag: str, body: Any, key: str, allow_pickle: bool) -> Any:
+class _Bad(Exception):
+    """A tagged value's body is not what its tag's encoder writes (the reason)."""
+
+
+def _need(ok: bool, why: str) -> None:
+    if not ok:
+        raise _Bad(why)
+
+
+def _b64_body(body: Any) -> bytes:
+    _need(isinstance(body, str), "its data is not a string")
     try:
-        if tag == "$float":
-            return float(body)
-        if tag == "$complex":
-            return complex(decode_value(body[0], key), decode_value(body[1], key))
-        if tag == "$bytes":
-            return base64.b64decode(body)
-        if tag == "$ndarray":
-            dt = np.dtype(body["dtype"])
-            if dt.hasobject:
-                raise CorruptCheckpointError(f"key {key!r}: stored array has object dtype")
-            return np.frombuffer(base64.b64decode(body["data"]), dtype=dt).reshape(body["shape"]).copy()
-        if tag == "$npscalar":
-            dt = np.dtype(body["dtype"])
-            if dt.hasobject:
-                raise CorruptCheckpointError(f"key {key!r}: stored scalar has object dtype")
-            return np.frombuffer(base64.b64decode(body["data"]), dtype=dt)[0]
-        if tag == "$tuple":
-            return tuple(decode_value(x, key, allow_pickle) for x in body)
-        if tag in ("$set", "$frozenset"):
-            items = [decode_value(x, key, allow_pickle) for x in body]
-            return set(items) if tag == "$set" else frozenset(items)
-        if tag == "$dict":
-            return {decode_value(k, key, allow_pickle): decode_value(x, key, allow_pickle) for k, x in body}
-        if tag == "$torch_dtype":
-            import torch
+        return base64.b64decode(body, validate=True)
+    except ValueError:
+        raise _Bad("its data is not valid base64") from None
 
-            dt = getattr(torch, body, None)
-            if not isinstance(dt, torch.dtype):
-                raise CorruptCheckpointError(f"key {key!r}: unknown torch dtype {body!r}")
-            return dt
-        if tag == "$torch_size":
-            import torch
 
-            return torch.Size(int(x) for x in body)
-        if tag == "$pickle":
-            if not allow_pickle:
-                raise PickleNotAllowedError(
-                    f"key {key!r} holds a pickled value; loading it would run code from the checkpoint. "
-                    "Pass allow_pickle=True only if you trust the checkpoint")
-            return pickle.loads(base64.b64decode(body))
+def _items(body: Any) -> list[Any]:
+    _need(isinstance(body, list), f"its body is a {type(body).__name__}, not a list")
+    return body
+
+
+def _dims(shape: Any) -> list[int]:
+    _need(isinstance(shape, list) and len(shape) <= MAX_NDIM, f"shape is not a list of at most {MAX_NDIM} sizes")
+    _need(all(type(n) is int and 0 <= n <= MAX_INT for n in shape), "a size is not an integer in [0, 2**63)")
+    return shape
+
+
+def _array_dtype(body: Any, fields: set[str]) -> np.dtype:
+    _need(isinstance(body, dict) and set(body) == fields, f"its body is not an object of {sorted(fields)}")
+    _need(isinstance(body["dtype"], str) and len(body["dtype"]) <= 64, "its dtype is not a short string")
+    try:
+        dt = np.dtype(body["dtype"])
+    except (TypeError, ValueError, SyntaxError):
+        raise _Bad(f"unknown numpy dtype {body['dtype']!r}") from None
+    _need(not dt.hasobject and dt.itemsize > 0, f"numpy dtype {body['dtype']!r} holds objects or no bytes")
+    return dt
+
+
+def _decode_tag(tag: str, body: Any, key: str, allow_pickle: bool) -> Any:
+    """A tagged value decoded, its body checked to be exactly what ``encode_value`` writes for the tag (types,
+    ranges, base64, sizes); CorruptCheckpointError naming the key and the tag otherwise."""
+    try:
+        return _decode_checked(tag, body, key, allow_pickle)
     except (CorruptCheckpointError, PickleNotAllowedError):
         raise
+    except _Bad as e:
+        raise CorruptCheckpointError(f"key {key!r}: malformed stored value with tag {tag}: {e}; the checkpoint is "
+                                     "damaged") from None
     except Exception as e:  # noqa: BLE001 - malformed data of any shape
-        raise CorruptCheckpointError(f"key {key!r}: malformed stored value with tag {tag}: {e}") from None
-    raise CorruptCheckpointError(f"key {key!r}: unknown value tag {tag!r}; written by a newer liferaft?")
+        raise CorruptCheckpointError(f"key {key!r}: malformed stored value with tag {tag}: "
+                                     f"{type(e).__name__}: {str(e)[:200]}; the checkpoint is damaged") from None
+
+
+def _decode_checked(tag: str, body: Any, key: str, allow_pickle: bool) -> Any:
+    if tag == "$float":
+        _need(body in ("nan", "inf", "-inf"), "not 'nan', 'inf' or '-inf'")
+        return float(body)
+    if tag == "$complex":
+        parts = [decode_value(x, key) for x in _items(body)]
+        _need(len(parts) == 2 and all(type(x) in (int, float) for x in parts), "not two real numbers")
+        return complex(parts[0], parts[1])
+    if tag == "$bytes":
+        return _b64_body(body)
+    if tag == "$ndarray":
+        dt = _array_dtype(body, {"dtype", "shape", "data"})
+        shape = _dims(body["shape"])
+        data = _b64_body(body["data"])
+        n = 1
+        for d in shape:
+            n *= d
+        _need(n * dt.itemsize == len(data), f"{len(data)} data bytes for shape {shape} of {dt.str}")
+        return np.frombuffer(data, dtype=dt).reshape(shape).copy()
+    if tag == "$npscalar":
+        dt = _array_dtype(body, {"dtype", "data"})
+        data = _b64_body(body["data"])
+        _need(len(data) == dt.itemsize, f"{len(data)} data bytes for one {dt.str}")
+        return np.frombuffer(data, dtype=dt)[0]
+    if tag == "$tuple":
+        return tuple(decode_value(x, key, allow_pickle) for x in _items(body))
+    if tag in ("$set", "$frozenset"):
+        items = [decode_value(x, key, allow_pickle) for x in _items(body)]
+        return set(items) if tag == "$set" else frozenset(items)
+    if tag == "$dict":
+        pairs = _items(body)
+        _need(all(isinstance(p, list) and len(p) == 2 for p in pairs), "an item is not a [key, value] pair")
+        return {decode_value(k, key, allow_pickle): decode_value(x, key, allow_pickle) for k, x in pairs}
+    if tag == "$torch_dtype":
+        import torch
+
+        dt = getattr(torch, body, None) if isinstance(body, str) and body.isidentifier() else None
+        if not isinstance(dt, torch.dtype):
+            raise CorruptCheckpointError(f"key {key!r}: unknown torch dtype {str(body)[:80]!r}")
+        return dt
+    if tag == "$torch_size":
+        import torch
+
+        return torch.Size(_dims(body))
+    if tag == "$pickle":
+        if not allow_pickle:
+            raise PickleNotAllowedError(
+                f"key {key!r} holds a pickled value; loading it would run code from the checkpoint. "
+                "Pass allow_pickle=True only if you trust the checkpoint")
+        return pickle.loads(_b64_body(body))
+    raise CorruptCheckpointError(f"key {key!r}: unknown value tag {tag[:80]!r}; written by a newer liferaft?")
 
 
 def as_leaf(kind: str, t: Any) -> Any:

@@ -1,0 +1,74 @@
+"""Load destinations that share memory across keys: refused before any byte is copied.
+
+Two keys whose destinations partially overlap (``b = base[0:6]``, ``c = base[2:6]``) would each be written in turn,
+the later one over the earlier: the load would succeed with one of them wrong. Tied tensors — the very same view
+under two keys (same storage, offset, shape, strides and dtype: tied embeddings) — are written with the same
+values twice, as before; views that interleave without sharing an element (``base[0::2]``, ``base[1::2]``) are
+fine. Near-linear: destinations grouped by storage, sorted by the byte extent they span, and only those whose
+extents intersect compared, exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from liferaft.errors import InvalidStateError
+
+#: Elements up to which two interleaved destinations are compared element by element; larger ones whose byte
+#: extents intersect (and which are not the same view) are refused rather than guessed.
+EXACT_ELEMENTS = 1 << 26
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    es = t.element_size()
+    lo = t.storage_offset() * es
+    return lo, lo + (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * es
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """The storage byte offsets of every byte of ``t``'s elements."""
+    es = t.element_size()
+    offs = torch.full((), t.storage_offset() * es, dtype=torch.int64)
+    for n, st in zip(t.shape, t.stride()):
+        offs = (offs.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * (st * es)).reshape(-1)
+    return (offs.unsqueeze(-1) + torch.arange(es, dtype=torch.int64)).reshape(-1)
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.storage_offset(), tuple(a.shape), a.stride(), a.dtype) == \
+        (b.storage_offset(), tuple(b.shape), b.stride(), b.dtype)
+
+
+def _share(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.numel() + b.numel() > EXACT_ELEMENTS:
+        return True
+    return bool(torch.isin(_bytes(a), _bytes(b)).any())
+
+
+def check_disjoint(dests: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """InvalidStateError naming both keys when the destinations of two different keys share memory without being
+    the same view (module docstring). ``dests``: (key, local tensor) of every tensor the load fills in place."""
+    groups: dict[tuple[str, int], list[tuple[int, int, str, torch.Tensor]]] = {}
+    for key, t in dests:
+        if t.numel() == 0:
+            continue
+        lo, hi = _extent(t)
+        groups.setdefault((str(t.device), t.untyped_storage().data_ptr()), []).append((lo, hi, key, t))
+    for items in groups.values():
+        if len(items) < 2:
+            continue
+        items.sort(key=lambda x: (x[0], x[1]))
+        active: list[tuple[int, int, str, torch.Tensor]] = []
+        for lo, hi, key, t in items:
+            active = [a for a in active if a[1] > lo]
+            for _, _, other, u in active:
+                if other != key and not _same_view(t, u) and _share(t, u):
+                    raise InvalidStateError(
+                        f"keys {other!r} and {key!r}: their destinations share memory (views of one tensor that "
+                        f"overlap: shape {list(u.shape)} at storage offset {u.storage_offset()} and shape "
+                        f"{list(t.shape)} at {t.storage_offset()}), so one would overwrite the other; nothing was "
+                        "loaded. Load into separate tensors (e.g. .clone() them into the state), or tie them as "
+                        "the very same tensor")
+            active.append((lo, hi, key, t))
