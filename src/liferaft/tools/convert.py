@@ -26,6 +26,7 @@ from liferaft.formats.hf_folder import recorded_files
 from liferaft.formats.safetensors import safetensors_state
 from liferaft.formats.torch_file import torch_file_state, torch_file_tree
 from liferaft.options import ConvertFormat, SaveOptions, check_options, check_path
+from liferaft.tools._dest import check_destination
 from liferaft.tools.export import (  # noqa: F401 - the API of this module too
     INDEX,
     SLAB,
@@ -45,6 +46,7 @@ def from_safetensors(src: str | os.PathLike[str], dst: str | os.PathLike[str], *
     """Import a safetensors file or Hugging Face folder (single or sharded) into a liferaft checkpoint at ``dst``
     (keys unchanged unless renamed; nested by nothing: a flat dict). A folder's other files (config, tokenizer:
     ``hf_folder.recorded_files``) are recorded in the manifest's metadata (``"hf"``), so ``to_hf`` brings them back."""
+    check_destination(src, dst, "liferaft")
     import dataclasses
 
     import liferaft
@@ -78,6 +80,7 @@ def from_torch(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, keys
     ``weights_only=True``, memory-mapped, so no code runs and the tensors are read once, by the save; a file
     weights_only refuses raises PickleNotAllowedError, a damaged one CorruptCheckpointError, naming the file), and
     keyed as it keys it (``torch_file_tree``: a top-level list's items are keys ``0``, ``1``, ...)."""
+    check_destination(src, dst, "liferaft")
     import liferaft
     from liferaft.state.flatten import flatten
 
@@ -98,6 +101,7 @@ def from_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, keys: 
     (``formats.dcp.DcpCheckpoint``; values unpickled with ``weights_only=True``) and saved as they lie (a tensor DCP
     stored in several chunks becomes a ``Sharded`` with those boxes); nesting from DCP's record of it, or a flat
     dict with ``keys``/``rename``."""
+    check_destination(src, dst, "liferaft")
     import liferaft
     from liferaft.formats.dcp import DcpCheckpoint
     from liferaft.state.sharded import Sharded
@@ -177,6 +181,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], to: Conver
     if (module is not None or config is not None) and to != "hf":
         raise OptionsError("module and config are for an export to a Hugging Face folder (--to hf); for other "
                            "formats select keys with --key and strip a prefix with --rename")
+    check_destination(src, dst, to)         # before anything is read or written (tools._dest)
     if src_fmt != "liferaft" and to != "liferaft":          # through a temporary liferaft checkpoint
         import shutil
         import tempfile

@@ -1,0 +1,62 @@
+"""Where a conversion may write: checked before anything is read or written (``check_destination``).
+
+A destination is never the source, inside it or around it (compared by real paths, links followed), and never
+something that already holds data the conversion would destroy: a ``torch.save`` file (``--to torch``) must not
+exist; a folder target (safetensors, hf, dcp, liferaft) must not be anything but a folder (a file, FIFO or device
+node there is refused, never replaced), and an existing folder must be empty — or be what the conversion
+documents writing into: any folder but a checkpoint for ``--to safetensors``/``--to hf`` (an earlier export's
+weights, links and FIFOs at its names are replaced, docs/cli/convert.md), a committed liferaft checkpoint for
+``--to liferaft`` (``liferaft.save`` then refuses it unless ``SaveOptions(overwrite=True)``), a DCP checkpoint for
+``--to dcp`` (``write_dcp`` refuses it).
+The output folder may be a link to a folder (followed once, as documented).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+
+from liferaft.errors import CheckpointExistsError, OptionsError
+
+def _inside(a: str, b: str) -> bool:
+    """Whether real path ``a`` is ``b`` or lies under it."""
+    return a == b or a.startswith(b.rstrip(os.sep) + os.sep)
+
+
+def check_destination(src: str | os.PathLike[str], dst: str | os.PathLike[str], to: str) -> None:
+    """OptionsError when ``dst`` is ``src``, lies inside it or contains it; CheckpointExistsError when ``dst``
+    holds something a conversion to ``to`` would destroy (module docstring). Nothing is created."""
+    s, d = os.path.realpath(os.fspath(src)), os.path.realpath(os.fspath(dst))
+    if _inside(d, s) or _inside(s, d):
+        where = "is the source" if d == s else "lies inside the source" if _inside(d, s) else "contains the source"
+        raise OptionsError(f"the destination {os.fspath(dst)!r} {where} {os.fspath(src)!r}; nothing was "
+                           "written. Choose a destination outside the source")
+    dst = os.fspath(dst)
+    if not os.path.lexists(dst):
+        return
+    if to == "torch":
+        raise CheckpointExistsError(f"{dst!r} already exists; a --to torch export never replaces a file. "
+                                    "Remove it first or choose another name")
+    try:
+        st = os.stat(dst)
+    except OSError as e:
+        raise CheckpointExistsError(f"{dst!r} exists but cannot be used as the output folder "
+                                    f"({e.strerror}); remove it or choose another name") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise CheckpointExistsError(f"{dst!r} already exists and is not a folder; a --to {to} export "
+                                    "writes a folder and never replaces a file. Remove it or choose another name")
+    names = os.listdir(dst)
+    if not names:
+        return
+    held = "COMMIT" in names or ".metadata" in names          # a liferaft or DCP checkpoint
+    if to in ("safetensors", "hf") and not held:
+        return              # documented: an earlier export's weights, links and FIFOs at its names are replaced
+    if to == "liferaft" and "COMMIT" in names:
+        return                                          # liferaft.save refuses it unless overwrite=True
+    if to == "dcp" and ".metadata" in names:
+        return                                          # write_dcp refuses it: "already holds a DCP checkpoint"
+    raise CheckpointExistsError(f"the folder {dst!r} is not empty ({len(names)} entries, e.g. "
+                                f"{sorted(names)[0][:80]!r}"
+                                + (", a checkpoint" if held else "") + f"); a --to {to} export writes into "
+                                + ("a folder that holds no checkpoint" if to in ("safetensors", "hf") else
+                                   "an empty or new folder") + ". Choose another destination or empty it")
