@@ -43,7 +43,7 @@ def check_int(owner: str, name: str, value: object, low: int, high: int = MAX_BY
     if value is None and none:
         return
     if type(value) is not int and not (isinstance(value, int) and not isinstance(value, bool)):
-        raise OptionsError(f"{owner}.{name} must be an integer{' or None' if none else ''}, got {value!r}")
+        raise OptionsError(f"{owner}.{name} must be an integer{' or None' if none else ''}, got {shown(value)}")
     if not low <= value <= high:
         raise OptionsError(f"{owner}.{name} must be between {low} and {high}, got {value}")
 
@@ -55,17 +55,17 @@ def check_number(owner: str, name: str, value: object, low: float, high: float =
     if value is None and none:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise OptionsError(f"{owner}.{name} must be a number{' or None' if none else ''}, got {value!r}")
+        raise OptionsError(f"{owner}.{name} must be a number{' or None' if none else ''}, got {shown(value)}")
     if not math.isfinite(value) or value < low or (above and value == low) or value > high:
         bound = f"greater than {low:g}" if above else f"at least {low:g}"
         raise OptionsError(f"{owner}.{name} must be a finite number {bound}"
-                           + (f" and at most {high:g}" if math.isfinite(high) else "") + f", got {value!r}")
+                           + (f" and at most {high:g}" if math.isfinite(high) else "") + f", got {shown(value)}")
 
 
 def check_bool(owner: str, name: str, value: object, *, none: bool = False) -> None:
     """OptionsError unless ``value`` is True or False (or None, with ``none``)."""
     if not isinstance(value, bool) and not (none and value is None):
-        raise OptionsError(f"{owner}.{name} must be True or False{' (or None)' if none else ''}, got {value!r}")
+        raise OptionsError(f"{owner}.{name} must be True or False{' (or None)' if none else ''}, got {shown(value)}")
 
 
 def check_patterns(owner: str, name: str, value: object) -> tuple[str, ...]:
@@ -74,7 +74,21 @@ def check_patterns(owner: str, name: str, value: object) -> tuple[str, ...]:
         return (value,)
     if isinstance(value, (list, tuple)) and all(isinstance(v, str) and v for v in value):
         return tuple(value)
-    raise OptionsError(f"{owner}.{name} must be a glob pattern or a list of non-empty glob patterns, got {value!r}")
+    raise OptionsError(f"{owner}.{name} must be a glob pattern or a list of non-empty glob patterns, got {shown(value)}")
+
+
+
+def shown(value: object, limit: int = 80) -> str:
+    """A user's value as an error message echoes it: its type and a repr cut to about ``limit`` characters, built
+    without the full repr of a large container (``reprlib``), so a 100k-key dict passed by mistake prints a line."""
+    import reprlib
+
+    r = reprlib.Repr()
+    r.maxlevel, r.maxdict, r.maxlist, r.maxtuple, r.maxset = 2, 4, 4, 4, 4
+    r.maxstring = r.maxother = limit
+    text = r.repr(value)
+    text = text if len(text) <= limit else text[:limit - 3] + "..."
+    return f"{type(value).__qualname__} {text}"
 
 
 def check_path(path: object, what: str = "path", *, storage: bool = True) -> None:
@@ -88,11 +102,11 @@ def check_path(path: object, what: str = "path", *, storage: bool = True) -> Non
     s = os.fspath(path) if isinstance(path, os.PathLike) else path
     if not isinstance(s, str):
         raise OptionsError(f"{what} must be a str path, a URL{' or a liferaft.storage.Storage' if storage else ''}"
-                           f", got {type(path).__qualname__} {path!r}"[:300])
+                           f", got {shown(path)}")
     if not s:
         raise OptionsError(f"{what} is empty: give the path of a checkpoint (or root) folder or a URL")
     if "\x00" in s:
-        raise OptionsError(f"{what} holds a NUL character: {s!r}"[:300])
+        raise OptionsError(f"{what} holds a NUL character: {shown(s)}")
 
 
 def check_options(value: Any, cls: type[_O], where: str) -> _O:
@@ -112,7 +126,7 @@ def _check_choice(owner: str, name: str, value: object, choices: Any) -> None:
     allowed = get_args(choices)
     if value not in allowed:
         said = ", ".join(repr(a) for a in allowed[:-1]) + f" or {allowed[-1]!r}"
-        raise OptionsError(f"{owner}.{name} must be {said}, got {value!r}")
+        raise OptionsError(f"{owner}.{name} must be {said}, got {shown(value)}")
 
 
 @dataclass(frozen=True)
@@ -211,14 +225,14 @@ class SaveOptions:
         for name in ("quantize", "delta", "selective_keys"):
             object.__setattr__(self, name, check_patterns(o, name, getattr(self, name)))
         if not isinstance(self.metadata, Mapping):
-            raise OptionsError(f"SaveOptions.metadata must be a dict of JSON data, got {self.metadata!r}"[:300])
+            raise OptionsError(f"SaveOptions.metadata must be a dict of JSON data, got {shown(self.metadata)}")
         if self.incremental_base is not None and not isinstance(self.incremental_base, str):
             raise OptionsError(f"SaveOptions.incremental_base must be the name of a checkpoint (a str) or None, got "
-                               f"{self.incremental_base!r}")
+                               f"{shown(self.incremental_base)}")
         if self.incremental_base is not None and (not self.incremental_base or "/" in self.incremental_base
                                                   or self.incremental_base in (".", "..")):
             raise OptionsError(f"SaveOptions.incremental_base must be the name of a checkpoint in the same folder "
-                               f"(no '/'), got {self.incremental_base!r}")
+                               f"(no '/'), got {shown(self.incremental_base)}")
         _check_choice("SaveOptions", "staging", self.staging, Staging)
         _check_choice("SaveOptions", "if_busy", self.if_busy, IfBusy)
         if self.block_size is not None and (self.block_size < 16 or self.block_size % 16):

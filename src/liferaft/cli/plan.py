@@ -73,10 +73,11 @@ def load_costs(path: str) -> dict[str, Any]:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
     except OSError as e:
         raise OptionsError(f"{where}: cannot open it: {e.strerror}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):                   # (before fdopen: it refuses a folder with a bare errno)
+        os.close(fd)
+        raise OptionsError(f"{where}: not a regular file" + (" (a folder)" if stat.S_ISDIR(st.st_mode) else ""))
     with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise OptionsError(f"{where}: not a regular file")
         if st.st_size > MAX_COSTS_BYTES:
             raise OptionsError(f"{where}: {st.st_size} bytes, more than a costs file holds ({MAX_COSTS_BYTES})")
         data = f.read(MAX_COSTS_BYTES + 1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from typing import Any
 
@@ -77,7 +78,15 @@ def run_ls(args: argparse.Namespace) -> int:
 
 
 def _ls_status(args: argparse.Namespace, steps: list[liferaft.StepInfo]) -> int:
-    """Exit status of ``ls``: 1 with ``--verify`` when any step is corrupt (each listed with its reason)."""
+    """Exit status of ``ls``: 1 with ``--verify`` when any step is corrupt (each listed with its reason), and 1
+    when the root's ``PINS`` is damaged (the steps listed, unpinned, then one line naming the file on stderr: gc
+    and the manager refuse such a root)."""
+    from liferaft.tools.steps import pins_problem
+
+    problem = pins_problem(args.root)
+    if problem:
+        print(f"liferaft ls: error: {problem}", file=sys.stderr)
+        return 1
     return 1 if args.verify and any(i.status == "corrupt" for i in steps) else 0
 
 

@@ -211,7 +211,11 @@ def hf_files(folder: str, error: type[Exception] = OptionsError) -> dict[str, st
     naming the file otherwise."""
     where = roots(folder)
     out = {}
+    seen = 0
     for d, dirs, fs in os.walk(folder):
+        seen += len(dirs) + len(fs)            # (every entry walked counts: a big tree of hidden files too)
+        if seen > 8 * MAX_FILES:
+            raise error(f"{folder}: more than {8 * MAX_FILES} files and folders; not a model folder")
         dirs[:] = sorted(x for x in dirs if not x.startswith("."))
         for f in sorted(fs):
             if f.startswith(".") or WEIGHTS.fullmatch(f):
@@ -281,6 +285,8 @@ def plan_config(config: str | os.PathLike[str] | None, recorded: Any, dtype: str
     if config is not None:
         c = os.fspath(config)
         if os.path.isdir(c):
+            if not os.path.isfile(os.path.join(c, "config.json")):     # (before walking the folder)
+                raise OptionsError(f"--config {c}: no config.json in that folder; not a Hugging Face model folder")
             files = hf_files(c, OptionsError)
             for rel, full in files.items():
                 if check_file(full, f"{c}/{rel}", None, OptionsError) > FILE_LIMIT:

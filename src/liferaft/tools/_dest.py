@@ -60,3 +60,20 @@ def check_destination(src: str | os.PathLike[str], dst: str | os.PathLike[str], 
                                 + (", a checkpoint" if held else "") + f"); a --to {to} export writes into "
                                 + ("a folder that holds no checkpoint" if to in ("safetensors", "hf") else
                                    "an empty or new folder") + ". Choose another destination or empty it")
+
+
+def check_dtype(dtype: object) -> None:
+    """OptionsError naming ``--dtype`` (``dtype=``) unless it is None or the name of a floating-point torch dtype
+    ("bfloat16", "float16", ...): an export casts floating-point tensors to it, and a cast of weights to an integer
+    or bool dtype would silently destroy them."""
+    if dtype is None:
+        return
+    import torch
+
+    dt = getattr(torch, dtype, None) if isinstance(dtype, str) and dtype.isidentifier() else None
+    if not isinstance(dt, torch.dtype):
+        raise OptionsError(f"--dtype (dtype=): unknown dtype {str(dtype)[:80]!r}; give a floating-point torch "
+                           "dtype such as bfloat16, float16 or float32")
+    if not dt.is_floating_point:
+        raise OptionsError(f"--dtype (dtype=): {dtype} is not a floating-point dtype; an export casts only "
+                           "floating-point tensors, to bfloat16, float16, float32, float64 (or a float8 type)")

@@ -26,7 +26,7 @@ from liferaft.formats.hf_folder import recorded_files
 from liferaft.formats.safetensors import safetensors_state
 from liferaft.formats.torch_file import torch_file_state, torch_file_tree
 from liferaft.options import ConvertFormat, SaveOptions, check_options, check_path
-from liferaft.tools._dest import check_destination
+from liferaft.tools._dest import check_destination, check_dtype
 from liferaft.tools.export import (  # noqa: F401 - the API of this module too
     INDEX,
     SLAB,
@@ -162,6 +162,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], to: Conver
     ``SaveOptions`` of an import; ``progress(nbytes)`` called as an export writes."""
     check_path(src, "convert(src=...)")
     check_path(dst, "convert(dst=...)")
+    check_dtype(dtype)
     if options is not None:
         check_options(options, SaveOptions, "convert")
     src_fmt = source or detect_format(src)

@@ -34,7 +34,7 @@ from liferaft.state.dtypes import torch_dtype
 from liferaft.state.values import as_leaf
 from liferaft.storage import files as files_io
 from liferaft.storage import fsync_dir, resolve
-from liferaft.tools._dest import check_destination
+from liferaft.tools._dest import check_destination, check_dtype
 from liferaft.tools._slabs import prefetched, ring, slab_values
 
 INDEX = "model.safetensors.index.json"
@@ -115,6 +115,7 @@ def to_safetensors(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, 
     ``max_shard_bytes`` plus ``model.safetensors.index.json``. ``dtype`` (e.g. "bfloat16") casts floating-point
     tensors. (``to_hf`` writes a folder ``from_pretrained`` loads: one module's weights, its config.)"""
     check_destination(src, dst, "safetensors")
+    check_dtype(dtype)
     reader = open_liferaft(src)
     rn = renamer(rename)
     picked = [(k, rn(k)) for k, s in reader.tensors.items() if s.kind == "tensor" and matches(k, keys)]
@@ -241,6 +242,7 @@ def to_hf(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, module: s
     checkpoint was imported from an HF folder. ``dtype`` casts floating-point tensors (and the config's dtype).
     ``keys``/``rename`` select and rename by the module's own names."""
     check_destination(src, dst, "hf")
+    check_dtype(dtype)
     reader = open_liferaft(src)
     prefix, what = model_subtree(manifest_of(reader), module)
     rn = renamer(rename)
@@ -377,6 +379,7 @@ def to_torch(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, keys: 
     value ``torch.load(weights_only=True)`` could not read back (numpy data inside it) is refused, naming the key,
     before anything is written (``_portable_values``)."""
     check_destination(src, dst, "torch")
+    check_dtype(dtype)
     from liferaft.formats.torch_file import placeholder, with_crc, write_torch_file
 
     reader, tensors, values = _export_source(src, keys)
@@ -418,6 +421,7 @@ def to_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, keys: Se
     readers could not read back (numpy data inside it) is refused, naming the key, before anything is written
     (``_portable_values``)."""
     check_destination(src, dst, "dcp")
+    check_dtype(dtype)
     from liferaft.formats.dcp_write import DcpItem, write_dcp
 
     reader, tensors, values = _export_source(src, keys)

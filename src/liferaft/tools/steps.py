@@ -17,11 +17,19 @@ from liferaft.storage import Storage, resolve
 
 
 def _pins(storage: Storage) -> frozenset[int]:
-    """The pins ``ls`` shows: none when ``PINS`` is damaged (``gc`` refuses then: ``read_pins``)."""
+    """The pins ``ls`` shows: none when ``PINS`` is damaged (``gc`` refuses then: ``read_pins``; the CLI's ``ls``
+    lists the steps, then reports it and exits 1: ``pins_problem``)."""
+    return frozenset() if pins_problem(storage) else read_pins(storage)
+
+
+def pins_problem(root: str | os.PathLike[str] | Storage) -> str | None:
+    """Why the ``PINS`` file of the manager root is unreadable (the error ``gc`` and the manager refuse with, which
+    names the file), or None when it is fine or absent. ``ls`` shows no step pinned then."""
     try:
-        return read_pins(storage)
-    except LiferaftError:
-        return frozenset()
+        read_pins(root if isinstance(root, Storage) else _root(root))
+    except LiferaftError as e:
+        return str(e)
+    return None
 
 
 def _root(root: str | os.PathLike[str] | Storage) -> Storage:
@@ -32,6 +40,11 @@ def _root(root: str | os.PathLike[str] | Storage) -> Storage:
 
     check_path(root, "root")
     if isinstance(root, (str, os.PathLike)) and "://" not in os.fspath(root):
+        if not os.path.lexists(os.fspath(root)):
+            from liferaft.errors import CheckpointNotFoundError
+
+            raise CheckpointNotFoundError(f"{os.fspath(root)}: no such folder; ls and gc take the folder holding "
+                                          "step-N folders (a CheckpointManager root)")
         fmt = sniff(root)
         if fmt is not None and fmt != "liferaft" or os.path.isfile(os.fspath(root)):
             raise OptionsError(f"{os.fspath(root)}: a {NAMES[fmt or 'torch']}, not a CheckpointManager root (ls "
