@@ -79,7 +79,7 @@ def check_patterns(owner: str, name: str, value: object) -> tuple[str, ...]:
 
 
 def shown(value: object, limit: int = 80) -> str:
-    """A user's value as an error message echoes it: its type and a repr cut to about ``limit`` characters, built
+    """A user's value as an error message echoes it: its type (but for a plain str, number, bool, None) and a repr cut to about ``limit`` characters, built
     without the full repr of a large container (``reprlib``), so a 100k-key dict passed by mistake prints a line."""
     import reprlib
 
@@ -88,6 +88,8 @@ def shown(value: object, limit: int = 80) -> str:
     r.maxstring = r.maxother = limit
     text = r.repr(value)
     text = text if len(text) <= limit else text[:limit - 3] + "..."
+    if value is None or type(value) in (str, int, float, bool):     # (short plain values: as they are)
+        return text
     return f"{type(value).__qualname__} {text}"
 
 

@@ -136,7 +136,9 @@ def test_hostile_pins(root, capsys, data):
     assert main(["gc", root, "--keep-last", "1"]) == 1
     err = capsys.readouterr().err.strip()
     assert "PINS" in err and "\n" not in err
-    assert main(["ls", root]) == 0
+    assert main(["ls", root]) == 1                                    # listed, then PINS reported (review B)
+    out = capsys.readouterr()
+    assert "PINS" in out.err and "\n" not in out.err.strip() and " 1 " in out.out
 
 
 @pytest.mark.parametrize("data", BAD_ROOT_FILES + [b'{"job_id":"x","host":"h","pid":1e400,"renewed_unix":1}',

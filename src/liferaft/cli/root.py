@@ -57,8 +57,14 @@ def run_ls(args: argparse.Namespace) -> int:
                     total += sum(t.nbytes for t in liferaft.inspect(i.path).tensors)
                 except liferaft.LiferaftError:          # (listed as corrupt below, with the reason)
                     pass
+    pins_error = None
     with Progress(total, "verify", None if args.verify and not args.json else False) as tick:
-        steps = liferaft.ls(args.root, verify=args.verify, progress=tick)
+        try:                    # PINS is read first: a damaged one is listed unpinned, then reported (_ls_status)
+            steps = liferaft.ls(args.root, verify=args.verify, progress=tick, check_pins=True)
+        except liferaft.CorruptCheckpointError as e:
+            pins_error = str(e)
+            steps = liferaft.ls(args.root, verify=args.verify, progress=tick)
+    args.pins_error = pins_error
     if args.json:
         print(json.dumps([{"step": i.step, "status": i.status, "reason": i.reason, "bytes": i.nbytes,
                            "created_unix": i.created_unix, "world_size": i.world_size, "job_id": i.job_id,
@@ -81,11 +87,8 @@ def _ls_status(args: argparse.Namespace, steps: list[liferaft.StepInfo]) -> int:
     """Exit status of ``ls``: 1 with ``--verify`` when any step is corrupt (each listed with its reason), and 1
     when the root's ``PINS`` is damaged (the steps listed, unpinned, then one line naming the file on stderr: gc
     and the manager refuse such a root)."""
-    from liferaft.tools.steps import pins_problem
-
-    problem = pins_problem(args.root)
-    if problem:
-        print(f"liferaft ls: error: {problem}", file=sys.stderr)
+    if getattr(args, "pins_error", None):
+        print(f"liferaft ls: error: {args.pins_error}", file=sys.stderr)
         return 1
     return 1 if args.verify and any(i.status == "corrupt" for i in steps) else 0
 

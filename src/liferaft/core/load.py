@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from liferaft.core.aliasing import check_disjoint
 from liferaft.core.open import open_reader
 from liferaft.core.process import in_call
 from liferaft.dist import Coordinator
@@ -29,7 +30,6 @@ from liferaft.options import LoadOptions, LoadResult, check_options, check_path
 from liferaft.planning.share_plan import plan_sharing
 from liferaft.state.dtypes import torch_dtype
 from liferaft.state.flatten import FlatState, PathPart, flatten, key_of
-from liferaft.core.aliasing import check_disjoint
 from liferaft.state.matching import drop_absent, matches_emptied, not_persisted, param_groups_mismatch, settle_missing
 from liferaft.state.values import PerRank, as_leaf, per_rank_leaf
 from liferaft.storage import Storage

@@ -5,6 +5,7 @@ A *box* is ``(offsets, sizes)``: the elements ``offsets[d] <= i[d] < offsets[d] 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
 
 from liferaft.format.limits import MAX_CHUNKS_PER_TENSOR, SWEEP_BUDGET
@@ -58,7 +59,7 @@ def _grid_disjoint(shape: Sequence[int], boxes: Sequence[Box]) -> bool | None:
     """Whether ``boxes`` are pairwise disjoint, when each box is one cell of the grid its distinct offsets draw
     (the layout of every real sharding: row, column and block shards); None when they are not such a grid."""
     cuts = [sorted({b[0][d] for b in boxes} | {shape[d]}) for d in range(len(shape))]
-    nxt = [dict(zip(c, c[1:])) for c in cuts]
+    nxt = [dict(itertools.pairwise(c)) for c in cuts]
     for b in boxes:
         if any(nxt[d].get(b[0][d]) != b[0][d] + b[1][d] for d in range(len(shape))):
             return None

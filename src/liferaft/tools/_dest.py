@@ -18,6 +18,7 @@ import stat
 
 from liferaft.errors import CheckpointExistsError, OptionsError
 
+
 def _inside(a: str, b: str) -> bool:
     """Whether real path ``a`` is ``b`` or lies under it."""
     return a == b or a.startswith(b.rstrip(os.sep) + os.sep)
@@ -56,7 +57,7 @@ def check_destination(src: str | os.PathLike[str], dst: str | os.PathLike[str], 
     if to == "dcp" and ".metadata" in names:
         return                                          # write_dcp refuses it: "already holds a DCP checkpoint"
     raise CheckpointExistsError(f"the folder {dst!r} is not empty ({len(names)} entries, e.g. "
-                                f"{sorted(names)[0][:80]!r}"
+                                f"{min(names)[:80]!r}"
                                 + (", a checkpoint" if held else "") + f"); a --to {to} export writes into "
                                 + ("a folder that holds no checkpoint" if to in ("safetensors", "hf") else
                                    "an empty or new folder") + ". Choose another destination or empty it")

@@ -17,19 +17,12 @@ from liferaft.storage import Storage, resolve
 
 
 def _pins(storage: Storage) -> frozenset[int]:
-    """The pins ``ls`` shows: none when ``PINS`` is damaged (``gc`` refuses then: ``read_pins``; the CLI's ``ls``
-    lists the steps, then reports it and exits 1: ``pins_problem``)."""
-    return frozenset() if pins_problem(storage) else read_pins(storage)
-
-
-def pins_problem(root: str | os.PathLike[str] | Storage) -> str | None:
-    """Why the ``PINS`` file of the manager root is unreadable (the error ``gc`` and the manager refuse with, which
-    names the file), or None when it is fine or absent. ``ls`` shows no step pinned then."""
+    """The pins ``ls`` shows: none when ``PINS`` is damaged (``gc`` refuses then: ``read_pins``; ``ls`` with
+    ``check_pins`` raises too)."""
     try:
-        read_pins(root if isinstance(root, Storage) else _root(root))
-    except LiferaftError as e:
-        return str(e)
-    return None
+        return read_pins(storage)
+    except LiferaftError:
+        return frozenset()
 
 
 def _root(root: str | os.PathLike[str] | Storage) -> Storage:
@@ -89,12 +82,16 @@ def _listing(storage: Storage, pins: frozenset[int], verify: bool = False,
 
 
 def ls(root: str | os.PathLike[str] | Storage, verify: bool = False,
-       progress: Callable[[int], None] | None = None) -> list[StepInfo]:
+       progress: Callable[[int], None] | None = None, *, check_pins: bool = False) -> list[StepInfo]:
     """Every step under the manager root, oldest first, with status, bytes, writer and references (reads only;
     ``verify`` re-hashes every committed step, calling ``progress`` with the bytes of each read). A step folder
     holding another format's checkpoint has that format as its status ("dcp", ...); a root that is itself a
-    checkpoint is refused (OptionsError)."""
+    checkpoint is refused (OptionsError), a local root that does not exist too (CheckpointNotFoundError). A
+    damaged ``PINS`` shows no step pinned, or with ``check_pins`` raises the CorruptCheckpointError naming it
+    that ``gc`` and the manager raise (the CLI lists the steps, then reports it and exits 1)."""
     storage = _root(root)
+    if check_pins:
+        read_pins(storage)
     return _listing(storage, _pins(storage), verify, progress)
 
 
