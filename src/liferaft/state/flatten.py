@@ -83,7 +83,6 @@ def _dtensor_type() -> type | None:
     return getattr(module, "DTensor", None) if module is not None else None
 
 
-@functools.lru_cache(maxsize=65536)
 def _refuse_exotic(t: torch.Tensor, key: str) -> None:
     """A tensor liferaft cannot save or load into, refused before anything asks for its shape (a nested tensor's
     ``shape`` raises): nested (jagged or strided) tensors, and tensor subclasses that intercept torch's operators
@@ -101,6 +100,7 @@ def _refuse_exotic(t: torch.Tensor, key: str) -> None:
 _PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
 
 
+@functools.lru_cache(maxsize=65536)
 def _local_runs(shape: tuple[int, ...], mesh: Any, placements: tuple[Any, ...],
                 coordinate: tuple[int, ...] | None
                 ) -> tuple[tuple[int, ...], tuple[tuple[tuple[int, int, int], ...], ...]]:

@@ -6,17 +6,21 @@ exist; a folder target (safetensors, hf, dcp, liferaft) must not be anything but
 node there is refused, never replaced), and an existing folder must be empty — or be what the conversion
 documents writing into: any folder but a checkpoint for ``--to safetensors``/``--to hf`` (an earlier export's
 weights, links and FIFOs at its names are replaced, docs/cli/convert.md), a committed liferaft checkpoint for
-``--to liferaft`` (``liferaft.save`` then refuses it unless ``SaveOptions(overwrite=True)``), a DCP checkpoint for
-``--to dcp`` (``write_dcp`` refuses it).
+``--to liferaft`` (``liferaft.save`` then refuses it unless ``SaveOptions(overwrite=True)``), DCP's own names for
+``--to dcp`` (an interrupted export's files are replaced; a whole DCP checkpoint ``write_dcp`` refuses).
 The output folder may be a link to a folder (followed once, as documented).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import stat
 
 from liferaft.errors import CheckpointExistsError, OptionsError
+
+#: The names a DCP export writes (its data file, its metadata and their temporaries).
+_DCP_OWN = re.compile(r"__\d+_\d+\.distcp|\.metadata(\.tmp[^/]*)?")
 
 
 def _inside(a: str, b: str) -> bool:
@@ -54,8 +58,9 @@ def check_destination(src: str | os.PathLike[str], dst: str | os.PathLike[str], 
         return              # documented: an earlier export's weights, links and FIFOs at its names are replaced
     if to == "liferaft" and "COMMIT" in names:
         return                                          # liferaft.save refuses it unless overwrite=True
-    if to == "dcp" and ".metadata" in names:
-        return                                          # write_dcp refuses it: "already holds a DCP checkpoint"
+    if to == "dcp" and all(_DCP_OWN.fullmatch(n) for n in names):
+        return          # an interrupted DCP export's files (replaced, never written through); a whole DCP
+        #                 checkpoint (.metadata) is refused by write_dcp: "already holds a DCP checkpoint"
     raise CheckpointExistsError(f"the folder {dst!r} is not empty ({len(names)} entries, e.g. "
                                 f"{min(names)[:80]!r}"
                                 + (", a checkpoint" if held else "") + f"); a --to {to} export writes into "
