@@ -51,7 +51,9 @@ def drain(f: Any, progress: Callable[[int], None] | None) -> int:
 
 def check_zip(f: Any, what: str, progress: Callable[[int], None] | None) -> tuple[int, int, int, list[str], int]:
     """Check the zip archive ``f`` (a ``torch.save`` archive) as ``stored_records`` does, then read every record
-    and check its CRC-32. Returns
+    stored uncompressed and check its CRC-32. A compressed record is a fault and is never decompressed: its
+    declared size is the writer's word, and a few bytes of bzip2 or deflate inflate to gigabytes (a memory bomb);
+    a stored record's bytes are bounded by the file. Returns
     (records checked, their bytes, bytes read, faults, records without a CRC: ``torch.save`` with
     ``compute_crc32`` off writes 0)."""
     records = crc_bytes = nbytes = no_crc = 0
@@ -67,6 +69,12 @@ def check_zip(f: Any, what: str, progress: Callable[[int], None] | None) -> tupl
             faults.append(f"{what}: {e}; damaged or crafted (a reader would map the wrong bytes)")
         for info in zf.infolist():
             size = 0
+            if info.compress_type != zipfile.ZIP_STORED:
+                fault = (f"{what}: record {info.filename!r} is compressed (method {info.compress_type}); torch.save "
+                         "stores records uncompressed: damaged or crafted, not decompressed")
+                if not any(f"record {info.filename!r} is compressed" in x for x in faults):
+                    faults.append(fault)
+                continue
             try:
                 with zf.open(info) as member:
                     size = drain(member, progress)
