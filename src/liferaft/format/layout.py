@@ -67,9 +67,18 @@ def step_name(step: int) -> str:
 
 
 def parse_step(name: str) -> int | None:
-    """The step of a name whose first component is a step folder (``step-0000000012/...`` → 12); else None."""
+    """The step of a name whose first component is a step folder (``step-0000000012/...`` → 12); else None. Only
+    the canonical name ``step_name(n)`` is step ``n`` (``step-5``, ``step-00000000005``: not steps), so that
+    listing, restoring and deleting a step all mean the same folder: the one rule for every reader of a root."""
+    step = step_like(name)
+    return step if step is not None and name.split("/", 1)[0] == step_name(step) else None
+
+
+def step_like(name: str) -> int | None:
+    """The number a first component ``step-<digits>`` claims, canonical or not (``step-10``, torchtitan's DCP
+    folders): for listing such folders as what they are, never for restoring or deleting them (``parse_step``)."""
     head = name.split("/", 1)[0]
     digits = head[len(STEP_PREFIX):]
-    if head.startswith(STEP_PREFIX) and digits.isdigit() and digits.isascii():
+    if head.startswith(STEP_PREFIX) and digits.isdigit() and digits.isascii() and len(digits) <= 4300:
         return int(digits)
     return None

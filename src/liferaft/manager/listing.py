@@ -57,6 +57,11 @@ def list_steps(storage: Storage, pins: frozenset[int] = frozenset(), deep: bool 
     for step in sorted(names):
         st = with_references(storage.child(step_name(step)))
         path, pinned = st.url, step in pins
+        if step_name(step) in names[step]:              # the entry itself: a file, a link, a FIFO, not a folder
+            out.append(StepInfo(step, path, "corrupt", f"{path} is not a folder (a file, a link or a special file "
+                                "where a step folder belongs): not a step liferaft wrote; never restored nor "
+                                "deleted by liferaft: remove it by hand if it is not needed", pinned=pinned))
+            continue
         if f"{step_name(step)}/{COMMIT_MARKER}" not in names[step]:
             out.append(StepInfo(step, path, "incomplete", "no commit marker", pinned=pinned))
             continue
@@ -124,14 +129,19 @@ def write_pins(storage: Storage, pins: Iterable[int]) -> None:
     storage.put_atomic(PINS, json.dumps(sorted(pins)).encode())
 
 
-def delete_step(storage: Storage, step: int) -> None:
-    """Delete ``step`` under the root ``storage``: marker first, so that a crash halfway leaves an incomplete step
-    (removed at the next start), never a committed step with missing files."""
+def delete_step(storage: Storage, step: int) -> bool:
+    """Delete the step folder of ``step`` under the root ``storage`` (its canonical name ``step_name(step)``, every
+    name in it: a link is removed, never followed): marker first, so that a crash halfway leaves an incomplete
+    step (removed at the next start), never a committed step with missing files. Whether anything was there to
+    delete (an entry of that name that is not a folder is never touched: False)."""
     prefix = step_name(step) + "/"
-    storage.delete(prefix + COMMIT_MARKER)
-    for name in storage.list():
-        if name.startswith(prefix):
+    names = [name for name in storage.list() if name.startswith(prefix)]
+    if prefix + COMMIT_MARKER in names:
+        storage.delete(prefix + COMMIT_MARKER)
+    for name in names:
+        if name != prefix + COMMIT_MARKER:
             storage.delete(name)           # (through the root: empty folders go too)
+    return bool(names)
 
 
 def remove_leftovers(storage: Storage, listing: list[StepInfo]) -> None:

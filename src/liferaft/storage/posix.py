@@ -296,14 +296,15 @@ class PosixStorage(Storage):
         raise CorruptCheckpointError(f"{self._shown(name)} is {files.kind(st.st_mode)}, not a regular file")
 
     def list(self) -> list[str]:
-        """Every name under the root (links to folders are not followed: their files are not this checkpoint's)."""
+        """Every name under the root: files, and links (a link to a folder is one name, never followed: its files
+        are not this checkpoint's, and deleting it removes the link, never what it points to)."""
         out: list[str] = []
         top = self._top
         if not self._folder_ok():
             return out
-        for dirpath, _, names in os.walk(top):
+        for dirpath, dirs, names in os.walk(top):
             rel = os.path.relpath(dirpath, top)
-            for f in names:
+            for f in names + [d for d in dirs if os.path.islink(os.path.join(dirpath, d))]:
                 out.append(f if rel == "." else f"{rel.replace(os.sep, '/')}/{f}")
         return sorted(out)
 

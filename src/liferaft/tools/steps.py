@@ -8,9 +8,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from liferaft.errors import LiferaftError
+from liferaft.format.layout import step_like
 from liferaft.manager.lease import Lease
 from liferaft.manager.listing import StepInfo, delete_step, kept_steps, list_steps, read_pins, step_name
-from liferaft.manager.listing import parse_step as _parse_step
 from liferaft.manager.policies import RetentionPolicy
 from liferaft.options import MetricMode
 from liferaft.storage import Storage, resolve
@@ -45,7 +45,7 @@ def _root(root: str | os.PathLike[str] | Storage) -> Storage:
                                "convert take a checkpoint")
     storage = resolve(root)
     names = storage.list()
-    if detect_names(names) is not None and not any(_parse_step(n) is not None for n in names):
+    if detect_names(names) is not None and not any(step_like(n) is not None for n in names):
         raise OptionsError(f"{storage.url}: a liferaft checkpoint, not a CheckpointManager root (ls and gc take "
                            "the folder holding step-N folders); inspect, verify, read, diff and convert take a "
                            "checkpoint")
@@ -55,30 +55,50 @@ def _root(root: str | os.PathLike[str] | Storage) -> Storage:
 def _listing(storage: Storage, pins: frozenset[int], verify: bool = False,
              progress: Callable[[int], None] | None = None) -> list[StepInfo]:
     """``list_steps``, with step folders that hold a checkpoint of another format (torchtitan's ``step-N`` DCP
-    folders, say) given that format as their status instead of "incomplete": restore skips them, gc leaves them."""
+    folders, say, under their own names) given that format as their status instead of "incomplete": restore skips
+    them, gc leaves them. A folder named ``step-<digits>`` otherwise but not canonically (``step-5``) is listed
+    "corrupt", saying so (unless the canonical folder of that step is there): never restored nor deleted. One bad
+    step never hides the others: what fails there is that step's status."""
     from liferaft.formats.detect import NAMES, detect_names
 
     by_folder: dict[str, list[str]] = {}
     for name in storage.list():
         head, _, rest = name.partition("/")
-        if rest and _parse_step(head) is not None:
+        if rest and step_like(head) is not None:
             by_folder.setdefault(head, []).append(rest)
     foreign: dict[int, tuple[str, str]] = {}
+    odd: dict[int, str] = {}
     for head, rest in by_folder.items():
-        fmt, step = detect_names(rest), _parse_step(head)
-        if fmt not in (None, "liferaft") and step is not None and (head == step_name(step) or
-                                                                   step_name(step) not in by_folder):
+        fmt, step = detect_names(rest), step_like(head)
+        if step is None or (head != step_name(step) and step_name(step) in by_folder):
+            continue                                    # (the canonical folder of that step is the step)
+        if fmt not in (None, "liferaft"):
             foreign[step] = (head, fmt)
-    out = []
-    for info in list_steps(storage, pins, verify, progress):
-        if info.step in foreign and info.status != "committed":
-            head, fmt = foreign[info.step]
-            info = StepInfo(info.step, storage.child(head).url, fmt,
-                            f"a {NAMES[fmt]} ({head}), not written by liferaft: inspect, verify, read, diff and "
-                            "convert take it; restore skips it and gc leaves it", pinned=info.pinned,
-                            nbytes=sum(storage.size(f"{head}/{rest}") for rest in by_folder[head]))
-        out.append(info)
-    return out
+        elif head != step_name(step):
+            odd[step] = head
+    out = {i.step: i for i in list_steps(storage, pins, verify, progress)}
+    for step, head in odd.items():
+        out.setdefault(step, StepInfo(step, storage.child(head).url, "corrupt",
+                                      f"{head} is not a step folder name liferaft writes ({step_name(step)}): "
+                                      "never restored nor deleted by liferaft; rename it if it is that step",
+                                      pinned=step in pins))
+    for step, (head, fmt) in foreign.items():
+        info = out.get(step)
+        if info is not None and info.status == "committed":
+            continue
+        pinned = step in pins
+        try:                                # (one bad step never hides the others: its fault is its status)
+            nbytes = sum(storage.size(f"{head}/{rest}") for rest in by_folder[head])
+        except (LiferaftError, OSError) as e:
+            out[step] = StepInfo(step, storage.child(head).url, "corrupt",
+                                 f"looks like a {NAMES[fmt]} ({head}) but {e or type(e).__name__}: not written by "
+                                 "liferaft; restore skips it and gc leaves it", pinned=pinned)
+        else:
+            out[step] = StepInfo(step, storage.child(head).url, fmt,
+                                 f"a {NAMES[fmt]} ({head}), not written by liferaft: inspect, verify, read, diff "
+                                 "and convert take it; restore skips it and gc leaves it", pinned=pinned,
+                                 nbytes=nbytes)
+    return [out[step] for step in sorted(out)]
 
 
 def ls(root: str | os.PathLike[str] | Storage, verify: bool = False,
@@ -128,10 +148,9 @@ def gc(root: str | os.PathLike[str] | Storage, *, keep_last: int | None = None, 
         doomed = [i for i in listing if i.status == "committed" and i.step not in keep]
         if incomplete:
             doomed += [i for i in listing if i.status == "incomplete" and i.step not in keep]
+        if not dry_run:                                         # (reported: only what was there and removed)
+            doomed = [info for info in doomed if delete_step(storage, info.step)]
         freed = sum(i.nbytes for i in doomed)
-        if not dry_run:
-            for info in doomed:
-                delete_step(storage, info.step)
         return GcReport(deleted=tuple(i.step for i in doomed), kept=tuple(sorted(keep & set(committed))),
                         freed_bytes=freed, dry_run=dry_run)
     finally:
