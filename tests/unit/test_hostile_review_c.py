@@ -103,3 +103,72 @@ def test_verify_of_a_torch_file_never_inflates_a_compressed_record(tmp_path, bom
     assert not out.startswith("REPORT") or int(out.split()[1]) < 1 << 20, out
     r = cli("verify", str(path))
     assert r.returncode == 1 and "Traceback" not in r.stderr and "compressed" in r.stdout + r.stderr
+
+
+def _root(tmp_path, steps=range(2)) -> str:
+    root = str(tmp_path / "root")
+    with liferaft.CheckpointManager(root, every_steps=1, async_save=False) as m:
+        for s in steps:
+            m.maybe_save(s, {"w": torch.full((4,), float(s)), "step": s})
+    return root
+
+
+def test_one_bad_foreign_looking_step_never_blocks_ls_or_gc_of_the_root(tmp_path):
+    root, outside = _root(tmp_path), tmp_path / "outside.txt"
+    outside.write_text("precious")
+    os.makedirs(f"{root}/step-0000000011")
+    os.mkfifo(f"{root}/step-0000000011/.metadata")                      # a DCP folder's metadata, a FIFO
+    os.makedirs(f"{root}/step-0000000012")
+    os.symlink(outside, f"{root}/step-0000000012/model.safetensors")    # safetensors, a link outside
+    steps = {i.step: i for i in liferaft.ls(root)}
+    assert steps[0].status == steps[1].status == "committed"
+    assert steps[11].status == "corrupt" and "FIFO" in steps[11].reason and "step-0000000011" in steps[11].reason
+    assert steps[12].status == "corrupt" and "link" in steps[12].reason
+    r = cli("ls", root)
+    assert r.returncode == 0 and "Traceback" not in r.stderr and "committed" in r.stdout and "FIFO" in r.stdout
+    r = cli("ls", "--verify", root)                 # corrupt steps listed: exit 1, every step listed
+    assert r.returncode == 1 and "Traceback" not in r.stderr and r.stdout.count("committed") == 2
+    r = cli("gc", "--incomplete", "--keep-last", "1", root)
+    assert r.returncode == 0 and "deleted 1 step(s) [0]" in r.stdout, r.stdout + r.stderr
+    assert sorted(os.listdir(root)) == ["step-0000000001", "step-0000000011", "step-0000000012"]
+    assert outside.read_text() == "precious"
+
+
+def test_steps_are_only_canonical_folders_and_gc_reports_only_what_it_removed(tmp_path):
+    root, outside = _root(tmp_path, range(3)), tmp_path / "outside"
+    os.makedirs(outside / "dir")
+    (outside / "victim").write_text("precious")
+    (outside / "dir" / "x").write_text("x")
+    os.symlink(outside / "dir", f"{root}/step-0000000000/dirlink")      # a link to a folder inside a doomed step
+    os.symlink(outside / "victim", f"{root}/step-0000000000/data/filelink")
+    os.symlink(outside, f"{root}/step-0000000007")                      # step entries that are not folders
+    os.mkfifo(f"{root}/step-0000000008")
+    with open(f"{root}/step-0000000009", "w") as f:
+        f.write("a file")
+    os.makedirs(f"{root}/step-5/data")                                  # not a canonical name
+    for name in os.listdir(f"{root}/step-0000000002"):
+        if name != "data":
+            with open(f"{root}/step-0000000002/{name}", "rb") as src, open(f"{root}/step-5/{name}", "wb") as dst:
+                dst.write(src.read())
+    steps = {i.step: i for i in liferaft.ls(root)}
+    assert [steps[s].status for s in (0, 1, 2)] == ["committed"] * 3
+    for s in (7, 8, 9):
+        assert steps[s].status == "corrupt" and "not a folder" in steps[s].reason, steps[s]
+    assert steps[5].status == "corrupt" and "step-0000000005" in steps[5].reason
+    report = liferaft.gc(root, keep_last=1, incomplete=True)
+    assert report.deleted == (0, 1) and report.kept == (2,)
+    r = cli("gc", "--keep-last", "1", "--incomplete", root)           # nothing left that it may delete
+    assert r.returncode == 0 and "deleted 0 step(s) []" in r.stdout, r.stdout + r.stderr
+    assert sorted(os.listdir(root)) == ["step-0000000002", "step-0000000007", "step-0000000008",
+                                        "step-0000000009", "step-5"]
+    assert sorted(os.listdir(outside)) == ["dir", "victim"] and os.listdir(outside / "dir") == ["x"]
+    assert (outside / "victim").read_text() == "precious"
+    with pytest.warns(UserWarning, match="not a folder"):
+        with liferaft.CheckpointManager(root, every_steps=1, async_save=False) as m:
+            assert m.restore({"w": torch.zeros(4), "step": 0}) == 2
+
+
+def test_plan_costs_of_a_folder_names_the_folder(tmp_path):
+    r = cli("plan", "--costs", str(tmp_path))
+    assert r.returncode == 1 and "Traceback" not in r.stderr and str(tmp_path) in r.stderr
+    assert "Errno" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
