@@ -163,9 +163,9 @@ def test_steps_are_only_canonical_folders_and_gc_reports_only_what_it_removed(tm
                                         "step-0000000009", "step-5"]
     assert sorted(os.listdir(outside)) == ["dir", "victim"] and os.listdir(outside / "dir") == ["x"]
     assert (outside / "victim").read_text() == "precious"
-    with pytest.warns(UserWarning, match="not a folder"):
-        with liferaft.CheckpointManager(root, every_steps=1, async_save=False) as m:
-            assert m.restore({"w": torch.zeros(4), "step": 0}) == 2
+    with pytest.warns(UserWarning, match="not a folder"), \
+            liferaft.CheckpointManager(root, every_steps=1, async_save=False) as m:
+        assert m.restore({"w": torch.zeros(4), "step": 0}) == 2
 
 
 def test_plan_costs_of_a_folder_names_the_folder(tmp_path):

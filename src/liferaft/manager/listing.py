@@ -10,7 +10,13 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from liferaft.core.commit import check_files, open_checkpoint
-from liferaft.errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError, LiferaftError
+from liferaft.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    LiferaftError,
+    StorageError,
+)
 from liferaft.format import jsonsafe
 from liferaft.format.layout import COMMIT_MARKER, STEP_PREFIX, is_layout_name, parse_step, step_name
 from liferaft.format.limits import MAX_INT, MAX_ROOT_FILE_BYTES
@@ -48,15 +54,14 @@ def list_steps(storage: Storage, pins: frozenset[int] = frozenset(), deep: bool 
     """Every step under the manager root ``storage``, oldest first, with its status (committed / incomplete /
     corrupt and why), own bytes, writer, metrics and the steps it references; ``deep`` re-hashes committed steps
     (``progress`` is called with the bytes of each read). Reads only (no lease, no collective)."""
-    names: dict[int, list[str]] = {}
-    for name in storage.list():
-        step = _parse_step(name)
-        if step is not None:
-            names.setdefault(step, []).append(name)
+    names, unlisted = _step_names(storage)
     out = []
-    for step in sorted(names):
+    for step in sorted({*names, *unlisted}):
         st = with_references(storage.child(step_name(step)))
         path, pinned = st.url, step in pins
+        if step in unlisted:
+            out.append(StepInfo(step, path, "corrupt", unlisted[step], pinned=pinned))
+            continue
         if step_name(step) in names[step]:              # the entry itself: a file, a link, a FIFO, not a folder
             out.append(StepInfo(step, path, "corrupt", f"{path} is not a folder (a file, a link or a special file "
                                 "where a step folder belongs): not a step liferaft wrote; never restored nor "
@@ -83,6 +88,40 @@ def list_steps(storage: Storage, pins: frozenset[int] = frozenset(), deep: bool 
                             since_full=since if type(since) is int else None,
                             job_id=str(m.extra["job_id"]) if "job_id" in m.extra else None, tiers=("root",)))
     return out
+
+
+def root_names(storage: Storage) -> tuple[list[str], dict[int, str]]:
+    """(every name under the root, {step: why its folder cannot be listed}). When the root cannot be listed whole
+    (S3: a key there the client cannot name) but its folders can be listed one by one (``folders``), each step
+    folder is listed alone: a step that still cannot be is reported, never hiding the others."""
+    try:
+        return storage.list(), {}
+    except StorageError:
+        folders = getattr(storage, "folders", None)
+        if folders is None:
+            raise
+    listed: list[str] = []
+    unlisted: dict[int, str] = {}
+    for head in folders():
+        step = _parse_step(head)
+        if step is None:
+            continue
+        try:
+            listed += (f"{head}/{n}" for n in storage.child(head).list())
+        except StorageError as e:
+            unlisted[step] = str(e)
+    return listed, unlisted
+
+
+def _step_names(storage: Storage) -> tuple[dict[int, list[str]], dict[int, str]]:
+    """({step: the names of its folder}, {step: why its folder cannot be listed}) (``root_names``)."""
+    listed, unlisted = root_names(storage)
+    names: dict[int, list[str]] = {}
+    for name in listed:
+        step = _parse_step(name)
+        if step is not None:
+            names.setdefault(step, []).append(name)
+    return names, unlisted
 
 
 def _foreign_steps(names: Iterable[str]) -> dict[int, str]:

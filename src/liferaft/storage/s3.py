@@ -47,7 +47,7 @@ from datetime import timedelta
 from typing import Any
 
 from liferaft.errors import OptionsError, StorageError
-from liferaft.storage.base import FileWriter, Storage, check_limit
+from liferaft.storage.base import FileWriter, Storage
 
 MiB = 1 << 20
 _MIN_PART = 5 * MiB          # S3's minimum size of every part but the last
@@ -63,6 +63,17 @@ class _Aborted(Exception):
 
 
 _ABORT = object()
+
+
+def _bad_key(url: str, e: BaseException) -> S3StorageError:
+    """The error of a listing that met a key the S3 client cannot name (obstore's InvalidPathError ``e``)."""
+    import re
+
+    m = re.search(r'Path "((?:[^"\\]|\\.)*)"', str(e))
+    key = m.group(1) if m else "?"
+    return S3StorageError(f"{url}: the object {key!r} is not a name liferaft writes (a '..', '.' or empty path "
+                          "segment, put there by another client) and the listing cannot go past it: delete that "
+                          "object (aws s3 rm)")
 
 
 def _brief(e: BaseException) -> str:
@@ -206,14 +217,27 @@ class S3Storage(Storage):
             return self._pool_box[0]
 
     def read_all(self, name: str, limit: int | None = None) -> bytes:
-        """The whole object; with ``limit``, its size is asked first (HEAD), so an object larger than ``limit`` is
-        refused without a byte of it fetched (one replaced in between by a larger one: refused after the GET)."""
+        """The whole object; with ``limit``, one ranged GET of its first ``limit + 1`` bytes at most, so that an
+        object larger than ``limit`` (even one replaced by a larger one meanwhile) is refused having fetched no
+        more than that."""
         import obstore
 
         if limit is not None:
-            check_limit(self.url, name, self.size(name), limit)
-            data = bytes(self._call(name, "GET", lambda st, k: obstore.get(st, k).bytes()))
-            check_limit(self.url, name, len(data), limit)
+            def first(st: Any, k: str) -> Any:
+                return obstore.get(st, k, options={"range": (0, limit + 1)}).bytes()
+
+            try:
+                data = bytes(self._call(name, "ranged GET", first))
+            except S3StorageError as e:
+                cause = str(e.__cause__)
+                if "status code: 416" not in cause and "<Code>InvalidRange</Code>" not in cause:
+                    raise
+                data = b""                                  # (an empty object has no byte 0 to range over)
+            if len(data) > limit:                           # (its size unknown: only that it is larger)
+                from liferaft.errors import CorruptCheckpointError
+
+                raise CorruptCheckpointError(f"{self._where(name)} holds more than the {limit} bytes liferaft "
+                                             "reads of such a file; it is damaged or not what its name says")
             return data
         return bytes(self._call(name, "GET", lambda st, k: obstore.get(st, k).bytes()))
 
@@ -230,14 +254,36 @@ class S3Storage(Storage):
         return True
 
     def list(self) -> list[str]:
+        """Every name under the prefix. A key there that is no name liferaft writes (a ``..``, ``.`` or empty path
+        segment: planted by another client) stops the listing: the client cannot name it nor list past it (the
+        keys of its page would be missing, and a partial listing must never drive a clean-up): S3StorageError
+        naming it, at once (nothing to retry)."""
         import obstore
+        from obstore.exceptions import InvalidPathError
 
         p = self.prefix
         try:
             keys = [m["path"] for batch in obstore.list(self._store, prefix=p or None) for m in batch]
+        except InvalidPathError as e:
+            raise _bad_key(self.url, e) from e
         except Exception as e:
             raise S3StorageError(f"{self.url}: LIST failed after retries: {_brief(e)}") from e
         return sorted(k[len(p) + 1:] if p else k for k in keys)
+
+    def folders(self) -> list[str]:
+        """The folder names directly under the prefix (one delimited LIST): where ``list`` fails on a bad key
+        inside one folder, the others can still be listed one by one (``child(name).list()``)."""
+        import obstore
+        from obstore.exceptions import InvalidPathError
+
+        p = self.prefix
+        try:
+            found = obstore.list_with_delimiter(self._store, prefix=p or None)["common_prefixes"]
+        except InvalidPathError as e:
+            raise _bad_key(self.url, e) from e
+        except Exception as e:
+            raise S3StorageError(f"{self.url}: LIST failed after retries: {_brief(e)}") from e
+        return sorted(k[len(p) + 1:] if p else k for k in found)
 
     def delete(self, name: str) -> None:
         import obstore

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from liferaft.errors import LiferaftError
 from liferaft.format.layout import step_like
 from liferaft.manager.lease import Lease
-from liferaft.manager.listing import StepInfo, delete_step, kept_steps, list_steps, read_pins, step_name
+from liferaft.manager.listing import StepInfo, delete_step, kept_steps, list_steps, read_pins, root_names, step_name
 from liferaft.manager.policies import RetentionPolicy
 from liferaft.options import MetricMode
 from liferaft.storage import Storage, resolve
@@ -44,7 +44,7 @@ def _root(root: str | os.PathLike[str] | Storage) -> Storage:
                                "and gc take the folder holding step-N folders); inspect, verify, read, diff and "
                                "convert take a checkpoint")
     storage = resolve(root)
-    names = storage.list()
+    names = root_names(storage)[0]
     if detect_names(names) is not None and not any(step_like(n) is not None for n in names):
         raise OptionsError(f"{storage.url}: a liferaft checkpoint, not a CheckpointManager root (ls and gc take "
                            "the folder holding step-N folders); inspect, verify, read, diff and convert take a "
@@ -62,7 +62,7 @@ def _listing(storage: Storage, pins: frozenset[int], verify: bool = False,
     from liferaft.formats.detect import NAMES, detect_names
 
     by_folder: dict[str, list[str]] = {}
-    for name in storage.list():
+    for name in root_names(storage)[0]:
         head, _, rest = name.partition("/")
         if rest and step_like(head) is not None:
             by_folder.setdefault(head, []).append(rest)
