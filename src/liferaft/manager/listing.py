@@ -18,7 +18,7 @@ from liferaft.errors import (
     StorageError,
 )
 from liferaft.format import jsonsafe
-from liferaft.format.layout import COMMIT_MARKER, STEP_PREFIX, is_layout_name, parse_step, step_name
+from liferaft.format.layout import COMMIT_MARKER, STEP_PREFIX, is_layout_name, parse_step, step_like, step_name  # noqa: F401 - step_like: for tools.steps
 from liferaft.format.limits import MAX_INT, MAX_ROOT_FILE_BYTES
 from liferaft.manager.policies import RetentionPolicy, referenced_closure
 from liferaft.storage import Storage

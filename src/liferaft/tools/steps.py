@@ -8,9 +8,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from liferaft.errors import LiferaftError
-from liferaft.format.layout import step_like
 from liferaft.manager.lease import Lease
-from liferaft.manager.listing import StepInfo, delete_step, kept_steps, list_steps, read_pins, root_names, step_name
+from liferaft.manager.listing import (
+    StepInfo,
+    delete_step,
+    kept_steps,
+    list_steps,
+    read_pins,
+    root_names,
+    step_like,
+    step_name,
+)
 from liferaft.manager.policies import RetentionPolicy
 from liferaft.options import MetricMode
 from liferaft.storage import Storage, resolve
