@@ -184,11 +184,13 @@ def test_keep_every_best_and_pins(tmp_path):
 
 def test_a_second_job_on_the_same_root_is_refused(tmp_path):
     root = str(tmp_path / "run")
-    first = CheckpointManager(root, job=JobOptions(job_id="job-a", lease_ttl=1.0))
+    # (a lease of 5 s, renewed every 1.7 s: a 1 s lease renewed every 0.33 s went stale on a loaded 2-core machine
+    # when the renewing thread waited over a second for a core; job-b watches it for up to those 5 s, then refuses)
+    first = CheckpointManager(root, job=JobOptions(job_id="job-a", lease_ttl=5.0))
     try:
-        with pytest.raises(CheckpointBusyError, match="job-a"):      # renewed every 0.33 s: never stale for 3 s
+        with pytest.raises(CheckpointBusyError, match="job-a"):
             CheckpointManager(root, job=JobOptions(job_id="job-b", lease_ttl=3.0))
-        again = CheckpointManager(root, job=JobOptions(job_id="job-a", lease_ttl=1.0))     # a restart of the same job
+        again = CheckpointManager(root, job=JobOptions(job_id="job-a", lease_ttl=5.0))     # a restart of the same job
         again.close()
         with pytest.raises(CheckpointBusyError, match="lost its lease"):  # ... took the lease over
             first.save(0, make_state())
