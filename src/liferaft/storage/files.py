@@ -148,13 +148,7 @@ def open_read(root: str, rel: str, *, limit: int | None = None, direct: bool = F
             raise _refuse(at, parts[-1], shown, e, error) from None
     finally:
         os.close(at)
-    try:
-        check_fd(fd, shown, limit, error)
-        os.set_blocking(fd, True)
-        return fd
-    except BaseException:
-        os.close(fd)
-        raise
+    return _checked(fd, shown, limit, error)
 
 
 def check_fd(fd: int, shown: str, limit: int | None = None, error: type[Exception] | None = None) -> int:
@@ -181,8 +175,13 @@ def open_path(path: str, *, limit: int | None = None, error: type[Exception] | N
         raise (error or CorruptCheckpointError)(f"{shown or path} is a folder, not a regular file") from None
     except OSError as e:
         raise access_error(shown or path, e) from None
+    return _checked(fd, shown or path, limit, error)
+
+
+def _checked(fd: int, shown: str, limit: int | None, error: type[Exception] | None) -> int:
+    """``fd`` (opened without blocking) back in blocking mode once ``check_fd`` accepts it; closed if not."""
     try:
-        check_fd(fd, shown or path, limit, error)
+        check_fd(fd, shown, limit, error)
         os.set_blocking(fd, True)
         return fd
     except BaseException:
