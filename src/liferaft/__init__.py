@@ -31,7 +31,7 @@ from liferaft.errors import (
                              UnsafePathError,
 )
 from liferaft.manager.manager import CheckpointManager, StepInfo
-from liferaft.manager.options import JobOptions, PreemptionOptions, TierOptions
+from liferaft.manager.options import JobOptions, PreemptionOptions, StepLogOptions, TierOptions
 from liferaft.manager.policies import RetentionPolicy, SavePolicy
 from liferaft.options import LoadOptions, LoadResult, SaveOptions, SaveResult
 from liferaft.state.rng import RNGState
@@ -56,6 +56,7 @@ __all__ = [  # noqa: RUF022 (grouped as docs/API.md, not sorted)
     "VerifyReport", "KeyInfo",
     # Training runs: the manager and its option objects, the memory tier, a root's steps from outside a job
     "CheckpointManager", "SavePolicy", "RetentionPolicy", "TierOptions", "PreemptionOptions", "JobOptions",
+    "StepLogOptions",
     "StepInfo", "MemoryTier", "ls", "gc", "GcReport",
     # Compare and convert checkpoints of any format
     "diff", "DiffReport", "KeyDiff", "convert", "ConvertReport", "find_model",

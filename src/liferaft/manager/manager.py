@@ -38,7 +38,7 @@ from liferaft.manager.listing import (  # noqa: F401 - PINS, _parse_step: re-exp
     step_name,
     write_pins,
 )
-from liferaft.manager.options import JobOptions, PreemptionOptions, TierOptions
+from liferaft.manager.options import JobOptions, PreemptionOptions, StepLogOptions, TierOptions
 from liferaft.manager.policies import (
     PRIOR_MTBF_HOURS,
     AutoInterval,
@@ -50,6 +50,7 @@ from liferaft.manager.preemption import preemption_handlers
 from liferaft.manager.tiering import Tiers, first_that_loads
 from liferaft.options import LoadOptions, LoadResult, SaveOptions, SaveResult, check_path
 from liferaft.storage import Storage, resolve
+from liferaft.tiers.steplog import StepLog
 
 _P = TypeVar("_P", SavePolicy, RetentionPolicy)
 
@@ -91,12 +92,13 @@ class CheckpointManager:
                  retention: RetentionPolicy | None = None, tiers: TierOptions | None = None,
                  preemption: PreemptionOptions | None = None, job: JobOptions | None = None,
                  save_options: SaveOptions | None = None, load_options: LoadOptions | None = None,
-                 process_group: Any = None) -> None:
+                 step_log: StepLogOptions | None = None, process_group: Any = None) -> None:
         check_path(root, "CheckpointManager(root=...)")
         for name, value, kind in (("save_policy", save_policy, SavePolicy), ("retention", retention, RetentionPolicy),
                                   ("tiers", tiers, TierOptions), ("preemption", preemption, PreemptionOptions),
                                   ("job", job, JobOptions), ("save_options", save_options, SaveOptions),
-                                  ("load_options", load_options, LoadOptions)):
+                                  ("load_options", load_options, LoadOptions),
+                                  ("step_log", step_log, StepLogOptions)):
             if value is not None and not isinstance(value, kind):
                 raise OptionsError(f"CheckpointManager({name}=...) must be a {kind.__name__} (or None), got "
                                    f"{type(value).__name__}")
@@ -144,6 +146,14 @@ class CheckpointManager:
             mtbf_from_starts(starts, PRIOR_MTBF_HOURS * 3600.0, time.time())
         self._auto = AutoInterval(mtbf_s=mtbf_s) if self.save_policy.auto_interval else None
         self._tiers = Tiers(tiers, self.storage, self.coord, process_group, mtbf_s) if tiers is not None else None
+        self._steplog: StepLog | None = None
+        if step_log is not None:
+            if tiers is None:
+                raise OptionsError("CheckpointManager(step_log=...) keeps its records in the memory tier: give "
+                                   "tiers=TierOptions(memory=MemoryTier(...)) too")
+            self._steplog = StepLog(tiers.memory, replicas=step_log.replicas, max_steps=step_log.max_steps,
+                                    process_group=process_group, timeout=self.save_options.timeout,
+                                    allow_pickle=self.save_options.allow_pickle)
 
     def _start(self, learn: bool) -> tuple[list[float], str | None]:
         """Rank 0: take the lease, remove leftovers, record this start (``learn``); (starts, why read-only)."""
@@ -240,10 +250,14 @@ class CheckpointManager:
 
             got = first_that_loads(self.coord, candidates, load_one, raise_last=True)
         if got is None:
+            if self._steplog is not None:
+                self._steplog.start_fresh(state)
             return None
         done, self.last_load = got
         since = next((i.since_full for i in committed if i.step == done), None)
         self._base = (done, since) if since is not None else None      # None: the next save is a full one
+        if self._steplog is not None:           # the steps after it, replayed from the per-step log
+            done = self._steplog.recover(state, done)
         self._last_step, self._last_time = done, time.monotonic()
         return done
 
@@ -273,6 +287,8 @@ class CheckpointManager:
                 self.handle_preemption()
             else:                   # (handlers only from the main thread; still agree with the ranks that have)
                 self._handlers_wanted = True
+        if self._steplog is not None:
+            self._steplog.record(step, state)   # this step's record (the gradients were captured in step())
         reason = "force" if force else self.save_policy.due(step, time.monotonic(), self._last_step,
                                                             self._last_time, self.interval_s)
         preempt = self._signalled.is_set()
@@ -289,9 +305,14 @@ class CheckpointManager:
         if mem_due and reason is None and self._tiers is not None:
             # (skipped on every rank while the previous memory save or a save to the root is still running)
             self._tiers.save(step, state, self.save_options)
+        full_log = self._steplog is not None and self._steplog.full
+        if full_log and self._last_step != step:
+            reason = reason or "step log full"
         if reason is None or (self._last_step == step and not force):
             return False
-        if preempt:
+        if full_log and not preempt:            # the ring is full: a durable full checkpoint frees it
+            self._save(step, state, metrics, reason, wait=True)
+        elif preempt:
             t0 = time.monotonic()
             self._save(step, state, metrics, reason, wait=True, timeout=self.preemption.deadline)
             self.preempted = True
@@ -385,6 +406,8 @@ class CheckpointManager:
     def _committed(self, step: int, metrics: Mapping[str, float] | None, since_full: int,
                    result: SaveResult | None) -> None:
         self._base = (step, since_full)
+        if self._steplog is not None:
+            self._steplog.mark_durable(step)
         if self._auto is not None:
             # per rank (no collective here: ranks see a save finish at different calls); maybe_save agrees on the
             # time policy's decision anyway
@@ -436,6 +459,11 @@ class CheckpointManager:
         if self._tiers is not None:
             try:
                 self._tiers.wait()
+            except BaseException as e:  # noqa: BLE001
+                err = err or e
+        if self._steplog is not None:
+            try:
+                self._steplog.close()
             except BaseException as e:  # noqa: BLE001
                 err = err or e
         if self._installed:

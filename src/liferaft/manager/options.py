@@ -68,6 +68,26 @@ class TierOptions:
 
 
 @dataclass(frozen=True)
+class StepLogOptions:
+    """The per-step log (docs/STEPLOG.md): every optimizer step recoverable between full checkpoints. Needs
+    ``TierOptions`` with a memory tier (the records live in its node-local shared memory).
+
+    replicas: copies of each rank's records on ranks of other nodes (0: none; a lost node then loses its records
+      and recovery resumes from the full checkpoint).
+    max_steps: records each rank's ring holds (its memory: about ``max_steps`` × (the rank's gradient bytes +
+      the rest of the state), × (1 + replicas) per node). When the ring holds only records newer than the newest
+      durable full checkpoint, ``maybe_save`` takes a full checkpoint at once (synchronously) to free it.
+    """
+
+    replicas: int = 1
+    max_steps: int = 256
+
+    def __post_init__(self) -> None:
+        check_int("StepLogOptions", "replicas", self.replicas, 0)
+        check_int("StepLogOptions", "max_steps", self.max_steps, 2)
+
+
+@dataclass(frozen=True)
 class PreemptionOptions:
     """What a preemption signal does: the next ``maybe_save`` saves at once, synchronously, with every collective
     wait bounded by ``deadline`` seconds, and sets ``preempted`` (the loop should then stop).
@@ -122,4 +142,4 @@ class JobOptions:
                                f"{MAX_LEASE_TTL:g} (one day), got {self.lease_ttl!r}")
 
 
-__all__ = ["CATCHABLE_SIGNALS", "DEFAULT_SIGNALS", "JobOptions", "PreemptionOptions", "TierOptions"]
+__all__ = ["CATCHABLE_SIGNALS", "DEFAULT_SIGNALS", "JobOptions", "PreemptionOptions", "StepLogOptions", "TierOptions"]

@@ -1,0 +1,519 @@
+"""The per-step log: every optimizer step recoverable between full checkpoints (docs/STEPLOG.md).
+
+After every training step each rank appends one step record (``tiers.steprecord``) to its node's shared memory —
+the gradients each ``optimizer.step()`` consumed, the hyperparameters and keyword arguments it ran with, and the
+rest of the state after the step (``tiers.steprest``) — into a preallocated ring of ``max_steps`` slot files, and
+a background thread sends it to ``replicas`` ranks on other nodes (the same local position on the next nodes, as
+the memory tier places its replicas). Before the next record is published the previous one is replicated, so
+losing a node's memory loses at most one step.
+
+Recovery (collective, after the newest full checkpoint K is restored): every rank lists the records its node
+holds (exchanged), the ranks agree on the newest N such that records K+1..N of every rank are held by some live
+node, fetch what their node lacks from a holder, check every record (checksums, and the layout it was written by:
+a different world size or layout replays nothing and warns), replay K+1..N through the live optimizers with the
+hooks off, and load record N's rest of the state. A damaged record stops the replay at the step before it, with
+a warning naming the file. Records at or below the newest durable full checkpoint are free (their slots reused).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from liferaft.dist import Coordinator
+from liferaft.errors import CorruptCheckpointError, InvalidStateError, LiferaftError
+from liferaft.state import optsteps
+from liferaft.state.values import decode_value, encode_value
+from liferaft.storage.files import create_exclusive
+from liferaft.tiers.memory import MemoryTier
+from liferaft.tiers.steprecord import (
+    FORMAT,
+    PROLOGUE,
+    Header,
+    as_bytes,
+    encode_header,
+    parse_record,
+    prologue,
+    read_header,
+    read_record,
+    tensor_at,
+    tensor_entry,
+)
+from liferaft.tiers.steprest import capture_rest, restore_rest
+
+ALIGN = 64
+
+
+def _rank_dir(rank: int) -> str:
+    return f"r{rank:05d}"
+
+
+def _slot_name(rank: int, slot: int) -> str:
+    return f"{_rank_dir(rank)}/slot-{slot:04d}"
+
+
+class _Slot:
+    """One slot file of a ring open for writing (created, and preallocated, the first time this run uses it)."""
+
+    def __init__(self, root: str, rel: str) -> None:
+        self.fd, dir_fd = create_exclusive(root, rel)
+        os.close(dir_fd)
+        self.capacity = 0
+
+    def reserve(self, size: int) -> None:
+        if size > self.capacity:
+            want = max(size, self.capacity * 2, 1 << 20)
+            os.posix_fallocate(self.fd, 0, want)      # pages allocated once, not first-touched per step
+            self.capacity = want
+
+
+class StepLog:
+    """The per-step log of one manager (collective: every rank constructs it and makes the same calls).
+
+    ``memory`` gives the node's shared-memory namespace and the nodes; ``replicas`` copies of each record go to
+    ranks on other nodes; the ring holds ``max_steps`` records per rank (``full`` says when the next record would
+    need a slot still holding a record newer than the newest durable full checkpoint: the manager then saves one).
+    """
+
+    def __init__(self, memory: MemoryTier, *, replicas: int, max_steps: int, process_group: Any = None,
+                 timeout: float = 600.0, allow_pickle: bool = False) -> None:
+        self.memory, self.replicas, self.max_steps = memory, replicas, max_steps
+        self.allow_pickle = allow_pickle
+        self.root = os.path.join(memory.root, "steplog")
+        os.makedirs(self.root, exist_ok=True)
+        self.coord = Coordinator(process_group, timeout, channel="steplog")
+        self.bg = Coordinator(process_group, timeout, channel="steplog-bg")     # used by the replication thread
+        self.rank, self.world, self.nodes = self.coord.rank, self.coord.world, memory.nodes
+        self.targets = _targets(self.nodes, self.rank, replicas)
+        self.sources = [r for r in range(self.world) if self.rank in _targets(self.nodes, r, replicas)]
+        self.optimizers: list[torch.optim.Optimizer] | None = None
+        self.layout = ("", "")
+        self._hooks: list[Any] = []
+        self._replaying = False
+        self._held: dict[int, int] = {}          # own slot -> step of the record it holds
+        self._files: dict[str, _Slot] = {}      # rel -> open slot file (own ring and replicas)
+        self.durable = -1
+        self._cur: dict[str, Any] | None = None   # the record being captured
+        self._cuda: list[tuple[torch.Tensor, Any, int, dict[str, Any]]] = []
+        self._stream: Any = None
+        self._pinned: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="liferaft-steplog")
+        self._pending: Future[None] | None = None
+        self._lock = threading.Lock()
+        #: what the last recovery did: {"full", "replayed_to", "fetched", "why"} (for logs and tests)
+        self.last_recovery: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ capture
+
+    def attach(self, state: Any) -> bool:
+        """Find the optimizers in ``state`` and hook them (once); True if this call attached."""
+        if self.optimizers is not None:
+            return False
+        self.optimizers = optsteps.find_optimizers(state)
+        self.layout = optsteps.layout_of(self.optimizers, self.world)
+        self._hooks = optsteps.hook_optimizers(self.optimizers, self._capture)
+        return True
+
+    def _capture(self, index: int, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        """Step pre-hook: copy what this ``step()`` consumes into the record being written."""
+        if self._replaying:
+            return
+        if any(a is not None for a in args[1:]) or kwargs.get("closure") is not None:   # (args[0]: the optimizer)
+            raise InvalidStateError(f"{type(opt).__qualname__}.step() was given positional arguments (a closure?): "
+                                    "the per-step log replays steps without closures (docs/STEPLOG.md)")
+        cur = self._begin()
+        grads = []
+        for p in optsteps.params_of(opt):
+            g = p.grad
+            grads.append(None if g is None else self._put(optsteps.local_of(g).detach()))
+        groups = [{k: self._value(v, k) for k, v in g.items() if k != "params"} for g in opt.param_groups]
+        cur["calls"].append({"opt": index, "grads": grads, "groups": groups,
+                             "kwargs": {k: self._value(v, k) for k, v in kwargs.items() if k != "closure"}})
+
+    def _value(self, v: Any, key: str) -> Any:
+        if isinstance(v, torch.Tensor):
+            return {"$t": self._put(optsteps.local_of(v).detach())}
+        return encode_value(v, key, self.allow_pickle)
+
+    def _begin(self) -> dict[str, Any]:
+        if self._cur is None:
+            slot = self._free_slot()
+            rel = _slot_name(self.rank, slot)
+            f = self._file(rel)
+            os.pwrite(f.fd, bytes(PROLOGUE), 0)          # no record in this slot until the new prologue
+            self._held.pop(slot, None)
+            self._cur = {"slot": slot, "file": f, "pos": PROLOGUE, "calls": []}
+        return self._cur
+
+    def _file(self, rel: str) -> _Slot:
+        f = self._files.get(rel)
+        if f is None:
+            f = self._files[rel] = _Slot(self.root, rel)
+        return f
+
+    def _free_slot(self) -> int:
+        for s in range(self.max_steps):
+            if s not in self._held or self._held[s] <= self.durable:
+                return s
+        oldest = min(self._held, key=self._held.__getitem__)
+        warnings.warn(f"liferaft: the per-step log's ring ({self.max_steps} steps) is full; dropping the record of "
+                      f"step {self._held[oldest]} (a recovery now resumes from the full checkpoint)", stacklevel=4)
+        return oldest
+
+    def _put(self, t: torch.Tensor) -> dict[str, Any]:
+        """Store tensor ``t`` at the record's next offset; its header entry (CUDA: copied to pinned memory on a side
+        stream now, written and hashed when the record is published)."""
+        cur = self._cur
+        assert cur is not None
+        off = cur["pos"]
+        n = t.numel() * t.element_size()
+        cur["pos"] = off + (n + ALIGN - 1) // ALIGN * ALIGN
+        cur["file"].reserve(cur["pos"])
+        if t.is_cuda:
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(device=t.device)
+            key = (off, tuple(t.shape), t.dtype)
+            pinned = self._pinned.get(key)      # reused: every copy is waited for before the next record
+            if pinned is None:
+                pinned = self._pinned[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self._stream.wait_stream(torch.cuda.current_stream(t.device))
+            with torch.cuda.stream(self._stream):
+                pinned.copy_(t, non_blocking=True)
+                t.record_stream(self._stream)
+                done = torch.cuda.Event()
+                done.record(self._stream)
+            entry: dict[str, Any] = {}
+            self._cuda.append((pinned, done, off, entry))
+            return entry
+        src = t if t.is_contiguous() else t.contiguous()
+        data = as_bytes(src.cpu())
+        os.pwrite(cur["file"].fd, data, off)
+        return tensor_entry(off, src, data)
+
+    def record(self, step: int, state: Any) -> None:
+        """Publish the record of ``step`` (after the step; the manager's ``maybe_save``): the captured calls plus
+        the rest of ``state``, then replicate it in the background once the previous record is replicated."""
+        if self.attach(state):
+            return                          # hooked just now: this step's calls were not seen
+        self.wait()                         # the previous record is on its replicas (≤ 1 step lost with a node)
+        cur = self._begin()
+        for pinned, done, off, entry in self._cuda:
+            done.synchronize()
+            data = as_bytes(pinned)
+            os.pwrite(cur["file"].fd, data, off)
+            entry.update(tensor_entry(off, pinned, data))
+        self._cuda.clear()
+        live = optsteps.tensor_ids(self.optimizers or [])
+        rest = capture_rest(state, live, self._put, self.allow_pickle)
+        header = encode_header({"format": FORMAT, "step": step, "rank": self.rank, "world": self.world,
+                                "layout": self.layout[0], "calls": cur["calls"], "rest": rest})
+        off = cur["pos"]
+        f: _Slot = cur["file"]
+        f.reserve(off + len(header))
+        os.pwrite(f.fd, header, off)
+        from liferaft.codecs.checksum import digest
+
+        os.pwrite(f.fd, prologue(off + len(header), off, len(header), digest(header)), 0)
+        self._held[cur["slot"]] = step
+        self._cur = None
+        if self.targets or self.sources:
+            self._pending = self._pool.submit(self._replicate, cur["slot"], off + len(header))
+
+    @property
+    def full(self) -> bool:
+        """Whether every slot holds a record newer than the newest durable full checkpoint."""
+        return len(self._held) >= self.max_steps and all(s > self.durable for s in self._held.values())
+
+    def mark_durable(self, step: int) -> None:
+        """A full checkpoint of ``step`` is durable: records up to it are free (their slots reused)."""
+        self.durable = max(self.durable, step)
+
+    def held_steps(self) -> list[int]:
+        """Steps of this rank's records that a recovery could still need (newer than the durable checkpoint)."""
+        return sorted(s for s in self._held.values() if s > self.durable)
+
+    def wait(self) -> None:
+        """Wait for the replication in flight; raise what it raised."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
+
+    # ------------------------------------------------------------------ replication
+
+    def _replicate(self, slot: int, length: int) -> None:
+        """Background: send this rank's record in ``slot`` to its targets; store the sources' records."""
+        bufs: list[tuple[int, torch.Tensor]] = []
+        works = []
+        mine = torch.tensor([slot, length], dtype=torch.int64)
+        sizes = {src: torch.zeros(2, dtype=torch.int64) for src in self.sources}
+        for t in self.targets:
+            works.append(self.bg.isend(mine, t, 0))
+        for src, buf in sizes.items():
+            works.append(self.bg.irecv(buf, src, 0))
+        for w in works:
+            w.wait()
+        works = []
+        if self.targets:
+            data = torch.from_numpy(bytearray_np(read_record(self.root, _slot_name(self.rank, slot), length)))
+            for t in self.targets:
+                works.append(self.bg.isend(data, t, 1))
+        for src, sz in sizes.items():
+            buf = torch.empty(int(sz[1]), dtype=torch.uint8)
+            bufs.append((src, buf))
+            works.append(self.bg.irecv(buf, src, 1))
+        for w in works:
+            w.wait()
+        for src, buf in bufs:
+            self._store(_slot_name(src, int(sizes[src][0])), memoryview(buf.numpy()))
+
+    def _store(self, rel: str, data: memoryview) -> None:
+        """Write a whole record (received from a peer) into the slot file ``rel``: the prologue last."""
+        f = self._file(rel)
+        f.reserve(len(data))
+        os.pwrite(f.fd, bytes(PROLOGUE), 0)
+        os.pwrite(f.fd, data[PROLOGUE:], PROLOGUE)
+        os.pwrite(f.fd, data[:PROLOGUE], 0)
+
+    # ------------------------------------------------------------------ recovery
+
+    def recover(self, state: Any, full: int) -> int:
+        """Replay the records after the full checkpoint ``full`` (just restored into ``state``); return the step
+        the state is now at. Collective."""
+        self.wait()
+        self.attach(state)
+        self.mark_durable(full)
+        listing = self.coord.run(lambda: self._list(full), "step log (listing)")
+        refused = sorted({v[0] for held in listing for k, v in held.items() if k[0] < 0})
+        listing = [{k: v for k, v in held.items() if k[0] >= 0} for held in listing]
+        n, why = _newest_chain(listing, full, self.world)
+        plan = [] if n <= full else _fetch_plan(listing, self.nodes, full, n)
+        records = self.coord.run(lambda: self._gather(listing, plan, full, n), "step log (fetch)")[self.rank]
+        outcome = self._check(records, full, n)
+        outcomes = self.coord.exchange(outcome, None, "step log (check)")
+        layout = [o[1] for o in outcomes if o[0] == "layout"]
+        bad = [o for o in outcomes if o[0] == "bad"]
+        if layout:
+            why = f"the per-step log was written by another layout ({layout[0]}); it replays only into the " \
+                  "layout that wrote it"
+            n = full
+        elif bad:
+            n = min(o[2] for o in bad) - 1
+            why = "; ".join(o[1] for o in bad)
+        if refused and not layout:
+            why = "; ".join([why] * bool(why) + refused)
+        if why:
+            warnings.warn(f"liferaft: the per-step log resumes at step {n} instead of past it: {why}", stacklevel=3)
+        self._replaying = True
+        try:
+            for j in range(full + 1, n + 1):
+                self._replay(*records[j])
+            if n > full:
+                header, payload = records[n]
+                restore_rest(state, header.doc["rest"], memoryview(payload), header.path,
+                             optsteps.tensor_ids(self.optimizers or []), self.allow_pickle)
+        finally:
+            self._replaying = False
+        self._forget_after(n)
+        self.last_recovery = {"full": full, "replayed_to": n, "fetched": sum(1 for p in plan if p[2] == self.rank),
+                              "why": why}
+        return n
+
+    def _list(self, full: int) -> dict[tuple[int, int], tuple[str, int, int]]:
+        """(rank, step) → (slot name, length, world) of the records newer than ``full`` this node holds."""
+        out: dict[tuple[int, int], tuple[str, int, int]] = {}
+        if not os.path.isdir(self.root):
+            return out
+        for d in sorted(os.listdir(self.root)):
+            folder = os.path.join(self.root, d)
+            if not d.startswith("r") or not os.path.isdir(folder):
+                continue
+            for name in sorted(os.listdir(folder)):
+                rel = f"{d}/{name}"
+                try:
+                    h = read_header(self.root, rel)
+                    if h is not None and h.step > full:     # a damaged copy is no copy: a peer's may serve
+                        _verify(h, read_record(self.root, rel, h.length))
+                except (LiferaftError, OSError) as e:
+                    out[(-1, len(out))] = (f"refused: {e}", 0, -1)      # reported with the outcome
+                    continue
+                if h is not None and h.step > full and d == _rank_dir(h.doc["rank"]):
+                    out[(h.doc["rank"], h.step)] = (rel, h.length, h.doc["world"])
+                    if h.doc["rank"] == self.rank and d == _rank_dir(self.rank):
+                        self._held[int(name.split("-")[1])] = h.step
+        return out
+
+    def _gather(self, listing: list[dict], plan: list[tuple[int, int, int, str, int]], full: int,
+                n: int) -> dict[int, tuple[bytes, str]]:
+        """This rank's records full+1..n as (bytes, where): read from its node, or received per ``plan``
+        (step, holder, rank, slot name, length) — and then kept in its node's ring too."""
+        mine = {s: v for (r, s), v in listing[self.rank].items() if r == self.rank}
+        works, got = [], {}
+        for tag, (step, holder, rank, rel, length) in enumerate(plan):
+            if holder == self.rank:
+                data = torch.from_numpy(bytearray_np(read_record(self.root, rel, length)))
+                works.append(self.coord.isend(data, rank, tag))
+            if rank == self.rank:
+                buf = torch.empty(length, dtype=torch.uint8)
+                works.append(self.coord.irecv(buf, holder, tag))
+                got[step] = (buf, rel)
+        for w in works:
+            w.wait()
+        out: dict[int, tuple[bytes, str]] = {}
+        for step in range(full + 1, n + 1):
+            if step in got:
+                buf, rel = got[step]
+                data = bytes(buf.numpy())
+                self._store(rel, memoryview(data))
+                self._held[int(rel.rsplit("-", 1)[1])] = step
+                out[step] = (data, os.path.join(self.root, rel) + " (from a peer)")
+            else:
+                rel, length, _ = mine[step]
+                out[step] = (bytes(read_record(self.root, rel, length)), os.path.join(self.root, rel))
+        return out
+
+    def _check(self, raw: dict[int, tuple[bytes, str]], full: int, n: int) -> tuple[Any, ...]:
+        """Decode and check this rank's records; keeps them as ``raw[step] = (header, payload)``. ("ok",),
+        ("layout", why) or ("bad", why, step)."""
+        for step in range(full + 1, n + 1):
+            data, where = raw[step]
+            try:
+                h = parse_record(data, where)
+                if h is None or h.step != step or h.doc["rank"] != self.rank:
+                    raise LiferaftError(f"{where}: not the record of step {step} of rank {self.rank}")
+                if h.doc["layout"] != self.layout[0] or h.doc["world"] != self.world:
+                    return ("layout", (f"{where}: written by world size {h.doc['world']}, replaying into "
+                                      f"{self.layout[1]}"))
+                _verify(h, data)                            # every tensor's checksum, before any replay
+                raw[step] = (h, data)       # type: ignore[assignment]
+            except (LiferaftError, KeyError, TypeError) as e:
+                return ("bad", f"{type(e).__name__}: {e}", step)
+        return ("ok",)
+
+    def _replay(self, header: Header, data: bytes) -> None:
+        payload = memoryview(data)[:header.header_off]
+        opts = self.optimizers or []
+
+        def value(v: Any, key: str) -> Any:
+            if isinstance(v, dict) and set(v) == {"$t"}:
+                return tensor_at(v["$t"], payload, header.path)
+            return decode_value(v, key, self.allow_pickle)
+
+        for call in header.doc["calls"]:
+            i = call["opt"]
+            if type(i) is not int or not 0 <= i < len(opts):
+                raise LiferaftError(f"{header.path}: the record names optimizer {i}; the state has {len(opts)}")
+            grads = [None if e is None else tensor_at(e, payload, header.path) for e in call["grads"]]
+            groups = [{k: value(v, k) for k, v in g.items()} for g in call["groups"]]
+            optsteps.replay_call(opts[i], grads, groups, {k: value(v, k) for k, v in call["kwargs"].items()})
+
+    def _forget_after(self, step: int) -> None:
+        """Drop this node's records newer than ``step`` (a future the resumed run does not share)."""
+        for slot, s in list(self._held.items()):
+            if s > step:
+                del self._held[slot]
+        if not os.path.isdir(self.root) or min(r for r, m in enumerate(self.nodes) if m == self.memory.node) \
+                != self.rank:
+            return
+        for d in os.listdir(self.root):
+            folder = os.path.join(self.root, d)
+            for name in os.listdir(folder) if os.path.isdir(folder) else ():
+                try:
+                    h = read_header(self.root, f"{d}/{name}")
+                except (LiferaftError, OSError):
+                    h = None
+                if h is not None and h.step > step:
+                    os.unlink(os.path.join(folder, name))
+
+    def start_fresh(self, state: Any) -> None:
+        """No full checkpoint to resume from: hook ``state``'s optimizers and drop this node's records of an
+        earlier run (they replay onto nothing). Collective."""
+        self.attach(state)
+        self.coord.run(lambda: self._forget_after(-1), "step log (fresh start)")
+
+    def close(self) -> None:
+        """Wait for the replication, unhook, close the slot files (the records stay for a restart)."""
+        try:
+            self.wait()
+        finally:
+            for h in self._hooks:
+                h.remove()
+            self._hooks = []
+            for f in self._files.values():
+                os.close(f.fd)
+            self._files.clear()
+            self._pool.shutdown(wait=True)
+
+    def release(self) -> None:
+        """Free this node's records (a clean exit of the job). Not collective."""
+        self.close()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _verify(header: Header, data: bytes | bytearray) -> None:
+    """Check every tensor of the record ``data`` against its checksum (CorruptCheckpointError naming the file)."""
+    payload = memoryview(data)[:header.header_off]
+    try:
+        entries = [e for call in header.doc["calls"] for e in call["grads"] if e is not None]
+        entries += [v["$t"] for call in header.doc["calls"] for part in call["groups"] + [call["kwargs"]]
+                    for v in part.values() if isinstance(v, dict) and set(v) == {"$t"}]
+        entries += [e for es in header.doc["rest"]["tensors"].values() for e in es]
+    except (KeyError, TypeError, AttributeError):
+        raise CorruptCheckpointError(f"{header.path}: step record header is malformed") from None
+    for e in entries:
+        tensor_at(e, payload, header.path)
+
+
+def bytearray_np(data: bytearray) -> Any:
+    import numpy as np
+
+    return np.frombuffer(data, dtype=np.uint8)
+
+
+def _targets(nodes: list[str], rank: int, replicas: int) -> list[int]:
+    """The ranks holding copies of ``rank``'s records: the same local position on the next ``replicas`` nodes."""
+    order = list(dict.fromkeys(nodes))
+    members = {n: [r for r, m in enumerate(nodes) if m == n] for n in order}
+    mine = nodes[rank]
+    pos = members[mine].index(rank)
+    out = []
+    for i in range(1, len(order)):
+        if len(out) >= replicas:
+            break
+        node = order[(order.index(mine) + i) % len(order)]
+        out.append(members[node][pos % len(members[node])])
+    return out
+
+
+def _newest_chain(listing: list[dict], full: int, world: int) -> tuple[int, str]:
+    """(N, why not further): the newest N with records full+1..N of every rank held by some node. Pure."""
+    have = {k for held in listing for k in held}
+    worlds = {v[2] for held in listing for v in held.values()}
+    if worlds - {world}:
+        return full, (f"records were written by world size {sorted(worlds - {world})}, this job has {world}: " \
+                     "the per-step log replays only into the layout that wrote it")
+    n = full
+    while all((r, n + 1) in have for r in range(world)):
+        n += 1
+    return n, ""
+
+
+def _fetch_plan(listing: list[dict], nodes: list[str], full: int, n: int) -> list[tuple[int, int, int, str, int]]:
+    """(step, holder, rank, slot name, length) for each record full+1..n that ``rank``'s node lacks. Pure."""
+    plan = []
+    for step in range(full + 1, n + 1):
+        for rank in range(len(nodes)):
+            if any((rank, step) in listing[h] for h in range(len(nodes)) if nodes[h] == nodes[rank]):
+                continue
+            holder = min(h for h in range(len(nodes)) if (rank, step) in listing[h])
+            rel, length, _ = listing[holder][(rank, step)]
+            plan.append((step, holder, rank, rel, length))
+    return plan
+
+
+__all__ = ["StepLog"]

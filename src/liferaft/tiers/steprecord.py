@@ -1,0 +1,204 @@
+"""One step record of the per-step log (docs/STEPLOG.md): its bytes, and reading them back as hostile input.
+
+A record is one slot file ``<memory tier base>/<job>/<node>/steplog/r<rank, 5 digits>/slot-<i, 4 digits>``:
+
+- bytes 0..63, the prologue: ``MAGIC`` (8 bytes), then little-endian u64s: the record's length, the header's
+  offset and length, then the header's xxh3 digest (16 hex digits, ASCII); the rest zero. Written last: a record
+  being written has a zeroed prologue and is no record.
+- from byte 64: the tensors (gradients, tensor hyperparameters and keyword arguments, the rest of the state's
+  tensors), raw, each at the offset its header entry names.
+- the header: strict JSON (``format/jsonsafe``) — ``format``, ``step``, ``rank``, ``world``, ``layout`` (the
+  fingerprint of ``state.optsteps.layout_of``), ``calls`` (per ``optimizer.step()``: ``opt`` index, ``grads``
+  (a tensor entry or null each), ``groups`` (hyperparameters per group, tagged values of ``state.values``; a
+  tensor as ``{"$t": entry}``), ``kwargs``), ``rest`` (``tensors``: key → tensor entries, one per local part;
+  ``values``: key → tagged value). A tensor entry is ``{"off", "len", "dtype", "shape", "digest"}``.
+
+Reading checks every size against the file and the caps below before allocating, every tensor's digest, and the
+header's; any mismatch raises CorruptCheckpointError naming the file — never a wrong step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from liferaft.codecs.checksum import digest
+from liferaft.errors import CorruptCheckpointError
+from liferaft.format.jsonsafe import loads
+from liferaft.format.limits import MAX_INT, MAX_NDIM, MAX_WORLD_SIZE
+from liferaft.state.dtypes import dtype_name
+from liferaft.storage.files import open_read
+
+MAGIC = b"LRSTEP01"
+FORMAT = "liferaft-steplog/1"
+PROLOGUE = 64
+MAX_HEADER_BYTES = 256 << 20
+MAX_RECORD_BYTES = 1 << 40
+_DTYPES = {dtype_name(d): d for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
+                                      torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+                                      torch.complex64, torch.complex128, torch.float8_e4m3fn, torch.float8_e5m2)}
+
+
+def prologue(length: int, header_off: int, header_len: int, header_digest: str) -> bytes:
+    out = MAGIC + struct.pack("<QQQ", length, header_off, header_len) + header_digest.encode("ascii")
+    return out + bytes(PROLOGUE - len(out))
+
+
+def encode_header(header: dict[str, Any]) -> bytes:
+    return json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
+
+
+def tensor_entry(off: int, t: torch.Tensor, data: memoryview) -> dict[str, Any]:
+    """The header entry of tensor ``t`` stored at ``off`` as ``data`` (its bytes)."""
+    return {"off": off, "len": len(data), "dtype": dtype_name(t.dtype), "shape": list(t.shape),
+            "digest": digest(data)}
+
+
+def as_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of the contiguous CPU tensor ``t`` (any dtype)."""
+    flat = t.reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+
+
+@dataclass
+class Header:
+    """A record's header, as read and checked (``path`` names the file in messages)."""
+
+    path: str
+    length: int
+    header_off: int
+    doc: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        return self.doc["step"]
+
+
+def _fail(path: str, what: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"{path}: step record {what}; the per-step log stops before this record "
+                                  "(recovery resumes from the step before it)")
+
+
+def _int(v: Any, path: str, what: str, hi: int = MAX_INT) -> int:
+    if type(v) is not int or not 0 <= v <= hi:
+        raise _fail(path, f"has a bad {what} ({str(v)[:40]})")
+    return v
+
+
+def read_header(root: str, rel: str) -> Header | None:
+    """The header of the record in ``root/rel`` (the prologue and header only are read); None when the slot holds
+    no record (its prologue zeroed: being written, or invalidated). Raises CorruptCheckpointError naming the file
+    for anything else that is not a valid header."""
+    path = os.path.join(root, rel)
+    fd = open_read(root, rel, limit=MAX_RECORD_BYTES)
+    try:
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, PROLOGUE, 0)
+        length, off, n = _prologue(head, size, path)
+        if n < 0:
+            return None
+        raw = os.pread(fd, n, off)
+    finally:
+        os.close(fd)
+    return _header(head, raw, length, off, path)
+
+
+def parse_record(data: bytes | bytearray | memoryview, path: str) -> Header | None:
+    """The header of the record held in ``data`` (a whole slot file's bytes, e.g. received from a peer)."""
+    mv = memoryview(data)
+    head = bytes(mv[:PROLOGUE])
+    length, off, n = _prologue(head, len(mv), path)
+    if n < 0:
+        return None
+    return _header(head, bytes(mv[off:off + n]), length, off, path)
+
+
+def _prologue(head: bytes, size: int, path: str) -> tuple[int, int, int]:
+    if len(head) < PROLOGUE or head[:8] != MAGIC:
+        if head[:8].strip(b"\0") == b"":
+            return 0, 0, -1
+        raise _fail(path, "does not start with the step-log magic")
+    length, off, n = struct.unpack("<QQQ", head[8:32])
+    if not (PROLOGUE <= off and n <= MAX_HEADER_BYTES and off + n == length <= size):
+        raise _fail(path, f"names a header of {n} bytes at {off} and a length of {length}; the record has {size}")
+    return length, off, n
+
+
+def _header(head: bytes, raw: bytes, length: int, off: int, path: str) -> Header:
+    if digest(raw) != head[32:PROLOGUE].rstrip(b"\0").decode("ascii", "replace"):
+        raise _fail(path, "header does not match its checksum (torn or damaged)")
+    doc = loads(raw, path, MAX_HEADER_BYTES)
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise _fail(path, f"is not a {FORMAT} header")
+    _int(doc.get("step"), path, "step")
+    _int(doc.get("world"), path, "world size", MAX_WORLD_SIZE)
+    _int(doc.get("rank"), path, "rank", max(0, doc["world"] - 1))
+    if not isinstance(doc.get("layout"), str) or not isinstance(doc.get("calls"), list) or \
+            not isinstance(doc.get("rest"), dict):
+        raise _fail(path, "header lacks layout, calls or rest")
+    return Header(path, length, off, doc)
+
+
+def read_record(root: str, rel: str, length: int) -> bytearray:
+    """The first ``length`` bytes of the slot file ``root/rel`` (a record whose header said so; checked again by
+    ``parse_record``)."""
+    fd = open_read(root, rel, limit=MAX_RECORD_BYTES)
+    try:
+        if length > os.fstat(fd).st_size:
+            raise _fail(os.path.join(root, rel), f"is shorter than the {length} bytes its header says")
+        buf = bytearray(length)
+        if length and os.preadv(fd, [buf], 0) != length:
+            raise _fail(os.path.join(root, rel), "changed while it was read")
+        return buf
+    finally:
+        os.close(fd)
+
+
+def tensor_at(entry: Any, payload: bytearray | memoryview, path: str) -> torch.Tensor:
+    """The tensor a header entry names in ``payload`` (checked: bounds, dtype, shape × item size = length, digest);
+    a copy the caller owns."""
+    if not isinstance(entry, dict):
+        raise _fail(path, "has a tensor entry that is not an object")
+    off = _int(entry.get("off"), path, "tensor offset")
+    n = _int(entry.get("len"), path, "tensor length")
+    dt = _DTYPES.get(entry.get("dtype")) if isinstance(entry.get("dtype"), str) else None
+    shape = entry.get("shape")
+    if dt is None or not isinstance(shape, list) or len(shape) > MAX_NDIM:
+        raise _fail(path, f"has a tensor of dtype {str(entry.get('dtype'))[:40]} and shape {str(shape)[:80]}")
+    numel = 1
+    for d in shape:
+        numel *= _int(d, path, "tensor dimension")
+        if numel > MAX_INT:
+            raise _fail(path, "has a tensor too large")
+    itemsize = torch.empty((), dtype=dt).element_size()
+    if numel * itemsize != n or off < PROLOGUE or off + n > len(payload):
+        raise _fail(path, f"has a tensor of {n} bytes at {off} that does not fit its shape or the record")
+    view = memoryview(payload)[off:off + n]
+    if digest(view) != entry.get("digest"):
+        raise _fail(path, f"tensor at bytes {off}..{off + n} does not match its checksum")
+    t = torch.empty(shape, dtype=dt)
+    if n:
+        as_bytes(t)[:] = view
+    return t
+
+
+__all__ = [
+    "FORMAT",
+    "MAGIC",
+    "MAX_HEADER_BYTES",
+    "PROLOGUE",
+    "Header",
+    "as_bytes",
+    "encode_header",
+    "parse_record",
+    "prologue",
+    "read_header",
+    "read_record",
+    "tensor_at",
+    "tensor_entry",
+]

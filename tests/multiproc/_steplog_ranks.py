@@ -1,0 +1,139 @@
+"""Rank functions for the per-step log tests (imported as ``multiproc._steplog_ranks``): a small training job under
+DDP or FSDP2 with AdamW or SGD(momentum), two micro-batches per step, gradient clipping, a GradScaler that skips
+one step (an inf gradient forced at ``INF_STEP``), an LR scheduler, dropout (RNG), a buffer updated every step and
+a data position — checkpointed by a manager with full checkpoints every ``EVERY`` steps and the per-step log in
+between; it may ``kill -9`` itself right after ``maybe_save`` of a chosen step."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+import liferaft
+from liferaft import CheckpointManager, JobOptions, MemoryTier, StepLogOptions, TierOptions
+
+EVERY = 4           # full checkpoints at steps 0, 4, 8, ...
+INF_STEP = 5        # the GradScaler skips this step (an inf gradient)
+
+
+class Position:
+    """The data position: samples consumed so far (a stateful object)."""
+
+    def __init__(self) -> None:
+        self.samples = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"samples": self.samples}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.samples = sd["samples"]
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 32)
+        self.drop = nn.Dropout(0.2)
+        self.b = nn.Linear(32, 4)
+        self.register_buffer("seen", torch.zeros(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen += x.shape[0]
+        return self.b(self.drop(torch.relu(self.a(x))))
+
+
+def build(kind: str, opt_name: str, world: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    np.random.seed(0)           # every stream of RNGState starts the same in every run
+    random.seed(0)
+    net = Net()
+    if kind == "ddp":
+        model: nn.Module = nn.parallel.DistributedDataParallel(net)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        fully_shard(net.a, mesh=mesh)
+        model = fully_shard(net, mesh=mesh)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1) if opt_name == "adamw" else \
+        torch.optim.SGD(params, lr=5e-2, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=3)
+    return {"model": model, "optim": opt, "sched": sched, "scaler": scaler, "pos": Position(),
+            "rng": liferaft.RNGState()}
+
+
+def train_step(st: dict[str, Any], rank: int, step: int) -> float:
+    model, opt, scaler = st["model"], st["optim"], st["scaler"]
+    total = 0.0
+    for micro in range(2):
+        g = torch.Generator().manual_seed(10_000 * step + 100 * rank + micro + st["pos"].samples % 7)
+        x, y = torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
+        loss = nn.functional.mse_loss(model(x), y) / 2
+        scaler.scale(loss).backward()
+        total += float(loss.detach())
+        st["pos"].samples += 6
+    if step == INF_STEP:
+        with torch.no_grad():
+            p = next(iter(model.parameters()))
+            p.grad.fill_(float("inf"))
+    scaler.unscale_(opt)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")     # "lr_scheduler.step() before optimizer.step()" after the skipped step
+        st["sched"].step()
+    return total
+
+
+def snapshot(st: dict[str, Any]) -> dict[str, Any]:
+    """Every tensor of the state (local shards: dtype, shape, bytes), the RNG streams and the plain values."""
+    from liferaft.state.flatten import flatten
+
+    flat = flatten(st)
+    out = {}
+    for leaf in flat.tensors:
+        for i, (_, t) in enumerate(leaf.parts):
+            t = t.detach().contiguous()           # bytes: bitwise (and picklable across processes)
+            out[f"{leaf.key}/{i}"] = (str(t.dtype), tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    for key, _, v in flat.values:
+        out[key] = repr(v)
+    return out
+
+
+def job(rank: int, world: int, root: str, base: str, kind: str, opt_name: str, last: int, kill_at: int | None,
+        max_steps: int = 64, split_nodes: bool = True) -> dict[str, Any]:
+    """Restore (full checkpoint + the per-step log), train to ``last``; ``kill_at``: rank 1 dies by SIGKILL right
+    after ``maybe_save`` of that step. Returns {"start", "losses" {step: loss}, "state", "recovery", "held"}."""
+    st = build(kind, opt_name, world)
+    tier = MemoryTier("steplog-test", node=f"node{rank}" if split_nodes else "node0", base=base, timeout=30)
+    mgr = CheckpointManager(root, every_steps=EVERY, tiers=TierOptions(memory=tier, memory_every=10 ** 6,
+                                                                       drain=False),
+                            step_log=StepLogOptions(replicas=1, max_steps=max_steps),
+                            job=JobOptions(job_id="steplog-test", lease_ttl=5.0),
+                            save_options=liferaft.SaveOptions(timeout=30))
+    start = mgr.restore(st)
+    losses = {}
+    for step in range(0 if start is None else start + 1, last + 1):
+        losses[step] = train_step(st, rank, step)
+        mgr.maybe_save(step, st)
+        if step == kill_at and rank == 1:
+            mgr.wait()                      # the full checkpoint before it is durable: the test knows K
+            os.kill(os.getpid(), signal.SIGKILL)
+    log = mgr._steplog
+    assert log is not None
+    out = {"start": start, "losses": losses, "state": snapshot(st), "recovery": dict(log.last_recovery),
+           "held": log.held_steps(), "durable": log.durable}
+    mgr.close()
+    return out
