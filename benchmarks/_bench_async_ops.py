@@ -13,6 +13,7 @@ least ``steps`` steps and goes on until the save is durable.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import shutil
@@ -287,6 +288,21 @@ LIMITS = [("memcpy_1t_s", "memcpy into prefaulted tensors, 1 thread"),
           ("memcpy_2t_s", "memcpy into prefaulted tensors, 2 threads"),
           ("write_fsync_s", "Python write + fsync, one file"),
           ("direct_write_s", "O_DIRECT write + fsync from an aligned 64 MiB buffer"), ("read_s", "read of that file")]
+INFLIGHT = (1, 4)                # requests in flight of the path grid (threads, 8 MiB requests)
+GRID = [(f"{io}_{mode}_{k}_s", f"{io} {'O_DIRECT' if mode == 'direct' else 'buffered'}, {k} in flight, 8 MiB "
+         f"requests{' + fsync' if io == 'write' else ' (cold)'}")
+        for io in ("write", "read") for mode in ("direct", "buffered") for k in INFLIGHT]
+LIMITS += GRID
+
+
+def best_write_s(r: dict[str, Any]) -> float:
+    """Seconds of the fastest durable write path measured in one limits run (NaN paths left out)."""
+    return min(v for k, v in r.items() if (k.startswith("write_") or k == "direct_write_s") and not math.isnan(v))
+
+
+def best_read_s(r: dict[str, Any]) -> float:
+    """Seconds of the fastest cold read path measured in one limits run."""
+    return min(v for k, v in r.items() if k.startswith("read_") and k.endswith("_s") and not math.isnan(v))
 
 
 def limits_table(limits: list[dict[str, Any]], nbytes: int) -> str:
@@ -344,8 +360,68 @@ def limits_op(tmp: str, cfg: W.Config, idle: float) -> dict[str, Any]:
         out["read_mode"] = f"buffered after fadvise(DONTNEED) (O_DIRECT refused: {e.strerror})"
         drop_cache(file)
         out["read_s"] = _read_file(file, buf, 0)
+    for mode in ("direct", "buffered"):
+        flag = os.O_DIRECT if mode == "direct" else 0
+        for k in INFLIGHT:
+            time.sleep(idle / 4)
+            out[f"write_{mode}_{k}_s"] = _grid_write(file, buf, out["bytes"], flag, k)
+            if os.path.exists(file):
+                drop_cache(file)
+            out[f"read_{mode}_{k}_s"] = _grid_read(file, buf, out["bytes"], flag, k)
     os.unlink(file)
     return out
+
+
+def _grid_write(file: str, buf: mmap.mmap, nbytes: int, flag: int, inflight: int) -> float:
+    """Seconds to write ``nbytes`` in 8 MiB requests from ``buf`` with ``inflight`` threads, plus fsync; NaN
+    where the file system refuses ``flag``."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    try:
+        fd = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flag, 0o644)
+    except OSError:
+        return float("nan")
+    req = 8 << 20
+    view = memoryview(buf)
+
+    def one(at: int) -> None:
+        n = min(req, nbytes - at)
+        os.pwrite(fd, view[(at % len(buf)):(at % len(buf)) + n], at)
+
+    t0 = time.perf_counter()
+    try:
+        with ThreadPoolExecutor(inflight) as ex:
+            list(ex.map(one, range(0, nbytes // req * req, req)))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return time.perf_counter() - t0
+
+
+def _grid_read(file: str, buf: mmap.mmap, nbytes: int, flag: int, inflight: int) -> float:
+    """Seconds to read the file cold in 8 MiB requests with ``inflight`` threads; NaN where ``flag`` is refused."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    try:
+        fd = os.open(file, os.O_RDONLY | flag)
+    except OSError:
+        return float("nan")
+    req, size = 8 << 20, os.fstat(fd).st_size
+    bufs = [mmap.mmap(-1, req) for _ in range(inflight)]
+    local = threading.local()
+
+    def one(at: int) -> None:
+        if not hasattr(local, "buf"):
+            local.buf = bufs.pop()
+        os.preadv(fd, [local.buf], at)
+
+    t0 = time.perf_counter()
+    try:
+        with ThreadPoolExecutor(inflight) as ex:
+            list(ex.map(one, range(0, size // req * req, req)))
+    finally:
+        os.close(fd)
+    return time.perf_counter() - t0
 
 
 def _direct_write(file: str, buf: mmap.mmap, nbytes: int) -> float:

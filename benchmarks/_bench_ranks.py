@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _common import PeakRss, fsync_path
+from _common import PeakRss, cpu_seconds, fsync_path
 
 # DCP warns on every no_dist call that it assumes a single process; that is what we ask for.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -249,7 +249,8 @@ def do_load(method: str, path: str, targets: dict[str, Any], cfg: Config | None,
 
 
 def _warm_up(method: str, path: str, solo: bool, mesh: Any = None) -> None:
-    """A tiny save and load with ``method``, so lazy imports and first-call set-up are not timed."""
+    """A tiny save and load with ``method``, so lazy imports and first-call set-up (liferaft: the probe of the
+    device's I/O path, reported as ``io``) are not timed."""
     small: dict[str, Any] = {"w": torch.arange(64, dtype=torch.float32)}
     if mesh is not None:
         from torch.distributed.tensor import DTensor, Shard
@@ -257,6 +258,13 @@ def _warm_up(method: str, path: str, solo: bool, mesh: Any = None) -> None:
         small["s"] = DTensor.from_local(torch.ones(8), mesh, [Shard(0)], run_check=False)
     do_save(method, path, small, None, solo)
     do_load(method, path, small, None, solo)
+    if method == "liferaft" and os.path.isdir(path):   # the device's I/O path, probed once per process
+        try:
+            from liferaft.storage import iopath
+        except ImportError:                            # (a liferaft from before the run-time choice)
+            pass
+        else:
+            iopath.choice_for(path)
     if dist.is_initialized():
         dist.barrier()
     if not dist.is_initialized() or dist.get_rank() == 0:
@@ -265,16 +273,32 @@ def _warm_up(method: str, path: str, solo: bool, mesh: Any = None) -> None:
         dist.barrier()
 
 
+CPU: dict[str, float] = {}     # CPU seconds of the last ``_measure`` in this process (``cpu_s`` of the result)
+
+
 def _measure(fn: Callable[[], Any]) -> tuple[float, int, Any]:
-    """(seconds, peak RSS above the RSS before the call in bytes, fn's return value); RSS sampled every 10 ms."""
+    """(seconds, peak RSS above the RSS before the call in bytes, fn's return value); RSS sampled every 10 ms.
+    The call's CPU seconds (every thread of this process and its waited-for children, less the RSS sampler's)
+    are left in ``CPU["last"]``."""
     rss = PeakRss().start()
+    c0 = cpu_seconds()
     t0 = time.perf_counter()
     try:
         out = fn()
         dt = time.perf_counter() - t0
     finally:
         extra = rss.stop()
+        CPU["last"] = cpu_seconds() - c0 - rss.cpu
     return dt, extra, out
+
+
+def io_choice() -> str:
+    """The I/O path(s) liferaft chose in this process, per device probed ("" if none was)."""
+    try:
+        from liferaft.storage import iopath
+    except ImportError:                                # (a liferaft from before the run-time choice)
+        return ""
+    return "; ".join(f"{c}, probed in {p.seconds:.2f} s" for c, p in iopath.probed().values())
 
 
 def solo_op(op: str, method: str, path: str, warm_path: str, cfg: Config, idle: float) -> dict[str, Any]:
@@ -284,13 +308,14 @@ def solo_op(op: str, method: str, path: str, warm_path: str, cfg: Config, idle: 
         state = build_state(cfg, "full", filled=True)
         time.sleep(idle)
         dt, rss, detail = _measure(lambda: do_save(method, path, state, cfg, solo=True))
-        return {"seconds": dt, "extra_rss": rss, "detail": detail}
+        return {"seconds": dt, "extra_rss": rss, "detail": detail, "cpu_s": CPU["last"], "io": io_choice()}
     targets = build_state(cfg, "full", filled=False) if method != "torch" else {}
     time.sleep(idle)
     dt, rss, loaded = _measure(lambda: do_load(method, path, targets, cfg, solo=True))
     loaded, detail = loaded if isinstance(loaded, tuple) else (loaded, {})
+    cpu = CPU["last"]
     verify(loaded, cfg, f"{method} load of {path} into full tensors")
-    return {"seconds": dt, "extra_rss": rss, "detail": detail}
+    return {"seconds": dt, "extra_rss": rss, "detail": detail, "cpu_s": cpu, "io": io_choice()}
 
 
 def rank_op(rank: int, world: int, op: str, method: str, path: str, warm_path: str, cfg: Config, idle: float,
@@ -310,9 +335,11 @@ def rank_op(rank: int, world: int, op: str, method: str, path: str, warm_path: s
     else:
         dt, rss, loaded = _measure(lambda: do_load(method, path, state, None, solo=False))
         detail = loaded[1] if isinstance(loaded, tuple) else {}
+    cpu = CPU["last"]
+    if op != "save":
         verify(state, cfg, f"rank {rank}: {method} load of {path} into {layout}")
     dist.barrier()
-    return {"seconds": dt, "extra_rss": rss, "detail": detail}
+    return {"seconds": dt, "extra_rss": rss, "detail": detail, "cpu_s": cpu, "io": io_choice()}
 
 
 def _start_async(method: str, path: str, state: dict[str, Any]) -> Callable[[], Any]:
@@ -342,11 +369,13 @@ def _async_rank(rank: int, method: str, path: str, state: dict[str, Any], idle: 
     time.sleep(idle)
     dist.barrier()
     rss = PeakRss().start()
+    c0 = cpu_seconds()
     t0 = time.perf_counter()
     wait = _start_async(method, path, state)
     t_call = time.perf_counter() - t0
     wait()
     total = time.perf_counter() - t0
     extra = rss.stop()
+    cpu = cpu_seconds() - c0 - rss.cpu
     dist.barrier()
-    return {"seconds": total, "extra_rss": extra, "detail": {"call_s": t_call}}
+    return {"seconds": total, "extra_rss": extra, "detail": {"call_s": t_call}, "cpu_s": cpu}

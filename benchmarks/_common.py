@@ -73,14 +73,22 @@ def med_range(values: Iterable[float], fmt: str = ".2f") -> str:
     return f"{statistics.median(v):{fmt}} [{min(v):{fmt}}–{max(v):{fmt}}]"
 
 
+def cpu_seconds() -> float:
+    """CPU seconds (user + system) spent so far by this process, all its threads, and its waited-for children."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 class PeakRss:
     """Peak RSS of this process (and, with ``children``, the summed RSS of its child processes), sampled every
-    10 ms in a thread between ``start()`` and ``stop()``; ``base`` is this process's RSS at ``start()``."""
+    10 ms in a thread between ``start()`` and ``stop()``; ``base`` is this process's RSS at ``start()``;
+    ``cpu`` is the CPU seconds the sampling thread itself used (to be taken off a CPU measurement)."""
 
     def __init__(self, children: bool = False) -> None:
         self.proc = psutil.Process()
         self.children = children
         self.base = self.peak = self.child_peak = 0
+        self.cpu = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -99,8 +107,10 @@ class PeakRss:
             self.child_peak = max(self.child_peak, self._child_rss())
 
     def _run(self) -> None:
+        t0 = time.thread_time()
         while not self._stop.wait(0.01):
             self._sample()
+        self.cpu = time.thread_time() - t0
 
     def start(self) -> PeakRss:
         self.base = self.peak = self.proc.memory_info().rss

@@ -1,8 +1,10 @@
 """Local files (POSIX): positioned writes, fsync of files and folders, atomic rename for small files.
 
-Reads whose offset, length and buffer are all 4 KiB aligned use O_DIRECT where the file system allows it
-(not tmpfs): the bytes go from the device straight into the caller's buffer, without filling the page cache
-(on these VMs every page-cache page is a first touch of fresh memory, ~1 GB/s).
+Writes and reads whose offset, length and buffer are all 4 KiB aligned may use O_DIRECT where the file system
+allows it (not tmpfs): the bytes go between the device and the caller's buffer without the page cache (on these
+VMs every page-cache page is a first touch of fresh memory, ~1 GB/s). Whether they do, and how many requests a
+large write or read keeps in flight (split on page boundaries across threads), is the device's ``iopath.Choice``:
+probed on the first large request unless the caller forces it (``PosixStorage(direct_io=..., inflight=...)``).
 """
 
 from __future__ import annotations
@@ -11,10 +13,12 @@ import ctypes
 import errno
 import os
 import stat
+import threading
 import uuid
+from collections.abc import Callable
 
-from liferaft.errors import CorruptCheckpointError, UnsafePathError
-from liferaft.storage import files
+from liferaft.errors import CorruptCheckpointError, OptionsError, UnsafePathError
+from liferaft.storage import files, iopath
 from liferaft.storage.base import FileWriter, Storage
 
 _PAGE = 4096
@@ -38,7 +42,8 @@ class _PosixWriter(FileWriter):
     laid out by others), opened without following a link. ``fd``/``dir_fd``: a file the caller created so."""
 
     def __init__(self, path: str, direct: bool = False, truncate: bool = True, *,
-                 fd: int | None = None, dir_fd: int | None = None) -> None:
+                 fd: int | None = None, dir_fd: int | None = None,
+                 choice: Callable[[int], tuple[bool, int]] | None = None) -> None:
         self.path = path
         self._name = os.path.basename(path)
         if fd is None:
@@ -60,9 +65,16 @@ class _PosixWriter(FileWriter):
         self._dir: int | None = dir_fd
         self.direct = direct and hasattr(os, "O_DIRECT")
         self._dfd: int | None = None
+        self._choice = choice            # request size -> (O_DIRECT, requests in flight); None: (direct, 1)
+        self._lock = threading.Lock()    # opening the O_DIRECT descriptor once, from any part's thread
 
-    def _write_direct(self, mv: memoryview, offset: int) -> int:
-        """Bytes written with O_DIRECT (0 if refused: then this writer stops trying)."""
+    def _direct_fd(self) -> int | None:
+        with self._lock:
+            if self._dfd is None and self.direct:
+                self._open_direct()
+            return self._dfd
+
+    def _open_direct(self) -> None:
         if self._dfd is None:
             try:
                 self._dfd = os.open(self._name, os.O_WRONLY | os.O_DIRECT | getattr(os, "O_NOFOLLOW", 0) |
@@ -71,16 +83,20 @@ class _PosixWriter(FileWriter):
                     os.close(self._dfd)
                     self._dfd = None
                     self.direct = False
-                    return 0
             except OSError as e:
                 if e.errno != errno.EINVAL:
                     raise
                 self.direct = False
-                return 0
+
+    def _write_direct(self, mv: memoryview, offset: int) -> int:
+        """Bytes written with O_DIRECT (0 if refused: then this writer stops trying)."""
+        dfd = self._direct_fd()
+        if dfd is None:
+            return 0
         done = 0
         try:
             while done < len(mv):
-                n = os.pwrite(self._dfd, mv[done:], offset + done)
+                n = os.pwrite(dfd, mv[done:], offset + done)
                 done += n
                 if n % _PAGE:
                     break
@@ -93,8 +109,16 @@ class _PosixWriter(FileWriter):
     def pwrite(self, data: memoryview | bytes, offset: int) -> None:
         assert self.fd is not None, "writer is closed"
         mv = memoryview(data).cast("B")
+        direct, inflight = self._choice(len(mv)) if self._choice is not None else (self.direct, 1)
+        if inflight > 1 and len(mv) >= 2 * iopath.SPLIT_MIN:
+            iopath.in_parallel(lambda at, n: self._pwrite(mv[at - offset:at - offset + n], at, direct) or n,
+                               iopath.spans(offset, len(mv), inflight))
+        else:
+            self._pwrite(mv, offset, direct)
+
+    def _pwrite(self, mv: memoryview, offset: int, direct: bool) -> None:
         head = (-offset) % _PAGE
-        if self.direct and len(mv) >= head + _PAGE and not mv.readonly \
+        if direct and self.direct and len(mv) >= head + _PAGE and not mv.readonly \
                 and (ctypes.addressof(ctypes.c_char.from_buffer(mv)) - offset) % _PAGE == 0:
             while head:                                         # the partial first page, through the cache
                 n = os.pwrite(self.fd, mv[:head], offset)
@@ -145,14 +169,41 @@ class PosixStorage(Storage):
     ``data/``, ``COMMIT`` or the manifest that is a link is refused with UnsafePathError), only regular files
     are read (a FIFO, device, folder: CorruptCheckpointError, never a hang), and writes create their files
     exclusively. A ``child`` or ``sibling`` is a folder below (or next to) this root that is not followed
-    either when it is a link."""
+    either when it is a link.
 
-    def __init__(self, root: str, direct_io: bool = True) -> None:
+    ``direct_io`` and ``inflight`` choose the I/O path: None (both, the default) asks the device's
+    ``iopath.Choice`` on the first request of ``iopath.PROBE_FROM`` bytes or more (probed once per device and
+    process; smaller requests use O_DIRECT, one in flight); ``direct_io=True``/``False`` forces O_DIRECT (where
+    the file system allows it, else buffered) or the page cache, ``inflight=k`` forces k requests in flight
+    (a large request is split across k threads); forcing either never probes."""
+
+    def __init__(self, root: str, direct_io: bool | None = None, inflight: int | None = None) -> None:
         self.root = os.path.abspath(root)
         self._base = os.path.realpath(self.root)
         self._sub: tuple[str, ...] = ()
         self._dirty_dirs: set[str] = set()
-        self.direct_io = direct_io and hasattr(os, "O_DIRECT")
+        if inflight is not None and (isinstance(inflight, bool) or not isinstance(inflight, int) or inflight < 1):
+            raise OptionsError(f"PosixStorage({root!r}): inflight must be a whole number ≥ 1 (requests in flight "
+                               f"per large read or write) or None (the device's probed choice), not {inflight!r}")
+        if direct_io is not None and not isinstance(direct_io, bool):
+            raise OptionsError(f"PosixStorage({root!r}): direct_io must be True (O_DIRECT), False (page cache) or "
+                               f"None (the device's probed choice), not {direct_io!r}")
+        self._auto = direct_io is None and inflight is None
+        self._inflight = inflight or 1
+        self.direct_io = (True if direct_io is None else bool(direct_io)) and hasattr(os, "O_DIRECT")
+
+    def io_path(self, nbytes: int, write: bool) -> tuple[bool, int]:
+        """(O_DIRECT, requests in flight) for one request of ``nbytes``: forced, or the device's choice (probed
+        on the first large request; a root that cannot be probed keeps O_DIRECT, one in flight)."""
+        if not self._auto or nbytes < iopath.PROBE_FROM:
+            return self.direct_io, self._inflight
+        try:
+            c = iopath.choice_for(self._top if os.path.isdir(self._top) else self._base)
+        except OSError:
+            return self.direct_io, 1
+        if write:
+            return c.write_direct and self.direct_io, c.write_inflight
+        return c.read_direct and self.direct_io, c.read_inflight
 
     @property
     def url(self) -> str:
@@ -188,7 +239,7 @@ class PosixStorage(Storage):
 
     def _derived(self, root: str, base: str, sub: tuple[str, ...]) -> PosixStorage:
         s = type(self)(root, direct_io=self.direct_io)     # fault-injecting subclasses stay so
-        s._base, s._sub = base, sub
+        s._base, s._sub, s._auto, s._inflight = base, sub, self._auto, self._inflight
         return s
 
     def child(self, name: str) -> PosixStorage:
@@ -207,7 +258,8 @@ class PosixStorage(Storage):
         path = self._p(name)
         self._mkdirs(path)
         fd, at = files.create_exclusive(self._base, self._rel(name))
-        return _PosixWriter(path, direct=self.direct_io, fd=fd, dir_fd=at)
+        return _PosixWriter(path, direct=self.direct_io, fd=fd, dir_fd=at,
+                            choice=lambda n: self.io_path(n, write=True))
 
     def open_read(self, name: str, limit: int | None = None, direct: bool = False) -> int:
         """A descriptor of the regular file ``name`` open for reading (``files.open_read``: no link followed,
@@ -218,7 +270,20 @@ class PosixStorage(Storage):
 
     def read_into(self, name: str, offset: int, out: memoryview) -> int:
         mv = memoryview(out).cast("B")
-        if self.direct_io and offset % _PAGE == 0 and len(mv) % _PAGE == 0 and len(mv) \
+        direct, inflight = self.io_path(len(mv), write=False)
+        if inflight > 1 and len(mv) >= 2 * iopath.SPLIT_MIN:
+            got = iopath.in_parallel(lambda at, n: self._read_into(name, at, mv[at - offset:at - offset + n], direct),
+                                     iopath.spans(offset, len(mv), inflight))
+            total = 0
+            for (_, n), g in zip(iopath.spans(offset, len(mv), inflight), got):
+                total += g
+                if g < n:
+                    break           # end of file within this part: what follows it is not the file's
+            return total
+        return self._read_into(name, offset, mv, direct)
+
+    def _read_into(self, name: str, offset: int, mv: memoryview, direct: bool) -> int:
+        if direct and self.direct_io and offset % _PAGE == 0 and len(mv) % _PAGE == 0 and len(mv) \
                 and not mv.readonly and ctypes.addressof(ctypes.c_char.from_buffer(mv)) % _PAGE == 0:
             n = self._read_direct(name, offset, mv)
             if n is not None:

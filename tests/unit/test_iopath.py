@@ -1,0 +1,185 @@
+"""The local I/O path chosen at run time (``storage/iopath.py``, ``PosixStorage(direct_io=, inflight=)``): the
+choice is a pure function of measured figures; the probe runs on a real folder; every forced path round-trips
+bit-exact; a file system that refuses O_DIRECT (tmpfs) falls back to the page cache."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import tempfile
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import liferaft
+from liferaft.errors import LiferaftError, OptionsError
+from liferaft.storage import PosixStorage, iopath
+from liferaft.storage.iopath import Choice, Probe, choose, spans
+
+GB = 1e9
+
+
+def _probe(write: dict, read: dict | None = None) -> Probe:
+    return Probe(write=write, read=read if read is not None else write)
+
+
+def test_choice_keeps_direct_one_in_flight_when_nothing_beats_it_clearly():
+    p = _probe({(True, 1): 1.0 * GB, (True, 4): 1.1 * GB, (False, 1): 0.9 * GB, (False, 4): 1.05 * GB})
+    assert choose(p) == Choice(True, 1, True, 1)
+
+
+def test_choice_takes_buffered_writes_on_a_slow_hour_and_direct_reads_stay():
+    # the issue's slow hour: O_DIRECT write ~0.5 GB/s, the page cache with writeback ~0.6+ GB/s
+    p = _probe(write={(True, 1): 0.5 * GB, (True, 4): 0.52 * GB, (False, 1): 0.55 * GB, (False, 4): 0.7 * GB},
+               read={(True, 1): 1.2 * GB, (True, 4): 1.25 * GB, (False, 1): 0.9 * GB, (False, 4): 1.0 * GB})
+    assert choose(p) == Choice(write_direct=False, write_inflight=4, read_direct=True, read_inflight=1)
+
+
+def test_choice_takes_the_cheapest_of_near_equals_direct_first_then_fewer_in_flight():
+    p = _probe({(True, 1): 1.0 * GB, (True, 4): 2.0 * GB, (False, 1): 2.1 * GB, (False, 4): 1.9 * GB})
+    assert (choose(p).write_direct, choose(p).write_inflight) == (True, 4)
+    p = _probe({(True, 1): 1.0 * GB, (True, 4): 1.0 * GB, (False, 1): 2.0 * GB, (False, 4): 1.95 * GB})
+    assert (choose(p).write_direct, choose(p).write_inflight) == (False, 1)
+
+
+def test_choice_without_direct_figures_is_buffered():
+    assert choose(_probe({(False, 1): 3 * GB, (False, 4): 2 * GB})) == Choice(False, 1, False, 1)
+    assert choose(_probe({(False, 1): 1 * GB, (False, 4): 2 * GB})) == Choice(False, 4, False, 4)
+    assert choose(_probe({})) == Choice(False, 1, False, 1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.floats(1e6, 1e10), st.floats(1e6, 1e10), st.floats(1e6, 1e10), st.floats(1e6, 1e10))
+def test_choice_is_never_much_slower_than_the_best_measured_path(a, b, c, d):
+    rates = {(True, 1): a, (True, 4): b, (False, 1): c, (False, 4): d}
+    got = choose(_probe(rates))
+    assert rates[(got.write_direct, got.write_inflight)] * iopath.MARGIN >= max(rates.values())
+    assert choose(_probe(dict(rates))) == got                 # pure: same figures, same choice
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 1 << 40), st.integers(0, 64 << 20), st.integers(1, 16))
+def test_spans_cover_the_request_exactly_on_page_steps(offset, length, inflight):
+    parts = spans(offset, length, inflight)
+    assert 1 <= len(parts) <= inflight
+    assert parts[0][0] == offset and sum(n for _, n in parts) == length
+    for (a, n), (b, _) in itertools.pairwise(parts):
+        assert b == a + n and (b - offset) % iopath.PAGE == 0 and n >= iopath.SPLIT_MIN
+
+
+def test_probe_on_a_real_folder_measures_every_path_and_leaves_nothing(tmp_path):
+    p = iopath.probe(str(tmp_path))
+    assert {(False, 1), (False, iopath.MANY)} <= set(p.write) and set(p.write) == set(p.read)
+    assert all(v > 0 for v in [*p.write.values(), *p.read.values()])
+    assert os.listdir(tmp_path) == []
+    c = choose(p)
+    assert c.write_inflight in (1, iopath.MANY) and c.read_inflight in (1, iopath.MANY)
+
+
+def _shm_dir() -> str:
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    return tempfile.mkdtemp(dir="/dev/shm", prefix="liferaft-iopath-")
+
+
+def _direct_allowed(folder: str) -> bool:
+    """Whether ``folder``'s file system takes O_DIRECT (tmpfs refused it before Linux 6.6, takes it since)."""
+    name = os.path.join(folder, "direct-check")
+    try:
+        fd = os.open(name, os.O_CREAT | os.O_WRONLY | os.O_DIRECT, 0o600)
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(name)
+    return True
+
+
+def test_probe_on_tmpfs_measures_what_it_allows_and_chooses_accordingly():
+    d = _shm_dir()
+    try:
+        p = iopath.probe(d)
+        assert {(False, 1), (False, iopath.MANY)} <= set(p.write)
+        direct = {k for k in p.write if k[0]}
+        assert bool(direct) == _direct_allowed(d)        # refused: no O_DIRECT figure, so never chosen
+        if not direct:
+            assert not choose(p).write_direct and not choose(p).read_direct
+        assert os.listdir(d) == []
+    finally:
+        os.rmdir(d)
+
+
+def _state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    # one tensor over PROBE_FROM (the auto path probes and splits), one odd-sized (partial pages), one tiny
+    return {"big": torch.randn((iopath.PROBE_FROM + 3 * 4096 + 12) // 4, generator=g),
+            "odd": torch.randn(300_001, generator=g), "tiny": torch.arange(5, dtype=torch.int64)}
+
+
+def _round_trip(root: str, direct_io: bool | None, inflight: int | None) -> None:
+    state = _state()
+    liferaft.save(PosixStorage(root, direct_io=direct_io, inflight=inflight), state)
+    out = {k: torch.full_like(v, -1) for k, v in state.items()}
+    liferaft.load(PosixStorage(root, direct_io=direct_io, inflight=inflight), out)
+    for k, v in state.items():
+        assert torch.equal(out[k].view(torch.uint8), v.view(torch.uint8)), (k, direct_io, inflight)
+
+
+@pytest.mark.parametrize("direct_io", [True, False, None])
+@pytest.mark.parametrize("inflight", [1, 3, None])
+def test_every_forced_path_round_trips_bit_exact(tmp_path, direct_io, inflight):
+    _round_trip(str(tmp_path / "ckpt"), direct_io, inflight)
+
+
+@pytest.mark.parametrize("direct_io,inflight", [(True, 4), (None, None), (False, 2)])
+def test_tmpfs_round_trips_on_every_path_whether_it_takes_o_direct_or_not(direct_io, inflight):
+    d = _shm_dir()
+    try:
+        _round_trip(os.path.join(d, "ckpt"), direct_io, inflight)
+        liferaft.verify(os.path.join(d, "ckpt"))          # every block re-hashed, raises on a fault
+    finally:
+        import shutil
+
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_split_requests_write_and_read_any_alignment_and_stop_at_the_end_of_file(tmp_path):
+    from liferaft.staging.pool import page_aligned_empty
+
+    st_ = PosixStorage(str(tmp_path / "r"), direct_io=True, inflight=4)
+    src = page_aligned_empty(9 << 20)
+    src.copy_(torch.randint(0, 256, (src.numel(),), dtype=torch.uint8, generator=torch.Generator().manual_seed(1)))
+    w = st_.open_writer("d.bin")
+    w.pwrite(memoryview(src.numpy())[5:], 100)        # unaligned in the file and in memory
+    w.pwrite(b"tail", 100 + src.numel() - 5)
+    w.close()
+    data = st_.read_all("d.bin")
+    assert data[100:-4] == bytes(src.numpy())[5:] and data[-4:] == b"tail"
+    for off in (0, 4096, 100):
+        out = page_aligned_empty(16 << 20)            # longer than the file: parts beyond its end read nothing
+        n = st_.read_into("d.bin", off, memoryview(out.numpy()))
+        assert n == len(data) - off and bytes(out.numpy()[:n]) == data[off:]
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True, "4"])
+def test_inflight_must_be_a_count(tmp_path, bad):
+    with pytest.raises(OptionsError, match="inflight") as e:
+        PosixStorage(str(tmp_path), inflight=bad)
+    assert isinstance(e.value, LiferaftError)
+
+
+def test_direct_io_must_be_a_bool_or_none(tmp_path):
+    with pytest.raises(OptionsError, match="direct_io"):
+        PosixStorage(str(tmp_path), direct_io="yes")  # type: ignore[arg-type]
+
+
+def test_the_choice_is_kept_per_device(tmp_path):
+    iopath.forget()
+    try:
+        a = iopath.choice_for(str(tmp_path))
+        (tmp_path / "sub").mkdir()
+        b = iopath.choice_for(str(tmp_path / "sub"))          # same device: no second probe
+        assert a is b and len(iopath.probed()) == 1
+    finally:
+        iopath.forget()
