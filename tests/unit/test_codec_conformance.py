@@ -20,7 +20,7 @@ from liferaft.codecs import advisor, frames, registry
 from liferaft.codecs.base import Codec
 from liferaft.codecs.checksum import block_hashes, verify_blocks
 from liferaft.errors import CorruptCheckpointError, LiferaftError
-from liferaft.format.manifest import DTYPE_ITEMSIZE
+from liferaft.format.manifest import CHECKSUM_ALGO, DTYPE_ITEMSIZE
 
 pytest.importorskip("zstandard")
 
@@ -64,7 +64,7 @@ def decode(codec: Codec, stored: bytes, lengths: list[int], hashes: list[str], s
     """Decode and verify as a reader does."""
     out = bytearray(size)
     frames.decode_frames(memoryview(stored), lengths, codec.name, memoryview(out), block, dtype, "test chunk")
-    verify_blocks(memoryview(out), hashes, block, "test chunk")
+    verify_blocks(memoryview(out), hashes, block, "test chunk", CHECKSUM_ALGO)
     return bytes(out)
 
 

@@ -95,7 +95,7 @@ def test_fast_tensor_accepts_only_what_the_full_decoder_accepts(changes):
 
 
 def test_records_built_by_the_fast_path_are_the_dataclasses():
-    rec = M._raw_chunk((0,), (1,), FILE, 0, 4, 64, ("h",))
+    rec = M._raw_chunk((0,), (1,), FILE, 0, 4, 64, ("h",), M.CHECKSUM_ALGO)
     assert rec == M.ChunkRecord((0,), (1,), FILE, 0, 4, 64, ("h",))
     assert set(vars(rec)) == {f.name for f in dataclasses.fields(M.ChunkRecord)}
     entry = M._plain_tensor("k", ("k",), "tensor", "float32", (1,), (rec,))

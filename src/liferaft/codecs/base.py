@@ -44,7 +44,8 @@ class EncodedChunk:
     """A chunk's frames, one per hash block, and what a lossy codec adds to its record."""
 
     frames: list[bytes]
-    #: lossy: xxh3_64 of each *decoded* block (what readers verify); None: the raw blocks' hashes stand
+    #: lossy: the hash (``format.records.CHECKSUM_ALGO``) of each *decoded* block (what readers verify); None: the
+    #: raw blocks' hashes stand
     hashes: tuple[str, ...] | None = None
     #: lossy: (max abs error, sum of abs errors, values) against the saved values; None for lossless
     error: tuple[float, float, int] | None = None
@@ -108,20 +109,22 @@ class Codec(ABC):
             return None
 
     def _encode_checked(self, block: memoryview, dtype: str) -> tuple[bytes, str, float, float, int]:
-        """(frame, xxh3_64 of the block it decodes to, max abs error, sum of abs errors, values)."""
+        """(frame, hash of the block it decodes to (the algorithm saves record, ``CHECKSUM_ALGO``), max abs error,
+        sum of abs errors, values)."""
         import torch
 
         from liferaft.codecs.checksum import digest
+        from liferaft.format.records import CHECKSUM_ALGO
 
         frame = self.encode_block(block, dtype)
         out = bytearray(len(block))
         self.decode_block(memoryview(frame), memoryview(out), dtype, f"{self.name} frame just encoded")
         tdt = getattr(torch, dtype)
         if not len(block):
-            return frame, digest(memoryview(out)), 0.0, 0.0, 0
+            return frame, digest(memoryview(out), CHECKSUM_ALGO), 0.0, 0.0, 0
         got, saved = torch.frombuffer(out, dtype=tdt), torch.frombuffer(bytearray(block), dtype=tdt)
         diff = (got.double() - saved.double()).abs()
-        return frame, digest(memoryview(out)), float(diff.max()), float(diff.sum()), diff.numel()
+        return frame, digest(memoryview(out), CHECKSUM_ALGO), float(diff.max()), float(diff.sum()), diff.numel()
 
 
 def map_blocks(pool: Executor | None, fn: Any, items: Sequence[memoryview]) -> list[Any]:

@@ -1,15 +1,27 @@
-"""Block checksums: xxh3_64 over fixed-size blocks of a chunk's stored bytes.
+"""Block checksums: a chunk's stored bytes hashed in fixed-size blocks, by the algorithm its record names.
 
-Blocks let a resharding load verify exactly the bytes it reads without reading whole chunks.
+Blocks let a resharding load verify exactly the bytes it reads without reading whole chunks. Two algorithms
+(``format.records.CHECKSUM_ALGOS``; docs/FORMAT.md §3.1), digests as lower-case hex:
+
+- ``crc32c`` (what saves write): CRC-32C (Castagnoli) from the ``crc32c`` package, hardware-computed (SSE4.2 /
+  ARMv8 CRC; a software table elsewhere) and computed **without the GIL** for blocks of 32 KiB and more (every
+  block but a chunk's short tail): a background save hashing 1 GB does not stall a Python training loop.
+- ``xxh3_64`` (checkpoints written before ``crc32c``, and the commit marker's pin of the manifest): XXH3-64
+  from python-xxhash, which holds the GIL while it hashes.
+
+Every function takes the algorithm by name; an unknown name raises CorruptCheckpointError (the manifest decoder
+refuses one first, so a reader never gets here with it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+import crc32c
 import xxhash
 
 from liferaft.errors import CorruptCheckpointError
+from liferaft.format.records import CHECKSUM_ALGO, LEGACY_CHECKSUM
 
 MIN_BLOCK_SIZE = 64 << 10
 MAX_BLOCK_SIZE = 4 << 20
@@ -26,37 +38,80 @@ def choose_block_size(length: int, fixed: int | None = None) -> int:
     return min(MAX_BLOCK_SIZE, max(MIN_BLOCK_SIZE, 1 << (target - 1).bit_length()))
 
 
-def digest(data: bytes | memoryview) -> str:
-    return xxhash.xxh3_64_hexdigest(data)
+def _crc32c_hex(data: bytes | memoryview) -> str:
+    return f"{crc32c.crc32c(data):08x}"
 
 
-def block_hashes(data: memoryview, block_size: int) -> list[str]:
-    """xxh3_64 hex digest of each ``block_size`` slice of ``data`` (the last may be shorter)."""
-    n = len(data)
-    return [xxhash.xxh3_64_hexdigest(data[i:i + block_size]) for i in range(0, n, block_size)]
+_DIGESTS: dict[str, Callable[[bytes | memoryview], str]] = {
+    "crc32c": _crc32c_hex,
+    "xxh3_64": xxhash.xxh3_64_hexdigest,
+}
 
 
-def verify_blocks(data: memoryview, hashes: Sequence[str], block_size: int, where: str) -> None:
-    """Raise CorruptCheckpointError naming ``where`` if any block of ``data`` does not match ``hashes``."""
+def _digest_fn(algo: str) -> Callable[[bytes | memoryview], str]:
+    fn = _DIGESTS.get(algo)
+    if fn is None:
+        raise CorruptCheckpointError(f"block checksum algorithm {algo!r:.40} is unknown to this liferaft (known: "
+                                     f"{', '.join(_DIGESTS)}); the checkpoint was written by a newer liferaft: "
+                                     "upgrade liferaft to read it")
+    return fn
+
+
+def digest(data: bytes | memoryview, algo: str = LEGACY_CHECKSUM) -> str:
+    """Hex digest of ``data`` by ``algo`` (default xxh3_64: 64 bits, for whole-object pins and equality tests
+    such as the commit marker's manifest hash, where the GIL does not matter)."""
+    return _digest_fn(algo)(data)
+
+
+def block_hashes(data: memoryview, block_size: int, algo: str = CHECKSUM_ALGO) -> list[str]:
+    """``algo`` hex digest of each ``block_size`` slice of ``data`` (the last may be shorter)."""
+    fn = _digest_fn(algo)
+    return [fn(data[i:i + block_size]) for i in range(0, len(data), block_size)]
+
+
+def verify_blocks(data: memoryview, hashes: Sequence[str], block_size: int, where: str, algo: str) -> None:
+    """Raise CorruptCheckpointError naming ``where`` if any block of ``data`` does not match its ``algo`` hash in
+    ``hashes`` (``algo``: the algorithm the chunk's record names)."""
+    fn = _digest_fn(algo)
     n = len(data)
     for i, expected in enumerate(hashes):
         lo = i * block_size
         if lo >= n:
             raise CorruptCheckpointError(f"{where}: read {n} bytes but {len(hashes)} blocks were expected")
-        got = xxhash.xxh3_64_hexdigest(data[lo:lo + block_size])
-        if got != expected:
+        if fn(data[lo:lo + block_size]) != expected:
             raise CorruptCheckpointError(
-                f"{where}: checksum mismatch in block {i} (bytes {lo}..{min(lo + block_size, n)} of this read); "
-                "the stored data is corrupt. Restore from another checkpoint or copy")
+                f"{where}: checksum mismatch in block {i} (bytes {lo}..{min(lo + block_size, n)} of this read, "
+                f"{algo}); the stored data is corrupt. Restore from another checkpoint or copy")
+
+
+class _Crc32cStream:
+    """CRC-32C over pieces fed in order (the ``xxhash.xxh3_64`` object's interface, the part used here)."""
+
+    def __init__(self) -> None:
+        self._v = 0
+
+    def update(self, data: memoryview) -> None:
+        self._v = crc32c.crc32c(data, self._v)
+
+    def hexdigest(self) -> str:
+        return f"{self._v:08x}"
+
+    def reset(self) -> None:
+        self._v = 0
+
+
+_STREAMS: dict[str, Callable[[], _Crc32cStream | xxhash.xxh3_64]] = {"crc32c": _Crc32cStream, "xxh3_64": xxhash.xxh3_64}
 
 
 class BlockHasher:
     """Streaming block hashes: feed a chunk's bytes in pieces of any size, in order; same result as
-    :func:`block_hashes` over the whole chunk."""
+    :func:`block_hashes` over the whole chunk with the same ``algo``."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, algo: str = CHECKSUM_ALGO) -> None:
+        _digest_fn(algo)
         self.block_size = block_size
-        self._h = xxhash.xxh3_64()
+        self.algo = algo
+        self._h = _STREAMS[algo]()
         self._filled = 0
         self._out: list[str] = []
 
@@ -64,7 +119,7 @@ class BlockHasher:
         pos, n = 0, len(data)
         if self._filled == 0:                      # whole blocks straight from the piece
             whole = (n // self.block_size) * self.block_size
-            self._out.extend(block_hashes(data[:whole], self.block_size) if whole else [])
+            self._out.extend(block_hashes(data[:whole], self.block_size, self.algo) if whole else [])
             pos = whole
         while pos < n:
             take = min(self.block_size - self._filled, n - pos)

@@ -32,11 +32,13 @@ from liferaft.format.limits import (
     name_bytes,
 )
 from liferaft.format.records import (  # the manifest's data (re-exported: its home before records.py)
-    CHECKSUM_ALGO,
+    CHECKSUM_ALGO,  # noqa: F401  (re-exported)
+    CHECKSUM_ALGOS,
     CONTAINER_KINDS,
     DTYPE_ITEMSIZE,
     FORMAT_NAME,
     FORMAT_VERSION,
+    LEGACY_CHECKSUM,
     TENSOR_KINDS,
     ChunkRecord,
     CommitMarker,
@@ -160,29 +162,39 @@ def _loads(data: bytes, what: str, max_bytes: int) -> dict[str, Any]:
 def decode_commit_marker(data: bytes) -> CommitMarker:
     doc = _loads(data, COMMIT_MARKER, MAX_MARKER_BYTES)
     version = _check_version(doc, COMMIT_MARKER)
-    if doc.get("checksum") != CHECKSUM_ALGO:
-        raise _fail(COMMIT_MARKER, f"checksum algorithm {doc.get('checksum')!r} is not {CHECKSUM_ALGO!r}")
+    if doc.get("checksum") != LEGACY_CHECKSUM:
+        raise _fail(COMMIT_MARKER, f"checksum algorithm {doc.get('checksum')!r} is not {LEGACY_CHECKSUM!r}")
     return CommitMarker(manifest=check_relative_path(_str(doc.get("manifest"), COMMIT_MARKER), "manifest"),
                         manifest_size=_int(doc.get("manifest_size"), COMMIT_MARKER),
                         manifest_hash=_str(doc.get("manifest_hash"), COMMIT_MARKER), version=version)
 
 
+def _checksum(v: Any, where: str) -> str:
+    """A block checksum algorithm's name, refused unless this liferaft verifies it."""
+    if v not in CHECKSUM_ALGOS:
+        raise CorruptCheckpointError(f"{where}: block checksum algorithm {v!r:.40} is unknown to this liferaft "
+                                     f"(known: {', '.join(CHECKSUM_ALGOS)}); the checkpoint was written by a newer "
+                                     "liferaft: upgrade liferaft to read it")
+    return v
+
+
 def _decode_chunk(c: Any, where: str, ndim: int, files: Mapping[str, int], itemsize: int,
-                  codecs: Collection[str] | None, nested: bool = False) -> ChunkRecord:
+                  codecs: Collection[str] | None, algo: str = LEGACY_CHECKSUM, nested: bool = False) -> ChunkRecord:
     if not isinstance(c, dict):
         raise _fail(where, "chunk is not an object")
     delta = None
     if c.get("delta") is not None:
         if nested:
             raise _fail(where, "a delta chunk's base is itself a delta")
-        delta = _decode_chunk(c["delta"], f"{where} (delta base)", ndim, files, itemsize, codecs, nested=True)
+        delta = _decode_chunk(c["delta"], f"{where} (delta base)", ndim, files, itemsize, codecs, algo, nested=True)
     rec = ChunkRecord(
         offsets=_ints(c.get("offsets"), where), sizes=_ints(c.get("sizes"), where),
         file=check_chunk_file(_str(c.get("file"), where)), byte_offset=_int(c.get("byte_offset"), where),
         length=_int(c.get("length"), where), block_size=_int(c.get("block_size"), where, 1),
         hashes=_hashes(c.get("hashes"), where),
         codec=None if c.get("codec") is None else _str(c.get("codec"), where),
-        frames=None if c.get("frames") is None else _ints(c.get("frames"), where), delta=delta)
+        frames=None if c.get("frames") is None else _ints(c.get("frames"), where), delta=delta,
+        checksum=_checksum(c["checksum"], where) if "checksum" in c else algo)
     if rec.stored_length > MAX_INT or rec.byte_offset + rec.stored_length > MAX_INT:
         raise _fail(where, "chunk's stored bytes end beyond 2**63 - 1")
     if delta is not None and (delta.offsets, delta.sizes, delta.block_size) != (rec.offsets, rec.sizes,
@@ -218,13 +230,14 @@ _new = object.__new__
 
 
 def _raw_chunk(offsets: tuple[int, ...], sizes: tuple[int, ...], file: str, byte_offset: int, length: int,
-               block_size: int, hashes: tuple[str, ...]) -> ChunkRecord:
+               block_size: int, hashes: tuple[str, ...], algo: str) -> ChunkRecord:
     """``ChunkRecord(...)`` of a raw chunk (no codec, no delta), built without the frozen dataclass's per-field
     ``object.__setattr__`` (a third of the decoding time of a manifest of small tensors); the same object."""
     rec = _new(ChunkRecord)
     d = rec.__dict__
     d["offsets"], d["sizes"], d["file"], d["byte_offset"], d["length"] = offsets, sizes, file, byte_offset, length
     d["block_size"], d["hashes"], d["codec"], d["frames"], d["delta"] = block_size, hashes, None, None, None
+    d["checksum"] = algo
     return rec
 
 
@@ -238,9 +251,10 @@ def _plain_tensor(key: str, path: tuple[PathPart, ...], kind: str, dtype: str, s
     return entry
 
 
-def _chunk_fast(c: Any, ndim: int, files: Mapping[str, int], itemsize: int) -> ChunkRecord | None:
+def _chunk_fast(c: Any, ndim: int, files: Mapping[str, int], itemsize: int, algo: str = LEGACY_CHECKSUM
+                ) -> ChunkRecord | None:
     """The record of chunk object ``c`` in the common case (raw bytes of a file the manifest lists, no codec, no
-    delta, no empty dimension) when it passes every check of ``_decode_chunk``; None for anything else, which
+    delta, no checksum of its own, no empty dimension) when it passes every check of ``_decode_chunk``; None for anything else, which
     ``_decode_chunk`` then decodes or refuses. A plain ``file in files`` stands for ``check_chunk_file``: every
     name in ``files`` passed it."""
     if type(c) is not dict or len(c) != 7:
@@ -262,11 +276,11 @@ def _chunk_fast(c: Any, ndim: int, files: Mapping[str, int], itemsize: int) -> C
             or not 1 <= block_size <= MAX_INT or block_size % itemsize
             or len(hashes) != -(-length // block_size) or {*map(type, hashes)} != _STR):
         return None
-    return _raw_chunk(tuple(offsets), tuple(sizes), file, byte_offset, length, block_size, tuple(hashes))
+    return _raw_chunk(tuple(offsets), tuple(sizes), file, byte_offset, length, block_size, tuple(hashes), algo)
 
 
 def _tensor_fast(t: dict[str, Any], files: Mapping[str, int], codecs: Collection[str] | None,
-                 name: str) -> TensorEntry | None:
+                 name: str, algo: str = LEGACY_CHECKSUM) -> TensorEntry | None:
     """The entry of tensor object ``t`` in the common case (the six fields a save writes, a path of strings, a
     shape without empty dimensions) when it passes every check of ``_decode_tensor``; None for anything else.
     Its chunks go through ``_chunk_fast``, then ``_decode_chunk`` (a codec, a delta, or a problem to name)."""
@@ -289,17 +303,18 @@ def _tensor_fast(t: dict[str, Any], files: Mapping[str, int], codecs: Collection
     ndim = len(shape)
     records = []
     for c in chunks:
-        rec = _chunk_fast(c, ndim, files, itemsize)
+        rec = _chunk_fast(c, ndim, files, itemsize, algo)
         if rec is None:
-            rec = _decode_chunk(c, f"{name} tensor {key!r}", ndim, files, itemsize, codecs)
+            rec = _decode_chunk(c, f"{name} tensor {key!r}", ndim, files, itemsize, codecs, algo)
         records.append(rec)
     return _plain_tensor(key, tuple(path), kind, dtype, tuple(shape), tuple(records))
 
 
-def _decode_tensor(t: dict[str, Any], name: str, files: Mapping[str, int], codecs: Collection[str] | None
-                   ) -> TensorEntry:
-    """The entry of tensor object ``t`` of manifest ``name``, every field checked (``_tensor_fast`` first)."""
-    fast = _tensor_fast(t, files, codecs, name)
+def _decode_tensor(t: dict[str, Any], name: str, files: Mapping[str, int], codecs: Collection[str] | None,
+                   algo: str = LEGACY_CHECKSUM) -> TensorEntry:
+    """The entry of tensor object ``t`` of manifest ``name``, every field checked (``_tensor_fast`` first);
+    ``algo``: the manifest's block checksum, that of every chunk that names none."""
+    fast = _tensor_fast(t, files, codecs, name, algo)
     if fast is not None:
         return fast
     key = _str(t.get("key"), f"{name} tensor")
@@ -312,7 +327,7 @@ def _decode_tensor(t: dict[str, Any], name: str, files: Mapping[str, int], codec
         raise _fail(where, f"unknown kind {kind!r}")
     shape = _ints(t.get("shape"), where, max_len=MAX_NDIM)
     _product(shape, DTYPE_ITEMSIZE[dtype], where)
-    chunks = tuple(_decode_chunk(c, where, len(shape), files, DTYPE_ITEMSIZE[dtype], codecs)
+    chunks = tuple(_decode_chunk(c, where, len(shape), files, DTYPE_ITEMSIZE[dtype], codecs, algo)
                    for c in t.get("chunks") or [])
     lossy = t.get("lossy")
     if lossy is not None and not (isinstance(lossy, dict) and isinstance(lossy.get("method"), str)
@@ -343,8 +358,7 @@ def decode_manifest(data: bytes, name: str = "manifest", codecs: Collection[str]
 def _decode_manifest(data: bytes, name: str, codecs: Collection[str] | None) -> Manifest:
     doc = _loads(data, name, MAX_MANIFEST_BYTES)
     version = _check_version(doc, name)
-    if doc.get("checksum") != CHECKSUM_ALGO:
-        raise _fail(name, f"checksum algorithm {doc.get('checksum')!r} is not {CHECKSUM_ALGO!r}")
+    algo = _checksum(doc.get("checksum"), name)
     if doc.get("byte_order", "little") != "little":
         raise _fail(name, f"byte order {doc.get('byte_order')!r} is not supported")
     for section in ("tensors", "values", "containers"):
@@ -357,7 +371,7 @@ def _decode_manifest(data: bytes, name: str, codecs: Collection[str] | None) -> 
     if not isinstance(files_raw, dict):
         raise _fail(name, "files is not an object")
     files = {check_chunk_file(k): _int(v, f"{name} files[{k!r}]") for k, v in files_raw.items()}
-    tensors = [_decode_tensor(t, name, files, codecs) for t in doc.get("tensors") or []]
+    tensors = [_decode_tensor(t, name, files, codecs, algo) for t in doc.get("tensors") or []]
     values = []
     for v in doc.get("values") or []:
         key = _str(v.get("key"), f"{name} value")

@@ -13,7 +13,15 @@ from typing import Any
 FORMAT_NAME = "liferaft"
 FORMAT_VERSION = 3          # the newest version this code reads; a save uses 2 or 3 only when it needs it (§4.1, §4.5)
 
-CHECKSUM_ALGO = "xxh3_64"
+#: The block checksum a save records for the chunks it writes (CRC-32C: hardware-computed and hashed without the
+#: GIL, so a background save does not stall a Python training loop; docs/FORMAT.md §3.1).
+CHECKSUM_ALGO = "crc32c"
+#: The checksum of the chunks of manifests that name no other (every checkpoint before ``crc32c``), and the one
+#: the commit marker pins the manifest with.
+LEGACY_CHECKSUM = "xxh3_64"
+#: Every block checksum this code verifies: a manifest or chunk naming another is refused (written by a newer
+#: liferaft).
+CHECKSUM_ALGOS = ("xxh3_64", "crc32c")
 
 PathPart = str | int
 
@@ -35,7 +43,8 @@ class ChunkRecord:
     """One stored box of a global tensor: ``sizes`` elements starting at ``offsets`` (row-major, raw bytes).
 
     The bytes live in ``file`` at ``[byte_offset, byte_offset + length)``. They are hashed in blocks of
-    ``block_size`` bytes (the last one may be shorter); ``hashes[i]`` is the xxh3_64 hex digest of block i.
+    ``block_size`` bytes (the last one may be shorter); ``hashes[i]`` is the hex digest of block i by the
+    algorithm ``checksum`` names (one of ``CHECKSUM_ALGOS``).
     """
 
     offsets: tuple[int, ...]
@@ -52,6 +61,8 @@ class ChunkRecord:
     #: When set, the decoded bytes are the XOR of this chunk's values with those of ``delta``, the record of the
     #: same box in an earlier checkpoint (never itself a delta): read both, XOR, then check ``hashes``.
     delta: ChunkRecord | None = None
+    #: the block checksum algorithm of ``hashes`` (a chunk referenced from an older checkpoint keeps its own)
+    checksum: str = CHECKSUM_ALGO
 
     @property
     def stored_length(self) -> int:
@@ -71,7 +82,8 @@ class ChunkRecord:
         lo = sum(self.frames[:first])
         return self.byte_offset + lo, sum(self.frames[first:end])
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, default_checksum: str = CHECKSUM_ALGO) -> dict[str, Any]:
+        """The chunk's JSON object; ``checksum`` only when it differs from the manifest's ``default_checksum``."""
         out = {"offsets": list(self.offsets), "sizes": list(self.sizes), "file": self.file,
                "byte_offset": self.byte_offset, "length": self.length, "block_size": self.block_size,
                "hashes": list(self.hashes)}
@@ -79,7 +91,9 @@ class ChunkRecord:
             out["codec"] = self.codec
             out["frames"] = list(self.frames or ())
         if self.delta is not None:
-            out["delta"] = self.delta.to_json()
+            out["delta"] = self.delta.to_json(default_checksum)
+        if self.checksum != default_checksum:
+            out["checksum"] = self.checksum
         return out
 
 
@@ -111,9 +125,9 @@ class TensorEntry:
             n *= s
         return n
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, default_checksum: str = CHECKSUM_ALGO) -> dict[str, Any]:
         out = {"key": self.key, "path": list(self.path), "kind": self.kind, "dtype": self.dtype,
-               "shape": list(self.shape), "chunks": [c.to_json() for c in self.chunks]}
+               "shape": list(self.shape), "chunks": [c.to_json(default_checksum) for c in self.chunks]}
         if self.lossy is not None:
             out["lossy"] = dict(self.lossy)
         if self.per_rank is not None:
@@ -202,13 +216,24 @@ class Manifest:
     def lossy(self) -> bool:
         return any(t.lossy is not None for t in self.tensors)
 
+    def default_checksum(self) -> str:
+        """The manifest's ``checksum``: ``LEGACY_CHECKSUM`` when every chunk uses it (the manifest is then what
+        liferaft wrote before per-chunk algorithms, byte for byte), else ``CHECKSUM_ALGO`` — which a liferaft
+        that predates per-chunk algorithms refuses by name rather than mistaking the hashes for damage."""
+        for t in self.tensors:
+            for c in t.chunks:
+                if c.checksum != LEGACY_CHECKSUM or (c.delta is not None and c.delta.checksum != LEGACY_CHECKSUM):
+                    return CHECKSUM_ALGO
+        return LEGACY_CHECKSUM
+
     def to_json_bytes(self) -> bytes:
+        algo = self.default_checksum()
         doc = {
             "format": FORMAT_NAME, "version": max(self.version, self.needs_version()), "save_id": self.save_id,
             "world_size": self.world_size, "created_unix": self.created_unix,
             "liferaft_version": self.liferaft_version, "torch_version": self.torch_version,
-            "checksum": CHECKSUM_ALGO, "byte_order": "little", "files": dict(sorted(self.files.items())),
-            "tensors": [t.to_json() for t in self.tensors], "values": [v.to_json() for v in self.values],
+            "checksum": algo, "byte_order": "little", "files": dict(sorted(self.files.items())),
+            "tensors": [t.to_json(algo) for t in self.tensors], "values": [v.to_json() for v in self.values],
             "containers": [c.to_json() for c in self.containers], "extra": dict(self.extra),
         }
         return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
@@ -229,4 +254,4 @@ class CommitMarker:
     def to_json_bytes(self) -> bytes:
         return json.dumps({"format": FORMAT_NAME, "version": self.version, "manifest": self.manifest,
                            "manifest_size": self.manifest_size, "manifest_hash": self.manifest_hash,
-                           "checksum": CHECKSUM_ALGO}).encode()
+                           "checksum": LEGACY_CHECKSUM}).encode()

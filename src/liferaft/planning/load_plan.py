@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from liferaft.format.manifest import ChunkRecord, TensorEntry
+from liferaft.format.manifest import CHECKSUM_ALGO, ChunkRecord, TensorEntry
 from liferaft.planning.geometry import Box, byte_span, intersect, split_for_reading, strides
 
 DEFAULT_MAX_READ = 32 * 1024 * 1024
@@ -49,6 +49,7 @@ class ReadUnit:
     raw_length: int = -1
     first_block: int = 0
     delta: ChunkRecord | None = None        # XOR the decoded bytes with these blocks of this chunk (see manifest)
+    checksum: str = CHECKSUM_ALGO           # the algorithm of ``hashes`` (the chunk record's)
 
     @property
     def decoded_length(self) -> int:
@@ -91,7 +92,7 @@ def _units_for_chunk(key: str, chunk: ChunkRecord, itemsize: int, wanted: Sequen
                               block_size=bs, hashes=chunk.hashes[b_lo:b_hi], copies=tuple(copies),
                               codec=chunk.codec, frames=None if chunk.frames is None else chunk.frames[b_lo:b_hi],
                               raw_length=-1 if chunk.codec is None else end - start, first_block=b_lo,
-                              delta=chunk.delta))
+                              delta=chunk.delta, checksum=chunk.checksum))
         group.clear()
 
     for p in pieces:

@@ -60,5 +60,5 @@ def read_blocks(storage: Storage, rec: ChunkRecord, first: int, end: int, dtype:
     if rec.delta is not None:
         raw = memoryview(bytearray(raw))
         xor_into(raw, read_blocks(storage, rec.delta, first, end, dtype, key))
-    verify_blocks(raw, rec.hashes[first:end], rec.block_size, where)
+    verify_blocks(raw, rec.hashes[first:end], rec.block_size, where, rec.checksum)
     return raw

@@ -237,7 +237,7 @@ def _consume(storage: Storage, batch: _Batch, buf: torch.Tensor, n: int, targets
             xor_into(memoryview(view.numpy()), read_blocks(storage, unit.delta, unit.first_block, end,
                                                            str(dtype).removeprefix("torch."), unit.key))
         t0 = time.perf_counter()
-        verify_blocks(memoryview(view.numpy()), unit.hashes, unit.block_size, _where(unit))
+        verify_blocks(memoryview(view.numpy()), unit.hashes, unit.block_size, _where(unit), unit.checksum)
         verify_s += time.perf_counter() - t0
         if not copy:
             continue

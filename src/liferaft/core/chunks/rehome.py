@@ -70,7 +70,7 @@ def _verified_stored(reader: Storage, w: WriteItem, sc: StoredChunk, dtype: str)
 
     rec = ChunkRecord(offsets=w.offsets, sizes=w.sizes, file=sc.file, byte_offset=sc.byte_offset, length=w.length,
                       block_size=sc.block_size, hashes=tuple(sc.hashes), codec=sc.codec, frames=sc.frames,
-                      delta=sc.delta)
+                      delta=sc.delta, checksum=sc.checksum)
     buf = bytearray(rec.stored_length)
     where = f"file {rec.file!r} (key {w.key!r}, chunk at {list(rec.offsets)})"
     try:
@@ -84,7 +84,7 @@ def _verified_stored(reader: Storage, w: WriteItem, sc: StoredChunk, dtype: str)
     if rec.delta is not None:
         plain = memoryview(bytearray(plain))
         xor_into(plain, read_blocks(reader, rec.delta, 0, blocks, dtype, w.key))
-    verify_blocks(plain, rec.hashes, rec.block_size, where)
+    verify_blocks(plain, rec.hashes, rec.block_size, where, rec.checksum)
     return buf
 
 

@@ -25,9 +25,9 @@ from typing import Any
 import torch
 
 from liferaft.codecs import frames, registry
-from liferaft.codecs.checksum import BlockHasher, choose_block_size
+from liferaft.codecs.checksum import BlockHasher, block_hashes, choose_block_size
 from liferaft.errors import StorageError
-from liferaft.format.manifest import ChunkRecord
+from liferaft.format.manifest import CHECKSUM_ALGO, ChunkRecord
 from liferaft.planning.geometry import Box
 from liferaft.planning.save_plan import PAGE, PAGE_ALIGN_MIN, WriteItem
 from liferaft.staging.pool import BufferPool
@@ -83,6 +83,7 @@ class StoredChunk:
     error: tuple[float, float, int] | None = None   # lossy: (max abs error, sum of abs errors, values)
     stale: float | None = None      # selective: not saved; the base's older bytes, this relative change away
     origin: str | None = None       # copied from this sibling checkpoint (``rehome``) rather than referenced
+    checksum: str = CHECKSUM_ALGO   # the algorithm of ``hashes`` (a reference keeps its base chunk's)
 
 
 @dataclass
@@ -186,7 +187,7 @@ def write_staged(storage: Storage, items: Sequence[WriteItem], pieces: queue.Que
     base = 0                         # file position of the chunk streamed raw
     try:
         for idx, w in enumerate(items):
-            hasher = BlockHasher(choose_block_size(w.length, policy.block_size))
+            hasher = BlockHasher(choose_block_size(w.length, policy.block_size), CHECKSUM_ALGO)
             decide = policy.decides(w) and w.length <= pool.capacity     # (else it could never be held whole)
             got = 0
             base = f.start(w.length, w.length >= PAGE_ALIGN_MIN) if not decide else 0
@@ -278,12 +279,13 @@ def _decided(f: _File, w: WriteItem, held: Sequence[Piece], hashes: tuple[str, .
              policy: ChunkPolicy, out: WriteOutcome) -> StoredChunk:
     """Store a whole held chunk: as a reference, encoded, or raw."""
     base = policy.reuse.get((w.key, w.offsets, w.sizes))
-    if base is not None and base[0].hashes == hashes and base[0].block_size == block_size \
-            and base[0].length == w.length:
+    if base is not None and base[0].block_size == block_size and base[0].length == w.length \
+            and base[0].hashes == _hashes_as(base[0].checksum, held, hashes, block_size):
         rec, sizes = base
         out.bytes_reused += w.length
         return StoredChunk(file=rec.file, byte_offset=rec.byte_offset, block_size=rec.block_size, hashes=rec.hashes,
-                           codec=rec.codec, frames=rec.frames, delta=rec.delta, ref_files=sizes)
+                           codec=rec.codec, frames=rec.frames, delta=rec.delta, ref_files=sizes,
+                           checksum=rec.checksum)
     dtype = policy.dtypes[w.key]
     if base is not None and w.key in policy.selective and policy.reader is not None:
         change = _change(held, base[0], dtype, w.key, policy.reader)
@@ -292,7 +294,7 @@ def _decided(f: _File, w: WriteItem, held: Sequence[Piece], hashes: tuple[str, .
             out.bytes_reused += w.length
             return StoredChunk(file=rec.file, byte_offset=rec.byte_offset, block_size=rec.block_size,
                                hashes=rec.hashes, codec=rec.codec, frames=rec.frames, delta=rec.delta,
-                               ref_files=sizes, stale=change)
+                               ref_files=sizes, stale=change, checksum=rec.checksum)
     delta = policy.delta.get((w.key, w.offsets, w.sizes))
     if delta is not None and w.length and policy.reader is not None:
         stored = _delta(f, w, held, hashes, block_size, delta, policy, out)
@@ -321,6 +323,17 @@ def _decided(f: _File, w: WriteItem, held: Sequence[Piece], hashes: tuple[str, .
         out.bytes_written += len(mv)
     out.write_s += time.perf_counter() - t0
     return StoredChunk(file=w.file, byte_offset=pos, block_size=block_size, hashes=hashes)
+
+
+def _hashes_as(algo: str, held: Sequence[Piece], hashes: tuple[str, ...], block_size: int) -> tuple[str, ...]:
+    """The held chunk's block hashes by ``algo``: ``hashes`` (computed while staging, by ``CHECKSUM_ALGO``), or
+    hashed again when a base chunk written before ``crc32c`` names another, so that an unchanged chunk is still
+    recognised across the change of algorithm (docs/FORMAT.md §3.1)."""
+    if algo == CHECKSUM_ALGO:
+        return hashes
+    views = [memoryview(p.data.numpy()).cast("B") for p in held]
+    whole = views[0] if len(views) == 1 else memoryview(b"".join(views))
+    return tuple(block_hashes(whole, block_size, algo))
 
 
 def _change(held: Sequence[Piece], base: ChunkRecord, dtype: str, key: str, reader: Storage) -> float | None:
