@@ -54,7 +54,7 @@ def _as_legacy(path: Path) -> None:
 
 def _flip_byte(path: Path, key: str, at: int = 70_000) -> None:
     doc, _ = read_manifest(path)
-    (c,) = [t for t in doc["tensors"] if t["key"] == key][0]["chunks"]
+    (c,) = next(t for t in doc["tensors"] if t["key"] == key)["chunks"]
     with open(path / c["file"], "r+b") as f:
         f.seek(c["byte_offset"] + at)
         b = f.read(1)

@@ -5,7 +5,8 @@ Per chunk, in plan order, the writer
 - if the chunk's box was stored with the same block hashes by the base checkpoint of an incremental save,
   writes nothing and records a reference to the stored bytes (``ChunkPolicy.reuse``);
 - else encodes it (lossless byte planes + zstd where that pays, or an opt-in lossy codec) on the codec worker
-  threads, or writes the raw pieces straight from the pool (O_DIRECT for page-aligned pieces).
+  threads while it goes on with the next chunks (``core.chunks.encoding``: encoding overlaps the writes), or
+  writes the raw pieces straight from the pool (O_DIRECT for page-aligned pieces).
 Chunks are laid out one after the other in the order written, so the file holds only what was written.
 Deciding reuse or encoding needs the whole chunk: a chunk is held in the pool until complete, unless the pool
 is too small for it, or the stager waits for room that only this chunk's release would make: then it is written
@@ -25,7 +26,9 @@ from typing import Any
 import torch
 
 from liferaft.codecs import frames, registry
+from liferaft.codecs.base import EncodedChunk
 from liferaft.codecs.checksum import BlockHasher, block_hashes, choose_block_size
+from liferaft.core.chunks.encoding import EncodeQueue, InFlight
 from liferaft.errors import StorageError
 from liferaft.format.manifest import CHECKSUM_ALGO, ChunkRecord
 from liferaft.planning.geometry import Box
@@ -49,6 +52,7 @@ class ChunkPolicy:
         not written.
     delta: the same for the boxes to store as an XOR delta against the base's bytes (never a delta record itself);
         ``reader`` reads those bytes.
+    codecs: where codec names are looked up (the process's registry; a test may give its own).
     """
 
     dtypes: Mapping[str, str]
@@ -60,6 +64,7 @@ class ChunkPolicy:
     delta: Mapping[ReuseKey, tuple[ChunkRecord, dict[str, int]]] = field(default_factory=dict)
     reader: Storage | None = None
     selective: Mapping[str, float] = field(default_factory=dict)     # key -> relative change threshold
+    codecs: registry.CodecRegistry = field(default_factory=lambda: registry.CODECS)
 
     def decides(self, item: WriteItem) -> bool:
         """Whether ``item`` needs its whole bytes before it can be written."""
@@ -177,14 +182,23 @@ def write_staged(storage: Storage, items: Sequence[WriteItem], pieces: queue.Que
                  policy: ChunkPolicy) -> WriteOutcome:
     """Write staged pieces (see ``staging.stager``) as they arrive; durable on return.
 
-    Each piece's pool region is released once written (or once its chunk is decided). On error the partial
-    file is removed, the pool is reset (waking a stager that waits for room) and the error re-raised.
+    Each piece's pool region is released once written (or once its chunk is decided; an encoded chunk's, once
+    its frames are written). On error (an encoder's included) the chunks still encoding are waited for, the
+    partial file is removed, the pool is reset (waking a stager that waits for room) and the error re-raised.
     """
     out = WriteOutcome(chunks=[], file_size=0, bytes_written=0, stage_s=0.0, write_s=0.0)
     f = _File(storage, items[0].file if items else None, policy.alignment)
     held: list[Piece] = []          # pieces of the chunk being assembled (decided chunks only)
     hasher: BlockHasher | None = None
     base = 0                         # file position of the chunk streamed raw
+    slots: list[StoredChunk | None] = []
+
+    def finish(item: InFlight, enc: EncodedChunk | None, took: float) -> None:
+        slots[item.slot] = _write_encoded(f, item.context, item.held, enc, took, out)
+        for p in item.held:
+            pool.release(p.region)
+
+    encoding = EncodeQueue(finish)
     try:
         for idx, w in enumerate(items):
             hasher = BlockHasher(choose_block_size(w.length, policy.block_size), CHECKSUM_ALGO)
@@ -192,10 +206,11 @@ def write_staged(storage: Storage, items: Sequence[WriteItem], pieces: queue.Que
             got = 0
             base = f.start(w.length, w.length >= PAGE_ALIGN_MIN) if not decide else 0
             while got < w.length:
-                piece = _next(pieces, pool, waiting_ok=not (decide and held))
+                piece = _next(pieces, pool, waiting_ok=not (decide and held), encoding=encoding)
                 if piece is None:                       # the stager is out of room: stream this chunk raw
                     decide = False
                     base = f.start(w.length, w.length >= PAGE_ALIGN_MIN)
+                    encoding.drain()        # (pool regions are released in the order they were taken)
                     for p in held:
                         _write_raw(f, p, base, out, pool)
                     held.clear()
@@ -208,16 +223,24 @@ def write_staged(storage: Storage, items: Sequence[WriteItem], pieces: queue.Que
                 if decide:
                     held.append(piece)
                 else:
+                    encoding.drain()
                     _write_raw(f, piece, base, out, pool)
             hashes = tuple(hasher.finish())
+            slots.append(None)
             if decide:
-                out.chunks.append(_decided(f, w, held, hashes, hasher.block_size, policy, out))
-                for p in held:
-                    pool.release(p.region)
-                held.clear()
+                stored = _decided(f, w, held, hashes, hasher.block_size, policy, out, encoding, len(slots) - 1)
+                if stored is not None:
+                    slots[-1] = stored
+                    encoding.drain()
+                    for p in held:
+                        pool.release(p.region)
+                held = []                   # (an encoding chunk keeps its list until its frames are written)
             else:
-                out.chunks.append(StoredChunk(file=w.file, byte_offset=base, block_size=hasher.block_size,
-                                              hashes=hashes))
+                slots[-1] = StoredChunk(file=w.file, byte_offset=base, block_size=hasher.block_size, hashes=hashes)
+            encoding.collect()
+        encoding.drain()
+        out.chunks = [sc for sc in slots if sc is not None]
+        assert len(out.chunks) == len(items), "a chunk was not stored"
         end = pieces.get()
         if isinstance(end, StageFailed):
             raise end.error
@@ -227,6 +250,7 @@ def write_staged(storage: Storage, items: Sequence[WriteItem], pieces: queue.Que
             out.file_size = f.end
         out.write_s += time.perf_counter() - t0
     except BaseException as e:
+        encoding.cancel()
         if f.w is not None:
             f.w.abort()
         pool.reset()
@@ -236,15 +260,20 @@ def write_staged(storage: Storage, items: Sequence[WriteItem], pieces: queue.Que
     return out
 
 
-def _next(pieces: queue.Queue[Any], pool: BufferPool, waiting_ok: bool) -> Piece | None:
+def _next(pieces: queue.Queue[Any], pool: BufferPool, waiting_ok: bool, encoding: EncodeQueue) -> Piece | None:
     """The next staged piece; None when the stager waits for room that only this writer can free (while a
-    chunk is being held: ``waiting_ok`` False)."""
+    chunk is being held: ``waiting_ok`` False, and no chunk is encoding whose completion would free some).
+    Meanwhile the chunks whose encoding ended are written."""
     while True:
+        encoding.collect()
         try:
-            piece = pieces.get(timeout=None if waiting_ok else 0.005)
+            piece = pieces.get(timeout=None if waiting_ok and not encoding else 0.005)
         except queue.Empty:
             if pool.waiting:
-                return None
+                if encoding:
+                    encoding.complete_oldest()         # frees its pool regions
+                elif not waiting_ok:
+                    return None
             continue
         if piece is None:
             raise RuntimeError("staging ended before every chunk was staged")
@@ -276,8 +305,9 @@ def _blocks(held: Sequence[Piece], block_size: int) -> list[memoryview]:
 
 
 def _decided(f: _File, w: WriteItem, held: Sequence[Piece], hashes: tuple[str, ...], block_size: int,
-             policy: ChunkPolicy, out: WriteOutcome) -> StoredChunk:
-    """Store a whole held chunk: as a reference, encoded, or raw."""
+             policy: ChunkPolicy, out: WriteOutcome, encoding: EncodeQueue, slot: int) -> StoredChunk | None:
+    """Store a whole held chunk: as a reference, raw, or (None) submitted to ``encoding``, which writes it and
+    releases ``held`` when its frames are ready."""
     base = policy.reuse.get((w.key, w.offsets, w.sizes))
     if base is not None and base[0].block_size == block_size and base[0].length == w.length \
             and base[0].hashes == _hashes_as(base[0].checksum, held, hashes, block_size):
@@ -302,19 +332,15 @@ def _decided(f: _File, w: WriteItem, held: Sequence[Piece], hashes: tuple[str, .
             return stored
     codec = policy.lossy.get(w.key) or (registry.LOSSLESS if policy.compress else None)
     if codec is not None and w.length:
-        impl = registry.get(codec, f"key {w.key!r}")
-        t0 = time.perf_counter()
-        blocks = _blocks(held, block_size)
-        enc = impl.encode_chunk(blocks, dtype, frames.executor(), frames.PAYS_RATIO if impl.lossless else None)
-        out.encode_s += time.perf_counter() - t0
-        if enc is not None:
-            t0 = time.perf_counter()
-            pos, n = f.write_frames(enc.frames)
-            out.write_s += time.perf_counter() - t0
-            out.bytes_written += n
-            out.bytes_encoded += w.length
-            return StoredChunk(file=w.file, byte_offset=pos, block_size=block_size, hashes=enc.hashes or hashes,
-                               codec=codec, frames=tuple(len(x) for x in enc.frames), error=enc.error)
+        impl = policy.codecs.get(codec, f"key {w.key!r}")
+        encoding.submit(slot, impl, _blocks(held, block_size), dtype, frames.PAYS_RATIO if impl.lossless else None,
+                        held, (w, hashes, block_size, codec))
+        return None
+    return _write_held_raw(f, w, held, hashes, block_size, out)
+
+
+def _write_held_raw(f: _File, w: WriteItem, held: Sequence[Piece], hashes: tuple[str, ...], block_size: int,
+                    out: WriteOutcome) -> StoredChunk:
     pos = f.start(w.length, w.length >= PAGE_ALIGN_MIN)
     t0 = time.perf_counter()
     for p in held:
@@ -323,6 +349,22 @@ def _decided(f: _File, w: WriteItem, held: Sequence[Piece], hashes: tuple[str, .
         out.bytes_written += len(mv)
     out.write_s += time.perf_counter() - t0
     return StoredChunk(file=w.file, byte_offset=pos, block_size=block_size, hashes=hashes)
+
+
+def _write_encoded(f: _File, context: tuple[WriteItem, tuple[str, ...], int, str], held: Sequence[Piece],
+                   enc: EncodedChunk | None, took: float, out: WriteOutcome) -> StoredChunk:
+    """Write a chunk whose encoding ended (``enc`` None: the codec declined it, stored raw)."""
+    w, hashes, block_size, codec = context
+    out.encode_s += took
+    if enc is None:
+        return _write_held_raw(f, w, held, hashes, block_size, out)
+    t0 = time.perf_counter()
+    pos, n = f.write_frames(enc.frames)
+    out.write_s += time.perf_counter() - t0
+    out.bytes_written += n
+    out.bytes_encoded += w.length
+    return StoredChunk(file=w.file, byte_offset=pos, block_size=block_size, hashes=enc.hashes or hashes,
+                       codec=codec, frames=tuple(len(x) for x in enc.frames), error=enc.error)
 
 
 def _hashes_as(algo: str, held: Sequence[Piece], hashes: tuple[str, ...], block_size: int) -> tuple[str, ...]:
