@@ -106,3 +106,46 @@ def transfer_in_pieces(rank: int, world: int, root: str) -> bool:
     transfer_files(Coordinator(), mine, [(other, f"f{rank}", len(data[rank]))], [(other, f"f{other}",
                    len(data[other]))], rank, piece=4096)
     return mine.read_all(f"f{other}") == data[other]
+
+
+
+def restore_damaged(rank: int, world: int, base: str, per_node: int, out: str, kill_rank: int | None = None) -> None:
+    """Save step 1 on every node, lose node 1 (its memory), then restore step 1: the ranks of node 1 get every
+    byte from node 0's replicas. Before the restore, the damage: with ``kill_rank``, that rank kill -9s itself
+    while the restore runs (a thread, 0.05 s after it starts); without, node 0's replica of rank 2's file has one
+    byte flipped. Each surviving rank writes ``out/<rank>.json``: [error class or "restored", message, whether
+    every element of its state is the old value or step 1's (nothing damaged landed)]."""
+    import json
+    import shutil
+    import threading
+    import time
+
+    from liferaft.errors import LiferaftError
+
+    tier = MemoryTier("tier-damage", node=node_of(rank, per_node), base=base, replicas=1, timeout=20.0)
+    saved = state_at(rank, world, 1)
+    tier.save(1, saved, wait=True)
+    torch.distributed.barrier()
+    if node_of(rank, per_node) == "n1":
+        shutil.rmtree(tier.root, ignore_errors=True)
+    if rank == 0 and kill_rank is None:
+        step = tier.step_storage(1).root
+        victim = next(os.path.join(d, f) for d, _, fs in os.walk(step) for f in fs if f == "r00002.bin")
+        with open(victim, "r+b") as f:
+            f.seek(4096 + 17)
+            b = f.read(1)
+            f.seek(4096 + 17)
+            f.write(bytes([b[0] ^ 0x40]))
+    torch.distributed.barrier()
+    if rank == kill_rank:
+        threading.Thread(target=lambda: (time.sleep(0.05), os.kill(os.getpid(), signal.SIGKILL)),
+                         daemon=True).start()
+    st, before = state_at(rank, world, -1), state_at(rank, world, -1)
+    try:
+        result = ["restored", str(tier.restore(st))]
+    except LiferaftError as e:
+        result = [type(e).__name__, str(e)]
+    clean = all(bool(((st[k].local == before[k].local) | (st[k].local == saved[k].local)).all())
+                for k in ("w", "m", "frozen"))
+    with open(os.path.join(out, f"{rank}.json"), "w") as f:
+        json.dump(result + [clean], f)

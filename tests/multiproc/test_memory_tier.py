@@ -56,6 +56,54 @@ def test_a_node_killed_mid_run_restores_from_peer_replicas(base, tmp_path):
     assert out == [("memory", 3, True)] * 4, out
 
 
+def test_a_lost_node_gets_byte_ranges_from_peers_not_files(base, tmp_path):
+    """Saved on 2 nodes of one rank each; node 1 lost; restored on 4 ranks (2 per node, another world size): the
+    ranks of node 1 receive the byte ranges their shards need from node 0's ranks, and no data file is copied
+    into node 1's memory (only the commit)."""
+    disk = str(tmp_path / "disk")
+    run_ranks(job, 2, base, disk, 1, 3, 100, timeout=120)
+    shutil.rmtree(os.path.join(base, "tier-test", "n1"))
+    out = run_ranks(job, 4, base, disk, 2, 3, 100, timeout=120)            # restores step 3, saves nothing new
+    assert out == [("memory", 3, True)] * 4, out
+    step3 = [f for f in held(base)["n1"] if f.startswith("step-0000000003/")]
+    assert "step-0000000003/COMMIT" in step3 and not any(f.endswith(".bin") for f in step3), step3
+
+
+def _damage(base, tmp_path, kill_rank=None):
+    import json
+
+    from multiproc._tier_ranks import restore_damaged
+
+    out = tmp_path / "out"
+    out.mkdir()
+    try:
+        run_ranks(restore_damaged, 4, base, 2, str(out), kill_rank, timeout=120)
+    except RankFailure as e:
+        assert kill_rank is not None and set(e.errors) == {kill_rank}, e
+    return {int(p.stem): json.loads(p.read_text()) for p in out.glob("*.json")}
+
+
+def test_a_corrupt_byte_in_a_peers_memory_is_detected_never_loaded(base, tmp_path):
+    """One byte flipped in node 0's replica of rank 2's file, node 1 lost: the restore raises
+    CorruptCheckpointError on the rank that received it, naming the file, and on the others as a DistributedError
+    that carries it (no other copy is tried); no damaged byte lands."""
+    got = _damage(base, tmp_path)
+    assert sorted(got) == [0, 1, 2, 3]
+    assert got[2][0] == "CorruptCheckpointError" and "r00002.bin" in got[2][1], got[2]
+    for rank, (kind, message, clean) in got.items():          # the others: rank 2's error, through the group
+        assert clean and (rank == 2 or kind == "DistributedError" and "CorruptCheckpointError" in message), \
+            (rank, kind, message)
+
+
+def test_a_peer_killed_during_the_transfer_is_a_clear_error(base, tmp_path):
+    """Rank 1 (node 0, a holder sending ranges to node 1) is killed -9 during the restore: the others raise a
+    liferaft error (within the tier's timeout: the launcher's deadline would report a hang), nothing damaged lands."""
+    got = _damage(base, tmp_path, kill_rank=1)
+    assert sorted(got) == [0, 2, 3], got
+    for rank, (kind, message, clean) in got.items():
+        assert kind in ("DistributedError", "CorruptCheckpointError") and clean, (rank, kind, message)
+
+
 def test_losing_both_replicas_falls_back_to_disk(base, tmp_path):
     disk = str(tmp_path / "disk")
     run_ranks(job, 4, base, disk, 2, 3, 2, timeout=120)                   # disk has step 2; memory 2 and 3

@@ -12,7 +12,7 @@ import torch
 
 import liferaft
 from liferaft import CheckpointManager, SavePolicy, TierOptions
-from liferaft.tiers.memory import MemoryTier, fetch_plan, newest_complete
+from liferaft.tiers.memory import MemoryTier, file_holders, newest_complete
 
 
 @pytest.fixture
@@ -76,7 +76,7 @@ def test_replica_targets_and_plans_are_pure():
     everyone = [{7: (("data/x/r0.bin", "data/x/r1.bin"), {"data/x/r0.bin": 10, "data/x/r1.bin": 10}, "m")},
                 {}, {7: (("data/x/r0.bin", "data/x/r1.bin"), {"data/x/r1.bin": 10}, "m")}, {}]
     assert newest_complete(everyone) == (7, 0)
-    nodes = ["a", "a", "b", "b"]
-    assert fetch_plan(everyone, 7, nodes, 0) == ([(2, "data/x/r0.bin", 10)], [])    # to node b's leader
-    assert fetch_plan(everyone, 7, nodes, 2) == ([], [(0, "data/x/r0.bin", 10)])
+    need = ("data/x/r0.bin", "data/x/r1.bin", "data/x/r2.bin")
+    assert file_holders(everyone, 7, need, {"data/x/r0.bin", "data/x/r1.bin"}) == {
+        "data/x/r0.bin": [0], "data/x/r1.bin": [0, 2], "data/x/r2.bin": [0, 1, 2, 3]}   # r2: from a slower tier
     assert newest_complete([{7: (("f1", "f2"), {"f1": 1}, "m")}]) == (None, -1)

@@ -14,12 +14,13 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from liferaft.core.aliasing import check_disjoint
+from liferaft.core.native import NativeReader
 from liferaft.core.open import open_reader
 from liferaft.core.process import in_call
 from liferaft.dist import Coordinator
@@ -34,7 +35,7 @@ from liferaft.state.matching import drop_absent, matches_emptied, not_persisted,
 from liferaft.state.values import PerRank, as_leaf, per_rank_leaf
 from liferaft.storage import Storage
 
-__all__ = ["load"]
+__all__ = ["load", "load_held"]
 
 PathLike = str | os.PathLike[str]
 
@@ -66,17 +67,43 @@ def load(path: PathLike | Storage, state: Any, *, process_group: Any = None, str
         reader.close()
 
 
+@in_call
+def load_held(storage: Storage, state: Any, *, holders: Mapping[str, Sequence[int]], process_group: Any = None,
+              strict: bool = True, options: LoadOptions | None = None) -> LoadResult:
+    """``load`` of a liferaft checkpoint whose data files are not all readable by every rank: ``holders`` names,
+    for each data file, the ranks that can read it (a memory tier's node-local copies; a file not named: every
+    rank). A rank reads what it holds from ``storage``; each byte range it needs from a file it cannot read is
+    read by a holder and sent to it (``planning.share_plan``: only the ranges its load plan needs, through a
+    bounded staging buffer), and verified against the manifest's checksums on receipt like any read. Every
+    rank must hold the commit (``COMMIT`` and the manifest) in its ``storage``; any layout and world size."""
+    opts = check_options(options, LoadOptions, "load")
+    t_start = time.perf_counter()
+    coord = Coordinator(process_group, opts.timeout)
+    reader = open_reader(storage, opts, coord=coord)
+    try:
+        if not isinstance(reader, NativeReader):
+            raise InvalidStateError(f"{reader.url}: load_held reads liferaft checkpoints only (found "
+                                    f"{NAMES[reader.fmt]}); load it with liferaft.load")
+        reader.held_elsewhere(f for f, ranks in holders.items() if coord.rank not in ranks)
+        return _load(reader, state, coord, opts, strict, t_start, dict(holders))
+    finally:
+        reader.close()
+
+
 def _load(reader: Reader, state: Any, coord: Coordinator, opts: LoadOptions, strict: bool,
-          t_start: float) -> LoadResult:
+          t_start: float, holders: dict[str, Sequence[int]] | None = None) -> LoadResult:
     timings: dict[str, float] = {}
     plans: list[_LoadPlan] = []
-    share = reader.verified and (opts.share_reads if opts.share_reads is not None else
-                                 bool(getattr(getattr(reader, "storage", None), "remote", False)))
+    share = holders is not None or reader.verified and (
+        opts.share_reads if opts.share_reads is not None else
+        bool(getattr(getattr(reader, "storage", None), "remote", False)))
 
     def planned() -> Any:
         plans.append(_plan_load(reader, flatten(state, template=True, world=coord.world), coord, opts, strict))
         p = plans[0]
-        return p.covered, p.missing, p.job.spans if share else [], p.skipped
+        spans = p.job.spans if share and holders is None else \
+            [(u.file, u.file_offset, u.length) for u, _ in p.job.units] if share else []
+        return p.covered, p.missing, spans, p.skipped
     gathered = coord.run(planned, "load (planning)")
     plan = plans[0]
     all_keys = reader.keys
@@ -86,7 +113,7 @@ def _load(reader: Reader, state: Any, coord: Coordinator, opts: LoadOptions, str
     unexpected = tuple(k for k, hit in zip(all_keys, covered) if not hit)
     missing = tuple(sorted({k for _, m, *_ in gathered for k in m}))
     skipped = tuple(sorted({k for *_, s in gathered for k in s}))
-    sharing = plan_sharing([g[2] for g in gathered]) if coord.world > 1 and share else {}
+    sharing = plan_sharing([g[2] for g in gathered], holders=holders) if coord.world > 1 and share else {}
     peers = coord if sharing else None
     if strict and (missing or unexpected):
         raise StateMismatchError(_mismatch_message(reader.url, NAMES[reader.fmt] if reader.fmt != "liferaft" else

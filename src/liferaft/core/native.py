@@ -104,6 +104,11 @@ class NativeReader(Reader):
     def check_present(self, keys: Iterable[str]) -> None:
         self._check({c.file for k in keys for c in self.entries[k].chunks})
 
+    def held_elsewhere(self, files: Iterable[str]) -> None:
+        """Files this rank cannot read but receives from the ranks that hold them (``core.load.load_held``): not
+        checked here; their holders read them, and every block received is verified here."""
+        self._checked |= set(files)
+
     def _check(self, files: set[str]) -> None:
         """``core.commit.check_files`` for the files not yet checked by this reader."""
         todo = files - self._checked

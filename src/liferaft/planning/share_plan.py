@@ -9,8 +9,10 @@ shared (load planning cuts a chunk the same way on every rank that wants the sam
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+from liferaft.errors import CorruptCheckpointError
 
 Span = tuple[str, int, int]          # (file, byte offset, length)
 
@@ -29,24 +31,40 @@ class SharedSpan:
     length: int
 
 
-def plan_sharing(spans_per_rank: Sequence[Sequence[Span]], min_bytes: int = MIN_SHARED_BYTES) -> dict[Span, SharedSpan]:
+def plan_sharing(spans_per_rank: Sequence[Sequence[Span]], min_bytes: int = MIN_SHARED_BYTES,
+                 holders: Mapping[str, Sequence[int]] | None = None) -> dict[Span, SharedSpan]:
     """Which spans are shared, who reads each and who receives it; the same result on every rank.
 
     Spans needed by two or more ranks and at least ``min_bytes`` long are shared; each goes to the rank that
     needs it with the fewest bytes assigned so far (in file order, ties to the lower rank), so that the ranks
     read in turn, all at the same time. Every rank sends and receives in tag (file) order, so the transfers
     cannot deadlock.
+
+    ``holders`` maps a file to the only ranks that can read it (a memory tier's node-local files; a file not
+    named: every rank). A span needed by a rank that cannot read its file is always shared, whatever its length:
+    read by a holder (one that needs it too if there is one, else the holder with the fewest bytes assigned so
+    far; such a reader may need none of it) and sent to the ranks that need it. A span no holder can read raises
+    CorruptCheckpointError (the caller lists holders only for files some rank holds).
     """
     needers: dict[Span, list[int]] = {}
     for rank, spans in enumerate(spans_per_rank):
         for span in set(spans):
-            if span[2] >= min_bytes:
-                needers.setdefault(span, []).append(rank)
+            needers.setdefault(span, []).append(rank)
     load = [0] * len(spans_per_rank)
     out: dict[Span, SharedSpan] = {}
-    for span in sorted(s for s, ranks in needers.items() if len(ranks) > 1):
+    for span in sorted(needers):
         ranks = sorted(needers[span])
-        reader = min(ranks, key=lambda r: (load[r], r))
+        readable = holders.get(span[0]) if holders is not None else None
+        able = ranks if readable is None else [r for r in ranks if r in readable]
+        if readable is not None and len(able) < len(ranks):          # someone must get it from a holder
+            if not able:
+                able = sorted(set(readable))
+            if not able:
+                raise CorruptCheckpointError(f"data file {span[0]!r}: no rank holds it, so bytes {span[1]}.."
+                                             f"{span[1] + span[2]} cannot be read; restore from another copy")
+        elif len(ranks) < 2 or span[2] < min_bytes:
+            continue
+        reader = min(able, key=lambda r: (load[r], r))
         load[reader] += span[2]
         out[span] = SharedSpan(tag=len(out), reader=reader, receivers=tuple(r for r in ranks if r != reader),
                                start=span[1], length=span[2])

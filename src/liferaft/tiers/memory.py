@@ -8,9 +8,10 @@ under the same name in theirs. A process that crashes finds its node's copy when
 (its processes and its shared memory) is covered by the replicas on the other nodes.
 
 A restore lists, on every rank, the steps its node holds and the files present (exchanged); picks the newest step
-whose every data file is held by some live node; copies the files a node lacks from a rank that holds them (over
-the process group: on a real cluster a node cannot read another's shared memory), then loads from the node's now
-complete folder with ``liferaft.load`` — every byte verified, any layout and world size. A namespace is per job id:
+whose every data file is held by some live node; then loads it (``core.load.load_held``): each rank reads what its
+node holds straight from shared memory into its tensors, and the byte ranges it needs from files only other nodes
+hold are read there and sent to it (over the process group: on a real cluster a node cannot read another's shared
+memory) — no file is copied, every byte is verified as it lands, any layout and world size. A namespace is per job id:
 a segment of another job is never read, and whatever is read is checked against the manifest's checksums.
 """
 
@@ -36,6 +37,9 @@ from liferaft.storage.posix import PosixStorage
 
 DEFAULT_BASE = "/dev/shm/liferaft"
 PIECE = 64 << 20            # bytes per message when copying a file between ranks
+#: A restore's largest read (``LoadOptions.max_read_bytes``) unless the caller's options say otherwise: the load's
+#: staging buffers are fresh memory, first touched at ~1 GB/s on a VM, while shared memory reads at memcpy speed.
+MEMORY_READ = 4 << 20
 
 
 def default_node() -> str:
@@ -221,11 +225,19 @@ class MemoryTier:
     def restore(self, state: Any, *, options: LoadOptions | None = None, newer_than: int | None = None,
                 fallback: Callable[[int], Storage] | None = None, strict: bool = True) -> int | None:
         """Load the newest step that the live nodes hold completely into ``state`` (collective); None if there is
-        none (or none newer than ``newer_than``). Files this node lacks are first copied from a rank that holds
-        them — or, for a step also drained to a slower tier (``fallback(step)``: that tier's checkpoint of the
-        step, the same save), from there when no live node holds them: tiers mix when replicas were lost.
-        Everything is verified on load (a damaged copy raises CorruptCheckpointError on every rank)."""
-        from liferaft.core.load import load
+        none (or none newer than ``newer_than``). Returns the step loaded; ``last_restore`` and ``last_load`` (its
+        LoadResult) say how.
+
+        Each rank reads what its node holds straight from shared memory into its tensors; the byte ranges its
+        load plan needs from data files only other nodes hold are read there by a rank of such a node and sent to
+        it (``core.load.load_held``: no file is copied between nodes, only the ranges needed, through a bounded
+        buffer). A node lacking the step's commit gets its manifest and marker (small) first. For a step also
+        drained to a slower tier (``fallback(step)``: that tier's checkpoint of the step, the same save), the
+        files no live node holds are copied from there into each node's memory first: tiers mix when replicas
+        were lost. Any layout and world size. Every byte is verified against the manifest's checksums as it is
+        copied into the state: a damaged copy raises CorruptCheckpointError on every rank (nothing falls back to
+        another copy), a peer that dies during the transfer raises DistributedError within ``timeout``."""
+        from liferaft.core.load import load_held
 
         self.wait()
         def listing() -> dict[int, Any]:
@@ -242,36 +254,48 @@ class MemoryTier:
         if step is None or (newer_than is not None and step <= newer_than):
             return None
         st = self.step_storage(step)
+        need = everyone[holder][step][0]
+        have = {n for held in everyone for n in held.get(step, ((), {}))[1]}
+        from_fallback = 0
+        if mixed is not None or not all(step in held for held in everyone):     # (the same on every rank)
+            from_fallback = self._complete_commit(step, holder, set(need) - have if mixed else set(), fallback)
+        holders = file_holders(everyone, step, need, have)
+        self.last_load = load_held(st, state, holders=holders, process_group=self.process_group, strict=strict,
+                                   options=_memory_reads(options))
+        mine = {n for r, held in enumerate(everyone) if self.nodes[r] == self.node for n in held.get(step, ((), {}))[1]}
+        self.last_restore = {"step": step, "files_from_peers": len(set(need) & have - mine),
+                             "files_from_fallback": from_fallback, "bytes_from_peers": self.last_load.bytes_received}
+        return step
+
+    def _complete_commit(self, step: int, holder: int, lost: set[str],
+                         fallback: Callable[[int], Storage] | None) -> int:
+        """Collective: the commit of ``step`` (from rank ``holder``) on every node lacking it, and the ``lost``
+        files (no live node holds them) copied from ``fallback(step)`` into every node; the files copied."""
+        st = self.step_storage(step)
         record = self.coord.run(lambda: read_commit(st) if self.rank == holder else None,
                                 "memory tier (manifest)")[holder]
-        sends, recvs = fetch_plan(everyone, step, self.nodes, self.rank)
 
         def fetch() -> int:
-            """Complete this node's copy of ``step``; the number of files copied from the slower tier."""
-            from_fallback = 0
-            if mixed is not None and self._leader():        # what no live node holds: from the slower tier
+            copied = 0
+            if lost and self._leader():             # what no live node holds: from the slower tier
                 assert fallback is not None
-                have = {n for held in everyone for n in held.get(step, ((), {}))[1]}
-                for name in sorted(set(everyone[holder][step][0]) - have):
+                for name in sorted(lost):
                     copy_file(fallback(step), name, st)
-                    from_fallback += 1
+                    copied += 1
                 st.sync()
-            transfer_files(self.coord, st, sends, recvs, self.rank)
             if self._leader() and not os.path.isfile(os.path.join(st.root, COMMIT_MARKER)):
                 publish_commit(st, record)
-            return from_fallback
+            return copied
 
-        from_fallback = self.coord.run(fetch, "memory tier (fetch)")[self.rank]
-        self.last_load = load(st, state, process_group=self.process_group, strict=strict, options=options)
-        self.last_restore = {"step": step, "files_from_peers": len(recvs), "files_from_fallback": from_fallback}
-        return step
+        return self.coord.run(fetch, "memory tier (fetch)")[self.rank]
 
     def _leader(self) -> bool:
         return min(r for r, m in enumerate(self.nodes) if m == self.node) == self.rank
 
     def _listing(self, step: int) -> tuple[tuple[str, ...], dict[str, int], str] | None:
-        """(data files the step's manifest names, data files this node holds with sizes, manifest name); None if
-        unreadable."""
+        """(data files the step's manifest names, those this node holds at the size the manifest records with their
+        sizes, manifest name); None if unreadable. Only ``step-N`` folders are steps (``local_steps``): other
+        folders of the node (a ``steplog``) are never listed."""
         st = self.step_storage(step)
         try:
             m = open_checkpoint(st)
@@ -279,11 +303,13 @@ class MemoryTier:
             return None
         held = {}
         for name in st.list():
-            if name.startswith(DATA_DIR + "/"):
+            if name.startswith(DATA_DIR + "/") and name in m.files:
                 try:
-                    held[name] = st.size(name)
+                    size = st.size(name)
                 except (OSError, LiferaftError):
                     continue            # not a regular file of this node's copy: not held
+                if size == m.files[name]:
+                    held[name] = size   # (a file of another length is damaged: not held)
         return tuple(sorted(m.files)), held, manifest_name(m.save_id)
 
     def release(self) -> None:
@@ -304,6 +330,26 @@ def newest_complete(everyone: list[dict[int, Any]]) -> tuple[int | None, int]:
     return None, -1
 
 
+def _memory_reads(options: LoadOptions | None) -> LoadOptions:
+    """``options`` with ``MEMORY_READ`` as the largest read where they keep the default."""
+    opts = options or LoadOptions()
+    if opts.max_read_bytes != LoadOptions().max_read_bytes:
+        return opts
+    return LoadOptions(**{**opts.__dict__, "max_read_bytes": MEMORY_READ})
+
+
+def file_holders(everyone: list[dict[int, Any]], step: int, need: Sequence[str],
+                 have: set[str]) -> dict[str, list[int]]:
+    """For each data file of ``step``: the ranks whose node holds it (from ``everyone``'s listings); a file no
+    live node holds (copied from a slower tier on every node) is held by every rank. Pure."""
+    out: dict[str, list[int]] = {name: [] for name in need}
+    for r, held in enumerate(everyone):
+        for name in held.get(step, ((), {}))[1]:
+            if name in out:
+                out[name].append(r)
+    return {name: ranks if name in have else list(range(len(everyone))) for name, ranks in out.items()}
+
+
 def _newest_mixed(everyone: list[dict[int, Any]], fallback: Callable[[int], Storage],
                   complete: int | None) -> tuple[int, int] | None:
     """Rank 0: the newest step newer than ``complete`` that memory holds in part and the slower tier holds as the
@@ -319,31 +365,6 @@ def _newest_mixed(everyone: list[dict[int, Any]], fallback: Callable[[int], Stor
         if marker.manifest == everyone[holders[0]][step][2]:
             return step, holders[0]
     return None
-
-
-def fetch_plan(everyone: list[dict[int, Any]], step: int, nodes: list[str],
-               rank: int) -> tuple[list[tuple[int, str, int]], list[tuple[int, str, int]]]:
-    """(sends, recvs) of ``rank``: for each node lacking a data file of ``step``, its lowest rank receives it from
-    the lowest rank holding it. Pure: the same plan on every rank."""
-    files: dict[str, tuple[int, int]] = {}
-    node_has: dict[str, set[str]] = {}
-    for r, held in enumerate(everyone):
-        if step in held:
-            for name, size in held[step][1].items():
-                files.setdefault(name, (r, size))
-            node_has.setdefault(nodes[r], set()).update(held[step][1])
-    first = {n: min(r for r, m in enumerate(nodes) if m == n) for n in nodes}
-    sends, recvs = [], []
-    for node, leader in first.items():
-        for name in sorted(files):
-            if name in node_has.get(node, set()):
-                continue
-            src, size = files[name]
-            if src == rank:
-                sends.append((leader, name, size))
-            if leader == rank:
-                recvs.append((src, name, size))
-    return sends, recvs
 
 
 def copy_file(src: Storage, name: str, dst: Storage) -> None:
@@ -426,4 +447,4 @@ def _send_file(coord: Coordinator, storage: PosixStorage, name: str, spans: list
                     p.wait()
 
 
-__all__ = ["DEFAULT_BASE", "MemoryTier", "default_node", "fetch_plan", "newest_complete", "transfer_files"]
+__all__ = ["DEFAULT_BASE", "MemoryTier", "default_node", "file_holders", "newest_complete", "transfer_files"]

@@ -90,8 +90,9 @@ def _batches(units: Sequence[tuple[ReadUnit, torch.dtype]], max_read: int) -> li
 
 def _jobs(units: Sequence[tuple[ReadUnit, torch.dtype]], max_read: int, rank: int,
           sharing: Mapping[Span, SharedSpan]) -> list[_Batch]:
-    """Local reads coalesced as in ``_batches``; one job per shared span. Ordered by file position, so shared
-    spans come in tag order on every rank."""
+    """Local reads coalesced as in ``_batches``; one job per shared span. Shared spans first (a peer waits for
+    them; this rank's own reads do not keep it waiting), in tag (file) order on every rank; then local reads in
+    file order."""
     shared: dict[int, _Batch] = {}
     local = []
     for unit, dtype in units:
@@ -106,7 +107,11 @@ def _jobs(units: Sequence[tuple[ReadUnit, torch.dtype]], max_read: int, rank: in
             shared[share.tag] = _Batch(unit.file, lo, hi - lo, [(unit, dtype)], share, "send")
         else:
             shared[share.tag] = _Batch(unit.file, share.start, share.length, [(unit, dtype)], share, "recv")
-    return sorted(_batches(local, max_read) + list(shared.values()), key=lambda b: b.key)
+    for (file, start, length), share in sharing.items():    # spans read for others only (planning.share_plan)
+        if share.reader == rank and share.tag not in shared:
+            lo = start // PAGE * PAGE
+            shared[share.tag] = _Batch(file, lo, -(-(start + length) // PAGE) * PAGE - lo, [], share, "send")
+    return sorted(_batches(local, max_read) + list(shared.values()), key=lambda b: (b.share is None, b.key))
 
 
 def execute_reads(storage: Storage, units: Sequence[tuple[ReadUnit, torch.dtype]],
@@ -117,15 +122,16 @@ def execute_reads(storage: Storage, units: Sequence[tuple[ReadUnit, torch.dtype]
 
     With ``copy=False`` the bytes are only read and verified (the first pass of an atomic load). With
     ``sharing`` (from ``planning.share_plan.plan_sharing``, the same on every rank) the shared spans this rank
-    reads are sent to ``peers`` and those other ranks read are received instead of read; received bytes are
-    verified like read ones. After a failure the transfers still run to the end (without reading or copying),
+    reads are sent to ``peers`` (spans this rank needs none of too: it reads them for others, unverified — the
+    receivers verify) and those other ranks read are received instead of read; received bytes are verified like
+    read ones. After a failure the transfers still run to the end (without reading or copying),
     so that no peer waits for a message that never comes; then the first error is raised.
     """
     stats = ReadStats()
-    if not units:
-        return stats
     sharing = sharing or {}
-    jobs = _jobs(units, max(max_read, max(-(-(u.length + 2 * PAGE) // PAGE) * PAGE for u, _ in units)), rank,
+    if not units and not any(s.reader == rank for s in sharing.values()):
+        return stats
+    jobs = _jobs(units, max([max_read] + [-(-(u.length + 2 * PAGE) // PAGE) * PAGE for u, _ in units]), rank,
                  sharing)
     size = max(b.length for b in jobs)
     free: queue.Queue[torch.Tensor] = queue.Queue()
@@ -169,6 +175,9 @@ def execute_reads(storage: Storage, units: Sequence[tuple[ReadUnit, torch.dtype]
             for w in works:
                 if comm_ok[0]:
                     _wait(w, batch)
+            if batch.role == "send" and not batch.units and n < batch.share.start + batch.share.length - batch.offset:
+                raise CorruptCheckpointError(f"{storage.url}: data file {batch.file!r} is truncated (read {n} bytes "
+                                             f"from {batch.offset}, needed through {batch.share.start + batch.share.length})")
             if not errors:
                 stats.verify_s += _consume(storage, batch, buf, n, targets, copy)
                 stats.used += sum(u.length for u, _ in batch.units)

@@ -1,0 +1,127 @@
+"""Memory-tier restore speed: own node's memory and a peer's memory vs a load from local disk (liferaft and DCP).
+
+Two ranks, each its own simulated node (its own shared-memory namespace under /dev/shm), gloo over 127.0.0.1.
+The state: fp32 tensors sharded by rows over the ranks (``--size-mib`` in all, Adam-like: params + 2 moments). It
+is saved to the memory tier (one replica on the other node), to a local disk folder with liferaft and with
+PyTorch DCP, then restored ``--reps`` times from each into zeroed (prefaulted) tensors:
+
+- memory, own node (process killed): ``MemoryTier.restore`` with every node's namespace intact;
+- memory, peer (node lost): node 1's namespace deleted first: rank 1's bytes come from rank 0's replica;
+- local disk, liferaft / DCP: ``liferaft.load`` / ``torch.distributed.checkpoint.load`` after dropping the page
+  cache of the files.
+
+Every restore is checked bit-exact. GB/s per node = the node's bytes / the slower rank's seconds (each node holds
+one rank here). Prints the README's markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shutil
+import statistics
+import sys
+import time
+import uuid
+from typing import Any
+
+import torch
+from _common import ROOT, drop_cache, machine  # sets up the paths
+
+ROWS = 4096
+LABELS = ("memory, own node (process killed)", "memory, peer (node lost)", "local disk, liferaft.load",
+          "local disk, DCP load")
+
+
+def state(rank: int, world: int, nbytes: int) -> dict[str, Any]:
+    import liferaft
+
+    cols = max(1, nbytes // 3 // 4 // ROWS // 8)
+    out: dict[str, Any] = {}
+    rows = ROWS // world
+    for name in ("param", "exp_avg", "exp_avg_sq"):
+        for i in range(8):
+            g = torch.Generator().manual_seed(hash((name, i)) % 2**31)
+            full = torch.randn(ROWS, cols, generator=g)
+            out[f"{name}.{i}"] = liferaft.Sharded(full[rank * rows:(rank + 1) * rows].clone(), (ROWS, cols),
+                                                  (rank * rows, 0))
+    return out
+
+
+def worker(rank: int, world: int, base: str, disk: str, nbytes: int, reps: int) -> dict[str, Any]:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    import liferaft
+    from liferaft.tiers.memory import MemoryTier
+
+    tier = MemoryTier("bench", node=f"n{rank}", base=base, replicas=1)
+    st = state(rank, world, nbytes)
+    plain = {f"{k}@{rank}": v.local for k, v in st.items()}
+    lf, dc = os.path.join(disk, "liferaft"), os.path.join(disk, "dcp")
+    liferaft.save(lf, st, options=liferaft.SaveOptions(compression="off"))
+    dcp.save(plain, checkpoint_id=dc)
+    times: dict[str, list[float]] = {label: [] for label in LABELS}
+    for rep in range(reps):
+        tier.save(rep, st, wait=True)
+        dist.barrier()
+        for label in LABELS:
+            target = {k: liferaft.Sharded(torch.zeros_like(v.local), v.global_shape, v.offsets) for k, v in st.items()}
+            if label.startswith("memory, peer") and rank == 1:
+                shutil.rmtree(tier.root, ignore_errors=True)
+            if label.startswith("local disk") and rank == 0:
+                drop_cache(disk)
+            dist.barrier()
+            t0 = time.perf_counter()
+            if label.startswith("memory"):
+                got = tier.restore(target)
+                assert got == rep, (got, rep)
+            elif "liferaft" in label:
+                liferaft.load(lf, target)
+            else:
+                dcp.load({f"{k}@{rank}": v.local for k, v in target.items()}, checkpoint_id=dc)
+            dist.barrier()
+            times[label].append(time.perf_counter() - t0)
+            if not all(torch.equal(target[k].local, st[k].local) for k in st):
+                raise AssertionError(f"{label}: restored state differs")
+    tier.release()
+    return {"bytes": sum(v.local.numel() * 4 for v in st.values()), "restore": times}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from liferaft.testing import run_ranks
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size-mib", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args(argv)
+    nbytes = args.size_mib << 20
+    tag = uuid.uuid4().hex[:8]
+    base = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else "/tmp", f"liferaft-bench-{tag}")
+    disk = os.path.join(ROOT, "bench-out", "tmp", f"restore-{tag}")
+    os.makedirs(disk, exist_ok=True)
+    try:
+        outs = run_ranks(worker, 2, base, disk, nbytes, args.reps, timeout=900)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+        shutil.rmtree(disk, ignore_errors=True)
+    total = sum(o["bytes"] for o in outs)
+    node = max(o["bytes"] for o in outs)
+    print(f"### Memory-tier restore, {datetime.date.today().isoformat()}: {machine()}\n")
+    print(f"State: {total / 2**20:.0f} MiB fp32 over 2 ranks (each its own simulated node), {args.reps} reps, median "
+          "[min–max] seconds of the slower rank; every restore verified bit-exact.\n")
+    print("| restore from | seconds | GB/s per node | ÷ liferaft.load from disk |")
+    print("|---|---|---|---|")
+    med = {}
+    for label in LABELS:
+        per_rep = [max(o["restore"][label][i] for o in outs) for i in range(args.reps)]
+        med[label] = (statistics.median(per_rep), min(per_rep), max(per_rep))
+    for label, (m, lo, hi) in med.items():
+        print(f"| {label} | {m:.3f} [{lo:.3f}–{hi:.3f}] | {node / m / 1e9:.2f} | "
+              f"{m / med['local disk, liferaft.load'][0]:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
