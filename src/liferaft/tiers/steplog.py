@@ -28,6 +28,7 @@ import torch
 
 from liferaft.dist import Coordinator
 from liferaft.errors import CorruptCheckpointError, InvalidStateError, LiferaftError
+from liferaft.format.records import CHECKSUM_ALGO
 from liferaft.state import optsteps
 from liferaft.state.values import decode_value, encode_value
 from liferaft.storage.files import create_exclusive
@@ -211,7 +212,7 @@ class StepLog:
         self._cuda.clear()
         live = optsteps.tensor_ids(self.optimizers or [])
         rest = capture_rest(state, live, self._put, self.allow_pickle)
-        header = encode_header({"format": FORMAT, "step": step, "rank": self.rank, "world": self.world,
+        header = encode_header({"format": FORMAT, "checksum": CHECKSUM_ALGO, "step": step, "rank": self.rank, "world": self.world,
                                 "layout": self.layout[0], "calls": cur["calls"], "rest": rest})
         off = cur["pos"]
         f: _Slot = cur["file"]
@@ -315,7 +316,7 @@ class StepLog:
                 self._replay(*records[j])
             if n > full:
                 header, payload = records[n]
-                restore_rest(state, header.doc["rest"], memoryview(payload), header.path,
+                restore_rest(state, header.doc["rest"], memoryview(payload), header,
                              optsteps.tensor_ids(self.optimizers or []), self.allow_pickle)
         finally:
             self._replaying = False
@@ -401,14 +402,14 @@ class StepLog:
 
         def value(v: Any, key: str) -> Any:
             if isinstance(v, dict) and set(v) == {"$t"}:
-                return tensor_at(v["$t"], payload, header.path)
+                return tensor_at(v["$t"], payload, header.path, header.algo)
             return decode_value(v, key, self.allow_pickle)
 
         for call in header.doc["calls"]:
             i = call["opt"]
             if type(i) is not int or not 0 <= i < len(opts):
                 raise LiferaftError(f"{header.path}: the record names optimizer {i}; the state has {len(opts)}")
-            grads = [None if e is None else tensor_at(e, payload, header.path) for e in call["grads"]]
+            grads = [None if e is None else tensor_at(e, payload, header.path, header.algo) for e in call["grads"]]
             groups = [{k: value(v, k) for k, v in g.items()} for g in call["groups"]]
             optsteps.replay_call(opts[i], grads, groups, {k: value(v, k) for k, v in call["kwargs"].items()})
 
@@ -466,7 +467,7 @@ def _verify(header: Header, data: bytes | bytearray) -> None:
     except (KeyError, TypeError, AttributeError):
         raise CorruptCheckpointError(f"{header.path}: step record header is malformed") from None
     for e in entries:
-        tensor_at(e, payload, header.path)
+        tensor_at(e, payload, header.path, header.algo)
 
 
 def bytearray_np(data: bytearray) -> Any:

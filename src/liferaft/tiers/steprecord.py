@@ -3,11 +3,12 @@
 A record is one slot file ``<memory tier base>/<job>/<node>/steplog/r<rank, 5 digits>/slot-<i, 4 digits>``:
 
 - bytes 0..63, the prologue: ``MAGIC`` (8 bytes), then little-endian u64s: the record's length, the header's
-  offset and length, then the header's xxh3 digest (16 hex digits, ASCII); the rest zero. Written last: a record
+  offset and length, then the header's xxh3_64 digest (16 hex digits, ASCII); the rest zero. Written last: a record
   being written has a zeroed prologue and is no record.
 - from byte 64: the tensors (gradients, tensor hyperparameters and keyword arguments, the rest of the state's
   tensors), raw, each at the offset its header entry names.
-- the header: strict JSON (``format/jsonsafe``) — ``format``, ``step``, ``rank``, ``world``, ``layout`` (the
+- the header: strict JSON (``format/jsonsafe``) — ``format``, ``checksum`` (the tensors' algorithm, one of
+  ``format.records.CHECKSUM_ALGOS``), ``step``, ``rank``, ``world``, ``layout`` (the
   fingerprint of ``state.optsteps.layout_of``), ``calls`` (per ``optimizer.step()``: ``opt`` index, ``grads``
   (a tensor entry or null each), ``groups`` (hyperparameters per group, tagged values of ``state.values``; a
   tensor as ``{"$t": entry}``), ``kwargs``), ``rest`` (``tensors``: key → tensor entries, one per local part;
@@ -31,6 +32,7 @@ from liferaft.codecs.checksum import digest
 from liferaft.errors import CorruptCheckpointError
 from liferaft.format.jsonsafe import loads
 from liferaft.format.limits import MAX_INT, MAX_NDIM, MAX_WORLD_SIZE
+from liferaft.format.records import CHECKSUM_ALGO, CHECKSUM_ALGOS
 from liferaft.state.dtypes import dtype_name
 from liferaft.storage.files import open_read
 
@@ -54,9 +56,10 @@ def encode_header(header: dict[str, Any]) -> bytes:
 
 
 def tensor_entry(off: int, t: torch.Tensor, data: memoryview) -> dict[str, Any]:
-    """The header entry of tensor ``t`` stored at ``off`` as ``data`` (its bytes)."""
+    """The header entry of tensor ``t`` stored at ``off`` as ``data`` (its bytes; checksum ``CHECKSUM_ALGO``, which
+    the header names as ``checksum``)."""
     return {"off": off, "len": len(data), "dtype": dtype_name(t.dtype), "shape": list(t.shape),
-            "digest": digest(data)}
+            "digest": digest(data, CHECKSUM_ALGO)}
 
 
 def as_bytes(t: torch.Tensor) -> memoryview:
@@ -77,6 +80,11 @@ class Header:
     @property
     def step(self) -> int:
         return self.doc["step"]
+
+    @property
+    def algo(self) -> str:
+        """The checksum algorithm of the record's tensors."""
+        return self.doc["checksum"]
 
 
 def _fail(path: str, what: str) -> CorruptCheckpointError:
@@ -141,6 +149,8 @@ def _header(head: bytes, raw: bytes, length: int, off: int, path: str) -> Header
     if not isinstance(doc.get("layout"), str) or not isinstance(doc.get("calls"), list) or \
             not isinstance(doc.get("rest"), dict):
         raise _fail(path, "header lacks layout, calls or rest")
+    if doc.get("checksum") not in CHECKSUM_ALGOS:
+        raise _fail(path, f"names an unknown checksum algorithm {str(doc.get('checksum'))[:40]!r}")
     return Header(path, length, off, doc)
 
 
@@ -159,7 +169,7 @@ def read_record(root: str, rel: str, length: int) -> bytearray:
         os.close(fd)
 
 
-def tensor_at(entry: Any, payload: bytearray | memoryview, path: str) -> torch.Tensor:
+def tensor_at(entry: Any, payload: bytearray | memoryview, path: str, algo: str) -> torch.Tensor:
     """The tensor a header entry names in ``payload`` (checked: bounds, dtype, shape × item size = length, digest);
     a copy the caller owns."""
     if not isinstance(entry, dict):
@@ -179,7 +189,7 @@ def tensor_at(entry: Any, payload: bytearray | memoryview, path: str) -> torch.T
     if numel * itemsize != n or off < PROLOGUE or off + n > len(payload):
         raise _fail(path, f"has a tensor of {n} bytes at {off} that does not fit its shape or the record")
     view = memoryview(payload)[off:off + n]
-    if digest(view) != entry.get("digest"):
+    if digest(view, algo) != entry.get("digest"):
         raise _fail(path, f"tensor at bytes {off}..{off + n} does not match its checksum")
     t = torch.empty(shape, dtype=dt)
     if n:

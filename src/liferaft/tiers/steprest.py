@@ -18,7 +18,7 @@ from liferaft.core.load import _assign
 from liferaft.errors import StateMismatchError
 from liferaft.state.flatten import flatten
 from liferaft.state.values import as_leaf, decode_value, encode_value
-from liferaft.tiers.steprecord import tensor_at
+from liferaft.tiers.steprecord import Header, tensor_at
 
 
 def capture_rest(state: Any, live: set[int], put: Callable[[torch.Tensor], dict[str, Any]],
@@ -36,10 +36,11 @@ def capture_rest(state: Any, live: set[int], put: Callable[[torch.Tensor], dict[
     return {"tensors": tensors, "values": values}
 
 
-def restore_rest(state: Any, rest: dict[str, Any], payload: memoryview, path: str, live: set[int],
+def restore_rest(state: Any, rest: dict[str, Any], payload: memoryview, header: Header, live: set[int],
                  allow_pickle: bool) -> None:
-    """Put the ``rest`` section of the record ``path`` (tensors in ``payload``) back into ``state``: the same
+    """Put the ``rest`` section of the record ``header`` (tensors in ``payload``) back into ``state``: the same
     keys, shapes and dtypes as captured, else StateMismatchError naming the key (the state changed shape)."""
+    path = header.path
     flat = flatten(state, template=True)
     tensors, values = rest.get("tensors"), rest.get("values")
     if not isinstance(tensors, dict) or not isinstance(values, dict):
@@ -54,7 +55,7 @@ def restore_rest(state: Any, rest: dict[str, Any], payload: memoryview, path: st
                 raise StateMismatchError(f"{path}: the step record lacks key {leaf.key!r} of the live state")
             if not isinstance(entries, list) or len(entries) != len(parts):
                 raise StateMismatchError(f"{path}: key {leaf.key!r} has {len(parts)} local parts, the record other")
-            got = [tensor_at(e, payload, path) for e in entries]
+            got = [tensor_at(e, payload, path, header.algo) for e in entries]
             for t, part in zip(got, parts, strict=True):
                 if t.shape != part.shape or t.dtype != part.dtype:
                     raise StateMismatchError(f"{path}: key {leaf.key!r} is {t.dtype} {list(t.shape)} in the step "
