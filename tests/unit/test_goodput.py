@@ -78,3 +78,51 @@ def test_plan_command_prints_the_three_plans_at_each_scale(tmp_path):
     assert out.returncode == 0, out.stderr
     rows = [line for line in out.stdout.splitlines() if line.startswith("| 1")]
     assert len(rows) == 6 and sum("liferaft tiers" in r for r in rows) == 2
+
+
+PER_STEP = {"overhead": 0.02, "step": 0.2, "restore": 15.0, "lost_steps": 1}
+
+
+def test_per_step_plan_loses_one_step_per_covered_failure_and_pays_its_overhead():
+    base = {"stall": {"memory": 0.15, "remote": 0.15}, "restore": {"memory": 0.6, "peer": 2.0, "remote": 20.0},
+            "restart": 0.0}
+    cluster = Cluster(gpus=100000, multi_node_share=0.0)
+    plans = compare(Costs(**base, per_step=PER_STEP), cluster)
+    assert [p.name for p in plans[:3]] == [p.name for p in compare(Costs(**base), cluster)]   # three, unchanged
+    ps = plans[3]
+    assert "per-step" in ps.name and ps.intervals["step"] == 0.2
+    lam = cluster.rate_per_s                       # no multi-node failures: only overhead and one step + restore
+    assert ps.breakdown["failures"] == pytest.approx(lam * (15.0 + 0.2))
+    assert ps.goodput == pytest.approx(1 - 0.02 - 0.15 / ps.intervals["remote"] - lam * 15.2)
+    free = compare(Costs(**base, per_step={**PER_STEP, "overhead": 0.0, "restore": 0.6}), cluster)
+    assert free[3].goodput > free[2].goodput       # free per-step beats interval saves (no lost half-interval)
+
+
+def test_plan_command_shows_the_per_step_plan_from_a_costs_file(tmp_path):
+    costs = tmp_path / "c.json"
+    costs.write_text(json.dumps({"stall": {"memory": 0.2, "remote": 0.2}, "restore": {"memory": 1, "peer": 3,
+                                 "remote": 300}, "per_step": PER_STEP}))
+    out = subprocess.run([sys.executable, "-m", "liferaft", "plan", "--costs", str(costs), "--gpus", "1000,100000"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| 1")]
+    assert len(rows) == 8 and sum("per-step log" in r for r in rows) == 2
+    assert "per_step {'overhead': 0.02" in out.stdout
+
+
+@pytest.mark.parametrize("per_step", [
+    [], "fast", None, {**PER_STEP, "overhead": 1.5}, {**PER_STEP, "overhead": -0.1}, {**PER_STEP, "step": 0},
+    {**PER_STEP, "lost_steps": True}, {**PER_STEP, "restore": "15"}, {**PER_STEP, "extra": 1},
+    {k: v for k, v in PER_STEP.items() if k != "step"}, {**PER_STEP, "lost_steps": 1e7}])
+def test_plan_refuses_a_per_step_section_out_of_shape_or_range(tmp_path, per_step):
+    from liferaft.cli.plan import load_costs
+    from liferaft.errors import LiferaftError
+
+    costs = tmp_path / "c.json"
+    costs.write_text(json.dumps({"stall": {"memory": 0.2, "remote": 0.2}, "restore": {"memory": 1, "peer": 3,
+                                 "remote": 300}, "per_step": per_step}))
+    with pytest.raises(LiferaftError, match=r"c\.json.*per_step"):
+        load_costs(str(costs))
+    costs.write_text(costs.read_text().replace('"per_step": ', '"per_step": {"overhead": NaN}, "x": '))
+    with pytest.raises(LiferaftError, match="c.json"):
+        load_costs(str(costs))

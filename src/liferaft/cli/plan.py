@@ -18,6 +18,8 @@ MAX_COSTS_BYTES = 1 << 20
 MAX_COSTS_DEPTH = 8
 #: The fields ``--costs`` must give (tier → seconds); ``persist`` (tier → seconds) and ``restart`` are optional.
 REQUIRED_COSTS = {"stall": ("memory", "remote"), "restore": ("memory", "peer", "remote")}
+#: The optional ``per_step`` object (the per-step log, measured by benchmarks/bench_steps.py): field → (low, high)
+PER_STEP_FIELDS = {"overhead": (0.0, 1.0), "step": (1e-6, 1e6), "restore": (0.0, 1e9), "lost_steps": (0.0, 1e6)}
 
 #: Default costs for 1 GiB of state per rank: stalls and memory/peer restores as measured on this project's VM
 #: (README: bench_async, bench_tiers); remote persist and restore assume each rank gets ~50 MB/s of a shared
@@ -32,7 +34,8 @@ def add_parsers(sub: Any) -> None:
     p = sub.add_parser("plan", help="goodput simulator: expected useful share of training time at 1k/16k/100k GPUs")
     p.add_argument("--costs", metavar="F.json", help="measured costs in seconds: {\"stall\": {\"memory\": s, "
                    "\"remote\": s}, \"persist\": {...}, \"restore\": {\"memory\": s, \"peer\": s, \"remote\": s}, "
-                   "\"restart\": s}; default: DEFAULT_COSTS in liferaft/cli/plan.py")
+                   "\"restart\": s, optional \"per_step\": {\"overhead\": share, \"step\": s, \"restore\": s, "
+                   "\"lost_steps\": n}}; default: DEFAULT_COSTS in liferaft/cli/plan.py")
     p.add_argument("--gpus", type=integers(1), default=[1000, 16000, 100000], help="comma list of GPU counts")
     p.add_argument("--failures-per-gpu-hour", type=number(0, above=True), default=2e-5)
     p.add_argument("--node-share", type=number(0, 1), default=0.5, help="share of failures that take a node down")
@@ -49,7 +52,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
     raw = load_costs(args.costs) if args.costs else DEFAULT_COSTS
     costs = Costs(stall=raw["stall"], restore=raw["restore"], restart=float(raw.get("restart", 120.0)),
-                  persist=raw.get("persist", {}))
+                  persist=raw.get("persist", {}), per_step=raw.get("per_step"))
     gpus = args.gpus
     if args.json:
         print(json.dumps([{"gpus": n, "plan": p.name, "intervals_s": dict(p.intervals), "goodput": p.goodput}
@@ -58,7 +61,8 @@ def run_plan(args: argparse.Namespace) -> int:
                               multi_node_share=args.multi_node_share))]))
         return 0
     print(f"costs (s{'' if args.costs else ', defaults'}): stall {dict(costs.stall)}, persist "
-          f"{dict(costs.persist)}, restore {dict(costs.restore)}, restart {costs.restart:.0f}")
+          f"{dict(costs.persist)}, restore {dict(costs.restore)}, restart {costs.restart:.0f}"
+          + (f", per_step {dict(costs.per_step)}" if costs.per_step is not None else ""))
     print(table(costs, gpus, failures_per_gpu_hour=args.failures_per_gpu_hour, node_share=args.node_share,
                 multi_node_share=args.multi_node_share))
     return 0
@@ -96,10 +100,10 @@ def load_costs(path: str) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise OptionsError(f"{where}: expected a JSON object with stall, restore, persist and restart, got "
                            f"{type(raw).__name__}")
-    unknown = sorted(set(raw) - {"stall", "restore", "persist", "restart"})
+    unknown = sorted(set(raw) - {"stall", "restore", "persist", "restart", "per_step"})
     if unknown:
         raise OptionsError(f"{where}: unknown field(s) {', '.join(map(repr, unknown))} (stall, restore, persist, "
-                           "restart)")
+                           "restart, per_step)"[:400])
     for name, tiers in (*REQUIRED_COSTS.items(), ("persist", None)):
         if name not in raw and tiers is None:
             continue
@@ -114,7 +118,22 @@ def load_costs(path: str) -> dict[str, Any]:
             _seconds(where, f"{name}.{tier}", value)
     if "restart" in raw:
         _seconds(where, "restart", raw["restart"])
+    if "per_step" in raw:
+        _per_step(where, raw["per_step"])
     return raw
+
+
+def _per_step(where: str, section: Any) -> None:
+    """``per_step``: exactly the ``PER_STEP_FIELDS``, each a finite number in its range."""
+    if not isinstance(section, dict) or set(section) != set(PER_STEP_FIELDS):
+        raise OptionsError(f"{where}: field 'per_step' must be an object with exactly "
+                           f"{', '.join(PER_STEP_FIELDS)}, got {section!r}"[:300])
+    for name, (low, high) in PER_STEP_FIELDS.items():
+        value = section[name]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or not low <= value <= high:
+            raise OptionsError(f"{where}: field per_step.{name} must be a number from {low:g} to {high:g}, got "
+                               f"{value!r}"[:300])
 
 
 def _seconds(where: str, field: str, value: Any) -> None:

@@ -9,6 +9,11 @@ tier t costs its stall ``s_t`` every ``τ_t`` seconds; a failure of class c (the
 several nodes at once) happens at rate ``λ_c`` and costs the restart overhead, the restore from the nearest tier
 that survives it and, on average, half the interval of that tier in recomputed work:
 ``goodput = 1 − Σ_t s_t/τ_t − Σ_c λ_c (restart + restore_c + τ_{tier(c)}/2)``, floored at 0.
+
+With measured per-step costs (``Costs.per_step``: the per-step log's step-time overhead, the step time, the time
+from a restart to the first step and the steps a failure loses), a fourth plan: every step recoverable for the
+failures memory and its peer replicas cover, ``1 − overhead − Σ_{job,node} λ_c (restart + restore + lost × step)``,
+and remote saves at their interval for the multi-node failures, as in the tiers plan.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ class Costs:
     restore: Mapping[str, float]                     # "memory", "peer", "remote" → seconds
     restart: float = 120.0
     persist: Mapping[str, float] = field(default_factory=dict)   # tier → seconds until a save is durable there
+    #: the per-step log, measured: "overhead" (share of step time), "step" (s), "restore" (s), "lost_steps"
+    per_step: Mapping[str, float] | None = None
 
     def interval(self, tier: str, mtbf_s: float) -> float:
         """Young/Daly for the tier's stall, but never shorter than its persist time (a save cannot start before
@@ -107,7 +114,22 @@ def compare(costs: Costs, cluster: Cluster, fixed_remote_s: float = 3600.0) -> l
                 {"job": "memory", "node": "peer", "multi": "remote"})
     out.append(Plan("liferaft tiers: memory + peer replicas, remote; auto intervals", p.intervals, p.goodput,
                     p.breakdown))
+    if costs.per_step is not None:
+        out.append(per_step_plan(costs, cluster, tau_remote))
     return out
+
+
+def per_step_plan(costs: Costs, cluster: Cluster, tau_remote: float) -> Plan:
+    """The per-step log as measured (``costs.per_step``): job and node failures resume from the last step (lose
+    ``lost_steps`` steps, pay ``restore``), multi-node failures from remote saves every ``tau_remote`` seconds."""
+    ps = costs.per_step or {}
+    lam = cluster.rate_per_s
+    covered = lam * (1 - cluster.multi_node_share)
+    saving = ps["overhead"] + (costs.stall["remote"] / tau_remote if tau_remote > 0 else 0.0)
+    failures = covered * (costs.restart + ps["restore"] + ps["lost_steps"] * ps["step"]) \
+        + lam * cluster.multi_node_share * (costs.restart + costs.restore["remote"] + tau_remote / 2)
+    return Plan("liferaft per-step log (measured): every step recoverable, remote", {"step": ps["step"],
+                "remote": tau_remote}, max(0.0, 1 - saving - failures), {"saving": saving, "failures": failures})
 
 
 def table(costs: Costs, gpu_counts: Sequence[int], **cluster: float) -> str:
