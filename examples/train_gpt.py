@@ -18,6 +18,7 @@ per step (rank 0); benchmarks/bench_steps.py drives all of these.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -187,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--dcp-async", metavar="N|auto", help="compare: PyTorch DCP async_save instead of liferaft")
     mode.add_argument("--no-ckpt", action="store_true", help="compare: no checkpoints at all")
     ap.add_argument("--mtbf-hours", type=float, default=24.0, help="mean time between failures for 'auto'")
-    ap.add_argument("--job-id", help="the job across restarts (default: from torchrun's run id)")
+    ap.add_argument("--job-id", help="the job across restarts (default: derived by the manager)")
     ap.add_argument("--timing", metavar="FILE", help="rank 0 appends one JSON line per step (wall seconds)")
     args = ap.parse_args(argv)
     torch.distributed.init_process_group("nccl" if args.device == "cuda" else "gloo")
@@ -204,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         extra: dict[str, Any] = {}
         if args.per_step:
-            job = args.job_id or os.environ.get("TORCHELASTIC_RUN_ID", "train-gpt")
+            # the memory tier's namespace: the job id, else one per root (a restart finds its records)
+            job = args.job_id or "train-gpt-" + hashlib.sha256(args.root.encode()).hexdigest()[:12]
             every = "auto" if args.every == "auto" else int(args.every)
             extra = {"tiers": liferaft.TierOptions(memory=liferaft.MemoryTier(job), memory_every=every),
                      "step_log": liferaft.StepLogOptions(replicas=1)}

@@ -50,3 +50,19 @@ def test_bench_convert_small_runs_and_checks_round_trips(tmp_path):
     for fmt in ("HF safetensors", "DCP", "torch.save"):   # the table is printed only after every round trip
         assert f"| liferaft: liferaft → {fmt} |" in out.stdout and f"| liferaft: {fmt} → liferaft |" in out.stdout
     assert "| DCP → torch.save (dcp_to_torch_save) |" in out.stdout
+
+
+def test_bench_steps_quick_runs_kills_and_resumes(tmp_path):
+    costs = tmp_path / "costs.json"
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_steps.py"), "--quick", "--layouts",
+                          "ddp", "--costs", str(costs)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "| ddp | no checkpoints |" in out.stdout and "| ddp | DCP async_save, Young/Daly |" in out.stdout
+    assert "How to reproduce" in out.stdout
+    rows = {line.split("|")[2].strip(): line.split("|") for line in out.stdout.splitlines() if line.startswith("| ddp")}
+    for method in ("liferaft async saves, Young/Daly", "DCP async_save, Young/Daly"):
+        assert int(rows[method][7]) >= 0          # the run was killed, restarted and resumed (steps lost counted)
+    import liferaft
+    if hasattr(liferaft, "StepLogOptions"):       # the per-step mode: at most one step lost after kill -9
+        assert int(rows["liferaft per-step (memory log + peer replica)"][7]) <= 1
+        assert "per_step" in costs.read_text()

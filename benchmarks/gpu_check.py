@@ -1,0 +1,190 @@
+"""GPU check of liferaft's CUDA paths (run by gpu_check.sh): exits non-zero on any mismatch.
+
+1. Async save from GPU tensors (pinned buffer pool, side-stream copies, events): ``liferaft.async_save`` with
+   blocking and overlapped staging; the tensors are changed on the GPU right after the snapshot is taken, so a copy
+   that races the change shows; the saved checkpoint must equal the snapshot bitwise (fp32, bf16, fp16, int64, a
+   non-contiguous view). Prints the D2H bandwidth the snapshot achieved vs the copy engine's limit, measured here
+   with one large pinned ``non_blocking`` copy on a side stream.
+2. The per-step mode on the GPU: a 1-rank job (gloo) trains an MLP with AdamW, is killed with SIGKILL after step
+   ``KILL_AT`` (a real process), restarts and resumes; its final parameters and optimizer state must equal an
+   uninterrupted run's bitwise (deterministic algorithms on).
+
+Without a GPU it says so, runs both checks on the CPU (the CUDA paths skipped) and exits 0 — or 3 with
+``--require-gpu``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+import liferaft
+
+STEPS, KILL_AT, EVERY = 12, 8, 5
+
+
+def state_on(device: str, mib: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    n = mib * 2**20 // 4 // 4
+    base = torch.randn(n, generator=g)
+    wide = torch.randn(64, 96, generator=g)
+    return {"fp32": base.to(device), "bf16": base.to(torch.bfloat16).to(device),
+            "fp16": base[: n // 2].to(torch.float16).to(device), "int64": torch.arange(n // 4).to(device),
+            "view": wide.to(device).t()}           # non-contiguous
+
+
+def check_async(device: str, mib: int, tmp: str) -> list[str]:
+    bad = []
+    for staging in ("blocking", "overlapped"):
+        state = state_on(device, mib)
+        nbytes = sum(t.numel() * t.element_size() for t in state.values())
+        for rep in range(2):                        # the second save reuses the warm pinned pool
+            want = {k: t.detach().cpu().clone() for k, t in state.items()}
+            path = os.path.join(tmp, f"async-{staging}-{rep}")
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            handle = liferaft.async_save(path, state, options=liferaft.SaveOptions(staging=staging))
+            if staging == "overlapped":
+                handle.wait_staged()
+            staged = time.perf_counter() - t0
+            for t in state.values():                # change every tensor on the device right after the snapshot
+                t.add_(1)
+            handle.wait()
+            got = {k: torch.empty_like(v) for k, v in want.items()}
+            liferaft.load(path, got)
+            for k in want:
+                if not torch.equal(bits(got[k]), bits(want[k])):
+                    bad.append(f"async_save ({staging}, rep {rep}) from {device}: {k!r} differs from the snapshot")
+            print(f"async_save {staging:10s} rep {rep}: {nbytes / 2**20:.0f} MiB staged in {staged * 1e3:.1f} ms "
+                  f"= {nbytes / staged / 1e9:.2f} GB/s (from {device})", flush=True)
+    return bad
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+def d2h_limit(mib: int) -> float:
+    """GB/s of one large pinned non_blocking device-to-host copy on a side stream (median of 5)."""
+    src = torch.empty(mib * 2**20, dtype=torch.uint8, device="cuda")
+    dst = torch.empty(src.shape, dtype=torch.uint8, pin_memory=True)
+    stream = torch.cuda.Stream()
+    times = []
+    for _ in range(6):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            start.record(stream)
+            dst.copy_(src, non_blocking=True)
+            end.record(stream)
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return src.numel() / statistics.median(times[1:]) / 1e9
+
+
+def train(device: str, root: str, steps: int, kill_at: int | None, out: str | None) -> None:
+    """One incarnation of the 1-rank per-step job (a child process)."""
+    torch.use_deterministic_algorithms(True)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{root}/pg", rank=0, world_size=1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256)).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    state = {"model": model, "optim": opt, "rng": liferaft.RNGState(), "step": 0}
+    mgr = liferaft.CheckpointManager(
+        os.path.join(root, "ckpt"), every_steps=EVERY, job=liferaft.JobOptions(job_id="gpu-check"),
+        tiers=liferaft.TierOptions(memory=liferaft.MemoryTier("gpu-check", base=os.path.join(root, "shm"),
+                                                              replicas=0), memory_every=EVERY),
+        step_log=liferaft.StepLogOptions(replicas=0))
+    start = mgr.restore(state)
+    print(f"  {'resumed from step ' + str(start) if start is not None else 'started'}", flush=True)
+    for step in range(state["step"], steps):
+        x = torch.randn(32, 256, device=device)       # from the restored random streams
+        loss = (model(x) - x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        state["step"] += 1
+        mgr.maybe_save(step, state)
+        if step == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+    mgr.close()
+    flat = {f"model.{k}": v.detach().cpu() for k, v in model.state_dict().items()}
+    for i, s in opt.state.items():
+        flat.update({f"optim.{i}.{k}": v.detach().cpu() for k, v in s.items() if torch.is_tensor(v)})
+    torch.save(flat, out)
+    torch.distributed.destroy_process_group()
+
+
+def check_per_step(device: str, tmp: str) -> list[str]:
+    if not hasattr(liferaft, "StepLogOptions"):
+        print("per-step: SKIPPED (this liferaft has no StepLogOptions)", flush=True)
+        return []
+    env = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+
+    def child(root: str, kill_at: int | None, out: str | None) -> int:
+        os.makedirs(root, exist_ok=True)
+        cmd = [sys.executable, __file__, "--child", root, "--device", device,
+               "--kill-at", str(-1 if kill_at is None else kill_at), "--out", out or ""]
+        return subprocess.run(cmd, env=env, timeout=600).returncode
+
+    whole, killed = os.path.join(tmp, "whole"), os.path.join(tmp, "killed")
+    bad = []
+    if child(whole, None, os.path.join(tmp, "whole.pt")) != 0:
+        return ["per-step: the uninterrupted run failed"]
+    rc = child(killed, KILL_AT, None)
+    if rc != -signal.SIGKILL:
+        bad.append(f"per-step: the run to be killed ended with {rc}, not SIGKILL")
+    if child(killed, None, os.path.join(tmp, "resumed.pt")) != 0:
+        return [*bad, "per-step: the resumed run failed"]
+    a, b = torch.load(os.path.join(tmp, "whole.pt")), torch.load(os.path.join(tmp, "resumed.pt"))
+    if a.keys() != b.keys():
+        bad.append(f"per-step: resumed state has keys {sorted(b)} != {sorted(a)}")
+    bad += [f"per-step on {device}: {k} differs from the uninterrupted run" for k in a if k in b
+            and not torch.equal(a[k], b[k])]
+    print(f"per-step on {device}: killed after step {KILL_AT}, resumed; {len(a)} tensors compared bitwise", flush=True)
+    return bad
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--mib", type=int, default=1024, help="state size of the async check (MiB)")
+    ap.add_argument("--require-gpu", action="store_true", help="exit 3 when no GPU is present")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--device", default="cpu", help=argparse.SUPPRESS)
+    ap.add_argument("--kill-at", type=int, default=-1, help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        train(args.device, args.child, STEPS, None if args.kill_at < 0 else args.kill_at, args.out)
+        return 0
+    gpu = torch.cuda.is_available()
+    if not gpu:
+        print(f"NO GPU PRESENT: torch {torch.__version__} (CUDA build: {torch.version.cuda}) sees no CUDA device; "
+              "the CUDA paths are NOT checked. Running the same checks on the CPU.", flush=True)
+        if args.require_gpu:
+            return 3
+    device = "cuda" if gpu else "cpu"
+    bad = []
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
+        bad += check_async(device, args.mib if gpu else min(args.mib, 64), tmp)
+        if gpu:
+            print(f"{torch.cuda.get_device_name()}: D2H copy-engine limit (pinned, non_blocking, side stream) "
+                  f"{d2h_limit(args.mib):.2f} GB/s", flush=True)
+        bad += check_per_step(device, tmp)
+    for line in bad:
+        print("MISMATCH:", line, flush=True)
+    print("FAILED" if bad else f"OK ({'GPU' if gpu else 'CPU only, no GPU'})", flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
