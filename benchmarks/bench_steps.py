@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layouts", default="fsdp,ddp")
     ap.add_argument("--methods", default="none,per-step,liferaft,dcp")
-    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=2, help="timed reps per method (0: recovery only)")
     ap.add_argument("--steps", type=int, default=40, help="timed steps per run (after --warmup)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--dim", type=int, default=256)
@@ -180,12 +180,12 @@ def main(argv: list[str] | None = None) -> int:
             for m in methods if not args.no_recovery else ():
                 if m != "none":
                     r = recovery_run(args, tmp, layout, m)
-                    results[(layout, m)]["recovery"] = r
+                    results.setdefault((layout, m), {"runs": []})["recovery"] = r
                     print(f"{layout} {m} recovery: {r}", file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(report(args, layouts, methods, skipped, results))
-    if args.costs and "per-step" in methods and "none" in methods:
+    if args.costs and "per-step" in methods and "none" in methods and args.reps > 0:
         write_costs(args.costs, layouts, results)
     return 0
 
@@ -206,12 +206,13 @@ def report(args: argparse.Namespace, layouts: list[str], methods: list[str], ski
             if m in skipped:
                 lines.append(f"| {layout} | {LABELS[m]} | {skipped[m]} | | | | |")
                 continue
-            runs = results[(layout, m)]["runs"]
-            med = statistics.median(r["median"] for r in runs) * 1e3
-            mean = statistics.median(r["mean"] for r in runs) * 1e3
-            over = "–" if m == "none" or base is None else f"{overhead(base['runs'], runs):+.1%}"
-            rec = results[(layout, m)].get("recovery")
-            lines.append(f"| {layout} | {LABELS[m]} | {med:.1f} | {mean:.1f} | {over} | "
+            runs = results.get((layout, m), {}).get("runs")
+            med = f"{statistics.median(r['median'] for r in runs) * 1e3:.1f}" if runs else "–"
+            mean = f"{statistics.median(r['mean'] for r in runs) * 1e3:.1f}" if runs else "–"
+            over = "–" if m == "none" or not base or not base["runs"] or not runs else \
+                f"{overhead(base['runs'], runs):+.1%}"
+            rec = results.get((layout, m), {}).get("recovery")
+            lines.append(f"| {layout} | {LABELS[m]} | {med} | {mean} | {over} | "
                          f"{'–' if rec is None else format(rec['recovery_s'], '.1f')} | "
                          f"{'–' if rec is None else rec['lost']} |")
     lines += ["", "How to reproduce: `python benchmarks/bench_steps.py` (add `--costs costs.json`, then "
