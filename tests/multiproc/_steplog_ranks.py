@@ -137,3 +137,23 @@ def job(rank: int, world: int, root: str, base: str, kind: str, opt_name: str, l
            "held": log.held_steps(), "durable": log.durable}
     mgr.close()
     return out
+
+
+def replay_alone(rank: int, world: int, opt_name: str) -> bool:
+    """FSDP2: one step together, then rank 0 alone replays a step through ``state.optsteps.replay_call`` while
+    rank 1 has returned: a replay that made any collective would fail or hang here."""
+    import torch.distributed as dist
+
+    from liferaft.state import optsteps
+
+    st = build("fsdp", opt_name, world)
+    train_step(st, rank, 0)
+    dist.barrier()
+    if rank != 0:
+        return True
+    opt = st["optim"]
+    grads = [torch.ones_like(optsteps.local_of(p)) for p in optsteps.params_of(opt)]
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    before = [optsteps.local_of(p).clone() for p in optsteps.params_of(opt)]
+    optsteps.replay_call(opt, grads, groups, {})
+    return any(not torch.equal(b, optsteps.local_of(p)) for b, p in zip(before, optsteps.params_of(opt), strict=True))

@@ -9,7 +9,7 @@ import os
 import shutil
 
 import pytest
-from multiproc._steplog_ranks import job
+from multiproc._steplog_ranks import job, replay_alone
 
 from liferaft.testing import RankFailure, run_ranks
 
@@ -110,3 +110,8 @@ def test_retention_frees_records_once_a_full_checkpoint_is_durable(tmp_path):
         assert len(out[rank]["held"]) <= 3
     slots = os.listdir(os.path.join(str(tmp_path / "shm"), "steplog-test", "node0", "steplog", "r00000"))
     assert len(slots) <= 3
+
+
+@pytest.mark.parametrize("opt", ["adamw", "sgd"])
+def test_replay_makes_no_collective_under_fsdp2(opt):
+    assert run_ranks(replay_alone, 2, opt, timeout=60, pg_timeout=20) == [True, True]
