@@ -85,6 +85,18 @@ def test_resume_past_the_full_checkpoint_is_bitwise(tmp_path):
     assert st["seen"] == ref["seen"] and st["sched"].state_dict() == ref["sched"].state_dict()
 
 
+def test_maybe_save_twice_for_one_step_records_it_once(tmp_path):
+    st = _state()
+    mgr = _manager(tmp_path)
+    mgr.restore(st)
+    _step(st, 0)
+    mgr.maybe_save(0, st)
+    mgr.maybe_save(0, st, force=True)
+    log = mgr._steplog
+    assert log is not None and sorted(log._held.values()) == [0]
+    mgr.close()
+
+
 def test_a_step_with_a_closure_is_refused(tmp_path):
     st = _state()
     mgr = _manager(tmp_path)

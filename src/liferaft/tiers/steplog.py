@@ -101,6 +101,7 @@ class StepLog:
         self._files: dict[str, _Slot] = {}      # rel -> open slot file (own ring and replicas)
         self.durable = -1
         self._cur: dict[str, Any] | None = None   # the record being captured
+        self._recorded: int | None = None           # the step of the last record published
         self._cuda: list[tuple[torch.Tensor, Any, int, dict[str, Any]]] = []
         self._stream: Any = None
         self._pinned: dict[tuple[Any, ...], torch.Tensor] = {}
@@ -202,6 +203,8 @@ class StepLog:
         the rest of ``state``, then replicate it in the background once the previous record is replicated."""
         if self.attach(state):
             return                          # hooked just now: this step's calls were not seen
+        if self._cur is None and step == self._recorded:
+            return                          # maybe_save called again for the same step: recorded already
         self.wait()                         # the previous record is on its replicas (≤ 1 step lost with a node)
         cur = self._begin()
         for pinned, done, off, entry in self._cuda:
@@ -222,7 +225,7 @@ class StepLog:
 
         os.pwrite(f.fd, prologue(off + len(header), off, len(header), digest(header)), 0)
         self._held[cur["slot"]] = step
-        self._cur = None
+        self._cur, self._recorded = None, step
         if self.targets or self.sources:
             self._pending = self._pool.submit(self._replicate, cur["slot"], off + len(header))
 
