@@ -30,18 +30,31 @@ def test_choice_keeps_direct_one_in_flight_when_nothing_beats_it_clearly():
     assert choose(p) == Choice(True, 1, True, 1)
 
 
-def test_choice_takes_buffered_writes_on_a_slow_hour_and_direct_reads_stay():
-    # the slow hour: O_DIRECT write ~0.5 GB/s, the page cache with writeback ~0.6+ GB/s
-    p = _probe(write={(True, 1): 0.5 * GB, (True, 4): 0.52 * GB, (False, 1): 0.55 * GB, (False, 4): 0.7 * GB},
+def test_choice_on_a_slow_hour_takes_more_requests_in_flight_before_the_page_cache():
+    # the slow hour: O_DIRECT one at a time ~0.5 GB/s, the page cache's writeback faster
+    p = _probe(write={(True, 1): 0.5 * GB, (True, 4): 0.72 * GB, (False, 1): 0.55 * GB, (False, 4): 0.8 * GB},
                read={(True, 1): 1.2 * GB, (True, 4): 1.25 * GB, (False, 1): 0.9 * GB, (False, 4): 1.0 * GB})
-    assert choose(p) == Choice(write_direct=False, write_inflight=4, read_direct=True, read_inflight=1)
+    assert choose(p) == Choice(write_direct=True, write_inflight=4, read_direct=True, read_inflight=1)
+
+
+def test_choice_takes_buffered_writes_only_when_they_win_by_the_cache_margin():
+    m = iopath.CACHE_WRITE_MARGIN
+    direct = {(True, 1): 0.5 * GB, (True, 4): 0.52 * GB}
+    assert choose(_probe({**direct, (False, 1): 0.5 * GB, (False, 4): 0.52 * m * 0.99 * GB})).write_direct
+    got = choose(_probe({**direct, (False, 1): 0.5 * GB, (False, 4): 0.52 * m * 1.01 * GB}))
+    assert (got.write_direct, got.write_inflight) == (False, 4)
+    # reads: the page cache wins by MARGIN alone
+    got = choose(_probe(write=direct, read={(True, 1): 1.0 * GB, (True, 4): 1.0 * GB, (False, 1): 1.2 * GB}))
+    assert (got.read_direct, got.read_inflight) == (False, 1)
 
 
 def test_choice_takes_the_cheapest_of_near_equals_direct_first_then_fewer_in_flight():
     p = _probe({(True, 1): 1.0 * GB, (True, 4): 2.0 * GB, (False, 1): 2.1 * GB, (False, 4): 1.9 * GB})
-    assert (choose(p).write_direct, choose(p).write_inflight) == (True, 4)
+    assert (choose(p).read_direct, choose(p).read_inflight) == (True, 4)
     p = _probe({(True, 1): 1.0 * GB, (True, 4): 1.0 * GB, (False, 1): 2.0 * GB, (False, 4): 1.95 * GB})
-    assert (choose(p).write_direct, choose(p).write_inflight) == (False, 1)
+    assert (choose(p).read_direct, choose(p).read_inflight) == (False, 1)
+    p = _probe({(True, 1): 1.0 * GB, (True, 4): 1.1 * GB, (False, 1): 0.9 * GB})
+    assert choose(p) == Choice(True, 1, True, 1)
 
 
 def test_choice_without_direct_figures_is_buffered():
@@ -55,7 +68,9 @@ def test_choice_without_direct_figures_is_buffered():
 def test_choice_is_never_much_slower_than_the_best_measured_path(a, b, c, d):
     rates = {(True, 1): a, (True, 4): b, (False, 1): c, (False, 4): d}
     got = choose(_probe(rates))
-    assert rates[(got.write_direct, got.write_inflight)] * iopath.MARGIN >= max(rates.values())
+    assert rates[(got.read_direct, got.read_inflight)] * iopath.MARGIN >= max(rates.values())
+    w = rates[(got.write_direct, got.write_inflight)]
+    assert w * iopath.MARGIN >= max(a, b) if got.write_direct else w * iopath.MARGIN >= max(rates.values())
     assert choose(_probe(dict(rates))) == got                 # pure: same figures, same choice
 
 

@@ -30,6 +30,7 @@ PROBE_REQUEST = 4 << 20      # request size of the probe
 MANY = 4                     # "several requests in flight" of the probe and the most ``choose`` picks
 SPLIT_MIN = 1 << 20          # a request is split across threads in parts of at least this many bytes
 MARGIN = 1.15                # paths this close to the fastest count as equal (the cheapest of them is chosen)
+CACHE_WRITE_MARGIN = 1.5     # a buffered write must beat every O_DIRECT write by this much in the probe
 ROUNDS = 2                   # the probe times every path this many times, interleaved, and keeps its best
 
 Path = tuple[bool, int]      # (O_DIRECT, requests in flight)
@@ -63,9 +64,20 @@ def _pick(rates: Mapping[Path, float]) -> Path:
     return min((p for p, r in rates.items() if r * MARGIN >= best), key=lambda p: (not p[0], p[1]))
 
 
+def _direct_unless_cache_wins(rates: Mapping[Path, float], by: float) -> Mapping[Path, float]:
+    """``rates`` without its page-cache paths unless one beats every O_DIRECT path by ``by``."""
+    direct = [r for (d, _), r in rates.items() if d]
+    cached = [r for (d, _), r in rates.items() if not d]
+    if direct and cached and max(cached) < by * max(direct):
+        return {p: r for p, r in rates.items() if p[0]}
+    return rates
+
+
 def choose(probe: Probe) -> Choice:
-    """The ``Choice`` for the figures of ``probe`` (pure: the same figures, the same choice)."""
-    wd, wk = _pick(probe.write)
+    """The ``Choice`` for the figures of ``probe`` (pure: the same figures, the same choice). A buffered write
+    must beat O_DIRECT by ``CACHE_WRITE_MARGIN`` in the probe: a short probe flatters it (its fsync flushes
+    16 MiB of page cache; a save of GBs first touches every page-cache page, ~1 GB/s on these VMs)."""
+    wd, wk = _pick(_direct_unless_cache_wins(probe.write, CACHE_WRITE_MARGIN))
     rd, rk = _pick(probe.read)
     return Choice(write_direct=wd, write_inflight=wk, read_direct=rd, read_inflight=rk)
 
