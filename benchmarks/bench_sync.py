@@ -78,9 +78,9 @@ class Bench:
                "gb_per_s": self.nbytes / sec / 1e9, "extra_rss": max(r["extra_rss"] for r in per_rank),
                "cpu_s": sum(r["cpu_s"] for r in per_rank) if all(r.get("cpu_s") is not None for r in per_rank) else None,
                "detail": [r["detail"] for r in per_rank], "io": [r.get("io", "") for r in per_rank], **(extra or {})}
+        row["cpu_s_per_gb"] = row["cpu_s"] / (self.nbytes / 1e9) if row["cpu_s"] is not None else None
         self.samples.setdefault((case, op, method), []).append(row)
         self.write(row)
-        row["cpu_s_per_gb"] = row["cpu_s"] / (self.nbytes / 1e9) if row["cpu_s"] is not None else None
         cpu = f" {row['cpu_s_per_gb']:5.2f} CPU s/GB" if row["cpu_s_per_gb"] is not None else ""
         print(f"  rep {rep} {case:>2} {op:<12} {method:<11} {sec:8.3f} s {row['gb_per_s']:6.2f} GB/s{cpu} "
               f"+{row['extra_rss'] / 2**20:7.1f} MiB RSS", file=sys.stderr, flush=True)
