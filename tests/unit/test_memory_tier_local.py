@@ -33,6 +33,19 @@ def test_a_namespace_belongs_to_one_job(base):
     assert MemoryTier("job-a", node="n0", base=base).restore(got) == 3 and torch.equal(got["w"], state(3.0)["w"])
 
 
+def test_a_steplog_folder_beside_the_steps_is_never_listed_as_a_step(base):
+    tier = MemoryTier("job", node="n0", base=base)
+    tier.save(2, state(2.0), wait=True)
+    for name in ("steplog", "step-x", "step-0000000009"):       # a step log, junk, a step without its commit
+        os.makedirs(os.path.join(tier.root, name, "data"), exist_ok=True)
+        with open(os.path.join(tier.root, name, "data", "r00000.bin"), "wb") as f:
+            f.write(b"not a checkpoint")
+    assert tier.local_steps() == [2]
+    got = state(0.0)
+    assert tier.restore(got) == 2 and torch.equal(got["w"], state(2.0)["w"])
+    assert tier.last_restore == {"step": 2, "files_from_peers": 0, "files_from_fallback": 0, "bytes_from_peers": 0}
+
+
 def test_a_damaged_copy_is_refused_and_the_manager_falls_back_to_the_root(base, tmp_path):
     tier = MemoryTier("job", node="n0", base=base)
     root = str(tmp_path / "root")
