@@ -232,11 +232,14 @@ def write_costs(path: str, layouts: list[str], results: dict[tuple[str, str], di
 
     costs = load_costs(path) if os.path.exists(path) else json.loads(json.dumps(DEFAULT_COSTS))
     worst = max(layouts, key=lambda lay: overhead(results[(lay, "none")]["runs"], results[(lay, "per-step")]["runs"]))
-    rec = results[(worst, "per-step")].get("recovery", {})
+    rec = results[(worst, "per-step")].get("recovery")
+    if rec is None:
+        print(f"{path} not written: the per-step recovery was not measured (--no-recovery)", file=sys.stderr)
+        return
     costs["per_step"] = {
         "overhead": max(0.0, overhead(results[(worst, "none")]["runs"], results[(worst, "per-step")]["runs"])),
         "step": statistics.median(r["mean"] for r in results[(worst, "none")]["runs"]),
-        "restore": rec.get("recovery_s", 0.0), "lost_steps": max(0, rec.get("lost", 1))}
+        "restore": rec["recovery_s"], "lost_steps": max(0, rec["lost"])}
     with open(path, "w") as f:
         json.dump(costs, f, indent=1)
     print(f"wrote {path}: per_step {costs['per_step']}", file=sys.stderr)
