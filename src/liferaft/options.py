@@ -263,10 +263,13 @@ class LoadOptions:
         chunk's blob opened) runs before any byte is copied, with or without ``atomic``. Either way, a stateful
         object whose own ``load_state_dict`` fails on one rank leaves what was applied before it applied.
     share_reads: when several ranks need the same byte range (replicated tensors, or resharding that makes
-        every rank read the same hash blocks), one rank reads it from storage and sends it to the others over the
-        process group (received bytes are verified too), so each byte is read from storage once. None (default):
-        on for remote storage (``Storage.remote``), off for local files, where (measured on one node) each rank
-        reading for itself is faster than copying over loopback.
+        every rank read the same hash blocks), one rank reads it from storage and the others get it, so each byte
+        is read from storage once. On remote storage (``Storage.remote``) it is sent over the process group
+        (received bytes are verified too). On local files the ranks of one host share it through shared memory
+        (``/dev/shm``, a per-load segment of at most 4 x ``max_read_bytes`` per rank, unlinked once opened): one
+        rank reads, decodes and verifies it, the others copy their boxes from it; ranks on other hosts read for
+        themselves; a span larger than ``max_read_bytes`` is read by each rank. None (default) and True: share;
+        False: every rank reads for itself.
     exact: refuse (LossyCheckpointError, before anything is loaded) a checkpoint in which any tensor to load was
         stored lossily (``SaveOptions.quantize``); without it such a load warns with the recorded error per key
         and lists them in ``LoadResult.lossy``.

@@ -4,7 +4,8 @@ Whatever the checkpoint's format (liferaft, DCP, safetensors, ``torch.save``: a 
 same checks run on every rank before any byte is copied — keys (strict / missing / unexpected, stateful objects
 that refuse what they would load, optional subtrees, buffers not persisted), kinds, shapes, dtypes, per-rank values
 against the world size, lossy entries against ``exact``, data files present and long enough — then the same reads
-into the live tensors (liferaft's verified, coalesced and shared between ranks on remote storage), then one
+into the live tensors (liferaft's verified, coalesced and shared between ranks: over the process group on remote
+storage, through shared memory between the ranks of a host on local files, see ``core.chunks.shm``), then one
 assignment into the state and ``load_state_dict`` of its stateful objects. Every step that can fail on one rank is
 followed by an exchange, so every rank raises when any rank fails and nothing hangs (collectives time out).
 """
@@ -12,6 +13,7 @@ followed by an exchange, so every rank raises when any rank fails and nothing ha
 from __future__ import annotations
 
 import os
+import socket
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -20,6 +22,7 @@ from typing import Any
 import torch
 
 from liferaft.core.aliasing import check_disjoint
+from liferaft.core.chunks import shm
 from liferaft.core.native import NativeReader
 from liferaft.core.open import open_reader
 from liferaft.core.process import in_call
@@ -94,39 +97,65 @@ def _load(reader: Reader, state: Any, coord: Coordinator, opts: LoadOptions, str
           t_start: float, holders: dict[str, Sequence[int]] | None = None) -> LoadResult:
     timings: dict[str, float] = {}
     plans: list[_LoadPlan] = []
-    share = holders is not None or reader.verified and (
-        opts.share_reads if opts.share_reads is not None else
-        bool(getattr(getattr(reader, "storage", None), "remote", False)))
+    mode = "peers" if holders is not None else _share_mode(reader, coord, opts)
+    segments: list[shm.Segment] = []        # this rank's own segment (mode "host"), made while planning
+    hosts: list[tuple[str, str]] = []       # (host name, segment name) per rank (mode "host")
 
     def planned() -> Any:
         plans.append(_plan_load(reader, flatten(state, template=True, world=coord.world), coord, opts, strict))
         p = plans[0]
-        spans = p.job.spans if share and holders is None else \
-            [(u.file, u.file_offset, u.length) for u, _ in p.job.units] if share else []
-        return p.covered, p.missing, spans, p.skipped
-    gathered = coord.run(planned, "load (planning)")
-    plan = plans[0]
-    all_keys = reader.keys
-    covered = bytearray(len(all_keys))
-    for c, *_ in gathered:
-        covered = bytearray(a | b for a, b in zip(covered, c))
-    unexpected = tuple(k for k, hit in zip(all_keys, covered) if not hit)
-    missing = tuple(sorted({k for _, m, *_ in gathered for k in m}))
-    skipped = tuple(sorted({k for *_, s in gathered for k in s}))
-    sharing = plan_sharing([g[2] for g in gathered], holders=holders) if coord.world > 1 and share else {}
-    peers = coord if sharing else None
-    if strict and (missing or unexpected):
-        raise StateMismatchError(_mismatch_message(reader.url, NAMES[reader.fmt] if reader.fmt != "liferaft" else
-                                                 "checkpoint", missing, unexpected))
+        spans = p.job.spans if mode and holders is None else \
+            [(u.file, u.file_offset, u.length) for u, _ in p.job.units] if mode else []
+        hosted = None
+        if mode == "host":
+            spans = [s for s in spans if p.job.span_bytes.get(s, opts.max_read_bytes + 1) <= opts.max_read_bytes]
+            shm.sweep_stale()
+            segments.append(shm.Segment.create(shm.new_name(coord.rank), opts.max_read_bytes))
+            hosted = (socket.gethostname(), segments[0].name)
+        return p.covered, p.missing, spans, hosted, p.skipped
+    try:
+        gathered = coord.run(planned, "load (planning)", cleanup=lambda: [g.close() for g in segments])
+        plan = plans[0]
+        all_keys = reader.keys
+        covered = bytearray(len(all_keys))
+        for c, *_ in gathered:
+            covered = bytearray(a | b for a, b in zip(covered, c))
+        unexpected = tuple(k for k, hit in zip(all_keys, covered) if not hit)
+        missing = tuple(sorted({k for _, m, *_ in gathered for k in m}))
+        skipped = tuple(sorted({k for *_, s in gathered for k in s}))
+        if mode == "host":
+            hosts = [g[3] for g in gathered]
+            sharing = plan_sharing([g[2] if hosts[r][0] == hosts[coord.rank][0] else []
+                                    for r, g in enumerate(gathered)], min_bytes=0)   # (the job chose its spans)
+        else:
+            sharing = ({} if not mode or coord.world == 1 else plan_sharing([g[2] for g in gathered], holders=holders)
+                       if holders is not None else plan_sharing([g[2] for g in gathered], min_bytes=0))
+        peers = coord if sharing else None
+        if strict and (missing or unexpected):
+            raise StateMismatchError(_mismatch_message(reader.url, NAMES[reader.fmt] if reader.fmt != "liferaft"
+                                                       else "checkpoint", missing, unexpected))
+        host = _set_up_host(coord, segments[0], hosts, sharing, opts) if mode == "host" else None
+    except BaseException:
+        for g in segments:
+            g.close()
+        for h, name in hosts:       # the names of peers of this host that died before unlinking theirs
+            if h == hosts[coord.rank][0]:
+                shm.unlink(name)
+        raise
     timings["plan"] = time.perf_counter() - t_start
 
-    t0 = time.perf_counter()
-    if opts.atomic and reader.verified:
-        coord.run(lambda: plan.job.run(check_only=True, peers=peers, rank=coord.rank, sharing=sharing) and None,
-                  "load (verify)")
-        timings["verify"] = time.perf_counter() - t0
+    try:
         t0 = time.perf_counter()
-    stats = coord.run(lambda: plan.job.run(peers=peers, rank=coord.rank, sharing=sharing), "load (read)")[coord.rank]
+        if opts.atomic and reader.verified:
+            coord.run(lambda: plan.job.run(check_only=True, peers=peers, rank=coord.rank, sharing=sharing,
+                                           host=host) and None, "load (verify)")
+            timings["verify"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+        stats = coord.run(lambda: plan.job.run(peers=peers, rank=coord.rank, sharing=sharing, host=host),
+                          "load (read)")[coord.rank]
+    finally:
+        if host is not None:
+            host.close()
     timings["read"] = time.perf_counter() - t0
     timings["checksum"] = stats.verify_s        # part of "read" (overlapped with the I/O): the cost of verifying
 
@@ -142,6 +171,35 @@ def _load(reader: Reader, state: Any, coord: Coordinator, opts: LoadOptions, str
     return LoadResult(path=reader.url, rank=coord.rank, bytes_read=stats.used, bytes_received=stats.received,
                       missing_keys=missing, unexpected_keys=unexpected, timings=timings, lossy=plan.lossy,
                       skipped_keys=skipped)
+
+
+def _share_mode(reader: Reader, coord: Coordinator, opts: LoadOptions) -> str | None:
+    """How spans several ranks need are shared (``LoadOptions.share_reads``): "peers" (read by one rank, sent
+    over the process group: remote storage, or local files without shared memory when asked for), "host"
+    (read and verified by one rank of the host into shared memory, ``core.chunks.shm``: local files, ranks of
+    one host only), or None (each rank reads for itself)."""
+    if not reader.verified or coord.world == 1 or opts.share_reads is False:
+        return None
+    if getattr(getattr(reader, "storage", None), "remote", False):
+        return "peers"
+    if shm.available():
+        return "host"
+    return "peers" if opts.share_reads else None
+
+
+def _set_up_host(coord: Coordinator, own: shm.Segment, hosts: list[tuple[str, str]], sharing: Any,
+                 opts: LoadOptions) -> shm.HostShare:
+    """Open (read-only) the segments of the ranks this rank receives from; once every rank has, each unlinks
+    its own name, so that the segments live only in the ranks' mappings from here on."""
+    share = shm.HostShare(own, {})
+    sources = sorted({s.reader for s in sharing.values() if coord.rank in s.receivers})
+
+    def attach() -> None:
+        for r in sources:
+            share.peers[r] = shm.Segment.attach(hosts[r][1], opts.max_read_bytes, own.slots, r)
+    coord.run(attach, "load (shared-memory set-up)", cleanup=share.close)
+    shm.unlink(own.name)
+    return share
 
 
 def _describe_lossy(how: Any) -> str:

@@ -185,11 +185,15 @@ class _NativeJob(ReadJob):
             self.units.extend((u, dest.dtype) for u in units)
             files.update(u.file for u in units)
         reader._check(files)
-        self.spans = [(u.file, u.file_offset, u.length) for u, _ in self.units if u.length >= MIN_SHARED_BYTES]
+        # spans worth sharing: at least MIN_SHARED_BYTES stored or decoded (a compressed span is decoded once)
+        self.span_bytes = {(u.file, u.file_offset, u.length): u.decoded_length if u.codec is not None else u.length
+                           for u, _ in self.units}
+        self.span_bytes = {s: n for s, n in self.span_bytes.items() if max(s[2], n) >= MIN_SHARED_BYTES}
+        self.spans = list(self.span_bytes)
 
     def run(self, *, check_only: bool = False, peers: Any = None, rank: int = 0,
-            sharing: Mapping[Any, Any] | None = None) -> ReadOutcome:
+            sharing: Mapping[Any, Any] | None = None, host: Any = None) -> ReadOutcome:
         stats = execute_reads(self.native.storage, self.units, self.targets, copy=not check_only,
                               max_read=self.native.options.max_read_bytes, peers=peers, rank=rank,
-                              sharing=sharing or {})
+                              sharing=sharing or {}, host=host)
         return ReadOutcome(used=stats.used, received=stats.received, verify_s=stats.verify_s)

@@ -90,16 +90,18 @@ class ReadOutcome:
 
 class ReadJob:
     """Planned reads of boxes into destination tensors. ``spans``: byte ranges of files that several ranks may
-    read (the native reader on shared storage) for ``planning.share_plan``; ``run`` copies (``check_only``: reads and
+    read (the native reader) for ``planning.share_plan``, with ``span_bytes`` (each span's bytes once decoded);
+    ``host``: the same-host shared-memory segments of ``core.chunks.shm``; ``run`` copies (``check_only``: reads and
     verifies without copying, for formats that verify). This default copies each request with the reader's
     ``copy_box``."""
 
     def __init__(self, reader: Reader, requests: Sequence[BoxRead]) -> None:
         self.reader, self.requests = reader, list(requests)
         self.spans: list[tuple[str, int, int]] = []
+        self.span_bytes: dict[tuple[str, int, int], int] = {}     # per span, its bytes once decoded
 
     def run(self, *, check_only: bool = False, peers: Any = None, rank: int = 0,
-            sharing: Mapping[Any, Any] | None = None) -> ReadOutcome:
+            sharing: Mapping[Any, Any] | None = None, host: Any = None) -> ReadOutcome:
         out = ReadOutcome()
         if check_only:
             return out                                  # nothing to verify against: the copy is the read

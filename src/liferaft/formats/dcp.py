@@ -483,7 +483,7 @@ class _DcpJob(ReadJob):
                     self.opened[c] = self.ck.chunk(key, c)
 
     def run(self, *, check_only: bool = False, peers: Any = None, rank: int = 0,
-            sharing: Mapping[Any, Any] | None = None) -> ReadOutcome:
+            sharing: Mapping[Any, Any] | None = None, host: Any = None) -> ReadOutcome:
         out = ReadOutcome()
         if check_only:
             return out

@@ -22,6 +22,7 @@ import torch
 from liferaft.codecs.checksum import verify_blocks
 from liferaft.codecs.frames import decode_frames, load_executor
 from liferaft.core.chunks.blocks import read_blocks, xor_into
+from liferaft.core.chunks.shm import HostShare
 from liferaft.errors import CorruptCheckpointError, DistributedError
 from liferaft.planning.load_plan import ReadUnit
 from liferaft.planning.share_plan import SharedSpan, Span
@@ -117,7 +118,7 @@ def _jobs(units: Sequence[tuple[ReadUnit, torch.dtype]], max_read: int, rank: in
 def execute_reads(storage: Storage, units: Sequence[tuple[ReadUnit, torch.dtype]],
                   targets: Sequence[torch.Tensor], copy: bool = True, max_read: int = 32 << 20,
                   peers: Peers | None = None, rank: int = 0,
-                  sharing: Mapping[Span, SharedSpan] | None = None) -> ReadStats:
+                  sharing: Mapping[Span, SharedSpan] | None = None, host: HostShare | None = None) -> ReadStats:
     """Run ``units`` (each with the dtype of its tensor) into ``targets``; return the bytes used and received.
 
     With ``copy=False`` the bytes are only read and verified (the first pass of an atomic load). With
@@ -126,11 +127,20 @@ def execute_reads(storage: Storage, units: Sequence[tuple[ReadUnit, torch.dtype]
     receivers verify) and those other ranks read are received instead of read; received bytes are verified like
     read ones. After a failure the transfers still run to the end (without reading or copying),
     so that no peer waits for a message that never comes; then the first error is raised.
+
+    With ``host`` (the ranks of ``sharing`` are all on this host, ``core.chunks.shm``) no bytes travel over the
+    process group: the reader of a shared span decodes and verifies it once into a slot of its own segment and
+    sends a notice (slot, outcome, length); the receivers copy their boxes from that slot (not verified again)
+    and acknowledge, which frees the slot. A span found corrupt is reported to every receiver, which raises too.
     """
     stats = ReadStats()
     sharing = sharing or {}
     if not units and not any(s.reader == rank for s in sharing.values()):
         return stats
+    if host is not None and sharing:
+        assert peers is not None
+        from liferaft.core.chunks.host_reads import HostReads  # (it builds on this module's jobs)
+        return HostReads(storage, units, targets, copy, max_read, peers, rank, sharing, host).run()
     jobs = _jobs(units, max([max_read] + [-(-(u.length + 2 * PAGE) // PAGE) * PAGE for u, _ in units]), rank,
                  sharing)
     size = max(b.length for b in jobs)
@@ -217,10 +227,11 @@ def _decode(unit: ReadUnit, view: torch.Tensor, dtype: torch.dtype, pool: Any) -
 
 
 def _consume(storage: Storage, batch: _Batch, buf: torch.Tensor, n: int, targets: Sequence[torch.Tensor],
-             copy: bool) -> float:
+             copy: bool, keep: Any = None) -> float:
     """Decode, verify every unit of ``batch`` in ``buf`` and copy it into its targets; return the seconds
     verifying. Encoded units are decoded on the codec threads: several units in parallel, or one unit's
-    frames in parallel."""
+    frames in parallel. ``keep``, if given, gets the first unit's decoded and verified bytes (a shared span's,
+    for the ranks that copy from it)."""
     verify_s = 0.0
     views: list[torch.Tensor] = []
     for unit, _ in batch.units:
@@ -248,14 +259,22 @@ def _consume(storage: Storage, batch: _Batch, buf: torch.Tensor, n: int, targets
         t0 = time.perf_counter()
         verify_blocks(memoryview(view.numpy()), unit.hashes, unit.block_size, _where(unit), unit.checksum)
         verify_s += time.perf_counter() - t0
-        if not copy:
-            continue
-        flat = view.view(dtype)
-        with torch.no_grad():
-            for c in unit.copies:
-                src = torch.as_strided(flat, c.sizes, c.src_strides, flat.storage_offset() + c.src_offset)
-                dst = targets[c.target]
-                for d, (o, s) in enumerate(zip(c.dest_offsets, c.sizes)):
-                    dst = dst.narrow(d, o, s)
-                dst.copy_(src)
+        if keep is not None:
+            keep(view)
+            keep = None
+        if copy:
+            copy_out(unit, view, dtype, targets)
     return verify_s
+
+
+def copy_out(unit: ReadUnit, view: torch.Tensor, dtype: torch.dtype, targets: Sequence[torch.Tensor]) -> None:
+    """Copy the verified bytes ``view`` of ``unit`` into the boxes of its targets (strided views)."""
+    flat = view.view(dtype)
+    with torch.no_grad():
+        for c in unit.copies:
+            src = torch.as_strided(flat, c.sizes, c.src_strides, flat.storage_offset() + c.src_offset)
+            dst = targets[c.target]
+            for d, (o, s) in enumerate(zip(c.dest_offsets, c.sizes)):
+                dst = dst.narrow(d, o, s)
+            dst.copy_(src)
+

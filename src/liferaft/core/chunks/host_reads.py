@@ -1,0 +1,220 @@
+"""``execute_reads`` when the ranks that share spans are on one host: verified bytes pass through shared memory.
+
+The jobs are those of ``core.chunks.reader`` (local reads coalesced, one job per shared span, in file order, so
+shared spans come in tag order on every rank of the host). A reader thread reads this rank's own jobs (its local
+reads and the shared spans it reads) into two scratch buffers; the caller's thread decodes and verifies them, and
+for a shared span puts the verified bytes into the next slot of this rank's segment (``core.chunks.shm``) and
+sends each receiver a notice ``(slot, outcome, length)`` over the process group. A receiving thread (so that a
+rank's own reads never wait for its peers' and the ranks work at the same time) waits for each notice in turn, copies its boxes from the reader's slot and sends an acknowledgement; a slot is written again
+only after every receiver of its last span acknowledged. Every byte is read from storage and verified once on
+the host; what each receiver copies is the bytes its reader verified.
+
+Failures: a span found corrupt (or unreadable) is announced as such, and each receiver raises an error naming
+the file, the key and the bytes; after any failure the notices and acknowledgements still run to the end (no
+peer waits for a message that never comes). A peer that dies is seen as a failed wait, bounded by the
+coordinator's timeout (``DistributedError``); from then on no more messages are exchanged.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from liferaft.core.chunks.reader import (
+    Peers,
+    ReadStats,
+    _Batch,
+    _consume,
+    _jobs,
+    _wait,
+    _where,
+    copy_out,
+)
+from liferaft.core.chunks.shm import HostShare
+from liferaft.errors import CorruptCheckpointError, DistributedError
+from liferaft.planning.load_plan import ReadUnit
+from liferaft.planning.share_plan import SharedSpan, Span
+from liferaft.staging.pool import PAGE, page_aligned_empty
+from liferaft.storage.base import Storage
+
+OK, FAILED, CORRUPT = 1, 0, 2
+
+
+def view_bytes(unit: ReadUnit) -> int:
+    """Bytes of ``unit`` once decoded: what a slot holds for it."""
+    return unit.decoded_length if unit.codec is not None else unit.length
+
+
+class HostReads:
+    """One run of the reads of a rank whose shared spans are shared with ranks of its host (see the module)."""
+
+    def __init__(self, storage: Storage, units: Sequence[tuple[ReadUnit, torch.dtype]],
+                 targets: Sequence[torch.Tensor], copy: bool, max_read: int, peers: Peers, rank: int,
+                 sharing: Mapping[Span, SharedSpan], host: HostShare) -> None:
+        self.storage, self.targets, self.copy, self.peers, self.host = storage, targets, copy, peers, host
+        longest = max(-(-(u.length + 2 * PAGE) // PAGE) * PAGE for u, _ in units)
+        self.jobs = _jobs(units, max(max_read, longest), rank, sharing)
+        self.errors: list[BaseException] = []
+        self.comm_ok = True
+        self.pending: list[list[Any]] = [[] for _ in range(host.own.slots)]   # acks awaited, per slot
+        self.sent: list[Any] = []          # sends under way (their tensors kept alive with them)
+        self.next_slot = 0
+        self.stats = ReadStats()
+        self.received_stats = ReadStats()       # counted by the receiving thread
+
+    def run(self) -> ReadStats:
+        own = [b for b in self.jobs if b.role != "recv"]
+        free: queue.Queue[torch.Tensor] = queue.Queue()
+        if own:
+            size = max(b.length for b in own)
+            for _ in range(min(len(own), 2)):
+                free.put(page_aligned_empty(size))
+        ready: queue.Queue[tuple[torch.Tensor, int, BaseException | None]] = queue.Queue()
+
+        def read_all() -> None:
+            for b in own:
+                buf = free.get()
+                n, err = 0, None
+                if not self.errors or b.role == "send":         # a shared span is provided whatever else failed
+                    try:
+                        n = self.storage.read_into(b.file, b.offset, memoryview(buf[:b.length].numpy()))
+                    except FileNotFoundError:
+                        err = CorruptCheckpointError(f"{self.storage.url}: data file {b.file!r} is missing")
+                    except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+                        err = e
+                ready.put((buf, n, err))
+
+        def receive_all() -> None:
+            for b in self.jobs:
+                if b.role == "recv":
+                    self._receive(b)
+
+        reader = threading.Thread(target=read_all, name="liferaft-reader", daemon=True)
+        receiver = threading.Thread(target=receive_all, name="liferaft-receiver", daemon=True)
+        reader.start()
+        receiver.start()
+        try:
+            for b in own:
+                buf, n, err = ready.get()
+                try:
+                    if err is not None:
+                        self._fail(err)
+                    if b.role == "send":
+                        self._send(b, buf, n)
+                    elif not self.errors:
+                        self.stats.verify_s += _consume(self.storage, b, buf, n, self.targets, self.copy)
+                        self.stats.used += sum(u.length for u, _ in b.units)
+                except BaseException as e:  # noqa: BLE001 - raised below, after the messages have run
+                    self._fail(e)
+                free.put(buf)
+            receiver.join()
+            if self.comm_ok:
+                for w in [w for ws in self.pending for w, _ in ws] + [w for w, _ in self.sent]:
+                    try:
+                        w.wait()
+                    except Exception as e:  # noqa: BLE001 - a lost peer
+                        self._fail(DistributedError(f"a peer of this host did not answer while sharing reads "
+                                                    f"(it died or hung): {e}"), lost=True)
+                        break
+        finally:
+            reader.join()
+            receiver.join()
+        if self.errors:
+            raise self.errors[0]
+        self.stats.used += self.received_stats.used
+        self.stats.received = self.received_stats.received
+        return self.stats
+
+    def _fail(self, e: BaseException, lost: bool = False) -> None:
+        """Keep ``e`` to raise at the end; ``lost``: a wait failed, so no more messages are exchanged."""
+        self.comm_ok = self.comm_ok and not lost
+        self.errors.append(e)
+
+    def _send(self, b: _Batch, buf: torch.Tensor, n: int) -> None:
+        """Verify the shared span ``b`` into a free slot, copy this rank's boxes, tell the receivers."""
+        assert b.share is not None
+        own = self.host.own
+        slot = self.next_slot
+        self.next_slot = (slot + 1) % own.slots
+        try:
+            for w, _ in self.pending[slot] if self.comm_ok else ():
+                _wait(w, b)                 # the receivers of the slot's last span are done with it
+        except DistributedError as e:
+            self._fail(e, lost=True)
+        self.pending[slot] = []
+        status, length = FAILED, 0
+        if n:
+            def keep(view: torch.Tensor) -> None:
+                nonlocal length
+                length = view.numel()
+                own.slot(slot, length).copy_(view)
+            try:
+                self.stats.verify_s += _consume(self.storage, b, buf, n, self.targets, self.copy, keep=keep)
+                self.stats.used += sum(u.length for u, _ in b.units)
+                status = OK
+            except CorruptCheckpointError as e:
+                status = CORRUPT
+                self._fail(e)
+            except BaseException as e:  # noqa: BLE001 - the receivers are told, then it is raised
+                self._fail(e)
+        if not self.comm_ok:
+            return
+        notice = torch.tensor([slot, status, length], dtype=torch.int64)
+        try:
+            for r in b.share.receivers:
+                self.sent.append((self.peers.isend(notice, r, 2 * b.share.tag), notice))
+                ack = torch.zeros(1, dtype=torch.int64)
+                self.pending[slot].append((self.peers.irecv(ack, r, 2 * b.share.tag + 1), ack))
+        except Exception as e:  # noqa: BLE001 - gloo refuses to post to a lost peer
+            self._fail(_lost(b, e), lost=True)
+
+    def _receive(self, b: _Batch) -> None:
+        """Wait for the notice of shared span ``b``, copy this rank's boxes from its reader's slot, acknowledge."""
+        assert b.share is not None
+        if not self.comm_ok:
+            return
+        source = b.share.reader
+        notice = torch.zeros(3, dtype=torch.int64)
+        try:
+            _wait(self.peers.irecv(notice, source, 2 * b.share.tag), b)
+        except DistributedError as e:
+            self._fail(e, lost=True)
+            return
+        except Exception as e:  # noqa: BLE001 - gloo refuses to post to a lost peer
+            self._fail(_lost(b, e), lost=True)
+            return
+        slot, status, length = (int(x) for x in notice.tolist())
+        unit = b.units[0][0]
+        try:
+            if status == CORRUPT:
+                raise CorruptCheckpointError(f"{_where(unit)}: rank {source}, which read these bytes for the ranks of "
+                                             f"this host, found them corrupt (its error names the block); the "
+                                             f"checkpoint is damaged: load an earlier one")
+            if status != OK:
+                raise DistributedError(f"{_where(unit)}: rank {source}, which reads these bytes for the ranks of "
+                                       f"this host, failed before it could provide them (its own error says why)")
+            if not self.errors:
+                for u, dtype in b.units:
+                    if view_bytes(u) != length:
+                        raise DistributedError(f"{_where(u)}: rank {source} shared {length} bytes, this rank "
+                                               f"expected {view_bytes(u)}; the ranks planned different reads")
+                    if self.copy:
+                        copy_out(u, self.host.peers[source].slot(slot, length), dtype, self.targets)
+                self.received_stats.used += sum(u.length for u, _ in b.units)
+                self.received_stats.received += b.length
+        except BaseException as e:  # noqa: BLE001 - acknowledged first, raised at the end
+            self._fail(e)
+        ack = torch.ones(1, dtype=torch.int64)
+        try:
+            self.sent.append((self.peers.isend(ack, source, 2 * b.share.tag + 1), ack))
+        except Exception as e:  # noqa: BLE001 - gloo refuses to post to a lost peer
+            self._fail(_lost(b, e), lost=True)
+
+
+def _lost(b: _Batch, e: BaseException) -> DistributedError:
+    return DistributedError(f"sharing {b.file!r} bytes {b.key[1]}.. with the ranks of this host failed (a peer died "
+                            f"or did not answer): {e}")

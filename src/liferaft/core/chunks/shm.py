@@ -1,0 +1,181 @@
+"""Same-host read sharing through shared memory: the segments of one load.
+
+When ranks on one host need the same verified bytes (a resharding load makes every rank read every row of a
+Shard(0) checkpoint; replicated tensors are read by every data-parallel rank), one of them reads, decodes and
+verifies each such span once and puts the verified bytes into a slot of its own segment; the others copy their
+boxes straight from that slot (``core.chunks.reader``). The slots are a ring: a slot is reused only after every
+rank that reads from it has said it is done, so a rank's shared memory is bounded by ``slots * slot_bytes``
+whatever the checkpoint's size; a span larger than a slot is not shared (each rank reads it for itself).
+
+Lifetime, so that no segment outlives its load or is trusted by another:
+
+- names are unique per load: ``liferaft-load-<pid>-<random>-r<rank>`` in ``/dev/shm``, created exclusively
+  (``O_CREAT | O_EXCL | O_NOFOLLOW``, mode 0600); a receiver opens a name only when the planning exchange of the
+  same load handed it over, and checks it is a regular file of the expected size owned by this user;
+- every rank unlinks its own name as soon as the ranks of the host have opened it (after the set-up exchange),
+  so from then on the segment lives only in the mappings of the running ranks and dies with them, kill -9
+  included; a load that fails before that unlinks its own name and every peer name it was given, and the next
+  load on the host removes names whose process is gone (``sweep_stale``);
+- a slot's bytes are only read after its writer said they passed their checksums (the notice carries the slot
+  and the outcome), and only until the receiver acknowledged it: a segment is never read as data by itself.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import secrets
+import stat
+from dataclasses import dataclass, field
+
+import torch
+
+from liferaft.errors import DistributedError
+
+SHM_DIR = "/dev/shm"
+#: Slots per rank: one being filled, the others being read by the peers (so a rank's reads run ahead of them).
+SLOTS = 4
+_NAME = re.compile(r"^liferaft-load-(\d+)-[0-9a-f]{16}-r\d+$")
+
+
+def available() -> bool:
+    """Whether this host has a shared-memory folder to put segments in."""
+    return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
+
+
+def new_name(rank: int) -> str:
+    """A segment name no earlier or later load can have (pid + 64 random bits)."""
+    return f"liferaft-load-{os.getpid()}-{secrets.token_hex(8)}-r{rank}"
+
+
+def sweep_stale() -> int:
+    """Remove the segments of loads whose process is gone (a rank killed before it unlinked its name); return
+    how many. Names of running processes are left alone."""
+    removed = 0
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return 0
+    for name in names:
+        found = _NAME.match(name)
+        if not found or int(found.group(1)) == os.getpid():
+            continue
+        try:
+            os.kill(int(found.group(1)), 0)
+            continue                                    # alive (or not ours to signal): leave it
+        except ProcessLookupError:
+            pass
+        except OSError:
+            continue
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+            removed += 1
+        except OSError:
+            pass
+    return removed
+
+
+def unlink(name: str) -> None:
+    """Remove ``name`` if it is still there (never raises)."""
+    if _NAME.match(name):
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+        except OSError:
+            pass
+
+
+@dataclass
+class Segment:
+    """One rank's ring of ``slots`` slots of ``slot_bytes`` in a mapped shared-memory file."""
+
+    name: str
+    slot_bytes: int
+    slots: int
+    writable: bool
+    _map: mmap.mmap | None = field(default=None, repr=False)
+    _tensor: torch.Tensor | None = field(default=None, repr=False)
+
+    @classmethod
+    def create(cls, name: str, slot_bytes: int, slots: int = SLOTS) -> Segment:
+        """A new segment (sparse: memory is used only as slots are written)."""
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
+        try:
+            os.ftruncate(fd, slot_bytes * slots)
+            seg = cls(name, slot_bytes, slots, True)
+            seg._map = mmap.mmap(fd, slot_bytes * slots)
+        except BaseException:
+            os.close(fd)
+            unlink(name)
+            raise
+        os.close(fd)
+        return seg
+
+    @classmethod
+    def attach(cls, name: str, slot_bytes: int, slots: int, owner: int) -> Segment:
+        """Rank ``owner``'s segment, read-only; refused unless it is a regular file of this user with exactly the
+        size the load planned."""
+        if not _NAME.match(name):
+            raise DistributedError(f"rank {owner} named the shared-memory segment {name!r}, which is not one of "
+                                   f"liferaft's; load with LoadOptions(share_reads=False) and report this")
+        path = os.path.join(SHM_DIR, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as e:
+            raise DistributedError(f"the shared-memory segment {path} of rank {owner} cannot be opened ({e}); is "
+                                   f"rank {owner} on this host and alive? Load with "
+                                   f"LoadOptions(share_reads=False) to read without sharing") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size != slot_bytes * slots:
+                raise DistributedError(f"the shared-memory segment {path} of rank {owner} is not a regular file "
+                                       f"of this user with {slot_bytes * slots} bytes; refused (load with "
+                                       f"LoadOptions(share_reads=False))")
+            seg = cls(name, slot_bytes, slots, False)
+            seg._map = mmap.mmap(fd, slot_bytes * slots, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        return seg
+
+    def slot(self, i: int, nbytes: int) -> torch.Tensor:
+        """The first ``nbytes`` of slot ``i`` as a uint8 tensor over the mapping."""
+        if self._tensor is None:
+            assert self._map is not None
+            if self.writable:
+                self._tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+            else:                       # torch wants a writable buffer; the mapping's protection stays read-only
+                import warnings
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", UserWarning)
+                    self._tensor = torch.frombuffer(memoryview(self._map), dtype=torch.uint8)
+        if not 0 <= i < self.slots or not 0 <= nbytes <= self.slot_bytes:
+            raise DistributedError(f"shared-memory segment {self.name}: slot {i} of {nbytes} bytes is outside it "
+                                   f"({self.slots} slots of {self.slot_bytes})")
+        return self._tensor[i * self.slot_bytes:i * self.slot_bytes + nbytes]
+
+    def close(self) -> None:
+        """Drop the mapping (the memory goes when every rank has dropped its own), and the name if still there."""
+        if self.writable:
+            unlink(self.name)
+        self._tensor = None
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:         # a view still exported: the mapping goes with the last view
+                pass
+            self._map = None
+
+
+@dataclass
+class HostShare:
+    """What ``execute_reads`` needs for same-host sharing: this rank's own segment and the segments of the
+    ranks it receives from (by rank)."""
+
+    own: Segment
+    peers: dict[int, Segment]
+
+    def close(self) -> None:
+        for seg in self.peers.values():
+            seg.close()
+        self.own.close()

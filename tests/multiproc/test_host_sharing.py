@@ -1,0 +1,97 @@
+"""Same-host shared-memory reads (``core.chunks.shm``): a span several ranks of a host need is read, decoded and
+verified once, and the others copy from shared memory. Bitwise equal to plain per-rank reads for every layout
+change; corrupt bytes fail every rank; a rank killed in the shared phase fails the others (no hang) and leaves
+no segment behind."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from multiproc import _host_share_ranks as R
+
+from liferaft.core.chunks import shm
+from liferaft.testing import run_ranks
+from liferaft.testing.launcher import RankFailure
+
+pytestmark = pytest.mark.skipif(not shm.available(), reason="no /dev/shm")
+
+
+def _run(fn, world, *args):
+    return run_ranks(fn, world, *args, timeout=240.0, pg_timeout=60.0)
+
+
+CASES = [("S1", 2, "off"),          # Shard(0) -> Shard(1): every rank needs every row
+         ("R", 2, "off"),           # -> Replicate
+         ("S1", 3, "off"),          # 2 -> 3 ranks
+         ("S0,S1", 4, "off"),       # FSDP (Shard(0)) -> FSDP x TP on a 2 x 2 mesh
+         ("S1", 2, "on")]           # compressed chunks: decoded once
+
+
+@pytest.mark.parametrize("layout,world,compression", CASES, ids=[f"{a}@{b}-{c}" for a, b, c in CASES])
+def test_shared_memory_load_is_bitwise_equal_to_plain_reads(tmp_path, layout, world, compression):
+    path = str(tmp_path / "ck")
+    _run(R.save, 2, path, "S0", compression)
+    out = _run(R.load_both, world, path, layout)
+    assert all(o["same"] and o["right"] for o in out), out
+    assert all(o["off_received"] == 0 for o in out), out
+    assert sum(1 for o in out if o["received"] > 0) >= 2, f"nothing was shared: {out}"
+    full = sum(R.reference(k).numel() * 4 for k in R.SHAPES)
+    # every shared span read once on the host: less than every rank reading what it needs
+    assert sum(o["read"] - o["received"] for o in out) < sum(o["read"] for o in out) <= world * full, out
+
+
+def test_rank_killed_in_the_shared_phase_fails_the_others_and_leaves_no_segment(tmp_path):
+    path, pids = str(tmp_path / "ck"), tmp_path / "pids"
+    pids.mkdir()
+    _run(R.save, 2, path, "S0", "off")
+    with pytest.raises(RankFailure) as failed:
+        run_ranks(R.load_killed, 3, path, str(pids), 1, timeout=120.0, pg_timeout=60.0)
+    assert "rank 0 ---" not in str(failed.value) and "rank 2 ---" not in str(failed.value), failed.value
+    outcomes = {r: ast.literal_eval((pids / f"{r}.out").read_text()) for r in (0, 2)}
+    assert not (pids / "1.out").exists(), "the victim finished its load before it was killed"
+    for r, (kind, msg, seconds) in outcomes.items():
+        assert kind == "DistributedError", outcomes
+        assert seconds < 60.0, outcomes          # bounded by LoadOptions.timeout (10 s), not the test's
+    for r in range(3):
+        pid = (pids / f"{r}").read_text()
+        left = [n for n in os.listdir("/dev/shm") if n.startswith(f"liferaft-load-{pid}-")]
+        assert not left, f"rank {r} left {left}"
+
+
+def test_stale_segments_of_dead_processes_are_swept(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    name = f"liferaft-load-{dead}-{'0' * 16}-r0"
+    alive = shm.new_name(0)                                  # this process: left alone
+    for n in (name, alive):
+        with open(os.path.join(shm.SHM_DIR, n), "wb") as f:
+            f.write(b"x")
+    try:
+        shm.sweep_stale()
+        assert not os.path.exists(os.path.join(shm.SHM_DIR, name))
+        assert os.path.exists(os.path.join(shm.SHM_DIR, alive))
+    finally:
+        shm.unlink(name)
+        shm.unlink(alive)
+
+
+def test_a_segment_that_is_not_what_the_load_planned_is_refused(tmp_path):
+    seg = shm.Segment.create(shm.new_name(0), 1 << 16, 2)
+    try:
+        from liferaft.errors import DistributedError
+        with pytest.raises(DistributedError, match="regular file of this user"):
+            shm.Segment.attach(seg.name, 1 << 16, 3, 0)       # another size than planned
+        with pytest.raises(DistributedError, match="not one of liferaft's"):
+            shm.Segment.attach("../etc/passwd", 1 << 16, 2, 0)
+        peer = shm.Segment.attach(seg.name, 1 << 16, 2, 0)
+        seg.slot(1, 8).copy_(torch.arange(8, dtype=torch.uint8))
+        assert peer.slot(1, 8).tolist() == list(range(8))
+        peer.close()
+    finally:
+        seg.close()
+    assert not os.path.exists(os.path.join(shm.SHM_DIR, seg.name))
