@@ -52,10 +52,10 @@ def save(rank: int, world: int, path: str, layout: str, compression: str) -> Non
 
 
 def load_both(rank: int, world: int, path: str, layout: str) -> dict[str, Any]:
-    """Load into ``layout`` with same-host sharing (the default on local files) and without; compare the local
+    """Load into ``layout`` with same-host sharing (``share_reads=True`` on local files) and without; compare the local
     shards bitwise with each other and with the reference."""
     shared, plain = build(world, layout, False), build(world, layout, False)
-    res = liferaft.load(path, shared, options=LoadOptions(timeout=TIMEOUT))
+    res = liferaft.load(path, shared, options=LoadOptions(timeout=TIMEOUT, share_reads=True))
     off = liferaft.load(path, plain, options=LoadOptions(timeout=TIMEOUT, share_reads=False))
     same = all(torch.equal(shared[k].to_local().view(torch.int32), plain[k].to_local().view(torch.int32))
                for k in SHAPES)
@@ -87,7 +87,7 @@ def load_killed(rank: int, world: int, path: str, pids: str, victim: int) -> tup
         threading.Thread(target=watch, daemon=True).start()
     t0 = time.perf_counter()
     try:
-        liferaft.load(path, state, options=LoadOptions(timeout=10.0))
+        liferaft.load(path, state, options=LoadOptions(timeout=10.0, share_reads=True))
         out = ("ok", "", time.perf_counter() - t0)
     except LiferaftError as e:
         out = (type(e).__name__, str(e), time.perf_counter() - t0)
