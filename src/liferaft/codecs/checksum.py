@@ -21,7 +21,7 @@ import crc32c
 import xxhash
 
 from liferaft.errors import CorruptCheckpointError
-from liferaft.format.records import CHECKSUM_ALGO, LEGACY_CHECKSUM
+from liferaft.format.records import CHECKSUM_ALGO, CHUNK_DIGEST, LEGACY_CHECKSUM
 
 MIN_BLOCK_SIZE = 64 << 10
 MAX_BLOCK_SIZE = 4 << 20
@@ -46,6 +46,10 @@ _DIGESTS: dict[str, Callable[[bytes | memoryview], str]] = {
     "crc32c": _crc32c_hex,
     "xxh3_64": xxhash.xxh3_64_hexdigest,
 }
+
+
+#: bits of each algorithm's digest: an equality decision rests on at least 64 (``ChunkRecord.digest`` otherwise)
+CHECKSUM_BITS: dict[str, int] = {"crc32c": 32, "xxh3_64": 64}
 
 
 def _digest_fn(algo: str) -> Callable[[bytes | memoryview], str]:
@@ -103,19 +107,32 @@ class _Crc32cStream:
 _STREAMS: dict[str, Callable[[], _Crc32cStream | xxhash.xxh3_64]] = {"crc32c": _Crc32cStream, "xxh3_64": xxhash.xxh3_64}
 
 
+def chunk_digest(data: bytes | memoryview) -> str:
+    """The ``CHUNK_DIGEST`` hex digest of a whole chunk's raw bytes (``ChunkRecord.digest``)."""
+    return digest(data, CHUNK_DIGEST)
+
+
 class BlockHasher:
     """Streaming block hashes: feed a chunk's bytes in pieces of any size, in order; same result as
-    :func:`block_hashes` over the whole chunk with the same ``algo``."""
+    :func:`block_hashes` over the whole chunk with the same ``algo``. With ``whole``, also the
+    :func:`chunk_digest` of all the bytes fed (:meth:`digest`), in the same pass."""
 
-    def __init__(self, block_size: int, algo: str = CHECKSUM_ALGO) -> None:
+    def __init__(self, block_size: int, algo: str = CHECKSUM_ALGO, whole: bool = False) -> None:
         _digest_fn(algo)
         self.block_size = block_size
         self.algo = algo
         self._h = _STREAMS[algo]()
         self._filled = 0
         self._out: list[str] = []
+        self._whole = xxhash.xxh3_64() if whole else None
+
+    def digest(self) -> str | None:
+        """:func:`chunk_digest` of every byte fed so far (None without ``whole``)."""
+        return None if self._whole is None else self._whole.hexdigest()
 
     def update(self, data: memoryview) -> None:
+        if self._whole is not None:
+            self._whole.update(data)
         pos, n = 0, len(data)
         if self._filled == 0:                      # whole blocks straight from the piece
             whole = (n // self.block_size) * self.block_size

@@ -22,6 +22,9 @@ LEGACY_CHECKSUM = "xxh3_64"
 #: Every block checksum this code verifies: a manifest or chunk naming another is refused (written by a newer
 #: liferaft).
 CHECKSUM_ALGOS = ("xxh3_64", "crc32c")
+#: The chunk digest (``ChunkRecord.digest``): 64 bits over a whole chunk's raw bytes, what an incremental save's
+#: "unchanged" verdict rests on for chunks whose block checksum is 32-bit (docs/FORMAT.md §3.1, §4.2).
+CHUNK_DIGEST = "xxh3_64"
 
 PathPart = str | int
 
@@ -63,6 +66,10 @@ class ChunkRecord:
     delta: ChunkRecord | None = None
     #: the block checksum algorithm of ``hashes`` (a chunk referenced from an older checkpoint keeps its own)
     checksum: str = CHECKSUM_ALGO
+    #: ``CHUNK_DIGEST`` (16 hex digits) of the whole chunk's raw bytes (those ``hashes`` describe: decoded, the
+    #: delta undone), or None (chunks written before it, lossy chunks): only a chunk with one, or whose blocks
+    #: are hashed by a 64-bit ``checksum``, is ever taken as equal to other bytes (docs/FORMAT.md §4.2).
+    digest: str | None = None
 
     @property
     def stored_length(self) -> int:
@@ -94,6 +101,8 @@ class ChunkRecord:
             out["delta"] = self.delta.to_json(default_checksum)
         if self.checksum != default_checksum:
             out["checksum"] = self.checksum
+        if self.digest is not None:
+            out["digest"] = self.digest
         return out
 
 

@@ -295,7 +295,7 @@ def build_manifest(plan: SavePlan, stored: Sequence[Sequence[Any]], file_sizes: 
             records[w.key].append(ChunkRecord(offsets=w.offsets, sizes=w.sizes, file=sc.file,
                                               byte_offset=sc.byte_offset, length=w.length, block_size=sc.block_size,
                                               hashes=tuple(sc.hashes), codec=sc.codec, frames=sc.frames,
-                                              delta=sc.delta, checksum=sc.checksum))
+                                              delta=sc.delta, checksum=sc.checksum, digest=sc.digest))
             if sc.error is not None:
                 e = errors.setdefault(w.key, [0.0, 0.0, 0])
                 e[0], e[1], e[2] = max(e[0], sc.error[0]), e[1] + sc.error[1], e[2] + sc.error[2]

@@ -1,9 +1,11 @@
 """Write this rank's share of a save plan to its data file from staged pieces: hash, reuse, encode, write.
 
 Per chunk, in plan order, the writer
-- hashes the raw bytes in blocks as they arrive from staging (no extra read of old data);
-- if the chunk's box was stored with the same block hashes by the base checkpoint of an incremental save,
-  writes nothing and records a reference to the stored bytes (``ChunkPolicy.reuse``);
+- hashes the raw bytes in blocks (CRC-32C) and whole (the 64-bit chunk digest) as they arrive from staging (no
+  extra read of old data);
+- if the chunk's box was stored with the same block hashes and digest by the base checkpoint of an incremental
+  save, writes nothing and records a reference to the stored bytes (``ChunkPolicy.reuse``; ``_unchanged``: never
+  on fewer than 64 bits);
 - else encodes it (lossless byte planes + zstd where that pays, or an opt-in lossy codec) on the codec worker
   threads while it goes on with the next chunks (``core.chunks.encoding``: encoding overlaps the writes), or
   writes the raw pieces straight from the pool (O_DIRECT for page-aligned pieces).
@@ -27,7 +29,7 @@ import torch
 
 from liferaft.codecs import frames, registry
 from liferaft.codecs.base import EncodedChunk
-from liferaft.codecs.checksum import BlockHasher, block_hashes, choose_block_size
+from liferaft.codecs.checksum import CHECKSUM_BITS, BlockHasher, block_hashes, choose_block_size
 from liferaft.core.chunks.encoding import EncodeQueue, InFlight
 from liferaft.errors import StorageError
 from liferaft.format.manifest import CHECKSUM_ALGO, ChunkRecord
@@ -89,6 +91,7 @@ class StoredChunk:
     stale: float | None = None      # selective: not saved; the base's older bytes, this relative change away
     origin: str | None = None       # copied from this sibling checkpoint (``rehome``) rather than referenced
     checksum: str = CHECKSUM_ALGO   # the algorithm of ``hashes`` (a reference keeps its base chunk's)
+    digest: str | None = None       # ``ChunkRecord.digest``: of the raw bytes (None: a lossy chunk)
 
 
 @dataclass
@@ -201,7 +204,7 @@ def write_staged(storage: Storage, items: Sequence[WriteItem], pieces: queue.Que
     encoding = EncodeQueue(finish)
     try:
         for idx, w in enumerate(items):
-            hasher = BlockHasher(choose_block_size(w.length, policy.block_size), CHECKSUM_ALGO)
+            hasher = BlockHasher(choose_block_size(w.length, policy.block_size), CHECKSUM_ALGO, whole=True)
             decide = policy.decides(w) and w.length <= pool.capacity     # (else it could never be held whole)
             got = 0
             base = f.start(w.length, w.length >= PAGE_ALIGN_MIN) if not decide else 0
@@ -226,9 +229,11 @@ def write_staged(storage: Storage, items: Sequence[WriteItem], pieces: queue.Que
                     encoding.drain()
                     _write_raw(f, piece, base, out, pool)
             hashes = tuple(hasher.finish())
+            whole = hasher.digest()
             slots.append(None)
             if decide:
-                stored = _decided(f, w, held, hashes, hasher.block_size, policy, out, encoding, len(slots) - 1)
+                stored = _decided(f, w, held, (hashes, whole), hasher.block_size, policy, out, encoding,
+                                  len(slots) - 1)
                 if stored is not None:
                     slots[-1] = stored
                     encoding.drain()
@@ -236,7 +241,8 @@ def write_staged(storage: Storage, items: Sequence[WriteItem], pieces: queue.Que
                         pool.release(p.region)
                 held = []                   # (an encoding chunk keeps its list until its frames are written)
             else:
-                slots[-1] = StoredChunk(file=w.file, byte_offset=base, block_size=hasher.block_size, hashes=hashes)
+                slots[-1] = StoredChunk(file=w.file, byte_offset=base, block_size=hasher.block_size, hashes=hashes,
+                                        digest=whole)
             encoding.collect()
         encoding.drain()
         out.chunks = [sc for sc in slots if sc is not None]
@@ -304,18 +310,19 @@ def _blocks(held: Sequence[Piece], block_size: int) -> list[memoryview]:
     return [whole[i:i + block_size] for i in range(0, len(whole), block_size)]
 
 
-def _decided(f: _File, w: WriteItem, held: Sequence[Piece], hashes: tuple[str, ...], block_size: int,
-             policy: ChunkPolicy, out: WriteOutcome, encoding: EncodeQueue, slot: int) -> StoredChunk | None:
-    """Store a whole held chunk: as a reference, raw, or (None) submitted to ``encoding``, which writes it and
-    releases ``held`` when its frames are ready."""
+def _decided(f: _File, w: WriteItem, held: Sequence[Piece], sums: tuple[tuple[str, ...], str | None],
+             block_size: int, policy: ChunkPolicy, out: WriteOutcome, encoding: EncodeQueue, slot: int
+             ) -> StoredChunk | None:
+    """Store a whole held chunk (``sums``: its block hashes and chunk digest): as a reference, raw, or (None)
+    submitted to ``encoding``, which writes it and releases ``held`` when its frames are ready."""
+    hashes, whole = sums
     base = policy.reuse.get((w.key, w.offsets, w.sizes))
-    if base is not None and base[0].block_size == block_size and base[0].length == w.length \
-            and base[0].hashes == _hashes_as(base[0].checksum, held, hashes, block_size):
+    if base is not None and _unchanged(base[0], w, held, hashes, whole, block_size):
         rec, sizes = base
         out.bytes_reused += w.length
         return StoredChunk(file=rec.file, byte_offset=rec.byte_offset, block_size=rec.block_size, hashes=rec.hashes,
                            codec=rec.codec, frames=rec.frames, delta=rec.delta, ref_files=sizes,
-                           checksum=rec.checksum)
+                           checksum=rec.checksum, digest=rec.digest)
     dtype = policy.dtypes[w.key]
     if base is not None and w.key in policy.selective and policy.reader is not None:
         change = _change(held, base[0], dtype, w.key, policy.reader)
@@ -324,23 +331,23 @@ def _decided(f: _File, w: WriteItem, held: Sequence[Piece], hashes: tuple[str, .
             out.bytes_reused += w.length
             return StoredChunk(file=rec.file, byte_offset=rec.byte_offset, block_size=rec.block_size,
                                hashes=rec.hashes, codec=rec.codec, frames=rec.frames, delta=rec.delta,
-                               ref_files=sizes, stale=change, checksum=rec.checksum)
+                               ref_files=sizes, stale=change, checksum=rec.checksum, digest=rec.digest)
     delta = policy.delta.get((w.key, w.offsets, w.sizes))
     if delta is not None and w.length and policy.reader is not None:
-        stored = _delta(f, w, held, hashes, block_size, delta, policy, out)
+        stored = _delta(f, w, held, sums, block_size, delta, policy, out)
         if stored is not None:
             return stored
     codec = policy.lossy.get(w.key) or (registry.LOSSLESS if policy.compress else None)
     if codec is not None and w.length:
         impl = policy.codecs.get(codec, f"key {w.key!r}")
         encoding.submit(slot, impl, _blocks(held, block_size), dtype, frames.PAYS_RATIO if impl.lossless else None,
-                        held, (w, hashes, block_size, codec))
+                        held, (w, sums, block_size, codec))
         return None
-    return _write_held_raw(f, w, held, hashes, block_size, out)
+    return _write_held_raw(f, w, held, sums, block_size, out)
 
 
-def _write_held_raw(f: _File, w: WriteItem, held: Sequence[Piece], hashes: tuple[str, ...], block_size: int,
-                    out: WriteOutcome) -> StoredChunk:
+def _write_held_raw(f: _File, w: WriteItem, held: Sequence[Piece], sums: tuple[tuple[str, ...], str | None],
+                    block_size: int, out: WriteOutcome) -> StoredChunk:
     pos = f.start(w.length, w.length >= PAGE_ALIGN_MIN)
     t0 = time.perf_counter()
     for p in held:
@@ -348,23 +355,42 @@ def _write_held_raw(f: _File, w: WriteItem, held: Sequence[Piece], hashes: tuple
         f.pwrite(mv, pos + p.offset)
         out.bytes_written += len(mv)
     out.write_s += time.perf_counter() - t0
-    return StoredChunk(file=w.file, byte_offset=pos, block_size=block_size, hashes=hashes)
+    return StoredChunk(file=w.file, byte_offset=pos, block_size=block_size, hashes=sums[0], digest=sums[1])
 
 
-def _write_encoded(f: _File, context: tuple[WriteItem, tuple[str, ...], int, str], held: Sequence[Piece],
-                   enc: EncodedChunk | None, took: float, out: WriteOutcome) -> StoredChunk:
-    """Write a chunk whose encoding ended (``enc`` None: the codec declined it, stored raw)."""
-    w, hashes, block_size, codec = context
+def _write_encoded(f: _File, context: tuple[WriteItem, tuple[tuple[str, ...], str | None], int, str],
+                   held: Sequence[Piece], enc: EncodedChunk | None, took: float, out: WriteOutcome) -> StoredChunk:
+    """Write a chunk whose encoding ended (``enc`` None: the codec declined it, stored raw). A lossy chunk (its
+    ``hashes`` are those of the decoded values, not of the bytes hashed while staging) gets no digest."""
+    w, (hashes, whole), block_size, codec = context
     out.encode_s += took
     if enc is None:
-        return _write_held_raw(f, w, held, hashes, block_size, out)
+        return _write_held_raw(f, w, held, (hashes, whole), block_size, out)
     t0 = time.perf_counter()
     pos, n = f.write_frames(enc.frames)
     out.write_s += time.perf_counter() - t0
     out.bytes_written += n
     out.bytes_encoded += w.length
     return StoredChunk(file=w.file, byte_offset=pos, block_size=block_size, hashes=enc.hashes or hashes,
-                       codec=codec, frames=tuple(len(x) for x in enc.frames), error=enc.error)
+                       codec=codec, frames=tuple(len(x) for x in enc.frames), error=enc.error,
+                       digest=None if enc.hashes or enc.error is not None else whole)
+
+
+def _unchanged(rec: ChunkRecord, w: WriteItem, held: Sequence[Piece], hashes: tuple[str, ...], whole: str | None,
+               block_size: int) -> bool:
+    """Whether the held chunk (block ``hashes``, chunk digest ``whole``) holds the bytes of the base's ``rec``,
+    decided on at least 64 bits (docs/FORMAT.md §4.2): every block hash equal by ``rec``'s algorithm AND, when
+    that algorithm has fewer than 64 bits (``crc32c``: a chunk changed within one block would pass with
+    probability 2**-32), equal chunk digests. A base chunk with 32-bit block hashes and no digest (written before
+    digests) is never taken as unchanged: the chunk is written again."""
+    if rec.block_size != block_size or rec.length != w.length:
+        return False
+    if rec.digest is not None:
+        if whole is None or rec.digest != whole:
+            return False
+    elif CHECKSUM_BITS.get(rec.checksum, 0) < 64:
+        return False
+    return rec.hashes == _hashes_as(rec.checksum, held, hashes, block_size)
 
 
 def _hashes_as(algo: str, held: Sequence[Piece], hashes: tuple[str, ...], block_size: int) -> tuple[str, ...]:
@@ -398,7 +424,7 @@ def _change(held: Sequence[Piece], base: ChunkRecord, dtype: str, key: str, read
     return diff / norm if norm > 0 else (0.0 if diff == 0 else float("inf"))
 
 
-def _delta(f: _File, w: WriteItem, held: Sequence[Piece], hashes: tuple[str, ...], block_size: int,
+def _delta(f: _File, w: WriteItem, held: Sequence[Piece], sums: tuple[tuple[str, ...], str | None], block_size: int,
            delta: tuple[ChunkRecord, dict[str, int]], policy: ChunkPolicy, out: WriteOutcome) -> StoredChunk | None:
     """Store the chunk as the XOR of its bytes with the base's bytes of the same box, compressed (None: the base
     cannot be read and verified; the chunk is then stored as if no delta was asked for)."""
@@ -424,5 +450,5 @@ def _delta(f: _File, w: WriteItem, held: Sequence[Piece], hashes: tuple[str, ...
     out.write_s += time.perf_counter() - t0
     out.bytes_written += n
     out.bytes_encoded += w.length
-    return StoredChunk(file=w.file, byte_offset=pos, block_size=block_size, hashes=hashes, codec=registry.LOSSLESS,
-                       frames=tuple(len(x) for x in enc.frames), delta=rec, ref_files=sizes)
+    return StoredChunk(file=w.file, byte_offset=pos, block_size=block_size, hashes=sums[0], codec=registry.LOSSLESS,
+                       frames=tuple(len(x) for x in enc.frames), delta=rec, ref_files=sizes, digest=sums[1])
