@@ -73,19 +73,23 @@ def block_hashes(data: memoryview, block_size: int, algo: str = CHECKSUM_ALGO) -
     return [fn(data[i:i + block_size]) for i in range(0, len(data), block_size)]
 
 
-def verify_blocks(data: memoryview, hashes: Sequence[str], block_size: int, where: str, algo: str) -> None:
+def verify_blocks(data: memoryview, hashes: Sequence[str], block_size: int, where: str, algo: str,
+                  first: int = 0) -> None:
     """Raise CorruptCheckpointError naming ``where`` if any block of ``data`` does not match its ``algo`` hash in
-    ``hashes`` (``algo``: the algorithm the chunk's record names)."""
+    ``hashes`` (``algo``: the algorithm the chunk's record names). ``first``: the number of ``data``'s first
+    block in the read it comes from (for the message only: ``data`` starts at byte ``first * block_size``)."""
     fn = _digest_fn(algo)
     n = len(data)
+    base = first * block_size
     for i, expected in enumerate(hashes):
         lo = i * block_size
         if lo >= n:
-            raise CorruptCheckpointError(f"{where}: read {n} bytes but {len(hashes)} blocks were expected")
+            raise CorruptCheckpointError(f"{where}: read {base + n} bytes but {first + len(hashes)} blocks were "
+                                         "expected; the file is truncated. Restore from another checkpoint or copy")
         if fn(data[lo:lo + block_size]) != expected:
             raise CorruptCheckpointError(
-                f"{where}: checksum mismatch in block {i} (bytes {lo}..{min(lo + block_size, n)} of this read, "
-                f"{algo}); the stored data is corrupt. Restore from another checkpoint or copy")
+                f"{where}: checksum mismatch in block {first + i} (bytes {base + lo}..{base + min(lo + block_size, n)}"
+                f" of this read, {algo}); the stored data is corrupt. Restore from another checkpoint or copy")
 
 
 class _Crc32cStream:

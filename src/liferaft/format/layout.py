@@ -11,6 +11,9 @@ COMMIT_MARKER = "COMMIT"
 DATA_DIR = "data"
 MANIFEST_PREFIX = "manifest-"
 STEP_PREFIX = "step-"
+#: A file the I/O probe (``storage.iopath``) writes and removes, left behind only by a kill -9 where the file
+#: system has no unnamed files: never data, removed by cleanup.
+PROBE_PREFIX = ".liferaft-probe-"
 
 
 def manifest_name(save_id: str) -> str:
@@ -48,7 +51,12 @@ def is_layout_name(name: str) -> bool:
     manifest, the marker (or its temporary copy)."""
     first, _, rest = name.partition("/")
     return (first == DATA_DIR and bool(rest)) or first.startswith(COMMIT_MARKER) or \
-        (first.startswith(MANIFEST_PREFIX) and ".json" in first)
+        (first.startswith(MANIFEST_PREFIX) and ".json" in first) or is_probe_name(name)
+
+
+def is_probe_name(name: str) -> bool:
+    """Whether the last part of ``name`` is a file of the I/O probe (``PROBE_PREFIX``...): never data."""
+    return name.rpartition("/")[2].startswith(PROBE_PREFIX)
 
 
 def is_stale(name: str, keep: str) -> bool:
@@ -58,7 +66,7 @@ def is_stale(name: str, keep: str) -> bool:
         return not name.startswith(data_prefix(keep))
     if name.startswith(MANIFEST_PREFIX):
         return name != manifest_name(keep)
-    return ".tmp-" in base
+    return ".tmp-" in base or is_probe_name(name)
 
 
 def step_name(step: int) -> str:

@@ -18,7 +18,15 @@ from liferaft.errors import (
     StorageError,
 )
 from liferaft.format import jsonsafe
-from liferaft.format.layout import COMMIT_MARKER, STEP_PREFIX, is_layout_name, parse_step, step_like, step_name  # noqa: F401 - step_like: for tools.steps
+from liferaft.format.layout import (  # noqa: F401 - step_like: for tools.steps
+    COMMIT_MARKER,
+    STEP_PREFIX,
+    is_layout_name,
+    is_probe_name,
+    parse_step,
+    step_like,
+    step_name,
+)
 from liferaft.format.limits import MAX_INT, MAX_ROOT_FILE_BYTES
 from liferaft.manager.policies import RetentionPolicy, referenced_closure
 from liferaft.storage import Storage
@@ -185,9 +193,14 @@ def delete_step(storage: Storage, step: int) -> bool:
 
 def remove_leftovers(storage: Storage, listing: list[StepInfo]) -> None:
     """Rank 0, holding the lease: remove steps of saves that never committed (no job writes them now) — not one
-    that committed steps reference, nor one holding files liferaft never writes (warnings say so)."""
+    that committed steps reference, nor one holding files liferaft never writes (warnings say so) — and the files
+    killed I/O probes left anywhere under the root (``format.layout.is_probe_name``)."""
     needed = {d for i in listing if i.status == "committed" for d in i.depends_on}
-    foreign = _foreign_steps(storage.list()) if any(i.status == "incomplete" for i in listing) else {}
+    names = storage.list()
+    for name in names:
+        if is_probe_name(name):            # a killed I/O probe's file (in use by a live probe: it reads and writes
+            storage.delete(name)           # through its descriptor, so removing the name harms nothing)
+    foreign = _foreign_steps(names) if any(i.status == "incomplete" for i in listing) else {}
     for info in listing:
         if info.status == "incomplete" and info.step in needed:
             warnings.warn(f"liferaft: step {info.step} has no commit marker but committed steps reference its "

@@ -4,9 +4,16 @@ Which path is fastest depends on the device and on its hour: on these VMs O_DIRE
 fast hour and below a buffered write (the kernel's writeback queues deep, merged requests) on a slow one. So
 ``PosixStorage`` asks, on its first large request (``PROBE_FROM`` bytes or more: small checkpoints and tests
 never pay for it), for the ``Choice`` of its device: ``probe`` writes (with fsync) and reads (cold: O_DIRECT,
-or buffered after ``POSIX_FADV_DONTNEED``) one short file in the storage's own folder on every path — O_DIRECT
+or buffered after ``POSIX_FADV_DONTNEED``) one short file on the storage's file system on every path — O_DIRECT
 and buffered, 1 and ``MANY`` requests in flight — and ``choose``, a pure function of those figures, keeps the
-cheapest of the paths within ``MARGIN`` of the fastest. The choice is kept per device (``st_dev``) for the life of the process; ``forget`` drops it.
+cheapest of the paths within ``MARGIN`` of the fastest. The choice is kept per device (``st_dev``) for the life
+of the process; ``forget`` drops it.
+
+Side effects: the probe's file is unnamed (``O_TMPFILE``) where the file system allows, so a kill -9 during the
+probe leaves nothing; elsewhere it is ``PROBE_PREFIX``... in the folder, which no reader takes for data and
+cleanup removes (``is_probe_name``). A read of an existing checkpoint never writes: before the first large
+write of a device, reads measure only the read paths, on the data file being read (``probe_reads``). The
+processes of one host probing the same folder take turns (``flock`` of the folder).
 A file system that refuses O_DIRECT (tmpfs) has no O_DIRECT figures, so the choice is buffered.
 
 ``Choice`` is also what a caller forces: ``PosixStorage(root, direct_io=False, inflight=4)`` never probes.
@@ -14,14 +21,18 @@ A file system that refuses O_DIRECT (tmpfs) has no O_DIRECT figures, so the choi
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import mmap
 import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+
+from liferaft.format.layout import PROBE_PREFIX, is_probe_name  # noqa: F401 - is_probe_name: for callers
 
 PAGE = 4096
 PROBE_FROM = 8 << 20         # a request at least this large asks for the device's choice (probing it once)
@@ -130,100 +141,190 @@ def _write(fd: int, buf: mmap.mmap, inflight: int) -> None:
     os.fsync(fd)
 
 
-def _read(fd: int, buf: mmap.mmap, inflight: int) -> None:
+def _read(fd: int, buf: mmap.mmap, inflight: int, nbytes: int = PROBE_BYTES) -> None:
     def one(pos: int, n: int) -> int:
         return os.preadv(fd, [memoryview(buf)[pos:pos + n]], pos)
 
-    requests = [(at, min(PROBE_REQUEST, PROBE_BYTES - at)) for at in range(0, PROBE_BYTES, PROBE_REQUEST)]
+    requests = [(at, min(PROBE_REQUEST, nbytes - at)) for at in range(0, nbytes, PROBE_REQUEST)]
     for i in range(0, len(requests), inflight):
         in_parallel(one, requests[i:i + inflight])
 
 
-def probe(folder: str) -> Probe:
-    """Time every path on one ``PROBE_BYTES`` file created (exclusively, never through a link) in ``folder``
-    and removed after, ``ROUNDS`` times in alternating order, keeping each path's best (what the device can do,
-    not what a neighbour's burst left of it); O_DIRECT paths the file system refuses are left out."""
-    t0 = time.perf_counter()
-    name = os.path.join(folder, f".liferaft-probe-{uuid.uuid4().hex[:12]}")
-    buf = mmap.mmap(-1, PROBE_BYTES)
-    buf.write(b"\x5a" * PROBE_BYTES)                   # prefaulted, page aligned
+def _probe_file(folder: str) -> tuple[int, str | None]:
+    """A new, empty file on ``folder``'s file system open for reading and writing: unnamed (``O_TMPFILE``:
+    nothing to see, nothing left by a kill -9) where the file system allows it, else created exclusively as
+    ``PROBE_PREFIX``... (never through a link); returns (descriptor, name or None)."""
+    base = os.O_RDWR | getattr(os, "O_CLOEXEC", 0)
+    if hasattr(os, "O_TMPFILE"):
+        try:
+            return os.open(folder, base | os.O_TMPFILE, 0o600), None
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOENT):
+                raise
+    name = os.path.join(folder, f"{PROBE_PREFIX}{uuid.uuid4().hex[:12]}")
+    return os.open(name, base | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600), name
+
+
+def _set_direct(fd: int, direct: bool) -> bool:
+    """Turn O_DIRECT on or off for ``fd``; False where the file system refuses it."""
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, (flags | os.O_DIRECT) if direct else (flags & ~os.O_DIRECT))
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        return False
+    return True
+
+
+def _paths() -> list[Path]:
+    return [(d, k) for d in ((True, False) if hasattr(os, "O_DIRECT") else (False,)) for k in (1, MANY)]
+
+
+def _rounds(measure: Callable[[bool, int], tuple[float, float] | None]) -> tuple[dict[Path, float], dict[Path, float]]:
+    """``measure(direct, k)`` (write, read) for every path, ``ROUNDS`` times in alternating order, each path's
+    best kept; a path ``measure`` refuses (None) in the first round is left out."""
     write: dict[Path, float] = {}
     read: dict[Path, float] = {}
-    paths = [(d, k) for d in ((True, False) if hasattr(os, "O_DIRECT") else (False,)) for k in (1, MANY)]
+    paths = _paths()
+    for r in range(ROUNDS):
+        for direct, k in (paths if r % 2 == 0 else paths[::-1]):
+            if r and (direct, k) not in read:
+                continue                             # refused in the first round
+            got = measure(direct, k)
+            if got is not None:
+                write[(direct, k)] = max(write.get((direct, k), 0.0), got[0])
+                read[(direct, k)] = max(read.get((direct, k), 0.0), got[1])
+    return write, read
+
+
+def probe(folder: str) -> Probe:
+    """Time every path on one ``PROBE_BYTES`` file on ``folder``'s file system, ``ROUNDS`` times in alternating
+    order, keeping each path's best (what the device can do, not what a neighbour's burst left of it); O_DIRECT
+    paths the file system refuses are left out. The file has no name where the file system allows (``O_TMPFILE``),
+    else it is ``PROBE_PREFIX``... in ``folder`` (``is_probe_name``), removed after."""
+    t0 = time.perf_counter()
+    fd, name = _probe_file(folder)
+    buf = mmap.mmap(-1, PROBE_BYTES)
+    buf.write(b"\x5a" * PROBE_BYTES)                   # prefaulted, page aligned
     try:
-        for r in range(ROUNDS):
-            for direct, k in (paths if r % 2 == 0 else paths[::-1]):
-                if r and (direct, k) not in write:
-                    continue                             # refused in the first round
-                got = _time_path(name, buf, direct, k)
-                if got is not None:
-                    write[(direct, k)] = max(write.get((direct, k), 0.0), got[0])
-                    read[(direct, k)] = max(read.get((direct, k), 0.0), got[1])
+        write, read = _rounds(lambda direct, k: _time_path(fd, buf, direct, k))
     finally:
         buf.close()
-        if os.path.lexists(name):
+        os.close(fd)
+        if name is not None and os.path.lexists(name):
             os.unlink(name)
     return Probe(write=write, read=read, seconds=time.perf_counter() - t0)
 
 
-def _time_path(name: str, buf: mmap.mmap, direct: bool, k: int) -> tuple[float, float] | None:
-    """(write + fsync, cold read) bytes per second of one path on a new file ``name`` (removed after); None
-    where the file system refuses O_DIRECT."""
-    flags = os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-    d = os.O_DIRECT if direct else 0
-    try:
-        fd = os.open(name, flags | os.O_WRONLY | d, 0o600)
-    except OSError as e:
-        if e.errno != errno.EINVAL:
-            raise
+def _time_path(fd: int, buf: mmap.mmap, direct: bool, k: int) -> tuple[float, float] | None:
+    """(write + fsync, cold read) bytes per second of one path on the probe file ``fd``; None where the file
+    system refuses O_DIRECT."""
+    os.ftruncate(fd, 0)
+    if not _set_direct(fd, direct):
         return None
     try:
+        t = time.perf_counter()
+        _write(fd, buf, k)
+        w = PROBE_BYTES / max(time.perf_counter() - t, 1e-9)
+    except OSError as e:
+        if e.errno != errno.EINVAL or not direct:
+            raise
+        return None
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    t = time.perf_counter()
+    _read(fd, buf, k)
+    return w, PROBE_BYTES / max(time.perf_counter() - t, 1e-9)
+
+
+def probe_reads(open_file: Callable[[bool], int], size: int) -> Probe:
+    """Time the cold read of the first ``min(size, PROBE_BYTES)`` bytes (whole pages) of an existing file on
+    every read path, as ``probe`` does, writing nothing: ``open_file(direct)`` opens it (O_DIRECT or not; OSError
+    EINVAL where refused). For reads of a checkpoint that must not be written to (read, convert, inspect)."""
+    t0 = time.perf_counter()
+    n = min(size, PROBE_BYTES) // PAGE * PAGE
+    buf = mmap.mmap(-1, max(n, PAGE))
+    buf.write(b"\0" * len(buf))
+
+    def measure(direct: bool, k: int) -> tuple[float, float] | None:
         try:
-            t = time.perf_counter()
-            _write(fd, buf, k)
-            w = PROBE_BYTES / max(time.perf_counter() - t, 1e-9)
-        finally:
-            os.close(fd)
-        fd = os.open(name, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | d)
+            fd = open_file(direct)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            return None
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             t = time.perf_counter()
-            _read(fd, buf, k)
-            return w, PROBE_BYTES / max(time.perf_counter() - t, 1e-9)
+            _read(fd, buf, k, n)
+            return 0.0, n / max(time.perf_counter() - t, 1e-9)
         finally:
             os.close(fd)
+
+    try:
+        _, read = _rounds(measure) if n else ({}, {})
     finally:
-        os.unlink(name)
+        buf.close()
+    return Probe(write={}, read=read, seconds=time.perf_counter() - t0)
 
 
 _CHOICES: dict[int, tuple[Choice, Probe]] = {}
+_READS: dict[int, tuple[Choice, Probe]] = {}     # devices probed for reads only (no write was allowed there)
 _LOCK = threading.Lock()
 
 
-def choice_for(folder: str) -> Choice:
-    """The ``Choice`` of ``folder``'s device: probed in ``folder`` on the first call for that device, then kept
-    (a folder where the probe cannot write keeps the default ``Choice()``: O_DIRECT, one request in flight)."""
+@contextlib.contextmanager
+def _host_lock(folder: str) -> Iterator[None]:
+    """An exclusive ``flock`` of ``folder`` (the folder itself: nothing is created) while a probe runs, so that
+    the processes of one host probing the same folder (the ranks of a job) take turns instead of skewing each
+    other's figures; where the folder cannot be locked, nothing is held."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            pass
+        yield
+    finally:
+        os.close(fd)                            # (closing the descriptor releases the lock)
+
+
+def choice_for(folder: str, reading: tuple[Callable[[bool], int], int] | None = None) -> Choice:
+    """The ``Choice`` of ``folder``'s device, kept per device for the life of the process once measured.
+
+    Without ``reading``: probed in ``folder`` (``probe``: an unnamed file where the file system allows) on the
+    first call for that device. With ``reading`` = (``open_file``, size) of an existing file to be read, and
+    no full probe of the device yet: only its read paths are measured (``probe_reads``), on that file, and
+    nothing is written. The probes of one folder by the processes of a host take turns (``flock`` of the
+    folder). A device that cannot be probed keeps the default ``Choice()``: O_DIRECT, one request in flight."""
     dev = os.stat(folder).st_dev
     with _LOCK:
-        known = _CHOICES.get(dev)
+        known = _CHOICES.get(dev) or (_READS.get(dev) if reading is not None else None)
         if known is None:
+            kept = _CHOICES if reading is None else _READS
             try:
-                p = probe(folder)
+                with _host_lock(folder):
+                    p = probe(folder) if reading is None else probe_reads(*reading)
             except OSError:                 # not writable here, or the file was taken away: the default, kept
-                p = Probe(write={}, read={})
-                known = _CHOICES[dev] = (Choice(), p)
+                known = kept[dev] = (Choice(), Probe(write={}, read={}))
             else:
-                known = _CHOICES[dev] = (choose(p), p)
+                known = kept[dev] = (choose(p), p)
     return known[0]
 
 
 def probed() -> dict[int, tuple[Choice, Probe]]:
-    """Every device probed so far in this process: ``st_dev`` → (choice, figures)."""
+    """Every device probed so far in this process: ``st_dev`` → (choice, figures); a device probed for reads
+    only has no write figures."""
     with _LOCK:
-        return dict(_CHOICES)
+        return {**_READS, **_CHOICES}
 
 
 def forget() -> None:
     """Drop every kept choice (the next large request probes again)."""
     with _LOCK:
         _CHOICES.clear()
+        _READS.clear()

@@ -192,13 +192,23 @@ class PosixStorage(Storage):
         self._inflight = inflight or 1
         self.direct_io = (True if direct_io is None else bool(direct_io)) and hasattr(os, "O_DIRECT")
 
-    def io_path(self, nbytes: int, write: bool) -> tuple[bool, int]:
+    def io_path(self, nbytes: int, write: bool, name: str | None = None) -> tuple[bool, int]:
         """(O_DIRECT, requests in flight) for one request of ``nbytes``: forced, or the device's choice (probed
-        on the first large request; a root that cannot be probed keeps O_DIRECT, one in flight)."""
+        on the first large request; a root that cannot be probed keeps O_DIRECT, one in flight). A read names
+        its file ``name``: until this process has written to the device, only read paths are probed, on that
+        file (nothing is written where a checkpoint is only read)."""
         if not self._auto or nbytes < iopath.PROBE_FROM:
             return self.direct_io, self._inflight
         try:
-            c = iopath.choice_for(self._top if os.path.isdir(self._top) else self._base)
+            reading = None
+            if not write and name is not None:
+                fd = self.open_read(name)
+                try:
+                    size = os.fstat(fd).st_size
+                finally:
+                    os.close(fd)
+                reading = (lambda direct: self.open_read(name, direct=direct)), size
+            c = iopath.choice_for(self._top if os.path.isdir(self._top) else self._base, reading)
         except OSError:
             return self.direct_io, 1
         if write:
@@ -270,7 +280,7 @@ class PosixStorage(Storage):
 
     def read_into(self, name: str, offset: int, out: memoryview) -> int:
         mv = memoryview(out).cast("B")
-        direct, inflight = self.io_path(len(mv), write=False)
+        direct, inflight = self.io_path(len(mv), write=False, name=name)
         if inflight > 1 and len(mv) >= 2 * iopath.SPLIT_MIN:
             got = iopath.in_parallel(lambda at, n: self._read_into(name, at, mv[at - offset:at - offset + n], direct),
                                      iopath.spans(offset, len(mv), inflight))

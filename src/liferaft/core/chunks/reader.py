@@ -22,9 +22,10 @@ import torch
 from liferaft.codecs.checksum import verify_blocks
 from liferaft.codecs.frames import decode_frames, load_executor
 from liferaft.core.chunks.blocks import read_blocks, xor_into
+from liferaft.core.chunks.fused import verify_and_copy
 from liferaft.core.chunks.shm import HostShare
 from liferaft.errors import CorruptCheckpointError, DistributedError
-from liferaft.planning.load_plan import ReadUnit
+from liferaft.planning.load_plan import CopySpec, ReadUnit
 from liferaft.planning.share_plan import SharedSpan, Span
 from liferaft.staging.pool import PAGE, page_aligned_empty
 from liferaft.storage.base import Storage
@@ -256,22 +257,29 @@ def _consume(storage: Storage, batch: _Batch, buf: torch.Tensor, n: int, targets
             end = unit.first_block + len(unit.hashes)
             xor_into(memoryview(view.numpy()), read_blocks(storage, unit.delta, unit.first_block, end,
                                                            str(dtype).removeprefix("torch."), unit.key))
-        t0 = time.perf_counter()
-        verify_blocks(memoryview(view.numpy()), unit.hashes, unit.block_size, _where(unit), unit.checksum)
-        verify_s += time.perf_counter() - t0
         if keep is not None:
+            t0 = time.perf_counter()
+            verify_blocks(memoryview(view.numpy()), unit.hashes, unit.block_size, _where(unit), unit.checksum)
+            verify_s += time.perf_counter() - t0
             keep(view)
             keep = None
-        if copy:
-            copy_out(unit, view, dtype, targets)
+            if copy:
+                copy_out(unit, view, dtype, targets)
+            continue
+        seconds, rest = verify_and_copy(unit, view, dtype, targets, copy, _where(unit))
+        verify_s += seconds
+        if rest:
+            copy_out(unit, view, dtype, targets, rest)
     return verify_s
 
 
-def copy_out(unit: ReadUnit, view: torch.Tensor, dtype: torch.dtype, targets: Sequence[torch.Tensor]) -> None:
-    """Copy the verified bytes ``view`` of ``unit`` into the boxes of its targets (strided views)."""
+def copy_out(unit: ReadUnit, view: torch.Tensor, dtype: torch.dtype, targets: Sequence[torch.Tensor],
+             copies: Sequence[CopySpec] | None = None) -> None:
+    """Copy the verified bytes ``view`` of ``unit`` into the boxes of its targets (strided views): every copy
+    of the unit, or only ``copies``."""
     flat = view.view(dtype)
     with torch.no_grad():
-        for c in unit.copies:
+        for c in unit.copies if copies is None else copies:
             src = torch.as_strided(flat, c.sizes, c.src_strides, flat.storage_offset() + c.src_offset)
             dst = targets[c.target]
             for d, (o, s) in enumerate(zip(c.dest_offsets, c.sizes)):

@@ -1,0 +1,79 @@
+"""Verify and copy a read unit into its targets piece by piece, while its bytes are still in the CPU's cache.
+
+A unit's bytes arrive in a read buffer by DMA (O_DIRECT), so they are in memory, not in cache. Verifying the
+whole unit and then copying it reads every byte from memory twice; on these VMs that second pass was most of
+a load's CPU time (profiled: ``copy_`` 1.29 s of a 1.7 s load of 1 GB). Here each group of hash blocks
+(``PIECE`` bytes or so, small enough to stay in L2) is verified and then, at once, copied into the targets, so
+the copy reads it from cache. The contract is unchanged: no byte of a block reaches a target before that block
+has been verified; a corrupt block raises (the blocks before it may have landed, as whole earlier units may).
+
+Only copies whose source and destination are both one contiguous run of bytes (the common case: a whole
+tensor, or a slab of one along its first dimension) are cut into pieces; any other copy (a strided box of a
+resharding load, a non-contiguous destination view) runs after the whole unit is verified, as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import time
+from collections.abc import Sequence
+
+import torch
+
+from liferaft.codecs.checksum import verify_blocks
+from liferaft.planning.load_plan import CopySpec, ReadUnit
+
+PIECE = 1 << 20          # bytes verified and copied together (rounded to whole hash blocks)
+
+
+def _contiguous(sizes: Sequence[int], strides: Sequence[int]) -> bool:
+    """Whether a box of ``sizes`` with element ``strides`` is one contiguous run (size-1 dims ignored)."""
+    want = 1
+    for n, s in reversed(list(zip(sizes, strides))):
+        if n != 1 and s != want:
+            return False
+        want *= n
+    return True
+
+
+def _flat_destination(c: CopySpec, targets: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The destination box of ``c`` as a 1-D byte tensor over the target's memory, or None if not contiguous."""
+    dst = targets[c.target]
+    for d, (o, s) in enumerate(zip(c.dest_offsets, c.sizes)):
+        dst = dst.narrow(d, o, s)
+    if dst.device.type != "cpu" or not dst.is_contiguous() or dst.numel() != math.prod(c.sizes):
+        return None
+    return dst.reshape(-1).view(torch.uint8)
+
+
+def verify_and_copy(unit: ReadUnit, view: torch.Tensor, dtype: torch.dtype, targets: Sequence[torch.Tensor],
+                    copy: bool, where: str) -> tuple[float, list[CopySpec]]:
+    """Verify every block of ``view`` (the unit's raw bytes, a 1-D uint8 tensor) and, with ``copy``, copy it
+    into the contiguous destinations among ``unit.copies`` piece by piece; return (seconds verifying, the copies
+    left for the caller to run now that the whole unit is verified)."""
+    es = torch.empty((), dtype=dtype).element_size()
+    runs: list[tuple[int, int, torch.Tensor]] = []        # (first source byte, bytes, destination bytes)
+    rest: list[CopySpec] = []
+    for c in unit.copies if copy else ():
+        dst = _flat_destination(c, targets) if _contiguous(c.sizes, c.src_strides) else None
+        if dst is None:
+            rest.append(c)
+        else:
+            runs.append((c.src_offset * es, dst.numel(), dst))
+    mv = memoryview(view.numpy())
+    bs = unit.block_size
+    per = max(1, PIECE // bs)
+    verify_s = 0.0
+    src = view.data_ptr()
+    if True:
+        for first in range(0, len(unit.hashes), per):
+            lo, hi = first * bs, min((first + per) * bs, len(mv))
+            t0 = time.perf_counter()
+            verify_blocks(mv[lo:], unit.hashes[first:first + per], bs, where, unit.checksum, first=first)
+            verify_s += time.perf_counter() - t0
+            for start, n, dst in runs:
+                a, b = max(lo, start), min(hi, start + n)
+                if a < b:               # (bounds: a, b lie in both; memmove releases the GIL, one thread)
+                    ctypes.memmove(dst.data_ptr() + a - start, src + a, b - a)
+    return verify_s, rest
