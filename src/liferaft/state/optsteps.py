@@ -91,6 +91,17 @@ def hook_optimizers(optimizers: list[torch.optim.Optimizer],
     return handles
 
 
+#: Attributes GradScaler.step sets on an optimizer with ``_step_supports_amp_scaling`` (fused Adam/AdamW/SGD) for
+#: the length of one ``step()`` instead of passing keyword arguments: the scale the gradients still carry (None:
+#: unscaled already) and the inf/NaN flag that makes the step a no-op. torch deletes them after the step.
+AMP_ATTRS = ("grad_scale", "found_inf")
+
+
+def amp_attrs(opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """The ``AMP_ATTRS`` set on ``opt`` now (inside its ``step()``: what the fused kernel will read)."""
+    return {k: getattr(opt, k) for k in AMP_ATTRS if hasattr(opt, k)}
+
+
 def grad_for(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """The gradient to set on ``p`` from the recorded local gradient ``local`` (on ``p``'s device; for a DTensor
     parameter a DTensor with its mesh and placements)."""
@@ -104,10 +115,11 @@ def grad_for(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 
 
 def replay_call(opt: torch.optim.Optimizer, grads: list[torch.Tensor | None], groups: list[dict[str, Any]],
-                kwargs: dict[str, Any]) -> None:
+                kwargs: dict[str, Any], attrs: dict[str, Any] | None = None) -> None:
     """One recorded ``opt.step(**kwargs)``: set every parameter's gradient (None: none), the groups'
-    hyperparameters as they were, step, then clear the gradients. Local: no collective (the step of a sharded
-    optimizer on DTensor shards is elementwise)."""
+    hyperparameters as they were and the recorded ``AMP_ATTRS`` (``attrs``; those not recorded are absent during
+    the step, the ones set before put back after it), step, then clear the gradients. Local: no collective (the
+    step of a sharded optimizer on DTensor shards is elementwise)."""
     params = params_of(opt)
     if len(grads) != len(params) or len(groups) != len(opt.param_groups):
         raise InvalidStateError(f"{type(opt).__qualname__}: the step record lists {len(grads)} gradients in "
@@ -120,7 +132,21 @@ def replay_call(opt: torch.optim.Optimizer, grads: list[torch.Tensor | None], gr
                 if k != "params":
                     group[k] = v
     device = local_of(params[0]).device if params else torch.device("cpu")
-    opt.step(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
+    moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in (attrs or {}).items()}
+    before = amp_attrs(opt)
+    for k in AMP_ATTRS:
+        if k in moved:
+            setattr(opt, k, moved[k])
+        elif hasattr(opt, k):
+            delattr(opt, k)
+    try:
+        opt.step(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
+    finally:
+        for k in AMP_ATTRS:
+            if k in before:
+                setattr(opt, k, before[k])
+            elif hasattr(opt, k):
+                delattr(opt, k)
     for p in params:
         p.grad = None
 
@@ -139,5 +165,5 @@ def tensor_ids(optimizers: list[torch.optim.Optimizer]) -> set[int]:
     return out
 
 
-__all__ = ["find_optimizers", "grad_for", "hook_optimizers", "is_dtensor", "layout_of", "local_of",
+__all__ = ["AMP_ATTRS", "amp_attrs", "find_optimizers", "grad_for", "hook_optimizers", "is_dtensor", "layout_of", "local_of",
            "params_of", "replay_call", "tensor_ids"]

@@ -135,8 +135,12 @@ class StepLog:
             g = p.grad
             grads.append(None if g is None else self._put(optsteps.local_of(g).detach()))
         groups = [{k: self._value(v, k) for k, v in g.items() if k != "params"} for g in opt.param_groups]
-        cur["calls"].append({"opt": index, "grads": grads, "groups": groups,
-                             "kwargs": {k: self._value(v, k) for k, v in kwargs.items() if k != "closure"}})
+        call = {"opt": index, "grads": grads, "groups": groups,
+                "kwargs": {k: self._value(v, k) for k, v in kwargs.items() if k != "closure"}}
+        attrs = optsteps.amp_attrs(opt)         # GradScaler's grad_scale/found_inf on a fused optimizer
+        if attrs:
+            call["attrs"] = {k: self._value(v, k) for k, v in attrs.items()}
+        cur["calls"].append(call)
 
     def _value(self, v: Any, key: str) -> Any:
         if isinstance(v, torch.Tensor):
@@ -414,7 +418,8 @@ class StepLog:
                 raise LiferaftError(f"{header.path}: the record names optimizer {i}; the state has {len(opts)}")
             grads = [None if e is None else tensor_at(e, payload, header.path, header.algo) for e in call["grads"]]
             groups = [{k: value(v, k) for k, v in g.items()} for g in call["groups"]]
-            optsteps.replay_call(opts[i], grads, groups, {k: value(v, k) for k, v in call["kwargs"].items()})
+            optsteps.replay_call(opts[i], grads, groups, {k: value(v, k) for k, v in call["kwargs"].items()},
+                                 {k: value(v, k) for k, v in call.get("attrs", {}).items()})
 
     def _forget_after(self, step: int) -> None:
         """Drop this node's records newer than ``step`` (a future the resumed run does not share)."""
@@ -464,7 +469,7 @@ def _verify(header: Header, data: bytes | bytearray) -> None:
     payload = memoryview(data)[:header.header_off]
     try:
         entries = [e for call in header.doc["calls"] for e in call["grads"] if e is not None]
-        entries += [v["$t"] for call in header.doc["calls"] for part in call["groups"] + [call["kwargs"]]
+        entries += [v["$t"] for call in header.doc["calls"] for part in call["groups"] + [call["kwargs"], call.get("attrs", {})]
                     for v in part.values() if isinstance(v, dict) and set(v) == {"$t"}]
         entries += [e for es in header.doc["rest"]["tensors"].values() for e in es]
     except (KeyError, TypeError, AttributeError):

