@@ -168,8 +168,11 @@ def main() -> int:
         return 0
     gpu = torch.cuda.is_available()
     if not gpu:
+        then = ("--require-gpu: exiting with status 3, nothing checked." if args.require_gpu
+                else "Running the same checks on the CPU.")
         print(f"NO GPU PRESENT: torch {torch.__version__} (CUDA build: {torch.version.cuda}) sees no CUDA device; "
-              "the CUDA paths are NOT checked. Running the same checks on the CPU.", flush=True)
+              f"the CUDA paths are NOT checked. {then}", file=sys.stderr if args.require_gpu else sys.stdout,
+              flush=True)
         if args.require_gpu:
             return 3
     device = "cuda" if gpu else "cpu"

@@ -126,3 +126,44 @@ def test_plan_refuses_a_per_step_section_out_of_shape_or_range(tmp_path, per_ste
     costs.write_text(costs.read_text().replace('"per_step": ', '"per_step": {"overhead": NaN}, "x": '))
     with pytest.raises(LiferaftError, match="c.json"):
         load_costs(str(costs))
+
+
+_BIG = "9" * 400
+
+
+@pytest.mark.parametrize("text,field", [
+    ('{"stall":{"memory":0.1,"remote":0.1},"restore":{"memory":1,"peer":1,"remote":1},'
+     '"per_step":{"overhead":0.01,"step":1,"restore":BIG,"lost_steps":1}}'.replace("BIG", _BIG), "per_step.restore"),
+    ('{"stall":{"memory":BIG,"remote":0.1},"restore":{"memory":1,"peer":1,"remote":1}}'.replace("BIG", _BIG), "stall.memory"),
+    ('{"stall":{"memory":0.1,"remote":0.1},"restore":{"memory":1,"peer":1,"remote":1},"restart":-BIG}'.replace("BIG", _BIG),
+     "restart"),
+    ('{"stall":{"memory":0.1,"remote":0.1},"restore":{"memory":1,"peer":1,"remote":1},'
+     '"per_step":{"overhead":0.01,"step":1,"restore":1,"lost_steps":1,"overhead":0.5}}', "overhead"),
+    ('{"stall":{"memory":0.1,"remote":0.1},"stall":{"memory":0.1,"remote":0.1},'
+     '"restore":{"memory":1,"peer":1,"remote":1}}', "stall"),
+    ('{"stall":{"memory":1e400,"remote":0.1},"restore":{"memory":1,"peer":1,"remote":1}}', "1e400"),
+    ('{"stall":{"memory":BIG,"remote":0.1},"restore":{"memory":1,"peer":1,"remote":1}}'.replace("BIG", "9" * 5000), "JSON"),
+], ids=["bigint_per_step", "bigint_stall", "bigint_negative_restart", "dup_key_per_step", "dup_key_top",
+        "float_overflow", "int_beyond_cpython"])
+def test_plan_refuses_huge_numbers_and_duplicate_keys_naming_the_field(tmp_path, text, field):
+    """Any integer size, float overflow or key given twice is a one-line OptionsError naming the file and field."""
+    from liferaft.cli.plan import load_costs
+    from liferaft.errors import OptionsError
+
+    costs = tmp_path / "c.json"
+    costs.write_text(text)
+    with pytest.raises(OptionsError, match=r"c\.json") as e:
+        load_costs(str(costs))
+    assert field in str(e.value) and len(str(e.value)) < 500 and "\n" not in str(e.value)
+    out = subprocess.run([sys.executable, "-m", "liferaft", "plan", "--costs", str(costs)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 1 and "Traceback" not in out.stderr and field in out.stderr
+
+
+def test_plan_accepts_integers_in_range(tmp_path):
+    from liferaft.cli.plan import load_costs
+
+    costs = tmp_path / "c.json"
+    costs.write_text('{"stall":{"memory":0,"remote":1},"restore":{"memory":1,"peer":1,"remote":1000000000},'
+                     '"restart":60,"per_step":{"overhead":0,"step":1,"restore":1,"lost_steps":1000000}}')
+    assert load_costs(str(costs))["restore"]["remote"] == 10 ** 9

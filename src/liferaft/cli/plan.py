@@ -11,7 +11,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from liferaft.cli.args import integers, number
-from liferaft.errors import OptionsError
+from liferaft.errors import CorruptCheckpointError, OptionsError
+from liferaft.format import jsonsafe
 
 #: Largest ``--costs`` file read (bytes), and how deep its JSON may nest.
 MAX_COSTS_BYTES = 1 << 20
@@ -71,7 +72,9 @@ def run_plan(args: argparse.Namespace) -> int:
 def load_costs(path: str) -> dict[str, Any]:
     """The costs of ``--costs`` checked whole: a regular JSON file of at most ``MAX_COSTS_BYTES``, an object with
     ``stall`` and ``restore`` (objects of the ``REQUIRED_COSTS`` tiers), optional ``persist`` (tier → seconds) and
-    ``restart``, every time a finite number ≥ 0. OptionsError naming the file and the field otherwise."""
+    ``restart``, every time a number (int or float, not bool) from 0 to 1e9, optional ``per_step`` (see
+    ``_per_step``). The JSON is read by the strict reader (format/jsonsafe.py: one object, no key twice, no NaN or
+    overflowing float, nesting ≤ ``MAX_COSTS_DEPTH``). OptionsError naming the file and the field otherwise."""
     where = f"--costs {path}"
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
@@ -85,18 +88,11 @@ def load_costs(path: str) -> dict[str, Any]:
         if st.st_size > MAX_COSTS_BYTES:
             raise OptionsError(f"{where}: {st.st_size} bytes, more than a costs file holds ({MAX_COSTS_BYTES})")
         data = f.read(MAX_COSTS_BYTES + 1)
-    depth = 0
-    for ch in data:                       # (brackets inside strings count too: a bound, not a parser)
-        depth += (ch in b"[{") - (ch in b"]}")
-        if depth > MAX_COSTS_DEPTH:
-            raise OptionsError(f"{where}: the JSON nests deeper than {MAX_COSTS_DEPTH} levels")
-
-    def no_constant(name: str) -> Any:
-        raise ValueError(f"{name} is not a number JSON allows")
-    try:
-        raw = json.loads(data.decode("utf-8"), parse_constant=no_constant)
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise OptionsError(f"{where}: not valid JSON: {e}") from None
+    try:                                  # the strict reader: no duplicate keys, NaN, overflowing numbers, deep nesting
+        raw = jsonsafe.loads(data, where, MAX_COSTS_BYTES, MAX_COSTS_DEPTH,
+                             advice="fix the file (fields and units: liferaft plan --help)")
+    except CorruptCheckpointError as e:
+        raise OptionsError(str(e)) from None
     if not isinstance(raw, dict):
         raise OptionsError(f"{where}: expected a JSON object with stall, restore, persist and restart, got "
                            f"{type(raw).__name__}")
@@ -129,14 +125,28 @@ def _per_step(where: str, section: Any) -> None:
         raise OptionsError(f"{where}: field 'per_step' must be an object with exactly "
                            f"{', '.join(PER_STEP_FIELDS)}, got {section!r}"[:300])
     for name, (low, high) in PER_STEP_FIELDS.items():
-        value = section[name]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                or not low <= value <= high:
+        if not _in_range(section[name], low, high):
             raise OptionsError(f"{where}: field per_step.{name} must be a number from {low:g} to {high:g}, got "
-                               f"{value!r}"[:300])
+                               f"{_show(section[name])}")
 
 
 def _seconds(where: str, field: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0 \
-            or value > 1e9:
-        raise OptionsError(f"{where}: field {field} must be a number of seconds (finite, >= 0), got {value!r}"[:300])
+    if not _in_range(value, 0.0, 1e9):
+        raise OptionsError(f"{where}: field {field} must be a number of seconds from 0 to 1e9, got {_show(value)}")
+
+
+def _in_range(value: Any, low: float, high: float) -> bool:
+    """Whether ``value`` is a JSON number (int or float, not bool) from ``low`` to ``high``: compared as a number,
+    never converted first (an int of 400 digits is compared exactly; a float beyond the range is refused the same)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return (not isinstance(value, float) or math.isfinite(value)) and low <= value <= high
+
+
+def _show(value: Any) -> str:
+    """``value`` for an error message: its type and at most 60 characters of it (an int may have thousands of
+    digits, more than repr() of an int converts)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 190:
+        return f"an integer of about {int(value.bit_length() * 0.30103)} digits"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
