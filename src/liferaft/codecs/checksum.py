@@ -135,15 +135,26 @@ class BlockHasher:
         return None if self._whole is None else self._whole.hexdigest()
 
     def update(self, data: memoryview) -> None:
-        if self._whole is not None:
-            self._whole.update(data)
+        """Feed the next ``data``. With ``whole``, each block goes to the chunk digest right after its CRC: the
+        block is still in the CPU cache (one pass over memory, not two), and the digest (python-xxhash holds the
+        GIL) holds it one block at a time between the CRCs that release it — never a whole piece at once."""
         pos, n = 0, len(data)
+        bs, dg = self.block_size, self._whole
         if self._filled == 0:                      # whole blocks straight from the piece
-            whole = (n // self.block_size) * self.block_size
-            self._out.extend(block_hashes(data[:whole], self.block_size, self.algo) if whole else [])
+            whole = (n // bs) * bs
+            if dg is None:
+                self._out.extend(block_hashes(data[:whole], bs, self.algo) if whole else [])
+            else:
+                fn, out, feed = _digest_fn(self.algo), self._out, dg.update
+                for i in range(0, whole, bs):
+                    block = data[i:i + bs]
+                    out.append(fn(block))
+                    feed(block)
             pos = whole
         while pos < n:
-            take = min(self.block_size - self._filled, n - pos)
+            take = min(bs - self._filled, n - pos)
+            if dg is not None:
+                dg.update(data[pos:pos + take])
             self._h.update(data[pos:pos + take])
             self._filled += take
             pos += take
