@@ -9,6 +9,12 @@ rank's own reads never wait for its peers' and the ranks work at the same time) 
 only after every receiver of its last span acknowledged. Every byte is read from storage and verified once on
 the host; what each receiver copies is the bytes its reader verified.
 
+A span is the stored bytes (file, offset, length); two records may name the same span yet decode it differently
+(another codec or frames, a delta base, other hashes). So the notice carries the decode identity
+(``decode_identity``) of the unit whose bytes fill the slot, and a receiver copies from the slot only the units
+of that identity; any other unit of the span it reads, decodes and verifies alone (by its own record), exactly
+as if nothing were shared. No unit is ever given bytes not verified against its own record.
+
 Failures: a span found corrupt (or unreadable) is announced as such, and each receiver raises an error naming
 the file, the key and the bytes; after any failure the notices and acknowledgements still run to the end (no
 peer waits for a message that never comes). A peer that dies is seen as a failed wait, bounded by the
@@ -17,6 +23,7 @@ coordinator's timeout (``DistributedError``); from then on no more messages are 
 
 from __future__ import annotations
 
+import hashlib
 import queue
 import threading
 from collections.abc import Mapping, Sequence
@@ -47,6 +54,15 @@ OK, FAILED, CORRUPT = 1, 0, 2
 def view_bytes(unit: ReadUnit) -> int:
     """Bytes of ``unit`` once decoded: what a slot holds for it."""
     return unit.decoded_length if unit.codec is not None else unit.length
+
+
+def decode_identity(unit: ReadUnit) -> int:
+    """A 64-bit digest of everything that decides the verified bytes of ``unit`` (all its record but the key and
+    the copies into targets): the same on every rank for the same record; two units with equal identities end up
+    with the same bytes."""
+    ident = (unit.file, unit.file_offset, unit.length, unit.block_size, unit.hashes, unit.codec, unit.frames,
+             unit.raw_length, unit.first_block, unit.delta, unit.checksum)
+    return int.from_bytes(hashlib.blake2b(repr(ident).encode(), digest_size=8).digest(), "little", signed=True)
 
 
 class HostReads:
@@ -126,6 +142,7 @@ class HostReads:
         if self.errors:
             raise self.errors[0]
         self.stats.used += self.received_stats.used
+        self.stats.verify_s += self.received_stats.verify_s
         self.stats.received = self.received_stats.received
         return self.stats
 
@@ -147,6 +164,7 @@ class HostReads:
             self._fail(e, lost=True)
         self.pending[slot] = []
         status, length = FAILED, 0
+        identity = decode_identity(b.units[0][0]) if b.units else 0     # the unit whose bytes fill the slot
         if n:
             def keep(view: torch.Tensor) -> None:
                 nonlocal length
@@ -163,7 +181,7 @@ class HostReads:
                 self._fail(e)
         if not self.comm_ok:
             return
-        notice = torch.tensor([slot, status, length], dtype=torch.int64)
+        notice = torch.tensor([slot, status, length, identity], dtype=torch.int64)
         try:
             for r in b.share.receivers:
                 self.sent.append((self.peers.isend(notice, r, 2 * b.share.tag), notice))
@@ -178,7 +196,7 @@ class HostReads:
         if not self.comm_ok:
             return
         source = b.share.reader
-        notice = torch.zeros(3, dtype=torch.int64)
+        notice = torch.zeros(4, dtype=torch.int64)
         try:
             _wait(self.peers.irecv(notice, source, 2 * b.share.tag), b)
         except DistributedError as e:
@@ -187,7 +205,7 @@ class HostReads:
         except Exception as e:  # noqa: BLE001 - gloo refuses to post to a lost peer
             self._fail(_lost(b, e), lost=True)
             return
-        slot, status, length = (int(x) for x in notice.tolist())
+        slot, status, length, identity = (int(x) for x in notice.tolist())
         unit = b.units[0][0]
         try:
             if status == CORRUPT:
@@ -198,14 +216,18 @@ class HostReads:
                 raise DistributedError(f"{_where(unit)}: rank {source}, which reads these bytes for the ranks of "
                                        f"this host, failed before it could provide them (its own error says why)")
             if not self.errors:
-                for u, dtype in b.units:
+                alike = [(u, dtype) for u, dtype in b.units if decode_identity(u) == identity]
+                for u, dtype in alike:
                     if view_bytes(u) != length:
                         raise DistributedError(f"{_where(u)}: rank {source} shared {length} bytes, this rank "
                                                f"expected {view_bytes(u)}; the ranks planned different reads")
                     if self.copy:
                         copy_out(u, self.host.peers[source].slot(slot, length), dtype, self.targets)
-                self.received_stats.used += sum(u.length for u, _ in b.units)
-                self.received_stats.received += b.length
+                self.received_stats.used += sum(u.length for u, _ in alike)
+                self.received_stats.received += b.length if alike else 0
+                for u, dtype in b.units:            # same bytes, another record: as if read alone
+                    if decode_identity(u) != identity:
+                        self._read_alone(u, dtype)
         except BaseException as e:  # noqa: BLE001 - acknowledged first, raised at the end
             self._fail(e)
         ack = torch.ones(1, dtype=torch.int64)
@@ -213,6 +235,19 @@ class HostReads:
             self.sent.append((self.peers.isend(ack, source, 2 * b.share.tag + 1), ack))
         except Exception as e:  # noqa: BLE001 - gloo refuses to post to a lost peer
             self._fail(_lost(b, e), lost=True)
+
+
+    def _read_alone(self, unit: ReadUnit, dtype: torch.dtype) -> None:
+        """Read, decode, verify and copy ``unit`` by its own record (in the receiving thread)."""
+        lo = unit.file_offset // PAGE * PAGE
+        batch = _Batch(unit.file, lo, -(-(unit.file_offset + unit.length) // PAGE) * PAGE - lo, [(unit, dtype)])
+        buf = page_aligned_empty(batch.length)
+        try:
+            n = self.storage.read_into(unit.file, batch.offset, memoryview(buf.numpy()))
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{self.storage.url}: data file {unit.file!r} is missing") from None
+        self.received_stats.verify_s += _consume(self.storage, batch, buf, n, self.targets, self.copy)
+        self.received_stats.used += unit.length
 
 
 def _lost(b: _Batch, e: BaseException) -> DistributedError:

@@ -1,0 +1,31 @@
+"""Rank functions of test_host_sharing_records.py (importable by the spawned ranks)."""
+
+from __future__ import annotations
+
+import torch
+
+import liferaft
+from liferaft import LiferaftError, LoadOptions
+
+N = 1 << 20
+
+
+def tensors() -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (low mantissa bits zero: it compresses) and ``w``."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(N, generator=g).view(torch.int32) & ~0xFFFF).view(torch.float32)
+    return x, torch.randn(N, generator=g)
+
+
+def load(rank: int, world: int, path: str, share: bool) -> dict | str:
+    """Load w, x, y; the error's class name, or what y came out as and the bytes received from peers."""
+    x, w = tensors()
+    st = {k: torch.zeros(N) for k in ("w", "x", "y")}
+    try:
+        r = liferaft.load(path, st, options=LoadOptions(timeout=30, share_reads=share))
+    except LiferaftError as e:
+        return type(e).__name__
+    xi, wi, yi = x.view(torch.int32), w.view(torch.int32), st["y"].view(torch.int32)
+    return {"received": r.bytes_received, "x": torch.equal(st["x"].view(torch.int32), xi),
+            "w": torch.equal(st["w"].view(torch.int32), wi), "y==x^w": torch.equal(yi, xi ^ wi),
+            "y==x": torch.equal(yi, xi)}
