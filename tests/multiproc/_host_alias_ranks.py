@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 import liferaft
@@ -29,3 +31,23 @@ def load(rank: int, world: int, path: str, share: bool) -> dict | str:
     return {"received": r.bytes_received, "x": torch.equal(st["x"].view(torch.int32), xi),
             "w": torch.equal(st["w"].view(torch.int32), wi), "y==x^w": torch.equal(yi, xi ^ wi),
             "y==x": torch.equal(yi, xi)}
+
+
+def load_in_small_shm(rank: int, world: int, path: str, shm_dir: str, max_read: int) -> dict:
+    """Load ``path`` (saved by ``multiproc._host_share_ranks.save`` as S0) into Shard(1) with same-host sharing,
+    the segments in ``shm_dir`` (a small tmpfs); what came out and the warnings."""
+    import warnings
+
+    from multiproc import _host_share_ranks as R
+
+    from liferaft.core.chunks import shm
+
+    shm.SHM_DIR = shm_dir                   # (the seam: segments go to the small tmpfs)
+    state = R.build(world, "S1", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = liferaft.load(path, state, options=LoadOptions(timeout=30, share_reads=True, max_read_bytes=max_read))
+    right = all(torch.equal(state[k].full_tensor().view(torch.int32), R.reference(k).view(torch.int32))
+                for k in R.SHAPES)
+    return {"right": right, "received": res.bytes_received, "left": sorted(os.listdir(shm_dir)),
+            "warned": [str(w.message) for w in caught if "shared reads are off" in str(w.message)]}

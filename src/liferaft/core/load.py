@@ -110,8 +110,11 @@ def _load(reader: Reader, state: Any, coord: Coordinator, opts: LoadOptions, str
         if mode == "host":
             spans = [s for s in spans if p.job.span_bytes.get(s, opts.max_read_bytes + 1) <= opts.max_read_bytes]
             shm.sweep_stale()
-            segments.append(shm.Segment.create(shm.new_name(coord.rank), opts.max_read_bytes))
-            hosted = (socket.gethostname(), segments[0].name)
+            try:
+                segments.append(shm.Segment.create(shm.new_name(coord.rank), opts.max_read_bytes))
+                hosted = (socket.gethostname(), segments[0].name)
+            except shm.SegmentSpaceError as e:
+                hosted = ("", str(e))           # no segment: no rank shares (decided on every rank alike, below)
         return p.covered, p.missing, spans, hosted, p.skipped
     try:
         gathered = coord.run(planned, "load (planning)", cleanup=lambda: [g.close() for g in segments])
@@ -123,7 +126,15 @@ def _load(reader: Reader, state: Any, coord: Coordinator, opts: LoadOptions, str
         unexpected = tuple(k for k, hit in zip(all_keys, covered) if not hit)
         missing = tuple(sorted({k for _, m, *_ in gathered for k in m}))
         skipped = tuple(sorted({k for *_, s in gathered for k in s}))
-        if mode == "host":
+        if mode == "host" and any(not g[3][0] for g in gathered):
+            short = next(r for r, g in enumerate(gathered) if not g[3][0])
+            warnings.warn(f"{reader.url}: shared reads are off for this load, each rank reads for itself: rank "
+                          f"{short}: {gathered[short][3][1]}", stacklevel=3)
+            for g in segments:
+                g.close()
+            segments.clear()
+            mode, sharing = None, {}
+        elif mode == "host":
             hosts = [g[3] for g in gathered]
             sharing = plan_sharing([g[2] if hosts[r][0] == hosts[coord.rank][0] else []
                                     for r, g in enumerate(gathered)], min_bytes=0)   # (the job chose its spans)

@@ -22,6 +22,7 @@ Lifetime, so that no segment outlives its load or is trusted by another:
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import re
@@ -31,12 +32,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from liferaft.errors import DistributedError
+from liferaft.errors import DistributedError, StorageError
 
 SHM_DIR = "/dev/shm"
 #: Slots per rank: one being filled, the others being read by the peers (so a rank's reads run ahead of them).
 SLOTS = 4
 _NAME = re.compile(r"^liferaft-load-(\d+)-[0-9a-f]{16}-r\d+$")
+
+
+class SegmentSpaceError(StorageError):
+    """The shared-memory folder has no room for a segment (its size is reserved before anything is mapped: a
+    mapping of pages tmpfs cannot provide kills the process with SIGBUS on first touch)."""
 
 
 def available() -> bool:
@@ -98,13 +104,33 @@ class Segment:
 
     @classmethod
     def create(cls, name: str, slot_bytes: int, slots: int = SLOTS) -> Segment:
-        """A new segment (sparse: memory is used only as slots are written)."""
+        """A new segment, its whole size reserved in ``SHM_DIR`` before it is mapped (``posix_fallocate``): a
+        sparse file on a tmpfs too small for it (Docker's default ``--shm-size`` is 64 MiB) would map fine and
+        kill the process with SIGBUS at the first write past the free space. SegmentSpaceError, with nothing
+        left behind, when the folder's free space is short or the reservation is refused (ENOSPC)."""
+        size = slot_bytes * slots
+        try:
+            st = os.statvfs(SHM_DIR)
+            free = st.f_bavail * st.f_frsize
+        except OSError:
+            free = size                                 # (unknown: the reservation below decides)
+        if free < size:
+            raise SegmentSpaceError(f"{SHM_DIR}: {free} bytes free, a shared-memory segment of {size} bytes "
+                                    f"({slots} x LoadOptions.max_read_bytes) does not fit; give it more room "
+                                    f"(docker --shm-size) or lower max_read_bytes")
         fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                      0o600)
         try:
-            os.ftruncate(fd, slot_bytes * slots)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                if e.errno not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+                    raise
+                raise SegmentSpaceError(f"{SHM_DIR}: no room to reserve a shared-memory segment of {size} bytes "
+                                        f"({e.strerror}); give it more room (docker --shm-size) or lower "
+                                        f"max_read_bytes") from None
             seg = cls(name, slot_bytes, slots, True)
-            seg._map = mmap.mmap(fd, slot_bytes * slots)
+            seg._map = mmap.mmap(fd, size)
         except BaseException:
             os.close(fd)
             unlink(name)

@@ -1,0 +1,51 @@
+"""Same-host shared reads on a shared-memory folder too small for the ring (Docker's default --shm-size is
+64 MiB; the ring is 4 x max_read_bytes per rank): every rank falls back to reading for itself, with a warning,
+all alike (regression: the sparse segment mapped fine and the first write past the free space was a SIGBUS)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+
+import pytest
+from multiproc import _host_alias_ranks as A
+from multiproc import _host_share_ranks as R
+
+from liferaft.core.chunks import shm
+from liferaft.testing import run_ranks
+
+
+@pytest.fixture
+def small_tmpfs():
+    """A 1200 KiB tmpfs (root only: skipped where it cannot be mounted), unmounted after the test."""
+    where = tempfile.mkdtemp(prefix="liferaft-small-shm-")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1200k", "tmpfs", where], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.decode(errors='replace')[:200]}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", where], check=False)
+        subprocess.run(["rmdir", where], check=False)
+
+
+@pytest.mark.parametrize("max_read", [1 << 20, 192 << 10], ids=["no_rank_fits", "some_ranks_fit"])
+def test_ring_larger_than_the_shared_memory_folder_falls_back_to_own_reads(tmp_path, small_tmpfs, max_read):
+    path = str(tmp_path / "ck")
+    run_ranks(R.save, 2, path, "S0", "off", timeout=240.0, pg_timeout=60.0)
+    out = run_ranks(A.load_in_small_shm, 3, path, small_tmpfs, max_read, timeout=240.0, pg_timeout=60.0)
+    assert all(o["right"] and o["received"] == 0 and o["left"] == [] for o in out), out
+    assert all(len(o["warned"]) == 1 and "max_read_bytes" in o["warned"][0] for o in out), out
+
+
+def test_a_segment_that_does_not_fit_is_refused_and_leaves_nothing(small_tmpfs, monkeypatch):
+    monkeypatch.setattr(shm, "SHM_DIR", small_tmpfs)
+    with pytest.raises(shm.SegmentSpaceError, match="max_read_bytes"):
+        shm.Segment.create(shm.new_name(0), 1 << 20)
+    seg = shm.Segment.create(shm.new_name(0), 64 << 10)     # 256 KiB: fits, reserved whole
+    try:
+        assert os.stat(os.path.join(small_tmpfs, seg.name)).st_blocks * 512 >= 4 * (64 << 10)
+    finally:
+        seg.close()
+    assert os.listdir(small_tmpfs) == []
