@@ -4,6 +4,7 @@ the chain warned about, two managers sharing a memory tier's namespace kept apar
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import pytest
@@ -90,4 +91,44 @@ def test_fused_optimizer_under_grad_scaler_resumes_bitwise(tmp_path, inf_steps):
     assert _same(st, ref) and all(torch.isfinite(p).all() for p in st["model"].parameters())
     assert st["scaler"].state_dict() == ref["scaler"].state_dict()
     assert not hasattr(st["optim"], "grad_scale") and not hasattr(st["optim"], "found_inf")
+    mgr.close()
+
+
+def _snap(st: dict) -> dict:
+    return {k: v.clone() for k, v in st["model"].state_dict().items()}
+
+
+def test_restore_of_an_explicit_step_replays_nothing_and_keeps_the_newer_records(tmp_path):
+    st, mgr = _train(tmp_path, _plain, _plain_step, 0)
+    at0 = _snap(st)
+    for step in range(1, 10):
+        _plain_step(st, step)
+        mgr.maybe_save(step, st)
+    mgr.close()                                 # full checkpoints 0, 4, 8; records up to 9
+    st = _plain()
+    mgr = _manager(tmp_path)
+    assert mgr.restore(st, step=0) == 0
+    assert all(torch.equal(v, at0[k]) for k, v in _snap(st).items())
+    mgr.close()
+    st = _plain()
+    mgr = _manager(tmp_path)
+    assert mgr.restore(st) == 9                 # the newer records were kept
+    mgr.close()
+
+
+def test_the_first_step_after_an_explicit_restore_drops_the_old_future(tmp_path):
+    st, mgr = _train(tmp_path, _plain, _plain_step, 3)       # full checkpoint 0, records 1..3
+    ref_mgr = mgr
+    assert mgr.restore(st, step=0) == 0         # the same manager: its slot files are open
+    _plain_step(st, 1)
+    mgr.maybe_save(1, st)
+    log = mgr._steplog
+    assert log is not None
+    for rel, f in log._files.items():           # none open on a removed file
+        assert os.stat(os.path.join(log.root, rel)).st_ino == os.fstat(f.fd).st_ino, rel
+    mgr.close()
+    st = _plain()
+    mgr = _manager(tmp_path)
+    assert mgr.restore(st) == 1                 # not the stale 2, 3 of the old future
+    assert ref_mgr is not mgr
     mgr.close()

@@ -223,7 +223,10 @@ class CheckpointManager:
         ``strict=False``: then the keys that match are loaded and ``last_load`` (the ``LoadResult``) lists the
         others in ``missing_keys`` / ``unexpected_keys``. (Optimizer state of a parameter that was never stepped,
         and buffers a module does not persist, are no mismatch: see ``liferaft.load``.) With tiers, a newer step
-        in memory or on the remote tier is taken first (docs/TIERS.md)."""
+        in memory or on the remote tier is taken first (docs/TIERS.md). With a per-step log, ``restore(state)``
+        replays the steps after the newest full checkpoint and returns the newest recoverable step;
+        ``restore(state, step=K)`` restores exactly K and replays nothing (the newer records stay until the first
+        step recorded after it, docs/STEPLOG.md)."""
         self.last_load = None
         if self._inflight is not None or self._draining is not None:
             try:
@@ -256,7 +259,9 @@ class CheckpointManager:
         done, self.last_load = got
         since = next((i.since_full for i in committed if i.step == done), None)
         self._base = (done, since) if since is not None else None      # None: the next save is a full one
-        if self._steplog is not None:           # the steps after it, replayed from the per-step log
+        if self._steplog is not None and step is not None:
+            self._steplog.resume_at(state, done)    # exactly the step asked for: nothing replayed
+        elif self._steplog is not None:         # the steps after it, replayed from the per-step log
             done = self._steplog.recover(state, done)
         self._last_step, self._last_time = done, time.monotonic()
         return done

@@ -102,6 +102,7 @@ class StepLog:
         self.durable = -1
         self._cur: dict[str, Any] | None = None   # the record being captured
         self._recorded: int | None = None           # the step of the last record published
+        self._diverged_at: int | None = None        # restore(step=K): records > K dropped at the next record
         self._cuda: list[tuple[torch.Tensor, Any, int, dict[str, Any]]] = []
         self._stream: Any = None
         self._pinned: dict[tuple[Any, ...], torch.Tensor] = {}
@@ -210,6 +211,9 @@ class StepLog:
         if self._cur is None and step == self._recorded:
             return                          # maybe_save called again for the same step: recorded already
         self.wait()                         # the previous record is on its replicas (≤ 1 step lost with a node)
+        if self._diverged_at is not None:   # the first step after restore(step=K): the old future goes now
+            at, self._diverged_at = self._diverged_at, None
+            self._forget_collectively(at, "step log (forget the future)")
         cur = self._begin()
         for pinned, done, off, entry in self._cuda:
             done.synchronize()
@@ -327,7 +331,7 @@ class StepLog:
                              optsteps.tensor_ids(self.optimizers or []), self.allow_pickle)
         finally:
             self._replaying = False
-        self._forget_after(n)
+        self._forget_collectively(n, "step log (forget the future)")
         self.last_recovery = {"full": full, "replayed_to": n, "fetched": sum(1 for p in plan if p[2] == self.rank),
                               "why": why}
         return n
@@ -421,8 +425,32 @@ class StepLog:
             optsteps.replay_call(opts[i], grads, groups, {k: value(v, k) for k, v in call["kwargs"].items()},
                                  {k: value(v, k) for k, v in call.get("attrs", {}).items()})
 
+    def resume_at(self, state: Any, step: int) -> None:
+        """The state was restored to the full checkpoint ``step`` on request (``restore(state, step=K)``): hook the
+        optimizers and replay nothing. The records newer than ``step`` stay (a later ``restore()`` may still
+        replay them) until this run records its first step: that step starts another future, so the first
+        ``record`` drops them then (collectively). Collective."""
+        self.attach(state)
+        self.mark_durable(step)
+        self._held.clear()
+        self._diverged_at = step
+
+    def _forget_collectively(self, step: int, what: str) -> None:
+        """``_forget_after(step)`` on one rank per node, every rank waiting until every node's is done (no rank
+        publishes a record the removal could take), then each rank's slot files open on a removed file closed."""
+        self.coord.run(lambda: self._forget_after(step), what)
+        for rel, f in list(self._files.items()):
+            try:
+                same = os.stat(os.path.join(self.root, rel)).st_ino == os.fstat(f.fd).st_ino
+            except OSError:
+                same = False
+            if not same and (self._cur is None or self._cur["file"] is not f):
+                os.close(f.fd)
+                del self._files[rel]
+
     def _forget_after(self, step: int) -> None:
-        """Drop this node's records newer than ``step`` (a future the resumed run does not share)."""
+        """Drop this node's records newer than ``step`` (a future the resumed run does not share). Only inside
+        ``_forget_collectively``."""
         for slot, s in list(self._held.items()):
             if s > step:
                 del self._held[slot]
@@ -443,7 +471,7 @@ class StepLog:
         """No full checkpoint to resume from: hook ``state``'s optimizers and drop this node's records of an
         earlier run (they replay onto nothing). Collective."""
         self.attach(state)
-        self.coord.run(lambda: self._forget_after(-1), "step log (fresh start)")
+        self._forget_collectively(-1, "step log (fresh start)")
 
     def close(self) -> None:
         """Wait for the replication, unhook, close the slot files (the records stay for a restart)."""
