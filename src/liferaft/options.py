@@ -268,7 +268,10 @@ class LoadOptions:
         (received bytes are verified too). On local files the ranks of one host share it through shared memory
         (``/dev/shm``, a per-load segment of at most 4 x ``max_read_bytes`` per rank, unlinked once opened): one
         rank reads, decodes and verifies it, the others copy their boxes from it; ranks on other hosts read for
-        themselves; a span larger than ``max_read_bytes`` is read by each rank. None (default): on for remote
+        themselves; a span larger than ``max_read_bytes`` is read by each rank. The segment is reserved whole
+        before use: where it does not fit (a small ``/dev/shm``, e.g. Docker's 64 MiB default) the load warns and
+        every rank reads for itself. A rank copies shared bytes only into chunks whose record (codec, frames,
+        delta, hashes) is the one they were verified against. None (default): on for remote
         storage, off for local files (the shared-memory path was not yet faster than each rank reading for itself
         on the 2-core VMs it was measured on); True: on; False: every rank reads for itself.
     exact: refuse (LossyCheckpointError, before anything is loaded) a checkpoint in which any tensor to load was
