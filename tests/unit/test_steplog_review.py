@@ -23,7 +23,7 @@ def _manager(path, job: str = "unit", every: int = 4) -> CheckpointManager:
 
 def _plain() -> dict:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     return {"model": model, "optim": opt, "sched": torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)}
 
@@ -131,4 +131,68 @@ def test_the_first_step_after_an_explicit_restore_drops_the_old_future(tmp_path)
     mgr = _manager(tmp_path)
     assert mgr.restore(st) == 1                 # not the stale 2, 3 of the old future
     assert ref_mgr is not mgr
+    mgr.close()
+
+
+def _forge(doc: dict, how: str) -> None:
+    call = doc["calls"][0]
+    first_rest = min(doc["rest"]["tensors"])
+    if how == "optimizer-index":
+        call["opt"] = 5
+    elif how == "grad-shape":
+        call["grads"][0]["shape"] = [32]                # the same bytes as the [8, 4] weight
+    elif how == "grad-dtype":
+        call["grads"][0]["dtype"] = "int32"
+    elif how == "grads-missing":
+        call["grads"].pop()
+    elif how == "groups-extra":
+        call["groups"].append(dict(call["groups"][0]))
+    elif how == "hyper-type":
+        call["groups"][0]["lr"] = "x"
+    elif how == "hyper-unknown":
+        call["groups"][0]["bogus"] = 1
+    elif how == "kwargs":
+        call["kwargs"] = {"bogus": 1}
+    elif how == "attrs":
+        call["attrs"] = {"__class__": None}
+    elif how == "call-malformed":
+        doc["calls"][0] = [1, 2]
+    elif how == "rest-missing":
+        doc["rest"]["tensors"].pop(first_rest)
+    elif how == "rest-shape":
+        doc["rest"]["tensors"][first_rest][0]["shape"] = [1, 1]
+
+
+@pytest.mark.parametrize("how", ["optimizer-index", "grad-shape", "grad-dtype", "grads-missing", "groups-extra",
+                                 "hyper-type", "hyper-unknown", "kwargs", "attrs", "call-malformed", "rest-missing",
+                                 "rest-shape"])
+def test_a_record_that_does_not_fit_stops_the_replay_before_it(tmp_path, how):
+    from liferaft.codecs.checksum import digest
+    from liferaft.tiers.steprecord import encode_header, prologue, read_header
+
+    ref, m = _train(tmp_path / "ref", _plain, _plain_step, 5)
+    m.close()
+    _, m = _train(tmp_path / "run", _plain, _plain_step, 7)          # full 4, records 5, 6, 7
+    m.close()
+    folder = str(tmp_path / "run" / "shm" / "unit" / "n0" / "steplog")
+    forged = None
+    for rel in (f"{d}/{f}" for d in os.listdir(folder) for f in os.listdir(os.path.join(folder, d))):
+        h = read_header(folder, rel)
+        if h is None or h.step != 6:
+            continue
+        _forge(h.doc, how)                  # valid checksums, contents that do not fit the live state
+        raw = encode_header(h.doc)
+        with open(os.path.join(folder, rel), "r+b") as f:
+            f.seek(h.header_off)
+            f.write(raw)
+            f.seek(0)
+            f.write(prologue(h.header_off + len(raw), h.header_off, len(raw), digest(raw)))
+        forged = os.path.join(folder, rel)
+    assert forged is not None
+    st = _plain()
+    mgr = _manager(tmp_path / "run")
+    with pytest.warns(UserWarning, match="resumes at step 5") as caught:
+        assert mgr.restore(st) == 5
+    assert any(forged in str(w.message) for w in caught)
+    assert _same(st, ref) and st["sched"].state_dict() == ref["sched"].state_dict()
     mgr.close()

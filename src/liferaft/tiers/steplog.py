@@ -30,9 +30,11 @@ from liferaft.dist import Coordinator
 from liferaft.errors import CorruptCheckpointError, InvalidStateError, LiferaftError
 from liferaft.format.records import CHECKSUM_ALGO
 from liferaft.state import optsteps
+from liferaft.state.flatten import flatten
 from liferaft.state.values import decode_value, encode_value
 from liferaft.storage.files import create_exclusive
 from liferaft.tiers.memory import MemoryTier
+from liferaft.tiers.stepcheck import check_record
 from liferaft.tiers.steprecord import (
     FORMAT,
     PROLOGUE,
@@ -307,6 +309,8 @@ class StepLog:
         plan = [] if n <= full else _fetch_plan(listing, self.nodes, full, n)
         records = self.coord.run(lambda: self._gather(listing, plan, full, n), "step log (fetch)")[self.rank]
         outcome = self._check(records, full, n)
+        if outcome == ("ok",):
+            outcome = self._fits(records, state, full, n)      # every record against the live state, before any replay
         outcomes = self.coord.exchange(outcome, None, "step log (check)")
         layout = [o[1] for o in outcomes if o[0] == "layout"]
         bad = [o for o in outcomes if o[0] == "bad"]
@@ -404,6 +408,19 @@ class StepLog:
                 _verify(h, data)                            # every tensor's checksum, before any replay
                 raw[step] = (h, data)       # type: ignore[assignment]
             except (LiferaftError, KeyError, TypeError) as e:
+                return ("bad", f"{type(e).__name__}: {e}", step)
+        return ("ok",)
+
+    def _fits(self, records: dict[int, Any], state: Any, full: int, n: int) -> tuple[Any, ...]:
+        """``stepcheck.check_record`` of every checked record full+1..n: ("ok",), or ("bad", why, step) for the
+        first that does not fit the live state."""
+        flat = flatten(state, template=True)
+        live = optsteps.tensor_ids(self.optimizers or [])
+        for step in range(full + 1, n + 1):
+            header = records[step][0]
+            try:
+                check_record(header, state, self.optimizers or [], live, self.allow_pickle, flat)
+            except LiferaftError as e:
                 return ("bad", f"{type(e).__name__}: {e}", step)
         return ("ok",)
 
