@@ -37,13 +37,14 @@ def _contiguous(sizes: Sequence[int], strides: Sequence[int]) -> bool:
     return True
 
 
-def _flat_destination(c: CopySpec, targets: Sequence[torch.Tensor]) -> torch.Tensor | None:
+def _flat_destination(c: CopySpec, targets: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor | None:
     """The destination box of ``c`` as a 1-D byte tensor over the target's memory, or None if not contiguous."""
     dst = targets[c.target]
     for d, (o, s) in enumerate(zip(c.dest_offsets, c.sizes)):
         dst = dst.narrow(d, o, s)
-    if dst.device.type != "cpu" or not dst.is_contiguous() or dst.numel() != math.prod(c.sizes):
-        return None
+    if dst.device.type != "cpu" or not dst.is_contiguous() or dst.numel() != math.prod(c.sizes) \
+            or dst.dtype != dtype:
+        return None                      # (a dtype other than the stored one: torch's copy_ converts it)
     return dst.reshape(-1).view(torch.uint8)
 
 
@@ -56,11 +57,12 @@ def verify_and_copy(unit: ReadUnit, view: torch.Tensor, dtype: torch.dtype, targ
     runs: list[tuple[int, int, torch.Tensor]] = []        # (first source byte, bytes, destination bytes)
     rest: list[CopySpec] = []
     for c in unit.copies if copy else ():
-        dst = _flat_destination(c, targets) if _contiguous(c.sizes, c.src_strides) else None
-        if dst is None:
-            rest.append(c)
+        dst = _flat_destination(c, targets, dtype) if _contiguous(c.sizes, c.src_strides) else None
+        start = c.src_offset * es
+        if dst is None or start < 0 or start + dst.numel() > view.numel():
+            rest.append(c)               # (a source outside the unit: torch's bounds checks raise for it)
         else:
-            runs.append((c.src_offset * es, dst.numel(), dst))
+            runs.append((start, dst.numel(), dst))
     mv = memoryview(view.numpy())
     bs = unit.block_size
     per = max(1, PIECE // bs)
