@@ -293,22 +293,23 @@ def _host_lock(folder: str) -> Iterator[None]:
         os.close(fd)                            # (closing the descriptor releases the lock)
 
 
-def choice_for(folder: str, reading: tuple[Callable[[bool], int], int] | None = None) -> Choice:
+def choice_for(folder: str, reading: Callable[[], tuple[Callable[[bool], int], int]] | None = None) -> Choice:
     """The ``Choice`` of ``folder``'s device, kept per device for the life of the process once measured.
 
     Without ``reading``: probed in ``folder`` (``probe``: an unnamed file where the file system allows) on the
-    first call for that device. With ``reading`` = (``open_file``, size) of an existing file to be read, and
-    no full probe of the device yet: only its read paths are measured (``probe_reads``), on that file, and
-    nothing is written. The probes of one folder by the processes of a host take turns (``flock`` of the
+    first call for that device. With ``reading`` (called only to probe; it returns (``open_file``, size) of an
+    existing file to be read, or raises, and then nothing is kept) and no full probe of the device yet: only its
+    read paths are measured (``probe_reads``), on that file, and nothing is written. The probes of one folder by the processes of a host take turns (``flock`` of the
     folder). A device that cannot be probed keeps the default ``Choice()``: O_DIRECT, one request in flight."""
     dev = os.stat(folder).st_dev
     with _LOCK:
         known = _CHOICES.get(dev) or (_READS.get(dev) if reading is not None else None)
         if known is None:
             kept = _CHOICES if reading is None else _READS
+            target = None if reading is None else reading()
             try:
                 with _host_lock(folder):
-                    p = probe(folder) if reading is None else probe_reads(*reading)
+                    p = probe(folder) if target is None else probe_reads(*target)
             except OSError:                 # not writable here, or the file was taken away: the default, kept
                 known = kept[dev] = (Choice(), Probe(write={}, read={}))
             else:

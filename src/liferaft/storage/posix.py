@@ -200,20 +200,22 @@ class PosixStorage(Storage):
         if not self._auto or nbytes < iopath.PROBE_FROM:
             return self.direct_io, self._inflight
         try:
-            reading = None
-            if not write and name is not None:
-                fd = self.open_read(name)
-                try:
-                    size = os.fstat(fd).st_size
-                finally:
-                    os.close(fd)
-                reading = (lambda direct: self.open_read(name, direct=direct)), size
-            c = iopath.choice_for(self._top if os.path.isdir(self._top) else self._base, reading)
+            c = iopath.choice_for(self._top if os.path.isdir(self._top) else self._base,
+                                  None if write or name is None else lambda: self._read_probe(name))
         except OSError:
             return self.direct_io, 1
         if write:
             return c.write_direct and self.direct_io, c.write_inflight
         return c.read_direct and self.direct_io, c.read_inflight
+
+    def _read_probe(self, name: str) -> tuple[Callable[[bool], int], int]:
+        """(open ``name`` with or without O_DIRECT, its size): what ``iopath.probe_reads`` times."""
+        fd = self.open_read(name)
+        try:
+            size = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+        return (lambda direct: self.open_read(name, direct=direct)), size
 
     @property
     def url(self) -> str:
