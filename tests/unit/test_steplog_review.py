@@ -196,3 +196,25 @@ def test_a_record_that_does_not_fit_stops_the_replay_before_it(tmp_path, how):
     assert any(forged in str(w.message) for w in caught)
     assert _same(st, ref) and st["sched"].state_dict() == ref["sched"].state_dict()
     mgr.close()
+
+
+def test_a_step_without_maybe_save_is_warned_about_when_written_and_when_recovered(tmp_path):
+    ref, m = _train(tmp_path / "ref", _plain, _plain_step, 5)
+    m.close()
+    st = _plain()
+    mgr = _manager(tmp_path / "run")
+    assert mgr.restore(st) is None
+    for step in range(7):
+        _plain_step(st, step)
+        if step != 6:
+            mgr.maybe_save(step, st)
+    _plain_step(st, 7)
+    with pytest.warns(UserWarning, match="maybe_save was not called for step 6"):
+        mgr.maybe_save(7, st)               # the record of 7 holds the optimizer steps of 6 and 7
+    mgr.close()
+    st = _plain()
+    mgr = _manager(tmp_path / "run")
+    with pytest.warns(UserWarning, match=r"resumes at step 5 .*record of step 6 .*up to step 7"):
+        assert mgr.restore(st) == 5
+    assert _same(st, ref)
+    mgr.close()

@@ -105,6 +105,7 @@ class StepLog:
         self._cur: dict[str, Any] | None = None   # the record being captured
         self._recorded: int | None = None           # the step of the last record published
         self._diverged_at: int | None = None        # restore(step=K): records > K dropped at the next record
+        self._expect: int | None = None             # the step the next record should be of (None: unknown)
         self._cuda: list[tuple[torch.Tensor, Any, int, dict[str, Any]]] = []
         self._stream: Any = None
         self._pinned: dict[tuple[Any, ...], torch.Tensor] = {}
@@ -216,6 +217,13 @@ class StepLog:
         if self._diverged_at is not None:   # the first step after restore(step=K): the old future goes now
             at, self._diverged_at = self._diverged_at, None
             self._forget_collectively(at, "step log (forget the future)")
+        if self._expect is not None and step > self._expect:
+            gap = f"{self._expect}" if step == self._expect + 1 else f"{self._expect}..{step - 1}"
+            warnings.warn(f"liferaft: maybe_save was not called for step {gap}: the per-step log's record of step "
+                          f"{step} holds those optimizer steps too, and a recovery stops at the gap (step "
+                          f"{self._expect - 1}) until the next full checkpoint; call maybe_save after every step "
+                          "(docs/STEPLOG.md)", stacklevel=3)
+        self._expect = step + 1
         cur = self._begin()
         for pinned, done, off, entry in self._cuda:
             done.synchronize()
@@ -306,6 +314,11 @@ class StepLog:
         refused = sorted({v[0] for held in listing for k, v in held.items() if k[0] < 0})
         listing = [{k: v for k, v in held.items() if k[0] >= 0} for held in listing]
         n, why = _newest_chain(listing, full, self.world)
+        newest = max((s for held in listing for (r, s) in held), default=full)
+        if not why and newest > n:          # a gap: never silent
+            lacking = [r for r in range(self.world) if not any((r, n + 1) in held for held in listing)]
+            why = f"no node holds the record of step {n + 1} of rank(s) {lacking} (records up to step {newest} " \
+                  "are held; a step without maybe_save, or a lost node and its replica)"
         plan = [] if n <= full else _fetch_plan(listing, self.nodes, full, n)
         records = self.coord.run(lambda: self._gather(listing, plan, full, n), "step log (fetch)")[self.rank]
         outcome = self._check(records, full, n)
@@ -336,6 +349,7 @@ class StepLog:
         finally:
             self._replaying = False
         self._forget_collectively(n, "step log (forget the future)")
+        self._expect = n + 1
         self.last_recovery = {"full": full, "replayed_to": n, "fetched": sum(1 for p in plan if p[2] == self.rank),
                               "why": why}
         return n
@@ -451,6 +465,7 @@ class StepLog:
         self.mark_durable(step)
         self._held.clear()
         self._diverged_at = step
+        self._expect = step + 1
 
     def _forget_collectively(self, step: int, what: str) -> None:
         """``_forget_after(step)`` on one rank per node, every rank waiting until every node's is done (no rank
