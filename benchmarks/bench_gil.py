@@ -52,7 +52,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--where", choices=("thread", "process", "child"), default="thread")
     ap.add_argument("--saves", type=int, default=6)
+    ap.add_argument("--switch-ms", type=float, default=None,
+                    help="sys.setswitchinterval for this process (default: Python's 5 ms): a waiting thread gets "
+                         "the GIL from one running Python code after at most this long")
     a = ap.parse_args()
+    if a.switch_ms is not None:
+        sys.setswitchinterval(a.switch_ms / 1e3)
     torch.set_num_threads(1)
     windows: list[tuple[float, float]] = []
     if a.where == "child":
@@ -81,7 +86,7 @@ def main() -> None:
     first = windows[0][0] - GAP / 2
     inside = [d for t, d in steps if any(s <= t < e for s, e in windows)]
     outside = [d for t, d in steps if t >= first and not any(s - 0.05 <= t < e + 0.05 for s, e in windows)]
-    print(f"{a.where}: step {statistics.median(outside) * 1e3:.2f} ms, slowdown during save "
+    print(f"{a.where}, switch {sys.getswitchinterval() * 1e3:g} ms: step {statistics.median(outside) * 1e3:.2f} ms, slowdown during save "
           f"{100 * (statistics.mean(inside) / statistics.mean(outside) - 1):.1f} %, "
           f"save {statistics.median(e - s for s, e in windows):.2f} s")
 
