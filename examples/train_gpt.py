@@ -197,7 +197,6 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     state = build(rank, world, args.layout, args.device, args.batch, args.dim, args.layers)
     policy = SavePolicy(last_step=args.steps - 1, mtbf_hours=args.mtbf_hours,
-                        at_steps={0} if args.per_step else (),    # the per-step log replays from a full save
                         **({"every_seconds": "auto"} if args.every == "auto" else {"every_steps": int(args.every)}))
     if args.no_ckpt:
         mgr = None

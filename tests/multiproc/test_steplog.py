@@ -59,6 +59,24 @@ def test_lost_node_memory_resumes_from_the_peer_replica(tmp_path):
     _check_resumed(out, ref, out[0]["start"])
 
 
+def test_kill_9_before_the_first_interval_save_resumes_at_the_last_step(tmp_path):
+    """No interval save before the kill: the manager took a full checkpoint at the first maybe_save (step 0) by
+    itself, so the records 1..KILL replay onto it — no step lost, bitwise."""
+    ref = run_ranks(job, 2, str(tmp_path / "ref"), str(tmp_path / "ref-shm"), "ddp", "adamw", LAST, None, 64,
+                    True, None, timeout=180)
+    root, base = str(tmp_path / "run"), str(tmp_path / "shm")
+    with pytest.raises(RankFailure):
+        run_ranks(job, 2, root, base, "ddp", "adamw", LAST, KILL, 64, True, None, timeout=180)
+    out = run_ranks(job, 2, root, base, "ddp", "adamw", LAST, None, 64, True, None, timeout=180)
+    for rank in range(2):
+        assert out[rank]["start"] == KILL, out[rank]["recovery"]
+        assert out[rank]["recovery"]["full"] == 0 and out[rank]["recovery"]["replayed"] == KILL
+        assert out[rank]["recovery"]["rest_loads"] == 1
+        for step, loss in out[rank]["losses"].items():
+            assert loss == ref[rank]["losses"][step], (rank, step)
+        assert not _equal(out[rank]["state"], ref[rank]["state"]), _equal(out[rank]["state"], ref[rank]["state"])
+
+
 def test_another_world_size_falls_back_to_the_full_checkpoint(tmp_path):
     root, base = _crash(tmp_path, "ddp", "adamw")
     out = run_ranks(job, 1, root, base, "ddp", "adamw", 4, None, 64, False, timeout=180)

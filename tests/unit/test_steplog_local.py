@@ -33,9 +33,9 @@ def _step(st: dict, step: int) -> None:
     st["seen"] += 5
 
 
-def _manager(tmp_path, max_steps: int = 16) -> CheckpointManager:
+def _manager(tmp_path, max_steps: int = 16, every: int = 4) -> CheckpointManager:
     tier = MemoryTier("unit", node="n0", base=str(tmp_path / "shm"))
-    return CheckpointManager(str(tmp_path / "root"), every_steps=4,
+    return CheckpointManager(str(tmp_path / "root"), every_steps=every,
                              tiers=TierOptions(memory=tier, memory_every=10 ** 6, drain=False),
                              step_log=StepLogOptions(replicas=1, max_steps=max_steps), async_save=False)
 
@@ -170,3 +170,67 @@ def test_a_damaged_tensor_is_refused_before_replay(tmp_path):
 
 def test_public_name():
     assert liferaft.StepLogOptions is StepLogOptions
+
+
+class _Loads:
+    """A stateful object that counts its ``load_state_dict`` calls."""
+
+    def __init__(self) -> None:
+        self.n, self.loads = 0, 0
+
+    def state_dict(self) -> dict:
+        return {"n": self.n}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.n, self.loads = sd["n"], self.loads + 1
+
+
+def test_recovery_replays_every_record_and_loads_the_rest_once(tmp_path):
+    """Records 1..9 past the only full checkpoint (0): nine optimizer steps replayed, the rest of the state (the
+    stateful objects, buffers, plain values) loaded once — from the last record — not once per record."""
+    ref = _run(tmp_path / "ref", 9)
+    st = _state()
+    st["counter"] = _Loads()
+    mgr = _manager(tmp_path / "run", every=100)
+    assert mgr.restore(st) is None
+    for step in range(10):
+        _step(st, step)
+        st["counter"].n = step
+        mgr.maybe_save(step, st)
+    mgr.close()
+    st = _state()
+    st["counter"] = _Loads()
+    mgr = _manager(tmp_path / "run", every=100)
+    assert mgr.restore(st) == 9
+    log = mgr._steplog
+    assert log is not None
+    rec = log.last_recovery
+    assert (rec["full"], rec["replayed_to"], rec["replayed"], rec["rest_loads"]) == (0, 9, 9, 1)
+    assert set(rec["timings"]) == {"listing", "fetch", "check", "agree", "replay", "rest", "forget"}
+    mgr.close()
+    assert st["counter"].loads == 2 and st["counter"].n == 9     # the full checkpoint's load, then the record's
+    for k, v in _tensors(ref).items():
+        assert torch.equal(v, _tensors(st)[k]), k
+
+
+def test_first_maybe_save_takes_a_full_checkpoint_when_none_is_durable(tmp_path):
+    """With a step log and no full checkpoint to replay onto, the first maybe_save saves one whatever the policy
+    says; the records after it then resume at the last step."""
+    st = _state()
+    tier = MemoryTier("unit", node="n0", base=str(tmp_path / "shm"))
+    mgr = CheckpointManager(str(tmp_path / "root"), every_steps=1000, tiers=TierOptions(memory=tier,
+                            memory_every=10 ** 6, drain=False), step_log=StepLogOptions(max_steps=16),
+                            save_policy=liferaft.SavePolicy(at_steps={999}))
+    assert mgr.restore(st) is None
+    for step in range(1, 6):                # (step 0 would be due by every_steps anyway)
+        _step(st, step)
+        assert mgr.maybe_save(step, st) == (step == 1)
+    mgr.wait()
+    assert [i.step for i in mgr.steps()] == [1]
+    mgr.close()
+    st2 = _state()
+    mgr = _manager(tmp_path)
+    assert mgr.restore(st2) == 5
+    mgr.close()
+    for k, v in _tensors(st).items():
+        assert torch.equal(v, _tensors(st2)[k]), k

@@ -125,6 +125,9 @@ class CheckpointManager:
         self._draining: tuple[int, Mapping[str, float]] | None = None
         self._base: tuple[int, int] | None = None       # (newest committed step, its saves since a full one)
         self._last_step: int | None = None
+        # a full save was started by this manager or restored: with a step log, its records have a base to replay
+        # onto (the same on every rank: saves start collectively)
+        self._has_base = False
         self._last_time = time.monotonic()
         self._metrics: dict[int, Mapping[str, float]] = {}
         self._reading: set[int] = set()
@@ -257,6 +260,7 @@ class CheckpointManager:
                 self._steplog.start_fresh(state)
             return None
         done, self.last_load = got
+        self._has_base = True
         since = next((i.since_full for i in committed if i.step == done), None)
         self._base = (done, since) if since is not None else None      # None: the next save is a full one
         if self._steplog is not None and step is not None:
@@ -313,6 +317,10 @@ class CheckpointManager:
         full_log = self._steplog is not None and self._steplog.full
         if full_log and self._last_step != step:
             reason = reason or "step log full"
+        if self._steplog is not None and not self._has_base:
+            # no full checkpoint to replay the records onto yet: take one now (async with async_save), so that a
+            # crash before the first interval save resumes at the last step, not at nothing
+            reason = reason or "step log: first full checkpoint"
         if reason is None or (self._last_step == step and not force):
             return False
         if full_log and not preempt:            # the ring is full: a durable full checkpoint frees it
@@ -353,6 +361,7 @@ class CheckpointManager:
     def _save(self, step: int, state: Any, metrics: Mapping[str, float] | None, reason: str, wait: bool,
               timeout: float | None = None) -> None:
         self._begin_save()
+        self._has_base = True
         base = self._base if self._base is not None and self._base[0] != step else None
         since = base[1] + 1 if base is not None and base[1] + 1 < self.save_policy.full_every else 0
         # if_busy="wait": a save this manager decided on is never skipped (a skipped one would be taken as
@@ -378,6 +387,7 @@ class CheckpointManager:
         """Save into the memory tier and drain that copy to the root in the background (a full step)."""
         assert self._tiers is not None
         self._begin_save()
+        self._has_base = True
         opts = self._options(step, reason, metrics, 0)
         self._last_step, self._last_time = step, time.monotonic()
         t0 = time.perf_counter()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
+import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -47,6 +48,7 @@ from liferaft.tiers.steprecord import (
     read_record,
     tensor_at,
     tensor_entry,
+    tensor_view,
 )
 from liferaft.tiers.steprest import capture_rest, restore_rest
 
@@ -112,7 +114,9 @@ class StepLog:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="liferaft-steplog")
         self._pending: Future[None] | None = None
         self._lock = threading.Lock()
-        #: what the last recovery did: {"full", "replayed_to", "fetched", "why"} (for logs and tests)
+        #: what the last recovery did: {"full", "replayed_to", "replayed" (records), "fetched", "rest_loads" (1
+        #: when anything was replayed: the rest of the state is loaded once, from the last record), "why",
+        #: "timings" (seconds per phase: listing, fetch, check, agree, replay, rest, forget)} (for logs and tests)
         self.last_recovery: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ capture
@@ -306,11 +310,16 @@ class StepLog:
 
     def recover(self, state: Any, full: int) -> int:
         """Replay the records after the full checkpoint ``full`` (just restored into ``state``); return the step
-        the state is now at. Collective."""
+        the state is now at. Collective: three small exchanges (listing, fetch errors, check outcome) plus the
+        records a rank's node lacks, sent by a holder; the replay itself is local. Each record is read once and
+        verified once; the gradients are replayed from views into the record's bytes; the rest of the state is
+        loaded once, from the last record. ``last_recovery`` says what it did and how long each phase took."""
+        clock = [time.perf_counter()]
         self.wait()
         self.attach(state)
         self.mark_durable(full)
-        listing = self.coord.run(lambda: self._list(full), "step log (listing)")
+        kept: dict[int, tuple[Header, bytearray, str]] = {}     # this rank's own records, read and verified
+        listing = self.coord.run(lambda: self._list(full, kept), "step log (listing)")
         refused = sorted({v[0] for held in listing for k, v in held.items() if k[0] < 0})
         listing = [{k: v for k, v in held.items() if k[0] >= 0} for held in listing]
         n, why = _newest_chain(listing, full, self.world)
@@ -320,10 +329,15 @@ class StepLog:
             why = f"no node holds the record of step {n + 1} of rank(s) {lacking} (records up to step {newest} " \
                   "are held; a step without maybe_save, or a lost node and its replica)"
         plan = [] if n <= full else _fetch_plan(listing, self.nodes, full, n)
-        records = self.coord.run(lambda: self._gather(listing, plan, full, n), "step log (fetch)")[self.rank]
+        clock.append(time.perf_counter())
+        records: dict[int, Any] = {}
+        # (the records stay on this rank: only the outcome is exchanged, never the bytes)
+        self.coord.run(lambda: records.update(self._gather(kept, plan, full, n)), "step log (fetch)")
+        clock.append(time.perf_counter())
         outcome = self._check(records, full, n)
         if outcome == ("ok",):
             outcome = self._fits(records, state, full, n)      # every record against the live state, before any replay
+        clock.append(time.perf_counter())
         outcomes = self.coord.exchange(outcome, None, "step log (check)")
         layout = [o[1] for o in outcomes if o[0] == "layout"]
         bad = [o for o in outcomes if o[0] == "bad"]
@@ -338,51 +352,70 @@ class StepLog:
             why = "; ".join([why] * bool(why) + refused)
         if why:
             warnings.warn(f"liferaft: the per-step log resumes at step {n} instead of past it: {why}", stacklevel=3)
+        clock.append(time.perf_counter())
+        rest_loads = 0
         self._replaying = True
         try:
             for j in range(full + 1, n + 1):
                 self._replay(*records[j])
+            clock.append(time.perf_counter())
             if n > full:
-                header, payload = records[n]
-                restore_rest(state, header.doc["rest"], memoryview(payload), header,
+                header, data = records[n]
+                restore_rest(state, header.doc["rest"], memoryview(data), header,
                              optsteps.tensor_ids(self.optimizers or []), self.allow_pickle)
+                rest_loads += 1
         finally:
             self._replaying = False
+        records.clear()
+        clock.append(time.perf_counter())
         self._forget_collectively(n, "step log (forget the future)")
         self._expect = n + 1
-        self.last_recovery = {"full": full, "replayed_to": n, "fetched": sum(1 for p in plan if p[2] == self.rank),
-                              "why": why}
+        clock.append(time.perf_counter())
+        phases = ("listing", "fetch", "check", "agree", "replay", "rest", "forget")
+        self.last_recovery = {"full": full, "replayed_to": n, "replayed": max(0, n - full),
+                              "fetched": sum(1 for p in plan if p[2] == self.rank), "rest_loads": rest_loads,
+                              "why": why, "timings": {k: b - a for k, a, b in zip(phases, clock, clock[1:])}}
         return n
 
-    def _list(self, full: int) -> dict[tuple[int, int], tuple[str, int, int]]:
-        """(rank, step) → (slot name, length, world) of the records newer than ``full`` this node holds."""
+    def _list(self, full: int, kept: dict[int, tuple[Header, bytearray, str]]) -> dict[tuple[int, int],
+                                                                                      tuple[str, int, int]]:
+        """(rank, step) → (slot name, length, world) of the records newer than ``full`` this node holds, as this
+        rank sees them: its own records read whole and verified (a damaged copy is no copy: a peer's may serve;
+        the bytes set aside in ``kept[step]`` for the replay), the replicas of ranks on other nodes by their
+        checked header (verified whole by the rank they are sent to); other ranks of this node list their own."""
         out: dict[tuple[int, int], tuple[str, int, int]] = {}
         if not os.path.isdir(self.root):
             return out
+        node = self.nodes[self.rank]
         for d in sorted(os.listdir(self.root)):
             folder = os.path.join(self.root, d)
             if not d.startswith("r") or not os.path.isdir(folder):
+                continue
+            own = d == _rank_dir(self.rank)
+            if not own and any(d == _rank_dir(r) for r in range(self.world) if self.nodes[r] == node):
                 continue
             for name in sorted(os.listdir(folder)):
                 rel = f"{d}/{name}"
                 try:
                     h = read_header(self.root, rel)
-                    if h is not None and h.step > full:     # a damaged copy is no copy: a peer's may serve
-                        _verify(h, read_record(self.root, rel, h.length))
+                    if h is None or h.step <= full or d != _rank_dir(h.doc["rank"]):
+                        continue
+                    if own:
+                        data = read_record(self.root, rel, h.length)
+                        _verify(h, data)
                 except (LiferaftError, OSError) as e:
                     out[(-1, len(out))] = (f"refused: {e}", 0, -1)      # reported with the outcome
                     continue
-                if h is not None and h.step > full and d == _rank_dir(h.doc["rank"]):
-                    out[(h.doc["rank"], h.step)] = (rel, h.length, h.doc["world"])
-                    if h.doc["rank"] == self.rank and d == _rank_dir(self.rank):
-                        self._held[int(name.split("-")[1])] = h.step
+                out[(h.doc["rank"], h.step)] = (rel, h.length, h.doc["world"])
+                if own and h.doc["rank"] == self.rank:
+                    self._held[int(name.split("-")[1])] = h.step
+                    kept[h.step] = (h, data, os.path.join(self.root, rel))
         return out
 
-    def _gather(self, listing: list[dict], plan: list[tuple[int, int, int, str, int]], full: int,
-                n: int) -> dict[int, tuple[bytes, str]]:
-        """This rank's records full+1..n as (bytes, where): read from its node, or received per ``plan``
-        (step, holder, rank, slot name, length) — and then kept in its node's ring too."""
-        mine = {s: v for (r, s), v in listing[self.rank].items() if r == self.rank}
+    def _gather(self, kept: dict[int, tuple[Header, bytearray, str]], plan: list[tuple[int, int, int, str, int]],
+                full: int, n: int) -> dict[int, tuple[Header | None, Any, str]]:
+        """This rank's records full+1..n as (header if verified already, bytes, where): its own, read by ``_list``,
+        or received per ``plan`` (step, holder, rank, slot name, length) — and then kept in its node's ring too."""
         works, got = [], {}
         for tag, (step, holder, rank, rel, length) in enumerate(plan):
             if holder == self.rank:
@@ -394,33 +427,34 @@ class StepLog:
                 got[step] = (buf, rel)
         for w in works:
             w.wait()
-        out: dict[int, tuple[bytes, str]] = {}
+        out: dict[int, tuple[Header | None, Any, str]] = {}
         for step in range(full + 1, n + 1):
             if step in got:
                 buf, rel = got[step]
-                data = bytes(buf.numpy())
-                self._store(rel, memoryview(data))
+                data = memoryview(buf.numpy())
+                self._store(rel, data)
                 self._held[int(rel.rsplit("-", 1)[1])] = step
-                out[step] = (data, os.path.join(self.root, rel) + " (from a peer)")
+                out[step] = (None, data, os.path.join(self.root, rel) + " (from a peer)")
             else:
-                rel, length, _ = mine[step]
-                out[step] = (bytes(read_record(self.root, rel, length)), os.path.join(self.root, rel))
+                out[step] = kept[step]
         return out
 
-    def _check(self, raw: dict[int, tuple[bytes, str]], full: int, n: int) -> tuple[Any, ...]:
-        """Decode and check this rank's records; keeps them as ``raw[step] = (header, payload)``. ("ok",),
-        ("layout", why) or ("bad", why, step)."""
+    def _check(self, raw: dict[int, Any], full: int, n: int) -> tuple[Any, ...]:
+        """Decode and check this rank's records (those not verified by ``_list``: whole); keeps them as
+        ``raw[step] = (header, bytes)``. ("ok",), ("layout", why) or ("bad", why, step)."""
         for step in range(full + 1, n + 1):
-            data, where = raw[step]
+            h, data, where = raw[step]
             try:
-                h = parse_record(data, where)
+                if h is None:
+                    h = parse_record(data, where)
+                    if h is not None:
+                        _verify(h, data)                    # every tensor's checksum, before any replay
                 if h is None or h.step != step or h.doc["rank"] != self.rank:
                     raise LiferaftError(f"{where}: not the record of step {step} of rank {self.rank}")
                 if h.doc["layout"] != self.layout[0] or h.doc["world"] != self.world:
                     return ("layout", (f"{where}: written by world size {h.doc['world']}, replaying into "
                                       f"{self.layout[1]}"))
-                _verify(h, data)                            # every tensor's checksum, before any replay
-                raw[step] = (h, data)       # type: ignore[assignment]
+                raw[step] = (h, data)
             except (LiferaftError, KeyError, TypeError) as e:
                 return ("bad", f"{type(e).__name__}: {e}", step)
         return ("ok",)
@@ -438,7 +472,8 @@ class StepLog:
                 return ("bad", f"{type(e).__name__}: {e}", step)
         return ("ok",)
 
-    def _replay(self, header: Header, data: bytes) -> None:
+    def _replay(self, header: Header, data: Any) -> None:
+        """Run the record's optimizer calls (verified by ``_check``: its tensors are read as views, not again)."""
         payload = memoryview(data)[:header.header_off]
         opts = self.optimizers or []
 
@@ -451,7 +486,7 @@ class StepLog:
             i = call["opt"]
             if type(i) is not int or not 0 <= i < len(opts):
                 raise LiferaftError(f"{header.path}: the record names optimizer {i}; the state has {len(opts)}")
-            grads = [None if e is None else tensor_at(e, payload, header.path, header.algo) for e in call["grads"]]
+            grads = [None if e is None else tensor_view(e, payload, header.path) for e in call["grads"]]
             groups = [{k: value(v, k) for k, v in g.items()} for g in call["groups"]]
             optsteps.replay_call(opts[i], grads, groups, {k: value(v, k) for k, v in call["kwargs"].items()},
                                  {k: value(v, k) for k, v in call.get("attrs", {}).items()})
@@ -524,7 +559,7 @@ class StepLog:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-def _verify(header: Header, data: bytes | bytearray) -> None:
+def _verify(header: Header, data: bytes | bytearray | memoryview) -> None:
     """Check every tensor of the record ``data`` against its checksum (CorruptCheckpointError naming the file)."""
     payload = memoryview(data)[:header.header_off]
     try:

@@ -169,9 +169,8 @@ def read_record(root: str, rel: str, length: int) -> bytearray:
         os.close(fd)
 
 
-def tensor_at(entry: Any, payload: bytearray | memoryview, path: str, algo: str) -> torch.Tensor:
-    """The tensor a header entry names in ``payload`` (checked: bounds, dtype, shape × item size = length, digest);
-    a copy the caller owns."""
+def _locate(entry: Any, payload: bytearray | memoryview, path: str) -> tuple[int, int, torch.dtype, list[int]]:
+    """(offset, length, dtype, shape) of a header entry, checked: bounds, dtype, shape × item size = length."""
     if not isinstance(entry, dict):
         raise _fail(path, "has a tensor entry that is not an object")
     off = _int(entry.get("off"), path, "tensor offset")
@@ -188,6 +187,13 @@ def tensor_at(entry: Any, payload: bytearray | memoryview, path: str, algo: str)
     itemsize = torch.empty((), dtype=dt).element_size()
     if numel * itemsize != n or off < PROLOGUE or off + n > len(payload):
         raise _fail(path, f"has a tensor of {n} bytes at {off} that does not fit its shape or the record")
+    return off, n, dt, shape
+
+
+def tensor_at(entry: Any, payload: bytearray | memoryview, path: str, algo: str) -> torch.Tensor:
+    """The tensor a header entry names in ``payload`` (checked: bounds, dtype, shape × item size = length, digest);
+    a copy the caller owns."""
+    off, n, dt, shape = _locate(entry, payload, path)
     view = memoryview(payload)[off:off + n]
     if digest(view, algo) != entry.get("digest"):
         raise _fail(path, f"tensor at bytes {off}..{off + n} does not match its checksum")
@@ -195,6 +201,25 @@ def tensor_at(entry: Any, payload: bytearray | memoryview, path: str, algo: str)
     if n:
         as_bytes(t)[:] = view
     return t
+
+
+def tensor_view(entry: Any, payload: bytearray | memoryview, path: str) -> torch.Tensor:
+    """The tensor a header entry names in the writable ``payload``, as a view into it (no copy): for a record
+    whose checksums were verified already (bounds, dtype and shape are checked again; the digest is not). The
+    view lives as long as ``payload``'s buffer; a write through it changes the record's bytes in memory."""
+    off, n, dt, shape = _locate(entry, payload, path)
+    if not n:
+        return torch.empty(shape, dtype=dt)
+    mv = memoryview(payload)
+    size = torch.empty((), dtype=dt).element_size()
+    if mv.readonly:                                         # (torch.frombuffer wants a writable buffer): a copy
+        t = torch.empty(shape, dtype=dt)
+        as_bytes(t)[:] = mv[off:off + n]
+        return t
+    flat = torch.frombuffer(mv, dtype=torch.uint8, count=n, offset=off)
+    if flat.data_ptr() % size:                              # misaligned for the dtype: a copy, aligned
+        flat = flat.clone()
+    return flat.view(dt).view(shape)
 
 
 __all__ = [
@@ -211,4 +236,5 @@ __all__ = [
     "read_record",
     "tensor_at",
     "tensor_entry",
+    "tensor_view",
 ]
