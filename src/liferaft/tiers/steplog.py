@@ -114,9 +114,8 @@ class StepLog:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="liferaft-steplog")
         self._pending: Future[None] | None = None
         self._lock = threading.Lock()
-        #: what the last recovery did: {"full", "replayed_to", "replayed" (records), "fetched", "rest_loads" (1
-        #: when anything was replayed: the rest of the state is loaded once, from the last record), "why",
-        #: "timings" (seconds per phase: listing, fetch, check, agree, replay, rest, forget)} (for logs and tests)
+        #: what the last recovery did (docs/STEPLOG.md): {"full", "replayed_to", "replayed", "fetched",
+        #: "rest_loads", "why", "timings" (seconds per phase)} (for logs and tests)
         self.last_recovery: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ capture
@@ -330,8 +329,7 @@ class StepLog:
                   "are held; a step without maybe_save, or a lost node and its replica)"
         plan = [] if n <= full else _fetch_plan(listing, self.nodes, full, n)
         clock.append(time.perf_counter())
-        records: dict[int, Any] = {}
-        # (the records stay on this rank: only the outcome is exchanged, never the bytes)
+        records: dict[int, Any] = {}        # (kept on this rank: only the outcome is exchanged, not the bytes)
         self.coord.run(lambda: records.update(self._gather(kept, plan, full, n)), "step log (fetch)")
         clock.append(time.perf_counter())
         outcome = self._check(records, full, n)
@@ -371,7 +369,7 @@ class StepLog:
         self._forget_collectively(n, "step log (forget the future)")
         self._expect = n + 1
         clock.append(time.perf_counter())
-        phases = ("listing", "fetch", "check", "agree", "replay", "rest", "forget")
+        phases = ("listing", "fetch", "check", "agree", "replay", "rest", "forget")     # (clock's intervals)
         self.last_recovery = {"full": full, "replayed_to": n, "replayed": max(0, n - full),
                               "fetched": sum(1 for p in plan if p[2] == self.rank), "rest_loads": rest_loads,
                               "why": why, "timings": {k: b - a for k, a, b in zip(phases, clock, clock[1:])}}
@@ -473,7 +471,6 @@ class StepLog:
         return ("ok",)
 
     def _replay(self, header: Header, data: Any) -> None:
-        """Run the record's optimizer calls (verified by ``_check``: its tensors are read as views, not again)."""
         payload = memoryview(data)[:header.header_off]
         opts = self.optimizers or []
 
