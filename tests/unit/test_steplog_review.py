@@ -4,6 +4,7 @@ the chain warned about, two managers sharing a memory tier's namespace kept apar
 
 from __future__ import annotations
 
+import glob
 import os
 from collections.abc import Callable
 
@@ -174,9 +175,10 @@ def test_a_record_that_does_not_fit_stops_the_replay_before_it(tmp_path, how):
     m.close()
     _, m = _train(tmp_path / "run", _plain, _plain_step, 7)          # full 4, records 5, 6, 7
     m.close()
-    folder = str(tmp_path / "run" / "shm" / "unit" / "n0" / "steplog")
+    folder = glob.glob(str(tmp_path / "run" / "shm" / "unit" / "n0" / "steplog" / "*"))[0]      # steplog/<owner>
     forged = None
-    for rel in (f"{d}/{f}" for d in os.listdir(folder) for f in os.listdir(os.path.join(folder, d))):
+    for rel in (f"{d}/{f}" for d in os.listdir(folder) if os.path.isdir(os.path.join(folder, d))
+                for f in os.listdir(os.path.join(folder, d))):
         h = read_header(folder, rel)
         if h is None or h.step != 6:
             continue
@@ -218,3 +220,57 @@ def test_a_step_without_maybe_save_is_warned_about_when_written_and_when_recover
         assert mgr.restore(st) == 5
     assert _same(st, ref)
     mgr.close()
+
+
+def test_two_managers_sharing_a_memory_tier_namespace_keep_their_logs_apart(tmp_path):
+    from liferaft.errors import CheckpointBusyError
+
+    def train(st: dict, step: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(step * 1000 + seed)
+        st["model"](torch.randn(5, 4, generator=g)).pow(2).mean().backward()
+        st["optim"].step()
+        st["optim"].zero_grad()
+
+    def manager(name: str) -> CheckpointManager:      # the same MemoryTier job id and base, another root
+        tier = MemoryTier("unit", node="n0", base=str(tmp_path / "shm"))
+        return CheckpointManager(str(tmp_path / name), every_steps=4,
+                                 tiers=TierOptions(memory=tier, memory_every=10 ** 6, drain=False),
+                                 step_log=StepLogOptions(replicas=1, max_steps=16), async_save=False)
+
+    refs = {"a": _plain(), "b": _plain()}
+    for step in range(7):
+        train(refs["a"], step, 1)
+        train(refs["b"], step, 2)
+    sts = {"a": _plain(), "b": _plain()}
+    mgrs = {"a": manager("a"), "b": manager("b")}
+    with pytest.raises(CheckpointBusyError):
+        manager("a")                            # a second live manager of a's root (its lease)
+    for name, m in mgrs.items():
+        m.restore(sts[name])
+    for step in range(7):                       # interleaved: full checkpoints 0, 4; records 5, 6 of each
+        for name, seed in (("a", 1), ("b", 2)):
+            train(sts[name], step, seed)
+            mgrs[name].maybe_save(step, sts[name])
+    for m in mgrs.values():
+        m.close()
+    for name in ("a", "b"):
+        st = _plain()
+        m = manager(name)
+        assert m.restore(st) == 6
+        assert _same(st, refs[name]), name
+        m.close()
+
+
+def test_a_second_live_writer_of_one_step_log_is_refused(tmp_path):
+    from liferaft.errors import CheckpointBusyError
+    from liferaft.tiers.steplog import StepLog
+
+    tier = MemoryTier("unit", node="n0", base=str(tmp_path / "shm"))
+    log = StepLog(tier, replicas=1, max_steps=4, owner="file:///a")
+    with pytest.raises(CheckpointBusyError, match="another live manager"):
+        StepLog(tier, replicas=1, max_steps=4, owner="file:///a")
+    other = StepLog(tier, replicas=1, max_steps=4, owner="file:///b")      # another root: another namespace
+    assert other.root != log.root
+    other.close()
+    log.close()
+    StepLog(tier, replicas=1, max_steps=4, owner="file:///a").close()     # free again once closed

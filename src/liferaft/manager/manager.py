@@ -156,7 +156,7 @@ class CheckpointManager:
                                    "tiers=TierOptions(memory=MemoryTier(...)) too")
             self._steplog = StepLog(tiers.memory, replicas=step_log.replicas, max_steps=step_log.max_steps,
                                     process_group=process_group, timeout=self.save_options.timeout,
-                                    allow_pickle=self.save_options.allow_pickle)
+                                    allow_pickle=self.save_options.allow_pickle, owner=self.storage.url)
 
     def _start(self, learn: bool) -> tuple[list[float], str | None]:
         """Rank 0: take the lease, remove leftovers, record this start (``learn``); (starts, why read-only)."""

@@ -8,16 +8,22 @@ group with keys the group has and values of the kinds it holds, keyword argument
 attributes as torch sets them; and the rest of the state has every key of the live state a replay does not
 rebuild, with the live shapes and dtypes, and values that decode. Anything else raises CorruptCheckpointError
 naming the file: the recovery treats the record as damaged and stops at the step before it.
+
+Also whose a log is: ``owner_id`` (the namespace folder and the ``owner`` every record names) and ``lock_writer``
+(one live writer per namespace and rank).
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import inspect
+import os
 from typing import Any
 
 import torch
 
-from liferaft.errors import CorruptCheckpointError, LiferaftError
+from liferaft.errors import CheckpointBusyError, CorruptCheckpointError, LiferaftError
 from liferaft.state import optsteps
 from liferaft.state.dtypes import dtype_name
 from liferaft.state.flatten import flatten
@@ -163,4 +169,38 @@ def check_record(header: Any, state: Any, optimizers: list[torch.optim.Optimizer
         raise _bad(path, f"is malformed ({type(e).__name__}: {str(e)[:80]})") from None
 
 
-__all__ = ["check_record", "check_rest"]
+def check_records(records: dict[int, Any], state: Any, optimizers: list[torch.optim.Optimizer], allow_pickle: bool,
+                  full: int, n: int) -> tuple[Any, ...]:
+    """``check_record`` of the records full+1..n (``records[step][0]``: a checksum-verified Header), before any
+    replay: ("ok",), or ("bad", why, step) for the first that does not fit the live state."""
+    flat = flatten(state, template=True)
+    live = optsteps.tensor_ids(optimizers)
+    for step in range(full + 1, n + 1):
+        try:
+            check_record(records[step][0], state, optimizers, live, allow_pickle, flat)
+        except LiferaftError as e:
+            return ("bad", f"{type(e).__name__}: {e}", step)
+    return ("ok",)
+
+
+def owner_id(owner: str) -> str:
+    """The step log's namespace and the owner every record names: a digest of the manager's root, so that two
+    managers sharing a memory tier's job id and base keep their logs apart, and a restart of one finds its own."""
+    return hashlib.sha256(owner.encode()).hexdigest()[:16]
+
+
+def lock_writer(root: str, name: str) -> int:
+    """An exclusive ``flock`` on ``root/<name>.lock``, as a file descriptor (held until the StepLog closes it, freed
+    by the kernel when the process dies): a second live StepLog of the same namespace and rank is refused."""
+    path = os.path.join(root, f"{name}.lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise CheckpointBusyError(f"{path}: another live manager of the same root writes this per-step log (rank "
+                                  f"{name}); close() it first, or give this manager another root") from None
+    return fd
+
+
+__all__ = ["check_record", "check_records", "check_rest", "lock_writer", "owner_id"]

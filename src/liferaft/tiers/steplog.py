@@ -31,11 +31,10 @@ from liferaft.dist import Coordinator
 from liferaft.errors import CorruptCheckpointError, InvalidStateError, LiferaftError
 from liferaft.format.records import CHECKSUM_ALGO
 from liferaft.state import optsteps
-from liferaft.state.flatten import flatten
 from liferaft.state.values import decode_value, encode_value
 from liferaft.storage.files import create_exclusive
 from liferaft.tiers.memory import MemoryTier
-from liferaft.tiers.stepcheck import check_record
+from liferaft.tiers.stepcheck import check_records, lock_writer, owner_id
 from liferaft.tiers.steprecord import (
     FORMAT,
     PROLOGUE,
@@ -87,14 +86,16 @@ class StepLog:
     """
 
     def __init__(self, memory: MemoryTier, *, replicas: int, max_steps: int, process_group: Any = None,
-                 timeout: float = 600.0, allow_pickle: bool = False) -> None:
+                 timeout: float = 600.0, allow_pickle: bool = False, owner: str = "") -> None:
         self.memory, self.replicas, self.max_steps = memory, replicas, max_steps
         self.allow_pickle = allow_pickle
-        self.root = os.path.join(memory.root, "steplog")
+        self.owner = owner_id(owner)
+        self.root = os.path.join(memory.root, "steplog", self.owner)
         os.makedirs(self.root, exist_ok=True)
         self.coord = Coordinator(process_group, timeout, channel="steplog")
         self.bg = Coordinator(process_group, timeout, channel="steplog-bg")     # used by the replication thread
         self.rank, self.world, self.nodes = self.coord.rank, self.coord.world, memory.nodes
+        self._writer = lock_writer(self.root, _rank_dir(self.rank))     # one live writer per rank of this namespace
         self.targets = _targets(self.nodes, self.rank, replicas)
         self.sources = [r for r in range(self.world) if self.rank in _targets(self.nodes, r, replicas)]
         self.optimizers: list[torch.optim.Optimizer] | None = None
@@ -236,7 +237,7 @@ class StepLog:
         self._cuda.clear()
         live = optsteps.tensor_ids(self.optimizers or [])
         rest = capture_rest(state, live, self._put, self.allow_pickle)
-        header = encode_header({"format": FORMAT, "checksum": CHECKSUM_ALGO, "step": step, "rank": self.rank, "world": self.world,
+        header = encode_header({"format": FORMAT, "checksum": CHECKSUM_ALGO, "step": step, "rank": self.rank, "world": self.world, "owner": self.owner,
                                 "layout": self.layout[0], "calls": cur["calls"], "rest": rest})
         off = cur["pos"]
         f: _Slot = cur["file"]
@@ -334,7 +335,7 @@ class StepLog:
         clock.append(time.perf_counter())
         outcome = self._check(records, full, n)
         if outcome == ("ok",):
-            outcome = self._fits(records, state, full, n)      # every record against the live state, before any replay
+            outcome = check_records(records, state, self.optimizers or [], self.allow_pickle, full, n)
         clock.append(time.perf_counter())
         outcomes = self.coord.exchange(outcome, None, "step log (check)")
         layout = [o[1] for o in outcomes if o[0] == "layout"]
@@ -404,6 +405,11 @@ class StepLog:
                 except (LiferaftError, OSError) as e:
                     out[(-1, len(out))] = (f"refused: {e}", 0, -1)      # reported with the outcome
                     continue
+                if h.doc.get("owner") != self.owner:
+                    other = str(h.doc.get("owner"))[:20]
+                    why = f"refused: {h.path}: written by another manager (owner {other!r}, this one is {self.owner!r})"
+                    out[(-1, len(out))] = (why, 0, -1)
+                    continue
                 out[(h.doc["rank"], h.step)] = (rel, h.length, h.doc["world"])
                 if own and h.doc["rank"] == self.rank:
                     self._held[int(name.split("-")[1])] = h.step
@@ -447,26 +453,13 @@ class StepLog:
                     h = parse_record(data, where)
                     if h is not None:
                         _verify(h, data)                    # every tensor's checksum, before any replay
-                if h is None or h.step != step or h.doc["rank"] != self.rank:
+                if h is None or h.step != step or h.doc["rank"] != self.rank or h.doc.get("owner") != self.owner:
                     raise LiferaftError(f"{where}: not the record of step {step} of rank {self.rank}")
                 if h.doc["layout"] != self.layout[0] or h.doc["world"] != self.world:
                     return ("layout", (f"{where}: written by world size {h.doc['world']}, replaying into "
                                       f"{self.layout[1]}"))
                 raw[step] = (h, data)
             except (LiferaftError, KeyError, TypeError) as e:
-                return ("bad", f"{type(e).__name__}: {e}", step)
-        return ("ok",)
-
-    def _fits(self, records: dict[int, Any], state: Any, full: int, n: int) -> tuple[Any, ...]:
-        """``stepcheck.check_record`` of every checked record full+1..n: ("ok",), or ("bad", why, step) for the
-        first that does not fit the live state."""
-        flat = flatten(state, template=True)
-        live = optsteps.tensor_ids(self.optimizers or [])
-        for step in range(full + 1, n + 1):
-            header = records[step][0]
-            try:
-                check_record(header, state, self.optimizers or [], live, self.allow_pickle, flat)
-            except LiferaftError as e:
                 return ("bad", f"{type(e).__name__}: {e}", step)
         return ("ok",)
 
@@ -548,6 +541,9 @@ class StepLog:
             for f in self._files.values():
                 os.close(f.fd)
             self._files.clear()
+            if self._writer >= 0:
+                os.close(self._writer)
+                self._writer = -1
             self._pool.shutdown(wait=True)
 
     def release(self) -> None:

@@ -5,7 +5,7 @@ here)."""
 from __future__ import annotations
 
 import pytest
-from multiproc._steplog_review_ranks import forget_job
+from multiproc._steplog_forget_ranks import forget_job
 
 from liferaft.testing import RankFailure, run_ranks
 

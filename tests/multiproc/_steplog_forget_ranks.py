@@ -1,4 +1,4 @@
-"""Rank functions for tests/multiproc/test_steplog_review.py (imported as ``multiproc._steplog_review_ranks``): two
+"""Rank functions for tests/multiproc/test_steplog_forget.py (imported as ``multiproc._steplog_forget_ranks``): two
 ranks on one node train a small model with the per-step log, ``kill -9`` themselves after ``stop``; with ``slow``
 the node's lowest rank is slowed in the removal of the records past the resume step (a slow scan of many slots),
 so a sibling that returned from ``restore`` first would publish its next record into the removal's way."""
