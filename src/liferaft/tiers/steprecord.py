@@ -1,6 +1,7 @@
 """One step record of the per-step log (docs/STEPLOG.md): its bytes, and reading them back as hostile input.
 
-A record is one slot file ``<memory tier base>/<job>/<node>/steplog/r<rank, 5 digits>/slot-<i, 4 digits>``:
+A record is one slot file ``<memory tier base>/<job>/<node>/steplog/<owner>/r<rank, 5 digits>/slot-<i, 4 digits>``
+(``<owner>``: ``tiers.stepcheck.owner_id`` of the manager's root):
 
 - bytes 0..63, the prologue: ``MAGIC`` (8 bytes), then little-endian u64s: the record's length, the header's
   offset and length, then the header's xxh3_64 digest (16 hex digits, ASCII); the rest zero. Written last: a record
@@ -8,10 +9,11 @@ A record is one slot file ``<memory tier base>/<job>/<node>/steplog/r<rank, 5 di
 - from byte 64: the tensors (gradients, tensor hyperparameters and keyword arguments, the rest of the state's
   tensors), raw, each at the offset its header entry names.
 - the header: strict JSON (``format/jsonsafe``) — ``format``, ``checksum`` (the tensors' algorithm, one of
-  ``format.records.CHECKSUM_ALGOS``), ``step``, ``rank``, ``world``, ``layout`` (the
-  fingerprint of ``state.optsteps.layout_of``), ``calls`` (per ``optimizer.step()``: ``opt`` index, ``grads``
-  (a tensor entry or null each), ``groups`` (hyperparameters per group, tagged values of ``state.values``; a
-  tensor as ``{"$t": entry}``), ``kwargs``), ``rest`` (``tensors``: key → tensor entries, one per local part;
+  ``format.records.CHECKSUM_ALGOS``), ``step``, ``rank``, ``world``, ``owner`` (the namespace's owner id),
+  ``layout`` (the fingerprint of ``state.optsteps.layout_of``), ``calls`` (per ``optimizer.step()``: ``opt``
+  index, ``grads`` (a tensor entry or null each), ``groups`` (hyperparameters per group, tagged values of
+  ``state.values``; a tensor as ``{"$t": entry}``), ``kwargs``, and ``attrs`` when GradScaler set
+  ``state.optsteps.AMP_ATTRS`` on the optimizer), ``rest`` (``tensors``: key → tensor entries, one per local part;
   ``values``: key → tagged value). A tensor entry is ``{"off", "len", "dtype", "shape", "digest"}``.
 
 Reading checks every size against the file and the caps below before allocating, every tensor's digest, and the
