@@ -357,17 +357,19 @@ def _collect_statefuls(state: Any, out: list[Any], seen: set[int]) -> None:
             todo.extend((x, depth + 1) for x in reversed(list(v.values() if isinstance(v, dict) else v)))
 
 
-def flatten(state: Any, *, template: bool = False, world: int | None = None) -> FlatState:
+def flatten(state: Any, *, template: bool = False, world: int | None = None,
+            adapters: dict[int, Adapter] | None = None) -> FlatState:
     """Flatten ``state`` (see module doc). Calls ``state_dict()`` on stateful objects once (``template``: for a
     load, their ``load_template()`` where they have one, and records what a checkpoint may lack or hold beyond
     the state: ``FlatState.optional`` / ``not_persisted``). ``world``: the size of the process group the save or
-    load runs over (adapters that record it, the StatefulDataLoader's, take it; None: the default group's)."""
+    load runs over (adapters that record it, the StatefulDataLoader's, take it; None: the default group's).
+    ``adapters``: replacements for some objects' adapters, by ``id(obj)`` (the per-step log's cheaper walks)."""
     if not isinstance(state, dict) and type(state) not in (list, tuple) and not is_stateful(state):
         raise InvalidStateError(f"state must be a dict, list, tuple or an object with state_dict(); got "
                                 f"{type(state).__qualname__}")
     w = _Walker(template, world)
     objs: list[Any] = []
     _collect_statefuls(state, objs, set())
-    w.adapters = make_adapters(objs, world)
+    w.adapters = {**make_adapters(objs, world), **(adapters or {})}
     w.walk(state, ())
     return w.flat
