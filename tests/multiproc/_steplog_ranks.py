@@ -49,13 +49,31 @@ class Net(nn.Module):
         return self.b(self.drop(torch.relu(self.a(x))))
 
 
+class Mixed(nn.Module):
+    """A DDP part (the same gradients on every rank) beside a part whose gradients differ between the ranks (each
+    computes them from its own data, no all-reduce). Its parameters must stay the same on every rank (a full
+    checkpoint keeps one copy of a plain tensor), so its optimizer group has lr 0 and no momentum: what matters is
+    that its gradients differ. No buffers (the per-step log's cheap walk of the rest of the state)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ddp = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4)))
+        self.side = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rank = torch.distributed.get_rank()
+        return self.ddp(x) + self.side(x * (rank + 1)) * 0.1
+
+
 def build(kind: str, opt_name: str, world: int) -> dict[str, Any]:
     torch.manual_seed(0)
     np.random.seed(0)           # every stream of RNGState starts the same in every run
     random.seed(0)
-    net = Net()
-    if kind == "ddp":
-        model: nn.Module = nn.parallel.DistributedDataParallel(net)
+    net = Net() if kind != "mixed" else Mixed()
+    if kind == "mixed":
+        model: nn.Module = net
+    elif kind == "ddp":
+        model = nn.parallel.DistributedDataParallel(net)
     else:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -63,7 +81,10 @@ def build(kind: str, opt_name: str, world: int) -> dict[str, Any]:
         mesh = init_device_mesh("cpu", (world,))
         fully_shard(net.a, mesh=mesh)
         model = fully_shard(net, mesh=mesh)
-    params = list(model.parameters())
+    params: Any = list(model.parameters())
+    if kind == "mixed":
+        params = [{"params": list(net.ddp.parameters())},
+                  {"params": list(net.side.parameters()), "lr": 0.0, "momentum": 0.0, "weight_decay": 0.0}]
     opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1) if opt_name == "adamw" else \
         torch.optim.SGD(params, lr=5e-2, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
@@ -87,7 +108,7 @@ def train_step(st: dict[str, Any], rank: int, step: int) -> float:
             p = next(iter(model.parameters()))
             p.grad.fill_(float("inf"))
     scaler.unscale_(opt)
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    torch.nn.utils.clip_grad_norm_(model.ddp.parameters() if isinstance(model, Mixed) else model.parameters(), 1.0)
     scaler.step(opt)
     scaler.update()
     opt.zero_grad()
@@ -136,7 +157,8 @@ def job(rank: int, world: int, root: str, base: str, kind: str, opt_name: str, l
     log = mgr._steplog
     assert log is not None
     out = {"start": start, "losses": losses, "state": snapshot(st), "recovery": dict(log.last_recovery),
-           "held": log.held_steps(), "durable": log.durable}
+           "held": log.held_steps(), "durable": log.durable, "diverged": len(log._sender.diverged),
+           "unsent": log._sender.saved_bytes}
     mgr.close()
     return out
 

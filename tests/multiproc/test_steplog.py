@@ -8,6 +8,7 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+import warnings
 
 import pytest
 from multiproc._steplog_ranks import job, replay_alone
@@ -76,6 +77,41 @@ def test_kill_9_before_the_first_interval_save_resumes_at_the_last_step(tmp_path
         for step, loss in out[rank]["losses"].items():
             assert loss == ref[rank]["losses"][step], (rank, step)
         assert not _equal(out[rank]["state"], ref[rank]["state"]), _equal(out[rank]["state"], ref[rank]["state"])
+
+
+@pytest.mark.parametrize("kind", ["ddp", "mixed"])
+def test_replicated_gradients_are_not_sent_and_a_lost_node_still_recovers_bitwise(tmp_path, kind):
+    """DDP gradients are the same bytes on both ranks: the peer's replica takes them from its own record instead
+    of the wire. ``mixed``: a part of the model each rank trains on its own data (its gradients differ between
+    the ranks, found by their checksums): those are sent in full, and rank 1's records rebuilt on rank 0's node
+    still replay bitwise after rank 1's node lost its memory."""
+    ref = _reference(tmp_path, kind, "sgd")
+    root, base = _crash(tmp_path, kind, "sgd")
+    lost, peer = (os.path.join(base, "steplog-test", node, "steplog", "r00001") for node in ("node1", "node0"))
+    same = _same_records(lost, peer)            # rank 1's records as its node wrote them = its replicas
+    assert len(same) >= 3, same
+    shutil.rmtree(os.path.join(base, "steplog-test", "node1"))
+    with warnings.catch_warnings(record=True):
+        out = run_ranks(job, 2, root, base, kind, "sgd", LAST, None, timeout=180)
+    assert out[0]["start"] in (KILL - 1, KILL), out[0]["recovery"]
+    assert out[1]["recovery"]["fetched"] >= 1 and not out[1]["recovery"]["why"], out[1]["recovery"]
+    _check_resumed(out, ref, out[0]["start"])
+    for rank in range(2):
+        assert out[rank]["unsent"] > 0                      # the DDP gradients stayed home
+        assert (out[rank]["diverged"] > 0) == (kind == "mixed"), out[rank]
+
+
+def _same_records(a: str, b: str) -> list[int]:
+    """Steps whose record is held in both slot folders, checked byte for byte equal (the replica is the record)."""
+    from liferaft.tiers.steprecord import read_header, read_record
+
+    out = []
+    for name in sorted(os.listdir(b)):
+        ha, hb = read_header(a, name), read_header(b, name)
+        if ha is not None and hb is not None and ha.step == hb.step:
+            assert read_record(a, name, ha.length) == read_record(b, name, hb.length), name
+            out.append(hb.step)
+    return out
 
 
 def test_another_world_size_falls_back_to_the_full_checkpoint(tmp_path):

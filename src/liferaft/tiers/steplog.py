@@ -49,7 +49,8 @@ from liferaft.tiers.steprecord import (
     tensor_entry,
     tensor_view,
 )
-from liferaft.tiers.steprest import capture_rest, restore_rest
+from liferaft.tiers.steprest import RestCapture, restore_rest
+from liferaft.tiers.stepsend import Sender
 
 ALIGN = 64
 
@@ -115,6 +116,9 @@ class StepLog:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="liferaft-steplog")
         self._pending: Future[None] | None = None
         self._lock = threading.Lock()
+        self._busy = -1                          # the own slot the replication is reading
+        self._rest = RestCapture()
+        self._sender = Sender(self.root, self.bg, self.rank, self.targets, self.sources, _slot_name, self._slot_fd)
         #: what the last recovery did (docs/STEPLOG.md): {"full", "replayed_to", "replayed", "fetched",
         #: "rest_loads", "why", "timings" (seconds per phase)} (for logs and tests)
         self.last_recovery: dict[str, Any] = {}
@@ -142,6 +146,8 @@ class StepLog:
         for p in optsteps.params_of(opt):
             g = p.grad
             grads.append(None if g is None else self._put(optsteps.local_of(g).detach()))
+            # a plain gradient may be the same bytes on every rank (DDP): the peer may hold it already
+            cur["plain"].append(grads[-1] if g is not None and not optsteps.is_dtensor(g) else None)
         groups = [{k: self._value(v, k) for k, v in g.items() if k != "params"} for g in opt.param_groups]
         call = {"opt": index, "grads": grads, "groups": groups,
                 "kwargs": {k: self._value(v, k) for k, v in kwargs.items() if k != "closure"}}
@@ -162,7 +168,7 @@ class StepLog:
             f = self._file(rel)
             os.pwrite(f.fd, bytes(PROLOGUE), 0)          # no record in this slot until the new prologue
             self._held.pop(slot, None)
-            self._cur = {"slot": slot, "file": f, "pos": PROLOGUE, "calls": []}
+            self._cur = {"slot": slot, "file": f, "pos": PROLOGUE, "calls": [], "plain": []}
         return self._cur
 
     def _file(self, rel: str) -> _Slot:
@@ -173,7 +179,7 @@ class StepLog:
 
     def _free_slot(self) -> int:
         for s in range(self.max_steps):
-            if s not in self._held or self._held[s] <= self.durable:
+            if s != self._busy and (s not in self._held or self._held[s] <= self.durable):
                 return s
         oldest = min(self._held, key=self._held.__getitem__)
         warnings.warn(f"liferaft: the per-step log's ring ({self.max_steps} steps) is full; dropping the record of "
@@ -236,7 +242,7 @@ class StepLog:
             entry.update(tensor_entry(off, pinned, data))
         self._cuda.clear()
         live = optsteps.tensor_ids(self.optimizers or [])
-        rest = capture_rest(state, live, self._put, self.allow_pickle)
+        rest = self._rest.capture(state, live, self._put, self.allow_pickle)
         header = encode_header({"format": FORMAT, "checksum": CHECKSUM_ALGO, "step": step, "rank": self.rank, "world": self.world, "owner": self.owner,
                                 "layout": self.layout[0], "calls": cur["calls"], "rest": rest})
         off = cur["pos"]
@@ -249,7 +255,8 @@ class StepLog:
         self._held[cur["slot"]] = step
         self._cur, self._recorded = None, step
         if self.targets or self.sources:
-            self._pending = self._pool.submit(self._replicate, cur["slot"], off + len(header))
+            self._busy = cur["slot"]        # (read by the replication: not reused until it is done)
+            self._pending = self._pool.submit(self._replicate, cur["slot"], step, off + len(header), cur["plain"])
 
     @property
     def full(self) -> bool:
@@ -272,31 +279,18 @@ class StepLog:
 
     # ------------------------------------------------------------------ replication
 
-    def _replicate(self, slot: int, length: int) -> None:
-        """Background: send this rank's record in ``slot`` to its targets; store the sources' records."""
-        bufs: list[tuple[int, torch.Tensor]] = []
-        works = []
-        mine = torch.tensor([slot, length], dtype=torch.int64)
-        sizes = {src: torch.zeros(2, dtype=torch.int64) for src in self.sources}
-        for t in self.targets:
-            works.append(self.bg.isend(mine, t, 0))
-        for src, buf in sizes.items():
-            works.append(self.bg.irecv(buf, src, 0))
-        for w in works:
-            w.wait()
-        works = []
-        if self.targets:
-            data = torch.from_numpy(bytearray_np(read_record(self.root, _slot_name(self.rank, slot), length)))
-            for t in self.targets:
-                works.append(self.bg.isend(data, t, 1))
-        for src, sz in sizes.items():
-            buf = torch.empty(int(sz[1]), dtype=torch.uint8)
-            bufs.append((src, buf))
-            works.append(self.bg.irecv(buf, src, 1))
-        for w in works:
-            w.wait()
-        for src, buf in bufs:
-            self._store(_slot_name(src, int(sizes[src][0])), memoryview(buf.numpy()))
+    def _replicate(self, slot: int, step: int, length: int, plain: list[dict[str, Any] | None]) -> None:
+        """Background: send this rank's record in ``slot`` to its targets, less the plain gradients a target's own
+        record of the step holds (``tiers.stepsend``); store the sources' records."""
+        try:
+            self._sender.run(slot, step, length, plain)
+        finally:
+            self._busy = -1
+
+    def _slot_fd(self, rel: str, size: int) -> int:
+        f = self._file(rel)
+        f.reserve(size)
+        return f.fd
 
     def _store(self, rel: str, data: memoryview) -> None:
         """Write a whole record (received from a peer) into the slot file ``rel``: the prologue last."""

@@ -1,0 +1,194 @@
+"""Replication of step records to peer nodes, without sending what the peer already holds (docs/STEPLOG.md).
+
+Under data parallelism every rank's gradients are the same bytes (DDP all-reduces them), so a peer's own record
+of the same step already holds the gradients of the record it is to keep a copy of. Each replication therefore:
+
+1. exchanges with each target and source (small messages on the background group): the slot, step and length of
+   the record, then one row per recorded gradient (offset, length, checksum as two 32-bit halves; -1 for none);
+2. the receiver decides, per gradient, whether its own record of the same step holds the same bytes: the same
+   length and the same checksum, and that gradient of that source never differed before (a gradient that
+   differed once is sent in full from then on: a DDP run whose gradients diverge, or ranks that are not data
+   parallel for it, pay one checksum comparison per gradient, not one per step); it sends that mask back;
+3. the sender sends the record's bytes less the gradients the receiver holds (one message, read from its slot);
+   the receiver writes them into the replica's slot, copies the gradients it holds from its own slot
+   (``copy_file_range``: in the kernel, no Python buffer) at the sender's offsets, and writes the prologue last.
+
+The replica is then byte for byte the sender's record, in the unchanged record format: recovery does not know how
+it was made, and verifies every tensor's checksum as before. Everything received is checked against the
+record's length before it is used (a malformed row makes that record go in full).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from liferaft.dist import Coordinator
+from liferaft.storage.files import open_read
+from liferaft.tiers.steprecord import MAX_RECORD_BYTES, PROLOGUE
+
+MAX_GRADS = 1 << 22
+
+
+def _rows(entries: list[dict[str, Any] | None]) -> torch.Tensor:
+    """One int64 row per gradient entry: offset, length, checksum high and low 32 bits (-1s for none)."""
+    out = torch.full((len(entries), 4), -1, dtype=torch.int64)
+    for i, e in enumerate(entries):
+        if e is not None:
+            d = int(e["digest"], 16) if e["len"] else 0
+            out[i] = torch.tensor([e["off"], e["len"], d >> 32 & 0xFFFFFFFF, d & 0xFFFFFFFF])
+    return out
+
+
+def _ranges(length: int, rows: torch.Tensor, mask: torch.Tensor) -> list[tuple[int, int]]:
+    """(offset, length) of the record's bytes outside the gradients ``mask`` marks (the receiver holds them)."""
+    skip = sorted((int(r[0]), int(r[1])) for r, m in zip(rows, mask, strict=True) if m)
+    out, pos = [], 0
+    for off, n in skip:
+        if off > pos:
+            out.append((pos, off - pos))
+        pos = off + n
+    if pos < length:
+        out.append((pos, length - pos))
+    return out
+
+
+def _valid(rows: torch.Tensor, length: int) -> bool:
+    """The rows name disjoint byte ranges past the prologue inside a record of ``length`` bytes."""
+    spans = sorted((int(r[0]), int(r[1])) for r in rows if int(r[1]) > 0)
+    pos = PROLOGUE
+    for off, n in spans:
+        if off < pos or off + n > length:
+            return False
+        pos = off + n
+    return all(int(r[1]) >= 0 or int(r[0]) == -1 for r in rows)
+
+
+def _copy(src: int, dst: int, n: int, src_off: int, dst_off: int) -> None:
+    """Copy ``n`` bytes between two files (in the kernel where it can)."""
+    while n > 0:
+        try:
+            done = os.copy_file_range(src, dst, n, src_off, dst_off)
+        except OSError:
+            done = os.pwrite(dst, os.pread(src, min(n, 16 << 20), src_off), dst_off)
+        if done <= 0:
+            raise OSError(f"short copy of a step record ({n} bytes left)")
+        n, src_off, dst_off = n - done, src_off + done, dst_off + done
+
+
+class Sender:
+    """The replication of one step log: ``run`` once per published record, in its background thread."""
+
+    def __init__(self, root: str, coord: Coordinator, rank: int, targets: list[int], sources: list[int],
+                 name: Callable[[int, int], str], slot_fd: Callable[[str, int], int]) -> None:
+        self.root, self.coord, self.rank, self.targets, self.sources = root, coord, rank, targets, sources
+        self.name, self.slot_fd = name, slot_fd        # slot_fd(rel, size): a writable fd, at least size bytes
+        self.diverged: set[tuple[int, int]] = set()    # (source, gradient index) that differed once
+        self.matched: set[tuple[int, int]] = set()
+        self.warned = False
+        self.buffers: dict[tuple[str, int], torch.Tensor] = {}
+        #: bytes of gradients not sent in the last run (for logs and tests)
+        self.saved_bytes = 0
+
+    def _buffer(self, kind: str, peer: int, n: int) -> torch.Tensor:
+        buf = self.buffers.get((kind, peer))
+        if buf is None or buf.numel() < n:          # kept between steps: no fresh pages per step
+            buf = self.buffers[(kind, peer)] = torch.empty(max(n, 1 << 16), dtype=torch.uint8)
+        return buf[:n]
+
+    def run(self, slot: int, step: int, length: int, entries: list[dict[str, Any] | None]) -> None:
+        """Send this rank's record of ``step`` (``slot``, ``length`` bytes, its gradient ``entries``) to the
+        targets, and store the sources' records of their latest step."""
+        rows = _rows(entries)
+        head = {s: torch.zeros(4, dtype=torch.int64) for s in self.sources}
+        self._swap([(t, torch.tensor([slot, step, length, len(entries)])) for t in self.targets],
+                   list(head.items()), 0)
+        theirs = {}
+        for s, h in head.items():
+            if not (0 <= int(h[2]) <= MAX_RECORD_BYTES and 0 <= int(h[3]) <= MAX_GRADS and int(h[0]) >= 0):
+                raise OSError(f"rank {s} announced a step record of {int(h[2])} bytes and {int(h[3])} gradients")
+            theirs[s] = torch.zeros((int(h[3]), 4), dtype=torch.int64)
+        self._swap([(t, rows) for t in self.targets], list(theirs.items()), 1)
+        masks = {s: self._mask(s, int(head[s][1]), int(head[s][2]), theirs[s], step, rows) for s in self.sources}
+        got = {t: torch.zeros(len(entries), dtype=torch.uint8) for t in self.targets}
+        self._swap(list(masks.items()), list(got.items()), 2)
+        sends, recvs = [], []
+        fd = open_read(self.root, self.name(self.rank, slot)) if self.targets or any(m.any() for m in masks.values()) \
+            else -1
+        try:
+            for t in self.targets:
+                spans = _ranges(length, rows, got[t].bool())
+                buf = self._buffer("send", t, sum(n for _, n in spans))
+                view, pos = memoryview(buf.numpy()), 0
+                for off, n in spans:
+                    if n and os.preadv(fd, [view[pos:pos + n]], off) != n:
+                        raise OSError(f"step record slot {slot} changed while it was sent")
+                    pos += n
+                sends.append((t, buf))
+            spans_of = {s: _ranges(int(head[s][2]), theirs[s], masks[s].bool()) for s in self.sources}
+            for s in self.sources:
+                recvs.append((s, self._buffer("recv", s, sum(n for _, n in spans_of[s]))))
+            self._swap(sends, recvs, 3)
+            self.saved_bytes = sum(int(r[1]) for t in self.targets for r, m in zip(rows, got[t], strict=True) if m)
+            for s, buf in recvs:
+                self._store(s, head[s], theirs[s], masks[s], spans_of[s], buf, fd, rows)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+    def _swap(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]], tag: int) -> None:
+        works = [self.coord.isend(t, r, tag) for r, t in sends if t.numel()]
+        works += [self.coord.irecv(t, r, tag) for r, t in recvs if t.numel()]
+        for w in works:
+            w.wait()
+
+    def _mask(self, src: int, step: int, length: int, theirs: torch.Tensor, own_step: int,
+              rows: torch.Tensor) -> torch.Tensor:
+        """Which of ``src``'s gradients this rank's own record of the same step holds (1: not to be sent)."""
+        mask = torch.zeros(len(theirs), dtype=torch.uint8)
+        if step != own_step or len(theirs) != len(rows) or not _valid(theirs, length):
+            return mask
+        differs = []
+        for i, (a, b) in enumerate(zip(theirs.tolist(), rows.tolist(), strict=True)):
+            if a[1] <= 0 or (src, i) in self.diverged:
+                continue
+            if a[1:] == b[1:]:
+                mask[i] = 1
+                self.matched.add((src, i))
+            elif a[1] == b[1]:
+                differs.append(i)
+                self.diverged.add((src, i))
+        if differs and not self.warned and (mask.any() or any((src, i) in self.matched for i in differs)):
+            self.warned = True
+            warnings.warn(f"liferaft: the gradients #{differs[:8]} of rank {src} at step {step} differ from this "
+                          f"rank's (rank {self.rank}) although others are the same: the per-step log sends them "
+                          "to the peer in full from now on (check that the ranks are data parallel for them)",
+                          stacklevel=2)
+        return mask
+
+    def _store(self, src: int, head: torch.Tensor, theirs: torch.Tensor, mask: torch.Tensor,
+               spans: list[tuple[int, int]], buf: torch.Tensor, own_fd: int, rows: torch.Tensor) -> None:
+        """Write ``src``'s record into its replica slot: received spans, held gradients copied, prologue last."""
+        length = int(head[2])
+        dst = self.slot_fd(self.name(src, int(head[0])), length)
+        os.pwrite(dst, bytes(PROLOGUE), 0)
+        view, pos = memoryview(buf.numpy()), 0
+        prologue = b""
+        for off, n in spans:
+            part, pos = view[pos:pos + n], pos + n
+            if off < PROLOGUE:          # the first span starts with the prologue: written last
+                prologue = bytes(part[:PROLOGUE - off])
+                part, off = part[PROLOGUE - off:], PROLOGUE
+            if len(part):
+                os.pwrite(dst, part, off)
+        for i, (a, m) in enumerate(zip(theirs.tolist(), mask.tolist(), strict=True)):
+            if m:
+                _copy(own_fd, dst, a[1], int(rows[i][0]), a[0])
+        os.pwrite(dst, prologue, 0)
+
+
+__all__ = ["Sender"]
