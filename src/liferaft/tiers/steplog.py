@@ -172,10 +172,11 @@ class StepLog:
         return self._cur
 
     def _file(self, rel: str) -> _Slot:
-        f = self._files.get(rel)
-        if f is None:
-            f = self._files[rel] = _Slot(self.root, rel)
-        return f
+        with self._lock:                    # (the replication thread opens slots too)
+            f = self._files.get(rel)
+            if f is None:
+                f = self._files[rel] = _Slot(self.root, rel)
+            return f
 
     def _free_slot(self) -> int:
         for s in range(self.max_steps):
@@ -286,6 +287,14 @@ class StepLog:
             self._sender.run(slot, step, length, plain)
         finally:
             self._busy = -1
+        # the slot the next record will likely take gets its pages now, off the training thread (a slot's pages
+        # are allocated once: until the ring has gone round once, every record takes a fresh slot)
+        nxt = next((s for s in range(self.max_steps) if s != slot and self._held.get(s, -1) <= self.durable), None)
+        if nxt is not None:
+            try:
+                self._file(_slot_name(self.rank, nxt)).reserve(length)
+            except OSError:
+                pass                        # (the record's own reservation reports it)
 
     def _slot_fd(self, rel: str, size: int) -> int:
         f = self._file(rel)

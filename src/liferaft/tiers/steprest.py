@@ -58,7 +58,8 @@ class _NoState:
 
 class _FastOptimizer:
     """An optimizer's adapter for the per-step walk: torch's own ``state_dict()`` (no copies, no collectives)
-    with the parameter indices renamed to the names ``get_optimizer_state_dict`` gave them."""
+    with the parameter indices renamed to the names ``get_optimizer_state_dict`` gave them, less the state's
+    tensors (all rebuilt by the replay, never in the record)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, names: dict[int, str]) -> None:
         self.optimizer, self.names = optimizer, names
@@ -66,7 +67,12 @@ class _FastOptimizer:
     def state_dict(self) -> dict[str, Any]:
         sd = self.optimizer.state_dict()
         n = self.names
-        return {"state": {n[k]: v for k, v in sd["state"].items()},
+        state = {}
+        for k, v in sd["state"].items():        # its tensors are the optimizer's state: rebuilt by the replay
+            plain = {key: x for key, x in v.items() if not isinstance(x, torch.Tensor)}
+            if plain:
+                state[n[k]] = plain
+        return {**({"state": state} if state else {}),      # (the full walk has no empty state dict either)
                 "param_groups": [{**g, "params": [n[k] for k in g["params"]]} for g in sd["param_groups"]]}
 
 
