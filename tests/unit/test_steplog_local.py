@@ -157,16 +157,16 @@ def test_damaged_records_are_refused_naming_the_file(tmp_path):
 
 
 def test_a_damaged_tensor_is_refused_before_replay(tmp_path):
-    from liferaft.tiers.steplog import _verify
+    from liferaft.tiers.stepplan import verify_record
 
     folder, name = _records(tmp_path)[-1]
     h = read_header(folder, name)
     assert h is not None
     data = bytearray(read_record(folder, name, h.length))
-    _verify(h, data)
+    verify_record(h, data)
     data[PROLOGUE + 3] ^= 1
     with pytest.raises(CorruptCheckpointError, match="checksum"):
-        _verify(h, data)
+        verify_record(h, data)
 
 
 def test_public_name():

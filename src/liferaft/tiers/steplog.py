@@ -28,13 +28,14 @@ from typing import Any
 import torch
 
 from liferaft.dist import Coordinator
-from liferaft.errors import CorruptCheckpointError, InvalidStateError, LiferaftError
+from liferaft.errors import InvalidStateError, LiferaftError
 from liferaft.format.records import CHECKSUM_ALGO
 from liferaft.state import optsteps
 from liferaft.state.values import decode_value, encode_value
 from liferaft.storage.files import create_exclusive
 from liferaft.tiers.memory import MemoryTier
 from liferaft.tiers.stepcheck import check_records, lock_writer, owner_id
+from liferaft.tiers.stepplan import bytearray_np, fetch_plan, newest_chain, targets, verify_record
 from liferaft.tiers.steprecord import (
     FORMAT,
     PROLOGUE,
@@ -97,8 +98,8 @@ class StepLog:
         self.bg = Coordinator(process_group, timeout, channel="steplog-bg")     # used by the replication thread
         self.rank, self.world, self.nodes = self.coord.rank, self.coord.world, memory.nodes
         self._writer = lock_writer(self.root, _rank_dir(self.rank))     # one live writer per rank of this namespace
-        self.targets = _targets(self.nodes, self.rank, replicas)
-        self.sources = [r for r in range(self.world) if self.rank in _targets(self.nodes, r, replicas)]
+        self.targets = targets(self.nodes, self.rank, replicas)
+        self.sources = [r for r in range(self.world) if self.rank in targets(self.nodes, r, replicas)]
         self.optimizers: list[torch.optim.Optimizer] | None = None
         self.layout = ("", "")
         self._hooks: list[Any] = []
@@ -325,13 +326,13 @@ class StepLog:
         listing = self.coord.run(lambda: self._list(full, kept), "step log (listing)")
         refused = sorted({v[0] for held in listing for k, v in held.items() if k[0] < 0})
         listing = [{k: v for k, v in held.items() if k[0] >= 0} for held in listing]
-        n, why = _newest_chain(listing, full, self.world)
+        n, why = newest_chain(listing, full, self.world)
         newest = max((s for held in listing for (r, s) in held), default=full)
         if not why and newest > n:          # a gap: never silent
             lacking = [r for r in range(self.world) if not any((r, n + 1) in held for held in listing)]
             why = f"no node holds the record of step {n + 1} of rank(s) {lacking} (records up to step {newest} " \
                   "are held; a step without maybe_save, or a lost node and its replica)"
-        plan = [] if n <= full else _fetch_plan(listing, self.nodes, full, n)
+        plan = [] if n <= full else fetch_plan(listing, self.nodes, full, n)
         clock.append(time.perf_counter())
         records: dict[int, Any] = {}        # (kept on this rank: only the outcome is exchanged, not the bytes)
         self.coord.run(lambda: records.update(self._gather(kept, plan, full, n)), "step log (fetch)")
@@ -404,7 +405,7 @@ class StepLog:
                         continue
                     if own:
                         data = read_record(self.root, rel, h.length)
-                        _verify(h, data)
+                        verify_record(h, data)
                 except (LiferaftError, OSError) as e:
                     out[(-1, len(out))] = (f"refused: {e}", 0, -1)      # reported with the outcome
                     continue
@@ -455,7 +456,7 @@ class StepLog:
                 if h is None:
                     h = parse_record(data, where)
                     if h is not None:
-                        _verify(h, data)                    # every tensor's checksum, before any replay
+                        verify_record(h, data)                    # every tensor's checksum, before any replay
                 if h is None or h.step != step or h.doc["rank"] != self.rank or h.doc.get("owner") != self.owner:
                     raise LiferaftError(f"{where}: not the record of step {step} of rank {self.rank}")
                 if h.doc["layout"] != self.layout[0] or h.doc["world"] != self.world:
@@ -553,67 +554,6 @@ class StepLog:
         """Free this node's records (a clean exit of the job). Not collective."""
         self.close()
         shutil.rmtree(self.root, ignore_errors=True)
-
-
-def _verify(header: Header, data: bytes | bytearray | memoryview) -> None:
-    """Check every tensor of the record ``data`` against its checksum (CorruptCheckpointError naming the file)."""
-    payload = memoryview(data)[:header.header_off]
-    try:
-        entries = [e for call in header.doc["calls"] for e in call["grads"] if e is not None]
-        entries += [v["$t"] for call in header.doc["calls"] for part in call["groups"] + [call["kwargs"], call.get("attrs", {})]
-                    for v in part.values() if isinstance(v, dict) and set(v) == {"$t"}]
-        entries += [e for es in header.doc["rest"]["tensors"].values() for e in es]
-    except (KeyError, TypeError, AttributeError):
-        raise CorruptCheckpointError(f"{header.path}: step record header is malformed") from None
-    for e in entries:
-        tensor_at(e, payload, header.path, header.algo)
-
-
-def bytearray_np(data: bytearray) -> Any:
-    import numpy as np
-
-    return np.frombuffer(data, dtype=np.uint8)
-
-
-def _targets(nodes: list[str], rank: int, replicas: int) -> list[int]:
-    """The ranks holding copies of ``rank``'s records: the same local position on the next ``replicas`` nodes."""
-    order = list(dict.fromkeys(nodes))
-    members = {n: [r for r, m in enumerate(nodes) if m == n] for n in order}
-    mine = nodes[rank]
-    pos = members[mine].index(rank)
-    out = []
-    for i in range(1, len(order)):
-        if len(out) >= replicas:
-            break
-        node = order[(order.index(mine) + i) % len(order)]
-        out.append(members[node][pos % len(members[node])])
-    return out
-
-
-def _newest_chain(listing: list[dict], full: int, world: int) -> tuple[int, str]:
-    """(N, why not further): the newest N with records full+1..N of every rank held by some node. Pure."""
-    have = {k for held in listing for k in held}
-    worlds = {v[2] for held in listing for v in held.values()}
-    if worlds - {world}:
-        return full, (f"records were written by world size {sorted(worlds - {world})}, this job has {world}: " \
-                     "the per-step log replays only into the layout that wrote it")
-    n = full
-    while all((r, n + 1) in have for r in range(world)):
-        n += 1
-    return n, ""
-
-
-def _fetch_plan(listing: list[dict], nodes: list[str], full: int, n: int) -> list[tuple[int, int, int, str, int]]:
-    """(step, holder, rank, slot name, length) for each record full+1..n that ``rank``'s node lacks. Pure."""
-    plan = []
-    for step in range(full + 1, n + 1):
-        for rank in range(len(nodes)):
-            if any((rank, step) in listing[h] for h in range(len(nodes)) if nodes[h] == nodes[rank]):
-                continue
-            holder = min(h for h in range(len(nodes)) if (rank, step) in listing[h])
-            rel, length, _ = listing[holder][(rank, step)]
-            plan.append((step, holder, rank, rel, length))
-    return plan
 
 
 __all__ = ["StepLog"]

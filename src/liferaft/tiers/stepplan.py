@@ -1,0 +1,73 @@
+"""The per-step log's pure parts: where a rank's records are copied, which chain of records a recovery can
+replay, what a node must fetch, and the check of every tensor of a record against its checksum."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from liferaft.errors import CorruptCheckpointError
+from liferaft.tiers.steprecord import Header, tensor_at
+
+
+def verify_record(header: Header, data: bytes | bytearray | memoryview) -> None:
+    """Check every tensor of the record ``data`` against its checksum (CorruptCheckpointError naming the file)."""
+    payload = memoryview(data)[:header.header_off]
+    try:
+        entries = [e for call in header.doc["calls"] for e in call["grads"] if e is not None]
+        entries += [v["$t"] for call in header.doc["calls"] for part in call["groups"] + [call["kwargs"], call.get("attrs", {})]
+                    for v in part.values() if isinstance(v, dict) and set(v) == {"$t"}]
+        entries += [e for es in header.doc["rest"]["tensors"].values() for e in es]
+    except (KeyError, TypeError, AttributeError):
+        raise CorruptCheckpointError(f"{header.path}: step record header is malformed") from None
+    for e in entries:
+        tensor_at(e, payload, header.path, header.algo)
+
+
+def bytearray_np(data: bytearray) -> Any:
+    import numpy as np
+
+    return np.frombuffer(data, dtype=np.uint8)
+
+
+def targets(nodes: list[str], rank: int, replicas: int) -> list[int]:
+    """The ranks holding copies of ``rank``'s records: the same local position on the next ``replicas`` nodes."""
+    order = list(dict.fromkeys(nodes))
+    members = {n: [r for r, m in enumerate(nodes) if m == n] for n in order}
+    mine = nodes[rank]
+    pos = members[mine].index(rank)
+    out = []
+    for i in range(1, len(order)):
+        if len(out) >= replicas:
+            break
+        node = order[(order.index(mine) + i) % len(order)]
+        out.append(members[node][pos % len(members[node])])
+    return out
+
+
+def newest_chain(listing: list[dict], full: int, world: int) -> tuple[int, str]:
+    """(N, why not further): the newest N with records full+1..N of every rank held by some node. Pure."""
+    have = {k for held in listing for k in held}
+    worlds = {v[2] for held in listing for v in held.values()}
+    if worlds - {world}:
+        return full, (f"records were written by world size {sorted(worlds - {world})}, this job has {world}: " \
+                     "the per-step log replays only into the layout that wrote it")
+    n = full
+    while all((r, n + 1) in have for r in range(world)):
+        n += 1
+    return n, ""
+
+
+def fetch_plan(listing: list[dict], nodes: list[str], full: int, n: int) -> list[tuple[int, int, int, str, int]]:
+    """(step, holder, rank, slot name, length) for each record full+1..n that ``rank``'s node lacks. Pure."""
+    plan = []
+    for step in range(full + 1, n + 1):
+        for rank in range(len(nodes)):
+            if any((rank, step) in listing[h] for h in range(len(nodes)) if nodes[h] == nodes[rank]):
+                continue
+            holder = min(h for h in range(len(nodes)) if (rank, step) in listing[h])
+            rel, length, _ = listing[holder][(rank, step)]
+            plan.append((step, holder, rank, rel, length))
+    return plan
+
+
+__all__ = ["bytearray_np", "fetch_plan", "newest_chain", "targets", "verify_record"]
