@@ -193,14 +193,16 @@ def delete_step(storage: Storage, step: int) -> bool:
 
 def remove_leftovers(storage: Storage, listing: list[StepInfo]) -> None:
     """Rank 0, holding the lease: remove steps of saves that never committed (no job writes them now) — not one
-    that committed steps reference, nor one holding files liferaft never writes (warnings say so) — and the files
-    killed I/O probes left anywhere under the root (``format.layout.is_probe_name``)."""
+    that committed steps reference, nor one holding files liferaft never writes (warnings say so) — and, when a step
+    is incomplete, the files killed I/O probes left under the root (``format.layout.is_probe_name``)."""
     needed = {d for i in listing if i.status == "committed" for d in i.depends_on}
-    names = storage.list()
+    # the whole root is listed only when a step is incomplete (a big root, or an S3 prefix holding a key the
+    # client cannot name, is not walked at every start); a killed probe's file elsewhere is no data anyway
+    names = storage.list() if any(i.status == "incomplete" for i in listing) else []
     for name in names:
         if is_probe_name(name):            # a killed I/O probe's file (in use by a live probe: it reads and writes
             storage.delete(name)           # through its descriptor, so removing the name harms nothing)
-    foreign = _foreign_steps(names) if any(i.status == "incomplete" for i in listing) else {}
+    foreign = _foreign_steps(names) if names else {}
     for info in listing:
         if info.status == "incomplete" and info.step in needed:
             warnings.warn(f"liferaft: step {info.step} has no commit marker but committed steps reference its "
