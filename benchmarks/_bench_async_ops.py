@@ -28,7 +28,7 @@ from typing import Any
 import _bench_ranks as W
 import torch
 import torch.distributed as dist
-from _common import PeakRss, drop_cache, med_range
+from _common import PeakRss, cpu_now, drop_cache, med_range
 
 UPDATE_ELEMS = 256
 LIFERAFT = ["liferaft-blocking", "liferaft-overlapped", "liferaft-sync", "liferaft-blocking-zstd"]
@@ -186,7 +186,9 @@ def train_loop(work: Workload, upd: Updates, steps: int, state: dict[str, Any], 
     spans: list[tuple[float, float]] = []
     run: Running | None = None
     rss: PeakRss | None = None
-    snap, wait_staged = -1, 0.0
+    snap, wait_staged, fg_cpu = -1, 0.0, 0.0
+    daemon = saver is not None and saver.method == "dcp-process-shm"
+    c_loop = cpu_now(children=daemon)
     t_loop = time.perf_counter()
     i = 0
     while i < steps or (run is not None and not run.done.is_set()):
@@ -194,23 +196,29 @@ def train_loop(work: Workload, upd: Updates, steps: int, state: dict[str, Any], 
             raise TimeoutError(f"{saver and saver.method}: save to {path} not durable after {timeout:.0f} s")
         t0 = time.perf_counter()
         if saver is not None and i == save_at:
-            rss = PeakRss(children=saver.method == "dcp-process-shm").start()   # (a scan of /proc costs ~1 ms)
+            rss = PeakRss(children=daemon).start()   # (a scan of /proc costs ~1 ms)
             snap = upd.count
+            c = time.thread_time()
             run = saver.start(path, state, timeout)
+            fg_cpu += time.thread_time() - c
         work.step()
         if run is not None and i == save_at:
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.thread_time()
             run.staged()
             wait_staged = time.perf_counter() - t
+            fg_cpu += time.thread_time() - c
         upd.apply()
         spans.append((t0, time.perf_counter()))
         i += 1
     loop_s = time.perf_counter() - t_loop
     out: dict[str, Any] = {"loop_s": loop_s, "steps": i, "step_s": [b - a for a, b in spans]}
     if run is None or rss is None:
+        out["cpu_s"] = cpu_now() - c_loop
         return out
     run.done.wait()
     extra = rss.stop()
+    out["cpu_s"] = cpu_now(children=daemon) - c_loop - rss.cpu     # (less the RSS sampler's own CPU)
+    out["fg_cpu_s"] = fg_cpu
     if run.error is not None:
         raise run.error
     inflight = [b - a for k, (a, b) in enumerate(spans) if k > save_at and a < run.t_durable]
@@ -238,10 +246,16 @@ def verify_checkpoint(method: str, path: str, cfg: W.Config, updates: int) -> No
 
 
 def _summarize(run: dict[str, Any], base: dict[str, Any], rss0: int, threads: int) -> dict[str, Any]:
+    """One timed save's figures against the loop without a save (``base``). CPU: ``save_cpu_s`` is the process's
+    CPU over the loop with the save (every thread; a PROCESS checkpoint daemon included) less the same number
+    of steps at the base loop's CPU per step; ``fg_cpu_s`` is the part the training thread spent inside the save
+    call and the wait for its snapshot; ``bg_cpu_s`` the rest (threads or daemon working in the background)."""
     base_step = base["loop_s"] / base["steps"]
     inflight = run.pop("inflight_step_s")
     run.pop("step_s")
+    save_cpu = run["cpu_s"] - run["steps"] * base["cpu_s"] / base["steps"]
     return {**run, "threads": threads, "base_step_s": base_step, "stall_s": run["loop_s"] - run["steps"] * base_step,
+            "save_cpu_s": save_cpu, "bg_cpu_s": save_cpu - run["fg_cpu_s"],
             "inflight_steps": len(inflight),
             "slowdown_pct": 100 * (statistics.mean(inflight) / base_step - 1) if inflight else None,
             "extra_rss": run["rss_peak"] - rss0}

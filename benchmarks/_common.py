@@ -79,6 +79,32 @@ def cpu_seconds() -> float:
     return t.user + t.system + t.children_user + t.children_system
 
 
+def cpu_now(children: bool = False) -> float:
+    """CPU seconds so far of this process (all its threads, and its waited-for children) and, with ``children``,
+    of its live child processes too (a checkpoint daemon such as DCP's PROCESS executor: never waited for, so
+    ``os.times`` does not count it). Differences of two calls are what the work between them cost."""
+    total = cpu_seconds()
+    if children:
+        for c in psutil.Process().children(recursive=True):
+            try:
+                t = c.cpu_times()
+            except psutil.Error:
+                continue
+            total += t.user + t.system
+    return total
+
+
+def cpu_per_gb(cpu_s: float | None, nbytes: int) -> float | None:
+    """CPU seconds per GB (1e9 bytes) of ``nbytes`` processed; None stays None."""
+    return None if cpu_s is None else cpu_s / (nbytes / 1e9)
+
+
+def fmt_cpu(values: Iterable[float | None], fmt: str = ".2f") -> str:
+    """A table cell of CPU s/GB: 'median [min–max]' of the values that are not None, '–' if none is."""
+    v = [x for x in values if x is not None]
+    return med_range(v, fmt) if v else "–"
+
+
 class PeakRss:
     """Peak RSS of this process (and, with ``children``, the summed RSS of its child processes), sampled every
     10 ms in a thread between ``start()`` and ``stop()``; ``base`` is this process's RSS at ``start()``;

@@ -15,7 +15,10 @@ What is measured (one process, no process group except DCP PROCESS, which needs 
   wait for their snapshot right before that step's update, and the loop runs ``--steps`` steps or longer, until
   the save is durable. **stall** = loop time − the same number of steps at the mean step time of a loop without
   a save run just before; **slowdown** = mean time of the later steps that started while the save was in
-  flight ÷ that mean − 1; **call return** = the save call's own time; **total** = save call until durable
+  flight ÷ that mean − 1; **CPU s/GB** = the process's CPU seconds (every thread; the PROCESS daemon included)
+  over the loop with the save, less the same number of steps at the CPU per step of the loop without a save,
+  per GB of state, and the **background** part of it: all but what the training thread spent in the save call
+  and the wait for its snapshot; **call return** = the save call's own time; **total** = save call until durable
   (committed/fsynced); **extra RSS** = peak RSS (sampled every 10 ms) during the save above the RSS the process
   had before its first save (so memory a pool or stager keeps between saves counts; for PROCESS the daemon's
   whole peak RSS is shown apart, its shm staging counted in both). 1 thread
@@ -42,7 +45,16 @@ from typing import Any
 
 import _bench_async_ops as O
 import _bench_ranks as W
-from _common import ROOT, append_jsonl, machine, med_range, run_and_report, run_solo  # sets up the paths
+from _common import (  # sets up the paths
+    ROOT,
+    append_jsonl,
+    cpu_per_gb,
+    fmt_cpu,
+    machine,
+    med_range,
+    run_and_report,
+    run_solo,
+)
 
 LABEL = {"liferaft-blocking": "liferaft async_save, blocking staging",
          "liferaft-overlapped": "liferaft async_save, overlapped staging",
@@ -58,10 +70,11 @@ SYNC = {"liferaft-sync", "dcp-sync"}
 LIMITS = O.LIMITS
 
 
-def metrics(out: dict[str, Any]) -> dict[str, Any]:
-    """The numbers of one method's process that go into the tables."""
+def metrics(out: dict[str, Any], nbytes: int) -> dict[str, Any]:
+    """The numbers of one method's process that go into the tables (CPU: s/GB of the warm 1-thread save)."""
     w1, w2, cold = out["warm1"], out["warm2"], out["cold"]
-    return {"stall1": w1["stall_s"], "stall2": w2["stall_s"], "call": w1["call_return_s"],
+    return {"cpu": cpu_per_gb(w1.get("save_cpu_s"), nbytes), "cpu_bg": cpu_per_gb(w1.get("bg_cpu_s"), nbytes),
+            "stall1": w1["stall_s"], "stall2": w2["stall_s"], "call": w1["call_return_s"],
             "slow1": w1["slowdown_pct"], "slow2": w2["slowdown_pct"], "total": w1["durable_s"],
             "rss": w1["extra_rss"], "child_rss": w1["children_rss_peak"], "cold_stall": cold["stall_s"],
             "cold_total": cold["durable_s"]}
@@ -102,12 +115,13 @@ class Bench:
             return
         run_solo(O.verify_op, method, out["checkpoints"], self.cfg)
         self.k = out["matmuls_per_step"]
-        m = metrics(out)
+        m = metrics(out, self.nbytes)
         self.samples.setdefault(method, []).append({**out, "metrics": m})
         self.write({"kind": "sample", "rep": rep, "verified": True, **out, "metrics": m})
         slow = "/".join("–" if m[k] is None else f"{m[k]:+.0f}%" for k in ("slow1", "slow2"))
         print(f"  rep {rep} {method:<25} stall {m['stall1']:6.3f}/{m['stall2']:6.3f} s  call {m['call']:6.3f} s  "
-              f"slowdown {slow}  total {m['total']:6.2f} s  +{m['rss'] / 2**20:6.0f} MiB  "
+              f"slowdown {slow}  total {m['total']:6.2f} s  {m['cpu']:5.2f} CPU s/GB ({m['cpu_bg']:5.2f} in the "
+              f"background)  +{m['rss'] / 2**20:6.0f} MiB  "
               f"first-save stall {m['cold_stall']:6.3f} s  (verified)", file=sys.stderr, flush=True)
 
     def run(self) -> None:
@@ -151,11 +165,12 @@ class Bench:
 
     def main_table(self) -> str:
         lines = ["| method | stall in loop, 1 thread (s) | stall, 2 threads (s) | call return (s) | slowdown during "
-                 "save, 1 / 2 threads | total until durable (s) | extra RSS (MiB) | first save in process: stall (s) |",
-                 "|---" * 8 + "|"]
+                 "save, 1 / 2 threads | total until durable (s) | CPU s/GB, 1 thread: whole save | of it in the "
+                 "background | extra RSS (MiB) | first save in process: stall (s) |",
+                 "|---" * 10 + "|"]
         for m in O.METHODS:
             if m in self.skipped and m not in self.samples:
-                lines.append(f"| {LABEL[m]} | n/a: {self.skipped[m]} |" + " |" * 6)
+                lines.append(f"| {LABEL[m]} | n/a: {self.skipped[m]} |" + " |" * 8)
                 continue
             if m not in self.samples:
                 continue
@@ -166,7 +181,8 @@ class Bench:
             if child:
                 rss += f" (daemon process: {child / 2**20:.0f} in all)"
             lines.append(f"| {LABEL[m]} | {self.cell(m, 'stall1')} | {self.cell(m, 'stall2')} | {self.cell(m, 'call')} "
-                         f"| {slow} | {self.cell(m, 'total', '.2f')} | {rss} | {self.cell(m, 'cold_stall')} |")
+                         f"| {slow} | {self.cell(m, 'total', '.2f')} | {fmt_cpu(self.values(m, 'cpu'))} "
+                         f"| {fmt_cpu(self.values(m, 'cpu_bg'))} | {rss} | {self.cell(m, 'cold_stall')} |")
         return "\n".join(lines)
 
     def ratio_table(self) -> str:

@@ -12,7 +12,9 @@ It is saved once to each tier — the memory tier (replicas on the other node), 
 
 Save stall, with the same state: the call of ``MemoryTier.save`` (returns after the snapshot; the write to shared
 memory and the replication run in the background) and of ``liferaft.async_save`` to disk, next to one memcpy of
-a rank's state into prefaulted memory (the snapshot copy alone). Every restore is checked bit-exact. Markdown on
+a rank's state into prefaulted memory (the snapshot copy alone). CPU s/GB next to each: the CPU seconds (every
+thread) of both ranks' processes per GB of the whole state, for a save from the call until durable (the background
+write and replication included). Every restore is checked bit-exact. Markdown on
 stdout; JSON lines in ``bench-out/bench_tiers.jsonl``.
 """
 
@@ -29,7 +31,7 @@ import uuid
 from typing import Any
 
 import torch
-from _common import ROOT, append_jsonl, drop_cache, machine  # sets up the paths
+from _common import ROOT, append_jsonl, cpu_now, drop_cache, fmt_cpu, machine  # sets up the paths
 
 ROWS = 4096
 
@@ -72,7 +74,7 @@ def worker(rank: int, world: int, base: str, disk: str, s3: str, nbytes: int, re
     dst = {k: torch.empty_like(v.local) for k, v in st.items()}
     for k, v in st.items():
         dst[k].copy_(v.local)
-    memcpy, mem_call, disk_call = [], [], []
+    memcpy, mem_call, disk_call, mem_cpu, disk_cpu = [], [], [], [], []
     for rep in range(reps + 1):
         dist.barrier()
         t0 = time.perf_counter()
@@ -80,21 +82,25 @@ def worker(rank: int, world: int, base: str, disk: str, s3: str, nbytes: int, re
             dst[k].copy_(v.local)
         memcpy.append(time.perf_counter() - t0)
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), cpu_now()
         tier.save(rep, st)
         mem_call.append(time.perf_counter() - t0)
         tier.wait()
+        mem_cpu.append(cpu_now() - c0)         # the whole save (snapshot, write, replication), every thread
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), cpu_now()
         h = liferaft.async_save(os.path.join(disk, f"s{rep}"), st,
                                 options=liferaft.SaveOptions(overwrite=True, compression="off"))
         disk_call.append(time.perf_counter() - t0)
         h.wait()
+        disk_cpu.append(cpu_now() - c0)
     out["memcpy"], out["memory_call"], out["disk_call"] = memcpy[1:], mem_call[1:], disk_call[1:]
+    out["memory_cpu"], out["disk_cpu"] = mem_cpu[1:], disk_cpu[1:]
     liferaft.save(s3, st, options=liferaft.SaveOptions(compression="off"))
     last = os.path.join(disk, f"s{reps}")
     times: dict[str, list[float]] = {"memory, own node": [], "memory, peer (node lost)": [], "local disk": [],
                                      "S3 (moto)": []}
+    cpu: dict[str, list[float]] = {label: [] for label in times}
     for _ in range(reps):
         for label in times:
             target = zeros(st)
@@ -103,7 +109,7 @@ def worker(rank: int, world: int, base: str, disk: str, s3: str, nbytes: int, re
             if label == "local disk" and rank == 0:
                 drop_cache(last)
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), cpu_now()
             if label.startswith("memory"):
                 got = tier.restore(target)
                 assert got == reps, got
@@ -111,13 +117,19 @@ def worker(rank: int, world: int, base: str, disk: str, s3: str, nbytes: int, re
                 liferaft.load(last, target)
             else:
                 liferaft.load(s3, target)
+            cpu[label].append(cpu_now() - c0)       # this rank's process, every thread (not the moto server)
             dist.barrier()
             times[label].append(time.perf_counter() - t0)
             if not same(target, st):
                 raise AssertionError(f"{label}: restored state differs")
-    out["restore"] = times
+    out["restore"], out["restore_cpu"] = times, cpu
     tier.release()
     return out
+
+
+def per_gb(per_rank: list[list[float]], total: int) -> list[float]:
+    """Per rep, the CPU seconds of all ranks together per GB of the whole state."""
+    return [sum(r[i] for r in per_rank) / (total / 1e9) for i in range(len(per_rank[0]))]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,22 +157,23 @@ def main(argv: list[str] | None = None) -> int:
     print(f"### Tiers, {datetime.date.today().isoformat()}: {machine()}\n")
     print(f"State: {total / 1e9:.2f} GB fp32 over 2 ranks (each its own simulated node), {args.reps} reps, median "
           "[min–max] seconds, the slower rank; every restore verified bit-exact.\n")
-    print("| restore from | seconds | GB/s | remote (S3) ÷ this |")
-    print("|---|---|---|---|")
+    print("| restore from | seconds | GB/s | remote (S3) ÷ this | CPU s/GB (both ranks' processes) |")
+    print("|---|---|---|---|---|")
     med = {}
     for label in outs[0]["restore"]:
         per_rep = [max(o["restore"][label][i] for o in outs) for i in range(args.reps)]
         med[label] = (statistics.median(per_rep), min(per_rep), max(per_rep))
     for label, (m, lo, hi) in med.items():
+        cpu = fmt_cpu(per_gb([o["restore_cpu"][label] for o in outs], total))
         print(f"| {label} | {m:.3f} [{lo:.3f}–{hi:.3f}] | {total / m / 1e9:.2f} | "
-              f"{med['S3 (moto)'][0] / m:.1f}× |")
-    print("\n| save, per rank | seconds (call returns) | ÷ snapshot memcpy |")
-    print("|---|---|---|")
+              f"{med['S3 (moto)'][0] / m:.1f}× | {cpu} |")
+    print("\n| save, per rank | seconds (call returns) | ÷ snapshot memcpy | CPU s/GB, whole save until durable |")
+    print("|---|---|---|---|")
     copy = statistics.median(max(o["memcpy"][i] for o in outs) for i in range(args.reps))
-    print(f"| memcpy of the rank's state (the snapshot copy alone) | {copy:.3f} | 1.00 |")
-    for key, label in (("memory_call", "MemoryTier.save (memory tier)"), ("disk_call", "liferaft.async_save to disk")):
-        v = statistics.median(max(o[key][i] for o in outs) for i in range(args.reps))
-        print(f"| {label} | {v:.3f} | {v / copy:.2f} |")
+    print(f"| memcpy of the rank's state (the snapshot copy alone) | {copy:.3f} | 1.00 | – |")
+    for key, label in (("memory", "MemoryTier.save (memory tier)"), ("disk", "liferaft.async_save to disk")):
+        v = statistics.median(max(o[f"{key}_call"][i] for o in outs) for i in range(args.reps))
+        print(f"| {label} | {v:.3f} | {v / copy:.2f} | {fmt_cpu(per_gb([o[f'{key}_cpu'] for o in outs], total))} |")
     return 0
 
 
