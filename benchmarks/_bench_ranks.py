@@ -216,13 +216,16 @@ def do_save(method: str, path: str, state: dict[str, Any], cfg: Config | None, s
     return {}
 
 
-def do_load(method: str, path: str, targets: dict[str, Any], cfg: Config | None, solo: bool) -> Any:
+def do_load(method: str, path: str, targets: dict[str, Any], cfg: Config | None, solo: bool,
+            share_reads: bool | None = None) -> Any:
     """Load directory ``path`` with ``method``: in place into ``targets`` (liferaft, DCP, safetensors + copy_),
-    or as a new state (torch.load). Returns the loaded state (liferaft: also its phase timings)."""
+    or as a new state (torch.load). Returns the loaded state (liferaft: also its phase timings).
+    ``share_reads``: liferaft's ``LoadOptions.share_reads`` (None: its default)."""
     if method == "liferaft":
         import liferaft
 
-        res = liferaft.load(path, targets)
+        opts = liferaft.LoadOptions() if share_reads is None else liferaft.LoadOptions(share_reads=share_reads)
+        res = liferaft.load(path, targets, options=opts)
         return targets, dict(res.timings)
     if method == "dcp":
         import torch.distributed.checkpoint as dcp
@@ -319,8 +322,9 @@ def solo_op(op: str, method: str, path: str, warm_path: str, cfg: Config, idle: 
 
 
 def rank_op(rank: int, world: int, op: str, method: str, path: str, warm_path: str, cfg: Config, idle: float,
-            layout: str) -> dict[str, Any]:
-    """One rank of a ``world``-rank save (layout shard0) or load into ``layout`` (then verify)."""
+            layout: str, share_reads: bool | None = None) -> dict[str, Any]:
+    """One rank of a ``world``-rank save (layout shard0) or load into ``layout`` (then verify); ``share_reads``
+    as in ``do_load``."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
@@ -333,7 +337,7 @@ def rank_op(rank: int, world: int, op: str, method: str, path: str, warm_path: s
     if op == "save":
         dt, rss, detail = _measure(lambda: do_save(method, path, state, None, solo=False))
     else:
-        dt, rss, loaded = _measure(lambda: do_load(method, path, state, None, solo=False))
+        dt, rss, loaded = _measure(lambda: do_load(method, path, state, None, solo=False, share_reads=share_reads))
         detail = loaded[1] if isinstance(loaded, tuple) else {}
     cpu = CPU["last"]
     if op != "save":

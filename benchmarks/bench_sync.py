@@ -99,6 +99,7 @@ class Bench:
         warm = os.path.join(self.tmp, f"warm-{method}")
         try:
             return run_ranks(W.rank_op, 2, op, method, path, warm, self.cfg, self.args.idle, layout,
+                             self.args.share_reads,
                              timeout=self.timeout, pg_timeout=self.timeout,
                              env={"PYTHONPATH": os.environ["PYTHONPATH"]})
         finally:
@@ -195,7 +196,8 @@ class Bench:
                 f"reached, against the best path the device offered in the same run (saves: the fastest durable write "
                 f"of the limits table, O_DIRECT or buffered, 1 or 4 requests in flight; loads: the fastest cold "
                 f"read), 1 = at the limit. CPU s/GB: CPU seconds (every thread, summed over ranks) per GB of "
-                f"state, what the training job pays whatever the disk's hour.\n")
+                f"state, what the training job pays whatever the disk's hour. liferaft's 2-rank loads: "
+                f"share_reads={self.args.share_reads}.\n")
 
     def table(self) -> str:
         cols = [m for m in COLUMNS if any(k[2] == m for k in self.samples)]
@@ -254,7 +256,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--idle", type=float, default=4.0, help="seconds of idle before each timed op (default 4)")
     ap.add_argument("--cases", default="1p,2r", help="comma list of 1p (one process), 2r (two ranks)")
     ap.add_argument("--methods", default=",".join(COLUMNS), help="comma list of " + ", ".join(COLUMNS))
+    ap.add_argument("--share-reads", choices=("default", "on", "off"), default="default",
+                    help="liferaft's LoadOptions.share_reads for the 2-rank loads (default: the library's default)")
     args = ap.parse_args(argv)
+    args.share_reads = {"default": None, "on": True, "off": False}[args.share_reads]
     args.cases = set(args.cases.split(","))
     args.methods = set(args.methods.split(","))
     if not args.methods <= set(COLUMNS) or not args.cases <= {"1p", "2r"}:
