@@ -111,7 +111,7 @@ def _load(reader: Reader, state: Any, coord: Coordinator, opts: LoadOptions, str
             spans = [s for s in spans if p.job.span_bytes.get(s, opts.max_read_bytes + 1) <= opts.max_read_bytes]
             shm.sweep_stale()
             try:
-                segments.append(shm.Segment.create(shm.new_name(coord.rank), opts.max_read_bytes))
+                segments.append(shm.Segment.create(shm.new_name(coord.rank), shm.slot_size(opts.max_read_bytes)))
                 hosted = (socket.gethostname(), segments[0].name)
             except shm.SegmentSpaceError as e:
                 hosted = ("", str(e))           # no segment: no rank shares (decided on every rank alike, below)
@@ -207,7 +207,7 @@ def _set_up_host(coord: Coordinator, own: shm.Segment, hosts: list[tuple[str, st
 
     def attach() -> None:
         for r in sources:
-            share.peers[r] = shm.Segment.attach(hosts[r][1], opts.max_read_bytes, own.slots, r)
+            share.peers[r] = shm.Segment.attach(hosts[r][1], own.slot_bytes, own.slots, r)
     coord.run(attach, "load (shared-memory set-up)", cleanup=share.close)
     shm.unlink(own.name)
     return share

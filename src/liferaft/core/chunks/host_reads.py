@@ -2,9 +2,12 @@
 
 The jobs are those of ``core.chunks.reader`` (local reads coalesced, one job per shared span, in file order, so
 shared spans come in tag order on every rank of the host). A reader thread reads this rank's own jobs (its local
-reads and the shared spans it reads) into two scratch buffers; the caller's thread decodes and verifies them, and
-for a shared span puts the verified bytes into the next slot of this rank's segment (``core.chunks.shm``) and
-sends each receiver a notice ``(slot, outcome, length)`` over the process group. A receiving thread (so that a
+reads and the shared spans it reads): a shared span stored plain straight into the next slot of this rank's
+segment (``core.chunks.shm``, once the receivers of the slot's last span are done with it), anything else into
+two scratch buffers. The caller's thread verifies them (a plain span in place in its slot; an encoded one is
+decoded and verified, then put into the slot) and, as soon as a slot's bytes are verified and before copying
+its own boxes, sends each receiver a notice ``(slot, outcome, length, identity, offset)`` over the process
+group. A receiving thread (so that a
 rank's own reads never wait for its peers' and the ranks work at the same time) waits for each notice in turn, copies its boxes from the reader's slot and sends an acknowledgement; a slot is written again
 only after every receiver of its last span acknowledged. Every byte is read from storage and verified once on
 the host; what each receiver copies is the bytes its reader verified.
@@ -76,24 +79,39 @@ class HostReads:
         self.jobs = _jobs(units, max(max_read, longest), rank, sharing)
         self.errors: list[BaseException] = []
         self.comm_ok = True
-        self.pending: list[list[Any]] = [[] for _ in range(host.own.slots)]   # acks awaited, per slot
+        # per slot: the acknowledgements its last span awaits (put by the caller's thread once the notices are
+        # posted, taken by the reader thread before it fills the slot again)
+        self.released: list[queue.Queue[list[Any]]] = [queue.Queue() for _ in range(host.own.slots)]
+        for q in self.released:
+            q.put([])
         self.sent: list[Any] = []          # sends under way (their tensors kept alive with them)
-        self.next_slot = 0
         self.stats = ReadStats()
         self.received_stats = ReadStats()       # counted by the receiving thread
 
+    def _direct(self, b: _Batch) -> bool:
+        """Whether shared span ``b`` is read straight into its slot: its first unit (the one whose bytes fill
+        the slot) is stored plain (no codec, no delta), so the stored bytes are the verified ones."""
+        return b.role == "send" and bool(b.units) and b.units[0][0].codec is None \
+            and b.units[0][0].delta is None and b.length <= self.host.own.slot_bytes
+
     def run(self) -> ReadStats:
         own = [b for b in self.jobs if b.role != "recv"]
+        staged = [b for b in own if not self._direct(b)]
         free: queue.Queue[torch.Tensor] = queue.Queue()
-        if own:
-            size = max(b.length for b in own)
-            for _ in range(min(len(own), 2)):
+        if staged:
+            size = max(b.length for b in staged)
+            for _ in range(min(len(staged), 2)):
                 free.put(page_aligned_empty(size))
-        ready: queue.Queue[tuple[torch.Tensor, int, BaseException | None]] = queue.Queue()
+        ready: queue.Queue[tuple[torch.Tensor, int, BaseException | None, int]] = queue.Queue()
 
         def read_all() -> None:
+            nxt = 0
             for b in own:
-                buf = free.get()
+                slot = -1
+                if b.role == "send":
+                    slot, nxt = nxt, (nxt + 1) % self.host.own.slots
+                    self._acquire(slot, b)
+                buf = self.host.own.slot(slot, b.length) if self._direct(b) else free.get()
                 n, err = 0, None
                 if not self.errors or b.role == "send":         # a shared span is provided whatever else failed
                     try:
@@ -102,7 +120,7 @@ class HostReads:
                         err = CorruptCheckpointError(f"{self.storage.url}: data file {b.file!r} is missing")
                     except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
                         err = e
-                ready.put((buf, n, err))
+                ready.put((buf, n, err, slot))
 
         def receive_all() -> None:
             for b in self.jobs:
@@ -115,21 +133,23 @@ class HostReads:
         receiver.start()
         try:
             for b in own:
-                buf, n, err = ready.get()
+                buf, n, err, slot = ready.get()
                 try:
                     if err is not None:
                         self._fail(err)
                     if b.role == "send":
-                        self._send(b, buf, n)
+                        self._send(b, buf, n, slot)
                     elif not self.errors:
                         self.stats.verify_s += _consume(self.storage, b, buf, n, self.targets, self.copy)
                         self.stats.used += sum(u.length for u, _ in b.units)
                 except BaseException as e:  # noqa: BLE001 - raised below, after the messages have run
                     self._fail(e)
-                free.put(buf)
+                if not self._direct(b):
+                    free.put(buf)
+            reader.join()
             receiver.join()
             if self.comm_ok:
-                for w in [w for ws in self.pending for w, _ in ws] + [w for w, _ in self.sent]:
+                for w in [w for q in self.released for w, _ in q.get()] + [w for w, _ in self.sent]:
                     try:
                         w.wait()
                     except Exception as e:  # noqa: BLE001 - a lost peer
@@ -151,44 +171,60 @@ class HostReads:
         self.comm_ok = self.comm_ok and not lost
         self.errors.append(e)
 
-    def _send(self, b: _Batch, buf: torch.Tensor, n: int) -> None:
-        """Verify the shared span ``b`` into a free slot, copy this rank's boxes, tell the receivers."""
-        assert b.share is not None
-        own = self.host.own
-        slot = self.next_slot
-        self.next_slot = (slot + 1) % own.slots
+    def _acquire(self, slot: int, b: _Batch) -> None:
+        """(Reader thread) Wait until the receivers of ``slot``'s last span are done with it."""
+        acks = self.released[slot].get()
         try:
-            for w, _ in self.pending[slot] if self.comm_ok else ():
-                _wait(w, b)                 # the receivers of the slot's last span are done with it
+            for w, _ in acks if self.comm_ok else ():
+                _wait(w, b)
         except DistributedError as e:
             self._fail(e, lost=True)
-        self.pending[slot] = []
-        status, length = FAILED, 0
+
+    def _send(self, b: _Batch, buf: torch.Tensor, n: int, slot: int) -> None:
+        """Verify the shared span ``b`` (read into ``slot`` itself, or decoded into it from ``buf``), tell the
+        receivers as soon as the slot's bytes are verified, then copy this rank's boxes."""
+        assert b.share is not None
+        own, direct = self.host.own, self._direct(b)
         identity = decode_identity(b.units[0][0]) if b.units else 0     # the unit whose bytes fill the slot
-        if n:
-            def keep(view: torch.Tensor) -> None:
-                nonlocal length
-                length = view.numel()
-                own.slot(slot, length).copy_(view)
+        acks: list[Any] = []
+        told = False
+
+        def tell(status: int, offset: int = 0, length: int = 0) -> None:
+            nonlocal told
+            told = True
+            if not self.comm_ok:
+                return
+            notice = torch.tensor([slot, status, length, identity, offset], dtype=torch.int64)
             try:
-                self.stats.verify_s += _consume(self.storage, b, buf, n, self.targets, self.copy, keep=keep)
-                self.stats.used += sum(u.length for u, _ in b.units)
-                status = OK
-            except CorruptCheckpointError as e:
-                status = CORRUPT
-                self._fail(e)
-            except BaseException as e:  # noqa: BLE001 - the receivers are told, then it is raised
-                self._fail(e)
-        if not self.comm_ok:
-            return
-        notice = torch.tensor([slot, status, length, identity], dtype=torch.int64)
+                for r in b.share.receivers:
+                    self.sent.append((self.peers.isend(notice, r, 2 * b.share.tag), notice))
+                    ack = torch.zeros(1, dtype=torch.int64)
+                    acks.append((self.peers.irecv(ack, r, 2 * b.share.tag + 1), ack))
+            except Exception as e:  # noqa: BLE001 - gloo refuses to post to a lost peer
+                self._fail(_lost(b, e), lost=True)
+
+        def keep(view: torch.Tensor) -> None:
+            if direct:                      # the view is the slot's own bytes, verified in place
+                tell(OK, b.units[0][0].file_offset - b.offset, view.numel())
+            else:
+                own.slot(slot, view.numel()).copy_(view)
+                tell(OK, 0, view.numel())
         try:
-            for r in b.share.receivers:
-                self.sent.append((self.peers.isend(notice, r, 2 * b.share.tag), notice))
-                ack = torch.zeros(1, dtype=torch.int64)
-                self.pending[slot].append((self.peers.irecv(ack, r, 2 * b.share.tag + 1), ack))
-        except Exception as e:  # noqa: BLE001 - gloo refuses to post to a lost peer
-            self._fail(_lost(b, e), lost=True)
+            status = FAILED
+            if n:
+                try:
+                    self.stats.verify_s += _consume(self.storage, b, buf, n, self.targets, self.copy, keep=keep)
+                    self.stats.used += sum(u.length for u, _ in b.units)
+                    status = OK
+                except CorruptCheckpointError as e:
+                    status = CORRUPT
+                    self._fail(e)
+                except BaseException as e:  # noqa: BLE001 - the receivers are told, then it is raised
+                    self._fail(e)
+            if not told:                    # failed before the slot's bytes were verified (or a span of no unit)
+                tell(status)
+        finally:
+            self.released[slot].put(acks)
 
     def _receive(self, b: _Batch) -> None:
         """Wait for the notice of shared span ``b``, copy this rank's boxes from its reader's slot, acknowledge."""
@@ -196,7 +232,7 @@ class HostReads:
         if not self.comm_ok:
             return
         source = b.share.reader
-        notice = torch.zeros(4, dtype=torch.int64)
+        notice = torch.zeros(5, dtype=torch.int64)
         try:
             _wait(self.peers.irecv(notice, source, 2 * b.share.tag), b)
         except DistributedError as e:
@@ -205,7 +241,7 @@ class HostReads:
         except Exception as e:  # noqa: BLE001 - gloo refuses to post to a lost peer
             self._fail(_lost(b, e), lost=True)
             return
-        slot, status, length, identity = (int(x) for x in notice.tolist())
+        slot, status, length, identity, offset = (int(x) for x in notice.tolist())
         unit = b.units[0][0]
         try:
             if status == CORRUPT:
@@ -222,7 +258,7 @@ class HostReads:
                         raise DistributedError(f"{_where(u)}: rank {source} shared {length} bytes, this rank "
                                                f"expected {view_bytes(u)}; the ranks planned different reads")
                     if self.copy:
-                        copy_out(u, self.host.peers[source].slot(slot, length), dtype, self.targets)
+                        copy_out(u, self.host.peers[source].slot(slot, length, offset), dtype, self.targets)
                 self.received_stats.used += sum(u.length for u, _ in alike)
                 self.received_stats.received += b.length if alike else 0
                 for u, dtype in b.units:            # same bytes, another record: as if read alone

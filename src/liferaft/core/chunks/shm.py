@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from liferaft.errors import DistributedError, StorageError
+from liferaft.staging.pool import PAGE
 
 SHM_DIR = "/dev/shm"
 #: Slots per rank: one being filled, the others being read by the peers (so a rank's reads run ahead of them).
@@ -43,6 +44,13 @@ _NAME = re.compile(r"^liferaft-load-(\d+)-[0-9a-f]{16}-r\d+$")
 class SegmentSpaceError(StorageError):
     """The shared-memory folder has no room for a segment (its size is reserved before anything is mapped: a
     mapping of pages tmpfs cannot provide kills the process with SIGBUS on first touch)."""
+
+
+def slot_size(max_read: int) -> int:
+    """The size of a slot for spans of at most ``max_read`` bytes (``LoadOptions.max_read_bytes``): their whole
+    pages, since the reader of a plain span reads it straight into the slot, page aligned (so that storage may
+    use direct I/O); a multiple of the page, so that every slot of a ring starts on one."""
+    return -(-max_read // PAGE) * PAGE + 2 * PAGE
 
 
 def available() -> bool:
@@ -116,8 +124,8 @@ class Segment:
             free = size                                 # (unknown: the reservation below decides)
         if free < size:
             raise SegmentSpaceError(f"{SHM_DIR}: {free} bytes free, a shared-memory segment of {size} bytes "
-                                    f"({slots} x LoadOptions.max_read_bytes) does not fit; give it more room "
-                                    f"(docker --shm-size) or lower max_read_bytes")
+                                    f"({slots} x LoadOptions.max_read_bytes, in whole pages) does not fit; give it more "
+                                    f"room (docker --shm-size) or lower max_read_bytes")
         fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                      0o600)
         try:
@@ -164,8 +172,9 @@ class Segment:
             os.close(fd)
         return seg
 
-    def slot(self, i: int, nbytes: int) -> torch.Tensor:
-        """The first ``nbytes`` of slot ``i`` as a uint8 tensor over the mapping."""
+    def slot(self, i: int, nbytes: int, offset: int = 0) -> torch.Tensor:
+        """``nbytes`` of slot ``i`` from its byte ``offset`` as a uint8 tensor over the mapping (DistributedError
+        if they are not inside the slot: the slot and span come from a peer's notice)."""
         if self._tensor is None:
             assert self._map is not None
             if self.writable:
@@ -175,10 +184,10 @@ class Segment:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", UserWarning)
                     self._tensor = torch.frombuffer(memoryview(self._map), dtype=torch.uint8)
-        if not 0 <= i < self.slots or not 0 <= nbytes <= self.slot_bytes:
-            raise DistributedError(f"shared-memory segment {self.name}: slot {i} of {nbytes} bytes is outside it "
-                                   f"({self.slots} slots of {self.slot_bytes})")
-        return self._tensor[i * self.slot_bytes:i * self.slot_bytes + nbytes]
+        if not 0 <= i < self.slots or not 0 <= nbytes or not 0 <= offset or offset + nbytes > self.slot_bytes:
+            raise DistributedError(f"shared-memory segment {self.name}: {nbytes} bytes from byte {offset} of slot "
+                                   f"{i} are outside it ({self.slots} slots of {self.slot_bytes})")
+        return self._tensor[i * self.slot_bytes + offset:i * self.slot_bytes + offset + nbytes]
 
     def close(self) -> None:
         """Drop the mapping (the memory goes when every rank has dropped its own), and the name if still there."""
