@@ -41,6 +41,9 @@ class Storage(ABC):
     process_local: bool = False
     #: True when reads cross a network to a shared service (object store): loads then share reads between ranks.
     remote: bool = False
+    #: True when a read is a copy from RAM (tmpfs, an in-process store): no device latency to hide, so a load
+    #: streams the bytes through a small buffer that stays in the CPU's cache (``core.chunks.memread``).
+    memory_speed: bool = False
 
     @property
     @abstractmethod

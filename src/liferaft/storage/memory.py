@@ -37,6 +37,7 @@ class MemoryStorage(Storage):
     """``memory://top/sub``: the files under ``sub/`` of the in-process store ``top`` (a child is a prefix view)."""
 
     process_local = True
+    memory_speed = True
 
     def __init__(self, name: str) -> None:
         self.name = name.strip("/")

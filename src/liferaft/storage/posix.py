@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Callable
 
 from liferaft.errors import CorruptCheckpointError, OptionsError, UnsafePathError
-from liferaft.storage import files, iopath
+from liferaft.storage import files, iopath, memfs
 from liferaft.storage.base import FileWriter, Storage
 
 _PAGE = 4096
@@ -220,6 +220,11 @@ class PosixStorage(Storage):
     @property
     def url(self) -> str:
         return self.root
+
+    @property
+    def memory_speed(self) -> bool:  # type: ignore[override]
+        """Whether this folder is on a file system held in RAM (``storage.memfs``: tmpfs, ramfs)."""
+        return memfs.in_memory(self._p(""))
 
     def _p(self, name: str) -> str:
         return os.path.join(self._base, *self._sub, *name.split("/"))

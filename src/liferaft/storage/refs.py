@@ -17,9 +17,11 @@ class ReferencingStorage(Storage):
         self.inner = inner
         self.process_local = inner.process_local
         self.remote = inner.remote
+        self.memory_speed = inner.memory_speed
         self._siblings: dict[str, Storage] = {}
 
-    def _route(self, name: str) -> tuple[Storage, str]:
+    def route(self, name: str) -> tuple[Storage, str]:
+        """The storage holding the file ``name`` and its name there."""
         if not name.startswith("../"):
             return self.inner, name
         sibling, _, rest = name[3:].partition("/")
@@ -36,19 +38,19 @@ class ReferencingStorage(Storage):
         return self.inner.open_writer(name)
 
     def read_into(self, name: str, offset: int, out: memoryview) -> int:
-        st, rest = self._route(name)
+        st, rest = self.route(name)
         return st.read_into(rest, offset, out)
 
     def read_all(self, name: str, limit: int | None = None) -> bytes:
-        st, rest = self._route(name)
+        st, rest = self.route(name)
         return st.read_all(rest, limit)
 
     def size(self, name: str) -> int:
-        st, rest = self._route(name)
+        st, rest = self.route(name)
         return st.size(rest)
 
     def exists(self, name: str) -> bool:
-        st, rest = self._route(name)
+        st, rest = self.route(name)
         return st.exists(rest)
 
     def list(self) -> list[str]:

@@ -48,34 +48,47 @@ def _flat_destination(c: CopySpec, targets: Sequence[torch.Tensor], dtype: torch
     return dst.reshape(-1).view(torch.uint8)
 
 
+def where_of(unit: ReadUnit) -> str:
+    """``unit`` named in messages: its file, key and bytes."""
+    return f"file {unit.file!r} (key {unit.key!r}, bytes {unit.file_offset}..{unit.file_offset + unit.length})"
+
+
+def contiguous_runs(unit: ReadUnit, length: int, dtype: torch.dtype, targets: Sequence[torch.Tensor]
+                    ) -> tuple[list[tuple[int, int, torch.Tensor]], list[CopySpec]]:
+    """The copies of ``unit`` (``length`` raw bytes) that are one contiguous run in both the unit and a CPU
+    target of the stored dtype, as (first source byte, bytes, the destination's bytes as a 1-D uint8 tensor);
+    and the other copies (strided boxes, other dtypes or devices), which need torch's ``copy_``."""
+    es = torch.empty((), dtype=dtype).element_size()
+    runs: list[tuple[int, int, torch.Tensor]] = []
+    rest: list[CopySpec] = []
+    for c in unit.copies:
+        dst = _flat_destination(c, targets, dtype) if _contiguous(c.sizes, c.src_strides) else None
+        start = c.src_offset * es
+        if dst is None or start < 0 or start + dst.numel() > length:
+            rest.append(c)               # (a source outside the unit: torch's bounds checks raise for it)
+        else:
+            runs.append((start, dst.numel(), dst))
+    return runs, rest
+
+
 def verify_and_copy(unit: ReadUnit, view: torch.Tensor, dtype: torch.dtype, targets: Sequence[torch.Tensor],
                     copy: bool, where: str) -> tuple[float, list[CopySpec]]:
     """Verify every block of ``view`` (the unit's raw bytes, a 1-D uint8 tensor) and, with ``copy``, copy it
     into the contiguous destinations among ``unit.copies`` piece by piece; return (seconds verifying, the copies
     left for the caller to run now that the whole unit is verified)."""
-    es = torch.empty((), dtype=dtype).element_size()
-    runs: list[tuple[int, int, torch.Tensor]] = []        # (first source byte, bytes, destination bytes)
-    rest: list[CopySpec] = []
-    for c in unit.copies if copy else ():
-        dst = _flat_destination(c, targets, dtype) if _contiguous(c.sizes, c.src_strides) else None
-        start = c.src_offset * es
-        if dst is None or start < 0 or start + dst.numel() > view.numel():
-            rest.append(c)               # (a source outside the unit: torch's bounds checks raise for it)
-        else:
-            runs.append((start, dst.numel(), dst))
+    runs, rest = contiguous_runs(unit, view.numel(), dtype, targets) if copy else ([], [])
     mv = memoryview(view.numpy())
     bs = unit.block_size
     per = max(1, PIECE // bs)
     verify_s = 0.0
     src = view.data_ptr()
-    if True:
-        for first in range(0, len(unit.hashes), per):
-            lo, hi = first * bs, min((first + per) * bs, len(mv))
-            t0 = time.perf_counter()
-            verify_blocks(mv[lo:], unit.hashes[first:first + per], bs, where, unit.checksum, first=first)
-            verify_s += time.perf_counter() - t0
-            for start, n, dst in runs:
-                a, b = max(lo, start), min(hi, start + n)
-                if a < b:               # (bounds: a, b lie in both; memmove releases the GIL, one thread)
-                    ctypes.memmove(dst.data_ptr() + a - start, src + a, b - a)
+    for first in range(0, len(unit.hashes), per):
+        lo, hi = first * bs, min((first + per) * bs, len(mv))
+        t0 = time.perf_counter()
+        verify_blocks(mv[lo:], unit.hashes[first:first + per], bs, where, unit.checksum, first=first)
+        verify_s += time.perf_counter() - t0
+        for start, n, dst in runs:
+            a, b = max(lo, start), min(hi, start + n)
+            if a < b:               # (bounds: a, b lie in both; memmove releases the GIL, one thread)
+                ctypes.memmove(dst.data_ptr() + a - start, src + a, b - a)
     return verify_s, rest

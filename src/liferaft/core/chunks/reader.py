@@ -23,6 +23,8 @@ from liferaft.codecs.checksum import verify_blocks
 from liferaft.codecs.frames import decode_frames, load_executor
 from liferaft.core.chunks.blocks import read_blocks, xor_into
 from liferaft.core.chunks.fused import verify_and_copy
+from liferaft.core.chunks.fused import where_of as _where
+from liferaft.core.chunks.memread import stream_units, streamable
 from liferaft.core.chunks.shm import HostShare
 from liferaft.errors import CorruptCheckpointError, DistributedError
 from liferaft.planning.load_plan import CopySpec, ReadUnit
@@ -133,15 +135,68 @@ def execute_reads(storage: Storage, units: Sequence[tuple[ReadUnit, torch.dtype]
     process group: the reader of a shared span decodes and verifies it once into a slot of its own segment and
     sends a notice (slot, outcome, length); the receivers copy their boxes from that slot (not verified again)
     and acknowledge, which frees the slot. A span found corrupt is reported to every receiver, which raises too.
+
+    From storage held in RAM (``Storage.memory_speed``) the units this rank reads for itself are streamed through
+    a small cache-resident buffer instead (``core.chunks.memread``).
     """
-    stats = ReadStats()
     sharing = sharing or {}
     if not units and not any(s.reader == rank for s in sharing.values()):
-        return stats
+        return ReadStats()
     if host is not None and sharing:
         assert peers is not None
         from liferaft.core.chunks.host_reads import HostReads  # (it builds on this module's jobs)
         return HostReads(storage, units, targets, copy, max_read, peers, rank, sharing, host).run()
+    if copy and storage.memory_speed:
+        return _from_memory(storage, units, targets, max_read, peers, rank, sharing)
+    return _pipelined(storage, units, targets, copy, max_read, peers, rank, sharing)
+
+
+def _from_memory(storage: Storage, units: Sequence[tuple[ReadUnit, torch.dtype]], targets: Sequence[torch.Tensor],
+                 max_read: int, peers: Peers | None, rank: int, sharing: Mapping[Span, SharedSpan]) -> ReadStats:
+    """``execute_reads`` from storage held in RAM: the units this rank reads for itself alone and can stream
+    (``core.chunks.memread``) are streamed; the rest (shared spans, encoded units, strided copies) run through
+    the pipeline, in a second thread while this one streams when there are transfers (so that peers waiting for
+    this rank's sends are not kept waiting), else after the streaming."""
+    streamed, rest = [], []
+    for unit, dtype in units:
+        runs = None if (unit.file, unit.file_offset, unit.length) in sharing else streamable(unit, dtype, targets)
+        if runs is None:
+            rest.append((unit, dtype))
+        else:
+            streamed.append((unit, runs))
+    transfers = any(s.reader == rank or rank in s.receivers for s in sharing.values())
+    if not transfers:
+        used, verify_s = stream_units(storage, streamed)
+        stats = _pipelined(storage, rest, targets, True, max_read, peers, rank, sharing) if rest else ReadStats()
+        return ReadStats(stats.used + used, stats.received, stats.verify_s + verify_s)
+    out: list[ReadStats] = []
+    errors: list[BaseException] = []
+
+    def pipeline() -> None:
+        try:
+            out.append(_pipelined(storage, rest, targets, True, max_read, peers, rank, sharing))
+        except BaseException as e:  # noqa: BLE001 - raised by the caller's thread below
+            errors.append(e)
+
+    other = threading.Thread(target=pipeline, name="liferaft-transfers", daemon=True)
+    other.start()
+    try:
+        used, verify_s = stream_units(storage, streamed)
+    finally:
+        other.join()            # (the transfers run to their end whatever this thread met)
+    if errors:
+        raise errors[0]
+    return ReadStats(out[0].used + used, out[0].received, out[0].verify_s + verify_s)
+
+
+def _pipelined(storage: Storage, units: Sequence[tuple[ReadUnit, torch.dtype]], targets: Sequence[torch.Tensor],
+               copy: bool, max_read: int, peers: Peers | None, rank: int,
+               sharing: Mapping[Span, SharedSpan]) -> ReadStats:
+    """``execute_reads`` from a device: a reader thread fills large page-aligned buffers while this thread
+    verifies and copies (and sends and receives the shared spans)."""
+    stats = ReadStats()
+    if not units and not any(s.reader == rank for s in sharing.values()):
+        return stats
     jobs = _jobs(units, max([max_read] + [-(-(u.length + 2 * PAGE) // PAGE) * PAGE for u, _ in units]), rank,
                  sharing)
     size = max(b.length for b in jobs)
@@ -212,10 +267,6 @@ def _wait(work: Any, batch: _Batch) -> None:
         raise DistributedError(f"sharing bytes {batch.key[1]}.. of {batch.file!r} with rank(s) "
                                f"{batch.share and (batch.share.receivers if batch.role == 'send' else batch.share.reader)}"
                                f" failed (a peer died or did not answer): {e}") from None
-
-
-def _where(unit: ReadUnit) -> str:
-    return f"file {unit.file!r} (key {unit.key!r}, bytes {unit.file_offset}..{unit.file_offset + unit.length})"
 
 
 def _decode(unit: ReadUnit, view: torch.Tensor, dtype: torch.dtype, pool: Any) -> torch.Tensor:
