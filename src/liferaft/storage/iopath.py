@@ -16,12 +16,22 @@ write of a device, reads measure only the read paths, on the data file being rea
 processes of one host probing the same folder take turns (``flock`` of the folder).
 A file system that refuses O_DIRECT (tmpfs) has no O_DIRECT figures, so the choice is buffered.
 
+Data already in the page cache (a file just written through it, or read before) is read through it whatever the
+device's choice: O_DIRECT would fetch from the device bytes that memory holds (a load right after a buffered
+save, or a second load, ran at disk speed instead of memory speed). The rule, per read request of the O_DIRECT
+path: ``resident_share`` (``mincore`` on a private mapping of the request's range: nothing is read or faulted
+in, tens of microseconds) tells the share ``r`` of its pages in the cache, and the request reads through the
+cache when ``cache_read_wins(r, Choice.cache_floor)``: ``r`` at least ``cache_floor = max(MIN_RESIDENT,
+1 - b/d)``, where b and d are the probe's best cold buffered and O_DIRECT read rates (cached pages taken as
+free: through the cache the request costs (1 - r)/b, by O_DIRECT 1/d). Cold data keeps the probed path.
+
 ``Choice`` is also what a caller forces: ``PosixStorage(root, direct_io=False, inflight=4)`` never probes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import mmap
@@ -31,10 +41,12 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from liferaft.format.layout import PROBE_PREFIX, is_probe_name  # noqa: F401 - is_probe_name: for callers
 
 PAGE = 4096
+MIN_RESIDENT = 0.5          # the least share of a request's pages in the page cache for it to read through it
 PROBE_FROM = 8 << 20         # a request at least this large asks for the device's choice (probing it once)
 PROBE_BYTES = 16 << 20       # written and read on every path, in every round, by the probe
 PROBE_REQUEST = 4 << 20      # request size of the probe
@@ -55,6 +67,7 @@ class Choice:
     write_inflight: int = 1
     read_direct: bool = True
     read_inflight: int = 1
+    cache_floor: float = MIN_RESIDENT   # a read request this much in the page cache reads through it
 
 
 @dataclass(frozen=True)
@@ -90,7 +103,76 @@ def choose(probe: Probe) -> Choice:
     16 MiB of page cache; a save of GBs first touches every page-cache page, ~1 GB/s on these VMs)."""
     wd, wk = _pick(_direct_unless_cache_wins(probe.write, CACHE_WRITE_MARGIN))
     rd, rk = _pick(probe.read)
-    return Choice(write_direct=wd, write_inflight=wk, read_direct=rd, read_inflight=rk)
+    return Choice(write_direct=wd, write_inflight=wk, read_direct=rd, read_inflight=rk,
+                  cache_floor=cache_floor(probe.read))
+
+
+def cache_floor(read: Mapping[Path, float]) -> float:
+    """The least share of a request's pages in the page cache from which reading it through the cache beats
+    O_DIRECT, for the cold read rates ``read`` (pure): through the cache a request costs (1 - r)/b (cached pages
+    at memory speed, taken as free; the others at the best buffered cold rate b), by O_DIRECT 1/d (the best
+    O_DIRECT rate d): ``max(MIN_RESIDENT, 1 - b/d)``; ``MIN_RESIDENT`` without both figures."""
+    direct = [r for (d, _), r in read.items() if d and r > 0]
+    cached = [r for (d, _), r in read.items() if not d and r > 0]
+    if not direct or not cached:
+        return MIN_RESIDENT
+    return min(1.0, max(MIN_RESIDENT, 1.0 - max(cached) / max(direct)))
+
+
+def cache_read_wins(resident: float | None, floor: float) -> bool:
+    """Whether a read request whose pages are ``resident`` (share in the page cache, ``resident_share``; None:
+    unknown) in the page cache reads through it rather than by O_DIRECT (pure): at least ``floor`` of them, and
+    some."""
+    return resident is not None and resident > 0 and resident >= floor
+
+
+_MINCORE: Any = None
+_LOW_BIT = bytes(b & 1 for b in range(256))
+
+
+def _mincore() -> Any:
+    global _MINCORE
+    if _MINCORE is None:
+        try:
+            fn = ctypes.CDLL(None, use_errno=True).mincore
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+            fn.restype = ctypes.c_int
+            _MINCORE = fn
+        except (OSError, AttributeError):
+            _MINCORE = False
+    return _MINCORE
+
+
+def resident_share(fd: int, offset: int, length: int) -> float | None:
+    """The share of the pages of bytes ``[offset, offset + length)`` of the file ``fd`` (open for reading) that
+    are in the page cache, by ``mincore`` on a private mapping of that range (no byte is read, no page faulted
+    in, nothing written); 0.0 for a range past the end of the file; None where it cannot be told (no
+    ``mincore``, a file that cannot be mapped)."""
+    fn = _mincore()
+    if not fn or length <= 0:
+        return None
+    start = offset // mmap.PAGESIZE * mmap.PAGESIZE
+    try:
+        size = os.fstat(fd).st_size
+        end = min(offset + length, size)
+        if end <= start:
+            return 0.0
+        m = mmap.mmap(fd, end - start, access=mmap.ACCESS_COPY, offset=start)
+    except (OSError, ValueError):
+        return None
+    pages = -(-(end - start) // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * pages)()
+    try:
+        ref = ctypes.c_char.from_buffer(m)
+        try:
+            rc = fn(ctypes.addressof(ref), end - start, vec)
+        finally:
+            del ref
+    finally:
+        m.close()
+    if rc != 0:
+        return None
+    return bytes(vec).translate(_LOW_BIT).count(1) / pages      # (bit 0: resident; the rest reserved)
 
 
 def spans(offset: int, length: int, inflight: int) -> list[tuple[int, int]]:
@@ -237,12 +319,21 @@ def _time_path(fd: int, buf: mmap.mmap, direct: bool, k: int) -> tuple[float, fl
     return w, PROBE_BYTES / max(time.perf_counter() - t, 1e-9)
 
 
-def probe_reads(open_file: Callable[[bool], int], size: int) -> Probe:
+def probe_reads(open_file: Callable[[bool], int], size: int) -> Probe | None:
     """Time the cold read of the first ``min(size, PROBE_BYTES)`` bytes (whole pages) of an existing file on
     every read path, as ``probe`` does, writing nothing: ``open_file(direct)`` opens it (O_DIRECT or not; OSError
-    EINVAL where refused). For reads of a checkpoint that must not be written to (read, convert, inspect)."""
+    EINVAL where refused). For reads of a checkpoint that must not be written to (read, convert, inspect).
+    None, measuring nothing, when those bytes are in the page cache (``cache_read_wins`` at ``MIN_RESIDENT``):
+    a cold read needs them dropped from it first, and the caller is about to read them from there."""
     t0 = time.perf_counter()
     n = min(size, PROBE_BYTES) // PAGE * PAGE
+    if n:
+        fd = open_file(False)
+        try:
+            if cache_read_wins(resident_share(fd, 0, n), MIN_RESIDENT):
+                return None
+        finally:
+            os.close(fd)
     buf = mmap.mmap(-1, max(n, PAGE))
     buf.write(b"\0" * len(buf))
 
@@ -299,7 +390,8 @@ def choice_for(folder: str, reading: Callable[[], tuple[Callable[[bool], int], i
     Without ``reading``: probed in ``folder`` (``probe``: an unnamed file where the file system allows) on the
     first call for that device. With ``reading`` (called only to probe; it returns (``open_file``, size) of an
     existing file to be read, or raises, and then nothing is kept) and no full probe of the device yet: only its
-    read paths are measured (``probe_reads``), on that file, and nothing is written. The probes of one folder by the processes of a host take turns (``flock`` of the
+    read paths are measured (``probe_reads``), on that file, and nothing is written; a file in the page cache is
+    not measured (nor dropped from it): the default ``Choice()`` this time, nothing kept. The probes of one folder by the processes of a host take turns (``flock`` of the
     folder). A device that cannot be probed keeps the default ``Choice()``: O_DIRECT, one request in flight."""
     dev = os.stat(folder).st_dev
     with _LOCK:
@@ -313,6 +405,8 @@ def choice_for(folder: str, reading: Callable[[], tuple[Callable[[bool], int], i
             except OSError:                 # not writable here, or the file was taken away: the default, kept
                 known = kept[dev] = (Choice(), Probe(write={}, read={}))
             else:
+                if p is None:               # the file to read is in the page cache: probed later, on cold bytes
+                    return Choice()
                 known = kept[dev] = (choose(p), p)
     return known[0]
 

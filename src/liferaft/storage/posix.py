@@ -5,6 +5,8 @@ allows it (not tmpfs): the bytes go between the device and the caller's buffer w
 VMs every page-cache page is a first touch of fresh memory, ~1 GB/s). Whether they do, and how many requests a
 large write or read keeps in flight (split on page boundaries across threads), is the device's ``iopath.Choice``:
 probed on the first large request unless the caller forces it (``PosixStorage(direct_io=..., inflight=...)``).
+Unless forced, a read request whose pages are mostly in the page cache already (``iopath.cache_read_wins``: a
+file just written through the cache, or read before) reads through it instead of by O_DIRECT.
 """
 
 from __future__ import annotations
@@ -191,22 +193,30 @@ class PosixStorage(Storage):
         self._auto = direct_io is None and inflight is None
         self._inflight = inflight or 1
         self.direct_io = (True if direct_io is None else bool(direct_io)) and hasattr(os, "O_DIRECT")
+        self.cached_reads = 0       # read parts that would have used O_DIRECT but read through the page cache
 
     def io_path(self, nbytes: int, write: bool, name: str | None = None) -> tuple[bool, int]:
         """(O_DIRECT, requests in flight) for one request of ``nbytes``: forced, or the device's choice (probed
         on the first large request; a root that cannot be probed keeps O_DIRECT, one in flight). A read names
         its file ``name``: until this process has written to the device, only read paths are probed, on that
         file (nothing is written where a checkpoint is only read)."""
-        if not self._auto or nbytes < iopath.PROBE_FROM:
+        c = self._choice(nbytes, write, name)
+        if c is None:
             return self.direct_io, self._inflight
-        try:
-            c = iopath.choice_for(self._top if os.path.isdir(self._top) else self._base,
-                                  None if write or name is None else lambda: self._read_probe(name))
-        except OSError:
-            return self.direct_io, 1
         if write:
             return c.write_direct and self.direct_io, c.write_inflight
         return c.read_direct and self.direct_io, c.read_inflight
+
+    def _choice(self, nbytes: int, write: bool, name: str | None) -> iopath.Choice | None:
+        """The device's ``iopath.Choice`` for a request of ``nbytes`` (None: forced, below ``PROBE_FROM``, or a
+        root that cannot be probed)."""
+        if not self._auto or nbytes < iopath.PROBE_FROM:
+            return None
+        try:
+            return iopath.choice_for(self._top if os.path.isdir(self._top) else self._base,
+                                     None if write or name is None else lambda: self._read_probe(name))
+        except OSError:
+            return None
 
     def _read_probe(self, name: str) -> tuple[Callable[[bool], int], int]:
         """(open ``name`` with or without O_DIRECT, its size): what ``iopath.probe_reads`` times."""
@@ -286,10 +296,15 @@ class PosixStorage(Storage):
     _open = open_read
 
     def read_into(self, name: str, offset: int, out: memoryview) -> int:
+        """Read into ``out`` from ``offset`` of ``name``; return the bytes read (fewer at the end of the file).
+        By the device's path, except (unless forced) the parts mostly in the page cache: through it."""
         mv = memoryview(out).cast("B")
         direct, inflight = self.io_path(len(mv), write=False, name=name)
+        c = self._choice(len(mv), False, name) if self._auto else None
+        floor = None if not self._auto else c.cache_floor if c is not None else iopath.MIN_RESIDENT
         if inflight > 1 and len(mv) >= 2 * iopath.SPLIT_MIN:
-            got = iopath.in_parallel(lambda at, n: self._read_into(name, at, mv[at - offset:at - offset + n], direct),
+            got = iopath.in_parallel(lambda at, n: self._read_into(name, at, mv[at - offset:at - offset + n], direct,
+                                                                   floor),
                                      iopath.spans(offset, len(mv), inflight))
             total = 0
             for (_, n), g in zip(iopath.spans(offset, len(mv), inflight), got):
@@ -297,16 +312,24 @@ class PosixStorage(Storage):
                 if g < n:
                     break           # end of file within this part: what follows it is not the file's
             return total
-        return self._read_into(name, offset, mv, direct)
+        return self._read_into(name, offset, mv, direct, floor)
 
-    def _read_into(self, name: str, offset: int, mv: memoryview, direct: bool) -> int:
-        if direct and self.direct_io and offset % _PAGE == 0 and len(mv) % _PAGE == 0 and len(mv) \
-                and not mv.readonly and ctypes.addressof(ctypes.c_char.from_buffer(mv)) % _PAGE == 0:
-            n = self._read_direct(name, offset, mv)
-            if n is not None:
-                return n
-        fd = self._open(name)
+    def _read_into(self, name: str, offset: int, mv: memoryview, direct: bool, floor: float | None = None) -> int:
+        """One part of a read: by O_DIRECT where asked and aligned, unless ``floor`` (not forced) and the range is
+        that much in the page cache (``iopath.cache_read_wins``); else through the cache."""
+        fd = None
         try:
+            if direct and self.direct_io and offset % _PAGE == 0 and len(mv) % _PAGE == 0 and len(mv) \
+                    and not mv.readonly and ctypes.addressof(ctypes.c_char.from_buffer(mv)) % _PAGE == 0:
+                if floor is not None:
+                    fd = self._open(name)
+                    if iopath.cache_read_wins(iopath.resident_share(fd, offset, len(mv)), floor):
+                        self.cached_reads += 1
+                        direct = False
+                n = self._read_direct(name, offset, mv) if direct else None
+                if n is not None:
+                    return n
+            fd = self._open(name) if fd is None else fd
             total = 0
             while total < len(mv):
                 n = os.preadv(fd, [mv[total:]], offset + total)
@@ -315,7 +338,8 @@ class PosixStorage(Storage):
                 total += n
             return total
         finally:
-            os.close(fd)
+            if fd is not None:
+                os.close(fd)
 
     def _read_direct(self, name: str, offset: int, mv: memoryview) -> int | None:
         """Read with O_DIRECT; None if the file system refuses it (then direct I/O is off for this storage)."""

@@ -30,6 +30,7 @@ import torch
 from liferaft.codecs import frames, registry
 from liferaft.codecs.base import EncodedChunk
 from liferaft.codecs.checksum import CHECKSUM_BITS, BlockHasher, block_hashes, choose_block_size
+from liferaft.core.chunks.behind import WriteBehind
 from liferaft.core.chunks.encoding import EncodeQueue, InFlight
 from liferaft.errors import StorageError
 from liferaft.format.manifest import CHECKSUM_ALGO, ChunkRecord
@@ -186,8 +187,12 @@ def write_staged(storage: Storage, items: Sequence[WriteItem], pieces: queue.Que
     """Write staged pieces (see ``staging.stager``) as they arrive; durable on return.
 
     Each piece's pool region is released once written (or once its chunk is decided; an encoded chunk's, once
-    its frames are written). On error (an encoder's included) the chunks still encoding are waited for, the
-    partial file is removed, the pool is reset (waking a stager that waits for room) and the error re-raised.
+    its frames are written). A raw piece is written by the I/O thread (``behind.WriteBehind``) while this thread
+    hashes the next ones; those writes are flushed before a chunk is held whole, so a held chunk, an encoding
+    one and a write behind never hold pool regions at once (they are released in the order they were taken).
+    On error (an encoder's or a write's included) the chunks still encoding and the write running are waited
+    for, the partial file is removed, the pool is reset (waking a stager that waits for room) and the error
+    re-raised.
     """
     out = WriteOutcome(chunks=[], file_size=0, bytes_written=0, stage_s=0.0, write_s=0.0)
     f = _File(storage, items[0].file if items else None, policy.alignment)
@@ -202,10 +207,13 @@ def write_staged(storage: Storage, items: Sequence[WriteItem], pieces: queue.Que
             pool.release(p.region)
 
     encoding = EncodeQueue(finish)
+    behind = WriteBehind()
     try:
         for idx, w in enumerate(items):
             hasher = BlockHasher(choose_block_size(w.length, policy.block_size), CHECKSUM_ALGO, whole=True)
             decide = policy.decides(w) and w.length <= pool.capacity     # (else it could never be held whole)
+            if decide:
+                behind.flush()              # (a held chunk never waits for room a write behind holds)
             got = 0
             base = f.start(w.length, w.length >= PAGE_ALIGN_MIN) if not decide else 0
             while got < w.length:
@@ -227,7 +235,7 @@ def write_staged(storage: Storage, items: Sequence[WriteItem], pieces: queue.Que
                     held.append(piece)
                 else:
                     encoding.drain()
-                    _write_raw(f, piece, base, out, pool)
+                    _write_behind(behind, f, piece, base, out, pool)
             hashes = tuple(hasher.finish())
             whole = hasher.digest()
             slots.append(None)
@@ -245,6 +253,7 @@ def write_staged(storage: Storage, items: Sequence[WriteItem], pieces: queue.Que
                                         digest=whole)
             encoding.collect()
         encoding.drain()
+        behind.flush()
         out.chunks = [sc for sc in slots if sc is not None]
         assert len(out.chunks) == len(items), "a chunk was not stored"
         end = pieces.get()
@@ -257,12 +266,16 @@ def write_staged(storage: Storage, items: Sequence[WriteItem], pieces: queue.Que
         out.write_s += time.perf_counter() - t0
     except BaseException as e:
         encoding.cancel()
+        behind.close()
         if f.w is not None:
             f.w.abort()
         pool.reset()
         if isinstance(e, OSError):
             raise StorageError(f"{storage.url}: writing data file {f.name!r} failed: {e}") from e
         raise
+    finally:
+        behind.close()
+        out.write_s += behind.seconds
     return out
 
 
@@ -298,6 +311,20 @@ def _write_raw(f: _File, piece: Piece, base: int, out: WriteOutcome, pool: Buffe
     out.bytes_written += len(mv)
     del mv
     pool.release(piece.region)
+
+
+def _write_behind(behind: WriteBehind, f: _File, piece: Piece, base: int, out: WriteOutcome,
+                  pool: BufferPool) -> None:
+    """Hand ``piece`` (hashed) to the I/O thread, which writes it at ``base`` + its offset and releases it."""
+    out.bytes_written += piece.data.numel()
+
+    def job() -> None:
+        mv = memoryview(piece.data.numpy()).cast("B")
+        f.pwrite(mv, base + piece.offset)
+        del mv
+        pool.release(piece.region)
+
+    behind.submit(job)
 
 
 def _blocks(held: Sequence[Piece], block_size: int) -> list[memoryview]:
