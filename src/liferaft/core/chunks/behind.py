@@ -11,7 +11,8 @@ Contract:
   the order they were taken, which ``staging.BufferPool`` requires);
 - ``flush`` returns once every job submitted has run, and raises the first error of any of them (after an error
   the jobs still queued are dropped, not run: the save fails, and the caller resets the pool);
-- ``submit`` raises a job's earlier error at once (the writer stops hashing a save that already failed);
+- ``submit`` and ``check`` raise a job's earlier error at once (the writer stops hashing a save that already
+  failed, and never waits for pool room that a dropped job would have given back);
 - ``close`` stops the thread, running no further job and raising nothing (the error path: the caller raises its
   own error, then aborts the file — no write may still be running when the file is closed);
 - memory stays bounded by the pool: a job holds a pool region until it has run, and the stager cannot take more
@@ -63,6 +64,11 @@ class WriteBehind:
             self._thread.start()
         self._submitted += 1
         self._q.put(job)
+
+    def check(self) -> None:
+        """Raise the first error of a job that has run, if any (without waiting)."""
+        if self._error is not None:
+            raise self._error
 
     def flush(self) -> None:
         """Wait until every submitted job has run; raise the first error of any."""

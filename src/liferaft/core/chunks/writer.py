@@ -217,7 +217,7 @@ def write_staged(storage: Storage, items: Sequence[WriteItem], pieces: queue.Que
             got = 0
             base = f.start(w.length, w.length >= PAGE_ALIGN_MIN) if not decide else 0
             while got < w.length:
-                piece = _next(pieces, pool, waiting_ok=not (decide and held), encoding=encoding)
+                piece = _next(pieces, pool, waiting_ok=not (decide and held), encoding=encoding, behind=behind)
                 if piece is None:                       # the stager is out of room: stream this chunk raw
                     decide = False
                     base = f.start(w.length, w.length >= PAGE_ALIGN_MIN)
@@ -279,14 +279,17 @@ def write_staged(storage: Storage, items: Sequence[WriteItem], pieces: queue.Que
     return out
 
 
-def _next(pieces: queue.Queue[Any], pool: BufferPool, waiting_ok: bool, encoding: EncodeQueue) -> Piece | None:
+def _next(pieces: queue.Queue[Any], pool: BufferPool, waiting_ok: bool, encoding: EncodeQueue,
+          behind: WriteBehind) -> Piece | None:
     """The next staged piece; None when the stager waits for room that only this writer can free (while a
     chunk is being held: ``waiting_ok`` False, and no chunk is encoding whose completion would free some).
-    Meanwhile the chunks whose encoding ended are written."""
+    Meanwhile the chunks whose encoding ended are written, and a write behind that failed raises (its pool
+    regions are never given back: the stager would wait for them forever)."""
     while True:
         encoding.collect()
+        behind.check()
         try:
-            piece = pieces.get(timeout=None if waiting_ok and not encoding else 0.005)
+            piece = pieces.get(timeout=None if waiting_ok and not encoding and not behind else 0.005)
         except queue.Empty:
             if pool.waiting:
                 if encoding:
