@@ -274,3 +274,22 @@ def test_a_second_live_writer_of_one_step_log_is_refused(tmp_path):
     other.close()
     log.close()
     StepLog(tier, replicas=1, max_steps=4, owner="file:///a").close()     # free again once closed
+
+
+def test_held_gradient_copies_merge_only_runs_laid_out_alike():
+    """stepsend._runs: copies whose source and destination keep the same distance and follow each other (gaps of at
+    most 4 KiB between them) become one; anything else stays apart; nothing is lost or overlapped."""
+    from liferaft.tiers.stepsend import _runs
+
+    alike = [(64 + i * 128, 64 + i * 128, 100) for i in range(5)]          # DDP: the same layout in both records
+    assert _runs(alike) == [(64, 64, 4 * 128 + 100)]
+    shifted = [(64, 64, 100), (192, 256, 100)]                                # another distance: two copies
+    assert _runs(shifted) == shifted
+    far = [(64, 64, 100), (64 + 100 + 8192, 64 + 100 + 8192, 50)]            # a gap too big to copy over
+    assert _runs(far) == far
+    unordered = [(500, 500, 10), (64, 64, 100)]
+    assert _runs(unordered) == [(64, 64, 446)]
+    covered = set()
+    for s, d, n in _runs(alike):
+        covered |= set(range(d, d + n))
+    assert all(set(range(d, d + n)) <= covered for _, d, n in alike)

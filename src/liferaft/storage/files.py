@@ -219,8 +219,9 @@ def read_capped(root: str, rel: str, limit: int | None = None, *, error: type[Ex
 
 
 def create_exclusive(root: str, rel: str, *, replace: bool = True, mkdirs: bool = True,
-                     error: type[Exception] | None = None) -> tuple[int, int]:
-    """(a descriptor of the new file ``root/rel`` open for writing, a descriptor of its folder): created with
+                     error: type[Exception] | None = None, readable: bool = False) -> tuple[int, int]:
+    """(a descriptor of the new file ``root/rel`` open for writing — and reading, with ``readable``: a file to
+    map into memory —, a descriptor of its folder): created with
     ``O_CREAT | O_EXCL | O_NOFOLLOW`` in folders opened without following links (made when ``mkdirs``). With
     ``replace``, whatever lies at the name first (an older file, a planted link: the link itself, never its
     target) is removed; without it, FileExistsError. The caller closes both."""
@@ -228,7 +229,7 @@ def create_exclusive(root: str, rel: str, *, replace: bool = True, mkdirs: bool 
     shown = os.path.join(root, *parts)
     at = open_folder(root, parts[:-1], shown, create=mkdirs, error=error)
     try:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC
+        flags = (os.O_RDWR if readable else os.O_WRONLY) | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC
         try:
             try:
                 fd = os.open(parts[-1], flags, 0o644, dir_fd=at)

@@ -27,12 +27,12 @@ from typing import Any
 
 import torch
 
+from liferaft.codecs.checksum import digest
 from liferaft.dist import Coordinator
 from liferaft.errors import InvalidStateError, LiferaftError
 from liferaft.format.records import CHECKSUM_ALGO
 from liferaft.state import optsteps
 from liferaft.state.values import decode_value, encode_value
-from liferaft.storage.files import create_exclusive
 from liferaft.tiers.memory import MemoryTier
 from liferaft.tiers.stepcheck import check_records, lock_writer, owner_id
 from liferaft.tiers.stepplan import bytearray_np, fetch_plan, newest_chain, targets, verify_record
@@ -52,6 +52,7 @@ from liferaft.tiers.steprecord import (
 )
 from liferaft.tiers.steprest import RestCapture, restore_rest
 from liferaft.tiers.stepsend import Sender
+from liferaft.tiers.stepslot import Slot as _Slot
 
 ALIGN = 64
 
@@ -62,21 +63,6 @@ def _rank_dir(rank: int) -> str:
 
 def _slot_name(rank: int, slot: int) -> str:
     return f"{_rank_dir(rank)}/slot-{slot:04d}"
-
-
-class _Slot:
-    """One slot file of a ring open for writing (created, and preallocated, the first time this run uses it)."""
-
-    def __init__(self, root: str, rel: str) -> None:
-        self.fd, dir_fd = create_exclusive(root, rel)
-        os.close(dir_fd)
-        self.capacity = 0
-
-    def reserve(self, size: int) -> None:
-        if size > self.capacity:
-            want = max(size, self.capacity * 2, 1 << 20)
-            os.posix_fallocate(self.fd, 0, want)      # pages allocated once, not first-touched per step
-            self.capacity = want
 
 
 class StepLog:
@@ -119,7 +105,7 @@ class StepLog:
         self._lock = threading.Lock()
         self._busy = -1                          # the own slot the replication is reading
         self._rest = RestCapture()
-        self._sender = Sender(self.root, self.bg, self.rank, self.targets, self.sources, _slot_name, self._slot_fd)
+        self._sender = Sender(self.root, self.bg, self.rank, self.targets, self.sources, _slot_name, self._slot)
         #: what the last recovery did (docs/STEPLOG.md): {"full", "replayed_to", "replayed", "fetched",
         #: "rest_loads", "why", "timings" (seconds per phase)} (for logs and tests)
         self.last_recovery: dict[str, Any] = {}
@@ -167,7 +153,8 @@ class StepLog:
             slot = self._free_slot()
             rel = _slot_name(self.rank, slot)
             f = self._file(rel)
-            os.pwrite(f.fd, bytes(PROLOGUE), 0)          # no record in this slot until the new prologue
+            f.reserve(PROLOGUE)
+            f.write(0, bytes(PROLOGUE))                  # no record in this slot until the new prologue
             self._held.pop(slot, None)
             self._cur = {"slot": slot, "file": f, "pos": PROLOGUE, "calls": [], "plain": []}
         return self._cur
@@ -215,7 +202,7 @@ class StepLog:
             return entry
         src = t if t.is_contiguous() else t.contiguous()
         data = as_bytes(src.cpu())
-        os.pwrite(cur["file"].fd, data, off)
+        cur["file"].write(off, data)
         return tensor_entry(off, src, data)
 
     def record(self, step: int, state: Any) -> None:
@@ -240,20 +227,18 @@ class StepLog:
         for pinned, done, off, entry in self._cuda:
             done.synchronize()
             data = as_bytes(pinned)
-            os.pwrite(cur["file"].fd, data, off)
+            cur["file"].write(off, data)
             entry.update(tensor_entry(off, pinned, data))
         self._cuda.clear()
-        live = optsteps.tensor_ids(self.optimizers or [])
+        live = optsteps.LiveIds(self.optimizers or [])      # (found only if the walk meets a tensor: most steps do not)
         rest = self._rest.capture(state, live, self._put, self.allow_pickle)
         header = encode_header({"format": FORMAT, "checksum": CHECKSUM_ALGO, "step": step, "rank": self.rank, "world": self.world, "owner": self.owner,
                                 "layout": self.layout[0], "calls": cur["calls"], "rest": rest})
         off = cur["pos"]
         f: _Slot = cur["file"]
         f.reserve(off + len(header))
-        os.pwrite(f.fd, header, off)
-        from liferaft.codecs.checksum import digest
-
-        os.pwrite(f.fd, prologue(off + len(header), off, len(header), digest(header)), 0)
+        f.write(off, header)
+        f.write(0, prologue(off + len(header), off, len(header), digest(header)))
         self._held[cur["slot"]] = step
         self._cur, self._recorded = None, step
         if self.targets or self.sources:
@@ -264,6 +249,12 @@ class StepLog:
     def full(self) -> bool:
         """Whether every slot holds a record newer than the newest durable full checkpoint."""
         return len(self._held) >= self.max_steps and all(s > self.durable for s in self._held.values())
+
+    @property
+    def half_full(self) -> bool:
+        """Whether half the slots hold records newer than the newest durable full checkpoint (the manager then
+        starts an asynchronous full checkpoint, so that the ring is freed before it fills)."""
+        return sum(s > self.durable for s in self._held.values()) >= max(1, self.max_steps // 2)
 
     def mark_durable(self, step: int) -> None:
         """A full checkpoint of ``step`` is durable: records up to it are free (their slots reused)."""
@@ -297,18 +288,18 @@ class StepLog:
             except OSError:
                 pass                        # (the record's own reservation reports it)
 
-    def _slot_fd(self, rel: str, size: int) -> int:
+    def _slot(self, rel: str, size: int) -> _Slot:
         f = self._file(rel)
         f.reserve(size)
-        return f.fd
+        return f
 
     def _store(self, rel: str, data: memoryview) -> None:
         """Write a whole record (received from a peer) into the slot file ``rel``: the prologue last."""
         f = self._file(rel)
         f.reserve(len(data))
-        os.pwrite(f.fd, bytes(PROLOGUE), 0)
-        os.pwrite(f.fd, data[PROLOGUE:], PROLOGUE)
-        os.pwrite(f.fd, data[:PROLOGUE], 0)
+        f.write(0, bytes(PROLOGUE))
+        f.write(PROLOGUE, data[PROLOGUE:])
+        f.write(0, data[:PROLOGUE])
 
     # ------------------------------------------------------------------ recovery
 
@@ -506,7 +497,7 @@ class StepLog:
             except OSError:
                 same = False
             if not same and (self._cur is None or self._cur["file"] is not f):
-                os.close(f.fd)
+                f.close()
                 del self._files[rel]
 
     def _forget_after(self, step: int) -> None:
@@ -543,7 +534,7 @@ class StepLog:
                 h.remove()
             self._hooks = []
             for f in self._files.values():
-                os.close(f.fd)
+                f.close()
             self._files.clear()
             if self._writer >= 0:
                 os.close(self._writer)

@@ -9,9 +9,10 @@ of the same step already holds the gradients of the record it is to keep a copy 
    length and the same checksum, and that gradient of that source never differed before (a gradient that
    differed once is sent in full from then on: a DDP run whose gradients diverge, or ranks that are not data
    parallel for it, pay one checksum comparison per gradient, not one per step); it sends that mask back;
-3. the sender sends the record's bytes less the gradients the receiver holds (one message, read from its slot);
-   the receiver writes them into the replica's slot, copies the gradients it holds from its own slot
-   (``copy_file_range``: in the kernel, no Python buffer) at the sender's offsets, and writes the prologue last.
+3. the sender sends the record's bytes less the gradients the receiver holds (one message, copied from its
+   mapped slot); the receiver copies the gradients it holds from its own mapped slot into the replica's at the
+   sender's offsets (one memcpy per run of gradients laid out alike: under DDP, one for all of them), then
+   writes the received bytes over it (the padding between gradients included), and the prologue last.
 
 The replica is then byte for byte the sender's record, in the unchanged record format: recovery does not know how
 it was made, and verifies every tensor's checksum as before. Everything received is checked against the
@@ -20,7 +21,6 @@ record's length before it is used (a malformed row makes that record go in full)
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -28,7 +28,6 @@ from typing import Any
 import torch
 
 from liferaft.dist import Coordinator
-from liferaft.storage.files import open_read
 from liferaft.tiers.steprecord import MAX_RECORD_BYTES, PROLOGUE
 
 MAX_GRADS = 1 << 22
@@ -36,12 +35,31 @@ MAX_GRADS = 1 << 22
 
 def _rows(entries: list[dict[str, Any] | None]) -> torch.Tensor:
     """One int64 row per gradient entry: offset, length, checksum high and low 32 bits (-1s for none)."""
-    out = torch.full((len(entries), 4), -1, dtype=torch.int64)
-    for i, e in enumerate(entries):
-        if e is not None:
+    rows = []
+    for e in entries:
+        if e is None:
+            rows.append((-1, -1, -1, -1))
+        else:
             d = int(e["digest"], 16) if e["len"] else 0
-            out[i] = torch.tensor([e["off"], e["len"], d >> 32 & 0xFFFFFFFF, d & 0xFFFFFFFF])
+            rows.append((e["off"], e["len"], d >> 32 & 0xFFFFFFFF, d & 0xFFFFFFFF))
+    return torch.tensor(rows, dtype=torch.int64).reshape(len(entries), 4)
+
+
+def _runs(pairs: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """(source offset, destination offset, length) copies merged where consecutive ones keep the same distance
+    between source and destination and follow each other in both (the gaps between them copied too)."""
+    out: list[tuple[int, int, int]] = []
+    for src, dst, n in sorted(pairs, key=lambda p: p[1]):
+        if out:
+            s0, d0, n0 = out[-1]
+            if src - dst == s0 - d0 and d0 + n0 <= dst and dst - (d0 + n0) <= _MAX_GAP:
+                out[-1] = (s0, d0, dst + n - d0)
+                continue
+        out.append((src, dst, n))
     return out
+
+
+_MAX_GAP = 4096
 
 
 def _ranges(length: int, rows: torch.Tensor, mask: torch.Tensor) -> list[tuple[int, int]]:
@@ -68,25 +86,13 @@ def _valid(rows: torch.Tensor, length: int) -> bool:
     return all(int(r[1]) >= 0 or int(r[0]) == -1 for r in rows)
 
 
-def _copy(src: int, dst: int, n: int, src_off: int, dst_off: int) -> None:
-    """Copy ``n`` bytes between two files (in the kernel where it can)."""
-    while n > 0:
-        try:
-            done = os.copy_file_range(src, dst, n, src_off, dst_off)
-        except OSError:
-            done = os.pwrite(dst, os.pread(src, min(n, 16 << 20), src_off), dst_off)
-        if done <= 0:
-            raise OSError(f"short copy of a step record ({n} bytes left)")
-        n, src_off, dst_off = n - done, src_off + done, dst_off + done
-
-
 class Sender:
     """The replication of one step log: ``run`` once per published record, in its background thread."""
 
     def __init__(self, root: str, coord: Coordinator, rank: int, targets: list[int], sources: list[int],
-                 name: Callable[[int, int], str], slot_fd: Callable[[str, int], int]) -> None:
+                 name: Callable[[int, int], str], slot: Callable[[str, int], Any]) -> None:
         self.root, self.coord, self.rank, self.targets, self.sources = root, coord, rank, targets, sources
-        self.name, self.slot_fd = name, slot_fd        # slot_fd(rel, size): a writable fd, at least size bytes
+        self.name, self.slot = name, slot   # slot(rel, size): that slot file, mapped, at least size bytes
         self.diverged: set[tuple[int, int]] = set()    # (source, gradient index) that differed once
         self.matched: set[tuple[int, int]] = set()
         self.warned = False
@@ -117,16 +123,15 @@ class Sender:
         got = {t: torch.zeros(len(entries), dtype=torch.uint8) for t in self.targets}
         self._swap(list(masks.items()), list(got.items()), 2)
         sends, recvs = [], []
-        fd = open_read(self.root, self.name(self.rank, slot)) if self.targets or any(m.any() for m in masks.values()) \
-            else -1
+        own = memoryview(self.slot(self.name(self.rank, slot), length).map)[:length] \
+            if self.targets or any(m.any() for m in masks.values()) else memoryview(b"")
         try:
             for t in self.targets:
                 spans = _ranges(length, rows, got[t].bool())
                 buf = self._buffer("send", t, sum(n for _, n in spans))
                 view, pos = memoryview(buf.numpy()), 0
                 for off, n in spans:
-                    if n and os.preadv(fd, [view[pos:pos + n]], off) != n:
-                        raise OSError(f"step record slot {slot} changed while it was sent")
+                    view[pos:pos + n] = own[off:off + n]
                     pos += n
                 sends.append((t, buf))
             spans_of = {s: _ranges(int(head[s][2]), theirs[s], masks[s].bool()) for s in self.sources}
@@ -135,10 +140,9 @@ class Sender:
             self._swap(sends, recvs, 3)
             self.saved_bytes = sum(int(r[1]) for t in self.targets for r, m in zip(rows, got[t], strict=True) if m)
             for s, buf in recvs:
-                self._store(s, head[s], theirs[s], masks[s], spans_of[s], buf, fd, rows)
+                self._store(s, head[s], theirs[s], masks[s], spans_of[s], buf, own, rows)
         finally:
-            if fd >= 0:
-                os.close(fd)
+            own.release()
 
     def _swap(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]], tag: int) -> None:
         works = [self.coord.isend(t, r, tag) for r, t in sends if t.numel()]
@@ -171,24 +175,34 @@ class Sender:
         return mask
 
     def _store(self, src: int, head: torch.Tensor, theirs: torch.Tensor, mask: torch.Tensor,
-               spans: list[tuple[int, int]], buf: torch.Tensor, own_fd: int, rows: torch.Tensor) -> None:
-        """Write ``src``'s record into its replica slot: received spans, held gradients copied, prologue last."""
+               spans: list[tuple[int, int]], buf: torch.Tensor, own: memoryview, rows: torch.Tensor) -> None:
+        """Write ``src``'s record into its replica slot: held gradients copied from this rank's own record (runs
+        laid out alike in one copy, gaps included), then the received spans over them (gaps, header and the
+        gradients not held: the replica is the sender's record byte for byte), the prologue last."""
         length = int(head[2])
-        dst = self.slot_fd(self.name(src, int(head[0])), length)
-        os.pwrite(dst, bytes(PROLOGUE), 0)
-        view, pos = memoryview(buf.numpy()), 0
-        prologue = b""
-        for off, n in spans:
-            part, pos = view[pos:pos + n], pos + n
-            if off < PROLOGUE:          # the first span starts with the prologue: written last
-                prologue = bytes(part[:PROLOGUE - off])
-                part, off = part[PROLOGUE - off:], PROLOGUE
-            if len(part):
-                os.pwrite(dst, part, off)
-        for i, (a, m) in enumerate(zip(theirs.tolist(), mask.tolist(), strict=True)):
-            if m:
-                _copy(own_fd, dst, a[1], int(rows[i][0]), a[0])
-        os.pwrite(dst, prologue, 0)
+        dst_slot = self.slot(self.name(src, int(head[0])), length)
+        dst = memoryview(dst_slot.map)
+        try:
+            dst[:PROLOGUE] = bytes(PROLOGUE)
+            held = [(int(rows[i][0]), a[0], a[1]) for i, (a, m) in
+                    enumerate(zip(theirs.tolist(), mask.tolist(), strict=True)) if m]
+            for s_off, d_off, n in _runs(held):
+                if s_off + n > len(own) or d_off + n > length:      # (rows checked by _valid: never here)
+                    raise OSError(f"a held gradient run [{d_off}, {d_off + n}) is outside a record of {length} "
+                                  "bytes")
+                dst[d_off:d_off + n] = own[s_off:s_off + n]
+            view, pos = memoryview(buf.numpy()), 0
+            prologue = b""
+            for off, n in spans:
+                part, pos = view[pos:pos + n], pos + n
+                if off < PROLOGUE:          # the first span starts with the prologue: written last
+                    prologue = bytes(part[:PROLOGUE - off])
+                    part, off = part[PROLOGUE - off:], PROLOGUE
+                if len(part):
+                    dst[off:off + len(part)] = part
+            dst[:len(prologue)] = prologue
+        finally:
+            dst.release()
 
 
 __all__ = ["Sender"]

@@ -1,0 +1,59 @@
+"""A slot file of the per-step log's ring (``tiers.steplog``), open for writing and mapped into memory."""
+
+from __future__ import annotations
+
+import mmap
+import os
+from typing import Any
+
+from liferaft.errors import FileAccessError
+from liferaft.storage.files import create_exclusive
+
+
+class Slot:
+    """One slot file of a ring open for writing (created, and preallocated, the first time this run uses it),
+    mapped into memory: a record's bytes are copied in with one memcpy each (a ``pwrite`` into shared memory
+    costs about four memcpys), and a slot's pages stay mapped from one record to the next."""
+
+    def __init__(self, root: str, rel: str) -> None:
+        self.path = os.path.join(root, rel)
+        self.fd, dir_fd = create_exclusive(root, rel, readable=True)
+        os.close(dir_fd)
+        self.capacity = 0
+        self.map: mmap.mmap | None = None
+        self._old: list[mmap.mmap] = []      # outgrown mappings (closed with the slot)
+
+    def reserve(self, size: int) -> None:
+        """At least ``size`` bytes allocated and mapped (the pages allocated once: no first touch per record)."""
+        if size > self.capacity:
+            want = max(size, self.capacity * 2, 1 << 20)
+            try:
+                os.posix_fallocate(self.fd, 0, want)  # allocated now: a full /dev/shm fails here, not as a SIGBUS
+            except OSError as e:
+                raise FileAccessError(e.errno, f"{self.path}: cannot reserve {want} bytes of shared memory for a "
+                                      f"per-step record ({e.strerror}); give /dev/shm more room (docker: "
+                                      "--shm-size) or lower StepLogOptions.max_steps (docs/STEPLOG.md)") from e
+            if self.map is not None:
+                self._old.append(self.map)
+            self.map = mmap.mmap(self.fd, want, flags=mmap.MAP_SHARED | _POPULATE)
+            self.capacity = want
+
+    def write(self, off: int, data: Any) -> None:
+        """Copy the bytes ``data`` (any buffer) to offset ``off`` (reserved before)."""
+        assert self.map is not None and off + len(data) <= self.capacity
+        self.map[off:off + len(data)] = data
+
+    def close(self) -> None:
+        for m in [*self._old, *([self.map] if self.map is not None else [])]:
+            try:
+                m.close()
+            except BufferError:             # (a view still exported: the mapping goes with the object)
+                pass
+        self._old, self.map = [], None
+        os.close(self.fd)
+
+
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+__all__ = ["Slot"]
