@@ -335,6 +335,24 @@ class Coordinator:
         result, error = _attempt(step) if self.rank == 0 else (None, None)
         return self.broadcast_from_zero(result, error, what)
 
+    def all_max(self, values: list[int], what: str) -> list[int]:
+        """The element-wise maximum of ``values`` over the ranks (one all-reduce of a small tensor, no pickling:
+        for a vote made at every step). Bounded by the timeout; a lost peer is a DistributedError naming ``what``."""
+        import torch
+        import torch._C._distributed_c10d as c10d
+
+        if self.world == 1 or self.group is None:
+            return list(values)
+        opts = c10d.AllreduceOptions()
+        opts.reduceOp = c10d.ReduceOp.MAX
+        opts.timeout = datetime.timedelta(seconds=self.timeout)
+        t = torch.tensor(values, dtype=torch.int64)
+        try:
+            self.group.backend.allreduce([t], opts).wait()
+        except Exception as e:  # noqa: BLE001 - gloo reports timeouts and lost peers as RuntimeError
+            raise self._fail(e, what, None) from None
+        return [int(x) for x in t.tolist()]
+
     def isend(self, tensor: Any, rank: int, tag: int) -> _Work:
         """Start sending ``tensor`` to ``rank`` (of this coordinator); ``wait()`` on the result is bounded."""
         assert self.group is not None

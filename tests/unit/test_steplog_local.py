@@ -124,6 +124,40 @@ def test_a_full_ring_takes_a_full_checkpoint(tmp_path):
     mgr.close()
 
 
+def test_half_a_ring_starts_an_async_full_checkpoint_and_the_slots_are_reused(tmp_path):
+    """max_steps=8, no interval save for 100 steps: a full checkpoint starts (asynchronously) whenever 4 records
+    are newer than the durable one, so a 30-step run never fills the ring, never saves synchronously for it, and
+    touches few slot files; the steps saved are the half-ring ones; a resume is still bitwise."""
+    st = _state()
+    mgr = CheckpointManager(str(tmp_path / "root"), every_steps=100,
+                            tiers=TierOptions(memory=MemoryTier("unit", node="n0", base=str(tmp_path / "shm")),
+                                              memory_every=10 ** 6, drain=False),
+                            step_log=StepLogOptions(max_steps=8), async_save=True)
+    mgr.restore(st)
+    for step in range(30):
+        _step(st, step)
+        assert not mgr._steplog.full, step                      # never full: the half-ring saves free it
+        mgr.maybe_save(step, st)
+    mgr.wait()
+    saved = sorted(i.step for i in mgr.steps())
+    assert len(saved) >= 4 and saved[0] == 0, saved             # step 0 (the first base), then every few steps
+    folder = glob.glob(str(tmp_path / "shm" / "unit" / "n0" / "steplog" / "*" / "r00000"))[0]
+    assert len(os.listdir(folder)) <= 8                        # the ring's slots, reused
+    mgr.close()
+    ref = _state()
+    for step in range(30):
+        _step(ref, step)
+    got = _state()
+    resumed = CheckpointManager(str(tmp_path / "root"), every_steps=100,
+                                tiers=TierOptions(memory=MemoryTier("unit", node="n0", base=str(tmp_path / "shm")),
+                                                  memory_every=10 ** 6, drain=False),
+                                step_log=StepLogOptions(max_steps=8), async_save=True)
+    assert resumed.restore(got) == 29                           # the last step, replayed from the ring
+    resumed.close()
+    for k, v in _tensors(ref).items():
+        assert torch.equal(v, _tensors(got)[k]), k
+
+
 def _records(tmp_path) -> list[tuple[str, str]]:
     _run(tmp_path, 6)
     folder = glob.glob(str(tmp_path / "shm" / "unit" / "n0" / "steplog" / "*" / "r00000"))[0]    # steplog/<owner>
@@ -192,7 +226,7 @@ def test_recovery_replays_every_record_and_loads_the_rest_once(tmp_path):
     ref = _run(tmp_path / "ref", 9)
     st = _state()
     st["counter"] = _Loads()
-    mgr = _manager(tmp_path / "run", every=100)
+    mgr = _manager(tmp_path / "run", max_steps=32, every=100)     # (16 records: no half-ring save)
     assert mgr.restore(st) is None
     for step in range(10):
         _step(st, step)
@@ -201,7 +235,7 @@ def test_recovery_replays_every_record_and_loads_the_rest_once(tmp_path):
     mgr.close()
     st = _state()
     st["counter"] = _Loads()
-    mgr = _manager(tmp_path / "run", every=100)
+    mgr = _manager(tmp_path / "run", max_steps=32, every=100)
     assert mgr.restore(st) == 9
     log = mgr._steplog
     assert log is not None

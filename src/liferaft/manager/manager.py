@@ -304,10 +304,7 @@ class CheckpointManager:
         mem_due = self._tiers is not None and self._tiers.due(step)
         if self.coord.world > 1 and (self.save_policy.every_seconds is not None or self._handlers_wanted
                                      or self.memory_interval_s is not None):
-            votes = self.coord.exchange((reason, preempt, mem_due), None, "maybe_save (agree)")
-            reason = next((r for r, _, _ in votes if r), None)
-            preempt = any(p for _, p, _ in votes)
-            mem_due = any(m for _, _, m in votes)
+            reason, preempt, mem_due = self._agree(reason, preempt, mem_due)
         self._settle()
         if preempt:
             reason = reason or "preemption"
@@ -317,6 +314,8 @@ class CheckpointManager:
         full_log = self._steplog is not None and self._steplog.full
         if full_log and self._last_step != step:
             reason = reason or "step log full"
+        elif self._steplog is not None and self._inflight is None and self._steplog.half_full:
+            reason = reason or "step log half full"     # (asynchronous: frees the ring before it fills)
         if self._steplog is not None and not self._has_base:
             # no full checkpoint to replay the records onto yet: take one now (async with async_save), so that a
             # crash before the first interval save resumes at the last step, not at nothing
@@ -338,6 +337,16 @@ class CheckpointManager:
         else:
             self._save(step, state, metrics, reason, wait=not self.async_save)
         return True
+
+    def _agree(self, reason: str | None, preempt: bool, mem_due: bool) -> tuple[str | None, bool, bool]:
+        """What every rank does now: step-based reasons as they are (the same on every rank); the time interval
+        (each rank's clock), a preemption signal and the memory tier's time interval as any rank voted — one
+        all-reduce (max) of three integers, the only collective ``maybe_save`` makes at a step without a save."""
+        t, p, m = self.coord.all_max([int(reason == "every_seconds"), int(preempt), int(mem_due)],
+                                    "maybe_save (agree)")
+        if reason is None and t:
+            reason = "every_seconds"
+        return reason, bool(p), bool(m)
 
     def save(self, step: int, state: Any, metrics: Mapping[str, float] | None = None) -> None:
         """Save now, whatever the policies say (same waiting rules as ``maybe_save``)."""

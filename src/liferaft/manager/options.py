@@ -75,12 +75,14 @@ class StepLogOptions:
     replicas: copies of each rank's records on ranks of other nodes (0: none; a lost node then loses its records
       and recovery resumes from the full checkpoint).
     max_steps: records each rank's ring holds (its memory: about ``max_steps`` × (the rank's gradient bytes +
-      the rest of the state), × (1 + replicas) per node). When the ring holds only records newer than the newest
-      durable full checkpoint, ``maybe_save`` takes a full checkpoint at once (synchronously) to free it.
+      the rest of the state), × (1 + replicas) per node). When half of them hold records newer than the newest
+      durable full checkpoint, ``maybe_save`` starts a full checkpoint (asynchronously with ``async_save``): the
+      ring is reused from then on and a recovery replays fewer records. If it fills all the same (a save still
+      in flight), ``maybe_save`` takes one at once, synchronously.
     """
 
     replicas: int = 1
-    max_steps: int = 256
+    max_steps: int = 64
 
     def __post_init__(self) -> None:
         check_int("StepLogOptions", "replicas", self.replicas, 0)
