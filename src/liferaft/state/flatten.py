@@ -188,6 +188,9 @@ def _is_leaf_bytes(v: Any) -> bool:
     return isinstance(v, (bytes, bytearray)) and len(v) > INLINE_LIMIT
 
 
+_PLAIN = frozenset({int, float, str, bool, type(None)})    # exact types that are never tensors nor stateful
+
+
 class _Walker:
     def __init__(self, template: bool = False, world: int | None = None) -> None:
         self.flat = FlatState()
@@ -220,7 +223,9 @@ class _Walker:
                 if depth + len(path) > MAX_NESTING:
                     _too_deep(path)
                 seen.add(id(x))
-                todo.extend((y, depth + 1) for y in (x.values() if isinstance(x, dict) else x))
+                items = x.values() if isinstance(x, dict) else x
+                if not _PLAIN.issuperset(map(type, items)):     # (only plain scalars: nothing to look into)
+                    todo.extend((y, depth + 1) for y in items)
         return False
 
     def walk(self, v: Any, path: tuple[PathPart, ...]) -> None:

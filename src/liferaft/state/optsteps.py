@@ -165,5 +165,29 @@ def tensor_ids(optimizers: list[torch.optim.Optimizer]) -> set[int]:
     return out
 
 
-__all__ = ["AMP_ATTRS", "amp_attrs", "find_optimizers", "grad_for", "hook_optimizers", "is_dtensor", "layout_of", "local_of",
-           "params_of", "replay_call", "tensor_ids"]
+class LiveIds:
+    """``tensor_ids(optimizers)``, computed at the first membership test."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        self.optimizers, self.ids = optimizers, None
+
+    def __contains__(self, ptr: object) -> bool:
+        if self.ids is None:
+            self.ids = tensor_ids(self.optimizers)
+        return ptr in self.ids
+
+
+__all__ = [
+    "AMP_ATTRS",
+    "LiveIds",
+    "amp_attrs",
+    "find_optimizers",
+    "grad_for",
+    "hook_optimizers",
+    "is_dtensor",
+    "layout_of",
+    "local_of",
+    "params_of",
+    "replay_call",
+    "tensor_ids",
+]

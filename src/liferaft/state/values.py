@@ -32,6 +32,9 @@ def _b64(b: bytes) -> str:
     return base64.b64encode(b).decode("ascii")
 
 
+_SELF_ENCODED = frozenset({int, str, bool, type(None)})   # exact types that encode_value returns unchanged
+
+
 def encode_value(v: Any, key: str, allow_pickle: bool = False, _depth: int = 0) -> Any:
     """Encode ``v`` (stored under ``key``) to JSON-compatible data. A value nesting containers deeper than
     ``MAX_NESTING`` levels (or containing itself) is refused with InvalidStateError naming ``key``."""
@@ -57,8 +60,12 @@ def encode_value(v: Any, key: str, allow_pickle: bool = False, _depth: int = 0) 
     if isinstance(v, np.generic):
         return {"$npscalar": {"dtype": v.dtype.str, "data": _b64(v.tobytes())}}
     if type(v) is list:
+        if _SELF_ENCODED.issuperset(map(type, v)):     # (ints, strings, bools, None: each is its own encoding)
+            return list(v)
         return [encode_value(x, key, allow_pickle, d) for x in v]
     if type(v) is tuple:
+        if _SELF_ENCODED.issuperset(map(type, v)):
+            return {"$tuple": list(v)}
         return {"$tuple": [encode_value(x, key, allow_pickle, d) for x in v]}
     if type(v) in (set, frozenset):
         return {"$set" if type(v) is set else "$frozenset": [encode_value(x, key, allow_pickle, d) for x in v]}

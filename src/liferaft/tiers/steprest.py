@@ -9,7 +9,7 @@ tensors copied into the live ones, plain values assigned, then every stateful ob
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from typing import Any
 
 import torch
@@ -22,7 +22,7 @@ from liferaft.state.values import as_leaf, decode_value, encode_value
 from liferaft.tiers.steprecord import Header, tensor_at
 
 
-def _split(flat: FlatState, live: set[int]) -> tuple[dict[str, list[torch.Tensor]], list[tuple[str, Any]]]:
+def _split(flat: FlatState, live: Container[int]) -> tuple[dict[str, list[torch.Tensor]], list[tuple[str, Any]]]:
     """The rest of a flattened state: its tensors not in ``live`` (local parts), and its plain values."""
     tensors: dict[str, list[torch.Tensor]] = {}
     for leaf in flat.tensors:
@@ -33,7 +33,7 @@ def _split(flat: FlatState, live: set[int]) -> tuple[dict[str, list[torch.Tensor
     return tensors, [(key, v) for key, _, v in flat.values]
 
 
-def capture_rest(state: Any, live: set[int], put: Callable[[torch.Tensor], dict[str, Any]],
+def capture_rest(state: Any, live: Container[int], put: Callable[[torch.Tensor], dict[str, Any]],
                  allow_pickle: bool) -> dict[str, Any]:
     """The ``rest`` section of a record: tensors not in ``live`` (``data_ptr`` of parameters and optimizer-state
     tensors) stored by ``put`` (one entry per local part), and plain values encoded."""
@@ -94,7 +94,7 @@ class RestCapture:
         self.fast: dict[int, Any] | None = None     # id(obj) -> cheap adapter, once checked
         self.fast_objects: list[Any] = []
 
-    def capture(self, state: Any, live: set[int], put: Callable[[torch.Tensor], dict[str, Any]],
+    def capture(self, state: Any, live: Container[int], put: Callable[[torch.Tensor], dict[str, Any]],
                 allow_pickle: bool) -> dict[str, Any]:
         """The ``rest`` section of a record of ``state`` (as ``capture_rest``)."""
         if self.fast is not None and _signature(self.fast_objects) == self.signature:
