@@ -9,7 +9,10 @@ For each layout, interleaved reps (A B C D A B C D) of the same model, data and 
 - ``dcp``: PyTorch DCP ``async_save`` at the Young/Daly interval (``--dcp-async auto``).
 
 Step time: median and mean of the per-step wall times rank 0 records (``--timing``) after ``--warmup`` steps; the
-overhead is the mean's (it carries the save stalls) over the ``none`` mean of the same rep. Recovery: a run is
+overhead is the mean's (it carries the save stalls) over the ``none`` mean of the same rep. CPU: rank 0's process
+CPU seconds per step (every thread: on 2 shared cores the background work is paid in step time as well), which
+varies far less with the machine's load than the wall time. ``--seq``/``--batch`` set the tokens per step: the
+per-step log's cost is per gradient byte, so its overhead falls as the compute per step grows. Recovery: a run is
 killed with SIGKILL of rank 1 once rank 0 completed step ``--kill-at`` (rank 0 then killed too, as a launcher
 tears a job down), restarted with the same root and job id; **recovery** = seconds from the restart to the first
 completed step (process start, restore, replay, first step); **lost** = steps completed before the kill that the
@@ -60,7 +63,8 @@ class Job:
 
         port, self.t0 = free_port(), time.time()
         cmd = [sys.executable, SCRIPT, "--root", root, "--layout", layout, "--steps", str(steps), "--dim",
-               str(args.dim), "--layers", str(args.layers), "--mtbf-hours", str(args.mtbf_hours), "--job-id", job_id,
+               str(args.dim), "--layers", str(args.layers), "--seq", str(args.seq), "--batch", str(args.batch),
+               "--mtbf-hours", str(args.mtbf_hours), "--job-id", job_id,
                "--timing", timing, *METHODS[method]]
         self.procs = []
         for rank in range(2):
@@ -95,8 +99,10 @@ def timed_run(args: argparse.Namespace, tmp: str, layout: str, method: str) -> d
     job_id = f"bench-{uuid.uuid4().hex[:12]}"
     try:
         Job(args, layout, method, root, job_id, args.warmup + args.steps + 1, timing).wait()
-        times = [r["s"] for r in records(timing) if args.warmup <= r.get("step", -1) < args.warmup + args.steps]
-        return {"median": statistics.median(times), "mean": statistics.fmean(times)}
+        recs = [r for r in records(timing) if args.warmup <= r.get("step", -1) < args.warmup + args.steps]
+        times = [r["s"] for r in recs]
+        return {"median": statistics.median(times), "mean": statistics.fmean(times),
+                "cpu": statistics.fmean(r.get("cpu", float("nan")) for r in recs)}
     finally:
         cleanup(root, job_id)
 
@@ -137,7 +143,7 @@ def model_size(args: argparse.Namespace) -> tuple[int, int]:
     sys.path.insert(0, os.path.dirname(SCRIPT))
     from train_gpt import GPT
 
-    n = sum(p.numel() for p in GPT(args.dim, args.layers).parameters())
+    n = sum(p.numel() for p in GPT(args.dim, args.layers, args.seq).parameters())
     return n, n * 4 // 2
 
 
@@ -150,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=32, help="tokens per sample (train_gpt.py --seq)")
+    ap.add_argument("--batch", type=int, default=12, help="global batch in samples (train_gpt.py --batch)")
     ap.add_argument("--mtbf-hours", type=float, default=1.0, help="the MTBF the Young/Daly intervals assume")
     ap.add_argument("--kill-at", type=int, default=20, help="kill -9 once this step is complete")
     ap.add_argument("--no-recovery", action="store_true")
@@ -194,25 +202,31 @@ def report(args: argparse.Namespace, layouts: list[str], methods: list[str], ski
            results: dict[tuple[str, str], dict[str, Any]]) -> str:
     params, grad = model_size(args)
     lines = [f"Measured {date.today()} on {machine()}; examples/train_gpt.py --dim {args.dim} --layers "
-             f"{args.layers} ({params / 1e6:.2f} M params, {grad / 2**20:.1f} MiB of fp32 gradients per rank "
+             f"{args.layers} --seq {args.seq} --batch {args.batch} ({args.seq * args.batch // 2} tokens per rank per step, "
+             f"{params / 1e6:.2f} M params, {grad / 2**20:.1f} MiB of fp32 gradients per rank "
              f"under FSDP2, {2 * grad / 2**20:.1f} MiB under DDP), 2 ranks (gloo), {args.steps} timed steps after "
              f"{args.warmup}, {args.reps} interleaved reps, MTBF {args.mtbf_hours:g} h for Young/Daly; kill -9 "
-             f"after step {args.kill_at}. Targets: overhead ≤ 3 %, ≤ 1 step lost.", "",
-             "| layout | method | step median (ms) | step mean (ms) | overhead (mean) | recovery (s) | steps lost |",
-             "|---|---|---|---|---|---|---|"]
+             f"after step {args.kill_at}. Targets: overhead ≤ 3 %, ≤ 1 step lost. CPU: rank 0's process CPU per step "
+             "(all its threads; both ranks share 2 cores, so CPU spent in the background is step time too).", "",
+             "| layout | method | step median (ms) | step mean (ms) | overhead (mean) | CPU per step (ms) | "
+             "CPU overhead | recovery (s) | steps lost |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for layout in layouts:
         base = results.get((layout, "none"))
         for m in [*methods, *skipped]:
             if m in skipped:
-                lines.append(f"| {layout} | {LABELS[m]} | {skipped[m]} | | | | |")
+                lines.append(f"| {layout} | {LABELS[m]} | {skipped[m]} | | | | | | |")
                 continue
             runs = results.get((layout, m), {}).get("runs")
             med = f"{statistics.median(r['median'] for r in runs) * 1e3:.1f}" if runs else "–"
             mean = f"{statistics.median(r['mean'] for r in runs) * 1e3:.1f}" if runs else "–"
             over = "–" if m == "none" or not base or not base["runs"] or not runs else \
                 f"{overhead(base['runs'], runs):+.1%}"
+            cpu = f"{statistics.median(r['cpu'] for r in runs) * 1e3:.1f}" if runs else "–"
+            cpu_over = "–" if m == "none" or not base or not base["runs"] or not runs else \
+                f"{statistics.median(r['cpu'] / b['cpu'] - 1 for b, r in zip(base['runs'], runs)):+.1%}"
             rec = results.get((layout, m), {}).get("recovery")
-            lines.append(f"| {layout} | {LABELS[m]} | {med} | {mean} | {over} | "
+            lines.append(f"| {layout} | {LABELS[m]} | {med} | {mean} | {over} | {cpu} | {cpu_over} | "
                          f"{'–' if rec is None else format(rec['recovery_s'], '.1f')} | "
                          f"{'–' if rec is None else rec['lost']} |")
     lines += ["", "How to reproduce: `python benchmarks/bench_steps.py` (add `--costs costs.json`, then "

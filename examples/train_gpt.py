@@ -12,7 +12,7 @@ default; ``--device cuda`` uses NCCL and one GPU per rank.
 ``--per-step`` makes every optimizer step recoverable (a per-step gradient log in node memory with a peer replica,
 docs/STEPLOG.md); ``--every auto`` saves at the Young/Daly interval for ``--mtbf-hours``. For comparison:
 ``--dcp-async N|auto`` (PyTorch DCP ``async_save`` instead), ``--no-ckpt``. ``--timing F`` appends one JSON line
-per step (rank 0); benchmarks/bench_steps.py drives all of these.
+per step (rank 0: wall and process CPU seconds, all threads); benchmarks/bench_steps.py drives all of these.
 """
 
 from __future__ import annotations
@@ -52,11 +52,11 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, dim: int = DIM, layers: int = LAYERS) -> None:
+    def __init__(self, dim: int = DIM, layers: int = LAYERS, seq: int = SEQ) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.tok = nn.Embedding(VOCAB, dim)
-        self.pos = nn.Parameter(torch.randn(SEQ, dim) * 0.02)
+        self.pos = nn.Parameter(torch.randn(seq, dim) * 0.02)
         self.blocks = nn.ModuleList(Block(dim) for _ in range(layers))
         self.head = nn.Linear(dim, VOCAB)
 
@@ -67,13 +67,13 @@ class GPT(nn.Module):
         return self.head(x)
 
 
-def tokens(source: str, index: int) -> torch.Tensor:
+def tokens(source: str, index: int, seq: int = SEQ) -> torch.Tensor:
     """The dataset: sample ``index`` of ``source`` (synthetic, a pure function of both, and learnable: "web"
     counts up by 1 or 2 from a random token, "code" counts down by 1, wrapping around the vocabulary)."""
     g = torch.Generator().manual_seed((1 + list(SOURCES).index(source)) * 1_000_003 + index)
     start = int(torch.randint(0, VOCAB, (1,), generator=g))
     stride = int(torch.randint(1, 3, (1,), generator=g)) if source == "web" else -1
-    return (start + stride * torch.arange(SEQ + 1)) % VOCAB
+    return (start + stride * torch.arange(seq + 1)) % VOCAB
 
 
 def shard(model: GPT, layout: str, world: int, device: str) -> nn.Module:
@@ -90,16 +90,16 @@ def shard(model: GPT, layout: str, world: int, device: str) -> nn.Module:
 
 
 def build(rank: int, world: int, layout: str = "fsdp", device: str = "cpu", batch: int = 12, dim: int = DIM,
-          layers: int = LAYERS) -> dict[str, Any]:
+          layers: int = LAYERS, seq: int = SEQ) -> dict[str, Any]:
     """The whole training state: model, optimizer, data position, random streams, step."""
-    model = shard(GPT(dim, layers), layout, world, device)
+    model = shard(GPT(dim, layers, seq), layout, world, device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     data = GlobalSampler(SOURCES, weights=WEIGHTS, global_batch_size=batch, seed=1, rank=rank, world=world)
     return {"model": model, "optim": opt, "data": data, "rng": liferaft.RNGState(), "step": 0}
 
 
-def train_step(state: dict[str, Any], batches: Any, device: str = "cpu") -> torch.Tensor:
-    ids = torch.stack([tokens(s.source, s.index) for s in next(batches)]).to(device)
+def train_step(state: dict[str, Any], batches: Any, device: str = "cpu", seq: int = SEQ) -> torch.Tensor:
+    ids = torch.stack([tokens(s.source, s.index, seq) for s in next(batches)]).to(device)
     logits = state["model"](ids[:, :-1])
     loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
     loss.backward()
@@ -180,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=12, help="global batch size (samples)")
     ap.add_argument("--dim", type=int, default=DIM, help="model width")
     ap.add_argument("--layers", type=int, default=LAYERS, help="transformer blocks")
+    ap.add_argument("--seq", type=int, default=SEQ, help="tokens per sample (the context length)")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--sync", action="store_true", help="save synchronously instead of in the background")
     mode = ap.add_mutually_exclusive_group()
@@ -195,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    state = build(rank, world, args.layout, args.device, args.batch, args.dim, args.layers)
+    state = build(rank, world, args.layout, args.device, args.batch, args.dim, args.layers, args.seq)
     policy = SavePolicy(last_step=args.steps - 1, mtbf_hours=args.mtbf_hours,
                         **({"every_seconds": "auto"} if args.every == "auto" else {"every_steps": int(args.every)}))
     if args.no_ckpt:
@@ -222,14 +223,15 @@ def main(argv: list[str] | None = None) -> int:
               f"layout {args.layout}", flush=True)
     batches = state["data"].batches()
     for step in range(state["step"], args.steps):
-        t = time.perf_counter()
-        loss = train_step(state, batches, args.device)
+        t, cpu = time.perf_counter(), time.process_time()
+        loss = train_step(state, batches, args.device, args.seq)
         if isinstance(mgr, liferaft.CheckpointManager):
             mgr.maybe_save(step, state, metrics={"loss": float(loss)})
         elif mgr is not None:
             mgr.maybe_save(step, state)
         if timing:
-            timing.write(json.dumps({"step": step, "s": time.perf_counter() - t, "t": time.time()}) + "\n")
+            timing.write(json.dumps({"step": step, "s": time.perf_counter() - t, "cpu": time.process_time() - cpu,
+                                     "t": time.time()}) + "\n")
             timing.flush()
         if rank == 0 and step % 10 == 0:
             print(f"step {step:5d}  loss {float(loss):.4f}", flush=True)
