@@ -126,3 +126,26 @@ def test_the_in_process_store_streams_too():
     got = _zeros(st)
     liferaft.load(url, got)
     assert all(torch.equal(got[k], st[k]) for k in ("a", "b", "c"))
+
+
+def test_a_load_from_many_files_in_ram_keeps_few_open(shm_dir, monkeypatch):
+    """A load reading from more files than the descriptors the process may still open (a long incremental chain,
+    many ranks' files) streams them like a disk load does: at most MAX_OPEN open at once, bitwise equal."""
+    import resource
+
+    monkeypatch.setattr(memread._Files, "MAX_OPEN", 4)      # (the chain below reads from ~20 data files)
+    st = {f"t{i}": torch.full((1 << 18,), float(i)) for i in range(48)}   # 1 MiB each
+    for i in range(len(st)):       # every step changes one tensor: the last one reads from every step's files
+        st[f"t{i}"] += 1
+        liferaft.save(os.path.join(shm_dir, f"s{i:03d}"), st, options=liferaft.SaveOptions(
+            incremental_base=f"s{i - 1:03d}" if i else None))
+    last = os.path.join(shm_dir, f"s{len(st) - 1:03d}")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    open_now = len(os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (open_now + 12, hard))
+    try:
+        got = {k: torch.zeros_like(v) for k, v in st.items()}
+        liferaft.load(last, got)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert all(torch.equal(got[k], st[k]) for k in st)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import os
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
@@ -49,13 +50,18 @@ def streamable(unit: ReadUnit, dtype: torch.dtype, targets: Sequence[torch.Tenso
 
 
 class _Files:
-    """Descriptors of the files read, opened once each through their storage's safe open (``files.open_read``:
-    no link followed, regular files only). A storage that reads otherwise (object stores, the in-process store,
-    a subclass that changes how it reads, e.g. fault injection) is read through its ``read_into``."""
+    """Descriptors of the files read, opened through their storage's safe open (``files.open_read``: no link
+    followed, regular files only) and kept open for the next piece, at most ``MAX_OPEN`` at a time (the least
+    recently used closed first: a load that reads from thousands of files — many ranks' files, a long incremental
+    chain — needs no more descriptors than a load from disk). A storage that reads otherwise (object stores, the
+    in-process store, a subclass that changes how it reads, e.g. fault injection) is read through its
+    ``read_into``."""
+
+    MAX_OPEN = 16
 
     def __init__(self, storage: Storage) -> None:
         self.storage = storage
-        self.fds: dict[str, int] = {}
+        self.fds: OrderedDict[str, int] = OrderedDict()
 
     def read(self, name: str, offset: int, out: memoryview) -> int:
         try:
@@ -65,7 +71,11 @@ class _Files:
                     else (self.storage, name)
                 if not isinstance(st, PosixStorage) or type(st).read_into is not PosixStorage.read_into:
                     return self.storage.read_into(name, offset, out)
+                while len(self.fds) >= self.MAX_OPEN:
+                    os.close(self.fds.popitem(last=False)[1])
                 fd = self.fds[name] = st.open_read(rest)
+            else:
+                self.fds.move_to_end(name)
             total = 0
             while total < len(out):
                 n = os.preadv(fd, [out[total:]], offset + total)
