@@ -269,3 +269,24 @@ def test_first_maybe_save_takes_a_full_checkpoint_when_none_is_durable(tmp_path)
     mgr.close()
     for k, v in _tensors(st).items():
         assert torch.equal(v, _tensors(st2)[k]), k
+
+
+def test_a_save_before_the_first_step_records_no_phantom_step(tmp_path):
+    """torch's state-dict helpers run a placeholder step (zero gradients) on an optimizer that never stepped when
+    liferaft saves it; the per-step log's hooks are off during liferaft's own saves and loads, so the records hold
+    one optimizer call per training step."""
+    st = _state()
+    mgr = _manager(tmp_path, max_steps=32, every=100)
+    mgr.restore(st)
+    mgr.save(0, st)                                   # before any optimizer step
+    for step in range(1, 5):
+        _step(st, step)
+        mgr.maybe_save(step, st)
+    mgr.close()
+    folder = glob.glob(str(tmp_path / "shm" / "unit" / "n0" / "steplog" / "*" / "r00000"))[0]
+    calls = []
+    for name in sorted(os.listdir(folder)):
+        h = read_header(folder, name)
+        if h is not None:
+            calls.append((h.step, len(h.doc["calls"])))
+    assert calls and all(n == 1 for _, n in calls), calls

@@ -293,3 +293,73 @@ def test_held_gradient_copies_merge_only_runs_laid_out_alike():
     for s, d, n in _runs(alike):
         covered |= set(range(d, d + n))
     assert all(set(range(d, d + n)) <= covered for _, d, n in alike)
+
+
+def test_a_gradient_with_the_same_crc_but_other_bytes_is_sent_not_taken_from_home(tmp_path):
+    """Replication decides "the receiver holds this gradient" on a 64-bit digest of the bytes, never on the
+    record's 32-bit CRC-32C: two float32 gradients built to share their CRC-32C are told apart and the sender's
+    bytes are sent."""
+    import crc32c
+
+    from liferaft.tiers.steprecord import PROLOGUE, as_bytes, tensor_entry
+    from liferaft.tiers.stepsend import Sender, _rows
+    from liferaft.tiers.stepslot import Slot
+
+    n = 64
+    c0 = crc32c.crc32c(bytes(n))
+    basis: dict[int, tuple[int, int]] = {}
+    combo = 0
+    for i in range(40):                   # a nonzero difference D with CRC(x ^ D) == CRC(x) (CRC is affine)
+        b = bytearray(n)
+        b[8 + i // 8] |= 1 << (i % 8)
+        v, m = crc32c.crc32c(bytes(b)) ^ c0, 1 << i
+        while v:
+            hb = v.bit_length() - 1
+            if hb not in basis:
+                basis[hb] = (v, m)
+                break
+            v, m = v ^ basis[hb][0], m ^ basis[hb][1]
+        if v == 0:
+            combo = m
+            break
+    assert combo
+    diff = bytearray(n)
+    for i in range(40):
+        if combo >> i & 1:
+            diff[8 + i // 8] ^= 1 << (i % 8)
+    sender = torch.randn(n // 4, generator=torch.Generator().manual_seed(1))
+    receiver = torch.frombuffer(bytearray(a ^ b for a, b in zip(as_bytes(sender).tobytes(), diff)), dtype=torch.float32)
+    e_s, e_r = tensor_entry(PROLOGUE, sender, as_bytes(sender)), tensor_entry(PROLOGUE, receiver, as_bytes(receiver))
+    assert e_s["digest"] == e_r["digest"] and not torch.equal(sender, receiver)      # the CRCs collide
+    length = PROLOGUE + n + 64
+    records = {}
+    for name, t in (("snd", sender), ("rcv", receiver)):
+        records[name] = Slot(str(tmp_path), name)
+        records[name].reserve(length)
+        records[name].write(PROLOGUE, as_bytes(t))
+    theirs = _rows([e_s], memoryview(records["snd"].map)[:length])
+    rows = _rows([e_r], memoryview(records["rcv"].map)[:length])
+    snd = Sender(str(tmp_path), None, 1, [], [0], lambda r, s: f"rep-{r}-{s}", lambda rel, size: records["rcv"])
+    assert snd._mask(0, 5, length, theirs, 5, rows).tolist() == [0]                   # sent, not taken from home
+    fresh = Sender(str(tmp_path), None, 1, [], [0], lambda r, s: f"rep-{r}-{s}", lambda rel, size: records["snd"])
+    assert fresh._mask(0, 5, length, theirs, 5, theirs).tolist() == [1]              # the same bytes: kept home
+
+
+def test_a_slot_never_shrinks_when_two_threads_reserve_it(tmp_path):
+    """The training thread and the replication thread both reserve slots: a smaller reservation landing after a
+    bigger one leaves the bigger mapping (it once shrank it under the writer)."""
+    import threading
+
+    from liferaft.tiers.stepslot import Slot
+
+    slot = Slot(str(tmp_path), "s")
+    slot.reserve(3 << 20)
+    sizes = [(1 + i % 7) << 20 for i in range(64)]
+    threads = [threading.Thread(target=slot.reserve, args=(s,)) for s in sizes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert slot.capacity >= max(sizes) and len(slot.map) == slot.capacity
+    slot.write(slot.capacity - 4, b"abcd")
+    slot.close()

@@ -10,6 +10,7 @@ the memory and remote tiers are a component of their own (``tiering.Tiers``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -237,6 +238,10 @@ class CheckpointManager:
             except LiferaftError as e:
                 warnings.warn(f"liferaft: the save in flight failed ({e}); restoring from what is committed",
                               stacklevel=2)
+        with self._quiet():
+            return self._restore(state, step, strict)
+
+    def _restore(self, state: Any, step: int | None, strict: bool) -> int | None:
         listing = self.coord.run_on_zero(self._list, "restore (listing)")
         committed = [i for i in listing if i.status == "committed"]
         got: tuple[int, LoadResult] | None = None
@@ -302,19 +307,23 @@ class CheckpointManager:
                                                             self._last_time, self.interval_s)
         preempt = self._signalled.is_set()
         mem_due = self._tiers is not None and self._tiers.due(step)
+        self._settle()                  # (this rank's view of the saves in flight; the votes below make it common)
+        log_full = self._steplog is not None and self._steplog.full
+        log_half = self._steplog is not None and self._steplog.half_full and self._inflight is None \
+            and self._draining is None
         if self.coord.world > 1 and (self.save_policy.every_seconds is not None or self._handlers_wanted
-                                     or self.memory_interval_s is not None):
-            reason, preempt, mem_due = self._agree(reason, preempt, mem_due)
-        self._settle()
+                                     or self.memory_interval_s is not None or self._steplog is not None):
+            reason, preempt, mem_due, log_full, log_half = self._agree(reason, preempt, mem_due, log_full, log_half)
         if preempt:
             reason = reason or "preemption"
         if mem_due and reason is None and self._tiers is not None:
             # (skipped on every rank while the previous memory save or a save to the root is still running)
-            self._tiers.save(step, state, self.save_options)
-        full_log = self._steplog is not None and self._steplog.full
+            with self._quiet():
+                self._tiers.save(step, state, self.save_options)
+        full_log = log_full
         if full_log and self._last_step != step:
             reason = reason or "step log full"
-        elif self._steplog is not None and self._inflight is None and self._steplog.half_full:
+        elif log_half:
             reason = reason or "step log half full"     # (asynchronous: frees the ring before it fills)
         if self._steplog is not None and not self._has_base:
             # no full checkpoint to replay the records onto yet: take one now (async with async_save), so that a
@@ -333,20 +342,25 @@ class CheckpointManager:
                 warnings.warn(f"liferaft: the preemption save of step {step} took {spent:.0f} s, more than "
                               f"PreemptionOptions.deadline={self.preemption.deadline:.0f} s", stacklevel=2)
         elif self._tiers is not None and self._tiers.drain:
-            self._drain_save(step, state, metrics, reason)
+            with self._quiet():
+                self._drain_save(step, state, metrics, reason)
         else:
             self._save(step, state, metrics, reason, wait=not self.async_save)
         return True
 
-    def _agree(self, reason: str | None, preempt: bool, mem_due: bool) -> tuple[str | None, bool, bool]:
-        """What every rank does now: step-based reasons as they are (the same on every rank); the time interval
-        (each rank's clock), a preemption signal and the memory tier's time interval as any rank voted — one
-        all-reduce (max) of three integers, the only collective ``maybe_save`` makes at a step without a save."""
-        t, p, m = self.coord.all_max([int(reason == "every_seconds"), int(preempt), int(mem_due)],
-                                    "maybe_save (agree)")
+    def _agree(self, reason: str | None, preempt: bool, mem_due: bool, log_full: bool, log_half: bool
+               ) -> tuple[str | None, bool, bool, bool, bool]:
+        """What every rank does now: step-based reasons as they are (the same on every rank); the rest as any rank
+        voted — the time interval (each rank's clock), a preemption signal, the memory tier's time interval, and
+        the per-step log's ring (full; half full with no save in flight), which each rank judges from the saves
+        it has seen finish: one all-reduce (max) of five integers, the only collective ``maybe_save`` makes at a
+        step without a save."""
+        t, p, m, full, half = self.coord.all_max(
+            [int(reason == "every_seconds"), int(preempt), int(mem_due), int(log_full), int(log_half)],
+            "maybe_save (agree)")
         if reason is None and t:
             reason = "every_seconds"
-        return reason, bool(p), bool(m)
+        return reason, bool(p), bool(m), bool(full), bool(half)
 
     def save(self, step: int, state: Any, metrics: Mapping[str, float] | None = None) -> None:
         """Save now, whatever the policies say (same waiting rules as ``maybe_save``)."""
@@ -367,8 +381,17 @@ class CheckpointManager:
                 "since_full": since_full}
         return replace(self.save_options, metadata=meta)
 
+    def _quiet(self) -> Any:
+        """The per-step log's hooks off (liferaft's own walks of the state are no training steps)."""
+        return self._steplog.suspended() if self._steplog is not None else contextlib.nullcontext()
+
     def _save(self, step: int, state: Any, metrics: Mapping[str, float] | None, reason: str, wait: bool,
               timeout: float | None = None) -> None:
+        with self._quiet():
+            self._save_now(step, state, metrics, reason, wait, timeout)
+
+    def _save_now(self, step: int, state: Any, metrics: Mapping[str, float] | None, reason: str, wait: bool,
+                  timeout: float | None = None) -> None:
         self._begin_save()
         self._has_base = True
         base = self._base if self._base is not None and self._base[0] != step else None

@@ -60,11 +60,11 @@ def encode_value(v: Any, key: str, allow_pickle: bool = False, _depth: int = 0) 
     if isinstance(v, np.generic):
         return {"$npscalar": {"dtype": v.dtype.str, "data": _b64(v.tobytes())}}
     if type(v) is list:
-        if _SELF_ENCODED.issuperset(map(type, v)):     # (ints, strings, bools, None: each is its own encoding)
+        if d <= MAX_NESTING and _SELF_ENCODED.issuperset(map(type, v)):   # (each is its own encoding)
             return list(v)
         return [encode_value(x, key, allow_pickle, d) for x in v]
     if type(v) is tuple:
-        if _SELF_ENCODED.issuperset(map(type, v)):
+        if d <= MAX_NESTING and _SELF_ENCODED.issuperset(map(type, v)):
             return {"$tuple": list(v)}
         return {"$tuple": [encode_value(x, key, allow_pickle, d) for x in v]}
     if type(v) in (set, frozenset):

@@ -17,11 +17,13 @@ a warning naming the file. Records at or below the newest durable full checkpoin
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import threading
 import time
 import warnings
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -142,6 +144,17 @@ class StepLog:
         if attrs:
             call["attrs"] = {k: self._value(v, k) for k, v in attrs.items()}
         cur["calls"].append(call)
+
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        """The hooks ignore the optimizer steps run inside: liferaft's own saves and loads (torch's state-dict
+        helpers run a placeholder step, with zero gradients, on an optimizer that never stepped: not a training
+        step, and a record of it would stop every later replay)."""
+        was, self._replaying = self._replaying, True
+        try:
+            yield
+        finally:
+            self._replaying = was
 
     def _value(self, v: Any, key: str) -> Any:
         if isinstance(v, torch.Tensor):

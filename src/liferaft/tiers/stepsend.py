@@ -4,9 +4,10 @@ Under data parallelism every rank's gradients are the same bytes (DDP all-reduce
 of the same step already holds the gradients of the record it is to keep a copy of. Each replication therefore:
 
 1. exchanges with each target and source (small messages on the background group): the slot, step and length of
-   the record, then one row per recorded gradient (offset, length, checksum as two 32-bit halves; -1 for none);
+   the record, then one row per recorded gradient (offset, length, the XXH3-64 of its bytes as two 32-bit halves;
+   -1 for none);
 2. the receiver decides, per gradient, whether its own record of the same step holds the same bytes: the same
-   length and the same checksum, and that gradient of that source never differed before (a gradient that
+   length and the same 64-bit digest (never the record's 32-bit CRC-32C: colliding gradients are easy to make), and that gradient of that source never differed before (a gradient that
    differed once is sent in full from then on: a DDP run whose gradients diverge, or ranks that are not data
    parallel for it, pay one checksum comparison per gradient, not one per step); it sends that mask back;
 3. the sender sends the record's bytes less the gradients the receiver holds (one message, copied from its
@@ -27,21 +28,27 @@ from typing import Any
 
 import torch
 
+from liferaft.codecs.checksum import digest
 from liferaft.dist import Coordinator
 from liferaft.tiers.steprecord import MAX_RECORD_BYTES, PROLOGUE
 
 MAX_GRADS = 1 << 22
 
 
-def _rows(entries: list[dict[str, Any] | None]) -> torch.Tensor:
-    """One int64 row per gradient entry: offset, length, checksum high and low 32 bits (-1s for none)."""
+def _rows(entries: list[dict[str, Any] | None], own: memoryview) -> torch.Tensor:
+    """One int64 row per gradient entry: offset, length, and the high and low 32 bits of the XXH3-64 of its bytes
+    in this rank's own record ``own`` (-1s for none). 64 bits: whether a peer's gradient is "the same bytes" is
+    never decided on a 32-bit checksum (two different gradients with one CRC-32C are easy to make)."""
     rows = []
     for e in entries:
         if e is None:
             rows.append((-1, -1, -1, -1))
         else:
-            d = int(e["digest"], 16) if e["len"] else 0
-            rows.append((e["off"], e["len"], d >> 32 & 0xFFFFFFFF, d & 0xFFFFFFFF))
+            off, n = e["off"], e["len"]
+            if not (0 <= off and off + n <= len(own)):
+                raise OSError(f"a gradient entry [{off}, {off + n}) is outside this rank's record of {len(own)} bytes")
+            d = int(digest(own[off:off + n], "xxh3_64"), 16) if n else 0
+            rows.append((off, n, d >> 32 & 0xFFFFFFFF, d & 0xFFFFFFFF))
     return torch.tensor(rows, dtype=torch.int64).reshape(len(entries), 4)
 
 
@@ -109,7 +116,15 @@ class Sender:
     def run(self, slot: int, step: int, length: int, entries: list[dict[str, Any] | None]) -> None:
         """Send this rank's record of ``step`` (``slot``, ``length`` bytes, its gradient ``entries``) to the
         targets, and store the sources' records of their latest step."""
-        rows = _rows(entries)
+        own = memoryview(self.slot(self.name(self.rank, slot), length).map)[:length]
+        try:
+            self._run(slot, step, length, entries, own)
+        finally:
+            own.release()
+
+    def _run(self, slot: int, step: int, length: int, entries: list[dict[str, Any] | None],
+             own: memoryview) -> None:
+        rows = _rows(entries, own)
         head = {s: torch.zeros(4, dtype=torch.int64) for s in self.sources}
         self._swap([(t, torch.tensor([slot, step, length, len(entries)])) for t in self.targets],
                    list(head.items()), 0)
@@ -123,26 +138,21 @@ class Sender:
         got = {t: torch.zeros(len(entries), dtype=torch.uint8) for t in self.targets}
         self._swap(list(masks.items()), list(got.items()), 2)
         sends, recvs = [], []
-        own = memoryview(self.slot(self.name(self.rank, slot), length).map)[:length] \
-            if self.targets or any(m.any() for m in masks.values()) else memoryview(b"")
-        try:
-            for t in self.targets:
-                spans = _ranges(length, rows, got[t].bool())
-                buf = self._buffer("send", t, sum(n for _, n in spans))
-                view, pos = memoryview(buf.numpy()), 0
-                for off, n in spans:
-                    view[pos:pos + n] = own[off:off + n]
-                    pos += n
-                sends.append((t, buf))
-            spans_of = {s: _ranges(int(head[s][2]), theirs[s], masks[s].bool()) for s in self.sources}
-            for s in self.sources:
-                recvs.append((s, self._buffer("recv", s, sum(n for _, n in spans_of[s]))))
-            self._swap(sends, recvs, 3)
-            self.saved_bytes = sum(int(r[1]) for t in self.targets for r, m in zip(rows, got[t], strict=True) if m)
-            for s, buf in recvs:
-                self._store(s, head[s], theirs[s], masks[s], spans_of[s], buf, own, rows)
-        finally:
-            own.release()
+        for t in self.targets:
+            spans = _ranges(length, rows, got[t].bool())
+            buf = self._buffer("send", t, sum(n for _, n in spans))
+            view, pos = memoryview(buf.numpy()), 0
+            for off, n in spans:
+                view[pos:pos + n] = own[off:off + n]
+                pos += n
+            sends.append((t, buf))
+        spans_of = {s: _ranges(int(head[s][2]), theirs[s], masks[s].bool()) for s in self.sources}
+        for s in self.sources:
+            recvs.append((s, self._buffer("recv", s, sum(n for _, n in spans_of[s]))))
+        self._swap(sends, recvs, 3)
+        self.saved_bytes = sum(int(r[1]) for t in self.targets for r, m in zip(rows, got[t], strict=True) if m)
+        for s, buf in recvs:
+            self._store(s, head[s], theirs[s], masks[s], spans_of[s], buf, own, rows)
 
     def _swap(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]], tag: int) -> None:
         works = [self.coord.isend(t, r, tag) for r, t in sends if t.numel()]

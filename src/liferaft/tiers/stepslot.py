@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 from typing import Any
 
 from liferaft.errors import FileAccessError
@@ -22,9 +23,17 @@ class Slot:
         self.capacity = 0
         self.map: mmap.mmap | None = None
         self._old: list[mmap.mmap] = []      # outgrown mappings (closed with the slot)
+        self._lock = threading.Lock()        # (the training thread and the replication thread both reserve)
 
     def reserve(self, size: int) -> None:
-        """At least ``size`` bytes allocated and mapped (the pages allocated once: no first touch per record)."""
+        """At least ``size`` bytes allocated and mapped (the pages allocated once: no first touch per record).
+        Thread-safe; a slot never shrinks."""
+        if size <= self.capacity:
+            return
+        with self._lock:
+            self._grow(size)
+
+    def _grow(self, size: int) -> None:
         if size > self.capacity:
             want = max(size, self.capacity * 2, 1 << 20)
             try:
