@@ -290,3 +290,47 @@ def test_a_save_before_the_first_step_records_no_phantom_step(tmp_path):
         if h is not None:
             calls.append((h.step, len(h.doc["calls"])))
     assert calls and all(n == 1 for _, n in calls), calls
+
+
+def test_a_step_whose_record_cannot_be_reserved_leaves_nothing_behind(tmp_path):
+    """Shared memory too small for a record (here: a file-size limit, which the fallocate meets as EFBIG) makes
+    that optimizer step raise a FileAccessError naming the slot, before the optimizer changes anything; the record
+    keeps no part of it and asks for no more room on the next try; once there is room, training goes on and a
+    resume is still bitwise."""
+    import resource
+
+    from liferaft.errors import FileAccessError
+
+    st = _state()
+    mgr = _manager(tmp_path, max_steps=32, every=100)
+    mgr.restore(st)
+    for step in range(2):              # (step 0's slot is free again once step 0 is durable: step 1 takes it)
+        _step(st, step)
+        mgr.maybe_save(step, st)
+    log = mgr._steplog
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    def params_and_moments(state):
+        return {k: v for k, v in _tensors(state).items() if "running" not in k and "num_batches" not in k}
+
+    before = {k: v.clone() for k, v in params_and_moments(st).items()}      # (buffers move in the forward)
+    positions = []
+    for _ in range(3):
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))     # (Python ignores SIGXFSZ: EFBIG instead)
+        try:
+            with pytest.raises(FileAccessError, match="slot-"):
+                _step(st, 2)                # a fresh slot: its first reservation meets the limit
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        positions.append(None if log._cur is None else (log._cur["pos"], len(log._cur["plain"]), len(log._cur["calls"])))
+        st["optim"].zero_grad()
+    assert len(set(positions)) == 1 and (positions[0] is None or positions[0][2] == 0), positions   # nothing kept
+    assert all(torch.equal(v, params_and_moments(st)[k]) for k, v in before.items())   # the optimizer did not step
+    for step in range(2, 5):
+        _step(st, step)
+        mgr.maybe_save(step, st)
+    mgr.close()
+    got = _state()
+    resumed = _manager(tmp_path, max_steps=32, every=100)
+    assert resumed.restore(got) == 4
+    resumed.close()
+    assert all(torch.equal(v, _tensors(got)[k]) for k, v in _tensors(st).items())

@@ -131,18 +131,26 @@ class StepLog:
             raise InvalidStateError(f"{type(opt).__qualname__}.step() was given positional arguments (a closure?): "
                                     "the per-step log replays steps without closures (docs/STEPLOG.md)")
         cur = self._begin()
-        grads = []
-        for p in optsteps.params_of(opt):
-            g = p.grad
-            grads.append(None if g is None else self._put(optsteps.local_of(g).detach()))
-            # a plain gradient may be the same bytes on every rank (DDP): the peer may hold it already
-            cur["plain"].append(grads[-1] if g is not None and not optsteps.is_dtensor(g) else None)
-        groups = [{k: self._value(v, k) for k, v in g.items() if k != "params"} for g in opt.param_groups]
-        call = {"opt": index, "grads": grads, "groups": groups,
-                "kwargs": {k: self._value(v, k) for k, v in kwargs.items() if k != "closure"}}
-        attrs = optsteps.amp_attrs(opt)         # GradScaler's grad_scale/found_inf on a fused optimizer
-        if attrs:
-            call["attrs"] = {k: self._value(v, k) for k, v in attrs.items()}
+        pos, n_plain, n_cuda = cur["pos"], len(cur["plain"]), len(self._cuda)
+        try:
+            grads = []
+            for p in optsteps.params_of(opt):
+                g = p.grad
+                grads.append(None if g is None else self._put(optsteps.local_of(g).detach()))
+                # a plain gradient may be the same bytes on every rank (DDP): the peer may hold it already
+                cur["plain"].append(grads[-1] if g is not None and not optsteps.is_dtensor(g) else None)
+            groups = [{k: self._value(v, k) for k, v in g.items() if k != "params"} for g in opt.param_groups]
+            call = {"opt": index, "grads": grads, "groups": groups,
+                    "kwargs": {k: self._value(v, k) for k, v in kwargs.items() if k != "closure"}}
+            attrs = optsteps.amp_attrs(opt)     # GradScaler's grad_scale/found_inf on a fused optimizer
+            if attrs:
+                call["attrs"] = {k: self._value(v, k) for k, v in attrs.items()}
+        except BaseException:
+            # (this step() does not run: nothing of it stays in the record, whose space is asked for again next time)
+            cur["pos"] = pos
+            del cur["plain"][n_plain:]
+            del self._cuda[n_cuda:]
+            raise
         cur["calls"].append(call)
 
     @contextlib.contextmanager
@@ -195,8 +203,9 @@ class StepLog:
         assert cur is not None
         off = cur["pos"]
         n = t.numel() * t.element_size()
-        cur["pos"] = off + (n + ALIGN - 1) // ALIGN * ALIGN
-        cur["file"].reserve(cur["pos"])
+        end = off + (n + ALIGN - 1) // ALIGN * ALIGN
+        cur["file"].reserve(end)                # (first: a reservation that fails takes no room)
+        cur["pos"] = end
         if t.is_cuda:
             if self._stream is None:
                 self._stream = torch.cuda.Stream(device=t.device)
