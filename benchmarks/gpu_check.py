@@ -5,9 +5,12 @@
    that races the change shows; the saved checkpoint must equal the snapshot bitwise (fp32, bf16, fp16, int64, a
    non-contiguous view). Prints the D2H bandwidth the snapshot achieved vs the copy engine's limit, measured here
    with one large pinned ``non_blocking`` copy on a side stream.
-2. The per-step mode on the GPU: a 1-rank job (gloo) trains an MLP with AdamW, is killed with SIGKILL after step
-   ``KILL_AT`` (a real process), restarts and resumes; its final parameters and optimizer state must equal an
-   uninterrupted run's bitwise (deterministic algorithms on).
+2. The per-step mode on the GPU: a 1-rank job (gloo) trains an MLP, is killed with SIGKILL after step ``KILL_AT``
+   (a real process), restarts and resumes; its final parameters and optimizer state must equal an uninterrupted
+   run's bitwise (deterministic algorithms on). Two variants: ``plain`` (AdamW, fp32) and ``amp`` (fp16 autocast, a
+   GradScaler whose scale and found_inf live on the device, fused AdamW, two micro-batches accumulated per step,
+   and an overflowing step every few steps that the scaler skips); and ``fsdp`` (FSDP2 ``fully_shard`` over NCCL, a
+   world of one: DTensor parameters, gradients and optimizer state).
 
 Without a GPU it says so, runs both checks on the CPU (the CUDA paths skipped) and exits 0 — or 3 with
 ``--require-gpu``.
@@ -25,6 +28,7 @@ import tempfile
 import time
 
 import torch
+from torch.distributed.tensor import DTensor
 
 import liferaft
 
@@ -38,7 +42,8 @@ def state_on(device: str, mib: int) -> dict[str, torch.Tensor]:
     wide = torch.randn(64, 96, generator=g)
     return {"fp32": base.to(device), "bf16": base.to(torch.bfloat16).to(device),
             "fp16": base[: n // 2].to(torch.float16).to(device), "int64": torch.arange(n // 4).to(device),
-            "view": wide.to(device).t()}           # non-contiguous
+            "view": wide.to(device).t(),          # non-contiguous
+            "host": torch.randn(4096, generator=g)}   # a host tensor beside the device ones (stays on the CPU)
 
 
 def check_async(device: str, mib: int, tmp: str) -> list[str]:
@@ -91,14 +96,25 @@ def d2h_limit(mib: int) -> float:
     return src.numel() / statistics.median(times[1:]) / 1e9
 
 
-def train(device: str, root: str, steps: int, kill_at: int | None, out: str | None) -> None:
+def train(device: str, root: str, steps: int, kill_at: int | None, out: str | None, variant: str = "plain") -> None:
     """One incarnation of the 1-rank per-step job (a child process)."""
     torch.use_deterministic_algorithms(True)
-    torch.distributed.init_process_group("gloo", init_method=f"file://{root}/pg", rank=0, world_size=1)
+    fsdp = variant == "fsdp"
+    backend = "nccl" if fsdp and device == "cuda" else "gloo"
+    torch.distributed.init_process_group(backend, init_method=f"file://{root}/pg", rank=0, world_size=1)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256)).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+        for layer in (model[0], model[2]):
+            fully_shard(layer)
+        fully_shard(model)
+    amp = variant == "amp"
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=amp)
     state = {"model": model, "optim": opt, "rng": liferaft.RNGState(), "step": 0}
+    scaler = torch.amp.GradScaler(device, init_scale=2.0 ** 12, growth_interval=3) if amp else None
+    if scaler is not None:
+        state["scaler"] = scaler
     mgr = liferaft.CheckpointManager(
         os.path.join(root, "ckpt"), every_steps=EVERY, job=liferaft.JobOptions(job_id="gpu-check"),
         tiers=liferaft.TierOptions(memory=liferaft.MemoryTier("gpu-check", base=os.path.join(root, "shm"),
@@ -107,24 +123,44 @@ def train(device: str, root: str, steps: int, kill_at: int | None, out: str | No
     start = mgr.restore(state)
     print(f"  {'resumed from step ' + str(start) if start is not None else 'started'}", flush=True)
     for step in range(state["step"], steps):
-        x = torch.randn(32, 256, device=device)       # from the restored random streams
-        loss = (model(x) - x).square().mean()
-        loss.backward()
-        opt.step()
+        if scaler is None:
+            x = torch.randn(32, 256, device=device)       # from the restored random streams
+            loss = (model(x) - x).square().mean()
+            loss.backward()
+            opt.step()
+        else:
+            for _ in range(2):                            # two micro-batches accumulated
+                x = torch.randn(16, 256, device=device)
+                with torch.autocast(device, dtype=torch.float16 if device == "cuda" else torch.bfloat16):
+                    loss = (model(x) - x).square().mean() / 2
+                if step % 4 == 2:
+                    loss = loss * float("inf")            # overflow: the scaler skips this step
+                scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
         opt.zero_grad()
         state["step"] += 1
         mgr.maybe_save(step, state)
         if step == kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
     mgr.close()
-    flat = {f"model.{k}": v.detach().cpu() for k, v in model.state_dict().items()}
-    for i, s in opt.state.items():
-        flat.update({f"optim.{i}.{k}": v.detach().cpu() for k, v in s.items() if torch.is_tensor(v)})
+    flat = {f"model.{k}": whole(v) for k, v in model.state_dict().items()}
+    for i, s in enumerate(opt.state.values()):
+        flat.update({f"optim.{i}.{k}": whole(v) for k, v in s.items() if torch.is_tensor(v)})
+    if scaler is not None:                            # the scale after the skipped and grown steps
+        flat["scaler.scale"] = torch.tensor(scaler.get_scale(), dtype=torch.float64)
     torch.save(flat, out)
     torch.distributed.destroy_process_group()
 
 
-def check_per_step(device: str, tmp: str) -> list[str]:
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of ``t``, gathered whole when it is a DTensor."""
+    if isinstance(t, DTensor):
+        t = t.full_tensor()
+    return t.detach().cpu()
+
+
+def check_per_step(device: str, tmp: str, variant: str) -> list[str]:
     if not hasattr(liferaft, "StepLogOptions"):
         print("per-step: SKIPPED (this liferaft has no StepLogOptions)", flush=True)
         return []
@@ -133,24 +169,25 @@ def check_per_step(device: str, tmp: str) -> list[str]:
     def child(root: str, kill_at: int | None, out: str | None) -> int:
         os.makedirs(root, exist_ok=True)
         cmd = [sys.executable, __file__, "--child", root, "--device", device,
-               "--kill-at", str(-1 if kill_at is None else kill_at), "--out", out or ""]
+               "--kill-at", str(-1 if kill_at is None else kill_at), "--out", out or "", "--variant", variant]
         return subprocess.run(cmd, env=env, timeout=600).returncode
 
+    tmp = os.path.join(tmp, variant)
     whole, killed = os.path.join(tmp, "whole"), os.path.join(tmp, "killed")
     bad = []
     if child(whole, None, os.path.join(tmp, "whole.pt")) != 0:
-        return ["per-step: the uninterrupted run failed"]
+        return [f"per-step ({variant}): the uninterrupted run failed"]
     rc = child(killed, KILL_AT, None)
     if rc != -signal.SIGKILL:
-        bad.append(f"per-step: the run to be killed ended with {rc}, not SIGKILL")
+        bad.append(f"per-step ({variant}): the run to be killed ended with {rc}, not SIGKILL")
     if child(killed, None, os.path.join(tmp, "resumed.pt")) != 0:
-        return [*bad, "per-step: the resumed run failed"]
+        return [*bad, f"per-step ({variant}): the resumed run failed"]
     a, b = torch.load(os.path.join(tmp, "whole.pt")), torch.load(os.path.join(tmp, "resumed.pt"))
     if a.keys() != b.keys():
-        bad.append(f"per-step: resumed state has keys {sorted(b)} != {sorted(a)}")
-    bad += [f"per-step on {device}: {k} differs from the uninterrupted run" for k in a if k in b
+        bad.append(f"per-step ({variant}): resumed state has keys {sorted(b)} != {sorted(a)}")
+    bad += [f"per-step ({variant}) on {device}: {k} differs from the uninterrupted run" for k in a if k in b
             and not torch.equal(a[k], b[k])]
-    print(f"per-step on {device}: killed after step {KILL_AT}, resumed; {len(a)} tensors compared bitwise", flush=True)
+    print(f"per-step ({variant}) on {device}: killed after step {KILL_AT}, resumed; {len(a)} tensors compared bitwise", flush=True)
     return bad
 
 
@@ -162,9 +199,10 @@ def main() -> int:
     ap.add_argument("--device", default="cpu", help=argparse.SUPPRESS)
     ap.add_argument("--kill-at", type=int, default=-1, help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
+    ap.add_argument("--variant", default="plain", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        train(args.device, args.child, STEPS, None if args.kill_at < 0 else args.kill_at, args.out)
+        train(args.device, args.child, STEPS, None if args.kill_at < 0 else args.kill_at, args.out, args.variant)
         return 0
     gpu = torch.cuda.is_available()
     if not gpu:
@@ -182,7 +220,8 @@ def main() -> int:
         if gpu:
             print(f"{torch.cuda.get_device_name()}: D2H copy-engine limit (pinned, non_blocking, side stream) "
                   f"{d2h_limit(args.mib):.2f} GB/s", flush=True)
-        bad += check_per_step(device, tmp)
+        for variant in ("plain", "amp", "fsdp"):
+            bad += check_per_step(device, tmp, variant)
     for line in bad:
         print("MISMATCH:", line, flush=True)
     print("FAILED" if bad else f"OK ({'GPU' if gpu else 'CPU only, no GPU'})", flush=True)

@@ -85,22 +85,25 @@ def stage(items: Sequence[WriteItem], sources: Mapping[tuple[str, Box], torch.Te
 
     Blocks while the pool is full (the writer frees it). On error, queues StageFailed and re-raises.
     """
-    stream = None
+    streams: dict[torch.device, Any] = {}   # one side stream per CUDA device the sources live on
     copy_s = 0.0
     generation = pool.generation          # a reset (the writer failed) stops this snapshot at its next piece
     try:
         for idx, w in enumerate(items):
             src = sources[(w.key, (w.offsets, w.sizes))].detach()
-            if src.is_cuda and stream is None:
-                stream = torch.cuda.Stream(device=src.device)
-                stream.wait_stream(torch.cuda.current_stream(src.device))
+            stream = None                   # a host tensor is copied in place, whatever else the state holds
+            if src.is_cuda:
+                stream = streams.get(src.device)
+                if stream is None:
+                    stream = streams[src.device] = torch.cuda.Stream(device=src.device)
+                    stream.wait_stream(torch.cuda.current_stream(src.device))
             for a, b, rows in _ranges(src, w.length, min(piece_limit, pool.capacity)):
                 region, view = pool.acquire(b - a, timeout, _align_of(b - a), generation)
                 t0 = time.perf_counter()
                 event = _copy(src, view, a, b, rows, stream)
                 copy_s += time.perf_counter() - t0
                 out.put(Piece(item=idx, offset=a, region=region, data=view, event=event))
-        if stream is not None:
+        for stream in streams.values():
             stream.synchronize()
         out.put(END)
     except BaseException as e:

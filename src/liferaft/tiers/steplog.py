@@ -100,7 +100,7 @@ class StepLog:
         self._diverged_at: int | None = None        # restore(step=K): records > K dropped at the next record
         self._expect: int | None = None             # the step the next record should be of (None: unknown)
         self._cuda: list[tuple[torch.Tensor, Any, int, dict[str, Any]]] = []
-        self._stream: Any = None
+        self._streams: dict[torch.device, Any] = {}        # a side stream per CUDA device (copies of its tensors)
         self._pinned: dict[tuple[Any, ...], torch.Tensor] = {}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="liferaft-steplog")
         self._pending: Future[None] | None = None
@@ -207,18 +207,19 @@ class StepLog:
         cur["file"].reserve(end)                # (first: a reservation that fails takes no room)
         cur["pos"] = end
         if t.is_cuda:
-            if self._stream is None:
-                self._stream = torch.cuda.Stream(device=t.device)
+            stream = self._streams.get(t.device)
+            if stream is None:
+                stream = self._streams[t.device] = torch.cuda.Stream(device=t.device)
             key = (off, tuple(t.shape), t.dtype)
             pinned = self._pinned.get(key)      # reused: every copy is waited for before the next record
             if pinned is None:
                 pinned = self._pinned[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            self._stream.wait_stream(torch.cuda.current_stream(t.device))
-            with torch.cuda.stream(self._stream):
+            stream.wait_stream(torch.cuda.current_stream(t.device))
+            with torch.cuda.stream(stream):
                 pinned.copy_(t, non_blocking=True)
-                t.record_stream(self._stream)
+                t.record_stream(stream)
                 done = torch.cuda.Event()
-                done.record(self._stream)
+                done.record(stream)
             entry: dict[str, Any] = {}
             self._cuda.append((pinned, done, off, entry))
             return entry
