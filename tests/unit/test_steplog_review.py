@@ -363,3 +363,17 @@ def test_a_slot_never_shrinks_when_two_threads_reserve_it(tmp_path):
     assert slot.capacity >= max(sizes) and len(slot.map) == slot.capacity
     slot.write(slot.capacity - 4, b"abcd")
     slot.close()
+
+
+@pytest.mark.parametrize("head", [(0, 1, -1, 2), (0, 1, (1 << 62), 2), (0, 1, 100, (1 << 40)), (-1, 1, 100, 2),
+                                  (0, 1, 100, -5)])
+def test_an_absurd_announcement_from_a_peer_is_refused_before_anything_is_allocated(head):
+    """stepsend._announced: a peer's (slot, step, length, gradients) outside the record limits raises
+    DistributedError naming the peer (a LiferaftError, not a bare OSError), before rows are allocated for it."""
+    from liferaft.errors import DistributedError, LiferaftError
+    from liferaft.tiers.stepsend import _announced
+
+    with pytest.raises(DistributedError, match="rank 3 announced") as err:
+        _announced(3, torch.tensor(head, dtype=torch.int64))
+    assert isinstance(err.value, LiferaftError)
+    assert _announced(3, torch.tensor([0, 1, 100, 2], dtype=torch.int64)) == 2

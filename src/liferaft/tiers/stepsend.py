@@ -30,6 +30,7 @@ import torch
 
 from liferaft.codecs.checksum import digest
 from liferaft.dist import Coordinator
+from liferaft.errors import CorruptCheckpointError, DistributedError
 from liferaft.tiers.steprecord import MAX_RECORD_BYTES, PROLOGUE
 
 MAX_GRADS = 1 << 22
@@ -46,7 +47,8 @@ def _rows(entries: list[dict[str, Any] | None], own: memoryview) -> torch.Tensor
         else:
             off, n = e["off"], e["len"]
             if not (0 <= off and off + n <= len(own)):
-                raise OSError(f"a gradient entry [{off}, {off + n}) is outside this rank's record of {len(own)} bytes")
+                raise CorruptCheckpointError(f"a gradient entry [{off}, {off + n}) is outside this rank's per-step "
+                                             f"record of {len(own)} bytes")
             d = int(digest(own[off:off + n], "xxh3_64"), 16) if n else 0
             rows.append((off, n, d >> 32 & 0xFFFFFFFF, d & 0xFFFFFFFF))
     return torch.tensor(rows, dtype=torch.int64).reshape(len(entries), 4)
@@ -93,6 +95,18 @@ def _valid(rows: torch.Tensor, length: int) -> bool:
     return all(int(r[1]) >= 0 or int(r[0]) == -1 for r in rows)
 
 
+def _announced(src: int, head: torch.Tensor) -> int:
+    """The number of gradient rows rank ``src`` announced in ``head`` (slot, step, record length, gradients), each
+    field checked before anything is allocated for it: DistributedError naming the rank otherwise."""
+    slot, _, length, grads = (int(v) for v in head)
+    if not (0 <= length <= MAX_RECORD_BYTES and 0 <= grads <= MAX_GRADS and slot >= 0):
+        raise DistributedError(f"per-step log replication: rank {src} announced a step record of {length} bytes "
+                               f"and {grads} gradients in slot {slot} (at most {MAX_RECORD_BYTES} bytes and "
+                               f"{MAX_GRADS} gradients): not a liferaft peer of this version, or its record is "
+                               "damaged; the replication of its records stops (restart the job)")
+    return grads
+
+
 class Sender:
     """The replication of one step log: ``run`` once per published record, in its background thread."""
 
@@ -128,11 +142,7 @@ class Sender:
         head = {s: torch.zeros(4, dtype=torch.int64) for s in self.sources}
         self._swap([(t, torch.tensor([slot, step, length, len(entries)])) for t in self.targets],
                    list(head.items()), 0)
-        theirs = {}
-        for s, h in head.items():
-            if not (0 <= int(h[2]) <= MAX_RECORD_BYTES and 0 <= int(h[3]) <= MAX_GRADS and int(h[0]) >= 0):
-                raise OSError(f"rank {s} announced a step record of {int(h[2])} bytes and {int(h[3])} gradients")
-            theirs[s] = torch.zeros((int(h[3]), 4), dtype=torch.int64)
+        theirs = {s: torch.zeros((_announced(s, h), 4), dtype=torch.int64) for s, h in head.items()}
         self._swap([(t, rows) for t in self.targets], list(theirs.items()), 1)
         masks = {s: self._mask(s, int(head[s][1]), int(head[s][2]), theirs[s], step, rows) for s in self.sources}
         got = {t: torch.zeros(len(entries), dtype=torch.uint8) for t in self.targets}
@@ -198,8 +208,8 @@ class Sender:
                     enumerate(zip(theirs.tolist(), mask.tolist(), strict=True)) if m]
             for s_off, d_off, n in _runs(held):
                 if s_off + n > len(own) or d_off + n > length:      # (rows checked by _valid: never here)
-                    raise OSError(f"a held gradient run [{d_off}, {d_off + n}) is outside a record of {length} "
-                                  "bytes")
+                    raise CorruptCheckpointError(f"a held gradient run [{d_off}, {d_off + n}) is outside a per-step "
+                                                 f"record of {length} bytes")
                 dst[d_off:d_off + n] = own[s_off:s_off + n]
             view, pos = memoryview(buf.numpy()), 0
             prologue = b""
