@@ -189,6 +189,17 @@ def _checked(fd: int, shown: str, limit: int | None, error: type[Exception] | No
         raise
 
 
+def pread_full(fd: int, out: memoryview, offset: int) -> int:
+    """Read into ``out`` from ``offset`` of ``fd`` until it is full or the file ends; the bytes read."""
+    total = 0
+    while total < len(out):
+        n = os.preadv(fd, [out[total:]], offset + total)
+        if n == 0:
+            break
+        total += n
+    return total
+
+
 def read_fd(fd: int, shown: str, limit: int | None = None, error: type[Exception] | None = None) -> bytes:
     """The whole content of the open regular file ``fd`` (size from ``fstat``, at most ``limit``): a file that
     grows while it is read is refused rather than read without end."""

@@ -330,13 +330,7 @@ class PosixStorage(Storage):
                 if n is not None:
                     return n
             fd = self._open(name) if fd is None else fd
-            total = 0
-            while total < len(mv):
-                n = os.preadv(fd, [mv[total:]], offset + total)
-                if n == 0:
-                    break
-                total += n
-            return total
+            return files.pread_full(fd, mv, offset)
         finally:
             if fd is not None:
                 os.close(fd)

@@ -31,6 +31,7 @@ from liferaft.errors import CorruptCheckpointError
 from liferaft.planning.load_plan import ReadUnit
 from liferaft.staging.pool import page_aligned_empty
 from liferaft.storage.base import Storage
+from liferaft.storage.files import pread_full
 from liferaft.storage.posix import PosixStorage
 from liferaft.storage.refs import ReferencingStorage
 
@@ -76,13 +77,7 @@ class _Files:
                 fd = self.fds[name] = st.open_read(rest)
             else:
                 self.fds.move_to_end(name)
-            total = 0
-            while total < len(out):
-                n = os.preadv(fd, [out[total:]], offset + total)
-                if n == 0:
-                    break
-                total += n
-            return total
+            return pread_full(fd, out, offset)
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{self.storage.url}: data file {name!r} is missing") from None
 
