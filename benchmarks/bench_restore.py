@@ -17,8 +17,8 @@ PyTorch DCP, then restored ``--reps`` times from each into zeroed (prefaulted) t
   same run (the destinations of every row are prefaulted the same way, so first touches of fresh memory, ~1 GB/s
   on these VMs, cost none of them).
 
-Every restore is checked bit-exact (the gloo limit row excepted). GB/s per node = the node's bytes / the slower rank's seconds (each node holds
-one rank here); "of the memcpy limit" = the limit row's seconds / the row's; CPU s per GB = both ranks' process
+Every restore is checked bit-exact (the gloo limit row excepted). GB/s per node = the node's bytes / the slower
+rank's seconds (each node holds one rank here); "of the memcpy limit" = the limit row's seconds / the row's; CPU s per GB = both ranks' process
 CPU seconds (every thread, gloo's included) / the GB restored. Prints the README's markdown tables: the restore
 table, and the phases of each liferaft restore (``LoadResult.timings``) to show where the time goes.
 """

@@ -11,10 +11,10 @@ For each layout, interleaved reps (A B C D A B C D) of the same model, data and 
 Step time: median and mean of the per-step wall times rank 0 records (``--timing``) after ``--warmup`` steps (the
 default, 100, is past the per-step log's warm-up: until every slot of its ring has been used once, each record
 takes fresh shared-memory pages, a one-time cost of about 1 GB/s on this VM that a 64-step window at step 32
-counted as per-step overhead); the overhead is the mean's (it carries the save stalls) over the ``none`` mean of the same rep. CPU: rank 0's process
-CPU seconds per step (every thread: on 2 shared cores the background work is paid in step time as well), which
-varies far less with the machine's load than the wall time. ``--seq``/``--batch`` set the tokens per step: the
-per-step log's cost is per gradient byte, so its overhead falls as the compute per step grows. Recovery: a run is
+counted as per-step overhead); the overhead is the mean's (it carries the save stalls) over the ``none`` mean of
+the same rep. CPU: rank 0's process CPU seconds per step (every thread: on 2 shared cores the background work is
+paid in step time as well), which varies far less with the machine's load than the wall time. ``--seq``/``--batch``
+set the tokens per step: the per-step log's cost is per gradient byte, so its overhead falls as the compute per step grows. Recovery: a run is
 killed with SIGKILL of rank 1 once rank 0 completed step ``--kill-at`` (rank 0 then killed too, as a launcher
 tears a job down), restarted with the same root and job id; **recovery** = seconds from the restart to the first
 completed step (process start, restore, replay, first step); **lost** = steps completed before the kill that the

@@ -7,9 +7,9 @@
    with one large pinned ``non_blocking`` copy on a side stream.
 2. The per-step mode on the GPU: a 1-rank job (gloo) trains an MLP, is killed with SIGKILL after step ``KILL_AT``
    (a real process), restarts and resumes; its final parameters and optimizer state must equal an uninterrupted
-   run's bitwise (deterministic algorithms on). Two variants: ``plain`` (AdamW, fp32) and ``amp`` (fp16 autocast, a
+   run's bitwise (deterministic algorithms on). Three variants: ``plain`` (AdamW, fp32) and ``amp`` (fp16 autocast, a
    GradScaler whose scale and found_inf live on the device, fused AdamW, two micro-batches accumulated per step,
-   and an overflowing step every few steps that the scaler skips); and ``fsdp`` (FSDP2 ``fully_shard`` over NCCL, a
+   and an overflowing step every few steps that the scaler skips), and ``fsdp`` (FSDP2 ``fully_shard`` over NCCL, a
    world of one: DTensor parameters, gradients and optimizer state).
 
 3. ``--overhead`` (a measurement, not a check): the per-step mode's cost on a real loop, ``examples/train_gpt.py``
@@ -179,9 +179,9 @@ def check_per_step(device: str, tmp: str, variant: str) -> list[str]:
         return subprocess.run(cmd, env=env, timeout=600).returncode
 
     tmp = os.path.join(tmp, variant)
-    whole, killed = os.path.join(tmp, "whole"), os.path.join(tmp, "killed")
+    straight, killed = os.path.join(tmp, "whole"), os.path.join(tmp, "killed")
     bad = []
-    if child(whole, None, os.path.join(tmp, "whole.pt")) != 0:
+    if child(straight, None, os.path.join(tmp, "whole.pt")) != 0:
         return [f"per-step ({variant}): the uninterrupted run failed"]
     rc = child(killed, KILL_AT, None)
     if rc != -signal.SIGKILL:
@@ -200,6 +200,7 @@ def check_per_step(device: str, tmp: str, variant: str) -> list[str]:
 def step_overhead(device: str, warmup: int, steps: int, reps: int) -> None:
     """Print the mean step time of train_gpt.py on one rank without checkpoints and with the per-step mode."""
     from liferaft.testing.launcher import free_port
+    from liferaft.tiers.memory import DEFAULT_BASE
 
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "train_gpt.py")
     model = (["--dim", "768", "--layers", "6", "--seq", "256", "--batch", "32"] if device == "cuda" else
@@ -218,7 +219,7 @@ def step_overhead(device: str, warmup: int, steps: int, reps: int) -> None:
                                     "--steps", str(warmup + steps), "--job-id", job, "--timing", timing, *model,
                                     *flags], env=env, check=True, timeout=1800, stdout=subprocess.DEVNULL)
                 finally:
-                    shutil.rmtree(os.path.join("/dev/shm/liferaft", job), ignore_errors=True)
+                    shutil.rmtree(os.path.join(DEFAULT_BASE, job), ignore_errors=True)   # the memory tier's
                 with open(timing) as f:
                     rows = [json.loads(line) for line in f if '"step"' in line]
                 means[mode].append(statistics.fmean(r["s"] for r in rows if r["step"] >= warmup))
