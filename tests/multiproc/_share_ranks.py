@@ -12,7 +12,8 @@ from liferaft import LiferaftError, LoadOptions
 
 TIMEOUT = 60.0
 BIG = {"a": (512, 1024), "b": (1024, 512), "c": (300_000,)}     # 2 MiB, 2 MiB, 1.2 MB: shared spans
-SMALL = {"s": (64, 64)}                                          # 16 KiB: read by every rank itself
+SMALL = {"s": (64, 64)}                                          # 16 KiB: below MIN_SHARED_BYTES
+MANY = {f"m{i:03d}": (32, 32) for i in range(150)}              # 4 KiB each: more spans than one notice tells
 
 
 def reference() -> dict[str, torch.Tensor]:
@@ -55,3 +56,20 @@ def load_columns(rank: int, world: int, path: str) -> tuple[bool, int, int]:
     res = liferaft.load(path, state, options=LoadOptions(timeout=TIMEOUT, share_reads=True))
     equal = all(torch.equal(state[k].full_tensor(), ref[k]) for k in ("a", "b"))
     return equal, res.bytes_read, res.bytes_received
+
+
+def many_reference() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(4)
+    return {k: torch.randn(shape, generator=g) for k, shape in MANY.items()}
+
+
+def load_many(rank: int, world: int, path: str) -> tuple[Any, ...]:
+    """Every rank loads the ``MANY`` small tensors whole, sharing reads. Returns (outcome, equal or message, read,
+    received)."""
+    state = {k: torch.full_like(v, -1.0) for k, v in many_reference().items()}
+    try:
+        res = liferaft.load(path, state, options=LoadOptions(timeout=TIMEOUT, share_reads=True))
+    except LiferaftError as e:
+        return type(e).__name__, str(e)
+    equal = all(torch.equal(state[k], v) for k, v in many_reference().items())
+    return "ok", equal, res.bytes_read, res.bytes_received

@@ -33,8 +33,9 @@ def test_replicated_load_reads_each_span_once(saved):
     out = _run(R.load_replicated, 3, saved, True)
     assert all(o[0] == "ok" and o[1] for o in out), out
     from_storage = sum(o[2] - o[3] for o in out)
-    # each big tensor read once in all, the small one by every rank
-    assert from_storage == _nbytes(R.BIG) + 3 * _nbytes(R.SMALL), out
+    # ranks of one host share through its memory: every span read once in all, the small one too (it rides in
+    # its reader's run; over the process group a span below MIN_SHARED_BYTES is read by each rank)
+    assert from_storage == _nbytes(R.BIG) + _nbytes(R.SMALL), out
     assert sum(1 for o in out if o[3] > 0) >= 2, f"the reads were not spread: {out}"
     off = _run(R.load_replicated, 3, saved, False)
     assert all(o[0] == "ok" and o[1] and o[3] == 0 for o in off), off
@@ -66,6 +67,45 @@ def test_corrupt_shared_span_fails_every_rank(saved, atomic):
         if atomic:
             assert o[2], f"an atomic load changed the state: {out}"
     assert any(o[0] == "CorruptCheckpointError" for o in out)
+
+
+def test_a_run_of_many_small_spans_is_read_once_and_told_in_several_notices(tmp_path):
+    path = str(tmp_path / "ck")
+    liferaft.save(path, R.many_reference())
+    out = _run(R.load_many, 3, path)
+    assert all(o[0] == "ok" and o[1] is True for o in out), out
+    total = sum(v.numel() * 4 for v in R.many_reference().values())
+    assert sum(o[2] - o[3] for o in out) == total, f"each span should be read once on the host: {out}"
+
+
+def test_a_corrupt_span_in_the_middle_of_a_run_fails_every_rank(tmp_path):
+    path = str(tmp_path / "ck")
+    liferaft.save(path, R.many_reference())
+    manifest = json.loads(open(f"{path}/{json.load(open(f'{path}/COMMIT'))['manifest']}").read())
+    (chunk,) = next(t for t in manifest["tensors"] if t["key"] == "m100")["chunks"]
+    with open(f"{path}/{chunk['file']}", "r+b") as f:
+        f.seek(chunk["byte_offset"] + 100)
+        b = f.read(1)
+        f.seek(chunk["byte_offset"] + 100)
+        f.write(bytes([b[0] ^ 0x01]))
+    out = _run(R.load_many, 3, path)
+    assert all(o[0] in ("CorruptCheckpointError", "DistributedError") and "'m100'" in o[1] for o in out), out
+    assert any(o[0] == "CorruptCheckpointError" for o in out), out
+
+
+def test_plan_sharing_gives_a_reader_runs_of_adjacent_spans():
+    spans = [("f", i * (4 << 20), 4 << 20) for i in range(6)]
+    plan = plan_sharing([spans] * 3, min_bytes=0, run_bytes=8 << 20)
+    assert [plan[s].reader for s in spans] == [0, 0, 1, 1, 2, 2]      # runs of 8 MiB, each to the least loaded
+    assert [plan[s].tag for s in spans] == list(range(6))
+    gap = [("f", 0, 1 << 20), ("f", (1 << 20) + (1 << 19), 1 << 20)]    # 512 KiB apart: more than RUN_GAP
+    assert [plan_sharing([gap] * 2, min_bytes=0, run_bytes=8 << 20)[s].reader for s in gap] == [0, 1]
+    other = [("f", 0, 1 << 20), ("f", 1 << 20, 1 << 20)]                # the second needed by ranks 0 and 2 only
+    plan = plan_sharing([other, other[:1], other], min_bytes=0, run_bytes=8 << 20)
+    assert (plan[other[0]].reader, plan[other[1]].reader) == (0, 2)    # another run: the least loaded of 0, 2
+    files = [("f", 0, 1 << 20), ("g", 0, 1 << 20)]                       # a run never spans two files
+    assert [plan_sharing([files] * 2, min_bytes=0, run_bytes=8 << 20)[s].reader for s in files] == [0, 1]
+    assert plan_sharing([spans] * 3, min_bytes=0) == plan_sharing([spans] * 3, min_bytes=0, run_bytes=0)
 
 
 def test_plan_sharing_is_balanced_ordered_and_skips_small_or_unique_spans():

@@ -31,7 +31,7 @@ from liferaft.errors import InvalidStateError, LossyCheckpointError, StateMismat
 from liferaft.formats.base import Box, BoxRead, Reader, TensorSpec
 from liferaft.formats.detect import NAMES
 from liferaft.options import LoadOptions, LoadResult, check_options, check_path
-from liferaft.planning.share_plan import plan_sharing
+from liferaft.planning.share_plan import MIN_SHARED_BYTES, plan_sharing
 from liferaft.state.dtypes import torch_dtype
 from liferaft.state.flatten import FlatState, PathPart, flatten, key_of
 from liferaft.state.matching import drop_absent, matches_emptied, not_persisted, param_groups_mismatch, settle_missing
@@ -107,6 +107,8 @@ def _load(reader: Reader, state: Any, coord: Coordinator, opts: LoadOptions, str
         spans = p.job.spans if mode and holders is None else \
             [(u.file, u.file_offset, u.length) for u, _ in p.job.units] if mode else []
         hosted = None
+        if mode == "peers" and holders is None:     # one message per span: only spans worth one
+            spans = [s for s in spans if max(s[2], p.job.span_bytes[s]) >= MIN_SHARED_BYTES]
         if mode == "host":
             spans = [s for s in spans if p.job.span_bytes.get(s, opts.max_read_bytes + 1) <= opts.max_read_bytes]
             shm.sweep_stale()
@@ -137,7 +139,8 @@ def _load(reader: Reader, state: Any, coord: Coordinator, opts: LoadOptions, str
         elif mode == "host":
             hosts = [g[3] for g in gathered]
             sharing = plan_sharing([g[2] if hosts[r][0] == hosts[coord.rank][0] else []
-                                    for r, g in enumerate(gathered)], min_bytes=0)   # (the job chose its spans)
+                                    for r, g in enumerate(gathered)], min_bytes=0,   # (the job chose its spans)
+                                   run_bytes=opts.max_read_bytes)       # a reader's runs: one read per slot
         else:
             sharing = ({} if not mode or coord.world == 1 else plan_sharing([g[2] for g in gathered], holders=holders)
                        if holders is not None else plan_sharing([g[2] for g in gathered], min_bytes=0))

@@ -1,16 +1,19 @@
 """``execute_reads`` when the ranks that share spans are on one host: verified bytes pass through shared memory.
 
 The jobs are those of ``core.chunks.reader`` (local reads coalesced, one job per shared span, in file order, so
-shared spans come in tag order on every rank of the host). A reader thread reads this rank's own jobs (its local
-reads and the shared spans it reads): a shared span stored plain straight into the next slot of this rank's
-segment (``core.chunks.shm``, once the receivers of the slot's last span are done with it), anything else into
-two scratch buffers. The caller's thread verifies them (a plain span in place in its slot; an encoded one is
-decoded and verified, then put into the slot) and, as soon as a slot's bytes are verified and before copying
-its own boxes, sends each receiver a notice ``(slot, outcome, length, identity, offset)`` over the process
-group. A receiving thread (so that a
-rank's own reads never wait for its peers' and the ranks work at the same time) waits for each notice in turn, copies its boxes from the reader's slot and sends an acknowledgement; a slot is written again
-only after every receiver of its last span acknowledged. Every byte is read from storage and verified once on
-the host; what each receiver copies is the bytes its reader verified.
+shared spans come in tag order on every rank of the host). ``planning.share_plan`` gives each reader runs of
+adjacent spans (``run_bytes``: up to ``max_read_bytes``), so a reader thread reads a run of plain spans with one
+large request straight into the next slot of this rank's segment (``core.chunks.shm``, once the receivers of the
+slot's last read are done with it; ``_group``); anything else (an encoded or delta span, a local read) alone,
+into two scratch buffers. The caller's thread verifies them (a plain span in place in its slot; an encoded one is
+decoded and verified, then put into the slot) and copies its own boxes; once every span of a slot's read is done,
+one notice tells each receiver about them all — per span ``(slot, outcome, length, identity, offset)``, at most
+``MAX_BATCH`` — over the process group. A receiving thread (so that a rank's own reads never wait for its peers'
+and the ranks work at the same time) waits for each notice in turn, copies its boxes from the reader's slot and
+acknowledges the notice once; a slot is written again only after every receiver of its last read acknowledged.
+Every byte is read from storage and verified once on the host; what each receiver copies is the bytes its
+reader verified. (One message per span made a resharding load's hundreds of small spans cost more than reading
+them twice.)
 
 A span is the stored bytes (file, offset, length); two records may name the same span yet decode it differently
 (another codec or frames, a delta base, other hashes). So the notice carries the decode identity
@@ -18,9 +21,10 @@ A span is the stored bytes (file, offset, length); two records may name the same
 of that identity; any other unit of the span it reads, decodes and verifies alone (by its own record), exactly
 as if nothing were shared. No unit is ever given bytes not verified against its own record.
 
-Failures: a span found corrupt (or unreadable) is announced as such, and each receiver raises an error naming
-the file, the key and the bytes; after any failure the notices and acknowledgements still run to the end (no
-peer waits for a message that never comes). A peer that dies is seen as a failed wait, bounded by the
+Failures: a span found corrupt (or unreadable) is announced as such in its notice, and each receiver raises an
+error naming the file, the key and the bytes; after any failure the notices and acknowledgements still run to the
+end (no peer waits for a message that never comes). A notice that does not fit the receiver's plan (count, first
+tag) stops the messages as a lost peer does. A peer that dies is seen as a failed wait, bounded by the
 coordinator's timeout (``DistributedError``); from then on no more messages are exchanged.
 """
 
@@ -47,11 +51,14 @@ from liferaft.core.chunks.reader import (
 from liferaft.core.chunks.shm import HostShare
 from liferaft.errors import CorruptCheckpointError, DistributedError
 from liferaft.planning.load_plan import ReadUnit
-from liferaft.planning.share_plan import SharedSpan, Span
+from liferaft.planning.share_plan import RUN_GAP, SharedSpan, Span
 from liferaft.staging.pool import PAGE, page_aligned_empty
 from liferaft.storage.base import Storage
 
 OK, FAILED, CORRUPT = 1, 0, 2
+MAX_BATCH = 64                  # the most spans one notice tells (the spans of one slot's read, ``_group``)
+NOTICE_LEN = 2 + 5 * MAX_BATCH  # int64s of a notice: count, first tag, then per span (slot, outcome, length,
+                                # identity, offset)
 
 
 def view_bytes(unit: ReadUnit) -> int:
@@ -84,6 +91,8 @@ class HostReads:
         self.released: list[queue.Queue[list[Any]]] = [queue.Queue() for _ in range(host.own.slots)]
         for q in self.released:
             q.put([])
+        self.batch: list[list[int]] = []           # the notice entries of the group being verified
+        self.inbox: dict[int, tuple[list[int], bool, int]] = {}     # tag -> (entry, last of its notice, first tag)
         self.sent: list[Any] = []          # sends under way (their tensors kept alive with them)
         self.stats = ReadStats()
         self.received_stats = ReadStats()       # counted by the receiving thread
@@ -102,30 +111,59 @@ class HostReads:
             size = max(b.length for b in staged)
             for _ in range(min(len(staged), 2)):
                 free.put(page_aligned_empty(size))
-        ready: queue.Queue[tuple[torch.Tensor, int, BaseException | None, int]] = queue.Queue()
+        # per job of ``own``: (buffer, bytes read into it, error, slot, the job's byte in its slot, last of its
+        # slot's read, tag of the first span of that read)
+        ready: queue.Queue[tuple[torch.Tensor, int, BaseException | None, int, int, bool, int]] = queue.Queue()
 
         def read_all() -> None:
-            nxt = 0
-            for b in own:
+            i = 0
+            try:
+                i = read_from()
+            except BaseException as e:  # noqa: BLE001 - a bug, not an I/O error: stop the messages (the peers'
+                self._fail(e, lost=True)  # waits end at the timeout) and give every job an entry, so none hangs
+                for _ in range(len(own) - produced[0]):
+                    ready.put((torch.empty(0, dtype=torch.uint8), 0, e, -1, 0, True, -1))
+
+        produced = [0]
+
+        def read_from() -> int:
+            nxt = i = 0
+            while i < len(own):
+                b = own[i]
+                group = self._group(own, i)
                 slot = -1
                 if b.role == "send":
                     slot, nxt = nxt, (nxt + 1) % self.host.own.slots
                     self._acquire(slot, b)
-                buf = self.host.own.slot(slot, b.length) if self._direct(b) else free.get()
+                length = max(g.offset + g.length for g in group) - b.offset
+                buf = self.host.own.slot(slot, length) if self._direct(b) else free.get()
                 n, err = 0, None
                 if not self.errors or b.role == "send":         # a shared span is provided whatever else failed
                     try:
-                        n = self.storage.read_into(b.file, b.offset, memoryview(buf[:b.length].numpy()))
+                        n = self.storage.read_into(b.file, b.offset, memoryview(buf[:length].numpy()))
                     except FileNotFoundError:
                         err = CorruptCheckpointError(f"{self.storage.url}: data file {b.file!r} is missing")
                     except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
                         err = e
-                ready.put((buf, n, err, slot))
+                first = b.share.tag if b.share is not None else -1
+                if len(group) == 1:              # (a scratch buffer goes back to ``free`` whole)
+                    ready.put((buf, n, err, slot, 0, True, first))
+                for k, g in enumerate(group if len(group) > 1 else ()):
+                    at = g.offset - b.offset
+                    ready.put((buf[at:at + g.length], max(0, min(g.length, n - at)), err, slot, at,
+                               k == len(group) - 1, first))
+                i += len(group)
+                produced[0] = i
+            return i
 
         def receive_all() -> None:
             for b in self.jobs:
                 if b.role == "recv":
                     self._receive(b)
+            if self.inbox and self.comm_ok:
+                self._fail(DistributedError(f"a peer of this host told about {len(self.inbox)} shared span(s) this "
+                                            f"rank does not read (tags {sorted(self.inbox)[:5]}); the ranks planned "
+                                            f"different reads"))
 
         reader = threading.Thread(target=read_all, name="liferaft-reader", daemon=True)
         receiver = threading.Thread(target=receive_all, name="liferaft-receiver", daemon=True)
@@ -133,12 +171,12 @@ class HostReads:
         receiver.start()
         try:
             for b in own:
-                buf, n, err, slot = ready.get()
+                buf, n, err, slot, at, last, first = ready.get()
                 try:
                     if err is not None:
                         self._fail(err)
-                    if b.role == "send":
-                        self._send(b, buf, n, slot)
+                    if b.role == "send" and first >= 0:     # (first < 0: the reader thread failed before it)
+                        self._send(b, buf, n, slot, at, last, first)
                     elif not self.errors:
                         self.stats.verify_s += _consume(self.storage, b, buf, n, self.targets, self.copy)
                         self.stats.used += sum(u.length for u, _ in b.units)
@@ -171,6 +209,26 @@ class HostReads:
         self.comm_ok = self.comm_ok and not lost
         self.errors.append(e)
 
+    def _group(self, own: list[_Batch], i: int) -> list[_Batch]:
+        """The jobs read with one request from ``own[i]`` on: the shared spans this rank reads straight into one
+        slot (``_direct``) whose tags follow ``own[i]``'s, in its file, each starting at most ``RUN_GAP`` past the
+        previous one's end (the bytes between are read and not used), as many as fit in the slot
+        (``planning.share_plan`` gives a reader runs of such spans); any other job alone."""
+        group = [own[i]]
+        if not self._direct(own[i]):
+            return group
+        end = own[i].offset + own[i].length
+        for b in own[i + 1:]:
+            assert b.share is not None or not self._direct(b)
+            if len(group) == MAX_BATCH or not self._direct(b) or b.share.tag != group[-1].share.tag + 1 \
+                    or b.share.receivers != own[i].share.receivers or b.file != own[i].file \
+                    or not own[i].offset <= b.offset <= end + RUN_GAP \
+                    or max(end, b.offset + b.length) - own[i].offset > self.host.own.slot_bytes:
+                break
+            group.append(b)
+            end = max(end, b.offset + b.length)
+        return group
+
     def _acquire(self, slot: int, b: _Batch) -> None:
         """(Reader thread) Wait until the receivers of ``slot``'s last span are done with it."""
         acks = self.released[slot].get()
@@ -180,35 +238,24 @@ class HostReads:
         except DistributedError as e:
             self._fail(e, lost=True)
 
-    def _send(self, b: _Batch, buf: torch.Tensor, n: int, slot: int) -> None:
-        """Verify the shared span ``b`` (read into ``slot`` itself, or decoded into it from ``buf``), tell the
-        receivers as soon as the slot's bytes are verified, then copy this rank's boxes."""
+    def _send(self, b: _Batch, buf: torch.Tensor, n: int, slot: int, at: int = 0, last: bool = True,
+              first: int = -1) -> None:
+        """Verify the shared span ``b`` (read into ``slot`` itself from its byte ``at``, or decoded into it from
+        ``buf``) and copy this rank's boxes; its notice entry (the slot's bytes verified, or how it failed) joins
+        those of the spans read with it, and once its slot's ``last`` span is done, one notice (tag ``2 * first``,
+        ``first`` the tag of the slot's first span) tells each receiver about them all; the slot is released once
+        every receiver acknowledged that notice (tag ``2 * first + 1``)."""
         assert b.share is not None
         own, direct = self.host.own, self._direct(b)
         identity = decode_identity(b.units[0][0]) if b.units else 0     # the unit whose bytes fill the slot
-        acks: list[Any] = []
-        told = False
-
-        def tell(status: int, offset: int = 0, length: int = 0) -> None:
-            nonlocal told
-            told = True
-            if not self.comm_ok:
-                return
-            notice = torch.tensor([slot, status, length, identity, offset], dtype=torch.int64)
-            try:
-                for r in b.share.receivers:
-                    self.sent.append((self.peers.isend(notice, r, 2 * b.share.tag), notice))
-                    ack = torch.zeros(1, dtype=torch.int64)
-                    acks.append((self.peers.irecv(ack, r, 2 * b.share.tag + 1), ack))
-            except Exception as e:  # noqa: BLE001 - gloo refuses to post to a lost peer
-                self._fail(_lost(b, e), lost=True)
+        entry: list[int] = []
 
         def keep(view: torch.Tensor) -> None:
             if direct:                      # the view is the slot's own bytes, verified in place
-                tell(OK, b.units[0][0].file_offset - b.offset, view.numel())
+                entry[:] = [slot, OK, view.numel(), identity, at + b.units[0][0].file_offset - b.offset]
             else:
                 own.slot(slot, view.numel()).copy_(view)
-                tell(OK, 0, view.numel())
+                entry[:] = [slot, OK, view.numel(), identity, 0]
         try:
             status = FAILED
             if n:
@@ -221,8 +268,30 @@ class HostReads:
                     self._fail(e)
                 except BaseException as e:  # noqa: BLE001 - the receivers are told, then it is raised
                     self._fail(e)
-            if not told:                    # failed before the slot's bytes were verified (or a span of no unit)
-                tell(status)
+            if not entry:                   # failed before the slot's bytes were verified (or a span of no unit)
+                entry[:] = [slot, status, 0, identity, 0]
+        finally:
+            self.batch.append(entry or [slot, FAILED, 0, identity, 0])
+            if last:
+                self._tell(b, slot, first if first >= 0 else b.share.tag)
+
+    def _tell(self, b: _Batch, slot: int, first: int) -> None:
+        """Send the notice of the spans read into ``slot`` (``self.batch``, from tag ``first`` on) to the
+        receivers of ``b`` (those of every span of the slot, ``_group``) and release the slot once they answer."""
+        entries, self.batch = self.batch, []
+        assert b.share is not None and 0 < len(entries) <= MAX_BATCH
+        acks: list[Any] = []
+        try:
+            if self.comm_ok:
+                notice = torch.zeros(NOTICE_LEN, dtype=torch.int64)
+                notice[:2 + 5 * len(entries)] = torch.tensor([len(entries), first] + [x for e in entries for x in e],
+                                                             dtype=torch.int64)
+                for r in b.share.receivers:
+                    self.sent.append((self.peers.isend(notice, r, 2 * first), notice))
+                    ack = torch.zeros(1, dtype=torch.int64)
+                    acks.append((self.peers.irecv(ack, r, 2 * first + 1), ack))
+        except Exception as e:  # noqa: BLE001 - gloo refuses to post to a lost peer
+            self._fail(_lost(b, e), lost=True)
         finally:
             self.released[slot].put(acks)
 
@@ -232,16 +301,9 @@ class HostReads:
         if not self.comm_ok:
             return
         source = b.share.reader
-        notice = torch.zeros(5, dtype=torch.int64)
-        try:
-            _wait(self.peers.irecv(notice, source, 2 * b.share.tag), b)
-        except DistributedError as e:
-            self._fail(e, lost=True)
+        if b.share.tag not in self.inbox and not self._take_notice(b):
             return
-        except Exception as e:  # noqa: BLE001 - gloo refuses to post to a lost peer
-            self._fail(_lost(b, e), lost=True)
-            return
-        slot, status, length, identity, offset = (int(x) for x in notice.tolist())
+        (slot, status, length, identity, offset), last, first = self.inbox.pop(b.share.tag)
         unit = b.units[0][0]
         try:
             if status == CORRUPT:
@@ -266,11 +328,39 @@ class HostReads:
                         self._read_alone(u, dtype)
         except BaseException as e:  # noqa: BLE001 - acknowledged first, raised at the end
             self._fail(e)
+        if not last:
+            return
         ack = torch.ones(1, dtype=torch.int64)
         try:
-            self.sent.append((self.peers.isend(ack, source, 2 * b.share.tag + 1), ack))
+            self.sent.append((self.peers.isend(ack, source, 2 * first + 1), ack))
         except Exception as e:  # noqa: BLE001 - gloo refuses to post to a lost peer
             self._fail(_lost(b, e), lost=True)
+
+    def _take_notice(self, b: _Batch) -> bool:
+        """(Receiving thread) Wait for the notice that tells about shared span ``b``: the next one from its reader,
+        which starts at ``b``'s tag (a reader's notice tells about consecutive spans, all with the same receivers);
+        put its entries in ``inbox``. False (no more messages) if the peer is lost or sent a notice that does not
+        fit this rank's plan."""
+        assert b.share is not None
+        notice = torch.zeros(NOTICE_LEN, dtype=torch.int64)
+        try:
+            _wait(self.peers.irecv(notice, b.share.reader, 2 * b.share.tag), b)
+        except DistributedError as e:
+            self._fail(e, lost=True)
+            return False
+        except Exception as e:  # noqa: BLE001 - gloo refuses to post to a lost peer
+            self._fail(_lost(b, e), lost=True)
+            return False
+        values = notice.tolist()
+        count, first = values[0], values[1]
+        if not 1 <= count <= MAX_BATCH or first != b.share.tag:
+            self._fail(DistributedError(f"{_where(b.units[0][0])}: rank {b.share.reader} sent a notice of {count} "
+                                        f"span(s) from tag {first}, this rank expected one from tag {b.share.tag}; "
+                                        f"the ranks planned different reads"), lost=True)
+            return False
+        for k in range(count):
+            self.inbox[first + k] = (values[2 + 5 * k:7 + 5 * k], k == count - 1, first)
+        return True
 
 
     def _read_alone(self, unit: ReadUnit, dtype: torch.dtype) -> None:
