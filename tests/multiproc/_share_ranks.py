@@ -45,17 +45,28 @@ def save_rows(rank: int, world: int, path: str) -> None:
     liferaft.save(path, state, options=liferaft.SaveOptions(timeout=TIMEOUT))
 
 
-def load_columns(rank: int, world: int, path: str) -> tuple[bool, int, int]:
-    """Load them as Shard(1): every rank needs every row, i.e. the same hash blocks."""
+def load_columns(rank: int, world: int, path: str, dim: int = 1) -> tuple[bool, int, int, list[int]]:
+    """Load them as Shard(``dim``) (1: every rank needs every row, i.e. the same hash blocks; 0: the layout they
+    were saved in, nothing to share). Returns (equal, read, received, the slot sizes of the shared-memory segments
+    this rank made)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
+    from liferaft.core.chunks import shm
+
+    made: list[int] = []
+    create = shm.Segment.create
+
+    def counted(name: str, slot_bytes: int, slots: int = shm.SLOTS) -> shm.Segment:
+        made.append(slot_bytes)
+        return create(name, slot_bytes, slots)
+    shm.Segment.create = counted            # (recorded, then the real segment is made)
     mesh = init_device_mesh("cpu", (world,))
     ref = reference()
-    state = {k: distribute_tensor(torch.zeros_like(ref[k]), mesh, [Shard(1)]) for k in ("a", "b")}
+    state = {k: distribute_tensor(torch.zeros_like(ref[k]), mesh, [Shard(dim)]) for k in ("a", "b")}
     res = liferaft.load(path, state, options=LoadOptions(timeout=TIMEOUT, share_reads=True))
     equal = all(torch.equal(state[k].full_tensor(), ref[k]) for k in ("a", "b"))
-    return equal, res.bytes_read, res.bytes_received
+    return equal, res.bytes_read, res.bytes_received, made
 
 
 def many_reference() -> dict[str, torch.Tensor]:

@@ -49,6 +49,16 @@ def test_reshard_rows_to_columns_shares_the_blocks(tmp_path):
     assert all(o[0] for o in out), out
     assert all(o[2] > 0 for o in out), f"each rank should receive half of the rows: {out}"
     assert sum(o[1] - o[2] for o in out) == _nbytes(("a", "b")), out
+    # a segment's slots are sized to what its rank reads (4 MiB in all here), not to max_read_bytes (32 MiB)
+    assert all(len(o[3]) <= 1 and all(size <= _nbytes(("a", "b")) + (64 << 10) for size in o[3]) for o in out), out
+    assert sum(len(o[3]) for o in out) >= 1, out
+
+
+def test_a_load_with_nothing_to_share_makes_no_segment(tmp_path):
+    path = str(tmp_path / "ck")
+    _run(R.save_rows, 2, path)
+    out = _run(R.load_columns, 2, path, 0)
+    assert all(o[0] and o[2] == 0 and o[3] == [] for o in out), out
 
 
 @pytest.mark.parametrize("atomic", [False, True])

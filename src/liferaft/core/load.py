@@ -32,6 +32,7 @@ from liferaft.formats.base import Box, BoxRead, Reader, TensorSpec
 from liferaft.formats.detect import NAMES
 from liferaft.options import LoadOptions, LoadResult, check_options, check_path
 from liferaft.planning.share_plan import MIN_SHARED_BYTES, plan_sharing
+from liferaft.staging.pool import PAGE
 from liferaft.state.dtypes import torch_dtype
 from liferaft.state.flatten import FlatState, PathPart, flatten, key_of
 from liferaft.state.matching import drop_absent, matches_emptied, not_persisted, param_groups_mismatch, settle_missing
@@ -98,64 +99,46 @@ def _load(reader: Reader, state: Any, coord: Coordinator, opts: LoadOptions, str
     timings: dict[str, float] = {}
     plans: list[_LoadPlan] = []
     mode = "peers" if holders is not None else _share_mode(reader, coord, opts)
-    segments: list[shm.Segment] = []        # this rank's own segment (mode "host"), made while planning
-    hosts: list[tuple[str, str]] = []       # (host name, segment name) per rank (mode "host")
+    hosts: list[str] = []                   # host name per rank (mode "host")
 
     def planned() -> Any:
         plans.append(_plan_load(reader, flatten(state, template=True, world=coord.world), coord, opts, strict))
         p = plans[0]
         spans = p.job.spans if mode and holders is None else \
             [(u.file, u.file_offset, u.length) for u, _ in p.job.units] if mode else []
-        hosted = None
+        hosted = socket.gethostname() if mode == "host" else None
         if mode == "peers" and holders is None:     # one message per span: only spans worth one
             spans = [s for s in spans if max(s[2], p.job.span_bytes[s]) >= MIN_SHARED_BYTES]
         if mode == "host":
             spans = [s for s in spans if p.job.span_bytes.get(s, opts.max_read_bytes + 1) <= opts.max_read_bytes]
             shm.sweep_stale()
-            try:
-                segments.append(shm.Segment.create(shm.new_name(coord.rank), shm.slot_size(opts.max_read_bytes)))
-                hosted = (socket.gethostname(), segments[0].name)
-            except shm.SegmentSpaceError as e:
-                hosted = ("", str(e))           # no segment: no rank shares (decided on every rank alike, below)
         return p.covered, p.missing, spans, hosted, p.skipped
-    try:
-        gathered = coord.run(planned, "load (planning)", cleanup=lambda: [g.close() for g in segments])
-        plan = plans[0]
-        all_keys = reader.keys
-        covered = bytearray(len(all_keys))
-        for c, *_ in gathered:
-            covered = bytearray(a | b for a, b in zip(covered, c))
-        unexpected = tuple(k for k, hit in zip(all_keys, covered) if not hit)
-        missing = tuple(sorted({k for _, m, *_ in gathered for k in m}))
-        skipped = tuple(sorted({k for *_, s in gathered for k in s}))
-        if mode == "host" and any(not g[3][0] for g in gathered):
-            short = next(r for r, g in enumerate(gathered) if not g[3][0])
-            warnings.warn(f"{reader.url}: shared reads are off for this load, each rank reads for itself: rank "
-                          f"{short}: {gathered[short][3][1]}", stacklevel=3)
-            for g in segments:
-                g.close()
-            segments.clear()
-            mode, sharing = None, {}
-        elif mode == "host":
-            hosts = [g[3] for g in gathered]
-            sharing = plan_sharing([g[2] if hosts[r][0] == hosts[coord.rank][0] else []
-                                    for r, g in enumerate(gathered)], min_bytes=0,   # (the job chose its spans)
-                                   run_bytes=opts.max_read_bytes)       # a reader's runs: one read per slot
-        else:
-            sharing = ({} if not mode or coord.world == 1 else plan_sharing([g[2] for g in gathered], holders=holders)
-                       if holders is not None else plan_sharing([g[2] for g in gathered], min_bytes=0))
-        peers = coord if sharing else None
-        if strict and (missing or unexpected):
-            raise StateMismatchError(_mismatch_message(reader.url, NAMES[reader.fmt] if reader.fmt != "liferaft"
-                                                       else "checkpoint", missing, unexpected))
-        host = _set_up_host(coord, segments[0], hosts, sharing, opts) if mode == "host" else None
-    except BaseException:
-        for g in segments:
-            g.close()
-        for h, name in hosts:       # the names of peers of this host that died before unlinking theirs
-            if h == hosts[coord.rank][0]:
-                shm.unlink(name)
-        raise
+    gathered = coord.run(planned, "load (planning)")
+    plan = plans[0]
+    all_keys = reader.keys
+    covered = bytearray(len(all_keys))
+    for c, *_ in gathered:
+        covered = bytearray(a | b for a, b in zip(covered, c))
+    unexpected = tuple(k for k, hit in zip(all_keys, covered) if not hit)
+    missing = tuple(sorted({k for _, m, *_ in gathered for k in m}))
+    skipped = tuple(sorted({k for *_, s in gathered for k in s}))
+    if mode == "host":
+        hosts = [g[3] for g in gathered]
+        sharing = plan_sharing([g[2] if hosts[r] == hosts[coord.rank] else []
+                                for r, g in enumerate(gathered)], min_bytes=0,   # (the job chose its spans)
+                               run_bytes=opts.max_read_bytes)       # a reader's runs: one read per slot
+    else:
+        sharing = ({} if not mode or coord.world == 1 else plan_sharing([g[2] for g in gathered], holders=holders)
+                   if holders is not None else plan_sharing([g[2] for g in gathered], min_bytes=0))
+    if strict and (missing or unexpected):
+        raise StateMismatchError(_mismatch_message(reader.url, NAMES[reader.fmt] if reader.fmt != "liferaft"
+                                                   else "checkpoint", missing, unexpected))
+    host = _set_up_host(coord, sharing, plan.job.span_bytes, opts) if mode == "host" else None   # (collective)
+    if isinstance(host, str):
+        warnings.warn(f"{reader.url}: shared reads are off for this load, each rank reads for itself: {host}",
+                      stacklevel=3)
+        host, sharing = None, {}
+    peers = coord if sharing else None
     timings["plan"] = time.perf_counter() - t_start
 
     try:
@@ -201,18 +184,50 @@ def _share_mode(reader: Reader, coord: Coordinator, opts: LoadOptions) -> str | 
     return "host" if shm.available() else "peers"
 
 
-def _set_up_host(coord: Coordinator, own: shm.Segment, hosts: list[tuple[str, str]], sharing: Any,
-                 opts: LoadOptions) -> shm.HostShare:
-    """Open (read-only) the segments of the ranks this rank receives from; once every rank has, each unlinks
-    its own name, so that the segments live only in the ranks' mappings from here on."""
-    share = shm.HostShare(own, {})
+def _set_up_host(coord: Coordinator, sharing: Any, span_bytes: Mapping[Any, int],
+                 opts: LoadOptions) -> shm.HostShare | str:
+    """Collective: the segments of a load whose ranks share through the host's memory (``sharing``, among ranks
+    of one host). A rank that reads shared spans makes its own, slots sized to what it reads (at most
+    ``max_read_bytes``, the longest read; ``span_bytes``: each span's bytes once decoded), and a rank that reads
+    none makes none, so a load that shares a few small spans reserves little; the ranks exchange (name, slot
+    size, slots), each opens (read-only) the segments of the ranks it receives from, and once every rank has,
+    each unlinks its own name, so that the segments live only in the ranks' mappings from here on. Returns the
+    ``HostShare``, or, when some rank has no room for its segment (``SegmentSpaceError``), why: then no rank
+    has a segment and no rank shares (decided alike on every rank)."""
+    mine = [s for s, shared in sharing.items() if shared.reader == coord.rank]
+    need = min(opts.max_read_bytes, sum(max(s[2], span_bytes.get(s, 0)) + 2 * PAGE for s in mine))
+    own: list[shm.Segment] = []
+
+    def make() -> tuple[str, int, int, str]:
+        if not mine:
+            return "", 0, 0, ""
+        try:
+            own.append(shm.Segment.create(shm.new_name(coord.rank), shm.slot_size(need)))
+        except shm.SegmentSpaceError as e:
+            return "", 0, 0, str(e)
+        return own[0].name, own[0].slot_bytes, own[0].slots, ""
+    made = coord.run(make, "load (shared-memory set-up)", cleanup=lambda: [g.close() for g in own])
+    short = [r for r, m in enumerate(made) if m[3]]
+    if short:
+        for g in own:
+            g.close()
+        return f"rank {short[0]}: {made[short[0]][3]}"
+    share = shm.HostShare(own[0] if own else None, {})
+    if not any(m[0] for m in made):
+        return share                # nothing shared on any host (the same on every rank): nothing to open
     sources = sorted({s.reader for s in sharing.values() if coord.rank in s.receivers})
 
     def attach() -> None:
         for r in sources:
-            share.peers[r] = shm.Segment.attach(hosts[r][1], own.slot_bytes, own.slots, r)
-    coord.run(attach, "load (shared-memory set-up)", cleanup=share.close)
-    shm.unlink(own.name)
+            share.peers[r] = shm.Segment.attach(made[r][0], made[r][1], made[r][2], r)
+    try:
+        coord.run(attach, "load (shared-memory attach)", cleanup=share.close)
+    except BaseException:
+        for r in sources:           # the names of peers of this host that died before unlinking theirs
+            shm.unlink(made[r][0])
+        raise
+    if own:
+        shm.unlink(own[0].name)
     return share
 
 

@@ -48,7 +48,7 @@ from liferaft.core.chunks.reader import (
     _where,
     copy_out,
 )
-from liferaft.core.chunks.shm import HostShare
+from liferaft.core.chunks.shm import HostShare, Segment
 from liferaft.errors import CorruptCheckpointError, DistributedError
 from liferaft.planning.load_plan import ReadUnit
 from liferaft.planning.share_plan import RUN_GAP, SharedSpan, Span
@@ -88,7 +88,8 @@ class HostReads:
         self.comm_ok = True
         # per slot: the acknowledgements its last span awaits (put by the caller's thread once the notices are
         # posted, taken by the reader thread before it fills the slot again)
-        self.released: list[queue.Queue[list[Any]]] = [queue.Queue() for _ in range(host.own.slots)]
+        self.released: list[queue.Queue[list[Any]]] = [queue.Queue() for _ in range(host.own.slots if host.own
+                                                                                  else 0)]
         for q in self.released:
             q.put([])
         self.batch: list[list[int]] = []           # the notice entries of the group being verified
@@ -101,7 +102,15 @@ class HostReads:
         """Whether shared span ``b`` is read straight into its slot: its first unit (the one whose bytes fill
         the slot) is stored plain (no codec, no delta), so the stored bytes are the verified ones."""
         return b.role == "send" and bool(b.units) and b.units[0][0].codec is None \
-            and b.units[0][0].delta is None and b.length <= self.host.own.slot_bytes
+            and b.units[0][0].delta is None and b.length <= self._own.slot_bytes
+
+    @property
+    def _own(self) -> Segment:
+        """This rank's segment (it has one whenever it reads a shared span: ``core.load._set_up_host``)."""
+        if self.host.own is None:
+            raise DistributedError("this rank reads shared spans but has no shared-memory segment; the ranks "
+                                   "planned different reads")
+        return self.host.own
 
     def run(self) -> ReadStats:
         own = [b for b in self.jobs if b.role != "recv"]
@@ -116,9 +125,8 @@ class HostReads:
         ready: queue.Queue[tuple[torch.Tensor, int, BaseException | None, int, int, bool, int]] = queue.Queue()
 
         def read_all() -> None:
-            i = 0
             try:
-                i = read_from()
+                read_from()
             except BaseException as e:  # noqa: BLE001 - a bug, not an I/O error: stop the messages (the peers'
                 self._fail(e, lost=True)  # waits end at the timeout) and give every job an entry, so none hangs
                 for _ in range(len(own) - produced[0]):
@@ -126,17 +134,17 @@ class HostReads:
 
         produced = [0]
 
-        def read_from() -> int:
+        def read_from() -> None:
             nxt = i = 0
             while i < len(own):
                 b = own[i]
                 group = self._group(own, i)
                 slot = -1
                 if b.role == "send":
-                    slot, nxt = nxt, (nxt + 1) % self.host.own.slots
+                    slot, nxt = nxt, (nxt + 1) % self._own.slots
                     self._acquire(slot, b)
                 length = max(g.offset + g.length for g in group) - b.offset
-                buf = self.host.own.slot(slot, length) if self._direct(b) else free.get()
+                buf = self._own.slot(slot, length) if self._direct(b) else free.get()
                 n, err = 0, None
                 if not self.errors or b.role == "send":         # a shared span is provided whatever else failed
                     try:
@@ -154,7 +162,6 @@ class HostReads:
                                k == len(group) - 1, first))
                 i += len(group)
                 produced[0] = i
-            return i
 
         def receive_all() -> None:
             for b in self.jobs:
@@ -223,7 +230,7 @@ class HostReads:
             if len(group) == MAX_BATCH or not self._direct(b) or b.share.tag != group[-1].share.tag + 1 \
                     or b.share.receivers != own[i].share.receivers or b.file != own[i].file \
                     or not own[i].offset <= b.offset <= end + RUN_GAP \
-                    or max(end, b.offset + b.length) - own[i].offset > self.host.own.slot_bytes:
+                    or max(end, b.offset + b.length) - own[i].offset > self._own.slot_bytes:
                 break
             group.append(b)
             end = max(end, b.offset + b.length)
@@ -246,7 +253,7 @@ class HostReads:
         ``first`` the tag of the slot's first span) tells each receiver about them all; the slot is released once
         every receiver acknowledged that notice (tag ``2 * first + 1``)."""
         assert b.share is not None
-        own, direct = self.host.own, self._direct(b)
+        own, direct = self._own, self._direct(b)
         identity = decode_identity(b.units[0][0]) if b.units else 0     # the unit whose bytes fill the slot
         entry: list[int] = []
 

@@ -162,7 +162,8 @@ class Segment:
                                    f"LoadOptions(share_reads=False) to read without sharing") from None
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size != slot_bytes * slots:
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size != slot_bytes * slots \
+                    or slot_bytes <= 0 or slot_bytes % PAGE or slots < 1:
                 raise DistributedError(f"the shared-memory segment {path} of rank {owner} is not a regular file "
                                        f"of this user with {slot_bytes * slots} bytes; refused (load with "
                                        f"LoadOptions(share_reads=False))")
@@ -207,10 +208,11 @@ class HostShare:
     """What ``execute_reads`` needs for same-host sharing: this rank's own segment and the segments of the
     ranks it receives from (by rank)."""
 
-    own: Segment
+    own: Segment | None             # None: this rank reads no shared span
     peers: dict[int, Segment]
 
     def close(self) -> None:
         for seg in self.peers.values():
             seg.close()
-        self.own.close()
+        if self.own is not None:
+            self.own.close()
