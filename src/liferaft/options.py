@@ -266,12 +266,12 @@ class LoadOptions:
         every rank read the same hash blocks), one rank reads it from storage and the others get it, so each byte
         is read from storage once. On remote storage (``Storage.remote``) it is sent over the process group
         (received bytes are verified too). On local files the ranks of one host share it through shared memory
-        (``/dev/shm``, a per-load segment per rank that reads shared spans, 4 slots sized to what it reads and
-        at most ``max_read_bytes`` each, unlinked once opened): one
-        rank reads, decodes and verifies it, the others copy their boxes from it; each rank reads runs of adjacent
-        spans, of any size, with one request and tells the others about a run with one message; ranks on other
-        hosts read for themselves; a span larger than ``max_read_bytes`` is read by each rank. Over the process
-        group a span below 1 MiB is read by each rank (one message per span). The segment is reserved whole
+        (``/dev/shm``, a per-load segment per rank that reads shared spans, 2 slots sized to what it reads and
+        at most ``max_read_bytes`` each, unlinked once opened): one rank reads, decodes and verifies it, the others
+        copy their boxes from it; each rank reads runs of adjacent spans, of any size, with one request and tells
+        the others about a run with one message; ranks on other hosts read for themselves; a span larger than
+        ``max_read_bytes`` is read by each rank. Over the process group a span below 1 MiB is read by each rank
+        (one message per span). The segment is reserved whole
         before use: where it does not fit (a small ``/dev/shm``, e.g. Docker's 64 MiB default) the load warns and
         every rank reads for itself. A rank copies shared bytes only into chunks whose record (codec, frames,
         delta, hashes) is the one they were verified against. None (default): on for remote

@@ -1,5 +1,5 @@
 """Same-host shared reads on a shared-memory folder too small for the ring (Docker's default --shm-size is
-64 MiB; the ring is 4 x max_read_bytes per rank): every rank falls back to reading for itself, with a warning,
+64 MiB; the ring is shm.SLOTS x max_read_bytes per rank that reads shared spans): every rank falls back to reading for itself, with a warning,
 all alike (regression: the sparse segment mapped fine and the first write past the free space was a SIGBUS)."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def small_tmpfs():
         subprocess.run(["rmdir", where], check=False)
 
 
-@pytest.mark.parametrize("max_read", [1 << 20, 192 << 10], ids=["no_rank_fits", "some_ranks_fit"])
+@pytest.mark.parametrize("max_read", [1 << 20, 256 << 10], ids=["no_rank_fits", "some_ranks_fit"])
 def test_ring_larger_than_the_shared_memory_folder_falls_back_to_own_reads(tmp_path, small_tmpfs, max_read):
     path = str(tmp_path / "ck")
     run_ranks(R.save, 2, path, "S0", "off", timeout=240.0, pg_timeout=60.0)
@@ -43,9 +43,9 @@ def test_a_segment_that_does_not_fit_is_refused_and_leaves_nothing(small_tmpfs, 
     monkeypatch.setattr(shm, "SHM_DIR", small_tmpfs)
     with pytest.raises(shm.SegmentSpaceError, match="max_read_bytes"):
         shm.Segment.create(shm.new_name(0), 1 << 20)
-    seg = shm.Segment.create(shm.new_name(0), 64 << 10)     # 256 KiB: fits, reserved whole
+    seg = shm.Segment.create(shm.new_name(0), 64 << 10)     # 2 x 64 KiB: fits, reserved whole
     try:
-        assert os.stat(os.path.join(small_tmpfs, seg.name)).st_blocks * 512 >= 4 * (64 << 10)
+        assert os.stat(os.path.join(small_tmpfs, seg.name)).st_blocks * 512 >= shm.SLOTS * (64 << 10)
     finally:
         seg.close()
     assert os.listdir(small_tmpfs) == []

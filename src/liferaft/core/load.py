@@ -202,7 +202,7 @@ def _set_up_host(coord: Coordinator, sharing: Any, span_bytes: Mapping[Any, int]
         if not mine:
             return "", 0, 0, ""
         try:
-            own.append(shm.Segment.create(shm.new_name(coord.rank), shm.slot_size(need)))
+            own.append(shm.Segment.create(shm.new_name(coord.rank), shm.slot_size(need), shm.SLOTS))
         except shm.SegmentSpaceError as e:
             return "", 0, 0, str(e)
         return own[0].name, own[0].slot_bytes, own[0].slots, ""
