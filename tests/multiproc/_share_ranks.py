@@ -13,7 +13,8 @@ from liferaft import LiferaftError, LoadOptions
 TIMEOUT = 60.0
 BIG = {"a": (512, 1024), "b": (1024, 512), "c": (300_000,)}     # 2 MiB, 2 MiB, 1.2 MB: shared spans
 SMALL = {"s": (64, 64)}                                          # 16 KiB: below MIN_SHARED_BYTES
-MANY = {f"m{i:03d}": (32, 32) for i in range(150)}              # 4 KiB each: more spans than one notice tells
+MANY = {"big": (512, 1024), **{f"m{i:03d}": (32, 32) for i in range(150)}}   # 2 MiB, then 150 x 4 KiB: more
+                                                                               # spans than one notice tells
 
 
 def reference() -> dict[str, torch.Tensor]:

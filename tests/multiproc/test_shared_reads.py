@@ -86,6 +86,7 @@ def test_a_run_of_many_small_spans_is_read_once_and_told_in_several_notices(tmp_
     assert all(o[0] == "ok" and o[1] is True for o in out), out
     total = sum(v.numel() * 4 for v in R.many_reference().values())
     assert sum(o[2] - o[3] for o in out) == total, f"each span should be read once on the host: {out}"
+    assert all(o[3] > 0 for o in out[1:]) or all(o[3] > 0 for o in out[:2]), f"nothing was shared: {out}"
 
 
 def test_a_corrupt_span_in_the_middle_of_a_run_fails_every_rank(tmp_path):
@@ -101,6 +102,24 @@ def test_a_corrupt_span_in_the_middle_of_a_run_fails_every_rank(tmp_path):
     out = _run(R.load_many, 3, path)
     assert all(o[0] in ("CorruptCheckpointError", "DistributedError") and "'m100'" in o[1] for o in out), out
     assert any(o[0] == "CorruptCheckpointError" for o in out), out
+
+
+def test_small_spans_are_shared_only_when_linked_to_a_long_one():
+    mib = 1 << 20
+    # a resharded layer: long chunks with small weights and biases between them, all needed by both ranks
+    layer = [("f", 0, 2 * mib), ("f", 2 * mib, 4096), ("f", 2 * mib + 4096, 512 << 10),
+             ("f", 2 * mib + (516 << 10), 4096), ("f", 3 * mib, 2 * mib)]
+    assert set(plan_sharing([layer] * 2, run_bytes=32 * mib)) == set(layer)
+    assert set(plan_sharing([layer] * 2)) == {layer[0], layer[4]}          # without runs: the long ones only
+    # 0-dim steps (replicated) between row shards only one rank needs: each rank reads its own steps
+    rows0, rows1 = ("f", 0, 8 * mib), ("f", 8 * mib + 8192, 8 * mib)
+    steps = [("f", 8 * mib, 4096), ("f", 16 * mib + 8192, 4096)]
+    assert plan_sharing([[rows0] + steps, [rows1] + steps], run_bytes=32 * mib) == {}
+    # a chain breaks at a gap longer than RUN_GAP, and at a span needed by other ranks
+    far = [("f", 0, 2 * mib), ("f", 3 * mib, 4096)]
+    assert set(plan_sharing([far] * 2, run_bytes=32 * mib)) == {far[0]}
+    other = [("f", 0, 2 * mib), ("f", 2 * mib, 4096)]
+    assert set(plan_sharing([other, other, other[:1]], run_bytes=32 * mib)) == {other[0]}
 
 
 def test_plan_sharing_gives_a_reader_runs_of_adjacent_spans():

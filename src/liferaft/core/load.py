@@ -106,11 +106,12 @@ def _load(reader: Reader, state: Any, coord: Coordinator, opts: LoadOptions, str
         p = plans[0]
         spans = p.job.spans if mode and holders is None else \
             [(u.file, u.file_offset, u.length) for u, _ in p.job.units] if mode else []
-        hosted = socket.gethostname() if mode == "host" else None
+        hosted = None
         if mode == "peers" and holders is None:     # one message per span: only spans worth one
             spans = [s for s in spans if max(s[2], p.job.span_bytes[s]) >= MIN_SHARED_BYTES]
         if mode == "host":
             spans = [s for s in spans if p.job.span_bytes.get(s, opts.max_read_bytes + 1) <= opts.max_read_bytes]
+            hosted = (socket.gethostname(), {s: p.job.span_bytes[s] for s in spans if p.job.span_bytes[s] > s[2]})
             shm.sweep_stale()
         return p.covered, p.missing, spans, hosted, p.skipped
     gathered = coord.run(planned, "load (planning)")
@@ -123,10 +124,12 @@ def _load(reader: Reader, state: Any, coord: Coordinator, opts: LoadOptions, str
     missing = tuple(sorted({k for _, m, *_ in gathered for k in m}))
     skipped = tuple(sorted({k for *_, s in gathered for k in s}))
     if mode == "host":
-        hosts = [g[3] for g in gathered]
-        sharing = plan_sharing([g[2] if hosts[r] == hosts[coord.rank] else []
-                                for r, g in enumerate(gathered)], min_bytes=0,   # (the job chose its spans)
-                               run_bytes=opts.max_read_bytes)       # a reader's runs: one read per slot
+        hosts = [g[3][0] for g in gathered]
+        mates = [r for r in range(coord.world) if hosts[r] == hosts[coord.rank]]
+        sharing = plan_sharing([gathered[r][2] if r in mates else [] for r in range(coord.world)],
+                               min_bytes=min(MIN_SHARED_BYTES, opts.max_read_bytes // 4),
+                               run_bytes=opts.max_read_bytes,       # a reader's runs: one read per slot
+                               decoded={s: n for r in mates for s, n in gathered[r][3][1].items()})
     else:
         sharing = ({} if not mode or coord.world == 1 else plan_sharing([g[2] for g in gathered], holders=holders)
                    if holders is not None else plan_sharing([g[2] for g in gathered], min_bytes=0))

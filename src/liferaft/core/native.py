@@ -32,7 +32,6 @@ from liferaft.formats.base import (
 )
 from liferaft.options import LoadOptions
 from liferaft.planning.load_plan import plan_reads
-from liferaft.planning.share_plan import MIN_HOST_SHARED_BYTES
 from liferaft.state.tree import build_tree
 from liferaft.state.values import PerRank, decode_value
 from liferaft.storage import Storage
@@ -185,11 +184,10 @@ class _NativeJob(ReadJob):
             self.units.extend((u, dest.dtype) for u in units)
             files.update(u.file for u in units)
         reader._check(files)
-        # spans that may be worth sharing: at least MIN_HOST_SHARED_BYTES stored or decoded (a compressed span is
-        # decoded once); each way of sharing keeps those above its own floor (``core.load``)
+        # every span, with its bytes once decoded (a compressed span is decoded once); each way of sharing keeps
+        # those worth it (``core.load``, ``planning.share_plan``)
         self.span_bytes = {(u.file, u.file_offset, u.length): u.decoded_length if u.codec is not None else u.length
                            for u, _ in self.units}
-        self.span_bytes = {s: n for s, n in self.span_bytes.items() if max(s[2], n) >= MIN_HOST_SHARED_BYTES}
         self.spans = list(self.span_bytes)
 
     def run(self, *, check_only: bool = False, peers: Any = None, rank: int = 0,

@@ -16,8 +16,7 @@ from liferaft.errors import CorruptCheckpointError
 
 Span = tuple[str, int, int]          # (file, byte offset, length)
 
-MIN_SHARED_BYTES = 1 << 20            # the least span shared over the process group (one message per span)
-MIN_HOST_SHARED_BYTES = 0             # the least shared through a host's memory (a 40-byte notice per span)
+MIN_SHARED_BYTES = 1 << 20            # the least span shared on its own (``plan_sharing``)
 RUN_GAP = 256 << 10                  # spans this close continue a run (``plan_sharing``): the bytes between
                                      # (small spans, read locally) are read with the run and not used
 
@@ -35,7 +34,8 @@ class SharedSpan:
 
 
 def plan_sharing(spans_per_rank: Sequence[Sequence[Span]], min_bytes: int = MIN_SHARED_BYTES,
-                 holders: Mapping[str, Sequence[int]] | None = None, run_bytes: int = 0) -> dict[Span, SharedSpan]:
+                 holders: Mapping[str, Sequence[int]] | None = None, run_bytes: int = 0,
+                 decoded: Mapping[Span, int] | None = None) -> dict[Span, SharedSpan]:
     """Which spans are shared, who reads each and who receives it; the same result on every rank.
 
     Spans needed by two or more ranks and at least ``min_bytes`` long are shared; each goes to the rank that
@@ -44,7 +44,12 @@ def plan_sharing(spans_per_rank: Sequence[Sequence[Span]], min_bytes: int = MIN_
     cannot deadlock. With ``run_bytes``, a run of consecutive shared spans of one file (each starting at most
     ``RUN_GAP`` bytes past the previous one's end) needed by the same ranks, of at most ``run_bytes`` in all, goes
     to one reader, chosen at the run's first span: its reader may read the run with one large request instead
-    of many small ones in turn with its peers (a resharding load's spans are single chunks of a few MiB).
+    of many small ones in turn with its peers (a resharding load's spans are single chunks of a few MiB); then
+    a span shorter than ``min_bytes`` is shared too when a chain of such spans, each at most ``RUN_GAP`` from the
+    next and needed by the same ranks, links it to one at least that long (``_joining``): the biases and small
+    weights between a resharded model's large chunks ride in their runs, while a small replicated span among
+    chunks only one rank needs (a 0-dim step between row shards) stays in its rank's own coalesced reads.
+    ``decoded`` gives the bytes of an encoded span once decoded where that is more (it counts for ``min_bytes``).
 
     ``holders`` maps a file to the only ranks that can read it (a memory tier's node-local files; a file not
     named: every rank). A span needed by a rank that cannot read its file is always shared, whatever its length:
@@ -56,6 +61,8 @@ def plan_sharing(spans_per_rank: Sequence[Sequence[Span]], min_bytes: int = MIN_
     for rank, spans in enumerate(spans_per_rank):
         for span in set(spans):
             needers.setdefault(span, []).append(rank)
+    size = {span: max(span[2], (decoded or {}).get(span, 0)) for span in needers}
+    joined = _joining(needers, size, min_bytes) if run_bytes else set()
     load = [0] * len(spans_per_rank)
     out: dict[Span, SharedSpan] = {}
     run: tuple[str, tuple[int, ...], tuple[int, ...]] | None = None     # (file, needers, able) of the open run
@@ -70,7 +77,7 @@ def plan_sharing(spans_per_rank: Sequence[Sequence[Span]], min_bytes: int = MIN_
             if not able:
                 raise CorruptCheckpointError(f"data file {span[0]!r}: no rank holds it, so bytes {span[1]}.."
                                              f"{span[1] + span[2]} cannot be read; restore from another copy")
-        elif len(ranks) < 2 or span[2] < min_bytes:
+        elif len(ranks) < 2 or size[span] < min_bytes and span not in joined:
             continue
         key = (span[0], tuple(ranks), tuple(able))
         if run_bytes and run == key and span[1] <= run_end + RUN_GAP and run_len + span[2] <= run_bytes:
@@ -82,3 +89,18 @@ def plan_sharing(spans_per_rank: Sequence[Sequence[Span]], min_bytes: int = MIN_
         out[span] = SharedSpan(tag=len(out), reader=reader, receivers=tuple(r for r in ranks if r != reader),
                                start=span[1], length=span[2])
     return out
+
+
+def _joining(needers: Mapping[Span, list[int]], size: Mapping[Span, int], min_bytes: int) -> set[Span]:
+    """The spans of ``size`` below ``min_bytes`` that a chain of spans needed by the same two or more ranks, each
+    starting at most ``RUN_GAP`` past the previous one's end, links to a span of at least ``min_bytes``."""
+    spans = sorted(s for s, ranks in needers.items() if len(ranks) >= 2)
+    linked = [size[s] >= min_bytes for s in spans]
+
+    def near(a: Span, b: Span) -> bool:
+        return a[0] == b[0] and sorted(needers[a]) == sorted(needers[b]) and b[1] <= a[1] + a[2] + RUN_GAP
+    for i in range(1, len(spans)):                      # forward from each long span, then backward
+        linked[i] = linked[i] or linked[i - 1] and near(spans[i - 1], spans[i])
+    for i in range(len(spans) - 2, -1, -1):
+        linked[i] = linked[i] or linked[i + 1] and near(spans[i], spans[i + 1])
+    return {s for s, on in zip(spans, linked) if on and size[s] < min_bytes}
