@@ -274,9 +274,10 @@ class LoadOptions:
         (one message per span). The segment is reserved whole
         before use: where it does not fit (a small ``/dev/shm``, e.g. Docker's 64 MiB default) the load warns and
         every rank reads for itself. A rank copies shared bytes only into chunks whose record (codec, frames,
-        delta, hashes) is the one they were verified against. None (default): on for remote
-        storage, off for local files (the shared-memory path was not yet faster than each rank reading for itself
-        on the 2-core VMs it was measured on); True: on; False: every rank reads for itself.
+        delta, hashes) is the one they were verified against. None (default): on, without the warning (local
+        files without a shared-memory folder: each rank reads for itself; over loopback sending was slower);
+        True: on, also over the process group for local files without a shared-memory folder; False: every rank
+        reads for itself.
     exact: refuse (LossyCheckpointError, before anything is loaded) a checkpoint in which any tensor to load was
         stored lossily (``SaveOptions.quantize``); without it such a load warns with the recorded error per key
         and lists them in ``LoadResult.lossy``.

@@ -113,8 +113,10 @@ def _load(reader: Reader, state: Any, coord: Coordinator, opts: LoadOptions, str
             spans = [s for s in spans if p.job.span_bytes.get(s, opts.max_read_bytes + 1) <= opts.max_read_bytes]
             hosted = (socket.gethostname(), {s: p.job.span_bytes[s] for s in spans if p.job.span_bytes[s] > s[2]})
             shm.sweep_stale()
-        return p.covered, p.missing, spans, hosted, p.skipped
+        return p.covered, p.missing, spans, hosted, p.skipped, mode
     gathered = coord.run(planned, "load (planning)")
+    if len({g[5] for g in gathered}) > 1:       # (a rank without /dev/shm): no rank shares, all alike
+        mode = None
     plan = plans[0]
     all_keys = reader.keys
     covered = bytearray(len(all_keys))
@@ -122,7 +124,7 @@ def _load(reader: Reader, state: Any, coord: Coordinator, opts: LoadOptions, str
         covered = bytearray(a | b for a, b in zip(covered, c))
     unexpected = tuple(k for k, hit in zip(all_keys, covered) if not hit)
     missing = tuple(sorted({k for _, m, *_ in gathered for k in m}))
-    skipped = tuple(sorted({k for *_, s in gathered for k in s}))
+    skipped = tuple(sorted({k for *_, s, _ in gathered for k in s}))
     if mode == "host":
         hosts = [g[3][0] for g in gathered]
         mates = [r for r in range(coord.world) if hosts[r] == hosts[coord.rank]]
@@ -138,8 +140,9 @@ def _load(reader: Reader, state: Any, coord: Coordinator, opts: LoadOptions, str
                                                    else "checkpoint", missing, unexpected))
     host = _set_up_host(coord, sharing, plan.job.span_bytes, opts) if mode == "host" else None   # (collective)
     if isinstance(host, str):
-        warnings.warn(f"{reader.url}: shared reads are off for this load, each rank reads for itself: {host}",
-                      stacklevel=3)
+        if opts.share_reads:        # (asked for; by default a host without room just reads as before)
+            warnings.warn(f"{reader.url}: shared reads are off for this load, each rank reads for itself: "
+                          f"{host}", stacklevel=3)
         host, sharing = None, {}
     peers = coord if sharing else None
     timings["plan"] = time.perf_counter() - t_start
@@ -177,14 +180,15 @@ def _share_mode(reader: Reader, coord: Coordinator, opts: LoadOptions) -> str | 
     """How spans several ranks need are shared (``LoadOptions.share_reads``): "peers" (read by one rank, sent
     over the process group: remote storage, or local files without shared memory when asked for), "host"
     (read and verified by one rank of the host into shared memory, ``core.chunks.shm``: local files, ranks of
-    one host only), or None (each rank reads for itself)."""
+    one host only; also by default), or None (each rank reads for itself). Ranks that chose differently (one
+    without a shared-memory folder) share nothing (``_load``, after the planning exchange)."""
     if not reader.verified or coord.world == 1 or opts.share_reads is False:
         return None
     if getattr(getattr(reader, "storage", None), "remote", False):
         return "peers"
-    if not opts.share_reads:            # None on local files: each rank reads (measured faster here, see options)
-        return None
-    return "host" if shm.available() else "peers"
+    if shm.available():
+        return "host"
+    return "peers" if opts.share_reads else None    # (over loopback: measured slower than each rank reading)
 
 
 def _set_up_host(coord: Coordinator, sharing: Any, span_bytes: Mapping[Any, int],
