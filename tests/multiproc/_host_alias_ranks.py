@@ -51,3 +51,39 @@ def load_in_small_shm(rank: int, world: int, path: str, shm_dir: str, max_read: 
                 for k in R.SHAPES)
     return {"right": right, "received": res.bytes_received, "left": sorted(os.listdir(shm_dir)),
             "warned": [str(w.message) for w in caught if "shared reads are off" in str(w.message)]}
+
+
+def load_with_odd_shm(rank: int, world: int, path: str, case: str, share: bool | None, private: str) -> dict:
+    """Load ``path`` (``multiproc._host_share_ranks.save``, S0) into Shard(1) where the shared-memory set-up cannot
+    work as planned: "separate" (rank 1 has a /dev/shm of its own, ``private``: another container of the same
+    host name), "private" (the same, and the ranks take themselves for one host: a peer's segment cannot be
+    opened), "exists" (rank 0 cannot make its segment: its name is taken). What came out and the warnings."""
+    import tempfile
+    import warnings
+
+    from multiproc import _host_share_ranks as R
+
+    from liferaft.core.chunks import shm
+
+    if rank == 1 and case in ("separate", "private"):
+        shm.SHM_DIR = tempfile.mkdtemp(dir=private)             # (the seam: rank 1's own shared-memory folder)
+    if case == "private":
+        shm.host_key = lambda: "one-host"                       # (the seam: the ranks cannot tell they differ)
+    taken = ""
+    if case == "exists" and rank == 0:
+        taken = shm.new_name(0)
+        open(os.path.join(shm.SHM_DIR, taken), "wb").close()
+        shm.new_name = lambda r: taken                          # (the seam: a name another load holds)
+    state = R.build(world, "S1", False)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            res = liferaft.load(path, state, options=LoadOptions(timeout=30, share_reads=share))
+    finally:
+        if taken:
+            os.unlink(os.path.join(shm.SHM_DIR, taken))
+    right = all(torch.equal(state[k].full_tensor().view(torch.int32), R.reference(k).view(torch.int32))
+                for k in R.SHAPES)
+    left = [n for n in os.listdir(shm.SHM_DIR) if n.startswith(f"liferaft-load-{os.getpid()}-")]
+    return {"right": right, "received": res.bytes_received, "left": left,
+            "warned": [str(w.message) for w in caught if "shared reads are off" in str(w.message)]}

@@ -9,6 +9,7 @@ import ast
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -67,17 +68,24 @@ def test_stale_segments_of_dead_processes_are_swept(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True, check=True).stdout.strip()
     name = f"liferaft-load-{dead}-{'0' * 16}-r0"
+    young = f"liferaft-load-{dead}-{'1' * 16}-r0"           # its process may be in another PID namespace
     alive = shm.new_name(0)                                  # this process: left alone
-    for n in (name, alive):
+    for n in (name, young, alive):
         with open(os.path.join(shm.SHM_DIR, n), "wb") as f:
             f.write(b"x")
+    hour_ago = time.time() - 3700
+    for n in (name, alive):
+        os.utime(os.path.join(shm.SHM_DIR, n), (hour_ago, hour_ago))
     try:
         shm.sweep_stale()
         assert not os.path.exists(os.path.join(shm.SHM_DIR, name))
+        assert os.path.exists(os.path.join(shm.SHM_DIR, young))
         assert os.path.exists(os.path.join(shm.SHM_DIR, alive))
+        shm.sweep_stale(min_age=0)
+        assert not os.path.exists(os.path.join(shm.SHM_DIR, young))
     finally:
-        shm.unlink(name)
-        shm.unlink(alive)
+        for n in (name, young, alive):
+            shm.unlink(n)
 
 
 def test_a_segment_that_is_not_what_the_load_planned_is_refused(tmp_path):

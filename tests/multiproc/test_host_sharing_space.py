@@ -49,3 +49,17 @@ def test_a_segment_that_does_not_fit_is_refused_and_leaves_nothing(small_tmpfs, 
     finally:
         seg.close()
     assert os.listdir(small_tmpfs) == []
+
+
+@pytest.mark.parametrize("share", [None, True], ids=["default", "asked"])
+@pytest.mark.parametrize("case", ["separate", "private", "exists"])
+def test_a_shared_memory_set_up_that_cannot_work_falls_back_to_own_reads(tmp_path, case, share):
+    path = str(tmp_path / "ck")
+    run_ranks(R.save, 2, path, "S0", "off", timeout=240.0, pg_timeout=60.0)
+    private = tmp_path / "private-shm"
+    private.mkdir()
+    out = run_ranks(A.load_with_odd_shm, 2, path, case, share, str(private), timeout=240.0, pg_timeout=60.0)
+    assert all(o["right"] and o["received"] == 0 and o["left"] == [] for o in out), out
+    # two folders never share, silently; a set-up that fails warns only when sharing was asked for
+    warned = 0 if case == "separate" or share is None else 1
+    assert all(len(o["warned"]) == warned for o in out), out

@@ -115,6 +115,10 @@ def test_small_spans_are_shared_only_when_linked_to_a_long_one():
     rows0, rows1 = ("f", 0, 8 * mib), ("f", 8 * mib + 8192, 8 * mib)
     steps = [("f", 8 * mib, 4096), ("f", 16 * mib + 8192, 4096)]
     assert plan_sharing([[rows0] + steps, [rows1] + steps], run_bytes=32 * mib) == {}
+    # a checkpoint saved in small chunks: a chain of short spans, long in all, is shared
+    small = [("f", i * (256 << 10), 256 << 10) for i in range(8)]
+    assert set(plan_sharing([small] * 2, run_bytes=32 * mib)) == set(small)
+    assert plan_sharing([small[:3]] * 2, run_bytes=32 * mib) == {}         # 768 KiB in all: read by each rank
     # a chain breaks at a gap longer than RUN_GAP, and at a span needed by other ranks
     far = [("f", 0, 2 * mib), ("f", 3 * mib, 4096)]
     assert set(plan_sharing([far] * 2, run_bytes=32 * mib)) == {far[0]}

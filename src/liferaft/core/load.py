@@ -13,7 +13,6 @@ followed by an exchange, so every rank raises when any rank fails and nothing ha
 from __future__ import annotations
 
 import os
-import socket
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -27,7 +26,7 @@ from liferaft.core.native import NativeReader
 from liferaft.core.open import open_reader
 from liferaft.core.process import in_call
 from liferaft.dist import Coordinator
-from liferaft.errors import InvalidStateError, LossyCheckpointError, StateMismatchError
+from liferaft.errors import DistributedError, InvalidStateError, LossyCheckpointError, StateMismatchError
 from liferaft.formats.base import Box, BoxRead, Reader, TensorSpec
 from liferaft.formats.detect import NAMES
 from liferaft.options import LoadOptions, LoadResult, check_options, check_path
@@ -111,7 +110,7 @@ def _load(reader: Reader, state: Any, coord: Coordinator, opts: LoadOptions, str
             spans = [s for s in spans if max(s[2], p.job.span_bytes[s]) >= MIN_SHARED_BYTES]
         if mode == "host":
             spans = [s for s in spans if p.job.span_bytes.get(s, opts.max_read_bytes + 1) <= opts.max_read_bytes]
-            hosted = (socket.gethostname(), {s: p.job.span_bytes[s] for s in spans if p.job.span_bytes[s] > s[2]})
+            hosted = (shm.host_key(), {s: p.job.span_bytes[s] for s in spans if p.job.span_bytes[s] > s[2]})
             shm.sweep_stale()
         return p.covered, p.missing, spans, hosted, p.skipped, mode
     gathered = coord.run(planned, "load (planning)")
@@ -199,8 +198,9 @@ def _set_up_host(coord: Coordinator, sharing: Any, span_bytes: Mapping[Any, int]
     none makes none, so a load that shares a few small spans reserves little; the ranks exchange (name, slot
     size, slots), each opens (read-only) the segments of the ranks it receives from, and once every rank has,
     each unlinks its own name, so that the segments live only in the ranks' mappings from here on. Returns the
-    ``HostShare``, or, when some rank has no room for its segment (``SegmentSpaceError``), why: then no rank
-    has a segment and no rank shares (decided alike on every rank)."""
+    ``HostShare``, or, when some rank cannot make its segment (``SegmentError``: no room, refused) or open a
+    peer's (not this host's shared-memory folder after all), why: then no rank has a segment and no rank shares
+    (decided alike on every rank)."""
     mine = [s for s, shared in sharing.items() if shared.reader == coord.rank]
     need = min(opts.max_read_bytes, sum(max(s[2], span_bytes.get(s, 0)) + 2 * PAGE for s in mine))
     own: list[shm.Segment] = []
@@ -210,7 +210,7 @@ def _set_up_host(coord: Coordinator, sharing: Any, span_bytes: Mapping[Any, int]
             return "", 0, 0, ""
         try:
             own.append(shm.Segment.create(shm.new_name(coord.rank), shm.slot_size(need), shm.SLOTS))
-        except shm.SegmentSpaceError as e:
+        except shm.SegmentError as e:
             return "", 0, 0, str(e)
         return own[0].name, own[0].slot_bytes, own[0].slots, ""
     made = coord.run(make, "load (shared-memory set-up)", cleanup=lambda: [g.close() for g in own])
@@ -224,17 +224,25 @@ def _set_up_host(coord: Coordinator, sharing: Any, span_bytes: Mapping[Any, int]
         return share                # nothing shared on any host (the same on every rank): nothing to open
     sources = sorted({s.reader for s in sharing.values() if coord.rank in s.receivers})
 
-    def attach() -> None:
-        for r in sources:
-            share.peers[r] = shm.Segment.attach(made[r][0], made[r][1], made[r][2], r)
+    def attach() -> str:
+        try:
+            for r in sources:
+                share.peers[r] = shm.Segment.attach(made[r][0], made[r][1], made[r][2], r)
+        except (DistributedError, OSError) as e:     # (not this host's folder after all, say)
+            return f"rank {coord.rank}: {e}"
+        return ""
     try:
-        coord.run(attach, "load (shared-memory attach)", cleanup=share.close)
+        opened = coord.run(attach, "load (shared-memory attach)", cleanup=share.close)
     except BaseException:
         for r in sources:           # the names of peers of this host that died before unlinking theirs
             shm.unlink(made[r][0])
         raise
     if own:
         shm.unlink(own[0].name)
+    refused = [why for why in opened if why]
+    if refused:                     # every rank saw the same answers: no rank shares
+        share.close()
+        return refused[0]
     return share
 
 

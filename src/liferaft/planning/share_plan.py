@@ -45,10 +45,11 @@ def plan_sharing(spans_per_rank: Sequence[Sequence[Span]], min_bytes: int = MIN_
     ``RUN_GAP`` bytes past the previous one's end) needed by the same ranks, of at most ``run_bytes`` in all, goes
     to one reader, chosen at the run's first span: its reader may read the run with one large request instead
     of many small ones in turn with its peers (a resharding load's spans are single chunks of a few MiB); then
-    a span shorter than ``min_bytes`` is shared too when a chain of such spans, each at most ``RUN_GAP`` from the
-    next and needed by the same ranks, links it to one at least that long (``_joining``): the biases and small
-    weights between a resharded model's large chunks ride in their runs, while a small replicated span among
-    chunks only one rank needs (a 0-dim step between row shards) stays in its rank's own coalesced reads.
+    a span shorter than ``min_bytes`` is shared too when it belongs to a chain of adjacent spans (each at most
+    ``RUN_GAP`` from the ones before it, needed by the same ranks) of at least ``min_bytes`` in all
+    (``_joining``): the biases and small weights between a resharded model's large chunks ride in their runs, and
+    so does a checkpoint saved in small chunks, while a small replicated span among chunks only one rank needs (a
+    0-dim step between row shards) stays in its rank's own coalesced reads.
     ``decoded`` gives the bytes of an encoded span once decoded where that is more (it counts for ``min_bytes``).
 
     ``holders`` maps a file to the only ranks that can read it (a memory tier's node-local files; a file not
@@ -92,15 +93,23 @@ def plan_sharing(spans_per_rank: Sequence[Sequence[Span]], min_bytes: int = MIN_
 
 
 def _joining(needers: Mapping[Span, list[int]], size: Mapping[Span, int], min_bytes: int) -> set[Span]:
-    """The spans of ``size`` below ``min_bytes`` that a chain of spans needed by the same two or more ranks, each
-    starting at most ``RUN_GAP`` past the previous one's end, links to a span of at least ``min_bytes``."""
-    spans = sorted(s for s, ranks in needers.items() if len(ranks) >= 2)
-    linked = [size[s] >= min_bytes for s in spans]
+    """The spans of ``size`` below ``min_bytes`` in a chain of at least ``min_bytes`` in all: spans needed by the
+    same two or more ranks, each starting at most ``RUN_GAP`` past the end of the ones before it (a chain that
+    holds a long span, or many short ones: a checkpoint saved in small chunks)."""
+    out: set[Span] = set()
+    chain: list[Span] = []
+    total = end = 0
 
-    def near(a: Span, b: Span) -> bool:
-        return a[0] == b[0] and sorted(needers[a]) == sorted(needers[b]) and b[1] <= a[1] + a[2] + RUN_GAP
-    for i in range(1, len(spans)):                      # forward from each long span, then backward
-        linked[i] = linked[i] or linked[i - 1] and near(spans[i - 1], spans[i])
-    for i in range(len(spans) - 2, -1, -1):
-        linked[i] = linked[i] or linked[i + 1] and near(spans[i], spans[i + 1])
-    return {s for s, on in zip(spans, linked) if on and size[s] < min_bytes}
+    def close() -> None:
+        if total >= min_bytes:
+            out.update(s for s in chain if size[s] < min_bytes)
+    for span in sorted(s for s, ranks in needers.items() if len(ranks) >= 2):
+        if chain and span[0] == chain[-1][0] and sorted(needers[span]) == sorted(needers[chain[-1]]) \
+                and span[1] <= end + RUN_GAP:
+            chain.append(span)
+            total, end = total + size[span], max(end, span[1] + span[2])
+        else:
+            close()
+            chain, total, end = [span], size[span], span[1] + span[2]
+    close()
+    return out

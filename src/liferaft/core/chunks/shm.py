@@ -27,7 +27,9 @@ import mmap
 import os
 import re
 import secrets
+import socket
 import stat
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -43,7 +45,11 @@ SLOTS = 2
 _NAME = re.compile(r"^liferaft-load-(\d+)-[0-9a-f]{16}-r\d+$")
 
 
-class SegmentSpaceError(StorageError):
+class SegmentError(StorageError):
+    """A segment could not be made in the shared-memory folder (the load's ranks then read for themselves)."""
+
+
+class SegmentSpaceError(SegmentError):
     """The shared-memory folder has no room for a segment (its size is reserved before anything is mapped: a
     mapping of pages tmpfs cannot provide kills the process with SIGBUS on first touch)."""
 
@@ -60,15 +66,34 @@ def available() -> bool:
     return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
 
 
+def host_key() -> str:
+    """Who shares this process's shared-memory folder: the host name, the boot, and the folder's device and inode
+    (two containers with the host's name but a ``/dev/shm`` each, e.g. ``docker run --network=host``, differ)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    try:
+        st = os.stat(SHM_DIR)
+        folder = f"{st.st_dev}:{st.st_ino}"
+    except OSError:
+        folder = ""
+    return f"{socket.gethostname()}|{boot}|{folder}"
+
+
 def new_name(rank: int) -> str:
     """A segment name no earlier or later load can have (pid + 64 random bits)."""
     return f"liferaft-load-{os.getpid()}-{secrets.token_hex(8)}-r{rank}"
 
 
-def sweep_stale() -> int:
-    """Remove the segments of loads whose process is gone (a rank killed before it unlinked its name); return
-    how many. Names of running processes are left alone."""
+def sweep_stale(min_age: float = 3600.0) -> int:
+    """Remove the segments of loads whose process is gone (a rank killed before it unlinked its name) and that
+    were made more than ``min_age`` seconds ago; return how many. Names of running processes are left alone; so
+    are young ones, whose process may live in another PID namespace sharing this folder (a name lives only while
+    its load sets up, bounded by the load's timeout)."""
     removed = 0
+    now = time.time()
     try:
         names = os.listdir(SHM_DIR)
     except OSError:
@@ -78,6 +103,8 @@ def sweep_stale() -> int:
         if not found or int(found.group(1)) == os.getpid():
             continue
         try:
+            if now - os.stat(os.path.join(SHM_DIR, name), follow_symlinks=False).st_mtime < min_age:
+                continue
             os.kill(int(found.group(1)), 0)
             continue                                    # alive (or not ours to signal): leave it
         except ProcessLookupError:
@@ -128,19 +155,26 @@ class Segment:
             raise SegmentSpaceError(f"{SHM_DIR}: {free} bytes free, a shared-memory segment of {size} bytes "
                                     f"({slots} x LoadOptions.max_read_bytes, in whole pages) does not fit; give it more "
                                     f"room (docker --shm-size) or lower max_read_bytes")
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o600)
+        try:
+            fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                         | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            raise SegmentError(f"{SHM_DIR}: cannot make a shared-memory segment ({e})") from None
         try:
             try:
                 os.posix_fallocate(fd, 0, size)
             except OSError as e:
                 if e.errno not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
-                    raise
+                    raise SegmentError(f"{SHM_DIR}: cannot reserve a shared-memory segment of {size} bytes "
+                                       f"({e})") from None
                 raise SegmentSpaceError(f"{SHM_DIR}: no room to reserve a shared-memory segment of {size} bytes "
                                         f"({e.strerror}); give it more room (docker --shm-size) or lower "
                                         f"max_read_bytes") from None
             seg = cls(name, slot_bytes, slots, True)
-            seg._map = mmap.mmap(fd, size)
+            try:
+                seg._map = mmap.mmap(fd, size)
+            except OSError as e:
+                raise SegmentError(f"{SHM_DIR}: cannot map a shared-memory segment of {size} bytes ({e})") from None
         except BaseException:
             os.close(fd)
             unlink(name)
