@@ -124,20 +124,18 @@ def _load(reader: Reader, state: Any, coord: Coordinator, opts: LoadOptions, str
     unexpected = tuple(k for k, hit in zip(all_keys, covered) if not hit)
     missing = tuple(sorted({k for _, m, *_ in gathered for k in m}))
     skipped = tuple(sorted({k for *_, s, _ in gathered for k in s}))
+    shares = False                  # (mode "host": whether the ranks of any host share, the same on every rank)
     if mode == "host":
         hosts = [g[3][0] for g in gathered]
-        mates = [r for r in range(coord.world) if hosts[r] == hosts[coord.rank]]
-        sharing = plan_sharing([gathered[r][2] if r in mates else [] for r in range(coord.world)],
-                               min_bytes=min(MIN_SHARED_BYTES, opts.max_read_bytes // 4),
-                               run_bytes=opts.max_read_bytes,       # a reader's runs: one read per slot
-                               decoded={s: n for r in mates for s, n in gathered[r][3][1].items()})
+        sharing = _host_sharing(gathered, hosts, hosts[coord.rank], opts)
+        shares = bool(sharing) or any(_host_sharing(gathered, hosts, h, opts) for h in set(hosts) - {hosts[coord.rank]})
     else:
         sharing = ({} if not mode or coord.world == 1 else plan_sharing([g[2] for g in gathered], holders=holders)
                    if holders is not None else plan_sharing([g[2] for g in gathered], min_bytes=0))
     if strict and (missing or unexpected):
         raise StateMismatchError(_mismatch_message(reader.url, NAMES[reader.fmt] if reader.fmt != "liferaft"
                                                    else "checkpoint", missing, unexpected))
-    host = _set_up_host(coord, sharing, plan.job.span_bytes, opts) if mode == "host" else None   # (collective)
+    host = _set_up_host(coord, sharing, plan.job.span_bytes, opts) if shares else None   # (collective)
     if isinstance(host, str):
         if opts.share_reads:        # (asked for; by default a host without room just reads as before)
             warnings.warn(f"{reader.url}: shared reads are off for this load, each rank reads for itself: "
@@ -188,6 +186,16 @@ def _share_mode(reader: Reader, coord: Coordinator, opts: LoadOptions) -> str | 
     if shm.available():
         return "host"
     return "peers" if opts.share_reads else None    # (over loopback: measured slower than each rank reading)
+
+
+def _host_sharing(gathered: list[Any], hosts: list[str], host: str, opts: LoadOptions) -> Any:
+    """The sharing plan of the ranks of ``host`` (``gathered``: every rank's planning result, ``hosts``: every
+    rank's host key): their spans, runs up to ``max_read_bytes``, short spans when linked to long ones."""
+    mates = [r for r, h in enumerate(hosts) if h == host]
+    return plan_sharing([gathered[r][2] if r in mates else [] for r in range(len(hosts))],
+                        min_bytes=min(MIN_SHARED_BYTES, opts.max_read_bytes // 4),
+                        run_bytes=opts.max_read_bytes,          # a reader's runs: one read per slot
+                        decoded={s: n for r in mates for s, n in gathered[r][3][1].items()})
 
 
 def _set_up_host(coord: Coordinator, sharing: Any, span_bytes: Mapping[Any, int],
