@@ -3,14 +3,13 @@ verified; a corrupt shared span fails every rank without a hang."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from multiproc import _share_ranks as R
 
 import liferaft
 from liferaft.planning.share_plan import plan_sharing
 from liferaft.testing import run_ranks
+from liferaft.testing.tamper import read_manifest
 
 
 def _run(fn, world, *args):
@@ -20,6 +19,17 @@ def _run(fn, world, *args):
 def _nbytes(names):
     ref = R.reference()
     return sum(ref[k].numel() * 4 for k in names)
+
+
+def _flip_bit(path, key, at):
+    """Flip the low bit of byte ``at`` of ``key``'s (single) chunk in the checkpoint at ``path``."""
+    manifest, _ = read_manifest(path)
+    (chunk,) = next(t for t in manifest["tensors"] if t["key"] == key)["chunks"]
+    with open(f"{path}/{chunk['file']}", "r+b") as f:
+        f.seek(chunk["byte_offset"] + at)
+        b = f.read(1)
+        f.seek(chunk["byte_offset"] + at)
+        f.write(bytes([b[0] ^ 0x01]))
 
 
 @pytest.fixture
@@ -63,13 +73,7 @@ def test_a_load_with_nothing_to_share_makes_no_segment(tmp_path):
 
 @pytest.mark.parametrize("atomic", [False, True])
 def test_corrupt_shared_span_fails_every_rank(saved, atomic):
-    manifest = json.loads(open(f"{saved}/{json.load(open(f'{saved}/COMMIT'))['manifest']}").read())
-    (chunk,) = next(t for t in manifest["tensors"] if t["key"] == "b")["chunks"]
-    with open(f"{saved}/{chunk['file']}", "r+b") as f:
-        f.seek(chunk["byte_offset"] + 1000)
-        b = f.read(1)
-        f.seek(chunk["byte_offset"] + 1000)
-        f.write(bytes([b[0] ^ 0x01]))
+    _flip_bit(saved, "b", 1000)
     out = _run(R.load_replicated, 3, saved, True, atomic)
     for o in out:
         assert o[0] in ("CorruptCheckpointError", "DistributedError"), out
@@ -92,13 +96,7 @@ def test_a_run_of_many_small_spans_is_read_once_and_told_in_several_notices(tmp_
 def test_a_corrupt_span_in_the_middle_of_a_run_fails_every_rank(tmp_path):
     path = str(tmp_path / "ck")
     liferaft.save(path, R.many_reference())
-    manifest = json.loads(open(f"{path}/{json.load(open(f'{path}/COMMIT'))['manifest']}").read())
-    (chunk,) = next(t for t in manifest["tensors"] if t["key"] == "m100")["chunks"]
-    with open(f"{path}/{chunk['file']}", "r+b") as f:
-        f.seek(chunk["byte_offset"] + 100)
-        b = f.read(1)
-        f.seek(chunk["byte_offset"] + 100)
-        f.write(bytes([b[0] ^ 0x01]))
+    _flip_bit(path, "m100", 100)
     out = _run(R.load_many, 3, path)
     assert all(o[0] in ("CorruptCheckpointError", "DistributedError") and "'m100'" in o[1] for o in out), out
     assert any(o[0] == "CorruptCheckpointError" for o in out), out

@@ -86,7 +86,7 @@ class HostReads:
         self.jobs = _jobs(units, max(max_read, longest), rank, sharing)
         self.errors: list[BaseException] = []
         self.comm_ok = True
-        # per slot: the acknowledgements its last span awaits (put by the caller's thread once the notices are
+        # per slot: the acknowledgements its last read awaits (put by the caller's thread once the notice is
         # posted, taken by the reader thread before it fills the slot again)
         self.released: list[queue.Queue[list[Any]]] = [queue.Queue() for _ in range(host.own.slots if host.own
                                                                                   else 0)]
@@ -245,8 +245,7 @@ class HostReads:
         except DistributedError as e:
             self._fail(e, lost=True)
 
-    def _send(self, b: _Batch, buf: torch.Tensor, n: int, slot: int, at: int = 0, last: bool = True,
-              first: int = -1) -> None:
+    def _send(self, b: _Batch, buf: torch.Tensor, n: int, slot: int, at: int, last: bool, first: int) -> None:
         """Verify the shared span ``b`` (read into ``slot`` itself from its byte ``at``, or decoded into it from
         ``buf``) and copy this rank's boxes; its notice entry (the slot's bytes verified, or how it failed) joins
         those of the spans read with it, and once its slot's ``last`` span is done, one notice (tag ``2 * first``,
@@ -280,7 +279,7 @@ class HostReads:
         finally:
             self.batch.append(entry or [slot, FAILED, 0, identity, 0])
             if last:
-                self._tell(b, slot, first if first >= 0 else b.share.tag)
+                self._tell(b, slot, first)
 
     def _tell(self, b: _Batch, slot: int, first: int) -> None:
         """Send the notice of the spans read into ``slot`` (``self.batch``, from tag ``first`` on) to the
