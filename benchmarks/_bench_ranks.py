@@ -12,6 +12,7 @@ between tensors. Checks compare the int32 views (bit-exact, NaN patterns include
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import time
@@ -282,7 +283,10 @@ CPU: dict[str, float] = {}     # CPU seconds of the last ``_measure`` in this pr
 def _measure(fn: Callable[[], Any]) -> tuple[float, int, Any]:
     """(seconds, peak RSS above the RSS before the call in bytes, fn's return value); RSS sampled every 10 ms.
     The call's CPU seconds (every thread of this process and its waited-for children, less the RSS sampler's)
-    are left in ``CPU["last"]``."""
+    are left in ``CPU["last"]``. A full garbage collection runs first, as ``timeit`` and pyperf do, so that no
+    method pays for a cyclic-GC pass triggered by the objects the harness made before the call (a full pass
+    takes ~0.15–0.2 s in a process holding torch, as much as a whole 0.5 GiB load)."""
+    gc.collect()
     rss = PeakRss().start()
     c0 = cpu_seconds()
     t0 = time.perf_counter()
@@ -372,6 +376,7 @@ def _async_rank(rank: int, method: str, path: str, state: dict[str, Any], idle: 
         shutil.rmtree(first, ignore_errors=True)
     time.sleep(idle)
     dist.barrier()
+    gc.collect()                # (as in ``_measure``)
     rss = PeakRss().start()
     c0 = cpu_seconds()
     t0 = time.perf_counter()
