@@ -103,3 +103,16 @@ def test_a_segment_that_is_not_what_the_load_planned_is_refused(tmp_path):
     finally:
         seg.close()
     assert not os.path.exists(os.path.join(shm.SHM_DIR, seg.name))
+
+
+def test_closing_in_the_background_drops_the_names_at_once_and_the_mappings_soon():
+    own = shm.Segment.create(shm.new_name(0), 1 << 16, 2)
+    peer = shm.Segment.attach(own.name, 1 << 16, 2, 0)
+    own.slot(0, 4).fill_(7)
+    share = shm.HostShare(own, {1: peer})
+    share.close(background=True)
+    assert not os.path.exists(os.path.join(shm.SHM_DIR, own.name))    # the name: before close returns
+    deadline = time.monotonic() + 10
+    while (own._map is not None or peer._map is not None) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert own._map is None and peer._map is None                      # the mappings: by the unmap thread

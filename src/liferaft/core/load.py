@@ -155,7 +155,7 @@ def _load(reader: Reader, state: Any, coord: Coordinator, opts: LoadOptions, str
                           "load (read)")[coord.rank]
     finally:
         if host is not None:
-            host.close()
+            host.close(background=True)
     timings["read"] = time.perf_counter() - t0
     timings["checksum"] = stats.verify_s        # part of "read" (overlapped with the I/O): the cost of verifying
 

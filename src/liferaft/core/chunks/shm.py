@@ -29,6 +29,7 @@ import re
 import secrets
 import socket
 import stat
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -247,8 +248,17 @@ class HostShare:
     own: Segment | None             # None: this rank reads no shared span
     peers: dict[int, Segment]
 
-    def close(self) -> None:
-        for seg in self.peers.values():
-            seg.close()
-        if self.own is not None:
-            self.own.close()
+    def close(self, background: bool = False) -> None:
+        """Close every segment. ``background``: their names now, the mappings in a daemon thread (unmapping the
+        last mapping of a segment frees its pages: ~10 ms per 32 MiB here, after the load's reads are done and
+        nothing uses the mappings any more)."""
+        segs = list(self.peers.values()) + ([self.own] if self.own is not None else [])
+        for seg in segs:
+            if seg.writable:
+                unlink(seg.name)
+        if background:
+            threading.Thread(target=lambda: [seg.close() for seg in segs], name="liferaft-unmap",
+                             daemon=True).start()
+        else:
+            for seg in segs:
+                seg.close()
