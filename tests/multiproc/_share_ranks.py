@@ -58,9 +58,9 @@ def load_columns(rank: int, world: int, path: str, dim: int = 1) -> tuple[bool, 
     made: list[int] = []
     create = shm.Segment.create
 
-    def counted(name: str, slot_bytes: int, slots: int = shm.SLOTS) -> shm.Segment:
+    def counted(name: str, slot_bytes: int, slots: int = shm.SLOTS, reserve: int | None = None) -> shm.Segment:
         made.append(slot_bytes)
-        return create(name, slot_bytes, slots)
+        return create(name, slot_bytes, slots, reserve)
     shm.Segment.create = counted            # (recorded, then the real segment is made)
     mesh = init_device_mesh("cpu", (world,))
     ref = reference()

@@ -30,13 +30,21 @@ def small_tmpfs():
         subprocess.run(["rmdir", where], check=False)
 
 
-@pytest.mark.parametrize("max_read", [1 << 20, 256 << 10], ids=["no_rank_fits", "some_ranks_fit"])
-def test_ring_larger_than_the_shared_memory_folder_falls_back_to_own_reads(tmp_path, small_tmpfs, max_read):
+def test_ring_larger_than_the_shared_memory_folder_falls_back_to_own_reads(tmp_path, small_tmpfs):
     path = str(tmp_path / "ck")
     run_ranks(R.save, 2, path, "S0", "off", timeout=240.0, pg_timeout=60.0)
-    out = run_ranks(A.load_in_small_shm, 3, path, small_tmpfs, max_read, timeout=240.0, pg_timeout=60.0)
+    out = run_ranks(A.load_in_small_shm, 3, path, small_tmpfs, 1 << 20, timeout=240.0, pg_timeout=60.0)
     assert all(o["right"] and o["received"] == 0 and o["left"] == [] for o in out), out
     assert all(len(o["warned"]) == 1 and "max_read_bytes" in o["warned"][0] for o in out), out
+
+
+def test_rings_whose_second_slots_do_not_all_fit_share_with_the_slots_reserved(tmp_path, small_tmpfs):
+    # 3 readers x 2 slots of 256 KiB: every first slot is reserved at set-up (768 KiB of 1200), the second ones
+    # while the first is read, as far as room remains; a ring without its second slot works with one
+    path = str(tmp_path / "ck")
+    run_ranks(R.save, 2, path, "S0", "off", timeout=240.0, pg_timeout=60.0)
+    out = run_ranks(A.load_in_small_shm, 3, path, small_tmpfs, 256 << 10, timeout=240.0, pg_timeout=60.0)
+    assert all(o["right"] and o["received"] > 0 and o["left"] == [] and o["warned"] == [] for o in out), out
 
 
 def test_a_segment_that_does_not_fit_is_refused_and_leaves_nothing(small_tmpfs, monkeypatch):
@@ -48,6 +56,29 @@ def test_a_segment_that_does_not_fit_is_refused_and_leaves_nothing(small_tmpfs, 
         assert os.stat(os.path.join(small_tmpfs, seg.name)).st_blocks * 512 >= shm.SLOTS * (64 << 10)
     finally:
         seg.close()
+    assert os.listdir(small_tmpfs) == []
+
+
+def test_slots_past_the_first_are_reserved_later_as_far_as_room_remains(small_tmpfs, monkeypatch):
+    monkeypatch.setattr(shm, "SHM_DIR", small_tmpfs)
+    seg = shm.Segment.create(shm.new_name(0), 512 << 10, 2, reserve=1)  # 1 MiB of 1200 KiB: passes the check
+    filler = os.path.join(small_tmpfs, "filler")
+    try:
+        assert seg.reserved == 1 and os.path.getsize(os.path.join(small_tmpfs, seg.name)) == 1 << 20
+        with open(filler, "wb") as f:                                   # someone else takes 600 KiB meanwhile
+            f.write(b"x" * (600 << 10))
+        seg.reserve_rest()                                              # refused (ENOSPC): stops, no raise
+        assert seg.reserved == 1
+        seg.slot(0, 512 << 10).fill_(1)                                 # the reserved slot is writable
+        os.unlink(filler)
+        seg.reserve_rest()
+        assert seg.reserved == 2
+        seg.slot(1, 512 << 10).fill_(2)
+        assert os.stat(os.path.join(small_tmpfs, seg.name)).st_blocks * 512 >= 1 << 20
+    finally:
+        seg.close()
+        if os.path.exists(filler):
+            os.unlink(filler)
     assert os.listdir(small_tmpfs) == []
 
 

@@ -203,7 +203,8 @@ def _set_up_host(coord: Coordinator, sharing: Any, span_bytes: Mapping[Any, int]
     """Collective: the segments of a load whose ranks share through the host's memory (``sharing``, among ranks
     of one host). A rank that reads shared spans makes its own, slots sized to what it reads (at most
     ``max_read_bytes``, the longest read; ``span_bytes``: each span's bytes once decoded), and a rank that reads
-    none makes none, so a load that shares a few small spans reserves little; the ranks exchange (name, slot
+    none makes none, so a load that shares a few small spans reserves little (the first slot here, the others
+    while the first is read: ``HostReads``); the ranks exchange (name, slot
     size, slots), each opens (read-only) the segments of the ranks it receives from, and once every rank has,
     each unlinks its own name, so that the segments live only in the ranks' mappings from here on. Returns the
     ``HostShare``, or, when some rank cannot make its segment (``SegmentError``: no room, refused) or open a
@@ -217,7 +218,7 @@ def _set_up_host(coord: Coordinator, sharing: Any, span_bytes: Mapping[Any, int]
         if not mine:
             return "", 0, 0, ""
         try:
-            own.append(shm.Segment.create(shm.new_name(coord.rank), shm.slot_size(need), shm.SLOTS))
+            own.append(shm.Segment.create(shm.new_name(coord.rank), shm.slot_size(need), shm.SLOTS, reserve=1))
         except shm.SegmentError as e:
             return "", 0, 0, str(e)
         return own[0].name, own[0].slot_bytes, own[0].slots, ""

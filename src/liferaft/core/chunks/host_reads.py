@@ -134,14 +134,25 @@ class HostReads:
 
         produced = [0]
 
+        seg = self.host.own
+        reserver = None         # reserves the slots past the first while the first is read (``Segment.reserve_rest``)
+        if seg is not None and seg.reserved < seg.slots:
+            reserver = threading.Thread(target=seg.reserve_rest, name="liferaft-reserve", daemon=True)
+            reserver.start()
+
         def read_from() -> None:
             nxt = i = 0
+            ring = self._own.slots if any(b.role == "send" for b in own) else 1
             while i < len(own):
                 b = own[i]
                 group = self._group(own, i)
                 slot = -1
                 if b.role == "send":
-                    slot, nxt = nxt, (nxt + 1) % self._own.slots
+                    if nxt and reserver is not None and ring > self._own.reserved:
+                        reserver.join()         # (the first use of a slot past the first)
+                        ring = self._own.reserved
+                        nxt %= ring
+                    slot, nxt = nxt, (nxt + 1) % ring
                     self._acquire(slot, b)
                 length = max(g.offset + g.length for g in group) - b.offset
                 buf = self._own.slot(slot, length) if self._direct(b) else free.get()
@@ -204,6 +215,8 @@ class HostReads:
         finally:
             reader.join()
             receiver.join()
+            if reserver is not None:
+                reserver.join()         # (before the segment, and the descriptor it reserves through, close)
         if self.errors:
             raise self.errors[0]
         self.stats.used += self.received_stats.used

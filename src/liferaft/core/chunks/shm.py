@@ -5,7 +5,9 @@ Shard(0) checkpoint; replicated tensors are read by every data-parallel rank), o
 verifies each such span once and puts the verified bytes into a slot of its own segment; the others copy their
 boxes straight from that slot (``core.chunks.reader``). The slots are a ring: a slot is reused only after every
 rank that reads from it has said it is done, so a rank's shared memory is bounded by ``slots * slot_bytes``
-whatever the checkpoint's size; a span larger than a slot is not shared (each rank reads it for itself).
+whatever the checkpoint's size; a span larger than a slot is not shared (each rank reads it for itself). A
+load reserves the first slot's pages when it makes the segment and the others while that slot is read; a slot
+that finds no room is left out of the ring (a ring of one slot still works, one read at a time).
 
 Lifetime, so that no segment outlives its load or is trusted by another:
 
@@ -137,16 +139,21 @@ class Segment:
     slot_bytes: int
     slots: int
     writable: bool
+    reserved: int = 0               # slots backed by reserved pages (writable segments): the first ones
     _map: mmap.mmap | None = field(default=None, repr=False)
+    _fd: int = field(default=-1, repr=False)
     _tensor: torch.Tensor | None = field(default=None, repr=False)
 
     @classmethod
-    def create(cls, name: str, slot_bytes: int, slots: int = SLOTS) -> Segment:
-        """A new segment, its whole size reserved in ``SHM_DIR`` before it is mapped (``posix_fallocate``): a
-        sparse file on a tmpfs too small for it (Docker's default ``--shm-size`` is 64 MiB) would map fine and
-        kill the process with SIGBUS at the first write past the free space. SegmentSpaceError, with nothing
-        left behind, when the folder's free space is short or the reservation is refused (ENOSPC)."""
+    def create(cls, name: str, slot_bytes: int, slots: int = SLOTS, reserve: int | None = None) -> Segment:
+        """A new segment with its first ``reserve`` slots (default: all) reserved in ``SHM_DIR`` before it is
+        mapped (``posix_fallocate``): a sparse file on a tmpfs too small for it (Docker's default
+        ``--shm-size`` is 64 MiB) would map fine and kill the process with SIGBUS at the first write past the
+        free space; a slot past ``reserved`` must not be written before ``reserve_rest`` has reserved it.
+        SegmentSpaceError, with nothing left behind, when the folder's free space is short for the whole
+        segment or the reservation is refused (ENOSPC)."""
         size = slot_bytes * slots
+        reserve = slots if reserve is None else max(1, min(reserve, slots))
         try:
             st = os.statvfs(SHM_DIR)
             free = st.f_bavail * st.f_frsize
@@ -163,7 +170,8 @@ class Segment:
             raise SegmentError(f"{SHM_DIR}: cannot make a shared-memory segment ({e})") from None
         try:
             try:
-                os.posix_fallocate(fd, 0, size)
+                os.ftruncate(fd, size)                  # (the whole size: the peers map all of it)
+                os.posix_fallocate(fd, 0, slot_bytes * reserve)
             except OSError as e:
                 if e.errno not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
                     raise SegmentError(f"{SHM_DIR}: cannot reserve a shared-memory segment of {size} bytes "
@@ -171,7 +179,7 @@ class Segment:
                 raise SegmentSpaceError(f"{SHM_DIR}: no room to reserve a shared-memory segment of {size} bytes "
                                         f"({e.strerror}); give it more room (docker --shm-size) or lower "
                                         f"max_read_bytes") from None
-            seg = cls(name, slot_bytes, slots, True)
+            seg = cls(name, slot_bytes, slots, True, reserved=reserve)
             try:
                 seg._map = mmap.mmap(fd, size)
             except OSError as e:
@@ -180,8 +188,22 @@ class Segment:
             os.close(fd)
             unlink(name)
             raise
-        os.close(fd)
+        if reserve < slots:
+            seg._fd = fd                                # (for ``reserve_rest``; closed by ``close``)
+        else:
+            os.close(fd)
         return seg
+
+    def reserve_rest(self) -> None:
+        """Reserve the slots past ``reserved``, one by one, stopping at the first refused (no room: the ring
+        then has the slots reserved so far, at least one). Run while the first slot is read, in one thread;
+        ``reserved`` is read once it has returned."""
+        while self.reserved < self.slots and self._fd >= 0:
+            try:
+                os.posix_fallocate(self._fd, self.reserved * self.slot_bytes, self.slot_bytes)
+            except OSError:
+                return
+            self.reserved += 1
 
     @classmethod
     def attach(cls, name: str, slot_bytes: int, slots: int, owner: int) -> Segment:
@@ -231,6 +253,9 @@ class Segment:
         """Drop the mapping (the memory goes when every rank has dropped its own), and the name if still there."""
         if self.writable:
             unlink(self.name)
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
         self._tensor = None
         if self._map is not None:
             try:
