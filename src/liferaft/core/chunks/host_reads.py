@@ -97,6 +97,14 @@ class HostReads:
         self.sent: list[Any] = []          # sends under way (their tensors kept alive with them)
         self.stats = ReadStats()
         self.received_stats = ReadStats()       # counted by the receiving thread
+        self.identities: dict[int, int] = {}    # id(unit) -> decode_identity (the units live as long as the run)
+
+    def _identity(self, unit: ReadUnit) -> int:
+        """``decode_identity(unit)``, computed once per unit of this run (~10 us each: a digest of its record)."""
+        found = self.identities.get(id(unit))
+        if found is None:
+            found = self.identities[id(unit)] = decode_identity(unit)
+        return found
 
     def _direct(self, b: _Batch) -> bool:
         """Whether shared span ``b`` is read straight into its slot: its first unit (the one whose bytes fill
@@ -266,7 +274,7 @@ class HostReads:
         every receiver acknowledged that notice (tag ``2 * first + 1``)."""
         assert b.share is not None
         own, direct = self._own, self._direct(b)
-        identity = decode_identity(b.units[0][0]) if b.units else 0     # the unit whose bytes fill the slot
+        identity = self._identity(b.units[0][0]) if b.units else 0      # the unit whose bytes fill the slot
         entry: list[int] = []
 
         def keep(view: torch.Tensor) -> None:
@@ -333,7 +341,7 @@ class HostReads:
                 raise DistributedError(f"{_where(unit)}: rank {source}, which reads these bytes for the ranks of "
                                        f"this host, failed before it could provide them (its own error says why)")
             if not self.errors:
-                alike = [(u, dtype) for u, dtype in b.units if decode_identity(u) == identity]
+                alike = [(u, dtype) for u, dtype in b.units if self._identity(u) == identity]
                 for u, dtype in alike:
                     if view_bytes(u) != length:
                         raise DistributedError(f"{_where(u)}: rank {source} shared {length} bytes, this rank "
@@ -343,7 +351,7 @@ class HostReads:
                 self.received_stats.used += sum(u.length for u, _ in alike)
                 self.received_stats.received += b.length if alike else 0
                 for u, dtype in b.units:            # same bytes, another record: as if read alone
-                    if decode_identity(u) != identity:
+                    if self._identity(u) != identity:
                         self._read_alone(u, dtype)
         except BaseException as e:  # noqa: BLE001 - acknowledged first, raised at the end
             self._fail(e)
