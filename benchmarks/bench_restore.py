@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import os
 import shutil
 import statistics
@@ -87,6 +88,7 @@ def worker(rank: int, world: int, base: str, disk: str, nbytes: int, reps: int) 
                 shutil.rmtree(tier.root, ignore_errors=True)
             if label.startswith("local disk") and rank == 0:
                 drop_cache(disk)
+            gc.collect()                # (as timeit does: no row pays for a GC pass owed to earlier objects)
             dist.barrier()
             t0, c0 = time.perf_counter(), time.process_time()
             if label == LIMIT:          # the same bytes into the same (prefaulted) tensors, no checks: the bound
