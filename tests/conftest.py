@@ -13,6 +13,16 @@ if TYPE_CHECKING:
 sys.path.insert(0, os.path.dirname(__file__))
 
 
+@pytest.fixture(autouse=True)
+def _own_probe_share(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test's I/O-path probes are shared through a folder of its own (``iopath.HOST_DIR``), so what other
+    tests or processes of this host measured never stands in for a probe a test looks at (ranks a test starts
+    share through the default folder, as a job's ranks do)."""
+    from liferaft.storage import iopath
+
+    monkeypatch.setattr(iopath, "HOST_DIR", str(tmp_path_factory.mktemp("iopath-share")))
+
+
 @pytest.fixture(params=["file", "memory"])
 def backend_path(request, tmp_path):
     """The same test against each storage backend that works in one process."""

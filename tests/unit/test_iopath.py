@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import itertools
 import os
+import subprocess
+import sys
 import tempfile
+import time
 
 import pytest
 import torch
@@ -198,3 +201,96 @@ def test_the_choice_is_kept_per_device(tmp_path):
         assert a is b and len(iopath.probed()) == 1
     finally:
         iopath.forget()
+
+
+# --- probes shared by the processes of a host (``HOST_DIR``) ------------------------------------------------------
+
+_FIGURES = Probe(write={(True, 1): 2.0e9, (False, 4): 1.5e9}, read={(True, 1): 1.8e9, (False, 1): 2.1e9})
+
+
+def test_a_shared_probe_round_trips():
+    got = iopath.decode_probe(iopath.encode_probe(_FIGURES))
+    assert got is not None and got.shared and got.write == _FIGURES.write and got.read == _FIGURES.read
+
+
+@pytest.mark.parametrize("data", [
+    b"", b"null", b"[]", b"not json", b'{"v": 2, "write": [], "read": []}', b'{"v": 1, "write": []}',
+    b'{"v": 1, "write": [], "read": [[true, 1]]}',                       # short row
+    b'{"v": 1, "write": [], "read": [[1, 1, 5.0]]}',                     # an int for the bool
+    b'{"v": 1, "write": [], "read": [[true, true, 5.0]]}',               # a bool for the count
+    b'{"v": 1, "write": [], "read": [[true, 3, 5.0]]}',                  # a count no probe measures
+    b'{"v": 1, "write": [], "read": [[true, 1, -5.0]]}',
+    b'{"v": 1, "write": [], "read": [[true, 1, NaN]]}',
+    b'{"v": 1, "write": [], "read": [[true, 1, Infinity]]}',
+    b'{"v": 1, "write": [], "read": [[true, 1, "5"]]}',
+    b'{"v": 1, "write": [], "read": [[true, 1, 5.0], [true, 1, 6.0]]}',  # a path twice
+    b'{"v": 1, "write": [], "read": ' + b"[" * 5000 + b"]" * 5000 + b"}",  # deep (and too large)
+    b'{"v": 1, "write": [], "read": [' + b",".join([b"[true, 1, 5.0]"] * 5) + b"]}",
+])
+def test_anything_but_a_well_formed_shared_probe_is_ignored(data):
+    assert iopath.decode_probe(data) is None
+
+
+def test_a_process_takes_the_probe_another_shared_instead_of_probing(tmp_path, monkeypatch):
+    iopath.forget()
+    try:
+        first = iopath.choice_for(str(tmp_path))                        # probes, shares
+        (dev, (_, figures)), = iopath.probed().items()
+        assert not figures.shared and os.listdir(iopath.HOST_DIR) == [f"liferaft-iopath-{os.getuid()}-{dev}-full.json"]
+        iopath.forget()                                                 # as another process would start
+
+        def no_probe(folder: str) -> Probe:
+            raise AssertionError("probed again")
+        monkeypatch.setattr(iopath, "probe", no_probe)
+        monkeypatch.setattr(iopath, "probe_reads", no_probe)
+        again = iopath.choice_for(str(tmp_path))
+        assert again == first and iopath.probed()[dev][1].shared
+        iopath.forget()
+        data = tmp_path / "data.bin"
+        data.write_bytes(b"\0" * (1 << 20))
+        reading = iopath.choice_for(str(tmp_path), lambda: (lambda d: os.open(str(data), os.O_RDONLY), 1 << 20))
+        assert reading == first                                         # a read takes a full probe too
+    finally:
+        iopath.forget()
+
+
+@pytest.mark.parametrize("spoil", ["stale", "link", "foreign", "large"])
+def test_a_stale_linked_or_foreign_shared_probe_is_not_taken(tmp_path, monkeypatch, spoil):
+    dev = os.stat(tmp_path).st_dev
+    name = os.path.join(iopath.HOST_DIR, f"liferaft-iopath-{os.getuid()}-{dev}-full.json")
+    good = iopath.encode_probe(_FIGURES)
+    if spoil == "link":
+        (tmp_path / "elsewhere.json").write_bytes(good)
+        os.symlink(tmp_path / "elsewhere.json", name)
+    else:
+        with open(name, "wb") as f:
+            f.write({"stale": good, "foreign": b'{"v": 1, "write": [[true, 1, 1e30]], "read": "x"}',
+                     "large": good + b" " * 5000}[spoil])
+        if spoil == "stale":
+            old = time.time() - iopath.HOST_TTL - 60
+            os.utime(name, (old, old))
+    calls = []
+
+    def counted(folder: str) -> Probe:
+        calls.append(folder)
+        return _FIGURES
+    monkeypatch.setattr(iopath, "probe", counted)
+    iopath.forget()
+    try:
+        iopath.choice_for(str(tmp_path))
+        assert calls == [str(tmp_path)] and not iopath.probed()[dev][1].shared
+        if spoil != "link":                                             # replaced by the new figures
+            assert iopath.decode_probe(open(name, "rb").read()) is not None
+    finally:
+        iopath.forget()
+
+
+def test_processes_of_a_host_probe_once(tmp_path):
+    script = ("import sys; from liferaft.storage import iopath; iopath.HOST_DIR = sys.argv[1]; "
+              "iopath.choice_for(sys.argv[2]); (f,) = [p for _, p in iopath.probed().values()]; "
+              "print(f.shared, f.seconds > 0)")
+    share = tmp_path / "share"
+    share.mkdir()
+    outs = [subprocess.run([sys.executable, "-c", script, str(share), str(tmp_path)], capture_output=True,
+                           text=True, timeout=120) for _ in range(2)]
+    assert [o.stdout.split() for o in outs] == [["False", "True"], ["True", "False"]], [o.stderr for o in outs]

@@ -13,7 +13,11 @@ Side effects: the probe's file is unnamed (``O_TMPFILE``) where the file system 
 probe leaves nothing; elsewhere it is ``PROBE_PREFIX``... in the folder, which no reader takes for data and
 cleanup removes (``is_probe_name``). A read of an existing checkpoint never writes: before the first large
 write of a device, reads measure only the read paths, on the data file being read (``probe_reads``). The
-processes of one host probing the same folder take turns (``flock`` of the folder).
+processes of one host probing the same folder take turns (``flock`` of the folder), and share what the first
+measured: its figures go to a small file in ``HOST_DIR`` (``liferaft-iopath-<uid>-<device>-<kind>.json``, this
+user's, written whole or not at all), which the others take instead of probing while it is at most ``HOST_TTL``
+seconds old; anything there that is not such a file of this user, fresh and well formed, is ignored (they probe).
+So the ranks of a host pay one probe (~0.15–0.25 s here) at a job's first large save or load, not one each in turn.
 A file system that refuses O_DIRECT (tmpfs) has no O_DIRECT figures, so the choice is buffered.
 
 Data already in the page cache (a file just written through it, or read before) is read through it whatever the
@@ -34,8 +38,11 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import json
+import math
 import mmap
 import os
+import stat
 import threading
 import time
 import uuid
@@ -55,6 +62,9 @@ SPLIT_MIN = 1 << 20          # a request is split across threads in parts of at 
 MARGIN = 1.15                # paths this close to the fastest count as equal (the cheapest of them is chosen)
 CACHE_WRITE_MARGIN = 1.5     # a buffered write must beat every O_DIRECT write by this much in the probe
 ROUNDS = 2                   # the probe times every path this many times, interleaved, and keeps its best
+HOST_DIR = "/dev/shm"        # where the processes of a host share their probes (a seam: tests point it elsewhere)
+HOST_TTL = 600.0             # seconds a shared probe is taken by the host's other processes (the disk's hour moves)
+_HOST_MAX = 4096             # bytes: a larger shared-probe file is not one of ours
 
 Path = tuple[bool, int]      # (O_DIRECT, requests in flight)
 
@@ -72,11 +82,91 @@ class Choice:
 
 @dataclass(frozen=True)
 class Probe:
-    """Measured bytes per second of each path (``(direct, inflight)``; O_DIRECT paths absent where refused)."""
+    """Measured bytes per second of each path (``(direct, inflight)``; O_DIRECT paths absent where refused);
+    ``shared``: measured by another process of this host (``HOST_DIR``), ``seconds`` then 0."""
 
     write: Mapping[Path, float]
     read: Mapping[Path, float]
     seconds: float = 0.0
+    shared: bool = False
+
+
+def encode_probe(p: Probe) -> bytes:
+    """The figures of ``p`` as the bytes of a shared-probe file (``decode_probe`` reads them back)."""
+    return json.dumps({"v": 1, **{side: [[d, k, r] for (d, k), r in sorted(getattr(p, side).items())]
+                                  for side in ("write", "read")}}).encode()
+
+
+def decode_probe(data: bytes) -> Probe | None:
+    """The ``Probe`` (``shared``) in a shared-probe file's bytes, or None for anything else (pure; the file is
+    in a folder every user can write to, so nothing in it is trusted): at most ``_HOST_MAX`` bytes of JSON, per
+    side at most one row per path, each (bool, 1 or ``MANY``, a finite positive rate)."""
+    if len(data) > _HOST_MAX:
+        return None
+    try:
+        obj = json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(obj, dict) or obj.get("v") != 1:
+        return None
+    sides: dict[str, dict[Path, float]] = {}
+    for side in ("write", "read"):
+        rows = obj.get(side)
+        if not isinstance(rows, list) or len(rows) > 4:
+            return None
+        got: dict[Path, float] = {}
+        for row in rows:
+            if not (isinstance(row, list) and len(row) == 3 and type(row[0]) is bool and type(row[1]) is int
+                    and row[1] in (1, MANY) and type(row[2]) in (int, float) and math.isfinite(row[2])
+                    and row[2] > 0) or (row[0], row[1]) in got:
+                return None
+            got[(row[0], row[1])] = float(row[2])
+        sides[side] = got
+    return Probe(write=sides["write"], read=sides["read"], shared=True)
+
+
+def _host_file(dev: int, kind: str) -> str:
+    return os.path.join(HOST_DIR, f"liferaft-iopath-{os.getuid()}-{dev}-{kind}.json")
+
+
+def _load_shared(dev: int, kind: str) -> Probe | None:
+    """The probe of device ``dev`` (``kind``: "full" or "reads") another process of this host shared, if it is a
+    regular file of this user (not followed through a link), at most ``HOST_TTL`` seconds old and well formed."""
+    try:
+        fd = os.open(_host_file(dev, kind), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        age = time.time() - st.st_mtime
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size > _HOST_MAX \
+                or not -5.0 <= age <= HOST_TTL:
+            return None
+        return decode_probe(os.read(fd, _HOST_MAX + 1))
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _store_shared(dev: int, kind: str, p: Probe) -> None:
+    """Share ``p`` with the host's other processes: written to a new file of this user, then renamed over the
+    device's name (a reader sees all of it or the one before); nothing when that cannot be done."""
+    tmp = os.path.join(HOST_DIR, f"liferaft-iopath-{os.getuid()}-{dev}-{kind}.{uuid.uuid4().hex[:12]}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+                     | getattr(os, "O_CLOEXEC", 0), 0o600)
+    except OSError:
+        return
+    try:
+        try:
+            os.write(fd, encode_probe(p))
+        finally:
+            os.close(fd)
+        os.replace(tmp, _host_file(dev, kind))
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
 
 
 def _pick(rates: Mapping[Path, float]) -> Path:
@@ -391,8 +481,11 @@ def choice_for(folder: str, reading: Callable[[], tuple[Callable[[bool], int], i
     first call for that device. With ``reading`` (called only to probe; it returns (``open_file``, size) of an
     existing file to be read, or raises, and then nothing is kept) and no full probe of the device yet: only its
     read paths are measured (``probe_reads``), on that file, and nothing is written; a file in the page cache is
-    not measured (nor dropped from it): the default ``Choice()`` this time, nothing kept. The probes of one folder by the processes of a host take turns (``flock`` of the
-    folder). A device that cannot be probed keeps the default ``Choice()``: O_DIRECT, one request in flight."""
+    not measured (nor dropped from it): the default ``Choice()`` this time, nothing kept. The probes of one
+    folder by the processes of a host take turns (``flock`` of the folder), and a process takes the figures
+    another one shared (``HOST_DIR``, at most ``HOST_TTL`` s old: a full probe, or for a read a read-only one)
+    instead of probing. A device that cannot be probed keeps the default ``Choice()``: O_DIRECT, one request in
+    flight."""
     dev = os.stat(folder).st_dev
     with _LOCK:
         known = _CHOICES.get(dev) or (_READS.get(dev) if reading is not None else None)
@@ -401,7 +494,15 @@ def choice_for(folder: str, reading: Callable[[], tuple[Callable[[bool], int], i
             target = None if reading is None else reading()
             try:
                 with _host_lock(folder):
-                    p = probe(folder) if target is None else probe_reads(*target)
+                    p = _load_shared(dev, "full")           # (taken by a read too: it has the read figures)
+                    if p is not None:
+                        kept = _CHOICES
+                    elif target is not None:
+                        p = _load_shared(dev, "reads")
+                    if p is None:
+                        p = probe(folder) if target is None else probe_reads(*target)
+                        if p is not None:
+                            _store_shared(dev, "full" if target is None else "reads", p)
             except OSError:                 # not writable here, or the file was taken away: the default, kept
                 known = kept[dev] = (Choice(), Probe(write={}, read={}))
             else:
