@@ -116,3 +116,24 @@ def test_closing_in_the_background_drops_the_names_at_once_and_the_mappings_soon
     while (own._map is not None or peer._map is not None) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert own._map is None and peer._map is None                      # the mappings: by the unmap thread
+
+
+def test_a_fork_right_after_a_background_close_inherits_no_segment():
+    # (a DataLoader forks its workers right after a load: they must not pin the load's shared memory)
+    for _ in range(10):
+        own = shm.Segment.create(shm.new_name(0), 32 << 20, 2)
+        peer = shm.Segment.attach(own.name, 32 << 20, 2, 0)
+        own.slot(1, 32 << 20).fill_(1)                                 # pages to free: the unmap takes a while
+        name = own.name
+        shm.HostShare(own, {1: peer}).close(background=True)
+        pid = os.fork()
+        if pid == 0:                                                    # the child: look, report, leave at once
+            held = name in open("/proc/self/maps").read()
+            for fd in os.listdir("/proc/self/fd"):
+                try:
+                    held = held or name in os.readlink(f"/proc/self/fd/{fd}")
+                except OSError:
+                    pass
+            os._exit(3 if held else 0)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "the child inherited the segment"

@@ -276,14 +276,43 @@ class HostShare:
     def close(self, background: bool = False) -> None:
         """Close every segment. ``background``: their names now, the mappings in a daemon thread (unmapping the
         last mapping of a segment frees its pages: ~10 ms per 32 MiB here, after the load's reads are done and
-        nothing uses the mappings any more)."""
+        nothing uses the mappings any more); a fork waits for it first (``finish_unmaps``)."""
         segs = list(self.peers.values()) + ([self.own] if self.own is not None else [])
         for seg in segs:
             if seg.writable:
                 unlink(seg.name)
-        if background:
-            threading.Thread(target=lambda: [seg.close() for seg in segs], name="liferaft-unmap",
-                             daemon=True).start()
-        else:
+        if not background:
             for seg in segs:
                 seg.close()
+            return
+
+        def unmap() -> None:
+            try:
+                for seg in segs:
+                    seg.close()
+            finally:
+                with _UNMAP_LOCK:
+                    _UNMAPPING.remove(threading.current_thread())
+        global _AT_FORK
+        with _UNMAP_LOCK:
+            if not _AT_FORK and hasattr(os, "register_at_fork"):
+                os.register_at_fork(before=finish_unmaps)
+                _AT_FORK = True
+            t = threading.Thread(target=unmap, name="liferaft-unmap", daemon=True)
+            _UNMAPPING.append(t)
+            t.start()
+
+
+_UNMAPPING: list[threading.Thread] = []     # background unmaps not done yet (``HostShare.close``)
+_UNMAP_LOCK = threading.Lock()
+_AT_FORK = False                            # ``finish_unmaps`` registered to run before every fork
+
+
+def finish_unmaps() -> None:
+    """Wait for the background unmaps still running. Runs before every fork of the process once one has
+    started: a child forked right after a load (a DataLoader's workers) must inherit none of its mappings or
+    descriptors, which would pin the segment's pages for the child's life."""
+    with _UNMAP_LOCK:
+        pending = list(_UNMAPPING)
+    for t in pending:
+        t.join()
