@@ -8,6 +8,7 @@ It never imports the manager.
 
 from __future__ import annotations
 
+import errno
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from liferaft.core.load import load
 from liferaft.dist import Coordinator
-from liferaft.errors import CorruptCheckpointError, IncompleteCheckpointError, LiferaftError
+from liferaft.errors import CorruptCheckpointError, FileAccessError, IncompleteCheckpointError, LiferaftError
 from liferaft.format.layout import COMMIT_MARKER, parse_step, step_name
 from liferaft.manager.options import TierOptions
 from liferaft.manager.policies import AutoInterval
@@ -26,14 +27,26 @@ from liferaft.storage import Storage, resolve
 if TYPE_CHECKING:
     from liferaft.tiers.memory import MemoryTier
 
-_DAMAGE = (CorruptCheckpointError.__name__, IncompleteCheckpointError.__name__)    # restore falls back on these
+_UNREADABLE = "UnreadableFile"      # a step's file the device failed to read (EIO): another copy may read
+_DAMAGE = (CorruptCheckpointError.__name__, IncompleteCheckpointError.__name__, _UNREADABLE)   # restore falls back
+
+
+def _kind(err: LiferaftError | None) -> str | None:
+    """How a rank's failure to load a step is told to the others: its error's class, or ``_UNREADABLE`` for an
+    I/O error of the device (damage, like a bad checksum; a refused permission or too many open files are not)."""
+    if err is None:
+        return None
+    if isinstance(err, FileAccessError) and err.errno == errno.EIO:
+        return _UNREADABLE
+    return type(err).__name__
 
 
 def first_that_loads(coord: Coordinator, candidates: Sequence[tuple[int, str]],
                      load_one: Callable[[int], LoadResult], raise_last: bool) -> tuple[int, LoadResult] | None:
     """Load the first of ``candidates`` ((step, where) newest first) that loads on every rank, by ``load_one``;
     return (step, its LoadResult). Collective: the ranks agree on each outcome, and fall back to the next step
-    only if some rank found damage (a corrupt or incomplete checkpoint) and no rank failed for another reason
+    only if some rank found damage (a corrupt or incomplete checkpoint, a file the device cannot read) and no
+    rank failed for another reason
     (a state that does not match raises at once: falling back would hide a bug), with a warning naming the step
     and why. When the last candidate is damaged too: raise its error (``raise_last``) or return None."""
     from liferaft.errors import DistributedError
@@ -45,7 +58,7 @@ def first_that_loads(coord: Coordinator, candidates: Sequence[tuple[int, str]],
             result = load_one(step)
         except LiferaftError as e:
             err = e
-        kinds = coord.exchange(type(err).__name__ if err else None, None, "restore (outcome)")
+        kinds = coord.exchange(_kind(err), None, "restore (outcome)")
         if err is None and not any(kinds):
             assert result is not None
             return step, result

@@ -63,7 +63,9 @@ _ADVICE = {errno.EACCES: "permission denied: grant read (and, to write, write) a
            errno.EROFS: "a read-only file system: choose a writable destination",
            errno.ENOSPC: "no space left on the device",
            errno.EDQUOT: "the disk quota is exceeded",
-           errno.ENXIO: "a special file with nothing behind it (e.g. a socket or a FIFO without a writer)"}
+           errno.ENXIO: "a special file with nothing behind it (e.g. a socket or a FIFO without a writer)",
+           errno.EIO: "the device reported an I/O error: check the disk (dmesg), and load another copy (an "
+                      "earlier step, a replica, another tier) if this one stays unreadable"}
 
 
 def access_error(shown: str, e: OSError, doing: str = "open") -> OSError:

@@ -297,8 +297,16 @@ class PosixStorage(Storage):
 
     def read_into(self, name: str, offset: int, out: memoryview) -> int:
         """Read into ``out`` from ``offset`` of ``name``; return the bytes read (fewer at the end of the file).
-        By the device's path, except (unless forced) the parts mostly in the page cache: through it."""
+        By the device's path, except (unless forced) the parts mostly in the page cache: through it. A device
+        that fails the read (EIO, ...) is a FileAccessError naming the file and the bytes (``files.access_error``);
+        a missing file stays FileNotFoundError."""
         mv = memoryview(out).cast("B")
+        try:
+            return self._read_any(name, offset, mv)
+        except OSError as e:
+            raise files.access_error(self._shown(name), e, f"read bytes {offset}..{offset + len(mv)} of") from None
+
+    def _read_any(self, name: str, offset: int, mv: memoryview) -> int:
         direct, inflight = self.io_path(len(mv), write=False, name=name)
         c = self._choice(len(mv), False, name) if self._auto else None
         floor = None if not self._auto else c.cache_floor if c is not None else iopath.MIN_RESIDENT

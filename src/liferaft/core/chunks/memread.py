@@ -31,7 +31,7 @@ from liferaft.errors import CorruptCheckpointError
 from liferaft.planning.load_plan import ReadUnit
 from liferaft.staging.pool import page_aligned_empty
 from liferaft.storage.base import Storage
-from liferaft.storage.files import pread_full
+from liferaft.storage.files import access_error, pread_full
 from liferaft.storage.posix import PosixStorage
 from liferaft.storage.refs import ReferencingStorage
 
@@ -77,7 +77,11 @@ class _Files:
                 fd = self.fds[name] = st.open_read(rest)
             else:
                 self.fds.move_to_end(name)
-            return pread_full(fd, out, offset)
+            try:
+                return pread_full(fd, out, offset)
+            except OSError as e:        # (as ``PosixStorage.read_into`` reports a failed read)
+                raise access_error(f"{self.storage.url}: data file {name!r}", e,
+                                   f"read bytes {offset}..{offset + out.nbytes} of") from None
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{self.storage.url}: data file {name!r} is missing") from None
 
