@@ -96,6 +96,9 @@ def test_a_segment_that_is_not_what_the_load_planned_is_refused(tmp_path):
             shm.Segment.attach(seg.name, 1 << 16, 3, 0)       # another size than planned
         with pytest.raises(DistributedError, match="not one of liferaft's"):
             shm.Segment.attach("../etc/passwd", 1 << 16, 2, 0)
+        for bad in [(seg.name, "65536", 2), (seg.name, 1 << 16, 2.0), (seg.name, True, 2), (None, 1 << 16, 2)]:
+            with pytest.raises(DistributedError, match="not a name and two counts"):
+                shm.Segment.attach(*bad, 0)                             # type: ignore[arg-type]
         peer = shm.Segment.attach(seg.name, 1 << 16, 2, 0)
         seg.slot(1, 8).copy_(torch.arange(8, dtype=torch.uint8))
         assert peer.slot(1, 8).tolist() == list(range(8))

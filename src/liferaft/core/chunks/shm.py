@@ -208,7 +208,11 @@ class Segment:
     @classmethod
     def attach(cls, name: str, slot_bytes: int, slots: int, owner: int) -> Segment:
         """Rank ``owner``'s segment, read-only; refused unless it is a regular file of this user with exactly the
-        size the load planned."""
+        size the load planned (all four come from the peer's set-up message: checked before use)."""
+        if not isinstance(name, str) or type(slot_bytes) is not int or type(slots) is not int:
+            raise DistributedError(f"rank {owner} described its shared-memory segment as {name!r} with "
+                                   f"{slot_bytes!r} x {slots!r} bytes, not a name and two counts; load with "
+                                   f"LoadOptions(share_reads=False) and report this")
         if not _NAME.match(name):
             raise DistributedError(f"rank {owner} named the shared-memory segment {name!r}, which is not one of "
                                    f"liferaft's; load with LoadOptions(share_reads=False) and report this")
