@@ -305,7 +305,8 @@ def io_choice() -> str:
         from liferaft.storage import iopath
     except ImportError:                                # (a liferaft from before the run-time choice)
         return ""
-    return "; ".join(f"{c}, probed in {p.seconds:.2f} s" for c, p in iopath.probed().values())
+    return "; ".join(f"{c}, " + ("probed by another process of this host" if getattr(p, "shared", False)
+                                 else f"probed in {p.seconds:.2f} s") for c, p in iopath.probed().values())
 
 
 def solo_op(op: str, method: str, path: str, warm_path: str, cfg: Config, idle: float) -> dict[str, Any]:
