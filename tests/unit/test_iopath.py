@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import pytest
@@ -254,7 +255,7 @@ def test_a_process_takes_the_probe_another_shared_instead_of_probing(tmp_path, m
         iopath.forget()
 
 
-@pytest.mark.parametrize("spoil", ["stale", "link", "foreign", "large"])
+@pytest.mark.parametrize("spoil", ["stale", "link", "foreign", "large", "fifo"])
 def test_a_stale_linked_or_foreign_shared_probe_is_not_taken(tmp_path, monkeypatch, spoil):
     dev = os.stat(tmp_path).st_dev
     name = os.path.join(iopath.HOST_DIR, f"liferaft-iopath-{os.getuid()}-{dev}-full.json")
@@ -262,6 +263,8 @@ def test_a_stale_linked_or_foreign_shared_probe_is_not_taken(tmp_path, monkeypat
     if spoil == "link":
         (tmp_path / "elsewhere.json").write_bytes(good)
         os.symlink(tmp_path / "elsewhere.json", name)
+    elif spoil == "fifo":                                               # (an open that waits for a writer: a hang)
+        os.mkfifo(name)
     else:
         with open(name, "wb") as f:
             f.write({"stale": good, "foreign": b'{"v": 1, "write": [[true, 1, 1e30]], "read": "x"}',
@@ -277,9 +280,12 @@ def test_a_stale_linked_or_foreign_shared_probe_is_not_taken(tmp_path, monkeypat
     monkeypatch.setattr(iopath, "probe", counted)
     iopath.forget()
     try:
-        iopath.choice_for(str(tmp_path))
+        done = threading.Thread(target=iopath.choice_for, args=(str(tmp_path),), daemon=True)
+        done.start()
+        done.join(60)
+        assert not done.is_alive(), "waited on the shared-probe file"
         assert calls == [str(tmp_path)] and not iopath.probed()[dev][1].shared
-        if spoil != "link":                                             # replaced by the new figures
+        if spoil not in ("link", "fifo"):                              # replaced by the new figures
             assert iopath.decode_probe(open(name, "rb").read()) is not None
     finally:
         iopath.forget()

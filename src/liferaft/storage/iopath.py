@@ -131,9 +131,11 @@ def _host_file(dev: int, kind: str) -> str:
 
 def _load_shared(dev: int, kind: str) -> Probe | None:
     """The probe of device ``dev`` (``kind``: "full" or "reads") another process of this host shared, if it is a
-    regular file of this user (not followed through a link), at most ``HOST_TTL`` seconds old and well formed."""
+    regular file of this user (not followed through a link; a FIFO put there is opened without waiting for a
+    writer, then refused), at most ``HOST_TTL`` seconds old and well formed."""
     try:
-        fd = os.open(_host_file(dev, kind), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(_host_file(dev, kind), os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0)
+                     | getattr(os, "O_CLOEXEC", 0))
     except OSError:
         return None
     try:

@@ -218,7 +218,7 @@ class Segment:
                                    f"liferaft's; load with LoadOptions(share_reads=False) and report this")
         path = os.path.join(SHM_DIR, name)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)   # (a FIFO: no wait)
         except OSError as e:
             raise DistributedError(f"the shared-memory segment {path} of rank {owner} cannot be opened ({e}); is "
                                    f"rank {owner} on this host and alive? Load with "
