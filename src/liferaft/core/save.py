@@ -72,7 +72,8 @@ def save(path: PathLike, state: Any, *, process_group: ProcessGroup | None = Non
         pin = torch.cuda.is_available() and any(t.is_cuda for t in prep.sources.values())
         nbytes = staged_size(prep.writes, prep.sources, 1 << 20)     # (with the padding of the smallest pieces)
         pool = PROCESS.ring_for(nbytes, opts.memory_budget, pin)
-        outcome = write_streamed(prep.storage, prep.writes, prep.sources, pool, prep.policy)
+        policy = dataclasses.replace(prep.policy, foreground=True)      # (training waits: every core encodes)
+        outcome = write_streamed(prep.storage, prep.writes, prep.sources, pool, policy)
         prep.storage.sync()   # this rank's new folder entries are durable too, not only its file
         return outcome
 

@@ -1,4 +1,5 @@
-"""Writes behind the hashing: one I/O thread writes the raw pieces of a save while the writer hashes the next.
+"""Writes behind the hashing: one I/O thread writes the raw pieces and the encoded frames of a save while the
+writer hashes the next pieces (and the codec threads encode the next chunks).
 
 Without it the writer thread alternated: hash a staged piece (CRC-32C blocks and the 64-bit digest), then wait
 for its ``pwrite``, then hash the next — the device idled while the CPU hashed, and a 1 GB save took the write

@@ -2,16 +2,20 @@
 
 Without it a compressed save alternated: the writer thread waited for a chunk's frames, then wrote them while
 the codec threads idled. Here the writer submits each chunk to encode (``EncodeQueue.submit``) and keeps
-receiving, hashing and holding the next chunks' pieces; the frames of finished chunks are written in plan order
-as they come (``collect``), so the disk writes of chunk *i* overlap the encoding of chunk *i + 1*.
+receiving, hashing and holding the next chunks' pieces; the frames of finished chunks go in plan order as they
+come (``collect``) to the writer's I/O thread (``core.chunks.behind``), so the disk writes of chunk *i* overlap
+the encoding of chunk *i + 1* and the hashing of the pieces after it.
 
 Bounded memory: a chunk's raw bytes stay in the buffer pool until its frames are written (the pool bounds them;
 when the stager waits for room, the writer completes the oldest chunk in flight first, ``_next`` in
-``core.chunks.writer``), and at most ``MAX_IN_FLIGHT`` chunks' frames exist at once.
+``core.chunks.writer``); at most ``MAX_IN_FLIGHT`` chunks are encoding at once, and the frames waiting for the
+I/O thread belong to chunks that still hold their pool regions, so the pool bounds them too (frames ≤ raw
+bytes, or the chunk is stored raw).
 
 One encoding thread per process (``chunk_executor``) runs ``Codec.encode_chunk`` for one chunk at a time; it
 spreads the chunk's blocks over the codec threads (``codecs.frames.executor``), so the codec threads' count (half
-the cores) still bounds the CPU a background save takes. An exception from an encoder reaches the writer when
+the cores) still bounds the CPU a background save takes; a sync save (``foreground``), which training waits for,
+spreads them over one thread per core. An exception from an encoder reaches the writer when
 that chunk is completed, and fails the save (nothing is committed); ``cancel`` waits for the chunks still in
 flight before their pool regions are given back.
 """
@@ -59,8 +63,10 @@ class InFlight:
 class EncodeQueue:
     """Chunks submitted to encode, completed in submission order by ``finish(item, encoded, encode_s)``."""
 
-    def __init__(self, finish: Callable[[InFlight, EncodedChunk | None, float], None]) -> None:
+    def __init__(self, finish: Callable[[InFlight, EncodedChunk | None, float], None],
+                 foreground: bool = False) -> None:
         self._finish = finish
+        self._foreground = foreground       # a sync save: the blocks go to the foreground codec threads
         self._q: deque[InFlight] = deque()
 
     def __len__(self) -> int:
@@ -73,9 +79,11 @@ class EncodeQueue:
         while len(self._q) >= MAX_IN_FLIGHT:
             self.complete_oldest()
 
+        pool = frames.executor(self._foreground)
+
         def run() -> tuple[EncodedChunk | None, float]:
             t0 = time.perf_counter()
-            enc = codec.encode_chunk(blocks, dtype, frames.executor(), pays)
+            enc = codec.encode_chunk(blocks, dtype, pool, pays)
             return enc, time.perf_counter() - t0
 
         self._q.append(InFlight(slot=slot, future=chunk_executor().submit(run), held=held, context=context))

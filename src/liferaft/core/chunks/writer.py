@@ -56,6 +56,8 @@ class ChunkPolicy:
     delta: the same for the boxes to store as an XOR delta against the base's bytes (never a delta record itself);
         ``reader`` reads those bytes.
     codecs: where codec names are looked up (the process's registry; a test may give its own).
+    foreground: training waits for this save (a sync save): encoding may use a codec thread per core, where a
+        background save keeps to half the cores (``codecs.frames.executor``). Changes no stored byte.
     """
 
     dtypes: Mapping[str, str]
@@ -68,6 +70,7 @@ class ChunkPolicy:
     reader: Storage | None = None
     selective: Mapping[str, float] = field(default_factory=dict)     # key -> relative change threshold
     codecs: registry.CodecRegistry = field(default_factory=lambda: registry.CODECS)
+    foreground: bool = False
 
     def decides(self, item: WriteItem) -> bool:
         """Whether ``item`` needs its whole bytes before it can be written."""
@@ -138,7 +141,11 @@ def _align(n: int, a: int) -> int:
 
 
 class _File:
-    """This rank's data file, created at the first write; chunks are appended at aligned positions."""
+    """This rank's data file, created at the first write; chunks are appended at aligned positions.
+
+    Positions are reserved (``start``, ``reserve_frames``) by the writer thread; every write (``pwrite``,
+    ``put_frames``: its page-aligned scratch buffer is that thread's) runs on the I/O thread, one at a time, so a
+    storage's writer is never used by two threads at once."""
 
     def __init__(self, storage: Storage, name: str | None, alignment: int) -> None:
         self.storage, self.name, self.alignment = storage, name, alignment
@@ -146,16 +153,18 @@ class _File:
         self.end = 0
         self._scratch: torch.Tensor | None = None
 
-    def write_frames(self, frames: Sequence[bytes]) -> tuple[int, int]:
-        """Append encoded frames back to back; return (position, length). A large run starts on a page and is
-        written from a page-aligned copy, so that it goes to storage with O_DIRECT (through the page cache, a
-        write on these VMs runs at a fraction of the disk's speed)."""
+    def reserve_frames(self, frames: Sequence[bytes]) -> tuple[int, int]:
+        """Reserve room for encoded frames written back to back; return (position, length). A large run starts on
+        a page (``put_frames`` writes it from a page-aligned copy, so that it goes to storage with O_DIRECT:
+        through the page cache, a write on these VMs runs at a fraction of the disk's speed)."""
         n = sum(len(x) for x in frames)
-        big = n >= PAGE_ALIGN_MIN
-        pos = self.start(n, big)
-        if not big:
+        return self.start(n, n >= PAGE_ALIGN_MIN), n
+
+    def put_frames(self, frames: Sequence[bytes], pos: int, n: int) -> None:
+        """Write ``frames`` (``n`` bytes in all) back to back at ``pos`` (from ``reserve_frames``)."""
+        if n < PAGE_ALIGN_MIN:
             self.pwrite(b"".join(frames), pos)
-            return pos, n
+            return
         if self._scratch is None or self._scratch.numel() < n:
             from liferaft.staging.pool import page_aligned_empty
 
@@ -167,7 +176,6 @@ class _File:
             buf[at:at + len(x)] = x
             at += len(x)
         self.pwrite(buf[:n], pos)
-        return pos, n
 
     def start(self, nbytes: int, page: bool) -> int:
         """Reserve ``nbytes`` at the next aligned position (a page boundary when ``page``); return it."""
@@ -187,12 +195,13 @@ def write_staged(storage: Storage, items: Sequence[WriteItem], pieces: queue.Que
     """Write staged pieces (see ``staging.stager``) as they arrive; durable on return.
 
     Each piece's pool region is released once written (or once its chunk is decided; an encoded chunk's, once
-    its frames are written). A raw piece is written by the I/O thread (``behind.WriteBehind``) while this thread
-    hashes the next ones; those writes are flushed before a chunk is held whole, so a held chunk, an encoding
-    one and a write behind never hold pool regions at once (they are released in the order they were taken).
-    On error (an encoder's or a write's included) the chunks still encoding and the write running are waited
-    for, the partial file is removed, the pool is reset (waking a stager that waits for room) and the error
-    re-raised.
+    its frames are written). Raw pieces and encoded frames are written by the I/O thread (``behind.WriteBehind``)
+    while this thread hashes the next pieces and the codec threads encode the next chunks; every pool region is
+    released by that thread, in submission order, so regions are given back in the order they were taken (as
+    ``staging.BufferPool`` requires) even when a chunk held whole is decided (a reference) while earlier chunks'
+    frames are still being written. On error (an encoder's or a write's included) the chunks still encoding and
+    the write running are waited for, the partial file is removed, the pool is reset (waking a stager that waits
+    for room) and the error re-raised.
     """
     out = WriteOutcome(chunks=[], file_size=0, bytes_written=0, stage_s=0.0, write_s=0.0)
     f = _File(storage, items[0].file if items else None, policy.alignment)
@@ -201,19 +210,16 @@ def write_staged(storage: Storage, items: Sequence[WriteItem], pieces: queue.Que
     base = 0                         # file position of the chunk streamed raw
     slots: list[StoredChunk | None] = []
 
-    def finish(item: InFlight, enc: EncodedChunk | None, took: float) -> None:
-        slots[item.slot] = _write_encoded(f, item.context, item.held, enc, took, out)
-        for p in item.held:
-            pool.release(p.region)
-
-    encoding = EncodeQueue(finish)
     behind = WriteBehind()
+
+    def finish(item: InFlight, enc: EncodedChunk | None, took: float) -> None:
+        slots[item.slot] = _write_encoded(f, behind, item.context, item.held, enc, took, out, pool)
+
+    encoding = EncodeQueue(finish, policy.foreground)
     try:
         for idx, w in enumerate(items):
             hasher = BlockHasher(choose_block_size(w.length, policy.block_size), CHECKSUM_ALGO, whole=True)
             decide = policy.decides(w) and w.length <= pool.capacity     # (else it could never be held whole)
-            if decide:
-                behind.flush()              # (a held chunk never waits for room a write behind holds)
             got = 0
             base = f.start(w.length, w.length >= PAGE_ALIGN_MIN) if not decide else 0
             while got < w.length:
@@ -223,7 +229,7 @@ def write_staged(storage: Storage, items: Sequence[WriteItem], pieces: queue.Que
                     base = f.start(w.length, w.length >= PAGE_ALIGN_MIN)
                     encoding.drain()        # (pool regions are released in the order they were taken)
                     for p in held:
-                        _write_raw(f, p, base, out, pool)
+                        _write_behind(behind, f, p, base, out, pool)
                     held.clear()
                     continue
                 assert piece.item == idx, "pieces out of order"
@@ -240,13 +246,12 @@ def write_staged(storage: Storage, items: Sequence[WriteItem], pieces: queue.Que
             whole = hasher.digest()
             slots.append(None)
             if decide:
-                stored = _decided(f, w, held, (hashes, whole), hasher.block_size, policy, out, encoding,
+                stored = _decided(f, behind, w, held, (hashes, whole), hasher.block_size, policy, out, encoding,
                                   len(slots) - 1)
                 if stored is not None:
                     slots[-1] = stored
                     encoding.drain()
-                    for p in held:
-                        pool.release(p.region)
+                    _release_behind(behind, held, pool)
                 held = []                   # (an encoding chunk keeps its list until its frames are written)
             else:
                 slots[-1] = StoredChunk(file=w.file, byte_offset=base, block_size=hasher.block_size, hashes=hashes,
@@ -282,9 +287,10 @@ def write_staged(storage: Storage, items: Sequence[WriteItem], pieces: queue.Que
 def _next(pieces: queue.Queue[Any], pool: BufferPool, waiting_ok: bool, encoding: EncodeQueue,
           behind: WriteBehind) -> Piece | None:
     """The next staged piece; None when the stager waits for room that only this writer can free (while a
-    chunk is being held: ``waiting_ok`` False, and no chunk is encoding whose completion would free some).
-    Meanwhile the chunks whose encoding ended are written, and a write behind that failed raises (its pool
-    regions are never given back: the stager would wait for them forever)."""
+    chunk is being held: ``waiting_ok`` False, and no chunk is encoding and no write is pending whose
+    completion would free some). Meanwhile the chunks whose encoding ended are handed to the I/O thread, and a
+    write behind that failed raises (its pool regions are never given back: the stager would wait for them
+    forever)."""
     while True:
         encoding.collect()
         behind.check()
@@ -293,8 +299,8 @@ def _next(pieces: queue.Queue[Any], pool: BufferPool, waiting_ok: bool, encoding
         except queue.Empty:
             if pool.waiting:
                 if encoding:
-                    encoding.complete_oldest()         # frees its pool regions
-                elif not waiting_ok:
+                    encoding.complete_oldest()         # its write, once done, frees its pool regions
+                elif not waiting_ok and not behind:
                     return None
             continue
         if piece is None:
@@ -304,16 +310,6 @@ def _next(pieces: queue.Queue[Any], pool: BufferPool, waiting_ok: bool, encoding
         if piece.event is not None:
             piece.event.synchronize()
         return piece
-
-
-def _write_raw(f: _File, piece: Piece, base: int, out: WriteOutcome, pool: BufferPool) -> None:
-    t0 = time.perf_counter()
-    mv = memoryview(piece.data.numpy()).cast("B")
-    f.pwrite(mv, base + piece.offset)
-    out.write_s += time.perf_counter() - t0
-    out.bytes_written += len(mv)
-    del mv
-    pool.release(piece.region)
 
 
 def _write_behind(behind: WriteBehind, f: _File, piece: Piece, base: int, out: WriteOutcome,
@@ -330,6 +326,17 @@ def _write_behind(behind: WriteBehind, f: _File, piece: Piece, base: int, out: W
     behind.submit(job)
 
 
+def _release_behind(behind: WriteBehind, held: Sequence[Piece], pool: BufferPool) -> None:
+    """Release ``held``'s pool regions on the I/O thread, after the writes submitted before (in order)."""
+    regions = [p.region for p in held]
+
+    def job() -> None:
+        for r in regions:
+            pool.release(r)
+
+    behind.submit(job)
+
+
 def _blocks(held: Sequence[Piece], block_size: int) -> list[memoryview]:
     """The chunk's raw hash blocks as views into the held pieces (joined where a block spans two pieces)."""
     views = [memoryview(p.data.numpy()).cast("B") for p in held]
@@ -340,11 +347,12 @@ def _blocks(held: Sequence[Piece], block_size: int) -> list[memoryview]:
     return [whole[i:i + block_size] for i in range(0, len(whole), block_size)]
 
 
-def _decided(f: _File, w: WriteItem, held: Sequence[Piece], sums: tuple[tuple[str, ...], str | None],
-             block_size: int, policy: ChunkPolicy, out: WriteOutcome, encoding: EncodeQueue, slot: int
-             ) -> StoredChunk | None:
-    """Store a whole held chunk (``sums``: its block hashes and chunk digest): as a reference, raw, or (None)
-    submitted to ``encoding``, which writes it and releases ``held`` when its frames are ready."""
+def _decided(f: _File, behind: WriteBehind, w: WriteItem, held: Sequence[Piece],
+             sums: tuple[tuple[str, ...], str | None], block_size: int, policy: ChunkPolicy, out: WriteOutcome,
+             encoding: EncodeQueue, slot: int) -> StoredChunk | None:
+    """Store a whole held chunk (``sums``: its block hashes and chunk digest): as a reference, as a delta or raw
+    (their writes handed to the I/O thread; the caller then releases ``held`` there), or (None) submitted to
+    ``encoding``, whose ``finish`` has its frames written and ``held`` released on the I/O thread."""
     hashes, whole = sums
     base = policy.reuse.get((w.key, w.offsets, w.sizes))
     if base is not None and _unchanged(base[0], w, held, hashes, whole, block_size):
@@ -364,7 +372,7 @@ def _decided(f: _File, w: WriteItem, held: Sequence[Piece], sums: tuple[tuple[st
                                ref_files=sizes, stale=change, checksum=rec.checksum, digest=rec.digest)
     delta = policy.delta.get((w.key, w.offsets, w.sizes))
     if delta is not None and w.length and policy.reader is not None:
-        stored = _delta(f, w, held, sums, block_size, delta, policy, out)
+        stored = _delta(f, behind, w, held, sums, block_size, delta, policy, out)
         if stored is not None:
             return stored
     codec = policy.lossy.get(w.key) or (registry.LOSSLESS if policy.compress else None)
@@ -373,32 +381,43 @@ def _decided(f: _File, w: WriteItem, held: Sequence[Piece], sums: tuple[tuple[st
         encoding.submit(slot, impl, _blocks(held, block_size), dtype, frames.PAYS_RATIO if impl.lossless else None,
                         held, (w, sums, block_size, codec))
         return None
-    return _write_held_raw(f, w, held, sums, block_size, out)
+    return _write_held_raw(f, behind, w, held, sums, block_size, out)
 
 
-def _write_held_raw(f: _File, w: WriteItem, held: Sequence[Piece], sums: tuple[tuple[str, ...], str | None],
-                    block_size: int, out: WriteOutcome) -> StoredChunk:
+def _write_held_raw(f: _File, behind: WriteBehind, w: WriteItem, held: Sequence[Piece],
+                    sums: tuple[tuple[str, ...], str | None], block_size: int, out: WriteOutcome) -> StoredChunk:
+    """Place a whole held chunk raw and hand its write to the I/O thread (the caller releases ``held`` after it,
+    with ``_release_behind``)."""
     pos = f.start(w.length, w.length >= PAGE_ALIGN_MIN)
-    t0 = time.perf_counter()
-    for p in held:
-        mv = memoryview(p.data.numpy()).cast("B")
-        f.pwrite(mv, pos + p.offset)
-        out.bytes_written += len(mv)
-    out.write_s += time.perf_counter() - t0
+    pieces = list(held)
+
+    def job() -> None:
+        for p in pieces:
+            mv = memoryview(p.data.numpy()).cast("B")
+            f.pwrite(mv, pos + p.offset)
+            del mv
+
+    behind.submit(job)
+    out.bytes_written += w.length
     return StoredChunk(file=w.file, byte_offset=pos, block_size=block_size, hashes=sums[0], digest=sums[1])
 
 
-def _write_encoded(f: _File, context: tuple[WriteItem, tuple[tuple[str, ...], str | None], int, str],
-                   held: Sequence[Piece], enc: EncodedChunk | None, took: float, out: WriteOutcome) -> StoredChunk:
-    """Write a chunk whose encoding ended (``enc`` None: the codec declined it, stored raw). A lossy chunk (its
-    ``hashes`` are those of the decoded values, not of the bytes hashed while staging) gets no digest."""
+def _write_encoded(f: _File, behind: WriteBehind,
+                   context: tuple[WriteItem, tuple[tuple[str, ...], str | None], int, str], held: Sequence[Piece],
+                   enc: EncodedChunk | None, took: float, out: WriteOutcome, pool: BufferPool) -> StoredChunk:
+    """Place a chunk whose encoding ended (``enc`` None: the codec declined it, stored raw) and hand its write, then
+    the release of ``held``, to the I/O thread. A lossy chunk (its ``hashes`` are those of the decoded values, not
+    of the bytes hashed while staging) gets no digest."""
     w, (hashes, whole), block_size, codec = context
     out.encode_s += took
     if enc is None:
-        return _write_held_raw(f, w, held, (hashes, whole), block_size, out)
-    t0 = time.perf_counter()
-    pos, n = f.write_frames(enc.frames)
-    out.write_s += time.perf_counter() - t0
+        stored = _write_held_raw(f, behind, w, held, (hashes, whole), block_size, out)
+        _release_behind(behind, held, pool)
+        return stored
+    pos, n = f.reserve_frames(enc.frames)
+    frames_out = enc.frames
+    behind.submit(lambda: f.put_frames(frames_out, pos, n))
+    _release_behind(behind, held, pool)
     out.bytes_written += n
     out.bytes_encoded += w.length
     return StoredChunk(file=w.file, byte_offset=pos, block_size=block_size, hashes=enc.hashes or hashes,
@@ -454,10 +473,12 @@ def _change(held: Sequence[Piece], base: ChunkRecord, dtype: str, key: str, read
     return diff / norm if norm > 0 else (0.0 if diff == 0 else float("inf"))
 
 
-def _delta(f: _File, w: WriteItem, held: Sequence[Piece], sums: tuple[tuple[str, ...], str | None], block_size: int,
-           delta: tuple[ChunkRecord, dict[str, int]], policy: ChunkPolicy, out: WriteOutcome) -> StoredChunk | None:
-    """Store the chunk as the XOR of its bytes with the base's bytes of the same box, compressed (None: the base
-    cannot be read and verified; the chunk is then stored as if no delta was asked for)."""
+def _delta(f: _File, behind: WriteBehind, w: WriteItem, held: Sequence[Piece],
+           sums: tuple[tuple[str, ...], str | None], block_size: int, delta: tuple[ChunkRecord, dict[str, int]],
+           policy: ChunkPolicy, out: WriteOutcome) -> StoredChunk | None:
+    """Store the chunk as the XOR of its bytes with the base's bytes of the same box, compressed, its frames
+    written by the I/O thread (None: the base cannot be read and verified; the chunk is then stored as if no
+    delta was asked for)."""
     from liferaft.core.chunks.blocks import read_blocks, xor_into
     from liferaft.errors import LiferaftError
 
@@ -472,12 +493,13 @@ def _delta(f: _File, w: WriteItem, held: Sequence[Piece], sums: tuple[tuple[str,
     xor_into(memoryview(cur), base)
     view = memoryview(cur)
     enc = registry.get(registry.LOSSLESS).encode_chunk(
-        [view[i:i + block_size] for i in range(0, len(view), block_size)], policy.dtypes[w.key], frames.executor())
+        [view[i:i + block_size] for i in range(0, len(view), block_size)], policy.dtypes[w.key],
+        frames.executor(policy.foreground))
     assert enc is not None          # (lossless, and not asked whether it pays: always encodes)
     out.encode_s += time.perf_counter() - t0
-    t0 = time.perf_counter()
-    pos, n = f.write_frames(enc.frames)
-    out.write_s += time.perf_counter() - t0
+    pos, n = f.reserve_frames(enc.frames)
+    frames_out = enc.frames
+    behind.submit(lambda: f.put_frames(frames_out, pos, n))
     out.bytes_written += n
     out.bytes_encoded += w.length
     return StoredChunk(file=w.file, byte_offset=pos, block_size=block_size, hashes=sums[0], codec=registry.LOSSLESS,
