@@ -7,8 +7,8 @@ always those of the decoded bytes, so a read is verified after decoding, end to 
 
 Thread pools (bounded, created on first use, shared by every save or load of the process):
 - ``executor()``: ``threads()`` encoding threads for background saves (half the cores, 1 to 8);
-- ``load_executor()``: one thread per core for the calls training waits for: decoding in loads, and encoding
-  in synchronous saves (``executor(foreground=True)``).
+- ``load_executor()``: one thread per usable core (at most 16) for the calls training waits for: decoding in
+  loads, and encoding in synchronous saves (``executor(foreground=True)``).
 Their idle threads stay until ``shutdown()`` (which a caller may use to release them; the next save or load
 creates new ones) or until the interpreter exits (``concurrent.futures`` joins them then). A process forked
 while they exist gets new pools on its first use (the parent's threads do not exist in the child). Each
@@ -25,7 +25,7 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from liferaft.codecs.registry import LOSSLESS, get
 from liferaft.errors import CorruptCheckpointError
 
-__all__ = ["LOSSLESS", "PAYS_RATIO", "decode_frames", "executor", "load_executor", "shutdown", "threads"]
+__all__ = ["LOSSLESS", "PAYS_RATIO", "decode_frames", "executor", "foreground_threads", "load_executor", "shutdown", "threads"]
 
 PAYS_RATIO = 0.97       # a chunk whose sample block does not shrink below this is stored raw
 
@@ -50,15 +50,25 @@ def _pool(kind: str, workers: int, prefix: str) -> ThreadPoolExecutor:
 def executor(foreground: bool = False) -> ThreadPoolExecutor:
     """The process's encoding threads, created on first use: ``threads()`` of them for a save that runs beside
     training (an async save); with ``foreground``, for a save that training waits for (a sync save), the
-    foreground pool of ``load_executor`` (one thread per core: measured on 2 cores, a 0.54 GB compressed sync
-    save took 0.97 s with 1 codec thread and 0.78 s with 2)."""
+    foreground pool of ``load_executor`` (one thread per usable core, at most 16: measured on 2 cores, a 0.54 GB
+    compressed sync save took 0.97 s with 1 codec thread and 0.78 s with 2)."""
     return load_executor() if foreground else _pool("save", threads(), "liferaft-codec")
 
 
+def foreground_threads() -> int:
+    """Threads of the foreground pool: one per core this process may run on (its CPU affinity, not the host's
+    count: 8 ranks pinned to 8 cores each get 8 each), at most 16 (several ranks per host each have one)."""
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):         # (not on Linux)
+        usable = os.cpu_count() or 1
+    return max(1, min(16, usable))
+
+
 def load_executor() -> ThreadPoolExecutor:
-    """The foreground codec threads, one per core, for calls that have the machine to themselves (training waits
-    for them): a load's decoding, and a sync save's encoding."""
-    return _pool("load", max(1, os.cpu_count() or 1), "liferaft-decode")
+    """The foreground codec threads (``foreground_threads()``), for calls that have the machine to themselves
+    (training waits for them): a load's decoding, and a sync save's encoding."""
+    return _pool("load", foreground_threads(), "liferaft-decode")
 
 
 def shutdown() -> None:

@@ -57,7 +57,9 @@ def save(path: PathLike, state: Any, *, process_group: ProcessGroup | None = Non
 
     The bytes stream through a small ring of host memory (64 MiB, or ``memory_budget`` if smaller; the
     ``async_save`` pool when the process has one), kept for later saves: a copy into it overlaps the direct
-    (O_DIRECT) write of the previous piece, so no page cache is filled and extra memory stays bounded.
+    (O_DIRECT) write of the previous piece, so no page cache is filled and extra memory stays bounded: the ring,
+    plus, for compressed chunks, the frames being encoded (4 chunks at most) and those waiting to be written
+    (``core.chunks.behind.LIMIT``, 64 MiB).
     """
     check_path(path, "save(path=...)")
     opts = check_options(options, SaveOptions, "save")

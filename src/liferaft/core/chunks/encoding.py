@@ -9,8 +9,8 @@ the encoding of chunk *i + 1* and the hashing of the pieces after it.
 Bounded memory: a chunk's raw bytes stay in the buffer pool until its frames are written (the pool bounds them;
 when the stager waits for room, the writer completes the oldest chunk in flight first, ``_next`` in
 ``core.chunks.writer``); at most ``MAX_IN_FLIGHT`` chunks are encoding at once, and the frames waiting for the
-I/O thread belong to chunks that still hold their pool regions, so the pool bounds them too (frames ≤ raw
-bytes, or the chunk is stored raw).
+I/O thread are bounded by ``core.chunks.behind.LIMIT`` (64 MiB, or one chunk's frames): handing on a chunk
+waits while the frames queued before it reach that, however slow the storage.
 
 One encoding thread per process (``chunk_executor``) runs ``Codec.encode_chunk`` for one chunk at a time; it
 spreads the chunk's blocks over the codec threads (``codecs.frames.executor``), so the codec threads' count (half
@@ -35,7 +35,7 @@ from typing import Any
 from liferaft.codecs import frames
 from liferaft.codecs.base import Codec, EncodedChunk
 
-MAX_IN_FLIGHT = 4       # chunks submitted and not yet written: bounds the encoded frames held at once
+MAX_IN_FLIGHT = 4       # chunks encoding at once: bounds the frames being made (``behind.LIMIT`` those waiting)
 
 _LOCK = threading.Lock()
 _EXECUTOR: tuple[int, ThreadPoolExecutor] | None = None

@@ -416,7 +416,7 @@ def _write_encoded(f: _File, behind: WriteBehind,
         return stored
     pos, n = f.reserve_frames(enc.frames)
     frames_out = enc.frames
-    behind.submit(lambda: f.put_frames(frames_out, pos, n))
+    behind.submit(lambda: f.put_frames(frames_out, pos, n), holds=n)
     _release_behind(behind, held, pool)
     out.bytes_written += n
     out.bytes_encoded += w.length
@@ -499,7 +499,7 @@ def _delta(f: _File, behind: WriteBehind, w: WriteItem, held: Sequence[Piece],
     out.encode_s += time.perf_counter() - t0
     pos, n = f.reserve_frames(enc.frames)
     frames_out = enc.frames
-    behind.submit(lambda: f.put_frames(frames_out, pos, n))
+    behind.submit(lambda: f.put_frames(frames_out, pos, n), holds=n)
     out.bytes_written += n
     out.bytes_encoded += w.length
     return StoredChunk(file=w.file, byte_offset=pos, block_size=block_size, hashes=sums[0], codec=registry.LOSSLESS,
