@@ -40,6 +40,7 @@ bench: $(VENV)/.peers
 	$(PY) benchmarks/bench_async.py
 	$(PY) benchmarks/bench_storage.py
 	$(PY) benchmarks/bench_codec.py
+	$(PY) benchmarks/bench_compressed_save.py --reps 5
 	$(PY) benchmarks/bench_write_less.py
 	$(PY) benchmarks/bench_tiers.py
 	$(PY) benchmarks/bench_convert.py
