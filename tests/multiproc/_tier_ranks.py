@@ -109,6 +109,35 @@ def transfer_in_pieces(rank: int, world: int, root: str) -> bool:
 
 
 
+def transfer_ring(rank: int, world: int, root: str) -> list[bool]:
+    """transfer_files around a ring of ``world`` ranks, twice through the same ``Buffers``: each rank sends two
+    files (of several pieces, and one smaller than a piece) to the next rank while it receives the previous
+    rank's two (both directions at once); returns, per call, whether the received bytes are the sender's."""
+    import os
+
+    from liferaft.dist import Coordinator
+    from liferaft.storage.posix import PosixStorage
+    from liferaft.tiers.memory import Buffers, transfer_files
+
+    def data(r: int, k: int, call: int) -> bytes:
+        n = (70_000 if k == 0 else 3_000) + 1_000 * r + call
+        return bytes((i * (r + 3) + k + call) % 251 for i in range(n))
+
+    buffers, out = Buffers(), []
+    nxt, prev = (rank + 1) % world, (rank - 1) % world
+    for call in range(2):
+        mine = PosixStorage(os.path.join(root, f"c{call}", f"r{rank}"))
+        for k in range(2):
+            w = mine.open_writer(f"f{rank}-{k}")
+            w.pwrite(data(rank, k, call), 0)
+            w.close()
+        transfer_files(Coordinator(), mine, [(nxt, f"f{rank}-{k}", len(data(rank, k, call))) for k in (1, 0)],
+                       [(prev, f"f{prev}-{k}", len(data(prev, k, call))) for k in (0, 1)], rank, piece=16_384,
+                       buffers=buffers)
+        out.append(all(mine.read_all(f"f{prev}-{k}") == data(prev, k, call) for k in range(2)))
+    return out
+
+
 def restore_damaged(rank: int, world: int, base: str, per_node: int, out: str, kill_rank: int | None = None) -> None:
     """Save step 1 on every node, lose node 1 (its memory), then restore step 1: the ranks of node 1 get every
     byte from node 0's replicas. Before the restore, the damage: with ``kill_rank``, that rank kill -9s itself

@@ -178,3 +178,11 @@ def test_files_cross_in_many_pieces_with_two_in_flight(tmp_path):
     from multiproc._tier_ranks import transfer_in_pieces
 
     assert run_ranks(transfer_in_pieces, 2, str(tmp_path)) == [True, True]
+
+
+def test_files_cross_around_a_ring_both_ways_at_once(tmp_path):
+    """Each rank sends its files to the next while it receives the previous rank's (a thread per direction), in
+    pieces, twice through the same kept buffers: every file arrives whole, whatever order the plan lists it in."""
+    from multiproc._tier_ranks import transfer_ring
+
+    assert run_ranks(transfer_ring, 3, str(tmp_path)) == [[True, True]] * 3

@@ -36,7 +36,7 @@ from liferaft.storage.base import Storage
 from liferaft.storage.posix import PosixStorage
 
 DEFAULT_BASE = "/dev/shm/liferaft"
-PIECE = 64 << 20            # bytes per message when copying a file between ranks
+PIECE = 4 << 20             # bytes per message when copying a file between ranks, and per request of a drain
 #: A restore's largest read (``LoadOptions.max_read_bytes``) unless the caller's options say otherwise: the load's
 #: staging buffers are fresh memory, first touched at ~1 GB/s on a VM, while shared memory reads at memcpy speed.
 MEMORY_READ = 4 << 20
@@ -82,6 +82,7 @@ class MemoryTier:
         self.last_restore: dict[str, Any] = {}
         self.last_load: Any = None          # the LoadResult of the last restore
         self._handle: Any = None
+        self._buffers = Buffers()           # the copies' buffers, kept between saves (tier threads only)
 
     # ------------------------------------------------------------------ layout
 
@@ -183,7 +184,7 @@ class MemoryTier:
         def copy_mine() -> None:
             mine = self._own_file(step)
             if mine is not None:
-                copy_file(self.step_storage(step), mine, target)
+                copy_file(self.step_storage(step), mine, target, self._buffers)
             target.sync()
 
         self.bg.run(copy_mine, "memory tier (drain)")
@@ -210,7 +211,8 @@ class MemoryTier:
         recvs = [(src, name, n) for src, (name, n) in enumerate(files)
                  if name and src != self.rank and self.rank in self.replica_targets(src)
                  and self.nodes[src] != self.node]
-        transfer_files(self.bg, self.step_storage(step), sends, recvs, self.rank, self.bandwidth)
+        transfer_files(self.bg, self.step_storage(step), sends, recvs, self.rank, self.bandwidth,
+                       buffers=self._buffers)
 
     def _drop_old(self, newest: int) -> None:
         """Remove steps beyond ``keep`` from this node once ``newest`` is committed everywhere (rank-local)."""
@@ -280,7 +282,7 @@ class MemoryTier:
             if lost and self._leader():             # what no live node holds: from the slower tier
                 assert fallback is not None
                 for name in sorted(lost):
-                    copy_file(fallback(step), name, st)
+                    copy_file(fallback(step), name, st, self._buffers)
                     copied += 1
                 st.sync()
             if self._leader() and not os.path.isfile(os.path.join(st.root, COMMIT_MARKER)):
@@ -367,13 +369,30 @@ def _newest_mixed(everyone: list[dict[int, Any]], fallback: Callable[[int], Stor
     return None
 
 
-def copy_file(src: Storage, name: str, dst: Storage) -> None:
-    """Copy file ``name`` from ``src`` to ``dst`` (durable), in pieces through a page-aligned buffer (O_DIRECT where
-    ``dst`` allows)."""
-    from liferaft.staging.pool import page_aligned_empty
+class Buffers:
+    """Page-aligned buffers of ``PIECE`` bytes kept between the copies of one tier (``copy_file``,
+    ``transfer_files``), so that a save's replication and drain do not first-touch fresh memory each time (about
+    1 GB/s on the project's VMs). One user at a time: the tier's background thread (and the thread it starts to
+    receive while it sends)."""
 
+    def __init__(self) -> None:
+        self._held: dict[str, list[torch.Tensor]] = {}
+
+    def get(self, kind: str, count: int, size: int) -> list[torch.Tensor]:
+        """``count`` buffers of at least ``size`` bytes for ``kind`` ("copy", "send", "recv"), views of ``size``."""
+        from liferaft.staging.pool import page_aligned_empty
+
+        held = self._held.get(kind, [])
+        if len(held) < count or any(b.numel() < size for b in held):
+            held = self._held[kind] = [page_aligned_empty(max(4096, size)) for _ in range(count)]
+        return [b[:size] for b in held[:count]]
+
+
+def copy_file(src: Storage, name: str, dst: Storage, buffers: Buffers | None = None) -> None:
+    """Copy file ``name`` from ``src`` to ``dst`` (durable), in pieces of ``PIECE`` bytes through a page-aligned
+    buffer (O_DIRECT where ``dst`` allows; ``buffers``: kept between copies)."""
     size = src.size(name)
-    buf = page_aligned_empty(max(4096, min(size, PIECE)))
+    (buf,) = (buffers or Buffers()).get("copy", 1, max(4096, min(size, PIECE)))
     mv = memoryview(buf.numpy())
     w = dst.open_writer(name)
     try:
@@ -390,36 +409,67 @@ def copy_file(src: Storage, name: str, dst: Storage) -> None:
 
 def transfer_files(coord: Coordinator, storage: PosixStorage, sends: list[tuple[int, str, int]],
                    recvs: list[tuple[int, str, int]], rank: int, bandwidth: float | None = None,
-                   piece: int = PIECE) -> None:
+                   piece: int = PIECE, buffers: Buffers | None = None) -> None:
     """Copy whole files between ranks: ``sends`` (to rank, name, size) are read from ``storage`` and sent in
     pieces; ``recvs`` (from rank, name, size) are written to ``storage`` under the same name (durable). Every
-    rank must call it with its part of one plan; the order of messages is that of the sorted plan. ``bandwidth``
-    (bytes/s) paces the sends. Files go in pieces of ``piece`` bytes, two in flight each way (the next piece is
-    read while one travels, and received while one is written)."""
+    rank must call it with its part of one plan: each rank sends its files in the order of their names and
+    receives its files in the order of their names, the sends on this thread while a second thread receives
+    (both directions of a link at once). ``bandwidth`` (bytes/s) paces the sends. Files go in pieces of
+    ``piece`` bytes, two in flight each way (the next piece is read while one travels, and received while one
+    is written), through ``buffers`` (kept between calls by the tier). A failure of either direction raises
+    here once both have ended."""
     if coord.world == 1 or (not sends and not recvs):
         return
-    ops = sorted([(name, "send", peer, size) for peer, name, size in sends] +
-                 [(name, "recv", peer, size) for peer, name, size in recvs])
-    piece = min(piece, max([s for *_, s in ops] + [1]))
-    bufs = [torch.empty(piece, dtype=torch.uint8) for _ in range(2)]   # two pieces in flight each way
-    for name, kind, peer, size in ops:
-        spans = [(off, min(piece, size - off)) for off in range(0, size, piece)]
-        if kind == "send":
-            _send_file(coord, storage, name, spans, bufs, peer, bandwidth)
-            continue
-        w = storage.open_writer(name)
+    sizes = [size for *_, size in sends + recvs]
+    piece = max(1, min(piece, max(sizes + [1])))
+    held = buffers or Buffers()
+    send_bufs = held.get("send", 2, piece) if sends else []
+    recv_bufs = held.get("recv", 2, piece) if recvs else []
+    errors: list[BaseException] = []
+
+    def receive_all() -> None:
         try:
-            pending = [coord.irecv(bufs[k][:n], peer, k) for k, (_, n) in enumerate(spans[:2])]
-            for k, (off, n) in enumerate(spans):
-                pending[k % 2].wait()
-                w.pwrite(memoryview(bufs[k % 2].numpy())[:n], off)
-                if k + 2 < len(spans):                  # the buffer is free again: post the piece after next
-                    pending[k % 2] = coord.irecv(bufs[k % 2][:spans[k + 2][1]], peer, k % 2)
-            w.close()
-        except BaseException:
-            w.abort()
-            raise
-        storage.sync()
+            for peer, name, size in sorted(recvs, key=lambda r: r[1]):
+                _recv_file(coord, storage, name, _spans(size, piece), recv_bufs, peer)
+            storage.sync()
+        except BaseException as e:  # noqa: BLE001 - raised by the caller's thread below
+            errors.append(e)
+
+    receiver = threading.Thread(target=receive_all, name="liferaft-tier-recv", daemon=True) if recvs else None
+    if receiver is not None:
+        receiver.start()
+    try:
+        for peer, name, size in sorted(sends, key=lambda r: r[1]):
+            _send_file(coord, storage, name, _spans(size, piece), send_bufs, peer, bandwidth)
+    except BaseException as e:  # noqa: BLE001 - raised below, after the receiver has ended
+        errors.insert(0, e)
+    finally:
+        if receiver is not None:
+            receiver.join()
+    if errors:
+        raise errors[0]
+
+
+def _spans(size: int, piece: int) -> list[tuple[int, int]]:
+    return [(off, min(piece, size - off)) for off in range(0, size, piece)]
+
+
+def _recv_file(coord: Coordinator, storage: PosixStorage, name: str, spans: list[tuple[int, int]],
+               bufs: list[torch.Tensor], peer: int) -> None:
+    """Receive ``spans`` of file ``name`` from ``peer`` (tags alternate 0/1 as the sender sends them) and write
+    them to a new file of ``storage``."""
+    w = storage.open_writer(name)
+    try:
+        pending = [coord.irecv(bufs[k][:n], peer, k) for k, (_, n) in enumerate(spans[:2])]
+        for k, (off, n) in enumerate(spans):
+            pending[k % 2].wait()
+            w.pwrite(memoryview(bufs[k % 2].numpy())[:n], off)
+            if k + 2 < len(spans):                  # the buffer is free again: post the piece after next
+                pending[k % 2] = coord.irecv(bufs[k % 2][:spans[k + 2][1]], peer, k % 2)
+        w.close()
+    except BaseException:
+        w.abort()
+        raise
 
 
 def _send_file(coord: Coordinator, storage: PosixStorage, name: str, spans: list[tuple[int, int]], bufs: list[torch.Tensor], peer: int,
