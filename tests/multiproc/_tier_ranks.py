@@ -138,6 +138,49 @@ def transfer_ring(rank: int, world: int, root: str) -> list[bool]:
     return out
 
 
+def transfer_with_a_local_failure(rank: int, world: int, root: str, mode: str) -> tuple[str, float, list[str]]:
+    """transfer_files on 3 ranks, each sending a file of 3 pieces to both others, where rank 1 fails locally:
+    ``mode`` "full" (its writes of received pieces raise ENOSPC, as a full /dev/shm does) or "short" (its own
+    file is shorter than the size announced for it). Returns (the error's class and message, or "ok"; seconds;
+    receiving threads still alive after the call)."""
+    import errno
+    import os
+    import threading
+    import time
+
+    from liferaft.dist import Coordinator
+    from liferaft.storage.posix import PosixStorage, _PosixWriter
+    from liferaft.tiers.memory import transfer_files
+
+    class Full(_PosixWriter):
+        def pwrite(self, data, offset: int) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+    class FullStorage(PosixStorage):
+        def open_writer(self, name: str):
+            path = self._p(name)
+            self._mkdirs(path)
+            return Full(path)
+
+    size, piece = 3 * 16_384 + 5, 16_384
+    kind = FullStorage if mode == "full" and rank == 1 else PosixStorage
+    mine = kind(os.path.join(root, f"r{rank}"))
+    w = PosixStorage(mine.root).open_writer(f"f{rank}")
+    w.pwrite(bytes(size // 2 if mode == "short" and rank == 1 else size), 0)
+    w.close()
+    others = [r for r in range(world) if r != rank]
+    t0 = time.monotonic()
+    try:
+        transfer_files(Coordinator(timeout=4.0), mine, [(o, f"f{rank}", size) for o in others],
+                       [(o, f"f{o}", size) for o in others], rank, piece=piece)
+        said = "ok"
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        said = f"{type(e).__name__}: {e}"
+    took = time.monotonic() - t0
+    time.sleep(0.1)
+    return said, took, [t.name for t in threading.enumerate() if t.name == "liferaft-tier-recv"]
+
+
 def restore_damaged(rank: int, world: int, base: str, per_node: int, out: str, kill_rank: int | None = None) -> None:
     """Save step 1 on every node, lose node 1 (its memory), then restore step 1: the ranks of node 1 get every
     byte from node 0's replicas. Before the restore, the damage: with ``kill_rank``, that rank kill -9s itself

@@ -186,3 +186,26 @@ def test_files_cross_around_a_ring_both_ways_at_once(tmp_path):
     from multiproc._tier_ranks import transfer_ring
 
     assert run_ranks(transfer_ring, 3, str(tmp_path)) == [[True, True]] * 3
+
+
+def test_a_receiver_that_cannot_write_reports_its_own_cause_at_once_and_the_senders_finish(tmp_path):
+    """(Regression: with both directions at once, a rank whose /dev/shm was full waited out the timeout and reported
+    a peer's timeout.) It drops the rest of what it receives, removes its partial files and raises ENOSPC; the
+    other ranks' transfers complete; no receiving thread is left."""
+    from multiproc._tier_ranks import transfer_with_a_local_failure
+
+    out = run_ranks(transfer_with_a_local_failure, 3, str(tmp_path), "full", timeout=120)
+    assert out[0][0] == "ok" and out[2][0] == "ok", out
+    assert out[1][0].startswith("OSError") and "No space left" in out[1][0], out[1]
+    assert out[1][1] < 3.0 and all(not left for *_, left in out), out     # (not the 4 s timeout)
+    assert not any(p.name.startswith("f") for p in (tmp_path / "r1").iterdir() if p.name != "f1")
+
+
+def test_a_sender_whose_file_shrank_says_so_and_its_peers_time_out_bounded(tmp_path):
+    """(Before, the missing bytes went out as stale buffer bytes and the transfer reported success.)"""
+    from multiproc._tier_ranks import transfer_with_a_local_failure
+
+    out = run_ranks(transfer_with_a_local_failure, 3, str(tmp_path), "short", timeout=120)
+    assert out[1][0].startswith("CorruptCheckpointError") and "shorter than" in out[1][0], out[1]
+    assert all(o[0].startswith("DistributedError") for o in (out[0], out[2])), out
+    assert all(o[1] < 30 for o in out) and all(not left for *_, left in out), out

@@ -17,6 +17,7 @@ a segment of another job is never read, and whatever is read is checked against 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import threading
@@ -28,11 +29,11 @@ import torch
 
 from liferaft.core.commit import CommitRecord, open_checkpoint, publish_commit, read_commit, read_marker
 from liferaft.dist import Coordinator
-from liferaft.errors import LiferaftError, OptionsError
+from liferaft.errors import CorruptCheckpointError, DistributedError, LiferaftError, OptionsError
 from liferaft.format.layout import COMMIT_MARKER, DATA_DIR, data_file_rank, manifest_name, parse_step, step_name
 from liferaft.format.manifest import decode_commit_marker
 from liferaft.options import LoadOptions, SaveOptions
-from liferaft.storage.base import Storage
+from liferaft.storage.base import FileWriter, Storage
 from liferaft.storage.posix import PosixStorage
 
 DEFAULT_BASE = "/dev/shm/liferaft"
@@ -428,12 +429,17 @@ def transfer_files(coord: Coordinator, storage: PosixStorage, sends: list[tuple[
     errors: list[BaseException] = []
 
     def receive_all() -> None:
+        failed: BaseException | None = None     # a local failure: what is still to come is received and dropped
         try:
             for peer, name, size in sorted(recvs, key=lambda r: r[1]):
-                _recv_file(coord, storage, name, _spans(size, piece), recv_bufs, peer)
-            storage.sync()
+                failed = _recv_file(coord, storage, name, _spans(size, piece), recv_bufs, peer,
+                                    keep=failed is None) or failed
+            if failed is None:
+                storage.sync()
         except BaseException as e:  # noqa: BLE001 - raised by the caller's thread below
             errors.append(e)
+        if failed is not None:
+            errors.append(failed)
 
     receiver = threading.Thread(target=receive_all, name="liferaft-tier-recv", daemon=True) if recvs else None
     if receiver is not None:
@@ -442,12 +448,13 @@ def transfer_files(coord: Coordinator, storage: PosixStorage, sends: list[tuple[
         for peer, name, size in sorted(sends, key=lambda r: r[1]):
             _send_file(coord, storage, name, _spans(size, piece), send_bufs, peer, bandwidth)
     except BaseException as e:  # noqa: BLE001 - raised below, after the receiver has ended
-        errors.insert(0, e)
+        errors.append(e)
     finally:
         if receiver is not None:
             receiver.join()
+    local = [e for e in errors if not isinstance(e, DistributedError)]
     if errors:
-        raise errors[0]
+        raise (local or errors)[0]          # (a peer that gave up waiting on this rank is the effect, not the cause)
 
 
 def _spans(size: int, piece: int) -> list[tuple[int, int]]:
@@ -455,21 +462,45 @@ def _spans(size: int, piece: int) -> list[tuple[int, int]]:
 
 
 def _recv_file(coord: Coordinator, storage: PosixStorage, name: str, spans: list[tuple[int, int]],
-               bufs: list[torch.Tensor], peer: int) -> None:
+               bufs: list[torch.Tensor], peer: int, keep: bool = True) -> BaseException | None:
     """Receive ``spans`` of file ``name`` from ``peer`` (tags alternate 0/1 as the sender sends them) and write
-    them to a new file of ``storage``."""
-    w = storage.open_writer(name)
+    them to a new file of ``storage``; return None, or the local failure to write it (``keep`` False: drop them
+    unwritten). A local failure (no room left, say) removes the partial file and drops the rest of the pieces as
+    they come, so that the sender finishes and this rank reports its own cause at once instead of every rank
+    waiting out the timeout; a failure to receive (DistributedError) raises."""
+    failed: BaseException | None = None
+    w: FileWriter | None = None
+    if keep:
+        try:
+            w = storage.open_writer(name)
+        except (OSError, LiferaftError) as e:
+            failed = e
     try:
         pending = [coord.irecv(bufs[k][:n], peer, k) for k, (_, n) in enumerate(spans[:2])]
         for k, (off, n) in enumerate(spans):
             pending[k % 2].wait()
-            w.pwrite(memoryview(bufs[k % 2].numpy())[:n], off)
+            if w is not None:
+                try:
+                    w.pwrite(memoryview(bufs[k % 2].numpy())[:n], off)
+                except (OSError, LiferaftError) as e:
+                    failed, w = e, _aborted(w)
             if k + 2 < len(spans):                  # the buffer is free again: post the piece after next
                 pending[k % 2] = coord.irecv(bufs[k % 2][:spans[k + 2][1]], peer, k % 2)
-        w.close()
+        if w is not None:
+            try:
+                w.close()
+            except (OSError, LiferaftError) as e:
+                failed, w = e, _aborted(w)
     except BaseException:
-        w.abort()
+        if w is not None:
+            w.abort()
         raise
+    return failed
+
+
+def _aborted(w: FileWriter) -> None:
+    with contextlib.suppress(OSError, LiferaftError):
+        w.abort()
 
 
 def _send_file(coord: Coordinator, storage: PosixStorage, name: str, spans: list[tuple[int, int]], bufs: list[torch.Tensor], peer: int,
@@ -484,7 +515,11 @@ def _send_file(coord: Coordinator, storage: PosixStorage, name: str, spans: list
             for k, (_, n) in enumerate(spans):
                 if pending[k % 2] is not None:
                     pending[k % 2].wait()
-                f.readinto(memoryview(bufs[k % 2].numpy())[:n])
+                got = f.readinto(memoryview(bufs[k % 2].numpy())[:n])
+                if got != n:
+                    raise CorruptCheckpointError(f"{storage.url}/{name}: the file is shorter than the "
+                                                 f"{sum(m for _, m in spans)} bytes announced for it (it changed "
+                                                 "while being sent); the rest of it is not sent")
                 pending[k % 2] = coord.isend(bufs[k % 2][:n], peer, k % 2)
                 sent += n
                 if bandwidth:
