@@ -354,13 +354,28 @@ class Coordinator:
         return [int(x) for x in t.tolist()]
 
     def isend(self, tensor: Any, rank: int, tag: int) -> _Work:
-        """Start sending ``tensor`` to ``rank`` (of this coordinator); ``wait()`` on the result is bounded."""
-        assert self.group is not None
-        work = self.group.backend.send([tensor], rank, tag)
-        return _Work(work, self.group, self.timeout, f"sending {tensor.numel()} bytes to rank {rank}")
+        """Start sending ``tensor`` to ``rank`` (of this coordinator); ``wait()`` on the result is bounded. A
+        failure to post it (a peer's connection already closed) raises DistributedError and marks the group
+        broken, as a failed wait does."""
+        what = f"sending {tensor.numel()} bytes to rank {rank}"
+        return _Work(self._post(lambda g: g.backend.send([tensor], rank, tag), what), self._live(), self.timeout,
+                     what)
 
     def irecv(self, tensor: Any, rank: int, tag: int) -> _Work:
-        """Start receiving into ``tensor`` from ``rank``; ``wait()`` on the result is bounded by the timeout."""
+        """Start receiving into ``tensor`` from ``rank``; ``wait()`` on the result is bounded by the timeout (a
+        failure to post it: as for ``isend``)."""
+        what = f"receiving {tensor.numel()} bytes from rank {rank}"
+        return _Work(self._post(lambda g: g.backend.recv([tensor], rank, tag), what), self._live(), self.timeout,
+                     what)
+
+    def _live(self) -> _Group:
         assert self.group is not None
-        work = self.group.backend.recv([tensor], rank, tag)
-        return _Work(work, self.group, self.timeout, f"receiving {tensor.numel()} bytes from rank {rank}")
+        return self.group
+
+    def _post(self, start: Any, what: str) -> Any:
+        group = self._live()
+        try:
+            return start(group)
+        except Exception as e:  # noqa: BLE001 - gloo reports a closed peer connection as RuntimeError
+            group.fail()
+            raise DistributedError(f"{what} failed (a peer died or closed its connection): {_one_line(e)}") from None

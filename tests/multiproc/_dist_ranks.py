@@ -20,3 +20,30 @@ def hang_on_second_save(rank: int, world: int, path: str) -> str:
     except liferaft.DistributedError as e:
         return f"DistributedError: {e}"
     return "no error"
+
+
+def p2p_after_a_peer_died(rank: int, world: int, out: str) -> None:
+    """Rank 1 kill -9s itself once the group is made; rank 0 then keeps sending to it (and receiving from it) until
+    one of those fails: it must fail as a DistributedError (a failure to post the send included: gloo raises a raw
+    RuntimeError there once the peer's connection is closed), and the group is then marked broken. Rank 0 writes
+    ``out`` with what it saw."""
+    import json
+    import os
+    import signal
+
+    from liferaft.dist import Coordinator
+
+    coord = Coordinator(timeout=5.0, channel="p2p-test")
+    coord.exchange(rank, None, "made")
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.5)
+    seen = "no error"
+    try:
+        for _ in range(200):
+            coord.isend(torch.ones(1024), 1, 0).wait()
+            time.sleep(0.01)
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        seen = f"{type(e).__name__}: {e}"
+    with open(out, "w") as f:
+        json.dump({"seen": seen, "broken": bool(coord.group is not None and coord.group.broken)}, f)

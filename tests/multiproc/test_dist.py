@@ -26,3 +26,19 @@ def test_coordinator_without_process_group():
         assert str(e) == "boom"
     else:
         raise AssertionError("expected the local error")
+
+
+def test_sending_to_a_dead_peer_is_a_distributed_error_and_breaks_the_group(tmp_path):
+    import json
+
+    from multiproc._dist_ranks import p2p_after_a_peer_died
+
+    from liferaft.testing import RankFailure
+
+    out = tmp_path / "seen.json"
+    try:
+        run_ranks(p2p_after_a_peer_died, 2, str(out), timeout=120)
+    except RankFailure as e:
+        assert set(e.errors) == {1}, e
+    got = json.loads(out.read_text())
+    assert got["seen"].startswith("DistributedError") and got["broken"], got

@@ -316,8 +316,10 @@ class MemoryTier:
         return tuple(sorted(m.files)), held, manifest_name(m.save_id)
 
     def release(self) -> None:
-        """Free this node's shared memory of this job (a clean exit). Not collective."""
+        """Free this node's shared memory of this job and the tier's copy buffers (a clean exit). Not
+        collective."""
         self.wait()
+        self._buffers = Buffers()           # (the copies' kept buffers go too)
         shutil.rmtree(self.root, ignore_errors=True)
 
 
