@@ -138,11 +138,17 @@ class _Writer(_PosixWriter):
         super().pwrite(data, offset)
 
 
-class _RecordingStorage(PosixStorage):
-    def open_writer(self, name: str):
-        path = self._p(name)
-        self._mkdirs(path)
-        return _Writer(path)
+def _storage_with(writer: type[_PosixWriter]) -> type[PosixStorage]:
+    """A POSIX storage whose data-file writers are ``writer``s."""
+    class _Storage(PosixStorage):
+        def open_writer(self, name: str):
+            path = self._p(name)
+            self._mkdirs(path)
+            return writer(path)
+    return _Storage
+
+
+_RecordingStorage = _storage_with(_Writer)
 
 
 def _items(tensors: dict[str, torch.Tensor]) -> tuple[list[WriteItem], dict, int]:
@@ -278,11 +284,7 @@ class _SlowWriter(_PosixWriter):
         super().pwrite(data, offset)
 
 
-class _SlowStorage(PosixStorage):
-    def open_writer(self, name: str):
-        path = self._p(name)
-        self._mkdirs(path)
-        return _SlowWriter(path)
+_SlowStorage = _storage_with(_SlowWriter)
 
 
 def test_encoded_frames_waiting_for_slow_storage_stay_within_the_limit(tmp_path, monkeypatch):
