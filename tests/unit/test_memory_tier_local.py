@@ -93,3 +93,19 @@ def test_replica_targets_and_plans_are_pure():
     assert file_holders(everyone, 7, need, {"data/x/r0.bin", "data/x/r1.bin"}) == {
         "data/x/r0.bin": [0], "data/x/r1.bin": [0, 2], "data/x/r2.bin": [0, 1, 2, 3]}   # r2: from a slower tier
     assert newest_complete([{7: (("f1", "f2"), {"f1": 1}, "m")}]) == (None, -1)
+
+
+@pytest.mark.parametrize("size", [-1, 2 ** 63, 1.5, "12", None])
+def test_a_transfer_announced_with_an_impossible_size_is_refused_before_anything_is_allocated(tmp_path, size):
+    """Sizes in a transfer plan come from peers: a negative, huge or non-integer one is a DistributedError naming
+    the file and the rank (a negative size used to make an empty replica silently)."""
+    from liferaft.dist import Coordinator
+    from liferaft.errors import DistributedError
+    from liferaft.storage.posix import PosixStorage
+    from liferaft.tiers.memory import transfer_files
+
+    coord = Coordinator()
+    coord.world = 2                      # (the check runs before any message: the world size is all it reads)
+    with pytest.raises(DistributedError, match=r"r00001\.bin.*rank 1"):
+        transfer_files(coord, PosixStorage(str(tmp_path)), [], [(1, "r00001.bin", size)], 0)
+    assert list(tmp_path.iterdir()) == []

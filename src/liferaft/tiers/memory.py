@@ -31,6 +31,7 @@ from liferaft.core.commit import CommitRecord, open_checkpoint, publish_commit, 
 from liferaft.dist import Coordinator
 from liferaft.errors import CorruptCheckpointError, DistributedError, LiferaftError, OptionsError
 from liferaft.format.layout import COMMIT_MARKER, DATA_DIR, data_file_rank, manifest_name, parse_step, step_name
+from liferaft.format.limits import MAX_INT
 from liferaft.format.manifest import decode_commit_marker
 from liferaft.options import LoadOptions, SaveOptions
 from liferaft.storage.base import FileWriter, Storage
@@ -423,6 +424,11 @@ def transfer_files(coord: Coordinator, storage: PosixStorage, sends: list[tuple[
     here once both have ended."""
     if coord.world == 1 or (not sends and not recvs):
         return
+    for peer, name, size in sends + recvs:      # (sizes a peer announced: checked before anything is allocated)
+        if type(size) is not int or not 0 <= size <= MAX_INT or not isinstance(name, str):
+            raise DistributedError(f"memory tier: the transfer of {name!r} with rank {peer} was announced with "
+                                   f"{size!r} bytes (not a file size): not a liferaft peer of this version, or "
+                                   "its memory is damaged; nothing was copied")
     sizes = [size for *_, size in sends + recvs]
     piece = max(1, min(piece, max(sizes + [1])))
     held = buffers or Buffers()
