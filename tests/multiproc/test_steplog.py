@@ -11,7 +11,7 @@ import shutil
 import warnings
 
 import pytest
-from multiproc._steplog_ranks import job, replay_alone
+from multiproc._steplog_ranks import INF_STEP, job, replay_alone
 
 from liferaft.testing import RankFailure, run_ranks
 
@@ -87,10 +87,11 @@ def test_replicated_gradients_are_not_sent_and_a_lost_node_still_recovers_bitwis
     still replay bitwise after rank 1's node lost its memory."""
     ref = _reference(tmp_path, kind, "sgd")
     root, base = _crash(tmp_path, kind, "sgd")
-    lost, peer = (glob.glob(os.path.join(base, "steplog-test", node, "steplog", "*", "r00001"))[0]
-                  for node in ("node1", "node0"))
-    same = _same_records(lost, peer)            # rank 1's records as its node wrote them = its replicas
-    assert len(same) >= 3, same
+    lost, peer, home = (glob.glob(os.path.join(base, "steplog-test", node, "steplog", "*", r))[0]
+                        for node, r in (("node1", "r00001"), ("node0", "r00001"), ("node0", "r00000")))
+    same, thin = _same_records(lost, peer, home)    # rank 1's records as its node wrote them = its replicas
+    # every gradient the peer holds stays home (INF_STEP: GradScaler skipped the optimizer step, no gradient)
+    assert len(same) >= 3 and thin == [s for s in same if s != INF_STEP] and max(same) >= KILL - 1, (same, thin)
     shutil.rmtree(os.path.join(base, "steplog-test", "node1"))
     with warnings.catch_warnings(record=True):
         out = run_ranks(job, 2, root, base, kind, "sgd", LAST, None, timeout=180)
@@ -103,17 +104,30 @@ def test_replicated_gradients_are_not_sent_and_a_lost_node_still_recovers_bitwis
         assert (out[rank]["diverged"] > 0) == (kind == "mixed"), out[rank]
 
 
-def _same_records(a: str, b: str) -> list[int]:
-    """Steps whose record is held in both slot folders, checked byte for byte equal (the replica is the record)."""
-    from liferaft.tiers.steprecord import read_header, read_record
+def _same_records(a: str, b: str, home: str) -> tuple[list[int], list[int]]:
+    """Steps whose record is held in both slot folders, checked byte for byte equal once the replica in ``b`` has
+    its held runs filled from its node's own record (in ``home``), as a recovery does; and the steps whose replica
+    had held runs. A replica whose home slot holds a newer step since is stale (its step is at or below a durable
+    full checkpoint: a recovery does not list it either) and skipped."""
+    from liferaft.tiers.steprecord import fill_held, read_header, read_held, read_record
 
-    out = []
+    out, thin = [], []
     for name in sorted(os.listdir(b)):
         ha, hb = read_header(a, name), read_header(b, name)
         if ha is not None and hb is not None and ha.step == hb.step:
-            assert read_record(a, name, ha.length) == read_record(b, name, hb.length), name
+            replica = read_record(b, name, hb.length)
+            held = read_held(b, name, hb.length)
+            if held is not None:
+                own = f"slot-{held.own_slot:04d}"
+                ho = read_header(home, own)
+                assert held.step == hb.step and ho is not None, (name, held)
+                if ho.step != held.step:
+                    continue
+                fill_held(replica, held, read_record(home, own, ho.length), name)
+                thin.append(hb.step)
+            assert read_record(a, name, ha.length) == replica, name
             out.append(hb.step)
-    return out
+    return out, thin
 
 
 def test_another_world_size_falls_back_to_the_full_checkpoint(tmp_path):
@@ -123,12 +137,15 @@ def test_another_world_size_falls_back_to_the_full_checkpoint(tmp_path):
 
 
 def _damage(path, damage):
-    from liferaft.tiers.steprecord import read_header
+    from liferaft.tiers.steprecord import read_header, read_held
 
     h = read_header(os.path.dirname(path), os.path.basename(path))
     data = bytearray(open(path, "rb").read())
-    if damage == "flip":
+    if damage == "flip" and read_held(os.path.dirname(path), os.path.basename(path), h.length) is None:
         data[100] ^= 0xFF                               # a gradient byte
+    elif damage == "flip":                              # a replica whose gradients its node's own record holds:
+        rest = [e for es in h.doc["rest"]["tensors"].values() for e in es if e["len"]]
+        data[rest[0]["off"]] ^= 0xFF                    # a byte it holds itself
     elif damage == "truncate":
         data = data[:h.header_off - 10]
     else:
@@ -144,17 +161,22 @@ def _slot_of(folder, step):
                 if (h := read_header(folder, f)) is not None and h.step == step)
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "header", "flip-own-copy-only"])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "header", "flip-own-copy-only", "flip-held-home"])
 def test_a_damaged_record_stops_the_replay_before_it(tmp_path, damage):
     """Rank 1's record of step 6 damaged on its node and on its replica's: the replay stops at 5 (never a wrong
-    state); damaged on its own node only: the replica's copy is taken and nothing is lost."""
+    state); damaged on its own node only: the replica's copy is taken and nothing is lost. ``held-home``: rank
+    1's record damaged on its node, and the replica on rank 0's node whole but for its gradients, which it takes
+    from rank 0's own record of step 6 (held home) — damaged too: that replica is refused, never served wrong."""
     ref = _reference(tmp_path, "ddp", "adamw")
     root, base = _crash(tmp_path, "ddp", "adamw")
-    copies = ["node1"] if damage.endswith("only") else ["node1", "node0"]
-    for node in copies:
-        _damage(_slot_of(glob.glob(os.path.join(base, "steplog-test", node, "steplog", "*", "r00001"))[0], 6), damage.split("-")[0])
+    copies = {"only": [("node1", "r00001")], "home": [("node1", "r00001"), ("node0", "r00000")]}.get(
+        damage.split("-")[-1], [("node1", "r00001"), ("node0", "r00001")])
+    for node, r in copies:
+        _damage(_slot_of(glob.glob(os.path.join(base, "steplog-test", node, "steplog", "*", r))[0], 6), damage.split("-")[0])
     out = run_ranks(job, 2, root, base, "ddp", "adamw", LAST, None, timeout=180)
     _check_resumed(out, ref, KILL if damage.endswith("only") else 5)
+    if damage == "flip-held-home":                      # rank 0's own copy and the replica of it on node1 (held
+        assert "checksum" in out[0]["recovery"]["why"] + out[1]["recovery"]["why"]   # there, damaged) refused
     if not damage.endswith("only") and damage == "flip":
         assert "slot-" in out[0]["recovery"]["why"] + out[1]["recovery"]["why"]     # names the file
 

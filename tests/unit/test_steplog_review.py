@@ -301,7 +301,8 @@ def test_a_gradient_with_the_same_crc_but_other_bytes_is_sent_not_taken_from_hom
     bytes are sent."""
     import crc32c
 
-    from liferaft.tiers.steprecord import PROLOGUE, as_bytes, tensor_entry
+    from liferaft.codecs.checksum import CHECKSUM_BITS
+    from liferaft.tiers.steprecord import PROLOGUE, RECORD_CHECKSUM, as_bytes, tensor_entry
     from liferaft.tiers.stepsend import Sender, _rows
     from liferaft.tiers.stepslot import Slot
 
@@ -330,6 +331,9 @@ def test_a_gradient_with_the_same_crc_but_other_bytes_is_sent_not_taken_from_hom
     sender = torch.randn(n // 4, generator=torch.Generator().manual_seed(1))
     receiver = torch.frombuffer(bytearray(a ^ b for a, b in zip(as_bytes(sender).tobytes(), diff)), dtype=torch.float32)
     e_s, e_r = tensor_entry(PROLOGUE, sender, as_bytes(sender)), tensor_entry(PROLOGUE, receiver, as_bytes(receiver))
+    assert CHECKSUM_BITS[RECORD_CHECKSUM] == 64 and e_s["digest"] != e_r["digest"]   # records: 64-bit digests
+    for e, t in ((e_s, sender), (e_r, receiver)):       # a record with CRC-32C entries (any algorithm reads)
+        e["digest"] = f"{crc32c.crc32c(as_bytes(t)):08x}"
     assert e_s["digest"] == e_r["digest"] and not torch.equal(sender, receiver)      # the CRCs collide
     length = PROLOGUE + n + 64
     records = {}
@@ -337,8 +341,8 @@ def test_a_gradient_with_the_same_crc_but_other_bytes_is_sent_not_taken_from_hom
         records[name] = Slot(str(tmp_path), name)
         records[name].reserve(length)
         records[name].write(PROLOGUE, as_bytes(t))
-    theirs = _rows([e_s], memoryview(records["snd"].map)[:length])
-    rows = _rows([e_r], memoryview(records["rcv"].map)[:length])
+    theirs = _rows([e_s], memoryview(records["snd"].map)[:length], "crc32c")
+    rows = _rows([e_r], memoryview(records["rcv"].map)[:length], "crc32c")
     snd = Sender(str(tmp_path), None, 1, [], [0], lambda r, s: f"rep-{r}-{s}", lambda rel, size: records["rcv"])
     assert snd._mask(0, 5, length, theirs, 5, rows).tolist() == [0]                   # sent, not taken from home
     fresh = Sender(str(tmp_path), None, 1, [], [0], lambda r, s: f"rep-{r}-{s}", lambda rel, size: records["snd"])

@@ -32,7 +32,6 @@ import torch
 from liferaft.codecs.checksum import digest
 from liferaft.dist import Coordinator
 from liferaft.errors import InvalidStateError, LiferaftError
-from liferaft.format.records import CHECKSUM_ALGO
 from liferaft.state import optsteps
 from liferaft.state.values import decode_value, encode_value
 from liferaft.tiers.memory import MemoryTier
@@ -40,13 +39,18 @@ from liferaft.tiers.stepcheck import check_records, lock_writer, owner_id
 from liferaft.tiers.stepplan import bytearray_np, fetch_plan, newest_chain, targets, verify_record
 from liferaft.tiers.steprecord import (
     FORMAT,
+    HELD,
     PROLOGUE,
+    RECORD_CHECKSUM,
     Header,
+    Held,
     as_bytes,
     encode_header,
+    fill_held,
     parse_record,
     prologue,
     read_header,
+    read_held,
     read_record,
     tensor_at,
     tensor_entry,
@@ -107,6 +111,7 @@ class StepLog:
         self._lock = threading.Lock()
         self._busy = -1                          # the own slot the replication is reading
         self._rest = RestCapture()
+        self._thin: dict[str, Held] = {}        # (a recovery's listing) replica slot -> its held trailer
         self._sender = Sender(self.root, self.bg, self.rank, self.targets, self.sources, _slot_name, self._slot)
         #: what the last recovery did (docs/STEPLOG.md): {"full", "replayed_to", "replayed", "fetched",
         #: "rest_loads", "why", "timings" (seconds per phase)} (for logs and tests)
@@ -255,7 +260,7 @@ class StepLog:
         self._cuda.clear()
         live = optsteps.LiveIds(self.optimizers or [])      # (found only if the walk meets a tensor: most steps do not)
         rest = self._rest.capture(state, live, self._put, self.allow_pickle)
-        header = encode_header({"format": FORMAT, "checksum": CHECKSUM_ALGO, "step": step, "rank": self.rank, "world": self.world, "owner": self.owner,
+        header = encode_header({"format": FORMAT, "checksum": RECORD_CHECKSUM, "step": step, "rank": self.rank, "world": self.world, "owner": self.owner,
                                 "layout": self.layout[0], "calls": cur["calls"], "rest": rest})
         off = cur["pos"]
         f: _Slot = cur["file"]
@@ -299,7 +304,7 @@ class StepLog:
         """Background: send this rank's record in ``slot`` to its targets, less the plain gradients a target's own
         record of the step holds (``tiers.stepsend``); store the sources' records."""
         try:
-            self._sender.run(slot, step, length, plain)
+            self._sender.run(slot, step, length, plain, RECORD_CHECKSUM)
         finally:
             self._busy = -1
         # the slot the next record will likely take gets its pages now, off the training thread (a slot's pages
@@ -317,10 +322,12 @@ class StepLog:
         return f
 
     def _store(self, rel: str, data: memoryview) -> None:
-        """Write a whole record (received from a peer) into the slot file ``rel``: the prologue last."""
+        """Write a whole record (received from a peer) into the slot file ``rel``: the prologue last (a held
+        trailer an earlier replica left there zeroed: this copy is whole)."""
         f = self._file(rel)
-        f.reserve(len(data))
+        f.reserve(len(data) + len(HELD))
         f.write(0, bytes(PROLOGUE))
+        f.write(len(data), bytes(len(HELD)))
         f.write(PROLOGUE, data[PROLOGUE:])
         f.write(0, data[:PROLOGUE])
 
@@ -399,8 +406,12 @@ class StepLog:
         """(rank, step) → (slot name, length, world) of the records newer than ``full`` this node holds, as this
         rank sees them: its own records read whole and verified (a damaged copy is no copy: a peer's may serve;
         the bytes set aside in ``kept[step]`` for the replay), the replicas of ranks on other nodes by their
-        checked header (verified whole by the rank they are sent to); other ranks of this node list their own."""
+        checked header (verified whole by the rank they are sent to); other ranks of this node list their own. A
+        replica with a held trailer is held only if this rank's own record of its step is in ``kept`` from the
+        slot the trailer names (its runs are filled from there when it is sent: ``thin``)."""
         out: dict[tuple[int, int], tuple[str, int, int]] = {}
+        self._thin = {}
+        thin: list[tuple[tuple[int, int], tuple[str, int, int], Held]] = []
         if not os.path.isdir(self.root):
             return out
         node = self.nodes[self.rank]
@@ -420,6 +431,9 @@ class StepLog:
                     if own:
                         data = read_record(self.root, rel, h.length)
                         verify_record(h, data)
+                        held = None
+                    else:
+                        held = read_held(self.root, rel, h.length)
                 except (LiferaftError, OSError) as e:
                     out[(-1, len(out))] = (f"refused: {e}", 0, -1)      # reported with the outcome
                     continue
@@ -428,10 +442,19 @@ class StepLog:
                     why = f"refused: {h.path}: written by another manager (owner {other!r}, this one is {self.owner!r})"
                     out[(-1, len(out))] = (why, 0, -1)
                     continue
+                if held is not None:
+                    thin.append(((h.doc["rank"], h.step), (rel, h.length, h.doc["world"]), held))
+                    continue
                 out[(h.doc["rank"], h.step)] = (rel, h.length, h.doc["world"])
                 if own and h.doc["rank"] == self.rank:
                     self._held[int(name.split("-")[1])] = h.step
                     kept[h.step] = (h, data, os.path.join(self.root, rel))
+        for key, val, held in thin:
+            home = kept.get(key[1])
+            if held.step == key[1] and held.source == key[0] and home is not None and \
+                    os.path.basename(home[2]) == os.path.basename(_slot_name(self.rank, held.own_slot)):
+                out[key] = val
+                self._thin[val[0]] = held
         return out
 
     def _gather(self, kept: dict[int, tuple[Header, bytearray, str]], plan: list[tuple[int, int, int, str, int]],
@@ -441,7 +464,11 @@ class StepLog:
         works, got = [], {}
         for tag, (step, holder, rank, rel, length) in enumerate(plan):
             if holder == self.rank:
-                data = torch.from_numpy(bytearray_np(read_record(self.root, rel, length)))
+                raw = read_record(self.root, rel, length)
+                held = self._thin.get(rel)
+                if held is not None:            # the gradients this node's own record of the step holds
+                    fill_held(raw, held, kept[held.step][1], os.path.join(self.root, rel))
+                data = torch.from_numpy(bytearray_np(raw))
                 works.append(self.coord.isend(data, rank, tag))
             if rank == self.rank:
                 buf = torch.empty(length, dtype=torch.uint8)

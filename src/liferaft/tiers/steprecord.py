@@ -14,7 +14,17 @@ A record is one slot file ``<memory tier base>/<job>/<node>/steplog/<owner>/r<ra
   index, ``grads`` (a tensor entry or null each), ``groups`` (hyperparameters per group, tagged values of
   ``state.values``; a tensor as ``{"$t": entry}``), ``kwargs``, and ``attrs`` when GradScaler set
   ``state.optsteps.AMP_ATTRS`` on the optimizer), ``rest`` (``tensors``: key → tensor entries, one per local part;
-  ``values``: key → tagged value). A tensor entry is ``{"off", "len", "dtype", "shape", "digest"}``.
+  ``values``: key → tagged value). A tensor entry is ``{"off", "len", "dtype", "shape", "digest"}``. Records are
+  written with ``RECORD_CHECKSUM`` (XXH3-64: four times CRC-32C's speed here, computed on the training thread
+  anyway, and 64 bits, so replication decides "the peer holds these bytes" on the record's own digests); any of
+  ``CHECKSUM_ALGOS`` reads.
+- a replica kept by a peer whose own record of the same step holds some of the gradients (DDP: all of them) may
+  leave those byte ranges unwritten and say so in a *held trailer* at byte ``length`` (past the record): ``HELD``
+  (8 bytes), little-endian u64s step, source rank, the holder's own slot and the number of runs, then per run the
+  offset in the holder's own record, the offset in this record and the length, then the XXH3-64 (16 hex digits)
+  of all that. Reading such a replica fills the runs from the holder's own record of that step (checked: the
+  step, the slot, every run inside both records) and then verifies every tensor as for any record. A replica
+  written whole has the trailer's magic zeroed.
 
 Reading checks every size against the file and the caps below before allocating, every tensor's digest, and the
 header's; any mismatch raises CorruptCheckpointError naming the file — never a wrong step.
@@ -34,11 +44,17 @@ from liferaft.codecs.checksum import digest
 from liferaft.errors import CorruptCheckpointError
 from liferaft.format.jsonsafe import loads
 from liferaft.format.limits import MAX_INT, MAX_NDIM, MAX_WORLD_SIZE
-from liferaft.format.records import CHECKSUM_ALGO, CHECKSUM_ALGOS
+from liferaft.format.records import CHECKSUM_ALGOS
 from liferaft.state.dtypes import dtype_name
 from liferaft.storage.files import open_read
 
 MAGIC = b"LRSTEP01"
+HELD = b"LRHELD01"
+RECORD_CHECKSUM = "xxh3_64"
+MAX_HELD_RUNS = 1 << 22
+_HELD_HEAD = struct.Struct("<8sQQQQ")
+_RUN = struct.Struct("<QQQ")
+_HELD_DIGEST = 16
 FORMAT = "liferaft-steplog/1"
 PROLOGUE = 64
 MAX_HEADER_BYTES = 256 << 20
@@ -58,10 +74,75 @@ def encode_header(header: dict[str, Any]) -> bytes:
 
 
 def tensor_entry(off: int, t: torch.Tensor, data: memoryview) -> dict[str, Any]:
-    """The header entry of tensor ``t`` stored at ``off`` as ``data`` (its bytes; checksum ``CHECKSUM_ALGO``, which
-    the header names as ``checksum``)."""
+    """The header entry of tensor ``t`` stored at ``off`` as ``data`` (its bytes; checksum ``RECORD_CHECKSUM``,
+    which the header names as ``checksum``)."""
     return {"off": off, "len": len(data), "dtype": dtype_name(t.dtype), "shape": list(t.shape),
-            "digest": digest(data, CHECKSUM_ALGO)}
+            "digest": digest(data, RECORD_CHECKSUM)}
+
+
+@dataclass(frozen=True)
+class Held:
+    """A replica's held trailer, as read and checked: the byte ``runs`` (offset in the holder's own record of
+    ``step``, in ``own_slot``; offset in the replica; length) to fill from there."""
+
+    step: int
+    source: int
+    own_slot: int
+    runs: list[tuple[int, int, int]]
+
+
+def held_trailer(step: int, source: int, own_slot: int, runs: list[tuple[int, int, int]]) -> bytes:
+    """The held trailer of a replica of ``source``'s record of ``step`` whose ``runs`` are in this rank's own record
+    in ``own_slot`` (written at the replica's byte ``length``, before its prologue)."""
+    body = _HELD_HEAD.pack(HELD, step, source, own_slot, len(runs)) + b"".join(_RUN.pack(*r) for r in runs)
+    return body + digest(body, "xxh3_64").encode("ascii")
+
+
+def held_size(runs: int) -> int:
+    """Bytes of a held trailer of ``runs`` runs."""
+    return _HELD_HEAD.size + runs * _RUN.size + _HELD_DIGEST
+
+
+def read_held(root: str, rel: str, length: int) -> Held | None:
+    """The held trailer past the ``length`` bytes of the replica ``root/rel``; None for a replica written whole.
+    Hostile input: the run count is checked against the file before it is read, the digest, and every run inside
+    the record past its prologue, in order and disjoint (CorruptCheckpointError naming the file otherwise)."""
+    path = os.path.join(root, rel)
+    fd = open_read(root, rel, limit=MAX_RECORD_BYTES)
+    try:
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, _HELD_HEAD.size, length) if size >= length + _HELD_HEAD.size else b""
+        if head[:8] != HELD:
+            return None
+        _, step, source, own_slot, n = _HELD_HEAD.unpack(head)
+        if n > MAX_HELD_RUNS or length + held_size(n) > size:
+            raise _fail(path, f"has a held trailer of {n} runs that does not fit the file")
+        rest = os.pread(fd, n * _RUN.size + _HELD_DIGEST, length + _HELD_HEAD.size)
+    finally:
+        os.close(fd)
+    body = head + rest[:n * _RUN.size]
+    if len(rest) != n * _RUN.size + _HELD_DIGEST or digest(body, "xxh3_64").encode("ascii") != rest[-_HELD_DIGEST:]:
+        raise _fail(path, "held trailer does not match its checksum (torn or damaged)")
+    runs = [_RUN.unpack_from(rest, i * _RUN.size) for i in range(n)]
+    pos = PROLOGUE
+    for _, dst, k in runs:
+        if k <= 0 or dst < pos or dst + k > length:
+            raise _fail(path, f"held trailer names bytes [{dst}, {dst + k}) outside the record's {length} bytes "
+                              "or out of order")
+        pos = dst + k
+    return Held(step, source, own_slot, runs)
+
+
+def fill_held(data: bytearray, held: Held, own: bytes | bytearray | memoryview, path: str) -> None:
+    """Copy ``held``'s runs from the holder's own record ``own`` into the replica's bytes ``data`` (every run
+    checked inside both first; the result is verified by the caller as any record)."""
+    src = memoryview(own)
+    for s, d, k in held.runs:
+        if s < PROLOGUE or s + k > len(src) or d + k > len(data):
+            raise _fail(path, f"held trailer names bytes [{s}, {s + k}) outside the holder's own record of "
+                              f"{len(src)} bytes")
+    for s, d, k in held.runs:
+        data[d:d + k] = src[s:s + k]
 
 
 def as_bytes(t: torch.Tensor) -> memoryview:
@@ -226,15 +307,22 @@ def tensor_view(entry: Any, payload: bytearray | memoryview, path: str) -> torch
 
 __all__ = [
     "FORMAT",
+    "HELD",
     "MAGIC",
     "MAX_HEADER_BYTES",
     "PROLOGUE",
+    "RECORD_CHECKSUM",
     "Header",
+    "Held",
     "as_bytes",
     "encode_header",
+    "fill_held",
+    "held_size",
+    "held_trailer",
     "parse_record",
     "prologue",
     "read_header",
+    "read_held",
     "read_record",
     "tensor_at",
     "tensor_entry",

@@ -4,20 +4,26 @@ Under data parallelism every rank's gradients are the same bytes (DDP all-reduce
 of the same step already holds the gradients of the record it is to keep a copy of. Each replication therefore:
 
 1. exchanges with each target and source (small messages on the background group): the slot, step and length of
-   the record, then one row per recorded gradient (offset, length, the XXH3-64 of its bytes as two 32-bit halves;
-   -1 for none);
+   the record, then one row per recorded gradient (offset, length, its XXH3-64 as two 32-bit halves — the
+   record's own digest, ``steprecord.RECORD_CHECKSUM``, computed when the gradient was recorded; -1 for none);
 2. the receiver decides, per gradient, whether its own record of the same step holds the same bytes: the same
-   length and the same 64-bit digest (never the record's 32-bit CRC-32C: colliding gradients are easy to make), and that gradient of that source never differed before (a gradient that
-   differed once is sent in full from then on: a DDP run whose gradients diverge, or ranks that are not data
-   parallel for it, pay one checksum comparison per gradient, not one per step); it sends that mask back;
+   length and the same 64-bit digest (never a 32-bit CRC-32C: colliding gradients are easy to make), and that
+   gradient of that source never differed before (a gradient that differed once is sent in full from then on: a
+   DDP run whose gradients diverge, or ranks that are not data parallel for it, pay one digest comparison per
+   gradient, not one per step); it sends that mask back;
 3. the sender sends the record's bytes less the gradients the receiver holds (one message, copied from its
-   mapped slot); the receiver copies the gradients it holds from its own mapped slot into the replica's at the
-   sender's offsets (one memcpy per run of gradients laid out alike: under DDP, one for all of them), then
-   writes the received bytes over it (the padding between gradients included), and the prologue last.
+   mapped slot); the receiver writes the received bytes (the header, the rest of the state, the gradients it
+   does not hold, the padding between them) into the replica's slot, and, past the record's end, a *held
+   trailer* (``steprecord.held_trailer``) naming where in its own record of the step the held gradients are
+   (runs laid out alike merged: under DDP, one run for all of them), and the prologue last. The held gradients
+   are not copied: a record costs its peer the bytes it does not already hold, nothing more.
 
-The replica is then byte for byte the sender's record, in the unchanged record format: recovery does not know how
-it was made, and verifies every tensor's checksum as before. Everything received is checked against the
-record's length before it is used (a malformed row makes that record go in full).
+A recovery reading the replica (``steplog``) fills the held runs from the holder's own record of that step
+(which it has read and verified) and verifies the whole record, every tensor against the sender's checksums, as
+any record: the bytes it serves are the sender's record. A replica is only as good as the holder's own record of
+the same step (a damaged own record makes the replica of that step unusable too; the sender's own copy still
+serves). Everything received is checked against the record's length before it is used (a malformed row makes
+that record go in full).
 """
 
 from __future__ import annotations
@@ -31,15 +37,16 @@ import torch
 from liferaft.codecs.checksum import digest
 from liferaft.dist import Coordinator
 from liferaft.errors import CorruptCheckpointError, DistributedError
-from liferaft.tiers.steprecord import MAX_RECORD_BYTES, PROLOGUE
+from liferaft.tiers.steprecord import HELD, MAX_RECORD_BYTES, PROLOGUE, held_size, held_trailer
 
 MAX_GRADS = 1 << 22
 
 
-def _rows(entries: list[dict[str, Any] | None], own: memoryview) -> torch.Tensor:
+def _rows(entries: list[dict[str, Any] | None], own: memoryview, algo: str = "xxh3_64") -> torch.Tensor:
     """One int64 row per gradient entry: offset, length, and the high and low 32 bits of the XXH3-64 of its bytes
-    in this rank's own record ``own`` (-1s for none). 64 bits: whether a peer's gradient is "the same bytes" is
-    never decided on a 32-bit checksum (two different gradients with one CRC-32C are easy to make)."""
+    in this rank's own record ``own`` (-1s for none): the entry's digest when the record's checksum ``algo`` is
+    XXH3-64 (what records are written with), else hashed here. 64 bits: whether a peer's gradient is "the same
+    bytes" is never decided on a 32-bit checksum (two different gradients with one CRC-32C are easy to make)."""
     rows = []
     for e in entries:
         if e is None:
@@ -49,26 +56,29 @@ def _rows(entries: list[dict[str, Any] | None], own: memoryview) -> torch.Tensor
             if not (0 <= off and off + n <= len(own)):
                 raise CorruptCheckpointError(f"a gradient entry [{off}, {off + n}) is outside this rank's per-step "
                                              f"record of {len(own)} bytes")
-            d = int(digest(own[off:off + n], "xxh3_64"), 16) if n else 0
+            if not n:
+                d = 0
+            elif algo == "xxh3_64":
+                d = int(e["digest"], 16)
+            else:
+                d = int(digest(own[off:off + n], "xxh3_64"), 16)
             rows.append((off, n, d >> 32 & 0xFFFFFFFF, d & 0xFFFFFFFF))
     return torch.tensor(rows, dtype=torch.int64).reshape(len(entries), 4)
 
 
-def _runs(pairs: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+def _runs(pairs: list[tuple[int, int, int]], gap: int = 4096) -> list[tuple[int, int, int]]:
     """(source offset, destination offset, length) copies merged where consecutive ones keep the same distance
-    between source and destination and follow each other in both (the gaps between them copied too)."""
+    between source and destination and follow each other in both, at most ``gap`` bytes apart (the gaps between
+    them copied too)."""
     out: list[tuple[int, int, int]] = []
     for src, dst, n in sorted(pairs, key=lambda p: p[1]):
         if out:
             s0, d0, n0 = out[-1]
-            if src - dst == s0 - d0 and d0 + n0 <= dst and dst - (d0 + n0) <= _MAX_GAP:
+            if src - dst == s0 - d0 and d0 + n0 <= dst and dst - (d0 + n0) <= gap:
                 out[-1] = (s0, d0, dst + n - d0)
                 continue
         out.append((src, dst, n))
     return out
-
-
-_MAX_GAP = 4096
 
 
 def _ranges(length: int, rows: torch.Tensor, mask: torch.Tensor) -> list[tuple[int, int]]:
@@ -127,18 +137,19 @@ class Sender:
             buf = self.buffers[(kind, peer)] = torch.empty(max(n, 1 << 16), dtype=torch.uint8)
         return buf[:n]
 
-    def run(self, slot: int, step: int, length: int, entries: list[dict[str, Any] | None]) -> None:
-        """Send this rank's record of ``step`` (``slot``, ``length`` bytes, its gradient ``entries``) to the
-        targets, and store the sources' records of their latest step."""
+    def run(self, slot: int, step: int, length: int, entries: list[dict[str, Any] | None],
+            algo: str = "xxh3_64") -> None:
+        """Send this rank's record of ``step`` (``slot``, ``length`` bytes, its gradient ``entries``, checksums
+        ``algo``) to the targets, and store the sources' records of their latest step."""
         own = memoryview(self.slot(self.name(self.rank, slot), length).map)[:length]
         try:
-            self._run(slot, step, length, entries, own)
+            self._run(slot, step, length, entries, own, algo)
         finally:
             own.release()
 
     def _run(self, slot: int, step: int, length: int, entries: list[dict[str, Any] | None],
-             own: memoryview) -> None:
-        rows = _rows(entries, own)
+             own: memoryview, algo: str) -> None:
+        rows = _rows(entries, own, algo)
         head = {s: torch.zeros(4, dtype=torch.int64) for s in self.sources}
         self._swap([(t, torch.tensor([slot, step, length, len(entries)])) for t in self.targets],
                    list(head.items()), 0)
@@ -162,7 +173,7 @@ class Sender:
         self._swap(sends, recvs, 3)
         self.saved_bytes = sum(int(r[1]) for t in self.targets for r, m in zip(rows, got[t], strict=True) if m)
         for s, buf in recvs:
-            self._store(s, head[s], theirs[s], masks[s], spans_of[s], buf, own, rows)
+            self._store(s, head[s], theirs[s], masks[s], spans_of[s], buf, slot, step, rows)
 
     def _swap(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]], tag: int) -> None:
         works = [self.coord.isend(t, r, tag) for r, t in sends if t.numel()]
@@ -195,22 +206,20 @@ class Sender:
         return mask
 
     def _store(self, src: int, head: torch.Tensor, theirs: torch.Tensor, mask: torch.Tensor,
-               spans: list[tuple[int, int]], buf: torch.Tensor, own: memoryview, rows: torch.Tensor) -> None:
-        """Write ``src``'s record into its replica slot: held gradients copied from this rank's own record (runs
-        laid out alike in one copy, gaps included), then the received spans over them (gaps, header and the
-        gradients not held: the replica is the sender's record byte for byte), the prologue last."""
+               spans: list[tuple[int, int]], buf: torch.Tensor, own_slot: int, own_step: int,
+               rows: torch.Tensor) -> None:
+        """Write ``src``'s record into its replica slot: the prologue zeroed, the held trailer (or its magic
+        zeroed: no gradient held), the received spans (everything but the held gradients), the prologue last."""
         length = int(head[2])
-        dst_slot = self.slot(self.name(src, int(head[0])), length)
+        held = [(int(rows[i][0]), a[0], a[1]) for i, (a, m) in
+                enumerate(zip(theirs.tolist(), mask.tolist(), strict=True)) if m]
+        runs = _runs(held, gap=0)               # exact: the padding between gradients is the sender's, received
+        trailer = held_trailer(own_step, src, own_slot, runs) if runs else bytes(len(HELD))
+        dst_slot = self.slot(self.name(src, int(head[0])), length + held_size(len(runs)))
         dst = memoryview(dst_slot.map)
         try:
             dst[:PROLOGUE] = bytes(PROLOGUE)
-            held = [(int(rows[i][0]), a[0], a[1]) for i, (a, m) in
-                    enumerate(zip(theirs.tolist(), mask.tolist(), strict=True)) if m]
-            for s_off, d_off, n in _runs(held):
-                if s_off + n > len(own) or d_off + n > length:      # (rows checked by _valid: never here)
-                    raise CorruptCheckpointError(f"a held gradient run [{d_off}, {d_off + n}) is outside a per-step "
-                                                 f"record of {length} bytes")
-                dst[d_off:d_off + n] = own[s_off:s_off + n]
+            dst[length:length + len(trailer)] = trailer
             view, pos = memoryview(buf.numpy()), 0
             prologue = b""
             for off, n in spans:
