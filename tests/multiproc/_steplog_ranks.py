@@ -134,12 +134,13 @@ def snapshot(st: dict[str, Any]) -> dict[str, Any]:
 
 
 def job(rank: int, world: int, root: str, base: str, kind: str, opt_name: str, last: int, kill_at: int | None,
-        max_steps: int = 64, split_nodes: bool = True, every: int | None = EVERY) -> dict[str, Any]:
+        max_steps: int = 64, split_nodes: bool | list[str] = True, every: int | None = EVERY) -> dict[str, Any]:
     """Restore (full checkpoint + the per-step log), train to ``last``; ``kill_at``: rank 1 dies by SIGKILL right
     after ``maybe_save`` of that step; ``every``: full checkpoints every that many steps (None: no interval save,
-    only the last step's). Returns {"start", "losses" {step: loss}, "state", "recovery", "held"}."""
+    only the last step's); ``split_nodes``: each rank its own node, or one node, or the node of each rank. Returns {"start", "losses" {step: loss}, "state", "recovery", "held"}."""
     st = build(kind, opt_name, world)
-    tier = MemoryTier("steplog-test", node=f"node{rank}" if split_nodes else "node0", base=base, timeout=30)
+    node = split_nodes[rank] if isinstance(split_nodes, list) else f"node{rank}" if split_nodes else "node0"
+    tier = MemoryTier("steplog-test", node=node, base=base, timeout=30)
     policy = liferaft.SavePolicy(every_steps=every, last_step=last)
     mgr = CheckpointManager(root, save_policy=policy, tiers=TierOptions(memory=tier, memory_every=10 ** 6,
                                                                        drain=False),

@@ -11,6 +11,7 @@ import shutil
 import warnings
 
 import pytest
+from multiproc import _steplog_pp_ranks
 from multiproc._steplog_ranks import INF_STEP, job, replay_alone
 
 from liferaft.testing import RankFailure, run_ranks
@@ -194,3 +195,58 @@ def test_retention_frees_records_once_a_full_checkpoint_is_durable(tmp_path):
 @pytest.mark.parametrize("opt", ["adamw", "sgd"])
 def test_replay_makes_no_collective_under_fsdp2(opt):
     assert run_ranks(replay_alone, 2, opt, timeout=60, pg_timeout=20) == [True, True]
+
+
+def test_ranks_placed_on_other_nodes_at_a_restart_still_recover_from_held_replicas(tmp_path):
+    """Run 1 has rank 0 on node0 and rank 1 on node1; rank 1 is killed and node1's memory is lost; the restart
+    places rank 0 on the new node1 and rank 1 on node0 (ranks assigned by arrival, as torchrun elastic does).
+    node0 holds rank 1's records as replicas whose gradients are in rank 0's records there, now in a folder of a
+    rank on another node: they are filled from those and replayed — no step lost but the one in flight, bitwise,
+    and no copy reported damaged."""
+    ref = _reference(tmp_path, "ddp", "sgd")
+    root, base = _crash(tmp_path, "ddp", "sgd")
+    shutil.rmtree(os.path.join(base, "steplog-test", "node1"))
+    out = run_ranks(job, 2, root, base, "ddp", "sgd", LAST, None, 64, ["node1", "node0"], timeout=180)
+    assert out[0]["start"] in (KILL - 1, KILL), out[0]["recovery"]
+    assert "refused" not in out[0]["recovery"]["why"] + out[1]["recovery"]["why"], out[0]["recovery"]
+    _check_resumed(out, ref, out[0]["start"])
+
+
+def test_held_replicas_are_filled_from_their_holder_among_several_ranks_of_a_node(tmp_path):
+    """2 nodes × 2 ranks, stage = local position, data parallel across nodes: a replica on node n1 of rank 0's
+    records holds its gradients in rank 2's records (same stage), not in rank 3's (the other stage, longer
+    records). After node n0 lost its memory every rank replays all 5 steps from what n1 holds, bitwise."""
+    base = str(tmp_path)
+    ref = run_ranks(_steplog_pp_ranks.job, 4, base + "/ref", 5, False, timeout=120)
+    run_ranks(_steplog_pp_ranks.job, 4, base + "/shm", 5, False, timeout=120)
+    shutil.rmtree(os.path.join(base, "shm", "pp", "n0"))
+    with warnings.catch_warnings(record=True):
+        out = run_ranks(_steplog_pp_ranks.job, 4, base + "/shm", 5, True, timeout=150, pg_timeout=60)
+    for r in range(4):
+        assert out[r]["recovery"]["replayed_to"] == 5 and not out[r]["recovery"]["why"], (r, out[r]["recovery"])
+        assert out[r]["state_at_start"] == ref[r]["after5"], r
+    assert out[0]["recovery"]["fetched"] == out[1]["recovery"]["fetched"] == 5
+
+
+def test_a_held_trailer_naming_bytes_outside_its_holder_is_refused_without_waiting(tmp_path):
+    """A crafted held trailer (its digest recomputed) whose run lies past the holder's record: the listing refuses
+    that replica, naming it, and the recovery stops before its step at once — never a peer waiting out the
+    timeout for a record its holder cannot send, never wrong bytes."""
+    from liferaft.tiers.steprecord import held_trailer, read_header, read_held
+
+    ref = _reference(tmp_path, "ddp", "adamw")
+    root, base = _crash(tmp_path, "ddp", "adamw")
+    rep = glob.glob(os.path.join(base, "steplog-test", "node0", "steplog", "*", "r00001"))[0]
+    path = _slot_of(rep, 6)
+    h = read_header(rep, os.path.basename(path))
+    held = read_held(rep, os.path.basename(path), h.length)
+    assert held is not None
+    runs = [(1 << 30, d, k) for _, d, k in held.runs]
+    with open(path, "r+b") as f:
+        f.seek(h.length)
+        f.write(held_trailer(held.step, held.source, held.holder, held.own_slot, runs))
+    shutil.rmtree(os.path.join(base, "steplog-test", "node1"))
+    with warnings.catch_warnings(record=True):
+        out = run_ranks(job, 2, root, base, "ddp", "adamw", LAST, None, timeout=180)
+    _check_resumed(out, ref, 5)
+    assert "outside" in out[0]["recovery"]["why"] and os.path.basename(path) in out[0]["recovery"]["why"]

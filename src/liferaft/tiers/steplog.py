@@ -31,7 +31,7 @@ import torch
 
 from liferaft.codecs.checksum import digest
 from liferaft.dist import Coordinator
-from liferaft.errors import InvalidStateError, LiferaftError
+from liferaft.errors import CorruptCheckpointError, InvalidStateError, LiferaftError
 from liferaft.state import optsteps
 from liferaft.state.values import decode_value, encode_value
 from liferaft.tiers.memory import MemoryTier
@@ -47,6 +47,7 @@ from liferaft.tiers.steprecord import (
     as_bytes,
     encode_header,
     fill_held,
+    held_home,
     parse_record,
     prologue,
     read_header,
@@ -411,10 +412,11 @@ class StepLog:
         slot the trailer names (its runs are filled from there when it is sent: ``thin``)."""
         out: dict[tuple[int, int], tuple[str, int, int]] = {}
         self._thin = {}
-        thin: list[tuple[tuple[int, int], tuple[str, int, int], Held]] = []
+        thin: list[tuple[Header, str, Held, bool]] = []
         if not os.path.isdir(self.root):
             return out
         node = self.nodes[self.rank]
+        first = min(r for r, m in enumerate(self.nodes) if m == node) == self.rank
         for d in sorted(os.listdir(self.root)):
             folder = os.path.join(self.root, d)
             if not d.startswith("r") or not os.path.isdir(folder):
@@ -428,46 +430,79 @@ class StepLog:
                     h = read_header(self.root, rel)
                     if h is None or h.step <= full or d != _rank_dir(h.doc["rank"]):
                         continue
+                    held = read_held(self.root, rel, h.length)
+                    if held is not None:        # (its own folder's too: ranks placed on other nodes at a restart)
+                        if own or first:        # (one rank per node lists the others' held replicas)
+                            thin.append((h, rel, held, own))
+                        continue
                     if own:
                         data = read_record(self.root, rel, h.length)
                         verify_record(h, data)
-                        held = None
-                    else:
-                        held = read_held(self.root, rel, h.length)
                 except (LiferaftError, OSError) as e:
                     out[(-1, len(out))] = (f"refused: {e}", 0, -1)      # reported with the outcome
                     continue
-                if h.doc.get("owner") != self.owner:
-                    other = str(h.doc.get("owner"))[:20]
-                    why = f"refused: {h.path}: written by another manager (owner {other!r}, this one is {self.owner!r})"
-                    out[(-1, len(out))] = (why, 0, -1)
-                    continue
-                if held is not None:
-                    thin.append(((h.doc["rank"], h.step), (rel, h.length, h.doc["world"]), held))
+                if self._foreign(h, out):
                     continue
                 out[(h.doc["rank"], h.step)] = (rel, h.length, h.doc["world"])
                 if own and h.doc["rank"] == self.rank:
                     self._held[int(name.split("-")[1])] = h.step
                     kept[h.step] = (h, data, os.path.join(self.root, rel))
-        for key, val, held in thin:
-            home = kept.get(key[1])
-            if held.step == key[1] and held.source == key[0] and home is not None and \
-                    os.path.basename(home[2]) == os.path.basename(_slot_name(self.rank, held.own_slot)):
-                out[key] = val
-                self._thin[val[0]] = held
+        for h, rel, held, own in thin:
+            try:
+                if self._foreign(h, out) or held.step != h.step or held.source != h.doc["rank"]:
+                    continue
+                home = self._home(held, kept)       # (checked: the runs inside it; None: not on this node)
+                if home is None:
+                    continue
+                if own:
+                    data = read_record(self.root, rel, h.length)
+                    fill_held(data, held, home, os.path.join(self.root, rel))
+                    verify_record(h, data)
+                    self._held[int(rel.rsplit("-", 1)[1])] = h.step
+                    kept[h.step] = (h, data, os.path.join(self.root, rel))
+                else:
+                    self._thin[rel] = held
+                out[(h.doc["rank"], h.step)] = (rel, h.length, h.doc["world"])
+            except (LiferaftError, OSError) as e:
+                out[(-1, len(out))] = (f"refused: {os.path.join(self.root, rel)} (a replica): {e}", 0, -1)
         return out
+
+    def _foreign(self, h: Header, out: dict[tuple[int, int], tuple[str, int, int]]) -> bool:
+        """Whether ``h`` is a record of another manager's log (then noted in ``out`` as refused)."""
+        if h.doc.get("owner") == self.owner:
+            return False
+        other = str(h.doc.get("owner"))[:20]
+        why = f"refused: {h.path}: written by another manager (owner {other!r}, this one is {self.owner!r})"
+        out[(-1, len(out))] = (why, 0, -1)
+        return True
+
+    def _home(self, held: Held, kept: dict[int, tuple[Header, bytearray, str]]) -> bytearray | None:
+        """``steprecord.held_home`` of ``held`` on this node (this rank's own record, verified, if it is the
+        holder)."""
+        rel = _slot_name(held.holder, held.own_slot)
+        mine = kept.get(held.step) if held.holder == self.rank else None
+        return held_home(self.root, rel, held, mine[1] if mine and mine[2].endswith(rel) else None)
 
     def _gather(self, kept: dict[int, tuple[Header, bytearray, str]], plan: list[tuple[int, int, int, str, int]],
                 full: int, n: int) -> dict[int, tuple[Header | None, Any, str]]:
         """This rank's records full+1..n as (header if verified already, bytes, where): its own, read by ``_list``,
-        or received per ``plan`` (step, holder, rank, slot name, length) — and then kept in its node's ring too."""
+        or received per ``plan`` (step, holder, rank, slot name, length) — and then kept in its node's ring too.
+        A record this rank cannot serve (read or fill failed since the listing) goes as zeros, refused by the
+        receiver's check: its peer never waits out a timeout for it."""
         works, got = [], {}
         for tag, (step, holder, rank, rel, length) in enumerate(plan):
             if holder == self.rank:
-                raw = read_record(self.root, rel, length)
-                held = self._thin.get(rel)
-                if held is not None:            # the gradients this node's own record of the step holds
-                    fill_held(raw, held, kept[held.step][1], os.path.join(self.root, rel))
+                try:
+                    raw = read_record(self.root, rel, length)
+                    held = self._thin.get(rel)
+                    home = self._home(held, kept) if held is not None else None
+                    if held is not None:            # the gradients a record of this node holds
+                        if home is None:
+                            raise CorruptCheckpointError(f"{rel}: the record its held gradients are in is gone")
+                        fill_held(raw, held, home, os.path.join(self.root, rel))
+                except (LiferaftError, OSError) as e:
+                    warnings.warn(f"liferaft: cannot send the step record {rel} to rank {rank}: {e}", stacklevel=2)
+                    raw = bytearray(length)
                 data = torch.from_numpy(bytearray_np(raw))
                 works.append(self.coord.isend(data, rank, tag))
             if rank == self.rank:

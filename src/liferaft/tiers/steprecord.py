@@ -20,11 +20,11 @@ A record is one slot file ``<memory tier base>/<job>/<node>/steplog/<owner>/r<ra
   ``CHECKSUM_ALGOS`` reads.
 - a replica kept by a peer whose own record of the same step holds some of the gradients (DDP: all of them) may
   leave those byte ranges unwritten and say so in a *held trailer* at byte ``length`` (past the record): ``HELD``
-  (8 bytes), little-endian u64s step, source rank, the holder's own slot and the number of runs, then per run the
-  offset in the holder's own record, the offset in this record and the length, then the XXH3-64 (16 hex digits)
-  of all that. Reading such a replica fills the runs from the holder's own record of that step (checked: the
-  step, the slot, every run inside both records) and then verifies every tensor as for any record. A replica
-  written whole has the trailer's magic zeroed.
+  (8 bytes), little-endian u64s step, source rank, holder rank, the holder's own slot and the number of runs, then
+  per run the offset in the holder's own record, the offset in this record and the length, then the XXH3-64 (16
+  hex digits) of all that. Reading such a replica fills the runs from the holder's record of that step in the
+  same node's folder of the holder (checked: its step and rank, a whole record, every run inside both records)
+  and then verifies every tensor as for any record. A replica written whole has the trailer's magic zeroed.
 
 Reading checks every size against the file and the caps below before allocating, every tensor's digest, and the
 header's; any mismatch raises CorruptCheckpointError naming the file — never a wrong step.
@@ -51,8 +51,8 @@ from liferaft.storage.files import open_read
 MAGIC = b"LRSTEP01"
 HELD = b"LRHELD01"
 RECORD_CHECKSUM = "xxh3_64"
-MAX_HELD_RUNS = 1 << 22
-_HELD_HEAD = struct.Struct("<8sQQQQ")
+MAX_HELD_RUNS = 1 << 20
+_HELD_HEAD = struct.Struct("<8sQQQQQ")
 _RUN = struct.Struct("<QQQ")
 _HELD_DIGEST = 16
 FORMAT = "liferaft-steplog/1"
@@ -82,19 +82,21 @@ def tensor_entry(off: int, t: torch.Tensor, data: memoryview) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Held:
-    """A replica's held trailer, as read and checked: the byte ``runs`` (offset in the holder's own record of
-    ``step``, in ``own_slot``; offset in the replica; length) to fill from there."""
+    """A replica's held trailer, as read and checked: the byte ``runs`` (offset in rank ``holder``'s own record of
+    ``step``, in its slot ``own_slot``; offset in the replica; length) to fill from there."""
 
     step: int
     source: int
+    holder: int
     own_slot: int
     runs: list[tuple[int, int, int]]
 
 
-def held_trailer(step: int, source: int, own_slot: int, runs: list[tuple[int, int, int]]) -> bytes:
-    """The held trailer of a replica of ``source``'s record of ``step`` whose ``runs`` are in this rank's own record
-    in ``own_slot`` (written at the replica's byte ``length``, before its prologue)."""
-    body = _HELD_HEAD.pack(HELD, step, source, own_slot, len(runs)) + b"".join(_RUN.pack(*r) for r in runs)
+def held_trailer(step: int, source: int, holder: int, own_slot: int, runs: list[tuple[int, int, int]]) -> bytes:
+    """The held trailer of a replica of ``source``'s record of ``step`` whose ``runs`` are in rank ``holder``'s own
+    record in ``own_slot`` (written at the replica's byte ``length``, before its prologue)."""
+    body = _HELD_HEAD.pack(HELD, step, source, holder, own_slot, len(runs)) + \
+        b"".join(_RUN.pack(*r) for r in runs)
     return body + digest(body, "xxh3_64").encode("ascii")
 
 
@@ -114,7 +116,7 @@ def read_held(root: str, rel: str, length: int) -> Held | None:
         head = os.pread(fd, _HELD_HEAD.size, length) if size >= length + _HELD_HEAD.size else b""
         if head[:8] != HELD:
             return None
-        _, step, source, own_slot, n = _HELD_HEAD.unpack(head)
+        _, step, source, holder, own_slot, n = _HELD_HEAD.unpack(head)
         if n > MAX_HELD_RUNS or length + held_size(n) > size:
             raise _fail(path, f"has a held trailer of {n} runs that does not fit the file")
         rest = os.pread(fd, n * _RUN.size + _HELD_DIGEST, length + _HELD_HEAD.size)
@@ -130,7 +132,26 @@ def read_held(root: str, rel: str, length: int) -> Held | None:
             raise _fail(path, f"held trailer names bytes [{dst}, {dst + k}) outside the record's {length} bytes "
                               "or out of order")
         pos = dst + k
-    return Held(step, source, own_slot, runs)
+    return Held(step, source, holder, own_slot, runs)
+
+
+def held_home(root: str, rel: str, held: Held, mine: bytearray | None) -> bytearray | None:
+    """The whole record of ``held.step`` by rank ``held.holder`` in the slot file ``root/rel`` (``mine``: those
+    bytes, read and verified already), or None if the slot holds no such record (reused since: the replica is
+    stale) or holds a replica with held runs itself (never chained). Every run is checked inside it first
+    (CorruptCheckpointError naming the file)."""
+    data = mine
+    if data is None:
+        h = read_header(root, rel) if os.path.exists(os.path.join(root, rel)) else None
+        if h is None or h.step != held.step or h.doc["rank"] != held.holder or \
+                read_held(root, rel, h.length) is not None:
+            return None
+        data = read_record(root, rel, h.length)
+    for s, _, k in held.runs:
+        if s < PROLOGUE or s + k > len(data):
+            raise _fail(os.path.join(root, rel), f"is named by a held trailer for bytes [{s}, {s + k}), outside "
+                                                 f"its {len(data)} bytes")
+    return data
 
 
 def fill_held(data: bytearray, held: Held, own: bytes | bytearray | memoryview, path: str) -> None:
@@ -317,6 +338,7 @@ __all__ = [
     "as_bytes",
     "encode_header",
     "fill_held",
+    "held_home",
     "held_size",
     "held_trailer",
     "parse_record",

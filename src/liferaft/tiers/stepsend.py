@@ -37,7 +37,7 @@ import torch
 from liferaft.codecs.checksum import digest
 from liferaft.dist import Coordinator
 from liferaft.errors import CorruptCheckpointError, DistributedError
-from liferaft.tiers.steprecord import HELD, MAX_RECORD_BYTES, PROLOGUE, held_size, held_trailer
+from liferaft.tiers.steprecord import HELD, MAX_HELD_RUNS, MAX_RECORD_BYTES, PROLOGUE, held_trailer
 
 MAX_GRADS = 1 << 22
 
@@ -173,7 +173,7 @@ class Sender:
         self._swap(sends, recvs, 3)
         self.saved_bytes = sum(int(r[1]) for t in self.targets for r, m in zip(rows, got[t], strict=True) if m)
         for s, buf in recvs:
-            self._store(s, head[s], theirs[s], masks[s], spans_of[s], buf, slot, step, rows)
+            self._store(s, head[s], theirs[s], masks[s], spans_of[s], buf, slot, step, rows, own)
 
     def _swap(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]], tag: int) -> None:
         works = [self.coord.isend(t, r, tag) for r, t in sends if t.numel()]
@@ -207,19 +207,23 @@ class Sender:
 
     def _store(self, src: int, head: torch.Tensor, theirs: torch.Tensor, mask: torch.Tensor,
                spans: list[tuple[int, int]], buf: torch.Tensor, own_slot: int, own_step: int,
-               rows: torch.Tensor) -> None:
+               rows: torch.Tensor, own: memoryview) -> None:
         """Write ``src``'s record into its replica slot: the prologue zeroed, the held trailer (or its magic
-        zeroed: no gradient held), the received spans (everything but the held gradients), the prologue last."""
+        zeroed: no gradient held), the received spans (everything but the held gradients), the prologue last.
+        (More runs than a trailer may name: they are copied from ``own`` instead, and the replica is whole.)"""
         length = int(head[2])
         held = [(int(rows[i][0]), a[0], a[1]) for i, (a, m) in
                 enumerate(zip(theirs.tolist(), mask.tolist(), strict=True)) if m]
         runs = _runs(held, gap=0)               # exact: the padding between gradients is the sender's, received
-        trailer = held_trailer(own_step, src, own_slot, runs) if runs else bytes(len(HELD))
-        dst_slot = self.slot(self.name(src, int(head[0])), length + held_size(len(runs)))
+        copy = len(runs) > MAX_HELD_RUNS
+        trailer = held_trailer(own_step, src, self.rank, own_slot, runs) if runs and not copy else bytes(len(HELD))
+        dst_slot = self.slot(self.name(src, int(head[0])), length + len(trailer))
         dst = memoryview(dst_slot.map)
         try:
             dst[:PROLOGUE] = bytes(PROLOGUE)
             dst[length:length + len(trailer)] = trailer
+            for s_off, d_off, n in runs if copy else ():
+                dst[d_off:d_off + n] = own[s_off:s_off + n]     # (rows checked by _valid and _rows)
             view, pos = memoryview(buf.numpy()), 0
             prologue = b""
             for off, n in spans:
