@@ -199,6 +199,23 @@ class _Work:
                                    f"{self._timeout:.0f}s): {_one_line(e)}") from None
 
 
+class MaxVote:
+    """An element-wise maximum over the ranks under way (``Coordinator.all_max_start``)."""
+
+    def __init__(self, coord: Coordinator, tensor: Any, work: Any, what: str) -> None:
+        self._coord, self._t, self._work, self._what = coord, tensor, work, what
+
+    def result(self) -> list[int]:
+        """The maximum (waits for it, bounded by the coordinator's timeout; a lost peer is a DistributedError)."""
+        if self._work is not None:
+            work, self._work = self._work, None
+            try:
+                work.wait(datetime.timedelta(seconds=self._coord.timeout))
+            except Exception as e:  # noqa: BLE001 - gloo reports timeouts and lost peers as RuntimeError
+                raise self._coord._fail(e, self._what, None) from None
+        return [int(x) for x in self._t.tolist()]
+
+
 class Coordinator:
     """The ranks of one save or load. ``rank``/``world`` are within ``process_group`` (default: the world).
 
@@ -338,20 +355,26 @@ class Coordinator:
     def all_max(self, values: list[int], what: str) -> list[int]:
         """The element-wise maximum of ``values`` over the ranks (one all-reduce of a small tensor, no pickling:
         for a vote made at every step). Bounded by the timeout; a lost peer is a DistributedError naming ``what``."""
+        return self.all_max_start(values, what).result()
+
+    def all_max_start(self, values: list[int], what: str) -> MaxVote:
+        """``all_max`` started now, its result taken later by ``result()``: the all-reduce runs meanwhile (a vote
+        cast at one step and read at the next costs a step no round trip). Collective, in the same order on every
+        rank as any other collective of this coordinator."""
         import torch
         import torch._C._distributed_c10d as c10d
 
+        t = torch.tensor(values, dtype=torch.int64)
         if self.world == 1 or self.group is None:
-            return list(values)
+            return MaxVote(self, t, None, what)
         opts = c10d.AllreduceOptions()
         opts.reduceOp = c10d.ReduceOp.MAX
         opts.timeout = datetime.timedelta(seconds=self.timeout)
-        t = torch.tensor(values, dtype=torch.int64)
         try:
-            self.group.backend.allreduce([t], opts).wait()
-        except Exception as e:  # noqa: BLE001 - gloo reports timeouts and lost peers as RuntimeError
+            work = self.group.backend.allreduce([t], opts)
+        except Exception as e:  # noqa: BLE001 - gloo reports a closed peer as RuntimeError
             raise self._fail(e, what, None) from None
-        return [int(x) for x in t.tolist()]
+        return MaxVote(self, t, work, what)
 
     def isend(self, tensor: Any, rank: int, tag: int) -> _Work:
         """Start sending ``tensor`` to ``rank`` (of this coordinator); ``wait()`` on the result is bounded. A

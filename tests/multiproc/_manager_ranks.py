@@ -24,7 +24,8 @@ def state_at(rank: int, world: int, step: int) -> dict:
 
 
 def train_and_preempt(rank: int, world: int, root: str) -> tuple[list[int], bool, int]:
-    """Save every 3 steps; at step 7 only rank 1 gets SIGUSR1: every rank must save step 7 and stop there."""
+    """Save every 3 steps; at step 7 only rank 1 gets SIGUSR1: every rank must save step 8 and stop there (the
+    ranks vote at the end of each maybe_save and act on it at the next)."""
     mgr = CheckpointManager(root, every_steps=3, keep_last=2, preemption=PreemptionOptions(signals=[signal.SIGUSR1]),
                             save_options=liferaft.SaveOptions(timeout=60))
     start = mgr.restore(state_at(rank, world, -1))

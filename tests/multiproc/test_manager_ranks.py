@@ -12,7 +12,7 @@ def test_preemption_of_one_rank_saves_everywhere_then_resume_on_3_ranks(tmp_path
     root = str(tmp_path / "run")
     out = run_ranks(train_and_preempt, 2, root, timeout=120)
     for steps, fresh, stopped in out:
-        assert fresh and stopped == 7, out
-        assert steps == [6, 7], out            # saved 0, 3, 6, then 7 on the signal; keep_last=2
+        assert fresh and stopped == 8, out
+        assert steps == [6, 8], out            # saved 0, 3, 6, then 8 on rank 1's vote at 7; keep_last=2
     for step, exact in run_ranks(resume_on_other_layout, 3, root, timeout=120):
-        assert step == 7 and exact
+        assert step == 8 and exact

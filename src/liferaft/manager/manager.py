@@ -22,7 +22,7 @@ from typing import Any, Self, TypeVar
 
 from liferaft.core.load import load
 from liferaft.core.save import AsyncSaveHandle, async_save, save
-from liferaft.dist import Coordinator
+from liferaft.dist import Coordinator, MaxVote
 from liferaft.errors import LiferaftError, OptionsError, ReadOnlyRootError
 from liferaft.manager.identity import this_job
 from liferaft.manager.lease import LEASE, Lease, record_start
@@ -122,6 +122,7 @@ class CheckpointManager:
         self._signalled = threading.Event()
         self._installed = False                 # this manager is in the handler chain of its signals
         self._handlers_wanted = False           # installed (or asked for) on every rank: maybe_save agrees
+        self._vote: MaxVote | None = None      # the votes cast at the end of the last maybe_save, under way
         self._inflight: tuple[int, AsyncSaveHandle, Mapping[str, float], int] | None = None
         self._draining: tuple[int, Mapping[str, float]] | None = None
         self._base: tuple[int, int] | None = None       # (newest committed step, its saves since a full one)
@@ -295,7 +296,11 @@ class CheckpointManager:
                    force: bool = False) -> bool:
         """Save ``state`` as ``step`` if a save policy says so (or ``force``, or after a preemption signal);
         return whether a save started. With ``async_save`` it returns once the snapshot is taken (an earlier
-        save still in flight is waited for first), else once the step is committed."""
+        save still in flight is waited for first), else once the step is committed. With more than one rank,
+        what rests on each rank's clock or view (a time interval, a preemption signal, the memory tier's time
+        interval, the per-step log's ring) is voted at the end of each call and acted on by every rank at the
+        next: one step later than the rank that saw it, and no round trip at any step (the vote's all-reduce
+        runs during the step)."""
         if self.preemption.install == "first_save" and not self._installed and self.preemption.signals:
             if threading.current_thread() is threading.main_thread():
                 self.handle_preemption()
@@ -307,13 +312,51 @@ class CheckpointManager:
                                                             self._last_time, self.interval_s)
         preempt = self._signalled.is_set()
         mem_due = self._tiers is not None and self._tiers.due(step)
-        self._settle()                  # (this rank's view of the saves in flight; the votes below make it common)
+        self._settle()                  # (this rank's view of the saves in flight; the votes make it common)
         log_full = self._steplog is not None and self._steplog.full
         log_half = self._steplog is not None and self._steplog.half_full and self._inflight is None \
             and self._draining is None
-        if self.coord.world > 1 and (self.save_policy.every_seconds is not None or self._handlers_wanted
-                                     or self.memory_interval_s is not None or self._steplog is not None):
+        voting = self._voting()
+        if voting and self._vote is None:       # the first call: no votes cast yet, agree now
             reason, preempt, mem_due, log_full, log_half = self._agree(reason, preempt, mem_due, log_full, log_half)
+        elif voting:                            # what the ranks voted at the end of the previous call
+            vote, self._vote = self._vote, None
+            assert vote is not None
+            t, p, m, full, half = vote.result()
+            if reason == "every_seconds":       # (this rank's clock: only the vote decides for all)
+                reason = None
+            reason = reason or ("every_seconds" if t else None)
+            preempt, mem_due, log_full, log_half = bool(p), bool(m), bool(full), bool(half)
+        try:
+            started = self._decide(step, state, metrics, force, reason, preempt, mem_due, log_full, log_half)
+        except BaseException:
+            if voting:                          # (every rank casts one vote per call, as every rank calls)
+                with contextlib.suppress(LiferaftError):
+                    self._vote = self.coord.all_max_start(self._votes(step), "maybe_save (agree)")
+            raise
+        if voting:
+            self._vote = self.coord.all_max_start(self._votes(step), "maybe_save (agree)")
+        return started
+
+    def _voting(self) -> bool:
+        """Whether the ranks vote at each ``maybe_save``: with more than one rank, when a decision rests on each
+        rank's clock or view (a time interval, a preemption signal, the memory tier's time interval, the per-step
+        log's ring)."""
+        return self.coord.world > 1 and (self.save_policy.every_seconds is not None or self._handlers_wanted
+                                         or self.memory_interval_s is not None or self._steplog is not None)
+
+    def _votes(self, step: int) -> list[int]:
+        """This rank's votes for the next ``maybe_save``, cast once this one's saves have started: the time
+        interval elapsed, a preemption signal, the memory tier due at the next step, the per-step log's ring full
+        once the next step is recorded, half full with no save in flight."""
+        log = self._steplog
+        return [int(self.save_policy.time_due(time.monotonic(), self._last_time, self.interval_s)),
+                int(self._signalled.is_set()), int(self._tiers is not None and self._tiers.due(step + 1)),
+                int(log is not None and log.full_after_next),
+                int(log is not None and log.half_full and self._inflight is None and self._draining is None)]
+
+    def _decide(self, step: int, state: Any, metrics: Mapping[str, float] | None, force: bool, reason: str | None,
+                preempt: bool, mem_due: bool, log_full: bool, log_half: bool) -> bool:
         if preempt:
             reason = reason or "preemption"
         if mem_due and reason is None and self._tiers is not None:
@@ -353,8 +396,8 @@ class CheckpointManager:
         """What every rank does now: step-based reasons as they are (the same on every rank); the rest as any rank
         voted — the time interval (each rank's clock), a preemption signal, the memory tier's time interval, and
         the per-step log's ring (full; half full with no save in flight), which each rank judges from the saves
-        it has seen finish: one all-reduce (max) of five integers, the only collective ``maybe_save`` makes at a
-        step without a save."""
+        it has seen finish: one all-reduce (max) of five integers, waited for now. Only at a manager's first
+        ``maybe_save``: later ones act on the votes the previous call cast (``_votes``), reduced during the step."""
         t, p, m, full, half = self.coord.all_max(
             [int(reason == "every_seconds"), int(preempt), int(mem_due), int(log_full), int(log_half)],
             "maybe_save (agree)")
@@ -500,6 +543,9 @@ class CheckpointManager:
     def _shut_down(self) -> None:
         err: BaseException | None = None
         try:
+            if self._vote is not None:          # (cast by every rank's last maybe_save)
+                vote, self._vote = self._vote, None
+                vote.result()
             self.wait()
         except BaseException as e:  # noqa: BLE001 - raised below, after the clean-up
             err = e

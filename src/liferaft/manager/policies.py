@@ -103,10 +103,12 @@ class SavePolicy:
             return "at_steps"
         if self.every_steps is not None and step % self.every_steps == 0:
             return "every_steps"
+        return "every_seconds" if self.time_due(now, last_save_time, interval_s) else None
+
+    def time_due(self, now: float, last_save_time: float, interval_s: float | None = None) -> bool:
+        """Whether the time interval (``every_seconds``, or ``interval_s`` when it is "auto") has elapsed."""
         every = interval_s if self.auto_interval else self.every_seconds
-        if isinstance(every, (int, float)) and now - last_save_time >= every:
-            return "every_seconds"
-        return None
+        return isinstance(every, (int, float)) and now - last_save_time >= every
 
 
 @dataclass(frozen=True)

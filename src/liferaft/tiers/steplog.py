@@ -280,6 +280,11 @@ class StepLog:
         return len(self._held) >= self.max_steps and all(s > self.durable for s in self._held.values())
 
     @property
+    def full_after_next(self) -> bool:
+        """Whether the ring is full once one more record is published (the manager votes on it a step ahead)."""
+        return sum(s > self.durable for s in self._held.values()) + 1 >= self.max_steps
+
+    @property
     def half_full(self) -> bool:
         """Whether half the slots hold records newer than the newest durable full checkpoint (the manager then
         starts an asynchronous full checkpoint, so that the ring is freed before it fills)."""
