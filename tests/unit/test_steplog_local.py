@@ -5,6 +5,7 @@ naming the file, or no record — never another exception, never a wrong record)
 from __future__ import annotations
 
 import glob
+import itertools
 import os
 
 import pytest
@@ -334,3 +335,26 @@ def test_a_step_whose_record_cannot_be_reserved_leaves_nothing_behind(tmp_path):
     assert resumed.restore(got) == 4
     resumed.close()
     assert all(torch.equal(v, _tensors(got)[k]) for k, v in _tensors(st).items())
+
+
+def test_once_a_full_checkpoint_is_measured_the_next_one_starts_later_than_half_the_ring(tmp_path):
+    """max_steps=16: once a full checkpoint has become durable (the first, at step 0), the ring-freeing ones start
+    when the free slots fall to twice the records it took to become durable + 3 — later than half the ring when
+    saves are quick (here synchronous: durable at once, no record meanwhile) — and the ring never fills. (Nothing
+    measured yet: half the ring, test_half_a_ring_... above.)"""
+    st = _state()
+    mgr = CheckpointManager(str(tmp_path / "root"), every_steps=1000,
+                            tiers=TierOptions(memory=MemoryTier("unit", node="n0", base=str(tmp_path / "shm")),
+                                              memory_every=10 ** 6, drain=False),
+                            step_log=StepLogOptions(max_steps=16), async_save=False)
+    mgr.restore(st)
+    for step in range(70):
+        _step(st, step)
+        assert not mgr._steplog.full, step
+        mgr.maybe_save(step, st)
+    lag = mgr._steplog._lag
+    saved = sorted(i.step for i in mgr.steps())
+    gaps = [b - a for a, b in itertools.pairwise(saved)]
+    mgr.close()
+    assert saved[0] == 0 and lag == 0, (saved, lag)
+    assert len(gaps) >= 4 and all(g == 13 for g in gaps), (saved, lag)            # 16 - 3, later than half: 8

@@ -314,7 +314,7 @@ class CheckpointManager:
         mem_due = self._tiers is not None and self._tiers.due(step)
         self._settle()                  # (this rank's view of the saves in flight; the votes make it common)
         log_full = self._steplog is not None and self._steplog.full
-        log_half = self._steplog is not None and self._steplog.half_full and self._inflight is None \
+        log_half = self._steplog is not None and self._steplog.save_due and self._inflight is None \
             and self._draining is None
         voting = self._voting()
         if voting and self._vote is None:       # the first call: no votes cast yet, agree now
@@ -348,12 +348,13 @@ class CheckpointManager:
     def _votes(self, step: int) -> list[int]:
         """This rank's votes for the next ``maybe_save``, cast once this one's saves have started: the time
         interval elapsed, a preemption signal, the memory tier due at the next step, the per-step log's ring full
-        once the next step is recorded, half full with no save in flight."""
+        once the next step is recorded, a full checkpoint due to free it (``StepLog.save_due``) with no save in
+        flight."""
         log = self._steplog
         return [int(self.save_policy.time_due(time.monotonic(), self._last_time, self.interval_s)),
                 int(self._signalled.is_set()), int(self._tiers is not None and self._tiers.due(step + 1)),
                 int(log is not None and log.full_after_next),
-                int(log is not None and log.half_full and self._inflight is None and self._draining is None)]
+                int(log is not None and log.save_due and self._inflight is None and self._draining is None)]
 
     def _decide(self, step: int, state: Any, metrics: Mapping[str, float] | None, force: bool, reason: str | None,
                 preempt: bool, mem_due: bool, log_full: bool, log_half: bool) -> bool:
@@ -367,7 +368,7 @@ class CheckpointManager:
         if full_log and self._last_step != step:
             reason = reason or "step log full"
         elif log_half:
-            reason = reason or "step log half full"     # (asynchronous: frees the ring before it fills)
+            reason = reason or "step log filling"       # (asynchronous: frees the ring before it fills)
         if self._steplog is not None and not self._has_base:
             # no full checkpoint to replay the records onto yet: take one now (async with async_save), so that a
             # crash before the first interval save resumes at the last step, not at nothing
@@ -395,7 +396,7 @@ class CheckpointManager:
                ) -> tuple[str | None, bool, bool, bool, bool]:
         """What every rank does now: step-based reasons as they are (the same on every rank); the rest as any rank
         voted — the time interval (each rank's clock), a preemption signal, the memory tier's time interval, and
-        the per-step log's ring (full; half full with no save in flight), which each rank judges from the saves
+        the per-step log's ring (full; a save due to free it, with no save in flight), which each rank judges from the saves
         it has seen finish: one all-reduce (max) of five integers, waited for now. Only at a manager's first
         ``maybe_save``: later ones act on the votes the previous call cast (``_votes``), reduced during the step."""
         t, p, m, full, half = self.coord.all_max(

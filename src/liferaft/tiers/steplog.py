@@ -102,6 +102,7 @@ class StepLog:
         self.durable = -1
         self._cur: dict[str, Any] | None = None   # the record being captured
         self._recorded: int | None = None           # the step of the last record published
+        self._lag: int | None = None                # records published while the last full checkpoint became durable
         self._diverged_at: int | None = None        # restore(step=K): records > K dropped at the next record
         self._expect: int | None = None             # the step the next record should be of (None: unknown)
         self._cuda: list[tuple[torch.Tensor, Any, int, dict[str, Any]]] = []
@@ -285,13 +286,23 @@ class StepLog:
         return sum(s > self.durable for s in self._held.values()) + 1 >= self.max_steps
 
     @property
-    def half_full(self) -> bool:
-        """Whether half the slots hold records newer than the newest durable full checkpoint (the manager then
-        starts an asynchronous full checkpoint, so that the ring is freed before it fills)."""
-        return sum(s > self.durable for s in self._held.values()) >= max(1, self.max_steps // 2)
+    def save_due(self) -> bool:
+        """Whether the manager should start an asynchronous full checkpoint now, so that the ring is freed before
+        it fills: the records newer than the newest durable one leave at most ``2 × lag + 3`` slots free, ``lag``
+        the records published while the last full checkpoint became durable (measured by ``mark_durable``; the
+        3: the vote's step, the record it starts at, one spare) — never before half the ring holds such records,
+        and at half the ring until a full checkpoint has been measured."""
+        newer = sum(s > self.durable for s in self._held.values())
+        half = max(1, self.max_steps // 2)
+        if self._lag is None:
+            return newer >= half
+        return newer >= max(half, self.max_steps - (2 * self._lag + 3))
 
     def mark_durable(self, step: int) -> None:
-        """A full checkpoint of ``step`` is durable: records up to it are free (their slots reused)."""
+        """A full checkpoint of ``step`` is durable: records up to it are free (their slots reused). Measures how
+        many records were published meanwhile (``save_due`` plans the next one by it)."""
+        if step > self.durable and self._recorded is not None and self._recorded >= step:
+            self._lag = self._recorded - step
         self.durable = max(self.durable, step)
 
     def held_steps(self) -> list[int]:
