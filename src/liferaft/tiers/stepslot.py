@@ -34,8 +34,13 @@ class Slot:
             self._grow(size)
 
     def _grow(self, size: int) -> None:
+        """Grow to ``size`` plus slack (a record's header changes length by a few bytes from one step to the next:
+        a step number's digits, a learning rate's repr; the next record fits without a new mapping); doubling
+        only while a record is being appended into a fresh slot (sizes well past the capacity)."""
         if size > self.capacity:
-            want = max(size, self.capacity * 2, 1 << 20)
+            want = size + max(_SLACK, size >> 6)
+            if size > self.capacity + (self.capacity >> 2):
+                want = max(want, self.capacity * 2, 1 << 20)
             try:
                 os.posix_fallocate(self.fd, 0, want)  # allocated now: a full /dev/shm fails here, not as a SIGBUS
             except OSError as e:
@@ -63,6 +68,7 @@ class Slot:
 
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+_SLACK = 64 << 10
 
 
 __all__ = ["Slot"]
