@@ -381,3 +381,23 @@ def test_an_absurd_announcement_from_a_peer_is_refused_before_anything_is_alloca
         _announced(3, torch.tensor(head, dtype=torch.int64))
     assert isinstance(err.value, LiferaftError)
     assert _announced(3, torch.tensor([0, 1, 100, 2], dtype=torch.int64)) == 2
+
+
+def test_a_record_a_few_bytes_longer_than_the_last_fits_its_slot_without_doubling_it(tmp_path):
+    """A header grows by a few bytes from one step to the next (a step's digits, a learning rate's repr): the slot
+    keeps its mapping; a fresh slot filled tensor by tensor still grows by doubling (few mappings)."""
+    from liferaft.tiers.stepslot import Slot
+
+    slot = Slot(str(tmp_path), "s")
+    slot.reserve(13_743_315)
+    cap, mapping = slot.capacity, slot.map
+    slot.reserve(13_743_319)
+    assert slot.capacity == cap < 14 << 20 and slot.map is mapping
+    fresh = Slot(str(tmp_path), "f")
+    sizes = []
+    for end in range(64, 13 << 20, 256 << 10):         # appended in 256 KiB tensors
+        fresh.reserve(end)
+        sizes.append(fresh.capacity)
+    assert len(set(sizes)) <= 16 and fresh.capacity < 2 * (13 << 20)
+    slot.close()
+    fresh.close()
