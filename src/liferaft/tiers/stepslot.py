@@ -39,7 +39,7 @@ class Slot:
         only while a record is being appended into a fresh slot (sizes well past the capacity)."""
         if size > self.capacity:
             want = size + max(_SLACK, size >> 6)
-            if size > self.capacity + (self.capacity >> 2):
+            if size > self.capacity + max(_SLACK, self.capacity >> 6):     # more than a header's growth
                 want = max(want, self.capacity * 2, 1 << 20)
             try:
                 os.posix_fallocate(self.fd, 0, want)  # allocated now: a full /dev/shm fails here, not as a SIGBUS
