@@ -9,9 +9,10 @@ For each layout, interleaved reps (A B C D A B C D) of the same model, data and 
 - ``dcp``: PyTorch DCP ``async_save`` at the Young/Daly interval (``--dcp-async auto``).
 
 Step time: median and mean of the per-step wall times rank 0 records (``--timing``) after ``--warmup`` steps (the
-default, 100, is past the per-step log's warm-up: until every slot of its ring has been used once, each record
+default, 160, is past the per-step log's warm-up: until every slot of its ring has been used once, each record
 takes fresh shared-memory pages, a one-time cost of about 1 GB/s on this VM that a 64-step window at step 32
-counted as per-step overhead); the overhead is the mean's (it carries the save stalls) over the ``none`` mean of
+counted as per-step overhead; since the ring-freeing full checkpoints start as late as their measured lag allows,
+the ring uses ~58 of its 64 slots, and steps 100-163 still met a few fresh ones); the overhead is the mean's (it carries the save stalls) over the ``none`` mean of
 the same rep. CPU: rank 0's process CPU seconds per step (every thread: on 2 shared cores the background work is
 paid in step time as well), which varies far less with the machine's load than the wall time. ``--seq``/``--batch``
 set the tokens per step: the per-step log's cost is per gradient byte, so its overhead falls as the compute per step grows. Recovery: a run is
@@ -155,8 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--methods", default="none,per-step,liferaft,dcp")
     ap.add_argument("--reps", type=int, default=2, help="timed reps per method (0: recovery only)")
     ap.add_argument("--steps", type=int, default=40, help="timed steps per run (after --warmup)")
-    ap.add_argument("--warmup", type=int, default=100,
-                    help="untimed steps first (default 100: past the per-step log's first round of fresh slots)")
+    ap.add_argument("--warmup", type=int, default=160,
+                    help="untimed steps first (default 160: past the per-step log's first round of fresh slots)")
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--seq", type=int, default=32, help="tokens per sample (train_gpt.py --seq)")
