@@ -50,3 +50,37 @@ def resume_on_other_layout(rank: int, world: int, root: str) -> tuple[int | None
     ref = state_at(rank, world, step if step is not None else -1)
     return step, torch.equal(st["w"].local, ref["w"].local) and torch.equal(st["rep"], ref["rep"]) and \
         st["step"] == step
+
+
+def memory_every_on_jumping_steps(rank: int, world: int, root: str, base: str) -> list[int]:
+    """memory_every=5 (step-based) while maybe_save is called at steps 0, 10, 20, ... (a step counter that jumps):
+    the memory-tier saves this rank took."""
+    from liferaft import MemoryTier, TierOptions
+
+    tier = MemoryTier("memev", node=f"node{rank}", base=base, timeout=20)
+    mgr = CheckpointManager(root, save_policy=liferaft.SavePolicy(every_steps=10 ** 6),
+                            tiers=TierOptions(memory=tier, memory_every=5, drain=False),
+                            save_options=liferaft.SaveOptions(timeout=20))
+    mgr.restore({"w": torch.zeros(4)})
+    for step in range(0, 70, 10):
+        mgr.maybe_save(step, {"w": torch.full((4,), float(rank + step))})
+        tier.wait()                     # (a memory save still running makes the next one skip, on every rank)
+    mgr.close()
+    return sorted(tier.local_steps())
+
+
+def signal_at_the_last_maybe_save(rank: int, world: int, root: str) -> list[str]:
+    """A preemption signal reaches rank 1 before the loop's last maybe_save: with several ranks it would act at the
+    next one, which never comes; close() warns. The warnings' texts."""
+    import warnings
+
+    mgr = CheckpointManager(root, preemption=PreemptionOptions(signals=[signal.SIGUSR1]),
+                            save_options=liferaft.SaveOptions(timeout=30))
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        for step in range(4):
+            if step == 3 and rank == 1:
+                os.kill(os.getpid(), signal.SIGUSR1)
+            mgr.maybe_save(step, state_at(rank, world, step))
+        mgr.close()
+    return [str(w.message) for w in got]

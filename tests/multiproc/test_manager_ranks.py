@@ -16,3 +16,21 @@ def test_preemption_of_one_rank_saves_everywhere_then_resume_on_3_ranks(tmp_path
         assert steps == [6, 8], out            # saved 0, 3, 6, then 8 on rank 1's vote at 7; keep_last=2
     for step, exact in run_ranks(resume_on_other_layout, 3, root, timeout=120):
         assert step == 8 and exact
+
+
+def test_a_step_based_memory_interval_is_decided_by_each_rank_on_jumping_steps(tmp_path):
+    """A step-based memory_every is the same on every rank: not voted a step ahead (that assumed the next call
+    is for step + 1), so a step counter that jumps by 10 still saves into memory at every call."""
+    from multiproc._manager_ranks import memory_every_on_jumping_steps
+
+    out = run_ranks(memory_every_on_jumping_steps, 2, str(tmp_path / "r"), str(tmp_path / "shm"), timeout=120)
+    for steps in out:
+        assert steps and steps[-1] == 60, out       # (the memory tier keeps the newest; 60 is the last call)
+
+
+def test_a_signal_at_the_last_maybe_save_is_reported_at_close(tmp_path):
+    from multiproc._manager_ranks import signal_at_the_last_maybe_save
+
+    out = run_ranks(signal_at_the_last_maybe_save, 2, str(tmp_path / "r"), timeout=120)
+    for texts in out:
+        assert any("preemption signal" in t and "step 3" in t for t in texts), texts

@@ -123,6 +123,7 @@ class CheckpointManager:
         self._installed = False                 # this manager is in the handler chain of its signals
         self._handlers_wanted = False           # installed (or asked for) on every rank: maybe_save agrees
         self._vote: MaxVote | None = None      # the votes cast at the end of the last maybe_save, under way
+        self._last_call: int | None = None     # the step of the last maybe_save
         self._inflight: tuple[int, AsyncSaveHandle, Mapping[str, float], int] | None = None
         self._draining: tuple[int, Mapping[str, float]] | None = None
         self._base: tuple[int, int] | None = None       # (newest committed step, its saves since a full one)
@@ -316,6 +317,7 @@ class CheckpointManager:
         log_full = self._steplog is not None and self._steplog.full
         log_half = self._steplog is not None and self._steplog.save_due and self._inflight is None \
             and self._draining is None
+        self._last_call = step
         voting = self._voting()
         if voting and self._vote is None:       # the first call: no votes cast yet, agree now
             reason, preempt, mem_due, log_full, log_half = self._agree(reason, preempt, mem_due, log_full, log_half)
@@ -326,7 +328,9 @@ class CheckpointManager:
             if reason == "every_seconds":       # (this rank's clock: only the vote decides for all)
                 reason = None
             reason = reason or ("every_seconds" if t else None)
-            preempt, mem_due, log_full, log_half = bool(p), bool(m), bool(full), bool(half)
+            preempt, log_full, log_half = bool(p), bool(full), bool(half)
+            if self._tiers is not None and self._tiers.auto is not None:
+                mem_due = bool(m)               # (a step-based memory_every is the same on every rank: local)
         try:
             started = self._decide(step, state, metrics, force, reason, preempt, mem_due, log_full, log_half)
         except BaseException:
@@ -347,13 +351,20 @@ class CheckpointManager:
 
     def _votes(self, step: int) -> list[int]:
         """This rank's votes for the next ``maybe_save``, cast once this one's saves have started: the time
-        interval elapsed, a preemption signal, the memory tier due at the next step, the per-step log's ring full
-        once the next step is recorded, a full checkpoint due to free it (``StepLog.save_due``) with no save in
-        flight."""
+        interval elapsed, a preemption signal, the memory tier's time interval elapsed (a step-based
+        ``memory_every`` is decided by each rank alone), the per-step log's ring full once the next step is
+        recorded (a save seen finished counted as durable: it will be at the next call), a full checkpoint due to
+        free it (``StepLog.save_due``) with no save in flight."""
         log = self._steplog
+        done = None                             # a save this rank sees finished since the call began: its step
+        if self._inflight is not None and self._inflight[1].done():
+            done = self._inflight[0]
+        elif self._draining is not None and self._tiers is not None and not self._tiers.busy:
+            done = self._draining[0]
         return [int(self.save_policy.time_due(time.monotonic(), self._last_time, self.interval_s)),
-                int(self._signalled.is_set()), int(self._tiers is not None and self._tiers.due(step + 1)),
-                int(log is not None and log.full_after_next),
+                int(self._signalled.is_set()),
+                int(self._tiers is not None and self._tiers.auto is not None and self._tiers.due(step)),
+                int(log is not None and log.full_after_next(done)),
                 int(log is not None and log.save_due and self._inflight is None and self._draining is None)]
 
     def _decide(self, step: int, state: Any, metrics: Mapping[str, float] | None, force: bool, reason: str | None,
@@ -365,6 +376,13 @@ class CheckpointManager:
             with self._quiet():
                 self._tiers.save(step, state, self.save_options)
         full_log = log_full
+        if full_log:
+            # a save in flight frees the ring once durable: wait for it rather than start another; then every rank
+            # has the same durable step (the newest save, started by all), so the ring's state is the same on
+            # every rank, and only a ring still full takes a synchronous save
+            if self._inflight is not None or self._draining is not None:
+                self.wait()
+            full_log = self._steplog is not None and self._steplog.full
         if full_log and self._last_step != step:
             reason = reason or "step log full"
         elif log_half:
@@ -546,7 +564,12 @@ class CheckpointManager:
         try:
             if self._vote is not None:          # (cast by every rank's last maybe_save)
                 vote, self._vote = self._vote, None
-                vote.result()
+                if vote.result()[1] and not self.preempted:
+                    warnings.warn("liferaft: a preemption signal reached a rank at the last maybe_save before "
+                                  f"close() (step {self._last_call}); with several ranks a signal is acted on at "
+                                  "the maybe_save after the one that saw it, so it was not saved: save the last "
+                                  "step explicitly (SavePolicy(last_step=...) or mgr.save) (docs/MANAGER.md)",
+                                  stacklevel=4)
             self.wait()
         except BaseException as e:  # noqa: BLE001 - raised below, after the clean-up
             err = e

@@ -277,13 +277,15 @@ class StepLog:
 
     @property
     def full(self) -> bool:
-        """Whether every slot holds a record newer than the newest durable full checkpoint."""
-        return len(self._held) >= self.max_steps and all(s > self.durable for s in self._held.values())
+        """Whether every slot holds a record newer than the newest durable full checkpoint (counted by steps, not by
+        slots: the same on every rank once they agree on the durable step, whichever slots each rank used)."""
+        return sum(s > self.durable for s in self._held.values()) >= self.max_steps
 
-    @property
-    def full_after_next(self) -> bool:
-        """Whether the ring is full once one more record is published (the manager votes on it a step ahead)."""
-        return sum(s > self.durable for s in self._held.values()) + 1 >= self.max_steps
+    def full_after_next(self, durable: int | None = None) -> bool:
+        """Whether the ring is full once one more record is published (the manager votes on it a step ahead),
+        counting a full checkpoint of step ``durable`` as durable (a save seen finished, accounted next call)."""
+        floor = max(self.durable, -1 if durable is None else durable)
+        return sum(s > floor for s in self._held.values()) + 1 >= self.max_steps
 
     @property
     def save_due(self) -> bool:
@@ -329,20 +331,20 @@ class StepLog:
         nxt = next((s for s in range(self.max_steps) if s != slot and self._held.get(s, -1) <= self.durable), None)
         if nxt is not None:
             try:
-                self._file(_slot_name(self.rank, nxt)).reserve(length)
+                self._file(_slot_name(self.rank, nxt)).reserve(length, whole=True)
             except OSError:
                 pass                        # (the record's own reservation reports it)
 
     def _slot(self, rel: str, size: int) -> _Slot:
         f = self._file(rel)
-        f.reserve(size)
+        f.reserve(size, whole=True)
         return f
 
     def _store(self, rel: str, data: memoryview) -> None:
         """Write a whole record (received from a peer) into the slot file ``rel``: the prologue last (a held
         trailer an earlier replica left there zeroed: this copy is whole)."""
         f = self._file(rel)
-        f.reserve(len(data) + len(HELD))
+        f.reserve(len(data) + len(HELD), whole=True)
         f.write(0, bytes(PROLOGUE))
         f.write(len(data), bytes(len(HELD)))
         f.write(PROLOGUE, data[PROLOGUE:])

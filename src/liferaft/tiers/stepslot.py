@@ -25,21 +25,21 @@ class Slot:
         self._old: list[mmap.mmap] = []      # outgrown mappings (closed with the slot)
         self._lock = threading.Lock()        # (the training thread and the replication thread both reserve)
 
-    def reserve(self, size: int) -> None:
+    def reserve(self, size: int, whole: bool = False) -> None:
         """At least ``size`` bytes allocated and mapped (the pages allocated once: no first touch per record).
-        Thread-safe; a slot never shrinks."""
+        ``whole``: ``size`` is a whole record's (a replica, the next record's slot reserved ahead): sized to it
+        plus slack, so that a record a few bytes longer fits (a header grows by a step's digits, a learning
+        rate's repr); otherwise a record being appended tensor by tensor: the slot doubles, so that it takes
+        a few mappings, not one per tensor. Thread-safe; a slot never shrinks."""
         if size <= self.capacity:
             return
         with self._lock:
-            self._grow(size)
+            self._grow(size, whole)
 
-    def _grow(self, size: int) -> None:
-        """Grow to ``size`` plus slack (a record's header changes length by a few bytes from one step to the next:
-        a step number's digits, a learning rate's repr; the next record fits without a new mapping); doubling
-        only while a record is being appended into a fresh slot (sizes well past the capacity)."""
+    def _grow(self, size: int, whole: bool) -> None:
         if size > self.capacity:
             want = size + max(_SLACK, size >> 6)
-            if size > self.capacity + max(_SLACK, self.capacity >> 6):     # more than a header's growth
+            if not whole:
                 want = max(want, self.capacity * 2, 1 << 20)
             try:
                 os.posix_fallocate(self.fd, 0, want)  # allocated now: a full /dev/shm fails here, not as a SIGBUS
