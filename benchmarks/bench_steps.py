@@ -65,6 +65,7 @@ class Job:
         from liferaft.testing.launcher import free_port
 
         port, self.t0 = free_port(), time.time()
+        self.what = f"{layout} {method}"
         cmd = [sys.executable, SCRIPT, "--root", root, "--layout", layout, "--steps", str(steps), "--dim",
                str(args.dim), "--layers", str(args.layers), "--seq", str(args.seq), "--batch", str(args.batch),
                "--mtbf-hours", str(args.mtbf_hours), "--job-id", job_id,
@@ -81,7 +82,7 @@ class Job:
         for r, p in enumerate(self.procs):
             _, err = p.communicate(timeout=timeout)
             if p.returncode != 0:
-                raise SystemExit(f"train_gpt.py rank {r} failed ({p.returncode}):\n{err[-3000:]}")
+                raise SystemExit(f"train_gpt.py rank {r} ({self.what}) failed ({p.returncode}):\n{err[-3000:]}")
 
     def kill(self) -> None:
         for p in self.procs:                      # rank 1 first: the failure; then the launcher's tear-down
