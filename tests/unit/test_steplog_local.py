@@ -343,10 +343,7 @@ def test_once_a_full_checkpoint_is_measured_the_next_one_starts_later_than_half_
     saves are quick (here synchronous: durable at once, no record meanwhile) — and the ring never fills. (Nothing
     measured yet: half the ring, test_half_a_ring_... above.)"""
     st = _state()
-    mgr = CheckpointManager(str(tmp_path / "root"), every_steps=1000,
-                            tiers=TierOptions(memory=MemoryTier("unit", node="n0", base=str(tmp_path / "shm")),
-                                              memory_every=10 ** 6, drain=False),
-                            step_log=StepLogOptions(max_steps=16), async_save=False)
+    mgr = _manager(tmp_path, max_steps=16, every=1000)
     mgr.restore(st)
     for step in range(70):
         _step(st, step)
