@@ -32,6 +32,7 @@ import torch.distributed as dist
 from _common import PeakRss, cpu_now, drop_cache, med_range
 
 UPDATE_ELEMS = 256
+TAIL_STEPS = 10     # steps the loop runs on after the save is durable: with the steps before it, the slowdown's base
 LIFERAFT = ["liferaft-blocking", "liferaft-overlapped", "liferaft-sync", "liferaft-blocking-zstd"]
 DCP = ["dcp-sync", "dcp-thread", "dcp-thread-async-staging", "dcp-process-shm"]
 METHODS = LIFERAFT + DCP
@@ -193,8 +194,8 @@ def train_loop(work: Workload, upd: Updates, steps: int, state: dict[str, Any], 
     #                     made before, ~0.15 s, would otherwise land in whichever timed window first allocates)
     c_loop = cpu_now(children=daemon)
     t_loop = time.perf_counter()
-    i = 0
-    while i < steps or (run is not None and not run.done.is_set()):
+    i, after = 0, 0
+    while i < steps or (run is not None and (not run.done.is_set() or after < TAIL_STEPS)):
         if time.perf_counter() - t_loop > timeout:
             raise TimeoutError(f"{saver and saver.method}: save to {path} not durable after {timeout:.0f} s")
         t0 = time.perf_counter()
@@ -213,6 +214,8 @@ def train_loop(work: Workload, upd: Updates, steps: int, state: dict[str, Any], 
         upd.apply()
         spans.append((t0, time.perf_counter()))
         i += 1
+        if run is not None and run.done.is_set() and t0 >= run.t_durable:
+            after += 1
     loop_s = time.perf_counter() - t_loop
     out: dict[str, Any] = {"loop_s": loop_s, "steps": i, "step_s": [b - a for a, b in spans]}
     if run is None or rss is None:
@@ -225,7 +228,8 @@ def train_loop(work: Workload, upd: Updates, steps: int, state: dict[str, Any], 
     if run.error is not None:
         raise run.error
     inflight = [b - a for k, (a, b) in enumerate(spans) if k > save_at and a < run.t_durable]
-    out.update(snap_updates=snap, call_return_s=run.t_return - run.t_start, wait_staged_s=wait_staged,
+    around = [b - a for k, (a, b) in enumerate(spans) if k < save_at or a >= run.t_durable]
+    out.update(around_step_s=around, snap_updates=snap, call_return_s=run.t_return - run.t_start, wait_staged_s=wait_staged,
                durable_s=run.t_durable - run.t_start, inflight_step_s=inflight, rss_peak=rss.peak,
                extra_rss_call=extra, children_rss_peak=rss.child_peak, detail=run.result or {})
     return out
@@ -255,12 +259,14 @@ def _summarize(run: dict[str, Any], base: dict[str, Any], rss0: int, threads: in
     call and the wait for its snapshot; ``bg_cpu_s`` the rest (threads or daemon working in the background)."""
     base_step = base["loop_s"] / base["steps"]
     inflight = run.pop("inflight_step_s")
+    around = run.pop("around_step_s")
     run.pop("step_s")
     save_cpu = run["cpu_s"] - run["steps"] * base["cpu_s"] / base["steps"]
     return {**run, "threads": threads, "base_step_s": base_step, "stall_s": run["loop_s"] - run["steps"] * base_step,
             "save_cpu_s": save_cpu, "bg_cpu_s": save_cpu - run["fg_cpu_s"],
             "inflight_steps": len(inflight),
-            "slowdown_pct": 100 * (statistics.mean(inflight) / base_step - 1) if inflight else None,
+            "slowdown_pct": 100 * (statistics.mean(inflight) / statistics.mean(around) - 1) if inflight else None,
+            "slowdown_vs_base_pct": 100 * (statistics.mean(inflight) / base_step - 1) if inflight else None,
             "extra_rss": run["rss_peak"] - rss0}
 
 

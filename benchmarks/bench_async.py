@@ -15,7 +15,9 @@ What is measured (one process, no process group except DCP PROCESS, which needs 
   wait for their snapshot right before that step's update, and the loop runs ``--steps`` steps or longer, until
   the save is durable. **stall** = loop time − the same number of steps at the mean step time of a loop without
   a save run just before; **slowdown** = mean time of the later steps that started while the save was in
-  flight ÷ that mean − 1; **CPU s/GB** = the process's CPU seconds (every thread; the PROCESS daemon included)
+  flight ÷ the mean time of the steps of the same loop before the save and of the ``TAIL_STEPS`` (10) steps
+  after it is durable − 1 (a base taken around the save in the same loop: this VM's step time drifts by up to
+  20 % within a minute, so a loop run before would move the figure more than the save does); **CPU s/GB** = the process's CPU seconds (every thread; the PROCESS daemon included)
   over the loop with the save, less the same number of steps at the CPU per step of the loop without a save,
   per GB of state, and the **background** part of it: all but what the training thread spent in the save call
   and the wait for its snapshot; **call return** = the save call's own time; **total** = save call until durable
