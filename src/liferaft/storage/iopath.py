@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from liferaft.format.layout import PROBE_PREFIX, is_probe_name  # noqa: F401 - is_probe_name: for callers
+from liferaft.storage import readtune
 
 PAGE = 4096
 MIN_RESIDENT = 0.5          # the least share of a request's pages in the page cache for it to read through it
@@ -522,7 +523,8 @@ def probed() -> dict[int, tuple[Choice, Probe]]:
 
 
 def forget() -> None:
-    """Drop every kept choice (the next large request probes again)."""
+    """Drop every kept choice (the next large request probes again) and the read rates learned since."""
     with _LOCK:
         _CHOICES.clear()
         _READS.clear()
+    readtune.forget()
