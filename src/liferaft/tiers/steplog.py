@@ -36,6 +36,7 @@ from liferaft.state import optsteps
 from liferaft.state.values import decode_value, encode_value
 from liferaft.tiers.memory import MemoryTier
 from liferaft.tiers.stepcheck import check_records, lock_writer, owner_id
+from liferaft.tiers.steplist import home_of, list_node, rank_dir, slot_name
 from liferaft.tiers.stepplan import bytearray_np, fetch_plan, newest_chain, targets, verify_record
 from liferaft.tiers.steprecord import (
     FORMAT,
@@ -47,11 +48,9 @@ from liferaft.tiers.steprecord import (
     as_bytes,
     encode_header,
     fill_held,
-    held_home,
     parse_record,
     prologue,
     read_header,
-    read_held,
     read_record,
     tensor_at,
     tensor_entry,
@@ -62,14 +61,6 @@ from liferaft.tiers.stepsend import Sender
 from liferaft.tiers.stepslot import Slot as _Slot
 
 ALIGN = 64
-
-
-def _rank_dir(rank: int) -> str:
-    return f"r{rank:05d}"
-
-
-def _slot_name(rank: int, slot: int) -> str:
-    return f"{_rank_dir(rank)}/slot-{slot:04d}"
 
 
 class StepLog:
@@ -90,7 +81,7 @@ class StepLog:
         self.coord = Coordinator(process_group, timeout, channel="steplog")
         self.bg = Coordinator(process_group, timeout, channel="steplog-bg")     # used by the replication thread
         self.rank, self.world, self.nodes = self.coord.rank, self.coord.world, memory.nodes
-        self._writer = lock_writer(self.root, _rank_dir(self.rank))     # one live writer per rank of this namespace
+        self._writer = lock_writer(self.root, rank_dir(self.rank))     # one live writer per rank of this namespace
         self.targets = targets(self.nodes, self.rank, replicas)
         self.sources = [r for r in range(self.world) if self.rank in targets(self.nodes, r, replicas)]
         self.optimizers: list[torch.optim.Optimizer] | None = None
@@ -114,7 +105,7 @@ class StepLog:
         self._busy = -1                          # the own slot the replication is reading
         self._rest = RestCapture()
         self._thin: dict[str, Held] = {}        # (a recovery's listing) replica slot -> its held trailer
-        self._sender = Sender(self.root, self.bg, self.rank, self.targets, self.sources, _slot_name, self._slot)
+        self._sender = Sender(self.root, self.bg, self.rank, self.targets, self.sources, slot_name, self._slot)
         #: what the last recovery did (docs/STEPLOG.md): {"full", "replayed_to", "replayed", "fetched",
         #: "rest_loads", "why", "timings" (seconds per phase)} (for logs and tests)
         self.last_recovery: dict[str, Any] = {}
@@ -179,7 +170,7 @@ class StepLog:
     def _begin(self) -> dict[str, Any]:
         if self._cur is None:
             slot = self._free_slot()
-            rel = _slot_name(self.rank, slot)
+            rel = slot_name(self.rank, slot)
             f = self._file(rel)
             f.reserve(PROLOGUE)
             f.write(0, bytes(PROLOGUE))                  # no record in this slot until the new prologue
@@ -331,7 +322,7 @@ class StepLog:
         nxt = next((s for s in range(self.max_steps) if s != slot and self._held.get(s, -1) <= self.durable), None)
         if nxt is not None:
             try:
-                self._file(_slot_name(self.rank, nxt)).reserve(length, whole=True)
+                self._file(slot_name(self.rank, nxt)).reserve(length, whole=True)
             except OSError:
                 pass                        # (the record's own reservation reports it)
 
@@ -422,84 +413,11 @@ class StepLog:
 
     def _list(self, full: int, kept: dict[int, tuple[Header, bytearray, str]]) -> dict[tuple[int, int],
                                                                                       tuple[str, int, int]]:
-        """(rank, step) → (slot name, length, world) of the records newer than ``full`` this node holds, as this
-        rank sees them: its own records read whole and verified (a damaged copy is no copy: a peer's may serve;
-        the bytes set aside in ``kept[step]`` for the replay), the replicas of ranks on other nodes by their
-        checked header (verified whole by the rank they are sent to); other ranks of this node list their own. A
-        replica with a held trailer is held only if this rank's own record of its step is in ``kept`` from the
-        slot the trailer names (its runs are filled from there when it is sent: ``thin``)."""
-        out: dict[tuple[int, int], tuple[str, int, int]] = {}
-        self._thin = {}
-        thin: list[tuple[Header, str, Held, bool]] = []
-        if not os.path.isdir(self.root):
-            return out
-        node = self.nodes[self.rank]
-        first = min(r for r, m in enumerate(self.nodes) if m == node) == self.rank
-        for d in sorted(os.listdir(self.root)):
-            folder = os.path.join(self.root, d)
-            if not d.startswith("r") or not os.path.isdir(folder):
-                continue
-            own = d == _rank_dir(self.rank)
-            if not own and any(d == _rank_dir(r) for r in range(self.world) if self.nodes[r] == node):
-                continue
-            for name in sorted(os.listdir(folder)):
-                rel = f"{d}/{name}"
-                try:
-                    h = read_header(self.root, rel)
-                    if h is None or h.step <= full or d != _rank_dir(h.doc["rank"]):
-                        continue
-                    held = read_held(self.root, rel, h.length)
-                    if held is not None:        # (its own folder's too: ranks placed on other nodes at a restart)
-                        if own or first:        # (one rank per node lists the others' held replicas)
-                            thin.append((h, rel, held, own))
-                        continue
-                    if own:
-                        data = read_record(self.root, rel, h.length)
-                        verify_record(h, data)
-                except (LiferaftError, OSError) as e:
-                    out[(-1, len(out))] = (f"refused: {e}", 0, -1)      # reported with the outcome
-                    continue
-                if self._foreign(h, out):
-                    continue
-                out[(h.doc["rank"], h.step)] = (rel, h.length, h.doc["world"])
-                if own and h.doc["rank"] == self.rank:
-                    self._held[int(name.split("-")[1])] = h.step
-                    kept[h.step] = (h, data, os.path.join(self.root, rel))
-        for h, rel, held, own in thin:
-            try:
-                if self._foreign(h, out) or held.step != h.step or held.source != h.doc["rank"]:
-                    continue
-                home = self._home(held, kept)       # (checked: the runs inside it; None: not on this node)
-                if home is None:
-                    continue
-                if own:
-                    data = read_record(self.root, rel, h.length)
-                    fill_held(data, held, home, os.path.join(self.root, rel))
-                    verify_record(h, data)
-                    self._held[int(rel.rsplit("-", 1)[1])] = h.step
-                    kept[h.step] = (h, data, os.path.join(self.root, rel))
-                else:
-                    self._thin[rel] = held
-                out[(h.doc["rank"], h.step)] = (rel, h.length, h.doc["world"])
-            except (LiferaftError, OSError) as e:
-                out[(-1, len(out))] = (f"refused: {os.path.join(self.root, rel)} (a replica): {e}", 0, -1)
-        return out
-
-    def _foreign(self, h: Header, out: dict[tuple[int, int], tuple[str, int, int]]) -> bool:
-        """Whether ``h`` is a record of another manager's log (then noted in ``out`` as refused)."""
-        if h.doc.get("owner") == self.owner:
-            return False
-        other = str(h.doc.get("owner"))[:20]
-        why = f"refused: {h.path}: written by another manager (owner {other!r}, this one is {self.owner!r})"
-        out[(-1, len(out))] = (why, 0, -1)
-        return True
-
-    def _home(self, held: Held, kept: dict[int, tuple[Header, bytearray, str]]) -> bytearray | None:
-        """``steprecord.held_home`` of ``held`` on this node (this rank's own record, verified, if it is the
-        holder)."""
-        rel = _slot_name(held.holder, held.own_slot)
-        mine = kept.get(held.step) if held.holder == self.rank else None
-        return held_home(self.root, rel, held, mine[1] if mine and mine[2].endswith(rel) else None)
+        """``steplist.list_node`` for this rank; notes the slots of its own records and the held replicas."""
+        got = list_node(self.root, self.nodes, self.rank, self.world, self.owner, full, kept)
+        self._thin = got.thin
+        self._held.update(got.slots)
+        return got.records
 
     def _gather(self, kept: dict[int, tuple[Header, bytearray, str]], plan: list[tuple[int, int, int, str, int]],
                 full: int, n: int) -> dict[int, tuple[Header | None, Any, str]]:
@@ -513,7 +431,7 @@ class StepLog:
                 try:
                     raw = read_record(self.root, rel, length)
                     held = self._thin.get(rel)
-                    home = self._home(held, kept) if held is not None else None
+                    home = home_of(self.root, self.rank, held, kept) if held is not None else None
                     if held is not None:            # the gradients a record of this node holds
                         if home is None:
                             raise CorruptCheckpointError(f"{rel}: the record its held gradients are in is gone")
