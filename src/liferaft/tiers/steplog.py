@@ -23,7 +23,7 @@ import shutil
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -326,9 +326,9 @@ class StepLog:
             except OSError:
                 pass                        # (the record's own reservation reports it)
 
-    def _slot(self, rel: str, size: int) -> _Slot:
+    def _slot(self, rel: str, size: int, holes: Sequence[tuple[int, int]] = ()) -> _Slot:
         f = self._file(rel)
-        f.reserve(size, whole=True)
+        f.reserve(size, whole=True, holes=holes)
         return f
 
     def _store(self, rel: str, data: memoryview) -> None:

@@ -123,7 +123,7 @@ class Sender:
     def __init__(self, root: str, coord: Coordinator, rank: int, targets: list[int], sources: list[int],
                  name: Callable[[int, int], str], slot: Callable[[str, int], Any]) -> None:
         self.root, self.coord, self.rank, self.targets, self.sources = root, coord, rank, targets, sources
-        self.name, self.slot = name, slot   # slot(rel, size): that slot file, mapped, at least size bytes
+        self.name, self.slot = name, slot   # slot(rel, size, holes): that slot file, mapped, at least size bytes
         self.diverged: set[tuple[int, int]] = set()    # (source, gradient index) that differed once
         self.matched: set[tuple[int, int]] = set()
         self.warned = False
@@ -217,10 +217,12 @@ class Sender:
         runs = _runs(held, gap=0)               # exact: the padding between gradients is the sender's, received
         copy = len(runs) > MAX_HELD_RUNS
         trailer = held_trailer(own_step, src, self.rank, own_slot, runs) if runs and not copy else bytes(len(HELD))
-        dst_slot = self.slot(self.name(src, int(head[0])), length + len(trailer))
+        holes = [] if copy else [(d_off, n) for _, d_off, n in runs]      # (never written: no memory kept)
+        dst_slot = self.slot(self.name(src, int(head[0])), length + len(trailer), holes)
         dst = memoryview(dst_slot.map)
         try:
             dst[:PROLOGUE] = bytes(PROLOGUE)
+            dst_slot.punch(holes)           # (after the prologue: the record there before is no record now)
             dst[length:length + len(trailer)] = trailer
             for s_off, d_off, n in runs if copy else ():
                 dst[d_off:d_off + n] = own[s_off:s_off + n]     # (rows checked by _valid and _rows)
