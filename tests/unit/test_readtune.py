@@ -18,11 +18,11 @@ MIB = 1 << 20
 
 
 def _run(rates: Rates, probed: bool, seconds: float = 1.0, nbytes: int = 100, cold: bool = True,
-         t0: float = 0.0) -> bool:
-    """One whole run of RUN requests of ``nbytes`` over ``seconds``; its path."""
+         t0: float = 0.0, requests: int = RUN) -> bool:
+    """``requests`` requests of one run (of ``nbytes`` each, sequential in file "f", over ``seconds``); its path."""
     paths = set()
-    for i in range(RUN):
-        paths.add(place(rates, probed, cold if i == 0 else True, t0 + i * seconds / RUN))
+    for i in range(requests):
+        paths.add(place(rates, probed, t0 + i * seconds / RUN, "f", i * nbytes, nbytes, True, lambda n: cold))
         finish(rates, nbytes, t0 + (i + 1) * seconds / RUN)
     assert len(paths) == 1, "a run changed path"
     return paths.pop()
@@ -42,39 +42,65 @@ def test_the_probes_path_first_then_the_other_then_the_better(probed):
     assert _run(r2, probed) is probed               # a tie goes to the probe's path
 
 
-def test_every_explore_th_run_takes_the_worse_path():
+def test_the_other_path_gets_one_run_in_explore():
     r = Rates()
     learn(r, True, 100, 1.0)
     learn(r, False, 300, 1.0)                       # the page cache is 3x faster
-    paths = [_run(r, True, seconds=1.0, nbytes=300 // RUN * 3) for _ in range(3 * EXPLORE)]
+    paths = [_run(r, True, seconds=1.0, nbytes=75) for _ in range(3 * EXPLORE)]
     assert [i for i, p in enumerate(paths) if p] == [EXPLORE - 1, 2 * EXPLORE - 1, 3 * EXPLORE - 1]
 
 
-def test_a_run_that_starts_warm_or_cannot_take_its_path_teaches_nothing():
+def test_an_exploring_run_that_cannot_teach_is_followed_by_another():
     r = Rates()
-    _run(r, True, cold=False)
+    learn(r, True, 100, 1.0)
+    learn(r, False, 300, 1.0)
+    t = 0.0
+    for _ in range(EXPLORE - 1):
+        t += 10
+        assert _run(r, True, t0=t, nbytes=75) is False
+    t += 10
+    assert _run(r, True, t0=t, requests=1) is True  # the exploring run: one request, then the load ends
+    t += 10
+    assert _run(r, True, t0=t, nbytes=25) is True   # (its pause ends it, teaching nothing): explore again
+    assert r.samples[True] == 2 and r.direct == pytest.approx((1 - ALPHA) * 100 + ALPHA * 100)
+
+
+def test_a_run_that_starts_warm_fails_or_cannot_take_its_path_teaches_nothing():
+    r = Rates()
+    _run(r, True, cold=False)                       # its window was in the page cache
     assert r.direct is None and r.samples == {True: 0, False: 0} and r.runs == 1
-    place(r, True, True, 0.0)
-    finish(r, 100, 1.0, ok=False)                   # O_DIRECT refused: the run ends here
+    place(r, True, 0.0, "f", 0, 100, True, lambda n: True)
+    finish(r, 100, 0.1)
+    place(r, True, 0.1, "f", 100, 100, True, lambda n: True)
+    finish(r, 0, 5.0, ok=False)                     # a request failed (EIO), or O_DIRECT was refused
     assert r.run_left == 0 and r.direct is None
-    finish(r, 100, 2.0)                             # (a request outside any run changes nothing)
+    finish(r, 100, 6.0)                             # (a request outside any run changes nothing)
     assert r.direct is None and r.samples == {True: 0, False: 0}
 
 
-def test_a_run_paused_between_requests_is_dropped_not_timed_with_the_pause():
+def test_warm_data_outside_the_window_spoils_the_run_inside_it_does_not():
+    r = Rates()
+    for i in range(RUN):                            # the second request: another file, warm (it would flatter)
+        f, cold = ("g", False) if i == 1 else ("f", True)
+        place(r, True, 0.1 * i, f, 100 * i, 100, cold, lambda n: True)
+        finish(r, 100, 0.1 * (i + 1))
+    assert r.run_left == 0 and r.direct is None and r.samples[True] == 0
+    r = Rates()
+    for i in range(RUN):                            # warm (read ahead by this run) but inside its window
+        place(r, True, 0.1 * i, "f", 100 * i, 100, i == 0, lambda n: True)
+        finish(r, 100, 0.1 * (i + 1))
+    assert r.direct == pytest.approx(RUN * 100 / (0.1 * RUN))
+
+
+def test_a_run_paused_between_requests_ends_there_and_teaches_up_to_its_last_request():
     r = Rates()
     for i in range(RUN - 1):                        # a load that ends mid-run ...
-        place(r, True, True, i * 0.1)
+        place(r, True, i * 0.1, "f", i * 100, 100, True, lambda n: True)
         finish(r, 100, i * 0.1 + 0.05)
-    assert r.run_left == 1
+    assert r.run_left == 1 and r.direct is None
     t = GAP_MAX + 60.0                              # ... and the next load a minute later
-    assert place(r, True, True, t) is True and r.runs == 2 and r.run_left == RUN     # a new run, no figure
-    assert r.direct is None and r.samples == {True: 0, False: 0}
-    for i in range(RUN):
-        finish(r, 100, t + 0.25 * (i + 1))
-        if i < RUN - 1:
-            place(r, True, True, t + 0.25 * (i + 1))
-    assert r.direct == pytest.approx(4 * 100 / 1.0)    # the whole run, 1 s, and nothing of the pause
+    assert place(r, True, t, "f", 0, 100, True, lambda n: True) is False and r.runs == 2    # a new run
+    assert r.direct == pytest.approx((RUN - 1) * 100 / ((RUN - 2) * 0.1 + 0.05))         # not the pause
 
 
 def test_the_average_follows_the_device_and_ignores_empty_runs():

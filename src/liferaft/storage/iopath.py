@@ -27,7 +27,8 @@ path: ``resident_share`` (``mincore`` on a private mapping of the request's rang
 in, tens of microseconds) tells the share ``r`` of its pages in the cache, and the request reads through the
 cache when ``cache_read_wins(r, Choice.cache_floor)``: ``r`` at least ``cache_floor = max(MIN_RESIDENT,
 1 - b/d)``, where b and d are the probe's best cold buffered and O_DIRECT read rates (cached pages taken as
-free: through the cache the request costs (1 - r)/b, by O_DIRECT 1/d). Cold data keeps the probed path.
+free: through the cache the request costs (1 - r)/b, by O_DIRECT 1/d). Cold data takes the probed path at first,
+then the path ``storage.readtune`` learns from the process's own runs of large cold reads.
 
 ``Choice`` is also what a caller forces: ``PosixStorage(root, direct_io=False, inflight=4)`` never probes.
 """

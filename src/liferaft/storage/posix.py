@@ -6,7 +6,8 @@ VMs every page-cache page is a first touch of fresh memory, ~1 GB/s). Whether th
 large write or read keeps in flight (split on page boundaries across threads), is the device's ``iopath.Choice``:
 probed on the first large request unless the caller forces it (``PosixStorage(direct_io=..., inflight=...)``).
 Unless forced, a read request whose pages are mostly in the page cache already (``iopath.cache_read_wins``: a
-file just written through the cache, or read before) reads through it instead of by O_DIRECT.
+file just written through the cache, or read before) reads through it instead of by O_DIRECT, and large cold
+reads take the path ``storage.readtune`` learns from the process's runs of them (the probe's at first).
 """
 
 from __future__ import annotations
@@ -298,7 +299,8 @@ class PosixStorage(Storage):
 
     def read_into(self, name: str, offset: int, out: memoryview) -> int:
         """Read into ``out`` from ``offset`` of ``name``; return the bytes read (fewer at the end of the file).
-        By the device's path, except (unless forced) the parts mostly in the page cache: through it. A device
+        By the device's path (unless forced: the probe's, then the one learned from cold reads, ``readtune``),
+        except (unless forced) the parts mostly in the page cache: through it. A device
         that fails the read (EIO, ...) is a FileAccessError naming the file and the bytes (``files.access_error``);
         a missing file stays FileNotFoundError."""
         mv = memoryview(out).cast("B")
@@ -319,24 +321,31 @@ class PosixStorage(Storage):
                        floor: float) -> int:
         """A large read by a storage that chooses its own path: by the path of its run (``storage.readtune``,
         which learns the device's rates from runs of such reads), or through the page cache if that much of the
-        range is there already (``iopath.cache_read_wins``)."""
+        range is there already (``iopath.cache_read_wins``; with several requests in flight, part by part)."""
         fd = self._open(name)
         try:
+            st = os.fstat(fd)
             resident = iopath.resident_share(fd, offset, len(mv))
+
+            def window_cold(n: int) -> bool:
+                r = iopath.resident_share(fd, offset, max(0, min(n, st.st_size - offset)))
+                return r is not None and r <= readtune.WINDOW_COLD
+            if self._device is None:
+                self._device = os.stat(self._top if os.path.isdir(self._top) else self._base).st_dev
+            direct = readtune.start(self._device, direct, (st.st_dev, st.st_ino), offset, len(mv),
+                                    resident is not None and resident <= readtune.COLD_MAX, window_cold)
         finally:
             os.close(fd)
-        if self._device is None:
-            self._device = os.stat(self._top if os.path.isdir(self._top) else self._base).st_dev
-        direct = readtune.start(self._device, direct, resident is not None and resident <= readtune.COLD_MAX)
-        n = 0
+        ok, n = False, 0
         try:
             if iopath.cache_read_wins(resident, floor):
                 self.cached_reads += 1
                 direct = False
-            n = self._read_path(name, offset, mv, direct, inflight, None)
+            n = self._read_path(name, offset, mv, direct, inflight, floor if direct else None)
+            ok = self.direct_io
             return n
         finally:
-            readtune.done(self._device, n, self.direct_io)
+            readtune.done(self._device, n, ok)
 
     @staticmethod
     def _direct_ok(offset: int, mv: memoryview) -> bool:

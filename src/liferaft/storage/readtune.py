@@ -14,24 +14,32 @@ its figure stays current; the first run takes the probe's path and the second th
 Why runs and wall time, not each request's own time: the page cache reads ahead of a sequential reader (the
 device's ``read_ahead_kb``) while the reader verifies and copies what it got, so its gain lies between the read
 calls, and a lone page-cache request among O_DIRECT ones gets none of it (measured: lone requests rated the page
-cache at 0.85 GB/s, below O_DIRECT's 0.95–1.4, while whole loads through it were the faster). A request the page
-cache already holds (``iopath.cache_read_wins``: the read-ahead of the run before it, say) reads through it but
-still counts in its run. Only a run whose first request was cold (at most ``COLD_MAX`` of its pages in the page
-cache) teaches, so data already in memory never flatters the page cache. The figures live for the process
-(``forget`` drops them).
+cache at 0.85 GB/s, below O_DIRECT's 0.95–1.4, while whole loads through it were the faster).
+
+What teaches: a run whose window — the ``RUN`` requests' worth of the file from its first request — was at most
+``WINDOW_COLD`` in the page cache when it started (the tail of a previous run's read-ahead fits; data already
+in memory does not), whose later requests lie in that window or are cold themselves (at most ``COLD_MAX``), and
+whose requests all succeeded. A run that pauses more than ``GAP_MAX`` between requests ends there (a load that
+ended mid-run): with two requests or more it teaches the rate up to its last one. The exploring run comes once
+the other path has gone ``EXPLORE`` - 1 runs without teaching, so a run that could not teach is followed by
+another. The figures are per process and per device (``forget`` drops them); requests from several threads at
+once share one run (their rates mix; the bytes are never affected).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 RUN = 4                 # consecutive large requests of a device on one path, timed together
-EXPLORE = 8             # every EXPLORE-th run of a device takes the path with the worse rate
+EXPLORE = 8             # the other path gets a run once it has gone EXPLORE - 1 runs without teaching
 ALPHA = 0.3             # weight of a new run's rate in the moving average
-COLD_MAX = 0.05         # a run teaches only if at most this share of its first request's pages was in the cache
-GAP_MAX = 0.25          # seconds between two requests of a run beyond which the run is dropped, teaching nothing
+COLD_MAX = 0.05         # a request outside its run's window is cold with at most this share in the page cache
+WINDOW_COLD = 0.1       # a run's window is cold with at most this share in the page cache when the run starts
+GAP_MAX = 0.25          # seconds between two requests of a run beyond which the run ends there
 
 
 @dataclass
@@ -42,12 +50,15 @@ class Rates:
     cached: float | None = None
     runs: int = 0                       # runs started
     samples: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
+    since: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})    # runs since each taught
     run_direct: bool = True             # the current run's path
     run_left: int = 0                   # requests the current run still takes
+    run_done: int = 0                   # requests of the current run finished
     run_start: float = 0.0
-    run_bytes: int = 0
-    run_cold: bool = False
     run_last: float = 0.0               # when the current run's last request ended
+    run_bytes: int = 0
+    run_ok: bool = False                # whether the current run may still teach
+    window: tuple[Any, int, int] = (None, 0, 0)     # (file, first byte, end) of the current run's window
 
     def rate(self, direct: bool) -> float | None:
         return self.direct if direct else self.cached
@@ -57,15 +68,16 @@ _RATES: dict[int, Rates] = {}
 _LOCK = threading.Lock()
 
 
-def place(rates: Rates, probed: bool, cold: bool, now: float) -> bool:
-    """Whether the next large request reads by O_DIRECT, given ``rates`` and the probe's choice ``probed`` (pure
-    but for ``rates``, where the request is placed; ``cold``: whether its range is cold, ``now``: its start).
-    A new run takes the probe's path until that has a figure, then the other until it has one; then the better
-    rate (a tie: the probe's), and every ``EXPLORE``-th run the worse. A run whose last request ended more than
-    ``GAP_MAX`` ago (a load that ended mid-run, the next one starting later) is dropped: its time would count
-    the pause."""
+def place(rates: Rates, probed: bool, now: float, file: Any, offset: int, length: int, cold: bool,
+          window_cold: Callable[[int], bool]) -> bool:
+    """Whether the next large request (``length`` bytes at ``offset`` of ``file``, any key naming the file;
+    ``cold``: at most ``COLD_MAX`` of it in the page cache) reads by O_DIRECT, given ``rates`` and the probe's
+    choice ``probed`` (pure but for ``rates``, where the request is placed, and ``window_cold(n)``: whether the
+    ``n`` bytes of the file from ``offset`` are at most ``WINDOW_COLD`` in the page cache, asked when a run
+    starts). A new run takes the probe's path until that has a figure, then the other until it has one; then
+    the better rate (a tie: the probe's), or the worse once it has gone ``EXPLORE`` - 1 runs without teaching."""
     if rates.run_left and now - rates.run_last > GAP_MAX:
-        rates.run_left = 0
+        _end(rates)
     if rates.run_left == 0:
         if rates.rate(probed) is None:
             rates.run_direct = probed
@@ -74,27 +86,43 @@ def place(rates: Rates, probed: bool, cold: bool, now: float) -> bool:
         else:
             d, c = rates.direct or 0.0, rates.cached or 0.0
             best = probed if d == c else d > c
-            rates.run_direct = (not best) if (rates.runs + 1) % EXPLORE == 0 else best
+            rates.run_direct = (not best) if rates.since[not best] >= EXPLORE - 1 else best
         rates.runs += 1
-        rates.run_left, rates.run_start, rates.run_bytes, rates.run_cold = RUN, now, 0, cold
+        rates.since[True] += 1
+        rates.since[False] += 1
+        rates.run_left, rates.run_done, rates.run_start, rates.run_bytes = RUN, 0, now, 0
+        rates.window = (file, offset, offset + RUN * length)
+        rates.run_ok = window_cold(RUN * length)
+    elif not cold and not (rates.window[0] == file and rates.window[1] <= offset
+                           and offset + length <= rates.window[2]):
+        rates.run_ok = False                    # warm data outside the window: its time would flatter the path
     rates.run_last = now
     return rates.run_direct
 
 
 def finish(rates: Rates, nbytes: int, now: float, ok: bool = True) -> None:
-    """A placed request has read ``nbytes`` and ended at ``now`` (pure but for ``rates``): the run's last
-    request folds the run's rate into its path's average, if its first request was cold. ``ok`` False (the
-    request could not take its path: the file system refused O_DIRECT) ends the run, teaching nothing."""
+    """A placed request has read ``nbytes`` and ended at ``now`` (pure but for ``rates``); the run's last one
+    folds the run's rate into its path's average if the run may teach. ``ok`` False (the request failed, or
+    could not take its path: the file system refused O_DIRECT) ends the run, teaching nothing."""
     if rates.run_left == 0:
         return
     if not ok:
-        rates.run_left = 0
+        rates.run_left, rates.run_ok = 0, False
         return
     rates.run_bytes += max(0, nbytes)
     rates.run_left -= 1
+    rates.run_done += 1
     rates.run_last = now
-    if rates.run_left == 0 and rates.run_cold:
-        learn(rates, rates.run_direct, rates.run_bytes, now - rates.run_start)
+    if rates.run_left == 0:
+        _end(rates)
+
+
+def _end(rates: Rates) -> None:
+    """End the current run: it teaches its rate (bytes over the time from its start to its last request's end)
+    if it may and has at least two requests done (a whole run, or one a pause cut short)."""
+    if rates.run_ok and rates.run_done >= 2:
+        learn(rates, rates.run_direct, rates.run_bytes, rates.run_last - rates.run_start)
+    rates.run_left, rates.run_ok = 0, False
 
 
 def learn(rates: Rates, direct: bool, nbytes: int, seconds: float) -> None:
@@ -110,12 +138,15 @@ def learn(rates: Rates, direct: bool, nbytes: int, seconds: float) -> None:
     else:
         rates.cached = new
     rates.samples[direct] += 1
+    rates.since[direct] = 0
 
 
-def start(device: int, probed: bool, cold: bool) -> bool:
+def start(device: int, probed: bool, file: Any, offset: int, length: int, cold: bool,
+          window_cold: Callable[[int], bool]) -> bool:
     """``place`` a request of ``device`` (``st_dev``) with this process's figures; O_DIRECT or not."""
     with _LOCK:
-        return place(_RATES.setdefault(device, Rates()), probed, cold, time.perf_counter())
+        return place(_RATES.setdefault(device, Rates()), probed, time.perf_counter(), file, offset, length, cold,
+                     window_cold)
 
 
 def done(device: int, nbytes: int, ok: bool = True) -> None:
@@ -130,8 +161,9 @@ def rates_of(device: int) -> Rates | None:
     """A copy of ``device``'s learned figures (None: none yet)."""
     with _LOCK:
         r = _RATES.get(device)
-        return None if r is None else Rates(r.direct, r.cached, r.runs, dict(r.samples), r.run_direct, r.run_left,
-                                            r.run_start, r.run_bytes, r.run_cold, r.run_last)
+        if r is None:
+            return None
+        return Rates(**{**r.__dict__, "samples": dict(r.samples), "since": dict(r.since)})
 
 
 def forget() -> None:
