@@ -5,6 +5,7 @@ reads, returns the file's bytes on either, and learns nothing from data already 
 
 from __future__ import annotations
 
+import itertools
 import os
 import tempfile
 
@@ -61,8 +62,30 @@ def test_an_exploring_run_that_cannot_teach_is_followed_by_another():
     t += 10
     assert _run(r, True, t0=t, requests=1) is True  # the exploring run: one request, then the load ends
     t += 10
-    assert _run(r, True, t0=t, nbytes=25) is True   # (its pause ends it, teaching nothing): explore again
+    assert _run(r, True, t0=t, nbytes=75) is False  # (its pause ends it, teaching nothing): one run between,
+    t += 10
+    assert _run(r, True, t0=t, nbytes=25) is True   # then explore again
     assert r.samples[True] == 2 and r.direct == pytest.approx((1 - ALPHA) * 100 + ALPHA * 100)
+    assert r.backoff == 1
+
+
+def test_a_path_whose_runs_never_teach_gets_at_most_one_run_in_explore():
+    r = Rates()
+    learn(r, True, 100, 1.0)
+    learn(r, False, 300, 1.0)
+    paths = []
+    for k in range(8 * EXPLORE):                    # the page cache teaches; O_DIRECT runs are always spoiled
+        d = place(r, True, 10.0 * k, "f", 0, 100, True, lambda n: True)
+        paths.append(d)
+        if d:
+            finish(r, 0, 10.0 * k + 1, ok=False)
+        else:
+            for i in range(RUN):
+                finish(r, 75, 10.0 * k + 0.25 * (i + 1))
+                if i < RUN - 1:
+                    place(r, True, 10.0 * k + 0.25 * (i + 1), "f", 75 * (i + 1), 75, True, lambda n: True)
+    gaps = [b - a for a, b in itertools.pairwise([i for i, d in enumerate(paths) if d])]
+    assert gaps[:3] == [2, 4, EXPLORE] and set(gaps[3:]) == {EXPLORE} and r.backoff == EXPLORE
 
 
 def test_a_run_that_starts_warm_fails_or_cannot_take_its_path_teaches_nothing():

@@ -21,8 +21,9 @@ What teaches: a run whose window — the ``RUN`` requests' worth of the file fro
 in memory does not), whose later requests lie in that window or are cold themselves (at most ``COLD_MAX``), and
 whose requests all succeeded. A run that pauses more than ``GAP_MAX`` between requests ends there (a load that
 ended mid-run): with two requests or more it teaches the rate up to its last one. The exploring run comes once
-the other path has gone ``EXPLORE`` - 1 runs without teaching, so a run that could not teach is followed by
-another. The figures are per process and per device (``forget`` drops them); requests from several threads at
+the other path has gone ``EXPLORE`` - 1 runs without teaching, so an exploring run that could not teach is
+followed by another — after 1, 2, 4, ... up to ``EXPLORE`` runs, so that a path whose runs cannot teach (the
+loads' pattern) never takes more than one run in ``EXPLORE``. The figures are per process and per device (``forget`` drops them); requests from several threads at
 once share one run (their rates mix; the bytes are never affected).
 """
 
@@ -36,7 +37,7 @@ from typing import Any
 
 RUN = 4                 # consecutive large requests of a device on one path, timed together
 EXPLORE = 8             # the other path gets a run once it has gone EXPLORE - 1 runs without teaching
-ALPHA = 0.3             # weight of a new run's rate in the moving average
+ALPHA = 0.3             # weight of a new run's rate in the moving average (after the first few: their mean)
 COLD_MAX = 0.05         # a request outside its run's window is cold with at most this share in the page cache
 WINDOW_COLD = 0.1       # a run's window is cold with at most this share in the page cache when the run starts
 GAP_MAX = 0.25          # seconds between two requests of a run beyond which the run ends there
@@ -58,6 +59,9 @@ class Rates:
     run_last: float = 0.0               # when the current run's last request ended
     run_bytes: int = 0
     run_ok: bool = False                # whether the current run may still teach
+    run_explore: bool = False           # whether the current run explores the other path
+    explored_at: int = -(1 << 30)       # ``runs`` when the last exploring run started
+    backoff: int = 1                    # runs between exploring runs while they fail to teach (1, 2, 4, ... EXPLORE)
     window: tuple[Any, int, int] = (None, 0, 0)     # (file, first byte, end) of the current run's window
 
     def rate(self, direct: bool) -> float | None:
@@ -75,7 +79,8 @@ def place(rates: Rates, probed: bool, now: float, file: Any, offset: int, length
     choice ``probed`` (pure but for ``rates``, where the request is placed, and ``window_cold(n)``: whether the
     ``n`` bytes of the file from ``offset`` are at most ``WINDOW_COLD`` in the page cache, asked when a run
     starts). A new run takes the probe's path until that has a figure, then the other until it has one; then
-    the better rate (a tie: the probe's), or the worse once it has gone ``EXPLORE`` - 1 runs without teaching."""
+    the better rate (a tie: the probe's), or the worse once it has gone ``EXPLORE`` - 1 runs without teaching
+    (and ``backoff`` runs have passed since the last exploring run: 1, doubled by each that failed to teach)."""
     if rates.run_left and now - rates.run_last > GAP_MAX:
         _end(rates)
     if rates.run_left == 0:
@@ -86,7 +91,11 @@ def place(rates: Rates, probed: bool, now: float, file: Any, offset: int, length
         else:
             d, c = rates.direct or 0.0, rates.cached or 0.0
             best = probed if d == c else d > c
-            rates.run_direct = (not best) if rates.since[not best] >= EXPLORE - 1 else best
+            explore = rates.since[not best] >= EXPLORE - 1 and rates.runs - rates.explored_at >= rates.backoff
+            rates.run_direct = (not best) if explore else best
+            rates.run_explore = explore
+            if explore:
+                rates.explored_at = rates.runs
         rates.runs += 1
         rates.since[True] += 1
         rates.since[False] += 1
@@ -107,7 +116,8 @@ def finish(rates: Rates, nbytes: int, now: float, ok: bool = True) -> None:
     if rates.run_left == 0:
         return
     if not ok:
-        rates.run_left, rates.run_ok = 0, False
+        rates.run_ok = False
+        _end(rates)
         return
     rates.run_bytes += max(0, nbytes)
     rates.run_left -= 1
@@ -120,19 +130,23 @@ def finish(rates: Rates, nbytes: int, now: float, ok: bool = True) -> None:
 def _end(rates: Rates) -> None:
     """End the current run: it teaches its rate (bytes over the time from its start to its last request's end)
     if it may and has at least two requests done (a whole run, or one a pause cut short)."""
-    if rates.run_ok and rates.run_done >= 2:
+    taught = rates.run_ok and rates.run_done >= 2 and rates.run_bytes > 0 and rates.run_last > rates.run_start
+    if taught:
         learn(rates, rates.run_direct, rates.run_bytes, rates.run_last - rates.run_start)
-    rates.run_left, rates.run_ok = 0, False
+    if rates.run_explore:               # a failed exploration waits twice as long before the next, up to EXPLORE
+        rates.backoff = 1 if taught else min(2 * rates.backoff, EXPLORE)
+    rates.run_left, rates.run_ok, rates.run_explore = 0, False, False
 
 
 def learn(rates: Rates, direct: bool, nbytes: int, seconds: float) -> None:
-    """Fold one rate, ``nbytes`` in ``seconds``, into ``direct``'s average (pure but for ``rates``); no bytes or
-    no time teaches nothing."""
+    """Fold one rate, ``nbytes`` in ``seconds``, into ``direct``'s average (pure but for ``rates``): the mean of the
+    first ones, then a moving average weighing the new one ``ALPHA``; no bytes or no time teaches nothing."""
     if nbytes <= 0 or seconds <= 0:
         return
     now = nbytes / seconds
     old = rates.rate(direct)
-    new = now if old is None else (1 - ALPHA) * old + ALPHA * now
+    alpha = max(ALPHA, 1 / (rates.samples[direct] + 1))     # the plain mean of the first few: one odd run fades
+    new = now if old is None else (1 - alpha) * old + alpha * now
     if direct:
         rates.direct = new
     else:
