@@ -1,17 +1,17 @@
-"""Cold loads by the read path liferaft learns, against each path forced and against PyTorch DCP, on 2 ranks.
+"""Cold loads by liferaft's default read path, against each path forced and against PyTorch DCP, on 2 ranks.
 
 Two ranks (gloo, 127.0.0.1) save the same row-sharded fp32 state (``--size-mib`` in all, Adam-like: params + 2
 moments) once with liferaft and once with DCP on the local disk, then load it ``--reps`` times, interleaved, each
 load after dropping the page cache of both checkpoints (fsync + ``POSIX_FADV_DONTNEED``), into zeroed tensors:
 
-- liferaft.load, default: the path the probe picks, then learned from the load's own runs of reads
-  (``storage/readtune.py``); the figures carry over from one load to the next in the process, as in a job;
+- liferaft.load, default: the path the device's probe picks (``storage/iopath.choose``: the page cache unless
+  O_DIRECT was faster by 15 %);
 - liferaft.load with ``PosixStorage(direct_io=True, inflight=1)`` (O_DIRECT, one request in flight) and with
-  ``direct_io=False`` (the page cache): each path forced, no probe, nothing learned;
+  ``direct_io=False`` (the page cache): each path forced, no probe;
 - ``torch.distributed.checkpoint.load`` (buffered reads, as DCP does).
 
 Every liferaft load is checked bit-exact. Seconds: the slower rank's; CPU: both ranks' process CPU (every
-thread) per GB loaded. Prints the learned rates of each rank at the end.
+thread) per GB loaded. Prints the path the probe chose on each rank.
 
     PYTHONPATH=src python benchmarks/bench_readpath.py [--size-mib 1024] [--reps 6]
 """
@@ -33,7 +33,7 @@ import torch
 from _common import ROOT, drop_cache, machine  # sets up the paths
 from bench_restore import state
 
-METHODS = ("liferaft, learned path (default)", "liferaft, O_DIRECT forced", "liferaft, page cache forced", "DCP")
+METHODS = ("liferaft, default (the probe's path)", "liferaft, O_DIRECT forced", "liferaft, page cache forced", "DCP")
 
 
 def worker(rank: int, world: int, disk: str, nbytes: int, reps: int) -> dict[str, Any]:
@@ -41,7 +41,7 @@ def worker(rank: int, world: int, disk: str, nbytes: int, reps: int) -> dict[str
     import torch.distributed.checkpoint as dcp
 
     import liferaft
-    from liferaft.storage import PosixStorage, readtune
+    from liferaft.storage import PosixStorage, iopath
 
     st = state(rank, world, nbytes)
     lf, dc = os.path.join(disk, "liferaft"), os.path.join(disk, "dcp")
@@ -68,8 +68,8 @@ def worker(rank: int, world: int, disk: str, nbytes: int, reps: int) -> dict[str
             out[method].append((time.perf_counter() - t0, cpu))
             if not all(torch.equal(target[k].local, st[k].local) for k in st):
                 raise AssertionError(f"{method}: loaded state differs")
-    r = readtune.rates_of(os.stat(disk).st_dev)
-    out["rates"] = None if r is None else {"O_DIRECT": r.direct, "page cache": r.cached, "runs": r.runs}
+    c = iopath.choice_for(disk)
+    out["choice"] = f"{'O_DIRECT' if c.read_direct else 'page cache'}, {c.read_inflight} in flight"
     out["bytes"] = sum(v.local.numel() * 4 for v in st.values())
     return out
 
@@ -101,10 +101,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{total / statistics.median(w) / 1e9:.2f} | {cpu:.2f} | "
               f"{statistics.median(w) / statistics.median(walls['DCP']):.2f} |")
     for rank, o in enumerate(outs):
-        r = o["rates"]
-        shown = "none" if r is None else (f"O_DIRECT {(r['O_DIRECT'] or 0) / 1e9:.2f} GB/s, page cache "
-                                          f"{(r['page cache'] or 0) / 1e9:.2f} GB/s, {r['runs']} runs")
-        print(f"\nrank {rank}: learned {shown}", end="")
+        print(f"\nrank {rank}: the probe chose reads by {o['choice']}", end="")
     print()
     return 0
 

@@ -74,7 +74,7 @@ def test_bench_readpath_small_runs_and_verifies():
     out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_readpath.py"), "--size-mib", "64",
                           "--reps", "2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    for label in ("liferaft, learned path (default)", "liferaft, O_DIRECT forced", "liferaft, page cache forced",
+    for label in ("liferaft, default (the probe's path)", "liferaft, O_DIRECT forced", "liferaft, page cache forced",
                   "DCP"):
         assert f"| {label} |" in out.stdout         # printed only after every load was checked bit-exact
     assert out.stdout.count("rank ") == 2

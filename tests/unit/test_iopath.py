@@ -29,9 +29,9 @@ def _probe(write: dict, read: dict | None = None) -> Probe:
     return Probe(write=write, read=read if read is not None else write)
 
 
-def test_choice_keeps_direct_one_in_flight_when_nothing_beats_it_clearly():
+def test_choice_keeps_direct_one_in_flight_for_writes_and_the_page_cache_for_reads_when_nothing_beats_them():
     p = _probe({(True, 1): 1.0 * GB, (True, 4): 1.1 * GB, (False, 1): 0.9 * GB, (False, 4): 1.05 * GB})
-    assert choose(p) == Choice(True, 1, True, 1)
+    assert choose(p) == Choice(True, 1, False, 4)
 
 
 def test_choice_on_a_slow_hour_takes_more_requests_in_flight_before_the_page_cache():
@@ -52,9 +52,12 @@ def test_choice_takes_buffered_writes_only_when_they_win_by_the_cache_margin():
     assert (got.read_direct, got.read_inflight) == (False, 1)
 
 
-def test_choice_takes_the_cheapest_of_near_equals_direct_first_then_fewer_in_flight():
+def test_choice_of_near_equals_writes_direct_first_reads_cache_first_then_fewer_in_flight():
     p = _probe({(True, 1): 1.0 * GB, (True, 4): 2.0 * GB, (False, 1): 2.1 * GB, (False, 4): 1.9 * GB})
-    assert (choose(p).read_direct, choose(p).read_inflight) == (True, 4)
+    assert (choose(p).read_direct, choose(p).read_inflight) == (False, 1)
+    assert (choose(p).write_direct, choose(p).write_inflight) == (True, 4)
+    p = _probe({(True, 1): 1.0 * GB, (True, 4): 1.2 * GB, (False, 1): 1.0 * GB})
+    assert (choose(p).read_direct, choose(p).read_inflight) == (True, 4)   # O_DIRECT faster by MARGIN: taken
     p = _probe({(True, 1): 1.0 * GB, (True, 4): 1.0 * GB, (False, 1): 2.0 * GB, (False, 4): 1.95 * GB})
     assert (choose(p).read_direct, choose(p).read_inflight) == (False, 1)
     p = _probe({(True, 1): 1.0 * GB, (True, 4): 1.1 * GB, (False, 1): 0.9 * GB})

@@ -5,9 +5,9 @@ fast hour and below a buffered write (the kernel's writeback queues deep, merged
 ``PosixStorage`` asks, on its first large request (``PROBE_FROM`` bytes or more: small checkpoints and tests
 never pay for it), for the ``Choice`` of its device: ``probe`` writes (with fsync) and reads (cold: O_DIRECT,
 or buffered after ``POSIX_FADV_DONTNEED``) one short file on the storage's file system on every path — O_DIRECT
-and buffered, 1 and ``MANY`` requests in flight — and ``choose``, a pure function of those figures, keeps the
-cheapest of the paths within ``MARGIN`` of the fastest. The choice is kept per device (``st_dev``) for the life
-of the process; ``forget`` drops it.
+and buffered, 1 and ``MANY`` requests in flight — and ``choose``, a pure function of those figures, keeps among
+the paths within ``MARGIN`` of the fastest O_DIRECT for writes and the page cache for reads (``choose`` says
+why). The choice is kept per device (``st_dev``) for the life of the process; ``forget`` drops it.
 
 Side effects: the probe's file is unnamed (``O_TMPFILE``) where the file system allows, so a kill -9 during the
 probe leaves nothing; elsewhere it is ``PROBE_PREFIX``... in the folder, which no reader takes for data and
@@ -27,8 +27,7 @@ path: ``resident_share`` (``mincore`` on a private mapping of the request's rang
 in, tens of microseconds) tells the share ``r`` of its pages in the cache, and the request reads through the
 cache when ``cache_read_wins(r, Choice.cache_floor)``: ``r`` at least ``cache_floor = max(MIN_RESIDENT,
 1 - b/d)``, where b and d are the probe's best cold buffered and O_DIRECT read rates (cached pages taken as
-free: through the cache the request costs (1 - r)/b, by O_DIRECT 1/d). Cold data takes the probed path at first,
-then the path ``storage.readtune`` learns from the process's own runs of large cold reads.
+free: through the cache the request costs (1 - r)/b, by O_DIRECT 1/d). Cold data keeps the probed path.
 
 ``Choice`` is also what a caller forces: ``PosixStorage(root, direct_io=False, inflight=4)`` never probes.
 """
@@ -52,7 +51,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from liferaft.format.layout import PROBE_PREFIX, is_probe_name  # noqa: F401 - is_probe_name: for callers
-from liferaft.storage import readtune
 
 PAGE = 4096
 MIN_RESIDENT = 0.5          # the least share of a request's pages in the page cache for it to read through it
@@ -173,13 +171,15 @@ def _store_shared(dev: int, kind: str, p: Probe) -> None:
             os.unlink(tmp)
 
 
-def _pick(rates: Mapping[Path, float]) -> Path:
-    """Among the paths within ``MARGIN`` of the fastest (a short probe is noisy), the cheapest: O_DIRECT before
-    the page cache (no copy through it, no CPU paid for it), then the fewest requests in flight."""
+def _pick(rates: Mapping[Path, float], cache_first: bool = False) -> Path:
+    """Among the paths within ``MARGIN`` of the fastest (a short probe is noisy): O_DIRECT before the page cache
+    (no copy through it, no CPU paid for it), or with ``cache_first`` the page cache before O_DIRECT; then the
+    fewest requests in flight."""
     if not rates:
         return (False, 1)
     best = max(rates.values())
-    return min((p for p, r in rates.items() if r * MARGIN >= best), key=lambda p: (not p[0], p[1]))
+    return min((p for p, r in rates.items() if r * MARGIN >= best),
+               key=lambda p: (p[0] if cache_first else not p[0], p[1]))
 
 
 def _direct_unless_cache_wins(rates: Mapping[Path, float], by: float) -> Mapping[Path, float]:
@@ -194,9 +194,14 @@ def _direct_unless_cache_wins(rates: Mapping[Path, float], by: float) -> Mapping
 def choose(probe: Probe) -> Choice:
     """The ``Choice`` for the figures of ``probe`` (pure: the same figures, the same choice). A buffered write
     must beat O_DIRECT by ``CACHE_WRITE_MARGIN`` in the probe: a short probe flatters it (its fsync flushes
-    16 MiB of page cache; a save of GBs first touches every page-cache page, ~1 GB/s on these VMs)."""
+    16 MiB of page cache; a save of GBs first touches every page-cache page, ~1 GB/s on these VMs). Reads take
+    the page cache unless O_DIRECT is faster by ``MARGIN``: the probe reads 16 MiB alone, while a load reads GBs
+    from several ranks at once and verifies each buffer as it lands, which a read through the cache leaves in the
+    CPU's cache and an O_DIRECT read (DMA) does not; the probe ranks the two within 15 % of each other when whole
+    loads through the cache run 1.2–1.5× faster (2 ranks, 0.25–1 GiB, cold, 6 of 7 runs of ``bench_readpath.py``
+    on 2026-12-05; DCP reads through the cache too)."""
     wd, wk = _pick(_direct_unless_cache_wins(probe.write, CACHE_WRITE_MARGIN))
-    rd, rk = _pick(probe.read)
+    rd, rk = _pick(probe.read, cache_first=True)
     return Choice(write_direct=wd, write_inflight=wk, read_direct=rd, read_inflight=rk,
                   cache_floor=cache_floor(probe.read))
 
@@ -524,8 +529,7 @@ def probed() -> dict[int, tuple[Choice, Probe]]:
 
 
 def forget() -> None:
-    """Drop every kept choice (the next large request probes again) and the read rates learned since."""
+    """Drop every kept choice (the next large request probes again)."""
     with _LOCK:
         _CHOICES.clear()
         _READS.clear()
-    readtune.forget()

@@ -6,8 +6,7 @@ VMs every page-cache page is a first touch of fresh memory, ~1 GB/s). Whether th
 large write or read keeps in flight (split on page boundaries across threads), is the device's ``iopath.Choice``:
 probed on the first large request unless the caller forces it (``PosixStorage(direct_io=..., inflight=...)``).
 Unless forced, a read request whose pages are mostly in the page cache already (``iopath.cache_read_wins``: a
-file just written through the cache, or read before) reads through it instead of by O_DIRECT, and large cold
-reads take the path ``storage.readtune`` learns from the process's runs of them (the probe's at first).
+file just written through the cache, or read before) reads through it instead of by O_DIRECT.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import uuid
 from collections.abc import Callable
 
 from liferaft.errors import CorruptCheckpointError, OptionsError, UnsafePathError
-from liferaft.storage import files, iopath, memfs, readtune
+from liferaft.storage import files, iopath, memfs
 from liferaft.storage.base import FileWriter, Storage
 
 _PAGE = 4096
@@ -195,7 +194,6 @@ class PosixStorage(Storage):
         self._inflight = inflight or 1
         self.direct_io = (True if direct_io is None else bool(direct_io)) and hasattr(os, "O_DIRECT")
         self.cached_reads = 0       # read parts that would have used O_DIRECT but read through the page cache
-        self._device: int | None = None     # st_dev of the root (``readtune``'s key), once a read needs it
 
     def io_path(self, nbytes: int, write: bool, name: str | None = None) -> tuple[bool, int]:
         """(O_DIRECT, requests in flight) for one request of ``nbytes``: forced, or the device's choice (probed
@@ -299,8 +297,7 @@ class PosixStorage(Storage):
 
     def read_into(self, name: str, offset: int, out: memoryview) -> int:
         """Read into ``out`` from ``offset`` of ``name``; return the bytes read (fewer at the end of the file).
-        By the device's path (unless forced: the probe's, then the one learned from cold reads, ``readtune``),
-        except (unless forced) the parts mostly in the page cache: through it. A device
+        By the device's path, except (unless forced) the parts mostly in the page cache: through it. A device
         that fails the read (EIO, ...) is a FileAccessError naming the file and the bytes (``files.access_error``);
         a missing file stays FileNotFoundError."""
         mv = memoryview(out).cast("B")
@@ -313,50 +310,6 @@ class PosixStorage(Storage):
         direct, inflight = self.io_path(len(mv), write=False, name=name)
         c = self._choice(len(mv), False, name) if self._auto else None
         floor = None if not self._auto else c.cache_floor if c is not None else iopath.MIN_RESIDENT
-        if c is not None and self.direct_io and self._direct_ok(offset, mv):
-            return self._read_learning(name, offset, mv, direct, inflight, c.cache_floor)
-        return self._read_path(name, offset, mv, direct, inflight, floor)
-
-    def _read_learning(self, name: str, offset: int, mv: memoryview, direct: bool, inflight: int,
-                       floor: float) -> int:
-        """A large read by a storage that chooses its own path: by the path of its run (``storage.readtune``,
-        which learns the device's rates from runs of such reads), or through the page cache if that much of the
-        range is there already (``iopath.cache_read_wins``; with several requests in flight, part by part)."""
-        fd = self._open(name)
-        try:
-            st = os.fstat(fd)
-            resident = iopath.resident_share(fd, offset, len(mv))
-
-            def window_cold(n: int) -> bool:
-                r = iopath.resident_share(fd, offset, max(0, min(n, st.st_size - offset)))
-                return r is not None and r <= readtune.WINDOW_COLD
-            if self._device is None:
-                self._device = os.stat(self._top if os.path.isdir(self._top) else self._base).st_dev
-            direct = readtune.start(self._device, direct, (st.st_dev, st.st_ino), offset, len(mv),
-                                    resident is not None and resident <= readtune.COLD_MAX, window_cold)
-        finally:
-            os.close(fd)
-        ok, n = False, 0
-        try:
-            if iopath.cache_read_wins(resident, floor):
-                self.cached_reads += 1
-                direct = False
-            n = self._read_path(name, offset, mv, direct, inflight, floor if direct else None)
-            ok = self.direct_io
-            return n
-        finally:
-            readtune.done(self._device, n, ok)
-
-    @staticmethod
-    def _direct_ok(offset: int, mv: memoryview) -> bool:
-        """Whether a read of ``mv`` at ``offset`` can go by O_DIRECT (page-aligned offset, length and memory)."""
-        return offset % _PAGE == 0 and len(mv) % _PAGE == 0 and len(mv) > 0 and not mv.readonly \
-            and ctypes.addressof(ctypes.c_char.from_buffer(mv)) % _PAGE == 0
-
-    def _read_path(self, name: str, offset: int, mv: memoryview, direct: bool, inflight: int,
-                   floor: float | None) -> int:
-        """``mv``'s bytes from ``offset`` of ``name`` by ``direct``, ``inflight`` requests in flight (a large
-        request split across threads); ``floor``: the page-cache rule of each part (None: none)."""
         if inflight > 1 and len(mv) >= 2 * iopath.SPLIT_MIN:
             got = iopath.in_parallel(lambda at, n: self._read_into(name, at, mv[at - offset:at - offset + n], direct,
                                                                    floor),
@@ -374,7 +327,8 @@ class PosixStorage(Storage):
         that much in the page cache (``iopath.cache_read_wins``); else through the cache."""
         fd = None
         try:
-            if direct and self.direct_io and self._direct_ok(offset, mv):
+            if direct and self.direct_io and offset % _PAGE == 0 and len(mv) % _PAGE == 0 and len(mv) \
+                    and not mv.readonly and ctypes.addressof(ctypes.c_char.from_buffer(mv)) % _PAGE == 0:
                 if floor is not None:
                     fd = self._open(name)
                     if iopath.cache_read_wins(iopath.resident_share(fd, offset, len(mv)), floor):
