@@ -121,7 +121,7 @@ class Sender:
     """The replication of one step log: ``run`` once per published record, in its background thread."""
 
     def __init__(self, root: str, coord: Coordinator, rank: int, targets: list[int], sources: list[int],
-                 name: Callable[[int, int], str], slot: Callable[[str, int], Any]) -> None:
+                 name: Callable[[int, int], str], slot: Callable[..., Any]) -> None:
         self.root, self.coord, self.rank, self.targets, self.sources = root, coord, rank, targets, sources
         self.name, self.slot = name, slot   # slot(rel, size, holes): that slot file, mapped, at least size bytes
         self.diverged: set[tuple[int, int]] = set()    # (source, gradient index) that differed once
