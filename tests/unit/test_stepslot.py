@@ -106,3 +106,14 @@ def test_range_arithmetic_matches_sets(a, b):
     assert _set(u) == _set(a) | _set(b) and _set(i) == _set(a) & _set(b) and _set(m) == _set(a) - _set(b)
     for rs in (u, i):                               # sorted, merged, no empty range
         assert all(n > 0 for _, n in rs) and all(x[0] + x[1] < y[0] for x, y in itertools.pairwise(rs))
+
+
+def test_a_hole_reaching_past_the_reservation_still_maps_the_whole_slot(shm):
+    s = Slot(shm, "d")
+    s.reserve(8192, whole=True, holes=[(4096, 1 << 20)])     # (a hole running past size and the slack)
+    assert s.map is not None and os.fstat(s.fd).st_size == s.capacity >= 8192
+    s.write(0, b"\x44" * 4096)
+    assert _allocated(s) <= 2 * PAGE
+    s.reserve(s.capacity)                           # no holes now: all allocated
+    assert s.sparse == [] and _allocated(s) >= s.capacity
+    s.close()

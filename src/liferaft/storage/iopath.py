@@ -59,7 +59,7 @@ PROBE_BYTES = 16 << 20       # written and read on every path, in every round, b
 PROBE_REQUEST = 4 << 20      # request size of the probe
 MANY = 4                     # "several requests in flight" of the probe and the most ``choose`` picks
 SPLIT_MIN = 1 << 20          # a request is split across threads in parts of at least this many bytes
-MARGIN = 1.15                # paths this close to the fastest count as equal (the cheapest of them is chosen)
+MARGIN = 1.15                # paths this close to the fastest count as equal (writes: O_DIRECT first, reads: cache)
 CACHE_WRITE_MARGIN = 1.5     # a buffered write must beat every O_DIRECT write by this much in the probe
 ROUNDS = 2                   # the probe times every path this many times, interleaved, and keeps its best
 HOST_DIR = "/dev/shm"        # where the processes of a host share their probes (a seam: tests point it elsewhere)
@@ -194,8 +194,8 @@ def _direct_unless_cache_wins(rates: Mapping[Path, float], by: float) -> Mapping
 def choose(probe: Probe) -> Choice:
     """The ``Choice`` for the figures of ``probe`` (pure: the same figures, the same choice). A buffered write
     must beat O_DIRECT by ``CACHE_WRITE_MARGIN`` in the probe: a short probe flatters it (its fsync flushes
-    16 MiB of page cache; a save of GBs first touches every page-cache page, ~1 GB/s on these VMs). Reads take
-    the page cache unless O_DIRECT is faster by ``MARGIN``: the probe reads 16 MiB alone, while a load reads GBs
+    16 MiB of page cache; a save of GBs first touches every page-cache page, ~1 GB/s on these VMs). Reads (the
+    large ones that ask for the choice) take the page cache unless O_DIRECT is faster by ``MARGIN``: the probe reads 16 MiB alone, while a load reads GBs
     from several ranks at once and verifies each buffer as it lands, which a read through the cache leaves in the
     CPU's cache and an O_DIRECT read (DMA) does not; the probe ranks the two within 15 % of each other when whole
     loads through the cache run 1.2–1.5× faster (2 ranks, 0.25–1 GiB, cold, 6 of 7 runs of ``bench_readpath.py``

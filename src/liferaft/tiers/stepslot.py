@@ -87,6 +87,8 @@ class Slot:
         for off, n in new:
             self._fallocate(off, n)
         self.sparse = _union(self.sparse, _minus([(self.capacity, want - self.capacity)], new))
+        if os.fstat(self.fd).st_size < want:    # (a hole at the end: the file must still reach want to be mapped)
+            os.ftruncate(self.fd, want)
         if self.map is not None:
             self._old.append(self.map)
         # (MAP_POPULATE would allocate the holes: a slot with holes faults its pages in on first write instead)
