@@ -86,3 +86,33 @@ def signal_at_the_last_maybe_save(rank: int, world: int, root: str) -> list[str]
             mgr.maybe_save(step, state_at(rank, world, step))
         mgr.close()
     return [str(w.message) for w in got]
+
+
+def settle_raises_on_one_rank(rank: int, world: int, root: str) -> tuple[list[int], int, int]:
+    """As ``train_and_preempt``, but at step 4 rank 0's accounting of the saves in flight (``_settle``) raises and
+    the loop catches it and goes on: the ranks must still take one vote and cast one per call (a rank that
+    skipped one would act on the others' votes a step apart: a save started at different steps)."""
+    mgr = CheckpointManager(root, every_steps=3, keep_last=2, preemption=PreemptionOptions(signals=[signal.SIGUSR1]),
+                            save_options=liferaft.SaveOptions(timeout=20))
+    mgr.restore(state_at(rank, world, -1))
+    real, caught, stopped = mgr._settle, [0], -1
+
+    def settle() -> None:
+        if rank == 0 and mgr._last_call == 3 and not caught[0]:
+            raise RuntimeError("injected: the accounting of a save in flight failed on this rank")
+        real()
+
+    mgr._settle = settle  # type: ignore[method-assign]
+    for step in range(20):
+        if step == 7 and rank == 1:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        try:
+            mgr.maybe_save(step, state_at(rank, world, step))
+        except RuntimeError:
+            caught[0] += 1
+            continue
+        if mgr.preempted:
+            stopped = step
+            break
+    mgr.close()
+    return [i.step for i in mgr.steps() if i.status == "committed"], caught[0], stopped

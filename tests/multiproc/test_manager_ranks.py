@@ -34,3 +34,12 @@ def test_a_signal_at_the_last_maybe_save_is_reported_at_close(tmp_path):
     out = run_ranks(signal_at_the_last_maybe_save, 2, str(tmp_path / "r"), timeout=120)
     for texts in out:
         assert any("preemption signal" in t and "step 3" in t for t in texts), texts
+
+
+def test_a_rank_whose_settle_raises_once_keeps_its_votes_in_step(tmp_path):
+    from multiproc._manager_ranks import settle_raises_on_one_rank
+
+    out = run_ranks(settle_raises_on_one_rank, 2, str(tmp_path / "r"), timeout=120)
+    assert out[0][1] == 1 and out[1][1] == 0, out      # rank 0 raised once at step 4 and went on
+    for steps, _, stopped in out:
+        assert stopped == 8 and steps == [6, 8], out    # both still act on rank 1's signal at the same step

@@ -313,18 +313,27 @@ class CheckpointManager:
                                                             self._last_time, self.interval_s)
         preempt = self._signalled.is_set()
         mem_due = self._tiers is not None and self._tiers.due(step)
-        self._settle()                  # (this rank's view of the saves in flight; the votes make it common)
+        voting = self._voting()
+        voted = None                    # what the ranks voted at the end of the previous call (None: first call)
+        if voting and self._vote is not None:
+            vote, self._vote = self._vote, None
+            voted = vote.result()
+        try:
+            self._settle()              # (this rank's view of the saves in flight; the votes make it common)
+        except BaseException:
+            if voted is not None:       # (one vote taken and one cast per call on every rank, whatever raised)
+                with contextlib.suppress(LiferaftError):
+                    self._vote = self.coord.all_max_start(self._votes(step), "maybe_save (agree)")
+            raise
         log_full = self._steplog is not None and self._steplog.full
         log_half = self._steplog is not None and self._steplog.save_due and self._inflight is None \
             and self._draining is None
         self._last_call = step
-        voting = self._voting()
-        if voting and self._vote is None:       # the first call: no votes cast yet, agree now
+        if voting and voted is None:            # the first call: no votes cast yet, agree now
             reason, preempt, mem_due, log_full, log_half = self._agree(reason, preempt, mem_due, log_full, log_half)
-        elif voting:                            # what the ranks voted at the end of the previous call
-            vote, self._vote = self._vote, None
-            assert vote is not None
-            t, p, m, full, half = vote.result()
+        elif voting:
+            assert voted is not None
+            t, p, m, full, half = voted
             if reason == "every_seconds":       # (this rank's clock: only the vote decides for all)
                 reason = None
             reason = reason or ("every_seconds" if t else None)
