@@ -48,7 +48,7 @@ class Slot:
             if size > self.capacity:
                 self._grow(size, whole, keep)
             else:
-                self._allocate(_minus([(0, self.capacity)], keep), keep)
+                self._allocate(keep)
 
     def punch(self, holes: Sequence[tuple[int, int]]) -> None:
         """Give back the memory of the whole pages inside ``holes`` (reserved as holes before; bytes the caller
@@ -63,9 +63,9 @@ class Slot:
                     return
                 self.sparse = _union(self.sparse, [(off, n)])
 
-    def _allocate(self, ranges: list[tuple[int, int]], keep: list[tuple[int, int]]) -> None:
-        """Allocate the parts of ``ranges`` now sparse; ``keep``: the holes left as they are."""
-        for off, n in _intersect(ranges, self.sparse) if self.sparse else ():
+    def _allocate(self, keep: list[tuple[int, int]]) -> None:
+        """Allocate every sparse page of ``[0, capacity)`` outside ``keep`` (the holes left as they are)."""
+        for off, n in _minus(self.sparse, keep):
             self._fallocate(off, n)
         self.sparse = _intersect(self.sparse, keep)
 
@@ -82,11 +82,11 @@ class Slot:
         if not whole:
             want = max(want, self.capacity * 2, 1 << 20)
         keep = _intersect(keep, [(0, want)])
-        self._allocate(_minus([(0, self.capacity)], keep), keep)
-        new = _minus([(self.capacity, want - self.capacity)], keep)
-        for off, n in new:
+        self._allocate(keep)
+        grown = [(self.capacity, want - self.capacity)]
+        for off, n in _minus(grown, keep):
             self._fallocate(off, n)
-        self.sparse = _union(self.sparse, _minus([(self.capacity, want - self.capacity)], new))
+        self.sparse = _union(self.sparse, _intersect(grown, keep))
         if os.fstat(self.fd).st_size < want:    # (a hole at the end: the file must still reach want to be mapped)
             os.ftruncate(self.fd, want)
         if self.map is not None:
