@@ -100,6 +100,59 @@ def test_probe_on_a_real_folder_measures_every_path_and_leaves_nothing(tmp_path)
     assert c.write_inflight in (1, iopath.MANY) and c.read_inflight in (1, iopath.MANY)
 
 
+MIB = 1 << 20
+
+
+def test_the_read_rate_is_the_steady_state_past_the_read_ahead_ramp():
+    # a cold buffered read: its first 16 MiB at 1 GB/s (read-ahead growing), the next 32 MiB at 4 GB/s
+    marks = [(0, 0.0)]
+    for k in range(1, 13):
+        n = k * 4 * MIB
+        marks.append((n, marks[-1][1] + 4 * MIB / (1e9 if n <= iopath.READ_RAMP else 4e9)))
+    assert iopath.steady_rate(marks) == pytest.approx(4e9)
+    # fewer bytes past the ramp than in it: the whole read counts
+    short = marks[:7]
+    assert iopath.steady_rate(short) == pytest.approx(short[-1][0] / short[-1][1])
+    # groups of requests that straddle the ramp: timed from the first group ending at or past it
+    grouped = [marks[0], marks[3], marks[6], marks[9], marks[12]]      # 12 MiB per group
+    assert iopath.steady_rate(grouped) == pytest.approx((48 - 24) * MIB / (grouped[-1][1] - grouped[2][1]))
+
+
+@pytest.mark.parametrize("inflight", [1, iopath.MANY])
+def test_a_probe_read_reads_every_byte_into_the_reused_buffer(tmp_path, inflight):
+    import mmap
+
+    nbytes = 40 * MIB + 3 * iopath.PAGE                      # past the ramp, not a whole number of requests
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    path = tmp_path / "f"
+    path.write_bytes(data.numpy().tobytes())
+    buf = mmap.mmap(-1, 16 * MIB)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert iopath._read(fd, buf, inflight, nbytes) > 0
+    finally:
+        os.close(fd)
+    got = torch.frombuffer(bytearray(buf), dtype=torch.uint8)
+    # the last requests landed at their offset modulo the buffer: the file's last 16 MiB, rotated
+    tail = torch.arange(nbytes - 16 * MIB, nbytes)
+    assert torch.equal(got[tail % (16 * MIB)], data[tail])
+    buf.close()
+
+
+def test_probe_reads_times_past_the_ramp_of_a_large_file(tmp_path):
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(iopath.READ_BYTES + 8 * MIB))
+    os.sync()
+
+    def open_file(direct: bool) -> int:
+        return os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+    fd = open_file(False)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    p = iopath.probe_reads(open_file, os.path.getsize(path))
+    assert p is not None and (False, 1) in p.read and all(v > 0 for v in p.read.values())
+
+
 def _shm_dir() -> str:
     if not os.path.isdir("/dev/shm"):
         pytest.skip("no /dev/shm")

@@ -3,9 +3,10 @@
 Which path is fastest depends on the device and on its hour: on these VMs O_DIRECT writes run at 2 GB/s on a
 fast hour and below a buffered write (the kernel's writeback queues deep, merged requests) on a slow one. So
 ``PosixStorage`` asks, on its first large request (``PROBE_FROM`` bytes or more: small checkpoints and tests
-never pay for it), for the ``Choice`` of its device: ``probe`` writes (with fsync) and reads (cold: O_DIRECT,
-or buffered after ``POSIX_FADV_DONTNEED``) one short file on the storage's file system on every path — O_DIRECT
-and buffered, 1 and ``MANY`` requests in flight — and ``choose``, a pure function of those figures, keeps among
+never pay for it), for the ``Choice`` of its device: ``probe`` writes (with fsync) a short file, and reads
+(cold: O_DIRECT, or buffered after ``POSIX_FADV_DONTNEED``) a longer one, timed past the read-ahead's ramp
+(``steady_rate``), on the storage's file system on every path — O_DIRECT and buffered, 1 and ``MANY`` requests
+in flight — and ``choose``, a pure function of those figures, keeps among
 the paths within ``MARGIN`` of the fastest O_DIRECT for writes and the page cache for reads (``choose`` says
 why). The choice is kept per device (``st_dev``) for the life of the process; ``forget`` drops it.
 
@@ -17,7 +18,7 @@ processes of one host probing the same folder take turns (``flock`` of the folde
 measured: its figures go to a small file in ``HOST_DIR`` (``liferaft-iopath-<uid>-<device>-<kind>.json``, this
 user's, written whole or not at all), which the others take instead of probing while it is at most ``HOST_TTL``
 seconds old; anything there that is not such a file of this user, fresh and well formed, is ignored (they probe).
-So the ranks of a host pay one probe (~0.15–0.25 s here) at a job's first large save or load, not one each in turn.
+So the ranks of a host pay one probe (~0.5 s here) at a job's first large save or load, not one each in turn.
 A file system that refuses O_DIRECT (tmpfs) has no O_DIRECT figures, so the choice is buffered.
 
 Data already in the page cache (a file just written through it, or read before) is read through it whatever the
@@ -55,8 +56,10 @@ from liferaft.format.layout import PROBE_PREFIX, is_probe_name  # noqa: F401 - i
 PAGE = 4096
 MIN_RESIDENT = 0.5          # the least share of a request's pages in the page cache for it to read through it
 PROBE_FROM = 8 << 20         # a request at least this large asks for the device's choice (probing it once)
-PROBE_BYTES = 16 << 20       # written and read on every path, in every round, by the probe
+PROBE_BYTES = 16 << 20       # written on every path, in every round, by the probe
 PROBE_REQUEST = 4 << 20      # request size of the probe
+READ_BYTES = 48 << 20        # read on every path, in every round, by the probe (a file of this size)
+READ_RAMP = 16 << 20         # a probe read is timed past its first this many bytes (the steady state; see ``_read``)
 MANY = 4                     # "several requests in flight" of the probe and the most ``choose`` picks
 SPLIT_MIN = 1 << 20          # a request is split across threads in parts of at least this many bytes
 MARGIN = 1.15                # paths this close to the fastest count as equal (writes: O_DIRECT first, reads: cache)
@@ -195,11 +198,11 @@ def choose(probe: Probe) -> Choice:
     """The ``Choice`` for the figures of ``probe`` (pure: the same figures, the same choice). A buffered write
     must beat O_DIRECT by ``CACHE_WRITE_MARGIN`` in the probe: a short probe flatters it (its fsync flushes
     16 MiB of page cache; a save of GBs first touches every page-cache page, ~1 GB/s on these VMs). Reads (the
-    large ones that ask for the choice) take the page cache unless O_DIRECT is faster by ``MARGIN``: the probe reads 16 MiB alone, while a load reads GBs
-    from several ranks at once and verifies each buffer as it lands, which a read through the cache leaves in the
-    CPU's cache and an O_DIRECT read (DMA) does not; the probe ranks the two within 15 % of each other when whole
-    loads through the cache run 1.2–1.5× faster (2 ranks, 0.25–1 GiB, cold, 6 of 7 runs of ``bench_readpath.py``
-    on 2026-12-05; DCP reads through the cache too)."""
+    large ones that ask for the choice) take the page cache unless O_DIRECT is faster by ``MARGIN``: a load
+    verifies each buffer as it lands, which a read through the cache leaves in the CPU's cache and an O_DIRECT
+    read (DMA) does not, and DCP reads through the cache too. The read figures are steady-state rates
+    (``steady_rate``): timed from the first byte, a 16 MiB probe ranked O_DIRECT 1.16x faster on 2026-12-05
+    while whole 2-rank loads through the cache ran 1.3x faster (``bench_readpath.py``, 256 MiB)."""
     wd, wk = _pick(_direct_unless_cache_wins(probe.write, CACHE_WRITE_MARGIN))
     rd, rk = _pick(probe.read, cache_first=True)
     return Choice(write_direct=wd, write_inflight=wk, read_direct=rd, read_inflight=rk,
@@ -322,13 +325,31 @@ def _write(fd: int, buf: mmap.mmap, inflight: int) -> None:
     os.fsync(fd)
 
 
-def _read(fd: int, buf: mmap.mmap, inflight: int, nbytes: int = PROBE_BYTES) -> None:
+def _read(fd: int, buf: mmap.mmap, inflight: int, nbytes: int) -> float:
+    """Read the first ``nbytes`` of ``fd`` in ``PROBE_REQUEST`` requests, ``inflight`` at a time, into ``buf``
+    (reused: request ``at`` lands at ``at % len(buf)``); return ``steady_rate`` of the reads."""
     def one(pos: int, n: int) -> int:
-        return os.preadv(fd, [memoryview(buf)[pos:pos + n]], pos)
+        at = pos % len(buf)
+        return os.preadv(fd, [memoryview(buf)[at:at + n]], pos)
 
     requests = [(at, min(PROBE_REQUEST, nbytes - at)) for at in range(0, nbytes, PROBE_REQUEST)]
+    marks = [(0, time.perf_counter())]
     for i in range(0, len(requests), inflight):
-        in_parallel(one, requests[i:i + inflight])
+        group = requests[i:i + inflight]
+        in_parallel(one, group)
+        marks.append((group[-1][0] + group[-1][1], time.perf_counter()))
+    return steady_rate(marks)
+
+
+def steady_rate(marks: list[tuple[int, float]]) -> float:
+    """Bytes per second of a read from ``marks``, (bytes read so far, time) at its start and after each group of
+    requests (pure): past the first ``READ_RAMP`` bytes when at least as many follow, else of the whole read. A
+    cold buffered read starts slow and speeds up as the kernel's read-ahead window grows (on these VMs its first
+    16 MiB ran 0.9x an O_DIRECT read, its next 32 MiB 1.4x, a whole 256 MiB file 1.6-1.9x), and a load reads
+    GBs: the first MiBs alone ranked the paths the wrong way round."""
+    total, end = marks[-1]
+    start = next(((n, t) for n, t in marks if n >= READ_RAMP and total - n >= READ_RAMP), marks[0])
+    return (total - start[0]) / max(end - start[1], 1e-9)
 
 
 def _probe_file(folder: str) -> tuple[int, str | None]:
@@ -389,7 +410,9 @@ def probe(folder: str) -> Probe:
     buf = mmap.mmap(-1, PROBE_BYTES)
     buf.write(b"\x5a" * PROBE_BYTES)                   # prefaulted, page aligned
     try:
-        write, read = _rounds(lambda direct, k: _time_path(fd, buf, direct, k))
+        write, _ = _rounds(lambda direct, k: _time_write(fd, buf, direct, k))
+        _fill(fd, buf, READ_BYTES)
+        _, read = _rounds(lambda direct, k: _time_read(fd, buf, direct, k, READ_BYTES))
     finally:
         buf.close()
         os.close(fd)
@@ -398,34 +421,56 @@ def probe(folder: str) -> Probe:
     return Probe(write=write, read=read, seconds=time.perf_counter() - t0)
 
 
-def _time_path(fd: int, buf: mmap.mmap, direct: bool, k: int) -> tuple[float, float] | None:
-    """(write + fsync, cold read) bytes per second of one path on the probe file ``fd``; None where the file
-    system refuses O_DIRECT."""
+def _time_write(fd: int, buf: mmap.mmap, direct: bool, k: int) -> tuple[float, float] | None:
+    """(write + fsync bytes per second of one path on the probe file ``fd``, 0); None where the file system
+    refuses O_DIRECT."""
     os.ftruncate(fd, 0)
     if not _set_direct(fd, direct):
         return None
     try:
         t = time.perf_counter()
         _write(fd, buf, k)
-        w = PROBE_BYTES / max(time.perf_counter() - t, 1e-9)
+        return PROBE_BYTES / max(time.perf_counter() - t, 1e-9), 0.0
     except OSError as e:
         if e.errno != errno.EINVAL or not direct:
             raise
         return None
+
+
+def _fill(fd: int, buf: mmap.mmap, nbytes: int) -> None:
+    """Make the probe file ``fd`` ``nbytes`` long (whole ``buf``s, through the page cache), on the device."""
+    _set_direct(fd, False)
+    os.ftruncate(fd, 0)
+    view = memoryview(buf)
+    at = 0
+    while at < nbytes:
+        n = min(len(buf), nbytes - at)
+        at += os.pwrite(fd, view[:n], at)
+    os.fsync(fd)
+
+
+def _time_read(fd: int, buf: mmap.mmap, direct: bool, k: int, nbytes: int) -> tuple[float, float] | None:
+    """(0, cold read bytes per second of one path: ``_read`` of the first ``nbytes`` of ``fd`` after dropping
+    them from the page cache); None where the file system refuses O_DIRECT."""
+    if not _set_direct(fd, direct):
+        return None
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    t = time.perf_counter()
-    _read(fd, buf, k)
-    return w, PROBE_BYTES / max(time.perf_counter() - t, 1e-9)
+    try:
+        return 0.0, _read(fd, buf, k, nbytes)
+    except OSError as e:
+        if e.errno != errno.EINVAL or not direct:
+            raise
+        return None
 
 
 def probe_reads(open_file: Callable[[bool], int], size: int) -> Probe | None:
-    """Time the cold read of the first ``min(size, PROBE_BYTES)`` bytes (whole pages) of an existing file on
+    """Time the cold read of the first ``min(size, READ_BYTES)`` bytes (whole pages) of an existing file on
     every read path, as ``probe`` does, writing nothing: ``open_file(direct)`` opens it (O_DIRECT or not; OSError
     EINVAL where refused). For reads of a checkpoint that must not be written to (read, convert, inspect).
     None, measuring nothing, when those bytes are in the page cache (``cache_read_wins`` at ``MIN_RESIDENT``):
     a cold read needs them dropped from it first, and the caller is about to read them from there."""
     t0 = time.perf_counter()
-    n = min(size, PROBE_BYTES) // PAGE * PAGE
+    n = min(size, READ_BYTES) // PAGE * PAGE
     if n:
         fd = open_file(False)
         try:
@@ -433,7 +478,7 @@ def probe_reads(open_file: Callable[[bool], int], size: int) -> Probe | None:
                 return None
         finally:
             os.close(fd)
-    buf = mmap.mmap(-1, max(n, PAGE))
+    buf = mmap.mmap(-1, max(min(n, PROBE_BYTES), PAGE))
     buf.write(b"\0" * len(buf))
 
     def measure(direct: bool, k: int) -> tuple[float, float] | None:
@@ -445,9 +490,7 @@ def probe_reads(open_file: Callable[[bool], int], size: int) -> Probe | None:
             return None
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            t = time.perf_counter()
-            _read(fd, buf, k, n)
-            return 0.0, n / max(time.perf_counter() - t, 1e-9)
+            return 0.0, _read(fd, buf, k, n)
         finally:
             os.close(fd)
 
