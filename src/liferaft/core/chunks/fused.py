@@ -7,9 +7,11 @@ a load's CPU time (profiled: ``copy_`` 1.29 s of a 1.7 s load of 1 GB). Here eac
 the copy reads it from cache. The contract is unchanged: no byte of a block reaches a target before that block
 has been verified; a corrupt block raises (the blocks before it may have landed, as whole earlier units may).
 
-Only copies whose source and destination are both one contiguous run of bytes (the common case: a whole
-tensor, or a slab of one along its first dimension) are cut into pieces; any other copy (a strided box of a
-resharding load, a non-contiguous destination view) runs after the whole unit is verified, as before.
+Copies whose source and destination are both one contiguous run of bytes (the common case: a whole tensor, or a
+slab of one along its first dimension) are cut into pieces and copied with memmove. A strided box (a resharding
+load: Shard(0) rows into Shard(1) columns) is copied by rows of its first dimension: once the verified bytes
+reach the end of a row, the rows up to it are copied with torch's ``copy_``, so they too come from cache. Any
+other copy (a box of one row, strides that are not positive) runs after the whole unit is verified, as before.
 """
 
 from __future__ import annotations
@@ -71,24 +73,71 @@ def contiguous_runs(unit: ReadUnit, length: int, dtype: torch.dtype, targets: Se
     return runs, rest
 
 
+class _Rows:
+    """A strided copy of a unit taken by rows of its first dimension as the verified bytes grow (see the
+    module): row ``i`` of the box lies in bytes ``[start + i * stride, start + i * stride + extent)`` of the
+    unit."""
+
+    def __init__(self, c: CopySpec, view: torch.Tensor, dtype: torch.dtype, targets: Sequence[torch.Tensor]
+                 ) -> None:
+        es = torch.empty((), dtype=dtype).element_size()
+        flat = view.view(dtype)
+        self.src = torch.as_strided(flat, c.sizes, c.src_strides, flat.storage_offset() + c.src_offset)
+        dst = targets[c.target]
+        for d, (o, n) in enumerate(zip(c.dest_offsets, c.sizes)):
+            dst = dst.narrow(d, o, n)
+        self.dst = dst
+        self.rows = c.sizes[0]
+        self.stride = c.src_strides[0] * es
+        self.start = c.src_offset * es
+        self.extent = (1 + sum((n - 1) * st for n, st in zip(c.sizes[1:], c.src_strides[1:]))) * es
+        self.done = 0
+
+    @staticmethod
+    def fits(c: CopySpec, length: int, es: int) -> bool:
+        """Whether ``c`` can go by rows: two rows or more, positive strides, inside the unit's ``length``
+        bytes (else torch's bounds checks raise for it, after the whole unit is verified)."""
+        if len(c.sizes) < 2 or c.sizes[0] < 2 or any(n < 1 for n in c.sizes) \
+                or any(st <= 0 for st in c.src_strides) or c.src_offset < 0:
+            return False
+        last = c.src_offset + sum((n - 1) * st for n, st in zip(c.sizes, c.src_strides))
+        return (last + 1) * es <= length
+
+    def upto(self, verified: int) -> None:
+        """Copy the rows whose bytes all lie in the first ``verified`` bytes and are not copied yet."""
+        if verified < self.start + self.extent:
+            return
+        ready = min(self.rows, (verified - self.start - self.extent) // self.stride + 1)
+        if ready > self.done:
+            self.dst.narrow(0, self.done, ready - self.done).copy_(self.src.narrow(0, self.done, ready - self.done))
+            self.done = ready
+
+
 def verify_and_copy(unit: ReadUnit, view: torch.Tensor, dtype: torch.dtype, targets: Sequence[torch.Tensor],
                     copy: bool, where: str) -> tuple[float, list[CopySpec]]:
     """Verify every block of ``view`` (the unit's raw bytes, a 1-D uint8 tensor) and, with ``copy``, copy it
-    into the contiguous destinations among ``unit.copies`` piece by piece; return (seconds verifying, the copies
-    left for the caller to run now that the whole unit is verified)."""
+    into its destinations among ``unit.copies`` piece by piece (contiguous runs) or row by row (strided boxes);
+    return (seconds verifying, the copies left for the caller to run now that the whole unit is verified)."""
     runs, rest = contiguous_runs(unit, view.numel(), dtype, targets) if copy else ([], [])
+    es = torch.empty((), dtype=dtype).element_size() if rest else 0
+    rows = [_Rows(c, view, dtype, targets) for c in rest if _Rows.fits(c, view.numel(), es)]
+    if rows:
+        rest = [c for c in rest if not _Rows.fits(c, view.numel(), es)]
     mv = memoryview(view.numpy())
     bs = unit.block_size
     per = max(1, PIECE // bs)
     verify_s = 0.0
     src = view.data_ptr()
-    for first in range(0, len(unit.hashes), per):
-        lo, hi = first * bs, min((first + per) * bs, len(mv))
-        t0 = time.perf_counter()
-        verify_blocks(mv[lo:], unit.hashes[first:first + per], bs, where, unit.checksum, first=first)
-        verify_s += time.perf_counter() - t0
-        for start, n, dst in runs:
-            a, b = max(lo, start), min(hi, start + n)
-            if a < b:               # (bounds: a, b lie in both; memmove releases the GIL, one thread)
-                ctypes.memmove(dst.data_ptr() + a - start, src + a, b - a)
+    with torch.no_grad():
+        for first in range(0, len(unit.hashes), per):
+            lo, hi = first * bs, min((first + per) * bs, len(mv))
+            t0 = time.perf_counter()
+            verify_blocks(mv[lo:], unit.hashes[first:first + per], bs, where, unit.checksum, first=first)
+            verify_s += time.perf_counter() - t0
+            for start, n, dst in runs:
+                a, b = max(lo, start), min(hi, start + n)
+                if a < b:               # (bounds: a, b lie in both; memmove releases the GIL, one thread)
+                    ctypes.memmove(dst.data_ptr() + a - start, src + a, b - a)
+            for r in rows:
+                r.upto(hi)
     return verify_s, rest

@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
-from liferaft.codecs.checksum import verify_blocks
 from liferaft.codecs.frames import decode_frames, load_executor
 from liferaft.core.chunks.blocks import read_blocks, xor_into
 from liferaft.core.chunks.fused import verify_and_copy
@@ -308,17 +306,11 @@ def _consume(storage: Storage, batch: _Batch, buf: torch.Tensor, n: int, targets
             end = unit.first_block + len(unit.hashes)
             xor_into(memoryview(view.numpy()), read_blocks(storage, unit.delta, unit.first_block, end,
                                                            str(dtype).removeprefix("torch."), unit.key))
-        if keep is not None:
-            t0 = time.perf_counter()
-            verify_blocks(memoryview(view.numpy()), unit.hashes, unit.block_size, _where(unit), unit.checksum)
-            verify_s += time.perf_counter() - t0
-            keep(view)
-            keep = None
-            if copy:
-                copy_out(unit, view, dtype, targets)
-            continue
         seconds, rest = verify_and_copy(unit, view, dtype, targets, copy, _where(unit))
         verify_s += seconds
+        if keep is not None:
+            keep(view)
+            keep = None
         if rest:
             copy_out(unit, view, dtype, targets, rest)
     return verify_s
