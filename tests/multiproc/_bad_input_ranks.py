@@ -72,6 +72,20 @@ def load_sharded_rank1_corrupt(rank: int, world: int, path: str, atomic: bool) -
     return _outcome(lambda: liferaft.load(path, state, options=opts), state)
 
 
+def load_codec_known_to_rank0_only(rank: int, world: int, path: str) -> tuple[str, str, bool]:
+    """The manifest names codec ``x-rank0-only``, which only rank 0 registered: every rank decodes the manifest
+    itself, so rank 1 refuses it while rank 0 would go on."""
+    if rank == 0:
+        from liferaft.codecs.bytegroup import ByteGroupZstd
+        from liferaft.codecs.registry import register
+
+        class RankZeroOnly(ByteGroupZstd):
+            name = "x-rank0-only"
+        register(RankZeroOnly())
+    state = {"w": torch.full((64, 64), -1.0), "step": -1}
+    return _outcome(lambda: liferaft.load(path, state, options=LoadOptions(timeout=TIMEOUT)), state)
+
+
 # ---------------------------------------------------------------------------------------------------- save
 
 

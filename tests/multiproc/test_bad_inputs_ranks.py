@@ -56,6 +56,25 @@ def test_load_with_wrong_shape_on_rank1(committed):
     _check(r0, {"DistributedError"}, "rank 1", "'w'")
 
 
+def test_load_of_a_manifest_only_rank0_can_decode(tmp_path):
+    # every rank decodes the manifest rank 0 read and checked: a rank that cannot (a codec it lacks) raises, and
+    # rank 0, which could, raises too instead of waiting for it in the next collective
+    from liferaft.testing import tamper
+
+    path = str(tmp_path / "ckpt")
+    liferaft.save(path, {"w": torch.zeros(64, 64), "step": 3}, options=SaveOptions(compression="on"))
+
+    def edit(doc):
+        chunks = [c for t in doc["tensors"] for c in t["chunks"] if c.get("codec")]
+        assert chunks
+        for c in chunks:
+            c["codec"] = "x-rank0-only"
+    tamper.rewrite_manifest(path, edit)
+    r0, r1 = _run(R.load_codec_known_to_rank0_only, path)
+    _check(r1, {"CorruptCheckpointError"}, "x-rank0-only")
+    _check(r0, {"DistributedError"}, "rank 1", "x-rank0-only")
+
+
 @pytest.mark.parametrize("atomic", [False, True])
 def test_load_with_corrupt_bytes_only_rank1_reads(committed, atomic):
     path, _ = committed

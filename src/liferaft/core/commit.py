@@ -129,6 +129,14 @@ def open_checkpoint(storage: Storage, *, reuse: bool = False) -> Manifest:
 
 def _open(storage: Storage, reuse: bool = False) -> Manifest:
     """``open_checkpoint`` without the check of references."""
+    data, name = read_verified(storage)
+    return decode_verified(storage, data, name, reuse)
+
+
+def read_verified(storage: Storage) -> tuple[bytes, str]:
+    """The committed manifest's bytes, as its commit marker records them (size and checksum compared), and its
+    name: what ``decode_verified`` takes. Raises as ``open_checkpoint`` does for the marker and the manifest's
+    bytes."""
     try:
         marker_bytes = read_marker(storage)
     except (FileNotFoundError, NotADirectoryError):
@@ -146,13 +154,24 @@ def _open(storage: Storage, reuse: bool = False) -> Manifest:
     if len(data) != marker.manifest_size or digest(data) != marker.manifest_hash:
         raise CorruptCheckpointError(f"{storage.url}: manifest {marker.manifest!r} does not match the size/checksum "
                                      "recorded in the commit marker; the checkpoint is damaged")
+    return data, marker.manifest
+
+
+def decode_verified(storage: Storage, data: bytes, name: str, reuse: bool = False) -> Manifest:
+    """The manifest ``name`` of ``storage`` from its bytes ``data`` (``read_verified``'s), decoded and checked
+    (every tensor's chunks tile it; an encoded chunk's frames can hold its blocks): a function of those bytes and
+    the codecs registered alone, so ranks given the same bytes decode the same manifest or raise the same error.
+    ``reuse`` as in ``open_checkpoint``."""
+    if not isinstance(data, bytes) or not isinstance(name, str):
+        raise CorruptCheckpointError(f"{storage.url}: the manifest was passed as {type(data).__name__} named "
+                                     f"{type(name).__name__}, not bytes and a name")
     codecs = codec_registry.names()
     if reuse:
         for url, names, raw, manifest in _OPENED:
             if url == storage.url and names == codecs and raw == data:
                 return manifest
     with paused_gc():
-        manifest = decode_manifest(data, f"{storage.url}/{marker.manifest}", codecs=codecs)
+        manifest = decode_manifest(data, f"{storage.url}/{name}", codecs=codecs)
         for entry in manifest.tensors:
             problem = check_chunks_tile(entry.shape, [(c.offsets, c.sizes) for c in entry.chunks])
             for c in entry.chunks if problem is None else ():

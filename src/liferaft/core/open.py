@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import os
 
-from liferaft.core.commit import open_checkpoint
+from liferaft.core.commit import check_references, decode_verified, open_checkpoint, read_verified
 from liferaft.core.native import NativeReader
 from liferaft.core.process import in_call
 from liferaft.dist import Coordinator
 from liferaft.errors import CheckpointNotFoundError, StateMismatchError
+from liferaft.format.manifest import Manifest
 from liferaft.formats.base import Reader
 from liferaft.formats.detect import Format, detect, sniff
 from liferaft.options import LoadOptions, check_options, check_path
@@ -61,11 +62,29 @@ def open_reader(path: PathLike | Storage, options: LoadOptions | None = None, *,
         storage = with_references(path if isinstance(path, Storage) else resolve(path))
         if coord is None:
             return NativeReader(storage, open_checkpoint(storage, reuse=True), opts)
-        return NativeReader(storage, coord.run_on_zero(lambda: open_checkpoint(storage), "load (open)"), opts)
+        return NativeReader(storage, _open_on_ranks(storage, coord), opts)
     if coord is None:
         return _open_foreign(os.fspath(path), fmt)
     opened: list[Reader] = []
     coord.run(lambda: opened.append(_open_foreign(os.fspath(path), fmt)), "load (open)")
+    return opened[0]
+
+
+def _open_on_ranks(storage: Storage, coord: Coordinator) -> Manifest:
+    """``open_checkpoint`` collectively: rank 0 reads the commit marker and the manifest and checks the manifest's
+    bytes against the marker (``read_verified``), every rank gets those bytes and decodes them itself, at the
+    same time (``decode_verified``: the same bytes and codecs, the same manifest; a pickled decoded manifest took
+    longer to pickle and unpickle than to decode), and rank 0 checks the references (siblings' manifests, read
+    from storage). Any rank's failure raises on every rank."""
+    data, name = coord.run_on_zero(lambda: read_verified(storage), "load (open)")
+    opened: list[Manifest] = []
+
+    def decode() -> None:
+        manifest = decode_verified(storage, data, name, reuse=True)
+        if coord.rank == 0:
+            check_references(storage, manifest)
+        opened.append(manifest)
+    coord.run(decode, "load (open)")
     return opened[0]
 
 
