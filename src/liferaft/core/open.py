@@ -44,8 +44,8 @@ def open_reader(path: PathLike | Storage, options: LoadOptions | None = None, *,
     """The checkpoint at ``path`` opened for reading, whatever its format (liferaft's verified; DCP, safetensors
     and ``torch.save`` files memory-mapped, nothing run from them). With ``coord`` it is collective: the ranks first
     agree on what the path holds (ranks that see different things — a node-local path, a shared file system not
-    yet in sync — all raise at once, naming what each saw); a liferaft manifest is then read and verified by rank
-    0 and sent to the others; foreign files are opened by every rank (they are memory-mapped where each rank
+    yet in sync — all raise at once, naming what each saw); a liferaft manifest is then read by rank 0, checked
+    against its commit marker and sent to the others, and every rank decodes it (``_open_on_ranks``); foreign files are opened by every rank (they are memory-mapped where each rank
     reads); any rank's failure raises on every rank."""
     check_path(path)
     opts = check_options(options, LoadOptions, "open")
