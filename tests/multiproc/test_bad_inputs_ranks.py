@@ -1,5 +1,5 @@
 """Bad input on one rank of two: every rank raises a LiferaftError (the others a DistributedError naming the
-failed rank), nothing hangs, a failed load changes no rank's state and a failed save leaves the committed
+failed rank; where every rank finds the fault itself, a damaged manifest, each raises its own), nothing hangs, a failed load changes no rank's state and a failed save leaves the committed
 checkpoint at the path loadable with its old values.
 
 ``run_ranks`` kills a hung run after its timeout and raises RankFailure, so a hang fails the test (no timing

@@ -74,3 +74,18 @@ def test_rows_fit_only_boxes_inside_the_unit_with_positive_strides():
     assert not fused._Rows.fits(CopySpec(0, (0,), (4,), 0, (1,)), 400, 4)              # 1-D: a contiguous run
     assert not fused._Rows.fits(CopySpec(0, (0, 0), (4, 3), 0, (0, 1)), 400, 4)       # a stride of 0
     assert not fused._Rows.fits(CopySpec(0, (0, 0), (4, 3), -1, (10, 1)), 400, 4)     # before the unit
+
+
+def test_targets_contiguous_but_for_size_one_dims_load(tmp_path):
+    # is_contiguous() ignores size-1 dims, and reshape(-1) keeps their stride: such a view was taken for a run of
+    # bytes and its byte view raised (from the review)
+    full = torch.randn(4, 32768)
+    liferaft.save(tmp_path / "a", {"w": full})
+    column = torch.zeros(1, 4).t()                      # (4, 1), strides (1, 4)
+    liferaft.load(tmp_path / "a", {"w": Sharded(column, (4, 32768), (0, 7))})
+    assert torch.equal(column, full[:, 7:8])
+    liferaft.save(tmp_path / "b", {"w": torch.tensor([1.5])})
+    base = torch.zeros(2)
+    one = base[::2]                                     # one element at a stride of 2
+    liferaft.load(tmp_path / "b", {"w": one})
+    assert base.tolist() == [1.5, 0.0]

@@ -140,3 +140,35 @@ def test_processes_probing_one_folder_take_turns(tmp_path):
         os.close(fd)                                       # our turn ends
     assert child.stdout.readline() == "done\n"
     assert child.wait(timeout=60) == 0
+
+
+_FSIZE_PROBE = """
+import os, resource, signal, sys
+from liferaft.storage import iopath
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)          # a write past the limit fails with EFBIG instead
+limit = int(sys.argv[2]) << 20
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+before = len(os.listdir("/proc/self/fd"))
+try:
+    p = iopath.probe(sys.argv[1])
+    print("ok", len(p.write), len(p.read), min(p.read.values(), default=0) > 0)
+except OSError as e:
+    print("oserror", e.errno)
+print("fds", len(os.listdir("/proc/self/fd")) - before)
+"""
+
+
+@pytest.mark.parametrize("limit_mib, want", [(40, "ok"), (24, "ok"), (8, "oserror")])
+def test_a_probe_short_of_room_times_what_fits_and_leaves_nothing_open(tmp_path, limit_mib, want):
+    # RLIMIT_FSIZE stands in for a file system short of room (EFBIG where ENOSPC would come): the 48 MiB read
+    # file is cut short (its reads timed on what fits), or the 16 MiB writes fail (an OSError: the device keeps
+    # the default path); either way the probe file is closed and gone, and no BufferError escapes
+    out = subprocess.run([sys.executable, "-c", _FSIZE_PROBE, str(tmp_path), str(limit_mib)], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.split()
+    assert lines[0] == want, out.stdout
+    if want == "ok":
+        assert lines[1:4] == ["4", "4", "True"], out.stdout
+    assert out.stdout.strip().endswith("fds 0"), out.stdout
+    assert os.listdir(tmp_path) == []

@@ -74,13 +74,14 @@ def _open_on_ranks(storage: Storage, coord: Coordinator) -> Manifest:
     """``open_checkpoint`` collectively: rank 0 reads the commit marker and the manifest and checks the manifest's
     bytes against the marker (``read_verified``), every rank gets those bytes and decodes them itself, at the
     same time (``decode_verified``: the same bytes and codecs, the same manifest; a pickled decoded manifest took
-    longer to pickle and unpickle than to decode), and rank 0 checks the references (siblings' manifests, read
+    longer to pickle and unpickle than to decode; nothing kept for reuse: a job's ranks do not hold a manifest
+    after the load), and rank 0 checks the references (siblings' manifests, read
     from storage). Any rank's failure raises on every rank."""
     data, name = coord.run_on_zero(lambda: read_verified(storage), "load (open)")
     opened: list[Manifest] = []
 
     def decode() -> None:
-        manifest = decode_verified(storage, data, name, reuse=True)
+        manifest = decode_verified(storage, data, name)
         if coord.rank == 0:
             check_references(storage, manifest)
         opened.append(manifest)

@@ -19,7 +19,7 @@ measured: its figures go to a small file in ``HOST_DIR`` (``liferaft-iopath-<uid
 user's, written whole or not at all), which the others take instead of probing while it is at most ``HOST_TTL``
 seconds old; anything there that is not such a file of this user, fresh and well formed, is ignored (they probe).
 So the ranks of a host pay one probe (~0.5 s here) at a job's first large save or load, not one each in turn.
-A file system that refuses O_DIRECT (tmpfs) has no O_DIRECT figures, so the choice is buffered.
+A file system that refuses O_DIRECT (tmpfs before Linux 6.6) has no O_DIRECT figures, so the choice is buffered.
 
 Data already in the page cache (a file just written through it, or read before) is read through it whatever the
 device's choice: O_DIRECT would fetch from the device bytes that memory holds (a load right after a buffered
@@ -313,11 +313,11 @@ def in_parallel(fn: Callable[[int, int], int], parts: list[tuple[int, int]]) -> 
 
 def _write(fd: int, buf: mmap.mmap, inflight: int) -> None:
     def one(pos: int, n: int) -> int:
-        view = memoryview(buf)[pos:pos + n]
-        done = 0
-        while done < n:
-            done += os.pwrite(fd, view[done:], pos + done)
-        return done
+        with memoryview(buf)[pos:pos + n] as view:     # (released on a failure too: ``_close_probe``)
+            done = 0
+            while done < n:
+                done += os.pwrite(fd, view[done:], pos + done)
+            return done
 
     requests = [(at, min(PROBE_REQUEST, PROBE_BYTES - at)) for at in range(0, PROBE_BYTES, PROBE_REQUEST)]
     for i in range(0, len(requests), inflight):
@@ -330,7 +330,8 @@ def _read(fd: int, buf: mmap.mmap, inflight: int, nbytes: int) -> float:
     (reused: request ``at`` lands at ``at % len(buf)``); return ``steady_rate`` of the reads."""
     def one(pos: int, n: int) -> int:
         at = pos % len(buf)
-        return os.preadv(fd, [memoryview(buf)[at:at + n]], pos)
+        with memoryview(buf)[at:at + n] as view:
+            return os.preadv(fd, [view], pos)
 
     requests = [(at, min(PROBE_REQUEST, nbytes - at)) for at in range(0, nbytes, PROBE_REQUEST)]
     marks = [(0, time.perf_counter())]
@@ -411,14 +412,26 @@ def probe(folder: str) -> Probe:
     buf.write(b"\x5a" * PROBE_BYTES)                   # prefaulted, page aligned
     try:
         write, _ = _rounds(lambda direct, k: _time_write(fd, buf, direct, k))
-        _fill(fd, buf, READ_BYTES)
-        _, read = _rounds(lambda direct, k: _time_read(fd, buf, direct, k, READ_BYTES))
+        filled = _fill(fd, buf, READ_BYTES)
+        _, read = _rounds(lambda direct, k: _time_read(fd, buf, direct, k, filled)) if filled else ({}, {})
     finally:
-        buf.close()
-        os.close(fd)
-        if name is not None and os.path.lexists(name):
-            os.unlink(name)
+        _close_probe(fd, name, buf)
     return Probe(write=write, read=read, seconds=time.perf_counter() - t0)
+
+
+def _close_probe(fd: int, name: str | None, buf: mmap.mmap) -> None:
+    """Close (and remove) the probe file first, whatever failed, so that neither its name nor the space it holds
+    outlives the probe; then the buffer, unless a failed request's traceback still holds a view of it (it goes
+    with the traceback)."""
+    try:
+        os.close(fd)
+    finally:
+        try:
+            if name is not None and os.path.lexists(name):
+                os.unlink(name)
+        finally:
+            with contextlib.suppress(BufferError):
+                buf.close()
 
 
 def _time_write(fd: int, buf: mmap.mmap, direct: bool, k: int) -> tuple[float, float] | None:
@@ -437,16 +450,24 @@ def _time_write(fd: int, buf: mmap.mmap, direct: bool, k: int) -> tuple[float, f
         return None
 
 
-def _fill(fd: int, buf: mmap.mmap, nbytes: int) -> None:
-    """Make the probe file ``fd`` ``nbytes`` long (whole ``buf``s, through the page cache), on the device."""
+def _fill(fd: int, buf: mmap.mmap, nbytes: int) -> int:
+    """Make the probe file ``fd`` up to ``nbytes`` long (copies of ``buf``, through the page cache), on the device;
+    return its length: shorter, in whole pages, where the file system has no room for all of it (the reads are
+    then timed on what fits; 0: no read figures)."""
     _set_direct(fd, False)
     os.ftruncate(fd, 0)
-    view = memoryview(buf)
     at = 0
-    while at < nbytes:
-        n = min(len(buf), nbytes - at)
-        at += os.pwrite(fd, view[:n], at)
+    with memoryview(buf) as view:
+        try:
+            while at < nbytes:
+                at += os.pwrite(fd, view[:min(len(buf), nbytes - at)], at)
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                raise
+            at = at // PAGE * PAGE
+            os.ftruncate(fd, at)
     os.fsync(fd)
+    return at
 
 
 def _time_read(fd: int, buf: mmap.mmap, direct: bool, k: int, nbytes: int) -> tuple[float, float] | None:
@@ -497,7 +518,8 @@ def probe_reads(open_file: Callable[[bool], int], size: int) -> Probe | None:
     try:
         _, read = _rounds(measure) if n else ({}, {})
     finally:
-        buf.close()
+        with contextlib.suppress(BufferError):       # (a failed request's traceback may hold a view of it)
+            buf.close()
     return Probe(write={}, read=read, seconds=time.perf_counter() - t0)
 
 
