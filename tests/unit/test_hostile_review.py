@@ -128,6 +128,21 @@ def test_load_refuses_destinations_of_two_keys_that_partially_share_memory(tmp_p
     assert torch.equal(st["a"], torch.arange(6.)) and torch.equal(st["b"], torch.arange(4.) + 10)
 
 
+def test_load_refuses_boxes_of_one_sharded_that_share_memory(tmp_path):
+    # two boxes of one key are different parts of the global tensor: any memory they share was written twice,
+    # the later box over the earlier (found by fuzzing); boxes in separate memory still load
+    p = str(tmp_path / "ck")
+    liferaft.save(p, {"a": torch.arange(9.)})
+    base = torch.full((9,), -1.0)
+    for box0, box1 in [(base[:5], base[1:5]), (base[:4], base[:4])]:           # overlapping; the very same view
+        with pytest.raises(InvalidStateError, match="'a': two of its boxes .* share memory"):
+            liferaft.load(p, {"a": liferaft.Sharded(box0, (9,), (0,), more=[((5,), box1)])})
+        assert bool((base == -1).all())
+    apart = torch.full((9,), -1.0)
+    liferaft.load(p, {"a": liferaft.Sharded(apart[:5], (9,), (0,), more=[((5,), apart[5:])])})
+    assert torch.equal(apart, torch.arange(9.))
+
+
 def test_load_into_tied_tensors_keeps_working(tmp_path):
     p = str(tmp_path / "tied")
     w = torch.randn(4, 3)

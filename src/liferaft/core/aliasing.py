@@ -4,7 +4,8 @@ Two keys whose destinations partially overlap (``b = base[0:6]``, ``c = base[2:6
 the later one over the earlier: the load would succeed with one of them wrong. Tied tensors — the very same view
 under two keys (same storage, offset, shape, strides and dtype: tied embeddings) — are written with the same
 values twice, as before; views that interleave without sharing an element (``base[0::2]``, ``base[1::2]``) are
-fine. Near-linear: destinations grouped by storage, sorted by the byte extent they span, and only those whose
+fine. Two boxes of one key (a ``Sharded``'s parts) hold different parts of the
+global tensor: any memory they share is refused, even the very same view. Near-linear: destinations grouped by storage, sorted by the byte extent they span, and only those whose
 extents intersect compared, exactly.
 """
 
@@ -47,23 +48,31 @@ def _share(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.isin(_bytes(a), _bytes(b)).any())
 
 
-def check_disjoint(dests: Iterable[tuple[str, torch.Tensor]]) -> None:
+def check_disjoint(dests: Iterable[tuple[str, int, torch.Tensor]]) -> None:
     """InvalidStateError naming both keys when the destinations of two different keys share memory without being
-    the same view (module docstring). ``dests``: (key, local tensor) of every tensor the load fills in place."""
-    groups: dict[tuple[str, int], list[tuple[int, int, str, torch.Tensor]]] = {}
-    for key, t in dests:
+    the same view, or two boxes of one key (a ``Sharded`` with ``more`` boxes: different parts of the global
+    tensor) share any memory (module docstring). ``dests``: (key, box number, local tensor) of every tensor the
+    load fills in place."""
+    groups: dict[tuple[str, int], list[tuple[int, int, str, int, torch.Tensor]]] = {}
+    for key, box, t in dests:
         if t.numel() == 0:
             continue
         lo, hi = _extent(t)
-        groups.setdefault((str(t.device), t.untyped_storage().data_ptr()), []).append((lo, hi, key, t))
+        groups.setdefault((str(t.device), t.untyped_storage().data_ptr()), []).append((lo, hi, key, box, t))
     for items in groups.values():
         if len(items) < 2:
             continue
         items.sort(key=lambda x: (x[0], x[1]))
-        active: list[tuple[int, int, str, torch.Tensor]] = []
-        for lo, hi, key, t in items:
+        active: list[tuple[int, int, str, int, torch.Tensor]] = []
+        for lo, hi, key, box, t in items:
             active = [a for a in active if a[1] > lo]
-            for _, _, other, u in active:
+            for _, _, other, other_box, u in active:
+                if other == key and other_box != box and _share(t, u):
+                    raise InvalidStateError(
+                        f"key {key!r}: two of its boxes (parts {other_box} and {box} of the Sharded) share memory "
+                        f"(shape {list(u.shape)} at storage offset {u.storage_offset()} and shape {list(t.shape)} at "
+                        f"{t.storage_offset()}), so one would overwrite the other; nothing was loaded. Give each box "
+                        "its own tensor")
                 if other != key and not _same_view(t, u) and _share(t, u):
                     raise InvalidStateError(
                         f"keys {other!r} and {key!r}: their destinations share memory (views of one tensor that "
@@ -71,4 +80,4 @@ def check_disjoint(dests: Iterable[tuple[str, torch.Tensor]]) -> None:
                         f"{list(t.shape)} at {t.storage_offset()}), so one would overwrite the other; nothing was "
                         "loaded. Load into separate tensors (e.g. .clone() them into the state), or tie them as "
                         "the very same tensor")
-            active.append((lo, hi, key, t))
+            active.append((lo, hi, key, box, t))

@@ -362,8 +362,8 @@ def _plan_load(reader: Reader, flat: FlatState, coord: Coordinator, opts: LoadOp
             plan.want(spec, [(((row,) + full[0], (1,) + full[1]), local.unsqueeze(0)) for _, local in leaf.parts])
         else:
             plan.fresh_per_rank.append((leaf.path, spec, plan.want_whole(spec), reader.world_size or coord.world))
-    check_disjoint((leaf.key, local) for leaf in flat.tensors if leaf.kind == "tensor" and leaf.key in tensors
-                   for _, local in leaf.parts)
+    check_disjoint((leaf.key, i, local) for leaf in flat.tensors if leaf.kind == "tensor" and leaf.key in tensors
+                   for i, (_, local) in enumerate(leaf.parts))
     for key, path, _ in flat.values:
         _plan_value(plan, key, path, index, coord, opts)
     _check_statefuls(plan, index, coord, strict)

@@ -181,7 +181,8 @@ def is_model_or_optimizer_state_dict(v: Any) -> bool:
 
 
 def _is_leaf_array(v: Any) -> bool:
-    return isinstance(v, np.ndarray) and not v.dtype.hasobject and v.dtype.isnative and v.nbytes > INLINE_LIMIT
+    return type(v) is np.ndarray and not v.dtype.hasobject and v.dtype.fields is None and v.dtype.kind != "V" \
+        and v.dtype.isnative and v.nbytes > INLINE_LIMIT    # (a masked or record array, a structured dtype: values)
 
 
 def _is_leaf_bytes(v: Any) -> bool:

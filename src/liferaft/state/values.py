@@ -1,7 +1,9 @@
 """Plain values ↔ tagged JSON, without pickle unless explicitly allowed.
 
 Supported: None, bool, int, float (incl. nan/inf), complex, str, bytes, list, tuple, dict (any keys of these
-types), set/frozenset, small numpy arrays and numpy scalars, torch.dtype and torch.Size. Anything else is
+types), set/frozenset, small numpy arrays (``numpy.ndarray`` itself) and numpy scalars of dtypes whose ``str``
+says all (no fields, objects or raw void: a structured, record or masked array needs pickle), torch.dtype and
+torch.Size. Anything else is
 refused with PickleNotAllowedError unless ``allow_pickle`` is set; decoding a pickled value also needs
 ``allow_pickle``. Tags are objects with a single ``"$..."`` key, so plain JSON stays plain.
 """
@@ -48,16 +50,18 @@ def encode_value(v: Any, key: str, allow_pickle: bool = False, _depth: int = 0) 
         return v
     if type(v) is float:
         return v if math.isfinite(v) else {"$float": repr(v)}
-    if isinstance(v, complex):
+    if type(v) is complex:         # (numpy's complex scalars subclass complex: they are $npscalar, below)
         return {"$complex": [encode_value(v.real, key, _depth=d), encode_value(v.imag, key, _depth=d)]}
     if isinstance(v, (bytes, bytearray)):
         return {"$bytes": _b64(bytes(v))}
     if isinstance(v, np.ndarray):
-        if v.dtype.hasobject:
-            return _pickled(v, key, allow_pickle)
+        if type(v) is not np.ndarray or not _plain_dtype(v.dtype):
+            return _pickled(v, key, allow_pickle)   # (a masked array's mask, a record's fields: not in the bytes)
         return {"$ndarray": {"dtype": v.dtype.str, "shape": list(v.shape),
                              "data": _b64(np.ascontiguousarray(v).tobytes())}}
     if isinstance(v, np.generic):
+        if not _plain_dtype(v.dtype):
+            return _pickled(v, key, allow_pickle)
         return {"$npscalar": {"dtype": v.dtype.str, "data": _b64(v.tobytes())}}
     if type(v) is list:
         if d <= MAX_NESTING and _SELF_ENCODED.issuperset(map(type, v)):   # (each is its own encoding)
@@ -80,6 +84,12 @@ def encode_value(v: Any, key: str, allow_pickle: bool = False, _depth: int = 0) 
     return _pickled(v, key, allow_pickle)
 
 
+def _plain_dtype(dt: np.dtype) -> bool:
+    """Whether ``dt.str`` says all there is to values of ``dt``: no objects, no fields (a structured or record
+    dtype's ``str`` is ``|V<n>``, its names lost), no sub-array, no raw void."""
+    return not dt.hasobject and dt.fields is None and dt.subdtype is None and dt.kind != "V"
+
+
 def _torch_value(v: Any) -> Any:
     import torch
 
@@ -92,8 +102,11 @@ def _torch_value(v: Any) -> Any:
 
 def _pickled(v: Any, key: str, allow_pickle: bool) -> Any:
     if not allow_pickle:
+        what = f"{type(v).__module__}.{type(v).__qualname__}"
+        if isinstance(v, (np.ndarray, np.generic)):
+            what += f" of dtype {v.dtype!r}"
         raise PickleNotAllowedError(
-            f"key {key!r}: a value of type {type(v).__module__}.{type(v).__qualname__} can only be stored with "
+            f"key {key!r}: a value of type {what} can only be stored with "
             "pickle; convert it to plain data (numbers, strings, lists, dicts, numpy arrays, tensors) or pass "
             "SaveOptions(allow_pickle=True) (loading it then needs allow_pickle=True too)")
     try:
