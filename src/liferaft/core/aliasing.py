@@ -4,9 +4,9 @@ Two keys whose destinations partially overlap (``b = base[0:6]``, ``c = base[2:6
 the later one over the earlier: the load would succeed with one of them wrong. Tied tensors — the very same view
 under two keys (same storage, offset, shape, strides and dtype: tied embeddings) — are written with the same
 values twice, as before; views that interleave without sharing an element (``base[0::2]``, ``base[1::2]``) are
-fine. Two boxes of one key (a ``Sharded``'s parts) hold different parts of the
-global tensor: any memory they share is refused, even the very same view. Near-linear: destinations grouped by storage, sorted by the byte extent they span, and only those whose
-extents intersect compared, exactly.
+fine. Two boxes of one key (a ``Sharded``'s parts) hold different parts of the global tensor: any memory they
+share is refused, even the very same view. Near-linear: destinations grouped by storage, sorted by the byte
+extent they span, and only those whose extents intersect compared, exactly.
 """
 
 from __future__ import annotations

@@ -45,8 +45,9 @@ def open_reader(path: PathLike | Storage, options: LoadOptions | None = None, *,
     and ``torch.save`` files memory-mapped, nothing run from them). With ``coord`` it is collective: the ranks first
     agree on what the path holds (ranks that see different things — a node-local path, a shared file system not
     yet in sync — all raise at once, naming what each saw); a liferaft manifest is then read by rank 0, checked
-    against its commit marker and sent to the others, and every rank decodes it (``_open_on_ranks``); foreign files are opened by every rank (they are memory-mapped where each rank
-    reads); any rank's failure raises on every rank."""
+    against its commit marker and sent to the others, and every rank decodes it (``_open_on_ranks``); foreign
+    files are opened by every rank (they are memory-mapped where each rank reads); any rank's failure raises on
+    every rank."""
     check_path(path)
     opts = check_options(options, LoadOptions, "open")
     where = path.url if isinstance(path, Storage) else os.fspath(path)
@@ -75,8 +76,8 @@ def _open_on_ranks(storage: Storage, coord: Coordinator) -> Manifest:
     bytes against the marker (``read_verified``), every rank gets those bytes and decodes them itself, at the
     same time (``decode_verified``: the same bytes and codecs, the same manifest; a pickled decoded manifest took
     longer to pickle and unpickle than to decode; nothing kept for reuse: a job's ranks do not hold a manifest
-    after the load), and rank 0 checks the references (siblings' manifests, read
-    from storage). Any rank's failure raises on every rank."""
+    after the load), and rank 0 checks the references (siblings' manifests, read from storage). Any rank's
+    failure raises on every rank."""
     data, name = coord.run_on_zero(lambda: read_verified(storage), "load (open)")
     opened: list[Manifest] = []
 
