@@ -404,3 +404,45 @@ def test_the_builders_write_what_liferaft_reads_back(tmp_path):
         liferaft.verify(path)
     ff.rewrite_zip_members(tmp_path / "m.pt", lambda m: None)     # a rewrite that changes nothing reads the same
     assert torch.equal(liferaft.read(str(tmp_path / "m.pt"))["a"], want["a"])
+
+
+@pytest.mark.parametrize("claims", [{"y": ("x",)}, {"z": ("x", "sub")}, {"y": ("x",), "z": ("x", "sub")}])
+def test_dcp_planner_paths_that_collide_are_refused_not_merged(tmp_path, claims):
+    # planner_data sending two keys to one path, or one under another key's leaf: read kept one tensor (with
+    # another's values) and convert wrote one of three, while inspect listed three (found by fuzzing)
+    from liferaft.testing.foreign_files import dcp_folder, rewrite_dcp_metadata
+
+    d = str(tmp_path / "dcp")
+    dcp_folder(d, {"x": torch.zeros(3), "y": torch.ones(3), "z": torch.full((2,), 7.0)})
+
+    def edit(m):
+        m.planner_data.update(claims)
+    rewrite_dcp_metadata(d, edit)
+    with pytest.raises(liferaft.CorruptCheckpointError, match="'x'"):
+        liferaft.read(d)
+    with pytest.raises(liferaft.CorruptCheckpointError, match="'x'"):
+        liferaft.convert(d, str(tmp_path / "out"), "liferaft")
+    assert not os.path.exists(tmp_path / "out" / "COMMIT")
+
+
+def test_a_tree_with_an_entry_under_a_value_is_refused():
+    from liferaft.state.tree import build_tree, nest
+
+    with pytest.raises(liferaft.CorruptCheckpointError, match="lies under it"):
+        nest({("x",): 1, ("x", "sub"): 2})
+    with pytest.raises(liferaft.CorruptCheckpointError, match="a container too"):
+        build_tree({("x",): "dict"}, {("x",): 1})
+
+
+@pytest.mark.parametrize("chunks", [7, 1.5, "x", {"a": 1}, None])
+def test_a_manifest_whose_chunks_are_not_a_list_is_refused(tmp_path, chunks):
+    from liferaft.testing import tamper
+
+    p = str(tmp_path / "ck")
+    liferaft.save(p, {"w": torch.ones(3)})
+
+    def edit(doc):
+        doc["tensors"][0]["chunks"] = chunks
+    tamper.rewrite_manifest(p, edit)
+    with pytest.raises(liferaft.CorruptCheckpointError, match="'w'"):
+        liferaft.inspect(p)

@@ -346,8 +346,11 @@ def _decode_tensor(t: dict[str, Any], name: str, files: Mapping[str, int], codec
         raise _fail(where, f"unknown kind {kind!r}")
     shape = _ints(t.get("shape"), where, max_len=MAX_NDIM)
     _product(shape, DTYPE_ITEMSIZE[dtype], where)
+    raw_chunks = t.get("chunks", [])
+    if type(raw_chunks) is not list:
+        raise _fail(where, f"chunks must be a list, got {type(raw_chunks).__name__}")
     chunks = tuple(_decode_chunk(c, where, len(shape), files, DTYPE_ITEMSIZE[dtype], codecs, algo)
-                   for c in t.get("chunks") or [])
+                   for c in raw_chunks)
     lossy = t.get("lossy")
     if lossy is not None and not (isinstance(lossy, dict) and isinstance(lossy.get("method"), str)
                                   and all(type(x) is not float or math.isfinite(x) for x in lossy.values())):

@@ -184,6 +184,13 @@ class DcpCheckpoint:
                 parts = tuple(v) if isinstance(v, (list, tuple)) else None
                 if isinstance(k, str) and parts and all(type(x) in (str, int) for x in parts):
                     self.paths[k] = parts           # (a malformed entry: the key's dots are its nesting)
+        at: dict[tuple[Any, ...], str] = {}
+        for key in [*self.tensors, *self.values]:   # two keys at one path: a tree would keep one of them
+            p = self.paths.get(key, tuple(key.split(".")))
+            if p in at:
+                raise CorruptCheckpointError(f"{path}: keys {at[p]!r} and {key!r} are both at path {list(p)!r:.200} "
+                                             "(planner_data); the DCP metadata is damaged")
+            at[p] = key
 
     def _check_spans(self, path: str) -> None:
         """Every blob's byte range inside its data file (files that exist: a missing one is reported where it is

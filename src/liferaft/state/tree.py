@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from liferaft.errors import CorruptCheckpointError
+
 PathPart = str | int
 
 
@@ -22,6 +24,12 @@ def build_tree(kinds: Mapping[tuple[PathPart, ...], str], leaves: Mapping[tuple[
                 break
             seen.add(p[:i])
             children.setdefault(p[:i - 1], []).append(p[i - 1])
+    for p in leaves:
+        if p in children:                           # (a foreign checkpoint's keys: "x" and "x.sub")
+            what = f"{children[p][0]!r:.100} lies under it" if children[p] else "it is a container too"
+            raise CorruptCheckpointError(f"the entry at path {list(p)!r:.200} is a value, yet {what}; the "
+                                         "checkpoint's keys do not form a tree (read it with keys= naming the ones "
+                                         "wanted)")
     for p, order in (orders or {}).items():
         if p in children:
             present = set(children[p])
