@@ -6,6 +6,7 @@ memory, file-size and time limits, so that a regression fails instead of eating 
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import struct
@@ -446,3 +447,84 @@ def test_a_manifest_whose_chunks_are_not_a_list_is_refused(tmp_path, chunks):
     tamper.rewrite_manifest(p, edit)
     with pytest.raises(liferaft.CorruptCheckpointError, match="'w'"):
         liferaft.inspect(p)
+
+
+def _members(p):
+    with zipfile.ZipFile(p) as z:
+        return {i.filename.split("/", 1)[1]: z.read(i) for i in z.infolist()}
+
+
+@pytest.mark.parametrize("evil_state", ["past", "bomb"])
+def test_a_decoy_pickle_beside_the_one_torch_reads_is_not_what_is_checked(tmp_path, evil_state):
+    # the check took the first record ending in data.pkl ("b/xdata.pkl": prefix "b/x") while torch.load reads
+    # "b/data.pkl": a harmless decoy passed and torch mapped 256 bytes over a 16-byte record, or allocated 8 GiB
+    # (found by fuzzing); now the prefix is the first record's folder, as torch takes it
+    good = _members(ff.torch_file(str(tmp_path / "good.pt"), {"w": torch.arange(4.0)}))
+    if evil_state == "bomb":
+        evil = _members(ff.torch_file(str(tmp_path / "evil.pt"), {"w": torch.ones(1).expand(2 ** 31)}))
+    else:
+        evil = _members(ff.torch_file(str(tmp_path / "evil.pt"), {"w": torch.arange(64.0)}))
+        evil["data/0"] = good["data/0"]
+    p = str(tmp_path / "mix.pt")
+    ff.torch_file(p)
+
+    def edit(m):
+        m.clear()
+        m["b/xdata.pkl"], m["b/xdata/0"] = good["data.pkl"], good["data/0"]
+        for k, v in evil.items():
+            m["b/" + k] = v
+    ff.rewrite_zip_members(p, edit)
+    with pytest.raises(liferaft.LiferaftError):
+        liferaft.read(p)
+
+
+def _zip_of(items, comment_pad=0):
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
+        for k, (name, blob) in enumerate(items):
+            info = zipfile.ZipInfo("archive/" + name)
+            pad = (-(buf.tell() + 30 + len(info.filename.encode()) + 4)) % 64
+            info.extra = struct.pack("<HH", 0xCAFE, pad) + b"\0" * pad
+            if k == 0:
+                info.comment = b"c" * comment_pad
+            z.writestr(info, blob)
+    raw = buf.getvalue()
+    eocd = raw.rindex(b"PK\x05\x06")
+    n, _, off_cd = struct.unpack("<HII", raw[eocd + 10:eocd + 20])
+    return raw[:off_cd], raw[off_cd:eocd], n
+
+
+def test_a_zip_with_two_central_directories_is_refused(tmp_path):
+    # Python's zipfile (the checks) honours a "concat" offset and reads one central directory, torch's reader the
+    # other at the end record's raw offset: the checks saw a decoy, torch.load mapped 256 bytes over 16 (fuzzing)
+    def members(obj):
+        b = io.BytesIO()
+        torch.save(obj, b)
+        with zipfile.ZipFile(b) as z:
+            return [(i.filename.split("/", 1)[1], z.read(i)) for i in z.infolist()]
+    decoy = members({"w": torch.arange(4.0)}) + [("zpad", b"")]
+    evil = [(n, b if n != "data/0" else b"\x01" * 16) for n, b in members({"w": torch.arange(64.0)})]
+    evil.append(("zpad", b"\0" * 4096))
+    le, ce, ne = _zip_of(evil)
+    ld, cd, nd = _zip_of(decoy)
+    assert ne == nd
+    if len(ce) < len(cd):
+        le, ce, _ = _zip_of(evil, len(cd) - len(ce))
+    elif len(cd) < len(ce):
+        ld, cd, _ = _zip_of(decoy, len(ce) - len(cd))
+    s = len(le) + len(ce)
+    concat = s + len(ld) - len(le)
+    cdb, pos = bytearray(cd), 0
+    while pos < len(cdb):
+        n_, m_, k_ = struct.unpack("<HHH", cdb[pos + 28:pos + 34])
+        (o,) = struct.unpack("<I", cdb[pos + 42:pos + 46])
+        cdb[pos + 42:pos + 46] = struct.pack("<I", s + o - concat)
+        pos += 46 + n_ + m_ + k_
+    end = b"PK\x05\x06" + struct.pack("<HHHHIIH", 0, 0, ne, ne, len(ce), len(le), 0)
+    p = tmp_path / "poly.pt"
+    p.write_bytes(le + ce + ld + bytes(cdb) + end)
+    with zipfile.ZipFile(p) as z:
+        assert z.namelist()[0] == "archive/data.pkl"             # (what the checks read: the decoy)
+    with pytest.raises(liferaft.CorruptCheckpointError, match="two readings"):
+        liferaft.read(str(p))
+    assert main(["verify", str(p)]) != 0

@@ -9,7 +9,10 @@ it, ``convert`` writes it). ``scan`` unpickles the archive's ``data.pkl`` with t
 and storages on the meta device (nothing is read, nothing allocated) and checks, before the real load:
 
 - each storage's declared bytes fit the record ``<archive>/data/<key>`` that holds it (a record may not be missing);
-- every record stored uncompressed, whole inside the file, apart from the others (``zipfiles.stored_records``);
+- every record stored uncompressed, whole inside the file, apart from the others (``zipfiles.stored_records``),
+  all in the folder of the first record, where ``data.pkl`` is read (as torch's reader takes the prefix);
+- torch's own zip reader, which ``torch.load`` uses, seeing exactly those records at the same offsets with the
+  same sizes (``_as_torch_reads``: a second central directory or a decoy record makes two readings of one file);
 - each tensor's extent (the bytes its strides reach from its offset) within its storage, and the bytes all the
   file's tensors hold once copied at most ``SHARE_LIMIT`` times the bytes of the storages they view (plus 16 MiB):
   broadcast buffers (``zeros(1).expand(10)``, ``position_ids = arange(n).expand(1, -1)``) and tied weights read,
@@ -57,10 +60,33 @@ def _records(z: zipfile.ZipFile, f: Any) -> tuple[str, dict[str, tuple[int, int]
     """(the archive's record prefix, {record name: (where its bytes start in ``f``, how many)}: every record stored
     uncompressed, whole inside the file and apart from the others, ``zipfiles.stored_records``)."""
     records = stored_records(z, f)
-    pkl = next((n for n in records if n.endswith("data.pkl") and n.count("/") <= 1), None)
-    if pkl is None:
-        raise ValueError("no data.pkl record")
-    return pkl[:-len("data.pkl")], records
+    if not records:
+        raise ValueError("no records")
+    first = next(iter(records))                 # torch's reader takes the first record's folder as the archive's
+    prefix = first[:first.index("/") + 1] if "/" in first else ""
+    if not prefix or any(not n.startswith(prefix) for n in records):
+        raise ValueError(f"its records are not all in one folder (the first is {first[:80]!r})")
+    if prefix + "data.pkl" not in records:
+        raise ValueError(f"no {prefix}data.pkl record")
+    return prefix, records
+
+
+def _as_torch_reads(f: Any, prefix: str, records: dict[str, tuple[int, int]]) -> None:
+    """ValueError unless torch's own zip reader (which ``torch.load`` uses) sees in ``f`` exactly ``records``: the
+    same names (less ``prefix``), each at the same offset with the same size. Two parsers of one archive can
+    disagree (a second central directory, a decoy record): the checks here must be of what torch will read."""
+    f.seek(0)
+    try:
+        reader = torch._C.PyTorchFileReader(f)
+        names = reader.get_all_records()
+        theirs = {n: (reader.get_record_offset(n), reader.get_record_size(n)) for n in names}
+    except RuntimeError as e:
+        raise ValueError(f"torch's zip reader refuses it ({(str(e).splitlines() or [''])[0][:120]})") from None
+    ours = {n[len(prefix):]: at for n, at in records.items()}
+    if theirs != ours:
+        odd = sorted(set(theirs) ^ set(ours)) or sorted(n for n in ours if theirs[n] != ours[n])
+        raise ValueError(f"torch's zip reader sees other records than its directory lists ({odd[:3]!r:.200}): two "
+                         "readings of one archive")
 
 
 def check_views(tensors: Iterator[tuple[str, torch.Tensor]], storage_of: dict[int, tuple[str, int]],
@@ -132,6 +158,7 @@ def scan(f: Any, what: str) -> tuple[Any, dict[int, int]]:
             if records[prefix + "data.pkl"][1] > 256 << 20:
                 raise ValueError("its data.pkl record is oversized")
             pkl = z.read(prefix + "data.pkl")
+        _as_torch_reads(f, prefix, records)
     except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError, KeyError, struct.error) as e:
         raise CorruptCheckpointError(f"{what}: not a readable torch.save archive ({str(e)[:200]}); damaged, "
                                      "truncated or crafted") from e
