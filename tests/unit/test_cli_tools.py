@@ -175,3 +175,11 @@ def test_read_and_plan_have_json_output(tmp_path):
     assert {d["key"] for d in doc} == {"w", "step"}
     plans = json.loads(run("plan", "--json", "--gpus", "1000").stdout)
     assert len(plans) == 3 and all(0 <= p["goodput"] <= 1 for p in plans)
+
+
+def test_plan_refuses_a_failure_rate_that_makes_the_interval_infinite(capsys):
+    # 1e-320 (a denormal) gave an infinite Young/Daly interval, goodput 0.0 and JSON with Infinity (fuzzing)
+    from liferaft.cli import main as cli_main
+
+    assert cli_main(["plan", "--failures-per-gpu-hour", "1e-320"]) == 2
+    assert "1e-12" in capsys.readouterr().err

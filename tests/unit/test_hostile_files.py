@@ -435,3 +435,12 @@ def test_a_linked_folder_is_named_in_the_message_not_the_file_below_it(tmp_path,
     with pytest.raises(UnsafePathError) as e:
         liferaft.read(ck)
     assert str(e.value).startswith(f"{folder} (a folder on the way to"), e.value
+
+
+def test_a_folder_where_an_atomic_file_goes_is_a_liferaft_error(tmp_path):
+    # (a folder named LEASE in a manager root escaped as IsADirectoryError, from the manager and `liferaft gc`)
+    s = PosixStorage(str(tmp_path))
+    (tmp_path / "LEASE").mkdir()
+    with pytest.raises(LiferaftError, match="LEASE"):
+        s.put_atomic("LEASE", b"{}")
+    assert sorted(os.listdir(tmp_path)) == ["LEASE"]                # the temporary file removed

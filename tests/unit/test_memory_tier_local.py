@@ -109,3 +109,17 @@ def test_a_transfer_announced_with_an_impossible_size_is_refused_before_anything
     with pytest.raises(DistributedError, match=r"r00001\.bin.*rank 1"):
         transfer_files(coord, PosixStorage(str(tmp_path)), [], [(1, "r00001.bin", size)], 0)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("job_id, node", [("..", "n0"), (".", "n0"), ("a\\b", "n0"), ("a\0b", "n0"),
+                                          ("job", ".."), ("job", "../x"), ("job", "a/b")])
+def test_job_and_node_names_that_leave_the_base_are_refused(tmp_path, job_id, node):
+    # job id ".." made the tier's folder base/../<node>, and release() removed a folder outside the base (fuzzing)
+    base = tmp_path / "shm"
+    base.mkdir()
+    victim = tmp_path / "n0"
+    victim.mkdir()
+    (victim / "precious.txt").write_text("x")
+    with pytest.raises(liferaft.OptionsError):
+        MemoryTier(job_id, node=node, base=str(base))
+    assert (victim / "precious.txt").exists()

@@ -38,7 +38,7 @@ def add_parsers(sub: Any) -> None:
                    "\"restart\": s, optional \"per_step\": {\"overhead\": share, \"step\": s, \"restore\": s, "
                    "\"lost_steps\": n}}; default: DEFAULT_COSTS in liferaft/cli/plan.py")
     p.add_argument("--gpus", type=integers(1), default=[1000, 16000, 100000], help="comma list of GPU counts")
-    p.add_argument("--failures-per-gpu-hour", type=number(0, above=True), default=2e-5)
+    p.add_argument("--failures-per-gpu-hour", type=number(1e-12), default=2e-5)   # (1e-320: an infinite interval)
     p.add_argument("--node-share", type=number(0, 1), default=0.5, help="share of failures that take a node down")
     p.add_argument("--multi-node-share", type=number(0, 1), default=0.02,
                    help="share of failures that take several nodes (and maybe both copies of a replica) down")

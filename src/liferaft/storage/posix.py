@@ -478,7 +478,10 @@ class PosixStorage(Storage):
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            os.replace(tname, fname, src_dir_fd=at, dst_dir_fd=at)   # replaces a link at fname, never its target
+            try:
+                os.replace(tname, fname, src_dir_fd=at, dst_dir_fd=at)   # replaces a link at fname, never its target
+            except OSError as e:                            # (a folder there: IsADirectoryError)
+                raise files.access_error(self._shown(name), e, "replace") from None
             os.fsync(at)
         except BaseException:
             try:

@@ -35,6 +35,7 @@ from liferaft.format.limits import MAX_INT
 from liferaft.format.manifest import decode_commit_marker
 from liferaft.options import LoadOptions, SaveOptions
 from liferaft.storage.base import FileWriter, Storage
+from liferaft.storage.files import plain_component
 from liferaft.storage.posix import PosixStorage
 
 DEFAULT_BASE = "/dev/shm/liferaft"
@@ -66,10 +67,14 @@ class MemoryTier:
     def __init__(self, job_id: str, *, node: str | None = None, base: str = DEFAULT_BASE, replicas: int = 1,
                  keep: int = 1, process_group: Any = None, timeout: float = 600.0,
                  bandwidth: float | None = None) -> None:
-        if replicas < 0 or keep < 1 or not job_id or "/" in job_id:
-            raise OptionsError(f"MemoryTier: need a job id without '/', replicas ≥ 0, keep ≥ 1 (got {job_id!r}, "
-                               f"{replicas}, {keep})")
-        self.job_id, self.node, self.replicas, self.keep = job_id, node or default_node(), replicas, keep
+        if replicas < 0 or keep < 1 or not plain_component(job_id):
+            raise OptionsError(f"MemoryTier: need a job id that is one plain folder name (not '.' or '..', no '/', "
+                               f"'\\' or NUL), replicas ≥ 0, keep ≥ 1 (got {job_id!r}, {replicas}, {keep})")
+        node = node or default_node()
+        if not plain_component(node):
+            raise OptionsError(f"MemoryTier: the node name must be one plain folder name (not '.' or '..', no '/', "
+                               f"'\\' or NUL), got {node!r} (pass node=)")
+        self.job_id, self.node, self.replicas, self.keep = job_id, node, replicas, keep
         self.process_group, self.timeout, self.bandwidth = process_group, timeout, bandwidth
         self.root = os.path.join(base, job_id, self.node)
         self.storage = PosixStorage(self.root, direct_io=False)
