@@ -146,6 +146,26 @@ def test_restore_skips_broken_steps_with_a_warning_and_start_removes_leftovers(t
         assert mgr.restore(make_state(), step=0) == 0
 
 
+def test_a_step_folder_renamed_is_not_restored_as_the_step_its_name_says(tmp_path):
+    # step 0 renamed step-500 was restored as step 500 with step 0's weights (fuzzing); it is listed as corrupt
+    # and skipped (its manifest records the step it was saved at)
+    root = str(tmp_path / "run")
+    state = make_state()
+    snaps = {}
+    with CheckpointManager(root, every_steps=1, async_save=False) as mgr:
+        for step in range(3):
+            train_step(state, step)
+            mgr.maybe_save(step, state)
+            snaps[step] = params(state)
+    os.rename(os.path.join(root, "step-0000000000"), os.path.join(root, "step-0000000500"))
+    with pytest.warns(UserWarning, match="records step 0"), CheckpointManager(root) as mgr:
+        fresh = make_state(seed=5)
+        assert mgr.restore(fresh) == 2
+        assert {s.step: s.status for s in mgr.steps()}[500] == "corrupt"
+    assert all(torch.equal(fresh["model"].state_dict()[k], v) for k, v in snaps[2].items())
+    assert os.path.isdir(os.path.join(root, "step-0000000500"))          # never deleted by liferaft
+
+
 def test_manifest_damage_is_listed_as_corrupt(tmp_path):
     root = str(tmp_path / "run")
     state = make_state()

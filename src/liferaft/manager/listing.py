@@ -80,6 +80,11 @@ def list_steps(storage: Storage, pins: frozenset[int] = frozenset(), deep: bool 
             continue
         try:
             m = open_checkpoint(st)
+            recorded = m.extra.get("step")
+            if type(recorded) is int and recorded != step:
+                raise CorruptCheckpointError(f"{path}: its manifest records step {recorded}, the folder says {step} "
+                                             "(a step folder renamed or copied into place): never restored as "
+                                             f"step {step}")
             check_files(st, m, m.files)
             if deep:
                 from liferaft.core.read import verify

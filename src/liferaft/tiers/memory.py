@@ -310,6 +310,9 @@ class MemoryTier:
             m = open_checkpoint(st)
         except LiferaftError:
             return None
+        recorded = m.extra.get("step")
+        if type(recorded) is int and recorded != step:
+            return None                 # a step folder renamed or copied into place: not this step's copy
         held = {}
         for name in st.list():
             if name.startswith(DATA_DIR + "/") and name in m.files:
