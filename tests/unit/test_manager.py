@@ -122,15 +122,21 @@ def _flip_byte(step_path):
         f.write(bytes([b[0] ^ 0xFF]))
 
 
-def test_restore_skips_broken_steps_with_a_warning_and_start_removes_leftovers(tmp_path):
-    root = str(tmp_path / "run")
+def _saved_steps(root: str, n: int) -> dict:
+    """Steps 0..n-1 saved (synchronously) under ``root``; their parameters by step."""
     state = make_state()
     snaps = {}
     with CheckpointManager(root, every_steps=1, async_save=False) as mgr:
-        for step in range(4):
+        for step in range(n):
             train_step(state, step)
             mgr.maybe_save(step, state)
             snaps[step] = params(state)
+    return snaps
+
+
+def test_restore_skips_broken_steps_with_a_warning_and_start_removes_leftovers(tmp_path):
+    root = str(tmp_path / "run")
+    snaps = _saved_steps(root, 4)
     _flip_byte(os.path.join(root, "step-0000000003"))                         # newest: bad checksum
     os.remove(os.path.join(root, "step-0000000002", "COMMIT"))               # next: never committed
     with pytest.warns(UserWarning, match="step 3"), CheckpointManager(root) as mgr:
@@ -150,13 +156,7 @@ def test_a_step_folder_renamed_is_not_restored_as_the_step_its_name_says(tmp_pat
     # step 0 renamed step-500 was restored as step 500 with step 0's weights (fuzzing); it is listed as corrupt
     # and skipped (its manifest records the step it was saved at)
     root = str(tmp_path / "run")
-    state = make_state()
-    snaps = {}
-    with CheckpointManager(root, every_steps=1, async_save=False) as mgr:
-        for step in range(3):
-            train_step(state, step)
-            mgr.maybe_save(step, state)
-            snaps[step] = params(state)
+    snaps = _saved_steps(root, 3)
     os.rename(os.path.join(root, "step-0000000000"), os.path.join(root, "step-0000000500"))
     with pytest.warns(UserWarning, match="records step 0"), CheckpointManager(root) as mgr:
         fresh = make_state(seed=5)
