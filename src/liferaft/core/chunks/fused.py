@@ -123,9 +123,9 @@ def verify_and_copy(unit: ReadUnit, view: torch.Tensor, dtype: torch.dtype, targ
     return (seconds verifying, the copies left for the caller to run now that the whole unit is verified)."""
     runs, rest = contiguous_runs(unit, view.numel(), dtype, targets) if copy else ([], [])
     es = torch.empty((), dtype=dtype).element_size() if rest else 0
-    rows = [_Rows(c, view, dtype, targets) for c in rest if _Rows.fits(c, view.numel(), es)]
-    if rows:
-        rest = [c for c in rest if not _Rows.fits(c, view.numel(), es)]
+    by_rows = [_Rows.fits(c, view.numel(), es) for c in rest]
+    rows = [_Rows(c, view, dtype, targets) for c, fit in zip(rest, by_rows) if fit]
+    rest = [c for c, fit in zip(rest, by_rows) if not fit]
     mv = memoryview(view.numpy())
     bs = unit.block_size
     per = max(1, PIECE // bs)
