@@ -7,10 +7,14 @@
    with one large pinned ``non_blocking`` copy on a side stream.
 2. The per-step mode on the GPU: a 1-rank job (gloo) trains an MLP, is killed with SIGKILL after step ``KILL_AT``
    (a real process), restarts and resumes; its final parameters and optimizer state must equal an uninterrupted
-   run's bitwise (deterministic algorithms on). Three variants: ``plain`` (AdamW, fp32) and ``amp`` (fp16 autocast, a
+   run's bitwise (deterministic algorithms on). Four variants: ``plain`` (AdamW, fp32) and ``amp`` (fp16 autocast, a
    GradScaler whose scale and found_inf live on the device, fused AdamW, two micro-batches accumulated per step,
    and an overflowing step every few steps that the scaler skips), and ``fsdp`` (FSDP2 ``fully_shard`` over NCCL, a
-   world of one: DTensor parameters, gradients and optimizer state).
+   world of one: DTensor parameters, gradients and optimizer state), and ``inplace`` (the ways a record can race
+   the training stream: a BatchNorm whose running statistics — CUDA tensors in the rest of the state — are recorded
+   after every step, an optimizer that scales its gradients in place inside ``step()``, and
+   ``zero_grad(set_to_none=False)``, which zeroes them in place right after it: a record whose side-stream copy
+   read a gradient after either change would replay other steps).
 
 3. ``--overhead`` (a measurement, not a check): the per-step mode's cost on a real loop, ``examples/train_gpt.py``
    on one rank (DDP; a 42 M-parameter GPT at 8,192 tokens per step on a GPU): mean step time after a warm-up
@@ -109,14 +113,17 @@ def train(device: str, root: str, steps: int, kill_at: int | None, out: str | No
     backend = "nccl" if fsdp and device == "cuda" else "gloo"
     torch.distributed.init_process_group(backend, init_method=f"file://{root}/pg", rank=0, world_size=1)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256)).to(device)
+    inplace = variant == "inplace"
+    norm = [torch.nn.BatchNorm1d(512)] if inplace else []
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), *norm, torch.nn.GELU(), torch.nn.Linear(512, 256)).to(device)
     if fsdp:
         from torch.distributed.fsdp import fully_shard
-        for layer in (model[0], model[2]):
+        for layer in (model[0], model[-1]):
             fully_shard(layer)
         fully_shard(model)
     amp = variant == "amp"
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=amp)
+    opt = (HalvingSGD(model.parameters(), lr=1e-2, momentum=0.9) if inplace else
+           torch.optim.AdamW(model.parameters(), lr=1e-3, fused=amp))
     state = {"model": model, "optim": opt, "rng": liferaft.RNGState(), "step": 0}
     scaler = torch.amp.GradScaler(device, init_scale=2.0 ** 12, growth_interval=3) if amp else None
     if scaler is not None:
@@ -144,7 +151,7 @@ def train(device: str, root: str, steps: int, kill_at: int | None, out: str | No
                 scaler.scale(loss).backward()
             scaler.step(opt)
             scaler.update()
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=not inplace)
         state["step"] += 1
         mgr.maybe_save(step, state)
         if step == kill_at:
@@ -157,6 +164,19 @@ def train(device: str, root: str, steps: int, kill_at: int | None, out: str | No
         flat["scaler.scale"] = torch.tensor(scaler.get_scale(), dtype=torch.float64)
     torch.save(flat, out)
     torch.distributed.destroy_process_group()
+
+
+class HalvingSGD(torch.optim.SGD):
+    """SGD that halves its gradients in place before stepping (as optimizers that transform gradients in place
+    do, e.g. Muon's momentum blend): the per-step hook records them before the change."""
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(0.5)
+        return super().step(closure)
 
 
 def whole(t: torch.Tensor) -> torch.Tensor:
@@ -263,7 +283,7 @@ def main() -> int:
         if gpu:
             print(f"{torch.cuda.get_device_name()}: D2H copy-engine limit (pinned, non_blocking, side stream) "
                   f"{d2h_limit(args.mib):.2f} GB/s", flush=True)
-        for variant in ("plain", "amp", "fsdp"):
+        for variant in ("plain", "amp", "fsdp", "inplace"):
             bad += check_per_step(device, tmp, variant)
     if args.overhead:
         step_overhead(device, args.overhead_warmup, args.overhead_steps, args.overhead_reps)

@@ -96,7 +96,7 @@ class StepLog:
         self._lag: int | None = None                # records published while the last full checkpoint became durable
         self._diverged_at: int | None = None        # restore(step=K): records > K dropped at the next record
         self._expect: int | None = None             # the step the next record should be of (None: unknown)
-        self._cuda: list[tuple[torch.Tensor, Any, int, dict[str, Any]]] = []
+        self._cuda: list[tuple[torch.Tensor, Any, int, dict[str, Any], torch.device]] = []
         self._streams: dict[torch.device, Any] = {}        # a side stream per CUDA device (copies of its tensors)
         self._pinned: dict[tuple[Any, ...], torch.Tensor] = {}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="liferaft-steplog")
@@ -145,11 +145,21 @@ class StepLog:
                 call["attrs"] = {k: self._value(v, k) for k, v in attrs.items()}
         except BaseException:
             # (this step() does not run: nothing of it stays in the record, whose space is asked for again next time)
+            self._fence(n_cuda)
             cur["pos"] = pos
             del cur["plain"][n_plain:]
             del self._cuda[n_cuda:]
             raise
+        self._fence(n_cuda)
         cur["calls"].append(call)
+
+    def _fence(self, since: int) -> None:
+        """Order the training stream after the side-stream copies enqueued since ``self._cuda[since]``: what runs
+        after the hook — the optimizer's kernels, ``zero_grad(set_to_none=False)``, an optimizer that changes its
+        gradients in place — must not touch a gradient before its copy has read it (the copies of one device run
+        in order on its side stream: waiting for the stream covers them all)."""
+        for dev in {c[4] for c in self._cuda[since:]}:
+            torch.cuda.current_stream(dev).wait_stream(self._streams[dev])
 
     @contextlib.contextmanager
     def suspended(self) -> Iterator[None]:
@@ -219,7 +229,7 @@ class StepLog:
                 done = torch.cuda.Event()
                 done.record(stream)
             entry: dict[str, Any] = {}
-            self._cuda.append((pinned, done, off, entry))
+            self._cuda.append((pinned, done, off, entry, t.device))
             return entry
         src = t if t.is_contiguous() else t.contiguous()
         data = as_bytes(src.cpu())
@@ -245,14 +255,9 @@ class StepLog:
                           "(docs/STEPLOG.md)", stacklevel=3)
         self._expect = step + 1
         cur = self._begin()
-        for pinned, done, off, entry in self._cuda:
-            done.synchronize()
-            data = as_bytes(pinned)
-            cur["file"].write(off, data)
-            entry.update(tensor_entry(off, pinned, data))
-        self._cuda.clear()
         live = optsteps.LiveIds(self.optimizers or [])      # (found only if the walk meets a tensor: most steps do not)
         rest = self._rest.capture(state, live, self._put, self.allow_pickle)
+        self._drain_cuda(cur["file"])       # (after the rest: its CUDA tensors, e.g. buffers, are copied there too)
         header = encode_header({"format": FORMAT, "checksum": RECORD_CHECKSUM, "step": step, "rank": self.rank, "world": self.world, "owner": self.owner,
                                 "layout": self.layout[0], "calls": cur["calls"], "rest": rest})
         off = cur["pos"]
@@ -265,6 +270,21 @@ class StepLog:
         if self.targets or self.sources:
             self._busy = cur["slot"]        # (read by the replication: not reused until it is done)
             self._pending = self._pool.submit(self._replicate, cur["slot"], step, off + len(header), cur["plain"])
+
+    def _drain_cuda(self, f: _Slot) -> None:
+        """Write the CUDA tensors of the record being published from their pinned copies (each copy waited for),
+        filling their header entries; pinned buffers this record did not use are dropped (a layout that moved
+        the tensors' offsets does not leave its buffers pinned for the life of the process)."""
+        used = set()
+        for pinned, done, off, entry, _ in self._cuda:
+            done.synchronize()
+            data = as_bytes(pinned)
+            f.write(off, data)
+            entry.update(tensor_entry(off, pinned, data))
+            used.add(id(pinned))
+        self._cuda.clear()
+        if len(used) < len(self._pinned):
+            self._pinned = {k: v for k, v in self._pinned.items() if id(v) in used}
 
     @property
     def full(self) -> bool:
