@@ -9,15 +9,19 @@ import re
 from collections.abc import Callable
 
 
-def integer(low: int = 0) -> Callable[[str], int]:
-    """An integer ≥ ``low`` (``--keep-last 3``)."""
+def integer(low: int = 0, high: int | None = None) -> Callable[[str], int]:
+    """An integer ≥ ``low`` (and ≤ ``high``) (``--keep-last 3``)."""
     def parse(text: str) -> int:
+        if len(text) > 40:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text[:40]!r}... ({len(text)} characters)")
         try:
             value = int(text, 10)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
         if value < low:
             raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"must be at most {high:,}, got {value}")
         return value
     return parse
 
@@ -38,15 +42,18 @@ def number(low: float = 0.0, high: float = math.inf, *, above: bool = False) -> 
     return parse
 
 
-def integers(low: int = 1) -> Callable[[str], list[int]]:
-    """A comma list of integers ≥ ``low`` (``--gpus 1000,16000``)."""
-    one = integer(low)
+def integers(low: int = 1, high: int | None = None, most: int = 64) -> Callable[[str], list[int]]:
+    """A comma list of at most ``most`` integers from ``low`` to ``high`` (``--gpus 1000,16000``); an empty item
+    (``1,,2``, a trailing comma) is refused, not skipped."""
+    one = integer(low, high)
 
     def parse(text: str) -> list[int]:
-        values = [one(x.strip()) for x in text.split(",") if x.strip()]
-        if not values:
-            raise argparse.ArgumentTypeError(f"expected a comma list of whole numbers, got {text!r}")
-        return values
+        items = [x.strip() for x in text.split(",")]
+        if not text.strip() or any(not x for x in items):
+            raise argparse.ArgumentTypeError(f"expected a comma list of whole numbers, got {text[:80]!r}")
+        if len(items) > most:
+            raise argparse.ArgumentTypeError(f"at most {most} numbers, got {len(items)}")
+        return [one(x) for x in items]
     return parse
 
 
