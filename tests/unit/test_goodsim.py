@@ -120,6 +120,32 @@ def test_fixed_second_costs_still_read_and_simulate():
         assert set(sim.seconds) >= {"useful", "restart", "restore"}
 
 
+def test_the_per_step_log_with_late_records_agrees_with_the_closed_form():
+    cluster = Cluster(gpus=16_000)
+    costs = costs_at(Machine(), cluster, {"overhead": 0.05, "step": 1.0, "restore": 2.0, "lost_steps": 4})
+    plan = compare(costs, cluster)[3]
+    sim = simulate(costs, cluster, plan.intervals, horizons=16, seed=8)
+    assert abs(sim.goodput - plan.goodput) <= 3 * sim.ci95 + 0.002
+    assert sim.seconds["save stalls"] / (30 * 86400) == pytest.approx(0.05, rel=0.05)     # the overhead, whole
+
+
+def test_a_one_node_job_has_no_peer():
+    cluster = Cluster(gpus=8)
+    costs = costs_at(Machine(), cluster)
+    plan = evaluate(costs, cluster, {"memory": 60.0, "remote": 600.0})
+    assert plan.recovery["node"] == "remote" and plan.recovery["job"] == "memory"
+    assert costs.restore["peer"] == pytest.approx(8 * GIB / Machine().peer_restore_bps)
+    assert costs_at(Machine(), Cluster(gpus=2)).restore["peer"] == pytest.approx(2 * GIB / Machine().peer_restore_bps)
+    sim = simulate(costs, cluster, plan.intervals, horizons=4, seed=9, horizon_s=3650 * 86400.0)
+    assert abs(sim.goodput - plan.goodput) <= 3 * sim.ci95 + 0.002
+
+
+def test_recoveries_longer_than_the_time_between_failures_give_zero_not_an_error():
+    cluster = Cluster(gpus=100_000, failures_per_gpu_hour=1.0)
+    plan = compare(costs_at(Machine(), cluster), cluster)
+    assert [p.goodput for p in plan] == [0.0] * 3
+
+
 def _plan(*args: str, ok: int = 0) -> subprocess.CompletedProcess:
     out = subprocess.run([sys.executable, "-m", "liferaft", "plan", *args], capture_output=True, text=True,
                          timeout=120)
@@ -168,6 +194,8 @@ def test_plan_scales_a_machine_costs_file(tmp_path):
     ({"machine": {}, "measured": "launch_s"}, "measured"),
     ({"machine": {}, "measured": ["nothing"]}, "measured"),
     ({"machine": {}, "per_step": {"overhead": 2}}, "per_step"),
+    ({"machine": {}, "measured": [{}]}, "measured"),
+    ({"machine": {}, "measured": [["launch_s"]]}, "measured"),
 ])
 def test_plan_refuses_a_machine_section_out_of_shape(tmp_path, doc, field):
     costs = tmp_path / "c.json"
@@ -184,12 +212,19 @@ def test_plan_refuses_a_machine_section_out_of_shape(tmp_path, doc, field):
     (["--gpus", "99999999999"], 2, "at most"),
     (["--gpus", "9" * 5000], 2, "whole number"),
     (["--horizons", "1"], 2, "at least 2"),
+    (["--horizons", "100000000", "--simulate", "--gpus", "1"], 2, "at most"),
+    (["--gpus", ",".join(["60000"] * 40), "--simulate"], 1, "fewer"),      # each alone would pass: the sum counts
     (["--state-gib", "0"], 2, "--state-gib: must be"),
     (["--days", "nan"], 2, "finite"),
 ])
 def test_plan_refuses_bad_arguments_in_one_line(args, ok, words):
     out = _plan(*args, ok=ok)
     assert words in out.stderr
+
+
+def test_plan_gives_zero_for_a_job_that_never_recovers(tmp_path):
+    doc = json.loads(_plan("--failures-per-gpu-hour", "1", "--gpus", "100000", "--json").stdout)
+    assert {p["goodput"] for p in doc} == {0.0}
 
 
 def test_plan_refuses_to_scale_fixed_seconds(tmp_path):

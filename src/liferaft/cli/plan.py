@@ -45,7 +45,9 @@ DEFAULT_COSTS: Mapping[str, Any] = {
     # replay 1.72 s, no step lost)
     "per_step": {"overhead": 0.044, "step": 0.306, "restore": 1.72, "lost_steps": 0}}
 #: Most failures a ``--simulate`` run draws (over all its horizons), so that a huge job cannot keep it busy for hours.
-MAX_SIMULATED_FAILURES = 2_000_000
+MAX_SIMULATED_FAILURES = 1_000_000
+#: Most ``--horizons``.
+MAX_HORIZONS = 1000
 
 
 def add_parsers(sub: Any) -> None:
@@ -67,7 +69,8 @@ def add_parsers(sub: Any) -> None:
                    help="share of failures of the shared store (the job stops; the remote tier is down a while)")
     p.add_argument("--storage-outage-min", type=number(0, 1e6), default=Cluster.storage_outage_s / 60,
                    help="minutes the shared store stays down after a storage failure")
-    p.add_argument("--state-gib", type=number(1e-6, 1e6, above=True), metavar="GIB",
+    p.add_argument("--state-gib", type=number(1e-6, MACHINE_FIELDS["state_bytes_per_gpu"][1] / GIB, above=True),
+                   metavar="GIB",
                    help="GiB of state each GPU saves (a machine costs file, or the defaults)")
     p.add_argument("--remote-gbps", type=number(1e-3, 1e9, above=True), metavar="GB/S",
                    help="aggregate bandwidth of the remote store for this job, GB/s, read and write")
@@ -75,7 +78,8 @@ def add_parsers(sub: Any) -> None:
                    help="also simulate months of the job failure by failure (Monte Carlo): goodput with a 95%% "
                         "interval, and where the time went")
     p.add_argument("--days", type=number(1e-3, 3650), default=30.0, help="length of one simulated run (days)")
-    p.add_argument("--horizons", type=integer(2), default=8, help="simulated runs per plan (independent)")
+    p.add_argument("--horizons", type=integer(2, MAX_HORIZONS), default=8,
+                   help="simulated runs per plan (independent)")
     p.add_argument("--seed", type=integer(0), default=0)
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=run_plan)
@@ -94,8 +98,8 @@ def run_plan(args: argparse.Namespace) -> int:
     mix = {"failures_per_gpu_hour": args.failures_per_gpu_hour, "node_share": args.node_share,
            "multi_node_share": args.multi_node_share, "storage_share": args.storage_share,
            "storage_outage_s": args.storage_outage_min * 60}
-    if args.simulate:
-        worst = max(args.gpus) * args.failures_per_gpu_hour / 3600 * args.days * 86400 * args.horizons * 4
+    if args.simulate:                    # every plan of every count simulates its horizons' failures
+        worst = sum(args.gpus) * args.failures_per_gpu_hour / 3600 * args.days * 86400 * args.horizons * 4
         if worst > MAX_SIMULATED_FAILURES:
             raise OptionsError(f"--simulate would draw about {worst:.3g} failures (more than "
                                f"{MAX_SIMULATED_FAILURES:,}): give fewer --days, --horizons or --gpus")
@@ -283,8 +287,8 @@ def _machine_file(where: str, raw: dict[str, Any]) -> dict[str, Any]:
             raise OptionsError(f"{where}: field machine.{name} must be a number from {bounds[0]:g} to "
                                f"{bounds[1]:g}, got {_show(value)}")
     measured = raw.get("measured", [])
-    if not isinstance(measured, list) or len(measured) > len(MACHINE_FIELDS) + len(PER_STEP_FIELDS) or \
-            any(m not in MACHINE_FIELDS and m != "per_step" for m in measured):
+    if not isinstance(measured, list) or len(measured) > len(MACHINE_FIELDS) + 1 or \
+            any(not isinstance(m, str) or (m not in MACHINE_FIELDS and m != "per_step") for m in measured):
         raise OptionsError(f"{where}: field 'measured' must be a list of machine fields (or \"per_step\"), got "
                            f"{_show(measured)}")
     if "per_step" in raw:

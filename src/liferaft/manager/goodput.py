@@ -174,7 +174,7 @@ def costs_at(m: Machine, cluster: Cluster, per_step: Mapping[str, float] | None 
     tier is durable once the node's bytes reached a peer over the node's link; the remote tier once the whole job's
     bytes went through the store (its aggregate bandwidth, or the node's link if slower); restores likewise from
     the GPU's own memory, a peer node, the store. Restart parts per class, ``reschedule`` only when a node is lost."""
-    b, node = m.state_bytes_per_gpu, m.state_bytes_per_gpu * cluster.gpus_per_node
+    b, node = m.state_bytes_per_gpu, m.state_bytes_per_gpu * min(cluster.gpus, cluster.gpus_per_node)
     job = b * cluster.gpus
     stall = b / m.snapshot_bps
     persist = {"memory": stall + node / m.replica_bps,
@@ -207,12 +207,11 @@ def _age(costs: Costs, tier: str, tau: float, lam: float = 0.0) -> float:
     start every ``tau`` seconds after the (re)start, each durable ``persist`` later, and the state a run started
     from counts as saved; with failures at rate ``lam`` the run lasts ``X ~ Exp(lam)`` and loses ``X − k·tau``,
     ``k`` the newest save durable by then: ``E = 1/λ − τ·e^{−λp} / (e^{λτ} − 1)``, which is ``τ/2 + p`` when
-    failures are rare (``lam = 0``) and tends to the whole run when ``τ`` is long beside ``1/λ``. The per-step log:
-    its lost steps."""
+    failures are rare (``lam = 0``) and tends to the whole run when ``τ`` is long beside ``1/λ``. The per-step log
+    is a tier saving every step, each record durable ``lost_steps`` steps late (the step in progress is lost too)."""
     _, persist = costs.tier(tier)
-    if tier == "step":
-        return persist
-    tau = max(tau, persist)
+    if tier != "step":
+        tau = max(tau, persist)
     if lam <= 0 or lam * tau < 1e-6:
         return tau / 2 + persist
     if lam * tau > 700:                      # (e^{λτ} overflows: no save ever completes)
@@ -220,14 +219,23 @@ def _age(costs: Costs, tier: str, tau: float, lam: float = 0.0) -> float:
     return 1 / lam - tau * math.exp(-lam * persist) / math.expm1(lam * tau)
 
 
+def survivors(cls: str, nodes: int) -> Mapping[str, str]:
+    """Tier → the place a failure of class ``cls`` restores it from (``SURVIVORS``), in a job of ``nodes`` nodes:
+    with one node there is no peer, and a lost node takes the memory tier with it."""
+    out = SURVIVORS[cls]
+    if nodes < 2 and cls == "node":
+        return {t: p for t, p in out.items() if t == "remote"}
+    return out
+
+
 def best_place(costs: Costs, cls: str, tiers: Sequence[str], intervals: Mapping[str, float],
-               outage: float = 0.0, lam: float = 0.0) -> tuple[str, str, float]:
+               outage: float = 0.0, lam: float = 0.0, nodes: int = 2) -> tuple[str, str, float]:
     """(tier, place, expected seconds) of the cheapest recovery from a failure of class ``cls`` among the plan's
     ``tiers``: restore + the storage's outage if the place is remote and the class is ``storage`` + the work lost
     since the tier's newest durable save."""
     best: tuple[str, str, float] | None = None
     for tier in tiers:
-        place = SURVIVORS[cls].get(tier)
+        place = survivors(cls, nodes).get(tier)
         if place is None:
             continue
         wait = outage if cls == "storage" and place == "remote" else 0.0
@@ -263,7 +271,8 @@ def evaluate(costs: Costs, cluster: Cluster, intervals: Mapping[str, float], nam
     for cls, share in cluster.shares.items():
         if share <= 0:
             continue
-        tier, place, cost = best_place(costs, cls, list(intervals), intervals, cluster.storage_outage_s, lam)
+        tier, place, cost = best_place(costs, cls, list(intervals), intervals, cluster.storage_outage_s, lam,
+                                       cluster.nodes)
         recovery[cls] = place
         age = _age(costs, tier, intervals[tier], lam)
         lost += share * age
@@ -278,6 +287,9 @@ def _renewal(name: str, intervals: Mapping[str, float], saving: float, lam: floa
     and ``lost`` of it redone, then a recovery that a failure during it starts again (its mean length
     ``(e^{λR} − 1)/λ``): ``goodput = (1 − saving − λ·lost) / (1 + λ·E[recovery])`` (renewal-reward; to first order
     the module's ``1 − saving − λ(lost + R)``)."""
+    if lam * down > 700:                     # (e^{λR} overflows: recoveries never finish between failures)
+        return Plan(name=name, intervals=dict(intervals), goodput=0.0,
+                    breakdown={"saving": saving, "failures": math.inf}, recovery=dict(recovery))
     rec = math.expm1(lam * down) / lam if lam > 0 else down
     value = (1 - saving - lam * lost) / (1 + lam * rec)
     return Plan(name=name, intervals=dict(intervals), goodput=max(0.0, value),
@@ -329,27 +341,3 @@ def per_step_plan(costs: Costs, cluster: Cluster, tau_remote: float) -> Plan:
     ps = costs.per_step or {}
     return evaluate(costs, cluster, {"step": ps["step"], "remote": tau_remote},
                     "liferaft per-step log (measured): every step recoverable, remote")
-
-
-def table(costs: Costs | Machine, gpu_counts: Sequence[int], per_step: Mapping[str, float] | None = None,
-          **cluster: float) -> str:
-    """Markdown: the plans' goodput, intervals and restart at each GPU count (a ``Machine``'s costs are taken at
-    each count)."""
-    lines = ["| GPUs | MTBF of the job | plan | intervals | restart (job / node) | goodput |", "|---|---|---|---|---|---|"]
-    for n in gpu_counts:
-        c = Cluster(gpus=n, **cluster)  # type: ignore[arg-type]
-        k = costs_at(costs, c, per_step) if isinstance(costs, Machine) else costs
-        mtbf = 1 / c.rate_per_s
-        restart = f"{_fmt(sum(k.restart_of('job').values()))} / {_fmt(sum(k.restart_of('node').values()))}"
-        for p in compare(k, c):
-            iv = ", ".join(f"{t} {_fmt(s)}" for t, s in p.intervals.items())
-            lines.append(f"| {n:,} | {_fmt(mtbf)} | {p.name} | {iv} | {restart} | {p.goodput:.1%} |")
-    return "\n".join(lines)
-
-
-def _fmt(seconds: float) -> str:
-    if seconds >= 3600:
-        return f"{seconds / 3600:.1f} h"
-    if seconds >= 60:
-        return f"{seconds / 60:.1f} min"
-    return f"{seconds:.1f} s"

@@ -24,7 +24,7 @@ import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from liferaft.manager.goodput import SURVIVORS, Cluster, Costs
+from liferaft.manager.goodput import Cluster, Costs, survivors
 
 MONTH_S = 30 * 86400.0
 
@@ -48,7 +48,9 @@ class _Tier:
     def __init__(self, name: str, tau: float, stall: float, persist: float, interference: float) -> None:
         self.name = name
         self.persist = max(persist, stall)
-        self.tau = max(tau, self.persist, 1e-9)
+        # a save is durable before the next starts, but for the per-step log, whose records are durable
+        # ``lost_steps`` steps late (no interference: its overhead is measured whole, as its stall)
+        self.tau = max(tau, 1e-9) if name == "step" else max(tau, self.persist, 1e-9)
         self.stall = stall
         self.interference = interference
 
@@ -59,7 +61,7 @@ class _Tier:
             return 0.0, 0.0
         n = math.floor(y / self.tau)
         u = y - n * self.tau
-        background = self.persist - self.stall
+        background = min(self.persist, self.tau) - self.stall
         return (n * self.stall + min(u, self.stall),
                 self.interference * (n * background + min(max(u - self.stall, 0.0), background)))
 
@@ -133,8 +135,8 @@ def _one(costs: Costs, cluster: Cluster, intervals: Mapping[str, float], horizon
             counts[cls] = counts.get(cls, 0) + 1
             if cls == "storage":
                 store_back = max(store_back, now + cluster.storage_outage_s)
-            _, place, q = _survivor(costs, cls, durable, now, store_back)
-            if SURVIVORS[cls].get("memory") is None:            # the class lost every node's copy
+            _, place, q = _survivor(costs, survivors(cls, cluster.nodes), durable, now, store_back)
+            if survivors(cls, cluster.nodes).get("memory") is None:     # the class lost every node's copy
                 for name in ("memory", "step"):
                     if name in durable:
                         durable[name] = None
@@ -163,13 +165,13 @@ def _one(costs: Costs, cluster: Cluster, intervals: Mapping[str, float], horizon
     return buckets, counts
 
 
-def _survivor(costs: Costs, cls: str, durable: Mapping[str, float | None], now: float,
+def _survivor(costs: Costs, places: Mapping[str, str], durable: Mapping[str, float | None], now: float,
               store_back: float) -> tuple[str, str, float]:
-    """(tier, place, progress) of the newest save surviving a failure of class ``cls``; ties go to the cheaper
-    restore (with the store's wait)."""
+    """(tier, place, progress) of the newest save surviving a failure whose surviving tiers are ``places``
+    (``goodput.survivors``); ties go to the cheaper restore (with the store's wait)."""
     best: tuple[float, float, str, str] | None = None
     for tier, progress in durable.items():
-        place = SURVIVORS[cls].get(tier)
+        place = places.get(tier)
         if place is None or progress is None:
             continue
         cost = costs.restore_from(place) + (max(0.0, store_back - now) if place == "remote" else 0.0)
