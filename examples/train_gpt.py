@@ -26,6 +26,8 @@ import sys
 import time
 from typing import Any
 
+STARTED = time.time()          # (for --timing: when this process started, before the heavy imports)
+
 import torch
 from torch import nn
 
@@ -186,17 +188,23 @@ def main(argv: list[str] | None = None) -> int:
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--per-step", action="store_true", help="make every step recoverable: a per-step gradient "
                       "log in a memory tier (node: torchrun's GROUP_RANK) with a peer replica, full saves at --every")
+    mode.add_argument("--memory", action="store_true", help="full saves at --every to a memory tier (node: "
+                      "torchrun's GROUP_RANK) with a peer replica, drained to the root")
     mode.add_argument("--dcp-async", metavar="N|auto", help="compare: PyTorch DCP async_save instead of liferaft")
     mode.add_argument("--no-ckpt", action="store_true", help="compare: no checkpoints at all")
     ap.add_argument("--mtbf-hours", type=float, default=24.0, help="mean time between failures for 'auto'")
     ap.add_argument("--job-id", help="the job across restarts (default: derived by the manager)")
     ap.add_argument("--timing", metavar="FILE", help="rank 0 appends one JSON line per step (wall seconds)")
     args = ap.parse_args(argv)
-    torch.distributed.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    marks = {"started": STARTED, "imported": time.time()}
+    # (liferaft's: torch's own, but safe across torchrun's elastic restarts: docs/ELASTIC.md)
+    liferaft.init_process_group("nccl" if args.device == "cuda" else "gloo")
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    marks["process_group"] = time.time()
     state = build(rank, world, args.layout, args.device, args.batch, args.dim, args.layers, args.seq)
+    marks["built"] = time.time()
     policy = SavePolicy(last_step=args.steps - 1, mtbf_hours=args.mtbf_hours,
                         **({"every_seconds": "auto"} if args.every == "auto" else {"every_steps": int(args.every)}))
     if args.no_ckpt:
@@ -205,19 +213,25 @@ def main(argv: list[str] | None = None) -> int:
         mgr = DCPCheckpoints(args.root, args.dcp_async, args.mtbf_hours * 3600)
     else:
         extra: dict[str, Any] = {}
-        if args.per_step:
+        if args.per_step or args.memory:
             # the memory tier's namespace: the job id, else one per root (a restart finds its records)
             job = args.job_id or "train-gpt-" + hashlib.sha256(args.root.encode()).hexdigest()[:12]
             every = "auto" if args.every == "auto" else int(args.every)
-            extra = {"tiers": liferaft.TierOptions(memory=liferaft.MemoryTier(job), memory_every=every),
-                     "step_log": liferaft.StepLogOptions(replicas=1)}
+            extra = {"tiers": liferaft.TierOptions(memory=liferaft.MemoryTier(job), memory_every=every)}
+            if args.per_step:
+                extra["step_log"] = liferaft.StepLogOptions(replicas=1)
         mgr = liferaft.CheckpointManager(args.root, keep_last=args.keep_last, async_save=not args.sync,
                                          save_policy=policy, job=liferaft.JobOptions(job_id=args.job_id), **extra)
-    t0 = time.time()
+    t0 = marks["manager"] = time.time()
     start = mgr.restore(state) if mgr is not None else None
+    marks["restored"] = time.time()
     timing = open(args.timing, "a") if args.timing and rank == 0 else None
     if timing:
-        timing.write(json.dumps({"resumed": start, "restore_s": time.time() - t0, "t": time.time()}) + "\n")
+        recovery = getattr(getattr(mgr, "_steplog", None), "last_recovery", None) or {}
+        timing.write(json.dumps({"resumed": start, "restore_s": time.time() - t0, "t": time.time(), "marks": marks,
+                                 "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                                 "recovery": recovery.get("timings"), "replayed": recovery.get("replayed")})
+                     + "\n")
     if rank == 0:
         print(f"{'resumed from step ' + str(start) if start is not None else 'starting'} on {world} rank(s), "
               f"layout {args.layout}", flush=True)

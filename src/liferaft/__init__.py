@@ -11,7 +11,7 @@ from liferaft.core.load import load
 from liferaft.core.open import format_of
 from liferaft.core.read import CheckpointInfo, ContainerInfo, TensorInfo, VerifyReport, inspect, read, verify
 from liferaft.core.save import AsyncSaveHandle, async_save, release, save
-from liferaft.dist import release_groups
+from liferaft.dist import init_process_group, release_groups
 from liferaft.errors import (
                              CheckpointBusyError,
                              CheckpointExistsError,
@@ -57,7 +57,7 @@ __all__ = [  # noqa: RUF022 (grouped as docs/API.md, not sorted)
     # Training runs: the manager and its option objects, the memory tier, a root's steps from outside a job
     "CheckpointManager", "SavePolicy", "RetentionPolicy", "TierOptions", "PreemptionOptions", "JobOptions",
     "StepLogOptions",
-    "StepInfo", "MemoryTier", "ls", "gc", "GcReport",
+    "StepInfo", "MemoryTier", "init_process_group", "ls", "gc", "GcReport",
     # Compare and convert checkpoints of any format
     "diff", "DiffReport", "KeyDiff", "convert", "ConvertReport", "find_model",
     # What liferaft keeps in the process between calls

@@ -184,6 +184,36 @@ def release_groups(process_group: Any = None) -> None:
         group.close()
 
 
+def init_process_group(backend: str | None = None, *, timeout: float | None = None, **kwargs: Any) -> None:
+    """``torch.distributed.init_process_group`` for a job that torchrun may restart (``--max-restarts``): under
+    torchrun (``TORCHELASTIC_RESTART_COUNT`` set) the job's group is made on torchrun's store (``MASTER_ADDR``,
+    ``MASTER_PORT``; hosted by torchrun's agent, or by rank 0 when the agent says it does not host one) with every
+    key under a prefix of this incarnation (``liferaft/incarnation-<restart count>/``), so that workers restarted
+    after a failure never read the keys their predecessors left in the same store. (torch 2.x keeps one store across
+    the restarts of a worker group and does not separate the incarnations' keys, pytorch/pytorch#135712: the
+    restarted workers' gloo groups hung connecting to the dead workers' addresses; an NCCL group can read a stale
+    unique id the same way.) Outside torchrun it is ``torch.distributed.init_process_group(backend)`` (``env://``).
+    ``timeout`` (seconds) and ``kwargs`` (``device_id``, ``pg_options``, ...) go to torch's call; liferaft's own
+    groups are made on the same prefixed store, so they are kept apart the same way."""
+    import os
+
+    import torch.distributed as dist
+
+    if timeout is not None:
+        kwargs["timeout"] = datetime.timedelta(seconds=timeout)
+    env = os.environ
+    if "TORCHELASTIC_RESTART_COUNT" not in env:
+        dist.init_process_group(backend, **kwargs)
+        return
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    agent = env.get("TORCHELASTIC_USE_AGENT_STORE", "True") == "True"
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size=world,
+                          is_master=not agent and rank == 0, multi_tenant=not agent,
+                          timeout=kwargs.get("timeout", datetime.timedelta(minutes=30)))
+    prefixed = dist.PrefixStore(f"liferaft/incarnation-{int(env['TORCHELASTIC_RESTART_COUNT'])}/", store)
+    dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world, **kwargs)
+
+
 class _Work:
     """A send or receive under way; ``wait()`` is bounded by the coordinator's timeout."""
 
