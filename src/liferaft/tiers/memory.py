@@ -37,6 +37,7 @@ from liferaft.options import LoadOptions, SaveOptions
 from liferaft.storage.base import FileWriter, Storage
 from liferaft.storage.files import plain_component
 from liferaft.storage.posix import PosixStorage
+from liferaft.tiers import parity
 
 DEFAULT_BASE = "/dev/shm/liferaft"
 PIECE = 4 << 20             # bytes per message when copying a file between ranks, and per request of a drain
@@ -61,12 +62,18 @@ class MemoryTier:
     name); ``base`` is a tmpfs folder; ``keep`` steps stay in memory (older ones are dropped once a newer one is
     complete on every node). ``bandwidth`` caps the replication traffic each rank sends (bytes/s; None: as fast as
     the network goes), so that it leaves the training's own collectives room. ``release()`` frees this node's
-    memory (a clean exit).
+    memory (a clean exit). ``parity=k`` (≥ 2): XOR parity across groups of ``k`` nodes instead of replicas
+    (``tiers.parity``; ``replicas`` is then 0): a node holds ``1/(k − 1)`` of its data more, and one lost node per
+    group is rebuilt from the others at restore.
     """
 
     def __init__(self, job_id: str, *, node: str | None = None, base: str = DEFAULT_BASE, replicas: int = 1,
                  keep: int = 1, process_group: Any = None, timeout: float = 600.0,
-                 bandwidth: float | None = None) -> None:
+                 bandwidth: float | None = None, parity: int = 0) -> None:
+        if type(parity) is not int or parity == 1 or parity < 0:
+            raise OptionsError(f"MemoryTier: parity is the number of nodes per parity group (at least 2), or 0 for "
+                               f"none, got {parity!r}")
+        replicas = 0 if parity else replicas
         if replicas < 0 or keep < 1 or not plain_component(job_id):
             raise OptionsError(f"MemoryTier: need a job id that is one plain folder name (not '.' or '..', no '/', "
                                f"'\\' or NUL), replicas ≥ 0, keep ≥ 1 (got {job_id!r}, {replicas}, {keep})")
@@ -74,7 +81,7 @@ class MemoryTier:
         if not plain_component(node):
             raise OptionsError(f"MemoryTier: the node name must be one plain folder name (not '.' or '..', no '/', "
                                f"'\\' or NUL), got {node!r} (pass node=)")
-        self.job_id, self.node, self.replicas, self.keep = job_id, node, replicas, keep
+        self.job_id, self.node, self.replicas, self.keep, self.parity = job_id, node, replicas, keep, parity
         self.process_group, self.timeout, self.bandwidth = process_group, timeout, bandwidth
         self.root = os.path.join(base, job_id, self.node)
         self.storage = PosixStorage(self.root, direct_io=False)
@@ -177,7 +184,10 @@ class MemoryTier:
             record = self.bg.run_on_zero(lambda: read_commit(self.step_storage(step)), "memory tier (commit)")
             self._commit_on_node(step, record)
             self.bg.exchange(None, None, "memory tier (committed)")
-            self._replicate(step)
+            if self.parity:
+                parity.save(self, step)     # XOR parity across the node's group instead of full replicas
+            else:
+                self._replicate(step)
             targets = [] if drain_to is None else [drain_to] if isinstance(drain_to, Storage) else list(drain_to)
             for target in targets:
                 self._drain(step, target, record)
@@ -228,6 +238,7 @@ class MemoryTier:
             return
         for s in steps[:-self.keep]:
             shutil.rmtree(os.path.join(self.root, step_name(s)), ignore_errors=True)
+        parity.drop(self.root, steps[-self.keep:])
 
     # ------------------------------------------------------------------ restore
 
@@ -253,7 +264,7 @@ class MemoryTier:
             return {s: v for s, v in ((s, self._listing(s)) for s in self.local_steps()) if v is not None}
 
         everyone = self.coord.run(listing, "memory tier (listing)")
-        step, holder = newest_complete(everyone)
+        step, holder = newest_complete(everyone, _rebuildable if self.parity else None)
         mixed = None
         if fallback is not None:
             mixed = self.coord.broadcast_from_zero(
@@ -265,6 +276,15 @@ class MemoryTier:
         st = self.step_storage(step)
         need = everyone[holder][step][0]
         have = {n for held in everyone for n in held.get(step, ((), {}))[1]}
+        rebuilt = set(need) - have if mixed is None and self.parity else set()
+        if rebuilt:                     # a lost node's files, rebuilt from its group's parity into a live node
+            headers = _headers(everyone, step)
+            parity.rebuild(self, step, headers, rebuilt)
+            for name in rebuilt:        # (the same on every rank: the group's lowest live member holds it now)
+                h = next(h for h in headers.values() if name in (f[0] for f in h["files"]))
+                builder = min(x for x in h["members"] if x in headers)
+                everyone[builder][step][1][name] = next(f[1] for f in h["files"] if f[0] == name)
+            have |= rebuilt
         from_fallback = 0
         if mixed is not None or not all(step in held for held in everyone):     # (the same on every rank)
             from_fallback = self._complete_commit(step, holder, set(need) - have if mixed else set(), fallback)
@@ -273,7 +293,8 @@ class MemoryTier:
                                    options=_memory_reads(options))
         mine = {n for r, held in enumerate(everyone) if self.nodes[r] == self.node for n in held.get(step, ((), {}))[1]}
         self.last_restore = {"step": step, "files_from_peers": len(set(need) & have - mine),
-                             "files_from_fallback": from_fallback, "bytes_from_peers": self.last_load.bytes_received}
+                             "files_from_fallback": from_fallback, "bytes_from_peers": self.last_load.bytes_received,
+                             "files_rebuilt": len(rebuilt)}
         return step
 
     def _complete_commit(self, step: int, holder: int, lost: set[str],
@@ -301,9 +322,9 @@ class MemoryTier:
     def _leader(self) -> bool:
         return min(r for r, m in enumerate(self.nodes) if m == self.node) == self.rank
 
-    def _listing(self, step: int) -> tuple[tuple[str, ...], dict[str, int], str] | None:
+    def _listing(self, step: int) -> tuple[tuple[str, ...], dict[str, int], str, dict[str, Any] | None] | None:
         """(data files the step's manifest names, those this node holds at the size the manifest records with their
-        sizes, manifest name); None if unreadable. Only ``step-N`` folders are steps (``local_steps``): other
+        sizes, manifest name, this rank's parity header of the step or None); None if unreadable. Only ``step-N`` folders are steps (``local_steps``): other
         folders of the node (a ``steplog``) are never listed."""
         st = self.step_storage(step)
         try:
@@ -322,7 +343,8 @@ class MemoryTier:
                     continue            # not a regular file of this node's copy: not held
                 if size == m.files[name]:
                     held[name] = size   # (a file of another length is damaged: not held)
-        return tuple(sorted(m.files)), held, manifest_name(m.save_id)
+        return tuple(sorted(m.files)), held, manifest_name(m.save_id), \
+            parity.read_header(self.root, step, self.rank) if self.parity else None
 
     def release(self) -> None:
         """Free this node's shared memory of this job and the tier's copy buffers (a clean exit). Not
@@ -332,16 +354,29 @@ class MemoryTier:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-def newest_complete(everyone: list[dict[int, Any]]) -> tuple[int | None, int]:
-    """The newest step whose every data file some rank holds at the size its manifest needs, and the lowest rank
-    holding its commit ((None, -1) if there is none). Pure: the same on every rank."""
+def newest_complete(everyone: list[dict[int, Any]],
+                    rebuild: Callable[[list[dict[int, Any]], int, set[str], set[str]], bool] | None = None
+                    ) -> tuple[int | None, int]:
+    """The newest step whose every data file some rank holds at the size its manifest needs (or, with
+    ``rebuild``, that says the missing ones can be rebuilt), and the lowest rank holding its commit ((None, -1) if
+    there is none). Pure: the same on every rank."""
     for step in sorted({s for held in everyone for s in held}, reverse=True):
         holders = [r for r, held in enumerate(everyone) if step in held]
         need = set(everyone[holders[0]][step][0])
         have = {name for r in holders for name in everyone[r][step][1]}
-        if need <= have:
+        if need <= have or (rebuild is not None and rebuild(everyone, step, need - have, have)):
             return step, holders[0]
     return None, -1
+
+
+def _headers(everyone: list[dict[int, Any]], step: int) -> dict[int, Any]:
+    """Rank → its parity header of ``step`` (live ranks that hold one)."""
+    return {r: held[step][3] for r, held in enumerate(everyone)
+            if step in held and len(held[step]) > 3 and held[step][3] is not None}
+
+
+def _rebuildable(everyone: list[dict[int, Any]], step: int, missing: set[str], have: set[str]) -> bool:
+    return parity.rebuildable(_headers(everyone, step), have, missing)
 
 
 def _memory_reads(options: LoadOptions | None) -> LoadOptions:
