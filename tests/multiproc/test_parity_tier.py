@@ -72,3 +72,19 @@ def test_parity_needs_two_nodes_per_group():
     for bad in (1, -1, 2.0, True):
         with pytest.raises(OptionsError, match="parity"):
             MemoryTier("x", parity=bad)
+
+
+def test_parity_headers_that_disagree_with_the_manifest_are_refused_before_a_rebuild(shm):
+    import json
+
+    run_ranks(save, 4, shm, 1, 4, 1, timeout=120)
+    shutil.rmtree(_node(shm, "n0"))
+    for r in (1, 2, 3):                         # every live header gives n0's file another (smaller) size
+        path = os.path.join(_node(shm, f"n{r}"), "parity", "step-0000000001", f"r{r}.json")
+        with open(path) as f:
+            doc = json.load(f)
+        doc["files"][0][1] -= 4096
+        with open(path, "w") as f:
+            json.dump(doc, f)
+    with pytest.raises(RankFailure, match="parity names .* the manifest"):
+        run_ranks(restore, 4, shm, 1, 4, timeout=120)

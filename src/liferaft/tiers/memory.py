@@ -279,6 +279,8 @@ class MemoryTier:
         rebuilt = set(need) - have if mixed is None and self.parity else set()
         if rebuilt:                     # a lost node's files, rebuilt from its group's parity into a live node
             headers = _headers(everyone, step)
+            self.coord.run(lambda: parity.check_sizes(headers, rebuilt, open_checkpoint(st).files, st.url)
+                           if step in everyone[self.rank] else None, "memory tier (parity sizes)")
             parity.rebuild(self, step, headers, rebuilt)
             for name in rebuilt:        # (the same on every rank: the group's lowest live member holds it now)
                 h = next(h for h in headers.values() if name in (f[0] for f in h["files"]))

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from liferaft.errors import LiferaftError
+from liferaft.errors import CorruptCheckpointError, LiferaftError
 from liferaft.format.jsonsafe import loads
 from liferaft.format.layout import DATA_DIR, data_file_rank, step_name
 from liferaft.format.limits import MAX_INT
@@ -227,6 +227,17 @@ def _write(path: str, data: Any) -> None:
     os.replace(tmp, path)
 
 
+def check_sizes(headers: Mapping[int, Mapping[str, Any]], missing: set[str], manifest: Mapping[str, int],
+                where: str) -> None:
+    """Every parity header naming a file of ``missing`` gives it the size the step's manifest records (before
+    anything is allocated for a rebuild); CorruptCheckpointError naming the file otherwise."""
+    for h in headers.values():
+        for name, size in h["files"]:
+            if name in missing and manifest.get(name) != size:
+                raise CorruptCheckpointError(f"{where}: parity names {name} with {size} bytes, the manifest "
+                                             f"{manifest.get(name)}: the parity is not of this save; it is not used")
+
+
 def rebuild(tier: Any, step: int, headers: Mapping[int, Mapping[str, Any]], missing: set[str]) -> list[str]:
     """Collective on ``tier.coord``: rebuild every file of ``missing`` (``rebuildable`` said so, from the same
     ``headers`` on every rank) into the node of its group's lowest live member; the files this rank wrote."""
@@ -275,5 +286,5 @@ def rebuild(tier: Any, step: int, headers: Mapping[int, Mapping[str, Any]], miss
     return wrote
 
 
-__all__ = ["FORMAT", "drop", "holder_of", "parity_group", "read_header", "rebuild", "rebuild_plan", "rebuildable",
+__all__ = ["FORMAT", "check_sizes", "drop", "holder_of", "parity_group", "read_header", "rebuild", "rebuild_plan", "rebuildable",
            "save", "step_dir", "stripe_in", "stripe_size"]
