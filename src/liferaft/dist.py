@@ -184,33 +184,53 @@ def release_groups(process_group: Any = None) -> None:
         group.close()
 
 
-def init_process_group(backend: str | None = None, *, timeout: float | None = None, **kwargs: Any) -> None:
-    """``torch.distributed.init_process_group`` for a job that torchrun may restart (``--max-restarts``): under
-    torchrun (``TORCHELASTIC_RESTART_COUNT`` set) the job's group is made on torchrun's store (``MASTER_ADDR``,
-    ``MASTER_PORT``; hosted by torchrun's agent, or by rank 0 when the agent says it does not host one) with every
-    key under a prefix of this incarnation (``liferaft/incarnation-<restart count>/``), so that workers restarted
-    after a failure never read the keys their predecessors left in the same store. (torch 2.x keeps one store across
-    the restarts of a worker group and does not separate the incarnations' keys, pytorch/pytorch#135712: the
-    restarted workers' gloo groups hung connecting to the dead workers' addresses; an NCCL group can read a stale
-    unique id the same way.) Outside torchrun it is ``torch.distributed.init_process_group(backend)`` (``env://``).
-    ``timeout`` (seconds) and ``kwargs`` (``device_id``, ``pg_options``, ...) go to torch's call; liferaft's own
-    groups are made on the same prefixed store, so they are kept apart the same way."""
+def init_process_group(backend: str | None = None, *, timeout: float | None = None, incarnation: str | None = None,
+                       **kwargs: Any) -> None:
+    """``torch.distributed.init_process_group`` for a job that torchrun may restart (``--max-restarts``).
+
+    torch 2.x keeps one store for the workers across torchrun's restarts and does not separate the incarnations'
+    keys (pytorch/pytorch#135712): restarted workers read the addresses their dead predecessors left and their
+    gloo group hung (an NCCL group can read a stale unique id the same way). Under torchrun (``RANK``,
+    ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` and ``TORCHELASTIC_RESTART_COUNT`` set) the job's group is
+    made on torchrun's store under a prefix of this incarnation, so no incarnation meets another's keys; liferaft's
+    own gloo groups are made on the same store and kept apart the same way.
+
+    The incarnation is counted in the store, per rank: every worker adds one to its rank's counter, so that ranks
+    that all start once per incarnation agree on it whatever each node's agent counts (``TORCHELASTIC_RESTART_COUNT``
+    is per agent: a node that restarts its workers for a membership change, or a replacement node, counts
+    otherwise). A worker that died before this call, or ranks new to the job (the world grew), would count
+    differently: give ``incarnation`` (any string the ranks share, e.g. a scheduler's restart count) in such
+    setups. Outside torchrun it is ``torch.distributed.init_process_group(backend)`` (``env://``). ``timeout``
+    (seconds) and ``kwargs`` (``device_id``, ``pg_options``, ...) go to torch's call; ``rank``, ``world_size``,
+    ``store`` and ``init_method`` are this function's to set under torchrun (OptionsError)."""
     import os
 
     import torch.distributed as dist
 
+    from liferaft.errors import OptionsError
+
     if timeout is not None:
         kwargs["timeout"] = datetime.timedelta(seconds=timeout)
     env = os.environ
-    if "TORCHELASTIC_RESTART_COUNT" not in env:
+    if "TORCHELASTIC_RESTART_COUNT" not in env and incarnation is None:
         dist.init_process_group(backend, **kwargs)
         return
-    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    taken = sorted({"rank", "world_size", "store", "init_method"} & set(kwargs))
+    if taken:
+        raise OptionsError(f"liferaft.init_process_group sets {', '.join(taken)} itself under torchrun (from "
+                           "RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT); do not pass them")
+    try:
+        rank, world, port = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["MASTER_PORT"])
+        addr = env["MASTER_ADDR"]
+    except (KeyError, ValueError) as e:
+        raise OptionsError(f"liferaft.init_process_group: torchrun's RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT "
+                           f"must be set (integers but the address): {type(e).__name__} {e}") from None
     agent = env.get("TORCHELASTIC_USE_AGENT_STORE", "True") == "True"
-    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size=world,
-                          is_master=not agent and rank == 0, multi_tenant=not agent,
+    store = dist.TCPStore(addr, port, world_size=world, is_master=not agent and rank == 0, multi_tenant=not agent,
                           timeout=kwargs.get("timeout", datetime.timedelta(minutes=30)))
-    prefixed = dist.PrefixStore(f"liferaft/incarnation-{int(env['TORCHELASTIC_RESTART_COUNT'])}/", store)
+    if incarnation is None:
+        incarnation = str(store.add(f"liferaft/incarnations/rank-{rank}", 1))
+    prefixed = dist.PrefixStore(f"liferaft/incarnation-{incarnation}/", store)
     dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world, **kwargs)
 
 

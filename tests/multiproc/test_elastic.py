@@ -57,3 +57,46 @@ def test_init_process_group_outside_torchrun_is_torchs(tmp_path):
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0 and out.stdout.split() == ["1", "0"], out.stderr[-2000:]
+
+
+_MEET = """
+import sys, torch, torch.distributed as d, liferaft
+liferaft.init_process_group("gloo", timeout=60)
+t = torch.ones(1) * (d.get_rank() + 1)
+d.all_reduce(t)
+print(d.get_world_size(), int(t.item()))
+"""
+
+
+def test_ranks_whose_agents_count_restarts_differently_still_meet():
+    """torchrun counts restarts per node's agent (a node that restarts its workers for a membership change, or a
+    replacement node, counts otherwise): two incarnations of a 2-rank job on one store, whose ranks are given
+    different TORCHELASTIC_RESTART_COUNTs, meet each time (the second with the first's keys still in the store)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from liferaft.testing.launcher import free_port
+
+    port = free_port()
+    agent = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=60))          # (torchrun's agent store, kept)
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "SLURM_"))}
+    for counts in (("0", "0"), ("1", "0")):
+        procs = [subprocess.Popen([sys.executable, "-c", _MEET], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True, env={**base, "RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                                                  "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": counts[r],
+                                                  "TORCHELASTIC_USE_AGENT_STORE": "True"})
+                 for r in range(2)]
+        outs = [p.communicate(timeout=120) for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+        assert [o[0].split() for o in outs] == [["2", "3"], ["2", "3"]]
+    del agent
+
+
+def test_init_process_group_under_torchrun_needs_its_variables():
+    code = "import liferaft; liferaft.init_process_group('gloo')"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "SLURM_", "RANK", "WORLD_SIZE"))}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**env, "TORCHELASTIC_RESTART_COUNT": "0"})
+    assert out.returncode != 0 and "OptionsError" in out.stderr and "RANK" in out.stderr, out.stderr[-2000:]

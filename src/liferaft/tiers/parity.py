@@ -19,9 +19,11 @@ from them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -44,13 +46,15 @@ PIECE = 4 << 20
 
 def parity_group(nodes: Sequence[str], rank: int, k: int) -> list[int]:
     """The ranks of ``rank``'s parity group: the same local position on each node of its group of ``k`` nodes
-    (nodes in order of first appearance; a last group of one node joins the group before it), in node order.
-    A node with fewer ranks contributes its rank at the position modulo its count only if that is a new rank."""
+    (nodes in order of first appearance; a last group of one node joins the group before it), in node order. A
+    node with fewer ranks than ``rank``'s position has no member in it (so a rank whose position only its own node
+    has is a group of one: no parity; ``save`` warns)."""
     order = list(dict.fromkeys(nodes))
     members = {n: [r for r, m in enumerate(nodes) if m == n] for n in order}
     groups = [order[i:i + k] for i in range(0, len(order), k)]
     if len(groups) > 1 and len(groups[-1]) == 1:
-        groups[-2] += groups.pop()
+        last = groups.pop()
+        groups[-1] = groups[-1] + last
     mine = nodes[rank]
     group = next(g for g in groups if mine in g)
     pos = members[mine].index(rank)
@@ -193,6 +197,11 @@ def save(tier: Any, step: int) -> None:
     group = parity_group(tier.nodes, tier.rank, tier.parity)
     m = len(group)
     if m < 2:
+        if len(set(tier.nodes)) > 1 and not getattr(tier, "_parity_warned", False):
+            tier._parity_warned = True
+            warnings.warn(f"liferaft: MemoryTier(parity={tier.parity}): rank {tier.rank} has no parity group (no "
+                          "other node of its group has a rank at its local position): its data is not protected "
+                          "against the loss of its node; give every node the same number of ranks", stacklevel=2)
         return
     i = group.index(tier.rank)
     stripe = stripe_size([files[r][1] for r in group])
@@ -221,8 +230,13 @@ def save(tier: Any, step: int) -> None:
 
 
 def _write(path: str, data: Any) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
+    """``data`` into a new file at ``path``, whole or not at all (a temporary file of this process, never a link
+    followed, renamed into place)."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    with os.fdopen(fd, "wb") as f:
         f.write(data)
     os.replace(tmp, path)
 
