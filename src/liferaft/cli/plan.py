@@ -156,7 +156,7 @@ def _describe(raw: Mapping[str, Any], base: Costs | Machine, args: argparse.Name
                 f"step {m.first_step_s:g} s; interference {m.interference:.1%}")
     else:
         c = base
-        text = (f"costs (s, {src}): stall {dict(c.stall)}, persist {dict(c.persist)}, restore {dict(c.restore)}, "
+        text = (f"costs (s): stall {dict(c.stall)}, persist {dict(c.persist)}, restore {dict(c.restore)}, "
                 f"restart {c.restart:.0f}")
     if raw.get("per_step") is not None:
         text += f", per_step {dict(raw['per_step'])}"
