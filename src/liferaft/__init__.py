@@ -30,6 +30,7 @@ from liferaft.errors import (
                              StorageError,
                              UnsafePathError,
 )
+from liferaft.manager.checkfree import StageRebuild, rebuild_stage
 from liferaft.manager.manager import CheckpointManager, StepInfo
 from liferaft.manager.options import JobOptions, PreemptionOptions, StepLogOptions, TierOptions
 from liferaft.manager.policies import RetentionPolicy, SavePolicy
@@ -57,7 +58,7 @@ __all__ = [  # noqa: RUF022 (grouped as docs/API.md, not sorted)
     # Training runs: the manager and its option objects, the memory tier, a root's steps from outside a job
     "CheckpointManager", "SavePolicy", "RetentionPolicy", "TierOptions", "PreemptionOptions", "JobOptions",
     "StepLogOptions",
-    "StepInfo", "MemoryTier", "init_process_group", "ls", "gc", "GcReport",
+    "StepInfo", "MemoryTier", "init_process_group", "rebuild_stage", "StageRebuild", "ls", "gc", "GcReport",
     # Compare and convert checkpoints of any format
     "diff", "DiffReport", "KeyDiff", "convert", "ConvertReport", "find_model",
     # What liferaft keeps in the process between calls

@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, Self, TypeVar
 
+from liferaft.core.commit import open_checkpoint
 from liferaft.core.load import load
 from liferaft.core.save import AsyncSaveHandle, async_save, save
 from liferaft.dist import Coordinator, MaxVote
@@ -87,6 +88,8 @@ class CheckpointManager:
     #: what the last ``restore`` loaded (``LoadResult``: keys missing / unexpected with ``strict=False``, bytes,
     #: timings); None before one, or when it found nothing to restore
     last_load: LoadResult | None = None
+    #: the live state is an approximation since (``mark_lossy``): recorded in every later save as ``lossy_state``
+    lossy_state: str | None = None
 
     def __init__(self, root: str | os.PathLike[str] | Storage, *, every_steps: int | None = None,
                  keep_last: int | None = None, async_save: bool = True, save_policy: SavePolicy | None = None,
@@ -267,6 +270,7 @@ class CheckpointManager:
                 self._steplog.start_fresh(state)
             return None
         done, self.last_load = got
+        self.lossy_state = self._lossy_of(done)
         self._has_base = True
         since = next((i.since_full for i in committed if i.step == done), None)
         self._base = (done, since) if since is not None else None      # None: the next save is a full one
@@ -449,8 +453,21 @@ class CheckpointManager:
         """The save options of a save by this manager (its manifest ``extra`` says why and by whom)."""
         meta = {**dict(self.save_options.metadata), "step": step, "reason": reason,
                 "metrics": {k: float(v) for k, v in (metrics or {}).items()}, "job_id": self.job_id,
-                "since_full": since_full}
+                "since_full": since_full, **({"lossy_state": self.lossy_state} if self.lossy_state else {})}
         return replace(self.save_options, metadata=meta)
+
+    def _lossy_of(self, step: int) -> str | None:
+        """The ``lossy_state`` the restored ``step`` recorded (its root or memory copy), if any."""
+        for st in [self._step_storage(step)] + ([self._tiers.memory.step_storage(step)] if self._tiers else []):
+            with contextlib.suppress(LiferaftError, OSError):
+                found = open_checkpoint(st).extra.get("lossy_state")
+                return found if isinstance(found, str) else None
+        return None
+
+    def mark_lossy(self, reason: str) -> None:
+        """The live state is an approximation from now on (e.g. a stage rebuilt by ``liferaft.rebuild_stage``): every
+        later save records ``reason`` in its manifest as ``lossy_state``, and a restore of such a step keeps it."""
+        self.lossy_state = "; ".join(x for x in (self.lossy_state, str(reason)) if x)
 
     def _quiet(self) -> Any:
         """The per-step log's hooks off (liferaft's own walks of the state are no training steps)."""
