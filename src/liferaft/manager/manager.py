@@ -270,7 +270,7 @@ class CheckpointManager:
                 self._steplog.start_fresh(state)
             return None
         done, self.last_load = got
-        self.lossy_state = self._lossy_of(done)
+        self.lossy_state = self.coord.run_on_zero(lambda: self._lossy_of(done), "restore (lossy state)")
         self._has_base = True
         since = next((i.since_full for i in committed if i.step == done), None)
         self._base = (done, since) if since is not None else None      # None: the next save is a full one
@@ -457,8 +457,8 @@ class CheckpointManager:
         return replace(self.save_options, metadata=meta)
 
     def _lossy_of(self, step: int) -> str | None:
-        """The ``lossy_state`` the restored ``step`` recorded (its root or memory copy), if any."""
-        for st in [self._step_storage(step)] + ([self._tiers.memory.step_storage(step)] if self._tiers else []):
+        """The ``lossy_state`` the restored ``step`` recorded (its memory copy, else the root's), if any."""
+        for st in ([self._tiers.memory.step_storage(step)] if self._tiers else []) + [self._step_storage(step)]:
             with contextlib.suppress(LiferaftError, OSError):
                 found = open_checkpoint(st).extra.get("lossy_state")
                 return found if isinstance(found, str) else None
