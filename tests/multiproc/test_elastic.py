@@ -64,7 +64,9 @@ import sys, torch, torch.distributed as d, liferaft
 liferaft.init_process_group("gloo", timeout=60)
 t = torch.ones(1) * (d.get_rank() + 1)
 d.all_reduce(t)
-print(d.get_world_size(), int(t.item()))
+print(d.get_world_size(), int(t.item()), flush=True)
+d.barrier()                      # (every rank past its last collective before any tears its connections down)
+d.destroy_process_group()
 """
 
 

@@ -296,7 +296,7 @@ class MemoryTier:
         mine = {n for r, held in enumerate(everyone) if self.nodes[r] == self.node for n in held.get(step, ((), {}))[1]}
         self.last_restore = {"step": step, "files_from_peers": len(set(need) & have - mine),
                              "files_from_fallback": from_fallback, "bytes_from_peers": self.last_load.bytes_received,
-                             "files_rebuilt": len(rebuilt)}
+                             **({"files_rebuilt": len(rebuilt)} if self.parity else {})}
         return step
 
     def _complete_commit(self, step: int, holder: int, lost: set[str],
