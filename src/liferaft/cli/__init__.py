@@ -7,7 +7,7 @@
     liferaft gc ROOT --keep-last N ...  the manager's retention from the command line (--dry-run to preview)
     liferaft diff A B [--key GLOB]...   keys added / removed / changed, max abs and relative difference per tensor
     liferaft convert SRC DST --to FMT   liferaft ↔ safetensors, torch (torch.save), dcp; → hf (a loadable model)
-    liferaft plan [--costs F.json] ...  expected goodput of no tiers / remote only / liferaft's tiers at scale
+    liferaft plan [--costs F.json] ...  expected goodput of no tiers / remote only / tiers / per-step log at scale
 
 Every command that takes a checkpoint (inspect, verify, read, diff, convert) takes each format liferaft reads:
 liferaft, a DCP folder, safetensors (file or folder), a ``torch.save`` file; ls and gc take a CheckpointManager
