@@ -37,6 +37,8 @@ import uuid
 import psutil
 from _common import ROOT, machine  # sets up the paths
 
+from liferaft.tiers.memory import DEFAULT_BASE
+
 PARTS = ("torchrun", "launch", "process group", "build", "manager", "restore", "first step")
 METHODS = {"per-step": ["--per-step"], "memory": ["--memory"], "disk": []}
 
@@ -92,6 +94,7 @@ def run_once(method: str, args: argparse.Namespace, tmp: str) -> dict:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        shutil.rmtree(os.path.join(DEFAULT_BASE, job), ignore_errors=True)     # the memory tier's shared memory
     if rc != 0:
         raise SystemExit(f"{method}: torchrun ended with {rc}:\n" + open(log).read()[-3000:])
     rows = _lines(timing)
