@@ -85,7 +85,7 @@ def rebuild_stage(module: torch.nn.Module, *, lost: bool, optimizer: torch.optim
     for stage, sources, ws in plan:                 # sources send in stage order; each lost stage receives
         if me in sources:
             for _, t in mine:
-                coord.isend(t.detach().contiguous(), stage, 0).wait()
+                coord.isend(t.detach().cpu().contiguous(), stage, 0).wait()     # (gloo: host memory)
         elif me == stage:
             got = []
             for src in sources:
