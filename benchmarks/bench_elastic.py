@@ -8,7 +8,9 @@ it die, stops the survivor, starts both workers again (TORCHELASTIC_RESTART_COUN
   saves every ``--every`` steps): the restore takes the newest full save from memory and replays the log's records
   after it, so the job resumes at the step after the last one completed;
 - ``memory``: full saves to the memory tier every ``--every`` steps (and the root): resumes at the newest;
-- ``disk``: full saves to the root (local disk) only, every ``--every`` steps.
+- ``disk``: full saves to the root (local disk) only, every ``--every`` steps;
+- ``dcp``: the comparison, PyTorch DCP ``async_save`` every ``--every`` steps to local disk (train_gpt.py's
+  ``--dcp-async``) and ``dcp.load`` of the newest on restart.
 
 Parts, from rank 0's marks (examples/train_gpt.py ``--timing``) and the kill's time: **torchrun** (the kill until
 the new rank 0 process started: torchrun noticing the death, stopping the survivor, the rendezvous of the new round,
@@ -17,7 +19,7 @@ the spawn), **launch** (start to torch and liferaft imported), **process group**
 replay), **first step** (the first training step and its ``maybe_save``). Also: steps lost (the last step completed
 before the kill, minus the step resumed at). ``--reps`` runs per method, medians.
 
-    python benchmarks/bench_elastic.py [--methods per-step,memory,disk] [--reps 3] [--kill-after 120]
+    python benchmarks/bench_elastic.py [--methods per-step,memory,disk,dcp] [--reps 3] [--kill-after 120]
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from _common import ROOT, machine  # sets up the paths
 from liferaft.tiers.memory import DEFAULT_BASE
 
 PARTS = ("torchrun", "launch", "process group", "build", "manager", "restore", "first step")
-METHODS = {"per-step": ["--per-step"], "memory": ["--memory"], "disk": []}
+METHODS = {"per-step": ["--per-step"], "memory": ["--memory"], "disk": [], "dcp": ["--dcp-async"]}
 
 
 def _lines(path: str) -> list[dict]:
@@ -70,7 +72,7 @@ def run_once(method: str, args: argparse.Namespace, tmp: str) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts",
            "1", "--monitor-interval", str(args.monitor_interval), os.path.join(ROOT, "examples", "train_gpt.py"),
            "--root", root, "--steps", str(args.steps), "--every", str(args.every), "--layout", args.layout,
-           "--timing", timing, "--job-id", job, *METHODS[method]]
+           "--timing", timing, "--job-id", job, *METHODS[method]] + ([str(args.every)] if method == "dcp" else [])
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "SLURM_"))}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.path.join(ROOT, "src"))
     with open(log, "w") as out:
@@ -117,7 +119,7 @@ def run_once(method: str, args: argparse.Namespace, tmp: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--methods", default="per-step,memory,disk")
+    ap.add_argument("--methods", default="per-step,memory,disk,dcp")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--kill-after", type=int, default=120, help="kill once rank 0 logged this step")
     ap.add_argument("--steps", type=int, default=160)
