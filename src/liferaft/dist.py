@@ -222,6 +222,8 @@ def init_process_group(backend: str | None = None, *, timeout: float | None = No
     try:
         rank, world, port = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["MASTER_PORT"])
         addr = env["MASTER_ADDR"]
+        if not (0 <= rank < world and 0 < port < 1 << 16 and addr):
+            raise ValueError(f"RANK={rank} WORLD_SIZE={world} MASTER_PORT={port} MASTER_ADDR={addr!r} out of range")
     except (KeyError, ValueError) as e:
         raise OptionsError(f"liferaft.init_process_group: torchrun's RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT "
                            f"must be set (integers but the address): {type(e).__name__} {e}") from None

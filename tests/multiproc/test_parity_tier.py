@@ -88,3 +88,19 @@ def test_parity_headers_that_disagree_with_the_manifest_are_refused_before_a_reb
             json.dump(doc, f)
     with pytest.raises(RankFailure, match="parity names .* the manifest"):
         run_ranks(restore, 4, shm, 1, 4, timeout=120)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "symlink"])
+def test_a_parity_file_that_is_not_a_regular_file_is_no_parity(shm, kind):
+    """A FIFO (which would block a plain open) or a link in place of a parity file: that parity is not used, and
+    with it the lost node's file cannot be rebuilt — nothing hangs, nothing is read through the link."""
+    run_ranks(save, 4, shm, 1, 4, 1, timeout=120)
+    shutil.rmtree(_node(shm, "n0"))
+    xor = os.path.join(_node(shm, "n1"), "parity", "step-0000000001", "r1.xor")
+    os.replace(xor, xor + ".moved")
+    if kind == "fifo":
+        os.mkfifo(xor)
+    else:
+        os.symlink(xor + ".moved", xor)
+    out = run_ranks(restore, 4, shm, 1, 4, timeout=120)
+    assert [step for step, _, _ in out] == [None] * 4, out

@@ -19,7 +19,6 @@ from them.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -115,10 +114,6 @@ def rebuildable(headers: Mapping[int, Mapping[str, Any]], live_files: set[str], 
 
 # ---------------------------------------------------------------------------------------------- files
 
-def step_dir(root: str, step: int) -> str:
-    return os.path.join(root, PARITY_DIR, step_name(step))
-
-
 def drop(root: str, keep: Sequence[int]) -> None:
     """Remove the parity of every step but ``keep`` from the node root ``root``."""
     base = os.path.join(root, PARITY_DIR)
@@ -133,17 +128,24 @@ def drop(root: str, keep: Sequence[int]) -> None:
 def read_header(root: str, step: int, rank: int) -> dict[str, Any] | None:
     """This rank's parity header of ``step`` in the node root ``root``, checked; None if there is none or it does
     not hold (a damaged parity is no parity: the restore goes on without it)."""
-    rel = os.path.join(PARITY_DIR, step_name(step), f"r{rank}.json")
+    rel = _rel(step, rank, "json")
     try:
-        fd = open_read(root, rel, limit=MAX_HEADER)
-    except (OSError, LiferaftError):
-        return None
-    try:
+        fd = open_read(root, rel, limit=MAX_HEADER)     # (a regular file, no link followed, at most MAX_HEADER)
         with os.fdopen(fd, "rb") as f:
             doc = loads(f.read(MAX_HEADER + 1), os.path.join(root, rel), MAX_HEADER)
-        return _checked(doc, step, rank, os.path.getsize(os.path.join(root, rel[:-5] + ".xor")))
+        fd = open_read(root, _rel(step, rank, "xor"))
+        try:
+            size = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+        return _checked(doc, step, rank, size)
     except (OSError, LiferaftError, ValueError, TypeError, KeyError, IndexError):
         return None
+
+
+def _rel(step: int, rank: int, ext: str) -> str:
+    """A parity file's path under the node root."""
+    return f"{PARITY_DIR}/{step_name(step)}/r{rank}.{ext}"
 
 
 def _checked(doc: Any, step: int, rank: int, parity_bytes: int) -> dict[str, Any]:
@@ -167,12 +169,13 @@ def _checked(doc: Any, step: int, rank: int, parity_bytes: int) -> dict[str, Any
     return doc
 
 
-def _read_span(path: str, off: int, n: int, out: torch.Tensor) -> None:
-    """Bytes [off, off + n) of the file ``path`` into ``out`` (zero past the file's end)."""
+def _read_span(root: str, rel: str, off: int, n: int, out: torch.Tensor) -> None:
+    """Bytes [off, off + n) of the file ``root/rel`` into ``out`` (zero past the file's end); the file opened the one
+    safe way (``storage.files.open_read``: a regular file, no link followed)."""
     out.zero_()
     if n <= 0:
         return
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    fd = open_read(root, rel)
     try:
         mv = memoryview(out.numpy())[:n]
         done = 0
@@ -205,9 +208,7 @@ def save(tier: Any, step: int) -> None:
         return
     i = group.index(tier.rank)
     stripe = stripe_size([files[r][1] for r in group])
-    out = step_dir(tier.root, step)
-    os.makedirs(out, exist_ok=True)
-    path = os.path.join(tier.root, step_name(step), mine) if mine else ""
+    rel = f"{step_name(step)}/{mine}" if mine else ""
     parity = torch.zeros(stripe, dtype=torch.uint8)
     step_bytes = min(PIECE, stripe)
     send_buf, recv_buf = torch.empty(step_bytes, dtype=torch.uint8), torch.empty(step_bytes, dtype=torch.uint8)
@@ -218,27 +219,15 @@ def save(tier: Any, step: int) -> None:
         for off in range(0, stripe, step_bytes):
             n = min(step_bytes, stripe - off)
             send, recv = send_buf[:n], recv_buf[:n]
-            _read_span(path, s_out * stripe + off, max(0, min(n, size - s_out * stripe - off)), send)
+            _read_span(tier.root, rel, s_out * stripe + off, max(0, min(n, size - s_out * stripe - off)), send)
             works = [tier.bg.isend(send, group[to], 0), tier.bg.irecv(recv, group[frm], 0)]
             for w in works:
                 w.wait()
             parity[off:off + n].bitwise_xor_(recv)
     header = {"format": FORMAT, "step": step, "members": group, "index": i, "stripe": stripe,
               "files": [[files[r][0], files[r][1]] for r in group]}
-    _write(os.path.join(out, f"r{tier.rank}.xor"), memoryview(parity.numpy()))
-    _write(os.path.join(out, f"r{tier.rank}.json"), json.dumps(header).encode())
-
-
-def _write(path: str, data: Any) -> None:
-    """``data`` into a new file at ``path``, whole or not at all (a temporary file of this process, never a link
-    followed, renamed into place)."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(tmp)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    tier.storage.put_atomic(_rel(step, tier.rank, "xor"), memoryview(parity.numpy()))
+    tier.storage.put_atomic(_rel(step, tier.rank, "json"), json.dumps(header).encode())
 
 
 def check_sizes(headers: Mapping[int, Mapping[str, Any]], missing: set[str], manifest: Mapping[str, int],
@@ -255,7 +244,6 @@ def check_sizes(headers: Mapping[int, Mapping[str, Any]], missing: set[str], man
 def rebuild(tier: Any, step: int, headers: Mapping[int, Mapping[str, Any]], missing: set[str]) -> list[str]:
     """Collective on ``tier.coord``: rebuild every file of ``missing`` (``rebuildable`` said so, from the same
     ``headers`` on every rank) into the node of its group's lowest live member; the files this rank wrote."""
-    st_root = os.path.join(tier.root, step_name(step))
     wrote = []
     for name in sorted(missing):
         r = data_file_rank(name)
@@ -277,10 +265,11 @@ def rebuild(tier: Any, step: int, headers: Mapping[int, Mapping[str, Any]], miss
                 if me == src:
                     buf = torch.empty(n, dtype=torch.uint8)
                     if what == "parity":
-                        _read_span(os.path.join(step_dir(tier.root, step), f"r{src}.xor"), 0, n, buf)
+                        _read_span(tier.root, _rel(step, src, "xor"), 0, n, buf)
                     else:
                         fsize = files[members.index(src)][1]
-                        _read_span(os.path.join(st_root, what), t * stripe, max(0, min(n, fsize - t * stripe)), buf)
+                        _read_span(tier.root, f"{step_name(step)}/{what}", t * stripe,
+                                   max(0, min(n, fsize - t * stripe)), buf)
                     if me == builder:
                         assert out is not None
                         out[lo:hi].bitwise_xor_(buf)
@@ -293,12 +282,10 @@ def rebuild(tier: Any, step: int, headers: Mapping[int, Mapping[str, Any]], miss
                     out[lo:hi].bitwise_xor_(buf)
         if me == builder:
             assert out is not None
-            dst = os.path.join(st_root, name)
-            os.makedirs(os.path.dirname(dst), exist_ok=True)
-            _write(dst, memoryview(out.numpy()))
+            tier.storage.put_atomic(f"{step_name(step)}/{name}", memoryview(out.numpy()))
             wrote.append(name)
     return wrote
 
 
 __all__ = ["FORMAT", "check_sizes", "drop", "holder_of", "parity_group", "read_header", "rebuild", "rebuild_plan", "rebuildable",
-           "save", "step_dir", "stripe_in", "stripe_size"]
+           "save", "stripe_in", "stripe_size"]
