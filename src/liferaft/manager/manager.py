@@ -141,6 +141,7 @@ class CheckpointManager:
             if self.coord.rank == 0 else None
         self._closed = False
         self._stall = 0.0
+        self._started_listing: list[StepInfo] | None = None     # rank 0: the root as listed at the start
 
         def identify() -> tuple[str, str]:      # rank 0's identity is the job's
             who = this_job(job.job_id)
@@ -171,7 +172,9 @@ class CheckpointManager:
             self._lease.acquire()
         except ReadOnlyRootError as e:          # restore only: no lease, no clean-up, no start record
             return [], str(e)
-        remove_leftovers(self.storage, self._list())
+        listing = self._list()
+        remove_leftovers(self.storage, listing)
+        self._started_listing = listing         # the first restore's, unless a save comes first (lease held)
         return (record_start(self.storage) if learn else []), None
 
     @property
@@ -207,6 +210,12 @@ class CheckpointManager:
     def _list(self, deep: bool = False) -> list[StepInfo]:
         """Every step under the root, oldest first (this process; no collective)."""
         return list_steps(self.storage, self._pins(), deep)
+
+    def _listing_now(self) -> list[StepInfo]:
+        """Rank 0: the root's steps — as listed at the start (once: only this manager writes the root while it
+        holds the lease, and nothing was saved since), else listed now."""
+        listing, self._started_listing = self._started_listing, None
+        return listing if listing is not None else self._list()
 
     def steps(self, verify: bool = False) -> list[StepInfo]:
         """Every step under the root, and in this node's memory tier, with its status and the tiers holding a
@@ -247,14 +256,20 @@ class CheckpointManager:
             return self._restore(state, step, strict)
 
     def _restore(self, state: Any, step: int | None, strict: bool) -> int | None:
-        listing = self.coord.run_on_zero(self._list, "restore (listing)")
-        committed = [i for i in listing if i.status == "committed"]
+        listing: list[StepInfo] | None = None
+
+        def root_listing() -> list[StepInfo]:       # (collective; once, and not at all when memory answers)
+            nonlocal listing
+            if listing is None:
+                listing = self.coord.run_on_zero(self._listing_now, "restore (listing)")
+            return listing
+
         got: tuple[int, LoadResult] | None = None
         if step is None and self._tiers is not None:
-            got = self._tiers.restore(state, max((i.step for i in committed), default=None), self.load_options,
-                                     strict)
+            got = self._tiers.restore(state, lambda: max((i.step for i in root_listing() if i.status == "committed"),
+                                                         default=None), self.load_options, strict)
         if got is None:
-            candidates = [(i.step, i.path) for i in restore_candidates(listing, step, self.storage.url)]
+            candidates = [(i.step, i.path) for i in restore_candidates(root_listing(), step, self.storage.url)]
 
             def load_one(s: int) -> LoadResult:
                 self._reading.add(s)            # retention passes leave it alone meanwhile
@@ -272,7 +287,9 @@ class CheckpointManager:
         done, self.last_load = got
         self.lossy_state = self.coord.run_on_zero(lambda: self._lossy_of(done), "restore (lossy state)")
         self._has_base = True
-        since = next((i.since_full for i in committed if i.step == done), None)
+        # (the saves since a full one: known from the root's listing; restored from memory unlisted, the next
+        # save to the root is a full one)
+        since = next((i.since_full for i in listing or () if i.status == "committed" and i.step == done), None)
         self._base = (done, since) if since is not None else None      # None: the next save is a full one
         if self._steplog is not None and step is not None:
             self._steplog.resume_at(state, done)    # exactly the step asked for: nothing replayed
@@ -445,6 +462,7 @@ class CheckpointManager:
     def _begin_save(self) -> None:
         """Wait for the previous save (its error is raised here, as itself) and check the lease, on every rank."""
         self._check_writable()
+        self._started_listing = None            # (the root changes now)
         self.wait()
         lease = self._lease
         self.coord.run(lambda: lease.check() if lease is not None else None, "save (lease)")
@@ -491,6 +509,8 @@ class CheckpointManager:
         if timeout is not None:                     # a preemption save: no rank waits past the deadline
             opts = replace(opts, timeout=min(opts.timeout, timeout))
         target = self._step_storage(step)
+        if self._tiers is not None:
+            self._tiers.mark(step)                  # (before the root can hold it: tiers.marks)
         self._last_step, self._last_time = step, time.monotonic()
         t0 = time.perf_counter()
         if wait:

@@ -130,6 +130,7 @@ class Tiers:
     def drain_save(self, step: int, state: Any, options: SaveOptions, wait: bool) -> None:
         """Save into the memory tier and drain that copy to the root (and every ``remote_every``-th to the remote
         tier) in the background; ``wait``: return once drained. ``options.metadata`` is the step's."""
+        self.mark(step)
         targets = [self._root.child(step_name(step))]
         if self.remote is not None and self._drains % self.remote_every == 0:
             targets.append(self.remote.child(step_name(step)))
@@ -138,23 +139,36 @@ class Tiers:
 
     # ------------------------------------------------------------------ restoring
 
-    def restore(self, state: Any, root_newest: int | None, load_options: LoadOptions,
+    def mark(self, step: int) -> None:
+        """Before a save of ``step`` to the root or the remote tier starts (every rank, no collective): each node's
+        mark says that a slower tier may hold it (``tiers.marks``)."""
+        self.memory.mark(self._root.url, step)
+
+    def restore(self, state: Any, root_newest: Callable[[], int | None], load_options: LoadOptions,
                 strict: bool) -> tuple[int, LoadResult] | None:
-        """Load the newest step the tiers hold that is at least as new as the root's newest committed one
-        (``root_newest``): from memory (files no live node holds taken from the root's or the remote's copy of the
-        same save), else — newer than the root's — from the remote tier. None if the tiers hold none. Collective."""
+        """Load the newest step the tiers hold that is at least as new as the root's newest committed one: from
+        memory (files no live node holds taken from the root's or the remote's copy of the same save), else —
+        newer than the root's — from the remote tier. None if the tiers hold none. Collective.
+
+        The memory tier answers first: when its newest complete step is at least as new as the nodes' marks (the
+        newest step this manager began to save to the root or the remote tier), it is loaded and neither the root
+        nor the remote tier is listed. Otherwise (no mark, or memory holds nothing that new) ``root_newest()``
+        (collective: the root's newest committed step) and the remote tier are listed first, as they must be."""
+        held = [m for m in self._coord.exchange(self.memory.marked(self._root.url), None, "restore (marks)")
+                if m is not None]
+        failed = False
+        if held:
+            got, failed = self._from_memory(state, max(held), load_options, strict)
+            if got is not None:
+                return got
+        newest_root = root_newest()
         remote = self._remote_steps() if self.remote is not None else []
-        newest = max([s for s in [root_newest] + remote[:1] if s is not None], default=None)
-        try:
-            got = self.memory.restore(state, options=load_options, strict=strict,
-                                      newer_than=None if newest is None else newest - 1, fallback=self._slower_copy)
-        except LiferaftError as e:          # collective: every rank falls back together
-            warnings.warn(f"liferaft: the memory tier could not be restored ({type(e).__name__}: {e}); "
-                          "restoring from the root", stacklevel=3)
-            got = None
-        if got is not None:
-            return got, self.memory.last_load
-        newer = [s for s in remote if root_newest is None or s > root_newest]
+        newest = max([s for s in [newest_root] + remote[:1] if s is not None], default=None)
+        if not failed:
+            got, _ = self._from_memory(state, newest, load_options, strict)
+            if got is not None:
+                return got
+        newer = [s for s in remote if newest_root is None or s > newest_root]
         if not newer:
             return None
         assert self.remote is not None
@@ -166,6 +180,20 @@ class Tiers:
 
         return first_that_loads(self._coord, [(s, f"{remote_root.url}/{step_name(s)}") for s in newer], load_one,
                                 raise_last=False)
+
+    def _from_memory(self, state: Any, at_least: int | None, load_options: LoadOptions,
+                     strict: bool) -> tuple[tuple[int, LoadResult] | None, bool]:
+        """(the memory tier's newest complete step at least ``at_least``, loaded, or None; whether it failed).
+        Collective: a failure is every rank's (they all fall back together)."""
+        try:
+            step = self.memory.restore(state, options=load_options, strict=strict,
+                                       newer_than=None if at_least is None else at_least - 1,
+                                       fallback=self._slower_copy)
+        except LiferaftError as e:
+            warnings.warn(f"liferaft: the memory tier could not be restored ({type(e).__name__}: {e}); "
+                          "restoring from the root", stacklevel=4)
+            return None, True
+        return (None if step is None else (step, self.memory.last_load)), False
 
     def _slower_copy(self, step: int) -> Storage:
         """The root's copy of ``step`` if it has a commit there, else the remote tier's (memory restores take files
