@@ -35,9 +35,9 @@ def test_a_foreign_folder_under_a_step_name_is_not_cleaned_up_as_a_leftover(tmp_
     leftover = root / "step-0000000012" / "data" / "abc"
     leftover.mkdir(parents=True)
     (leftover / "r00000.bin").write_bytes(b"x" * 10)                     # an interrupted liferaft save
-    with pytest.warns(UserWarning, match="holds files liferaft does not write"):
+    with pytest.warns(UserWarning, match="holds files liferaft does not write"):   # (given on this thread)
         mgr = liferaft.CheckpointManager(str(root), every_steps=1)
-    mgr.close()
+        mgr.close()
     assert (dcp_step / ".metadata").exists()
     assert not (root / "step-0000000012").exists()
 

@@ -37,30 +37,42 @@ def _run(root, shm: str, steps: range, **tiers) -> None:
             mgr._tiers.wait()           # (no memory save skipped as busy)
 
 
-def test_memory_answers_without_a_request_to_the_root_or_the_remote_tier(s3_server, monkeypatch, shm):
-    """Root and remote tier on S3 behind a logging proxy: the restore makes no request at all (the manager's
-    construction lists the root once, for its clean-up; the restore does not list it again)."""
+def test_memory_answers_while_the_root_listing_hangs_and_the_remote_tier_is_never_asked(s3_server, monkeypatch,
+                                                                                         shm):
+    """Root and remote tier on S3 behind a proxy that holds the first LIST after the job restarts (the start's
+    listing of the root for its clean-up, which runs behind): the construction and the restore return the memory
+    tier's newest step well before that LIST is answered, and no request at all goes to the remote tier. With the
+    mark removed the same restore lists the remote tier first."""
+    import time
+
     from liferaft.storage.s3 import S3Storage
     from liferaft.testing.s3server import FaultProxy
 
     for k, v in s3_server.env().items():
         monkeypatch.setenv(k, v)
     base = f"s3://{s3_server.bucket}/{uuid.uuid4().hex[:10]}"
+    hold = 5.0
     with FaultProxy(s3_server.endpoint_url) as proxy:
         root, remote = S3Storage(f"{base}/root", endpoint_url=proxy.url), S3Storage(f"{base}/remote",
                                                                                       endpoint_url=proxy.url)
         _run(root, shm, range(6), remote=remote, memory_every=1)       # memory: 5; root: 0 2 4; remote too
-        mgr = CheckpointManager(root, preemption=NO_SIGNALS, job=JobOptions(lease_ttl=30.0),
-                                tiers=TierOptions(_tier(shm), remote=remote))
-        try:
-            before = len(proxy.requests)
+        tiers = TierOptions(_tier(shm), remote=remote)
+        seen = len(proxy.requests)
+        proxy.stall_next(1, hold, path_has="list-type")
+        t0 = time.monotonic()
+        with CheckpointManager(root, preemption=NO_SIGNALS, job=JobOptions(lease_ttl=30.0), tiers=tiers) as mgr:
             got = _state(-1.0)
             assert mgr.restore(got) == 5 and torch.equal(got["w"], _state(5.0)["w"])
-            during = proxy.requests[before:]
-            assert [r for r in during if r.method != "PUT" or "LEASE" not in r.path] == [], during
-        finally:
-            mgr.close()
-        assert any("list-type" in r.path for r in proxy.requests[:before])    # (the proxy does see LISTs)
+            waited = time.monotonic() - t0
+        assert waited < hold / 2, waited            # (the held LIST is answered after `hold` s)
+        after = proxy.requests[seen:]
+        assert [r.outcome for r in after if "list-type" in r.path][:1] == ["stall"]     # the start's, held
+        assert not [r for r in after if "/remote" in r.path or "remote%2F" in r.path], after
+        os.remove(os.path.join(shm, "job", "n0", marks.mark_name(root.url)))
+        seen = len(proxy.requests)
+        with CheckpointManager(root, preemption=NO_SIGNALS, job=JobOptions(lease_ttl=30.0), tiers=tiers) as mgr:
+            assert mgr.restore(got) == 5
+        assert any("list-type" in r.path and "remote%2F" in r.path for r in proxy.requests[seen:])
 
 
 def test_a_newer_step_on_the_root_is_still_found(tmp_path, shm):
@@ -178,6 +190,7 @@ def test_the_first_restore_uses_the_listing_of_the_start(s3_server, monkeypatch)
                 mgr.maybe_save(step, _state(float(step)))
         with CheckpointManager(root, async_save=False, preemption=NO_SIGNALS, job=JobOptions(lease_ttl=30.0)) as mgr:
             lists = lambda: sum("list-type" in r.path for r in proxy.requests)
+            assert 4 in [i.step for i in mgr.steps()]       # (waits for the start's listing: it runs behind)
             before = lists()
             got = _state(-1.0)
             assert mgr.restore(got) == 4 and torch.equal(got["w"], _state(4.0)["w"])

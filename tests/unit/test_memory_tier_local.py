@@ -86,6 +86,9 @@ def test_replica_targets_and_plans_are_pure():
     t = MemoryTier.__new__(MemoryTier)
     t.nodes, t.replicas = ["a", "a", "b", "b", "c", "c"], 2
     assert t.replica_targets(0) == [2, 4] and t.replica_targets(5) == [1, 3]
+    for replicas, want in ((0, []), (1, [2]), (2, [2, 4]), (3, [2, 4]), (9, [2, 4])):   # never more than asked
+        t.replicas = replicas                                # (replicas=0 used to copy to every other node)
+        assert t.replica_targets(0) == want, replicas
     everyone = [{7: (("data/x/r0.bin", "data/x/r1.bin"), {"data/x/r0.bin": 10, "data/x/r1.bin": 10}, "m")},
                 {}, {7: (("data/x/r0.bin", "data/x/r1.bin"), {"data/x/r1.bin": 10}, "m")}, {}]
     assert newest_complete(everyone) == (7, 0)

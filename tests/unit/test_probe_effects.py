@@ -70,8 +70,9 @@ def test_named_probe_leftovers_are_not_data_and_cleanup_removes_them(tmp_path):
     liferaft.load(os.path.join(root, step_name(1)), out)            # a committed step with a probe file loads
     assert torch.equal(out["w"], torch.arange(10.0))
     assert liferaft.verify(os.path.join(root, step_name(1))).chunks >= 1    # raises if not
-    mgr = CheckpointManager(root, async_save=False, preemption=NO_SIGNALS)     # cleanup at start
+    mgr = CheckpointManager(root, async_save=False, preemption=NO_SIGNALS)     # cleanup at start (behind)
     try:
+        mgr.steps()                                                                 # (waits for it)
         assert not any(os.path.exists(p) for p in stray)
         assert not os.path.exists(os.path.join(root, step_name(2)))            # not kept as someone's folder
         out = {"w": torch.zeros(10)}

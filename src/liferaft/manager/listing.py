@@ -196,10 +196,17 @@ def delete_step(storage: Storage, step: int) -> bool:
     return bool(names)
 
 
-def remove_leftovers(storage: Storage, listing: list[StepInfo]) -> None:
+def remove_leftovers(storage: Storage, listing: list[StepInfo], warn: Callable[[str], None] | None = None) -> None:
     """Rank 0, holding the lease: remove steps of saves that never committed (no job writes them now) — not one
-    that committed steps reference, nor one holding files liferaft never writes (warnings say so) — and, when a step
-    is incomplete, the files killed I/O probes left under the root (``format.layout.is_probe_name``)."""
+    that committed steps reference, nor one holding files liferaft never writes (warnings say so, through ``warn``
+    if given) — and, when a step is incomplete, the files killed I/O probes left under the root
+    (``format.layout.is_probe_name``)."""
+    def say(text: str) -> None:
+        if warn is not None:
+            warn(text)
+        else:
+            warnings.warn(text, stacklevel=4)
+
     needed = {d for i in listing if i.status == "committed" for d in i.depends_on}
     # the whole root is listed only when a step is incomplete (a big root, or an S3 prefix holding a key the
     # client cannot name, is not walked at every start); a killed probe's file elsewhere is no data anyway
@@ -210,12 +217,11 @@ def remove_leftovers(storage: Storage, listing: list[StepInfo]) -> None:
     foreign = _foreign_steps(names) if names else {}
     for info in listing:
         if info.status == "incomplete" and info.step in needed:
-            warnings.warn(f"liferaft: step {info.step} has no commit marker but committed steps reference its "
-                          "chunks; keeping its files", stacklevel=3)
+            say(f"liferaft: step {info.step} has no commit marker but committed steps reference its chunks; keeping "
+                "its files")
         elif info.status == "incomplete" and info.step in foreign:
-            warnings.warn(f"liferaft: {info.path} has no commit marker but holds files liferaft does not write "
-                          f"({foreign[info.step]!r}...): not a leftover of an interrupted save; leaving it",
-                          stacklevel=3)
+            say(f"liferaft: {info.path} has no commit marker but holds files liferaft does not write "
+                f"({foreign[info.step]!r}...): not a leftover of an interrupted save; leaving it")
         elif info.status == "incomplete":
             delete_step(storage, info.step)
 

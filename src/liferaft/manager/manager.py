@@ -16,7 +16,7 @@ import threading
 import time
 import warnings
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, Self, TypeVar
 
@@ -141,7 +141,10 @@ class CheckpointManager:
             if self.coord.rank == 0 else None
         self._closed = False
         self._stall = 0.0
-        self._started_listing: list[StepInfo] | None = None     # rank 0: the root as listed at the start
+        self._start_pass: Future[list[StepInfo] | None] | None = None     # rank 0: the start's clean-up
+        self._start_warnings: list[str] = []
+        self._start_listing: list[StepInfo] | None = None
+        self._root_changed = False              # rank 0: a save started (the start's listing is out of date)
 
         def identify() -> tuple[str, str]:      # rank 0's identity is the job's
             who = this_job(job.job_id)
@@ -166,16 +169,42 @@ class CheckpointManager:
                                     allow_pickle=self.save_options.allow_pickle, owner=self.storage.url)
 
     def _start(self, learn: bool) -> tuple[list[float], str | None]:
-        """Rank 0: take the lease, remove leftovers, record this start (``learn``); (starts, why read-only)."""
+        """Rank 0: take the lease, record this start (``learn``), start the clean-up of leftovers in the background
+        (``_clean_up_start``); (starts, why read-only)."""
         assert self._lease is not None
         try:
             self._lease.acquire()
         except ReadOnlyRootError as e:          # restore only: no lease, no clean-up, no start record
             return [], str(e)
-        listing = self._list()
-        remove_leftovers(self.storage, listing)
-        self._started_listing = listing         # the first restore's, unless a save comes first (lease held)
-        return (record_start(self.storage) if learn else []), None
+        starts = record_start(self.storage) if learn else []
+        assert self._deleter is not None        # (rank 0's: the start's pass runs before any retention pass)
+        self._start_pass = self._deleter.submit(self._clean_up_start)
+        return starts, None
+
+    def _clean_up_start(self) -> list[StepInfo] | None:
+        """Rank 0, background (started by ``_start``; nothing waits for it but what needs it: ``_wait_start``):
+        list the root and remove what interrupted saves left (``remove_leftovers``); the listing, or None if it
+        failed (said by a warning: the clean-up runs again at the next start). Its warnings are kept for
+        ``_wait_start`` to give on the caller's thread."""
+        try:
+            listing = self._list()
+            remove_leftovers(self.storage, listing, warn=self._start_warnings.append)
+            return listing
+        except Exception as e:  # noqa: BLE001 - a clean-up must not stop a job; the restore lists again
+            self._start_warnings.append(f"liferaft: cleaning up {self.storage.url} at the start failed: {e}")
+            return None
+
+    def _wait_start(self) -> list[StepInfo] | None:
+        """Rank 0: wait for the start's clean-up if it still runs and give its warnings (once); its listing while
+        the root is as it was listed (no save started since: only this manager writes the root while it holds
+        the lease), else None."""
+        if self._start_pass is not None:
+            self._start_listing = self._start_pass.result()
+            self._start_pass = None
+            for text in self._start_warnings:
+                warnings.warn(text, stacklevel=3)
+            self._start_warnings.clear()
+        return None if self._root_changed else self._start_listing
 
     @property
     def read_only(self) -> bool:
@@ -214,14 +243,16 @@ class CheckpointManager:
     def _listing_now(self) -> list[StepInfo]:
         """Rank 0: the root's steps — as listed at the start (once: only this manager writes the root while it
         holds the lease, and nothing was saved since), else listed now."""
-        listing, self._started_listing = self._started_listing, None
+        listing = self._wait_start()
         return listing if listing is not None else self._list()
 
     def steps(self, verify: bool = False) -> list[StepInfo]:
         """Every step under the root, and in this node's memory tier, with its status and the tiers holding a
         committed copy, oldest first. ``verify`` re-hashes every committed step under the root (reads all its
         data). Not collective: a memory-tier step is listed as this node sees it (its data may be spread over
-        the nodes)."""
+        the nodes); on rank 0 after the start's clean-up of interrupted saves (which runs in the background from
+        the start: another rank may still list their steps as incomplete)."""
+        self._wait_start()
         out = {i.step: replace(i, tiers=("root",) if i.status == "committed" else ()) for i in self._list(deep=verify)}
         if self._tiers is not None:
             for step in self._tiers.local_steps():
@@ -462,10 +493,16 @@ class CheckpointManager:
     def _begin_save(self) -> None:
         """Wait for the previous save (its error is raised here, as itself) and check the lease, on every rank."""
         self._check_writable()
-        self._started_listing = None            # (the root changes now)
         self.wait()
         lease = self._lease
-        self.coord.run(lambda: lease.check() if lease is not None else None, "save (lease)")
+
+        def check() -> None:                    # (rank 0: the start's clean-up is done before the root changes)
+            self._wait_start()
+            self._root_changed = True
+            if lease is not None:
+                lease.check()
+
+        self.coord.run(check if self.coord.rank == 0 else lambda: None, "save (lease)")
 
     def _options(self, step: int, reason: str, metrics: Mapping[str, float] | None, since_full: int) -> SaveOptions:
         """The save options of a save by this manager (its manifest ``extra`` says why and by whom)."""
@@ -633,6 +670,7 @@ class CheckpointManager:
             preemption_handlers.remove(self._signalled)
             self._installed = False
         if self._deleter is not None:
+            self._wait_start()              # (its warnings)
             self._deleter.shutdown(wait=True)
         if self._lease is not None:
             self._lease.release()

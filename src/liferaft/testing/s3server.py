@@ -122,6 +122,7 @@ class _Rule:
     status: int = 503
     seconds: float = 0.0
     methods: frozenset[str] | None = None
+    path_has: str | None = None    # only requests whose path (query included) holds this
 
 
 @dataclass
@@ -167,9 +168,12 @@ class FaultProxy:
         """Close the connection of the next ``n`` requests without answering."""
         self._add(_Rule("drop", n, methods=frozenset(methods) if methods else None))
 
-    def stall_next(self, n: int | None, seconds: float, methods: set[str] | None = None) -> None:
-        """Hold the next ``n`` requests ``seconds`` without answering, then close their connection."""
-        self._add(_Rule("stall", n, seconds=seconds, methods=frozenset(methods) if methods else None))
+    def stall_next(self, n: int | None, seconds: float, methods: set[str] | None = None,
+                   path_has: str | None = None) -> None:
+        """Hold the next ``n`` requests ``seconds`` without answering, then close their connection (only those
+        whose path, query included, holds ``path_has`` if given: ``"list-type"`` for LISTs)."""
+        self._add(_Rule("stall", n, seconds=seconds, methods=frozenset(methods) if methods else None,
+                        path_has=path_has))
 
     def clear(self) -> None:
         with self._lock:
@@ -179,10 +183,11 @@ class FaultProxy:
         with self._lock:
             self._rules.append(rule)
 
-    def _match(self, method: str) -> _Rule | None:
+    def _match(self, method: str, path: str) -> _Rule | None:
         with self._lock:
             for r in self._rules:
-                if (r.count is None or r.count > 0) and (r.methods is None or method in r.methods):
+                if (r.count is None or r.count > 0) and (r.methods is None or method in r.methods) and \
+                        (r.path_has is None or r.path_has in path):
                     if r.count is not None:
                         r.count -= 1
                     return r
@@ -237,7 +242,7 @@ class FaultProxy:
                     conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
                     lines = [ln for ln in lines if not ln.lower().startswith(b"expect:")]
                 body = _read_body(rfile, headers)
-                rule = self._match(method)
+                rule = self._match(method, path)
                 outcome = "forwarded" if rule is None else (str(rule.status) if rule.kind == "status" else rule.kind)
                 with self._lock:
                     self.requests.append(ProxiedRequest(method, path, headers.get("range"), outcome))

@@ -110,12 +110,12 @@ class MemoryTier:
         members = {n: [r for r, m in enumerate(self.nodes) if m == n] for n in order}
         mine = self.nodes[rank]
         pos = members[mine].index(rank)
-        out = []
+        out: list[int] = []
         for i in range(1, len(order)):
+            if len(out) >= self.replicas:       # (checked first: replicas=0 is no copy at all)
+                break
             node = order[(order.index(mine) + i) % len(order)]
             out.append(members[node][pos % len(members[node])])
-            if len(out) == self.replicas:
-                break
         return out
 
     def local_steps(self) -> list[int]:
