@@ -195,14 +195,15 @@ def init_process_group(backend: str | None = None, *, timeout: float | None = No
     made on torchrun's store under a prefix of this incarnation, so no incarnation meets another's keys; liferaft's
     own gloo groups are made on the same store and kept apart the same way.
 
-    The incarnation is counted in the store, per rank: every worker adds one to its rank's counter, so that ranks
-    that all start once per incarnation agree on it whatever each node's agent counts (``TORCHELASTIC_RESTART_COUNT``
-    is per agent: a node that restarts its workers for a membership change, or a replacement node, counts
-    otherwise). A worker that died before this call, or ranks new to the job (the world grew), would count
-    differently: give ``incarnation`` (any string the ranks share, e.g. a scheduler's restart count) in such
-    setups. Outside torchrun it is ``torch.distributed.init_process_group(backend)`` (``env://``). ``timeout``
-    (seconds) and ``kwargs`` (``device_id``, ``pg_options``, ...) go to torch's call; ``rank``, ``world_size``,
-    ``store`` and ``init_method`` are this function's to set under torchrun (OptionsError)."""
+    The ranks agree on their incarnation through the store (``_agree_incarnation``: each names itself by a fresh
+    random nonce, rank 0 confirms each rank's nonce with the live process, then hands every rank a name made of
+    them all), so they agree whatever each node's agent counts (``TORCHELASTIC_RESTART_COUNT`` is per agent: a
+    node that restarts its workers for a membership change, or a replacement node, counts otherwise), whatever
+    the world was before (it shrank, or grew back), and whatever earlier workers left in the store (one that died
+    before this call). ``incarnation`` (any string the ranks share) skips the agreement. Outside torchrun it is
+    ``torch.distributed.init_process_group(backend)`` (``env://``). ``timeout`` (seconds, for the agreement too)
+    and ``kwargs`` (``device_id``, ``pg_options``, ...) go to torch's call; ``rank``, ``world_size``, ``store`` and
+    ``init_method`` are this function's to set under torchrun (OptionsError)."""
     import os
 
     import torch.distributed as dist
@@ -231,9 +232,66 @@ def init_process_group(backend: str | None = None, *, timeout: float | None = No
     store = dist.TCPStore(addr, port, world_size=world, is_master=not agent and rank == 0, multi_tenant=not agent,
                           timeout=kwargs.get("timeout", datetime.timedelta(minutes=30)))
     if incarnation is None:
-        incarnation = str(store.add(f"liferaft/incarnations/rank-{rank}", 1))
+        wait = kwargs.get("timeout", datetime.timedelta(minutes=30)).total_seconds()
+        incarnation = _agree_incarnation(store, rank, world, wait)
     prefixed = dist.PrefixStore(f"liferaft/incarnation-{incarnation}/", store)
     dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world, **kwargs)
+
+
+def _agree_incarnation(store: Any, rank: int, world: int, timeout: float) -> str:
+    """A name for this incarnation of the job that every rank of it gets and no other incarnation does, agreed
+    through ``store`` (torchrun's, which outlives the workers and holds what earlier incarnations wrote).
+
+    Every rank writes a fresh random nonce under its rank (``hello``). Rank 0 reads them; a nonce it reads may be a
+    dead predecessor's (which may have answered an earlier rank 0), so it asks the nonce's owner a question named
+    by its own nonce (``ask/<nonce>`` holding rank 0's) and takes the nonce only once that is answered
+    (``ack/<nonce>/<rank 0's nonce>``): only a live process waits on its own nonce's question, and no answer of
+    an earlier incarnation has this rank 0's name. With every rank's nonce confirmed,
+    rank 0 gives each rank (``final/<nonce>``) the name: a digest of them all. Keys named by a nonce are never
+    met again. Rank 0 polls (backing off to 50 ms); the others block on the store. DistributedError naming the
+    ranks that did not answer within ``timeout`` seconds."""
+    import time
+    import uuid
+
+    nonce = uuid.uuid4().hex
+    store.set(f"liferaft/hello/rank-{rank}", nonce)
+    deadline = time.monotonic() + timeout
+    left = datetime.timedelta(seconds=max(timeout, 1.0))
+    try:
+        if rank != 0:
+            store.wait([f"liferaft/ask/{nonce}"], left)
+            store.set(f"liferaft/ack/{nonce}/{store.get(f'liferaft/ask/{nonce}').decode()}", "1")
+            store.wait([f"liferaft/final/{nonce}"], left)
+            return store.get(f"liferaft/final/{nonce}").decode()
+        confirmed, asked, pause = {0: nonce}, {}, 0.002
+        while len(confirmed) < world:
+            for r in range(1, world):
+                if r in confirmed or not store.check([f"liferaft/hello/rank-{r}"]):
+                    continue
+                theirs = store.get(f"liferaft/hello/rank-{r}").decode()
+                if asked.get(r) != theirs:
+                    store.set(f"liferaft/ask/{theirs}", nonce)
+                    asked[r] = theirs
+                if store.check([f"liferaft/ack/{theirs}/{nonce}"]):
+                    confirmed[r] = theirs
+            if len(confirmed) == world:
+                break
+            if time.monotonic() > deadline:
+                missing = [r for r in range(world) if r not in confirmed]
+                raise DistributedError(f"liferaft.init_process_group: ranks {missing[:20]} of {world} did not "
+                                       f"join within {timeout:.0f} s (not started, or died)")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+        name = hashlib.sha1(",".join(confirmed[r] for r in range(world)).encode()).hexdigest()[:16]
+        others = list(range(1, world))
+        if others:
+            store.multi_set([f"liferaft/final/{confirmed[r]}" for r in others], [name] * len(others))
+        return name
+    except DistributedError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the store's timeout or a lost store server
+        raise DistributedError(f"liferaft.init_process_group: rank {rank} could not agree on the incarnation "
+                               f"through torchrun's store within {timeout:.0f} s: {_one_line(e)}") from None
 
 
 class _Work:

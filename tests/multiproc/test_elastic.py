@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -70,10 +71,12 @@ d.destroy_process_group()
 """
 
 
-def test_ranks_whose_agents_count_restarts_differently_still_meet():
+def test_incarnations_meet_whatever_the_agents_count_and_the_world_was_before():
     """torchrun counts restarts per node's agent (a node that restarts its workers for a membership change, or a
-    replacement node, counts otherwise): two incarnations of a 2-rank job on one store, whose ranks are given
-    different TORCHELASTIC_RESTART_COUNTs, meet each time (the second with the first's keys still in the store)."""
+    replacement node, counts otherwise) and the store keeps what earlier workers wrote: incarnations of a job on one
+    store, with worlds 2 → 1 → 2 (a node lost, then back) → 3, restart counts that disagree, and a worker that died
+    before it joined in between (its nonce left in the store), each meet (a per-rank counter of incarnations put
+    the regrown world's ranks on different keys: a hang until the timeout)."""
     import datetime
 
     import torch.distributed as dist
@@ -84,15 +87,26 @@ def test_ranks_whose_agents_count_restarts_differently_still_meet():
     agent = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=60))          # (torchrun's agent store, kept)
     base = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "SLURM_"))}
-    for counts in (("0", "0"), ("1", "0")):
-        procs = [subprocess.Popen([sys.executable, "-c", _MEET], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  text=True, env={**base, "RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                                                  "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": counts[r],
-                                                  "TORCHELASTIC_USE_AGENT_STORE": "True"})
-                 for r in range(2)]
+
+    def start(code: str, r: int, world: int, count: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env={**base, "RANK": str(r), "WORLD_SIZE": str(world),
+                                                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                                "TORCHELASTIC_RESTART_COUNT": count,
+                                                "TORCHELASTIC_USE_AGENT_STORE": "True"})
+
+    for world, counts in ((2, "00"), (1, "1"), (2, "20"), ("dies", "3"), (3, "301")):
+        if world == "dies":         # rank 1 of a world of 2 alone: it says hello, then is killed waiting
+            lone = start(_MEET.replace("timeout=60", "timeout=30"), 1, 2, counts)
+            time.sleep(4.0)
+            lone.kill()
+            lone.communicate()
+            continue
+        procs = [start(_MEET, r, world, counts[r]) for r in range(world)]
         outs = [p.communicate(timeout=120) for p in procs]
-        assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
-        assert [o[0].split() for o in outs] == [["2", "3"], ["2", "3"]]
+        assert [p.returncode for p in procs] == [0] * world, (world, [o[1][-2000:] for o in outs])
+        total = world * (world + 1) // 2
+        assert [o[0].split() for o in outs] == [[str(world), str(total)]] * world, outs
     del agent
 
 
