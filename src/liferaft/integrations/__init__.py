@@ -1,5 +1,6 @@
 """liferaft as the checkpoint engine of the frameworks users train with (docs/INTEGRATIONS.md).
 
 Each integration is its own module and imports its framework when it is imported: ``import liferaft`` imports none
-of them. ``liferaft.integrations.lightning``: ``LiferaftCheckpointIO``, a PyTorch Lightning ``CheckpointIO``.
+of them. ``liferaft.integrations.lightning``: ``LiferaftCheckpointIO``, a PyTorch Lightning ``CheckpointIO``;
+``liferaft.integrations.accelerate``: ``save_state`` / ``load_state`` of a Hugging Face ``Accelerator``.
 """
