@@ -5,7 +5,7 @@ PYTHON ?= python3
 # test processes side by side (pytest-xdist; a test file stays on one worker, so its module fixtures start once)
 TEST_WORKERS ?= 2
 
-.PHONY: demo test fuzz bench clean
+.PHONY: demo test fuzz bench package clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -45,5 +45,22 @@ bench: $(VENV)/.peers
 	$(PY) benchmarks/bench_tiers.py
 	$(PY) benchmarks/bench_convert.py
 
+# The package as users install it: `python -m build` makes a wheel and an sdist (a build warning fails it); each is
+# installed in a fresh venv (torch first, from the range the package declares), then `liferaft --version`, an
+# import and a save/load round trip run there. CI runs it after `make test`.
+package: $(VENV)/.installed
+	rm -rf dist .pkgcheck
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -m build --outdir dist > .pkgbuild.log 2>&1 || (cat .pkgbuild.log; exit 1)
+	! grep -i "warning" .pkgbuild.log || (echo "build warnings (above)"; exit 1)
+	for f in dist/*.whl dist/*.tar.gz; do \
+		$(PYTHON) -m venv .pkgcheck && .pkgcheck/bin/python -m pip install -q torch==2.13.0 && \
+		.pkgcheck/bin/python -m pip install -q "$$f" && .pkgcheck/bin/liferaft --version && \
+		(cd /tmp && $(CURDIR)/.pkgcheck/bin/python -c "import liferaft, torch, tempfile, os; \
+			d = os.path.join(tempfile.mkdtemp(), 'ck'); liferaft.save(d, {'w': torch.arange(4.0)}); \
+			s = {'w': torch.zeros(4)}; liferaft.load(d, s); assert torch.equal(s['w'], torch.arange(4.0)); \
+			print('installed from', os.path.basename('$$f'), 'ok', liferaft.__file__)") || exit 1; \
+		rm -rf .pkgcheck; \
+	done
+
 clean:
-	rm -rf $(VENV) demo-out bench-out
+	rm -rf $(VENV) demo-out bench-out dist .pkgcheck .pkgbuild.log
