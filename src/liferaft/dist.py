@@ -196,8 +196,8 @@ def init_process_group(backend: str | None = None, *, timeout: float | None = No
     own gloo groups are made on the same store and kept apart the same way.
 
     The ranks agree on their incarnation through the store (``_agree_incarnation``: each names itself by a fresh
-    random nonce, rank 0 confirms each rank's nonce with the live process, then hands every rank a name made of
-    them all), so they agree whatever each node's agent counts (``TORCHELASTIC_RESTART_COUNT`` is per agent: a
+    random nonce, rank 0 has each nonce confirmed by the live process that wrote it, then hands every rank a name
+    made of them all), so they agree whatever each node's agent counts (``TORCHELASTIC_RESTART_COUNT`` is per agent: a
     node that restarts its workers for a membership change, or a replacement node, counts otherwise), whatever
     the world was before (it shrank, or grew back), and whatever earlier workers left in the store (one that died
     before this call). ``incarnation`` (any string the ranks share) skips the agreement. Outside torchrun it is
@@ -242,50 +242,59 @@ def _agree_incarnation(store: Any, rank: int, world: int, timeout: float) -> str
     """A name for this incarnation of the job that every rank of it gets and no other incarnation does, agreed
     through ``store`` (torchrun's, which outlives the workers and holds what earlier incarnations wrote).
 
-    Every rank writes a fresh random nonce under its rank (``hello``). Rank 0 reads them; a nonce it reads may be a
-    dead predecessor's (which may have answered an earlier rank 0), so it asks the nonce's owner a question named
-    by its own nonce (``ask/<nonce>`` holding rank 0's) and takes the nonce only once that is answered
-    (``ack/<nonce>/<rank 0's nonce>``): only a live process waits on its own nonce's question, and no answer of
-    an earlier incarnation has this rank 0's name. With every rank's nonce confirmed,
-    rank 0 gives each rank (``final/<nonce>``) the name: a digest of them all. Keys named by a nonce are never
-    met again. Rank 0 polls (backing off to 50 ms); the others block on the store. DistributedError naming the
-    ranks that did not answer within ``timeout`` seconds."""
+    Every rank writes a fresh random nonce under its rank (``hello/rank-<r>``). Rank 0 reads them all (one
+    ``multi_get``); a nonce it reads may be a dead predecessor's, so it asks each nonce's owner a question named by
+    the nonce and holding rank 0's own nonce and the world size (``ask/<nonce>``: only a live process waits on its
+    own nonce's question), and counts the answers on a counter named by its own nonce (``acks/<rank 0's nonce>``: no
+    answer of an earlier incarnation counts). When every other rank has answered, their nonces as read then are all
+    fresh (each wrote it before it answered), and rank 0 gives each (``final/<nonce>``) the name: a digest of them
+    all. A few store round trips per pass on rank 0, whatever the world size; the others block on the store.
+    DistributedError within ``timeout`` seconds: naming the ranks that did not join, or saying that this process
+    was started for another world size than rank 0's (a worker left from an earlier incarnation)."""
     import time
     import uuid
 
     nonce = uuid.uuid4().hex
-    store.set(f"liferaft/hello/rank-{rank}", nonce)
     deadline = time.monotonic() + timeout
-    left = datetime.timedelta(seconds=max(timeout, 1.0))
+
+    def left() -> datetime.timedelta:
+        return datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+
     try:
+        store.set(f"liferaft/hello/rank-{rank}", nonce)
         if rank != 0:
-            store.wait([f"liferaft/ask/{nonce}"], left)
-            store.set(f"liferaft/ack/{nonce}/{store.get(f'liferaft/ask/{nonce}').decode()}", "1")
-            store.wait([f"liferaft/final/{nonce}"], left)
+            store.wait([f"liferaft/ask/{nonce}"], left())
+            asker, _, size = store.get(f"liferaft/ask/{nonce}").decode().partition(":")
+            if size != str(world):
+                raise DistributedError(f"liferaft.init_process_group: rank 0 runs a world of {size} processes, this "
+                                       f"one (rank {rank}) was started for {world}: a worker of another incarnation?")
+            store.add(f"liferaft/acks/{asker}", 1)
+            store.wait([f"liferaft/final/{nonce}"], left())
             return store.get(f"liferaft/final/{nonce}").decode()
-        confirmed, asked, pause = {0: nonce}, {}, 0.002
-        while len(confirmed) < world:
-            for r in range(1, world):
-                if r in confirmed or not store.check([f"liferaft/hello/rank-{r}"]):
-                    continue
-                theirs = store.get(f"liferaft/hello/rank-{r}").decode()
-                if asked.get(r) != theirs:
-                    store.set(f"liferaft/ask/{theirs}", nonce)
-                    asked[r] = theirs
-                if store.check([f"liferaft/ack/{theirs}/{nonce}"]):
-                    confirmed[r] = theirs
-            if len(confirmed) == world:
-                break
+        keys = [f"liferaft/hello/rank-{r}" for r in range(1, world)]
+        asked: set[str] = set()
+        pause = 0.002
+        while keys:
+            if store.check(keys):                   # (every rank wrote a nonce once: maybe a dead one's)
+                theirs = [v.decode() for v in store.multi_get(keys)]
+                new = [n for n in theirs if n not in asked]
+                if new:
+                    store.multi_set([f"liferaft/ask/{n}" for n in new], [f"{nonce}:{world}"] * len(new))
+                    asked.update(new)
+                if store.add(f"liferaft/acks/{nonce}", 0) >= len(keys):
+                    theirs = [v.decode() for v in store.multi_get(keys)]     # (all fresh now)
+                    break
             if time.monotonic() > deadline:
-                missing = [r for r in range(world) if r not in confirmed]
-                raise DistributedError(f"liferaft.init_process_group: ranks {missing[:20]} of {world} did not "
-                                       f"join within {timeout:.0f} s (not started, or died)")
+                late = [r for r, k in enumerate(keys, 1) if not store.check([k])] or list(range(1, world))
+                raise DistributedError(f"liferaft.init_process_group: ranks {late[:20]} of {world} did not join "
+                                       f"within {timeout:.0f} s (not started, or died)")
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
-        name = hashlib.sha1(",".join(confirmed[r] for r in range(world)).encode()).hexdigest()[:16]
-        others = list(range(1, world))
-        if others:
-            store.multi_set([f"liferaft/final/{confirmed[r]}" for r in others], [name] * len(others))
+        else:
+            theirs = []
+        name = hashlib.sha1(",".join([nonce, *theirs]).encode()).hexdigest()[:16]
+        if theirs:
+            store.multi_set([f"liferaft/final/{n}" for n in theirs], [name] * len(theirs))
         return name
     except DistributedError:
         raise

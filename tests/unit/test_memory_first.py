@@ -1,8 +1,9 @@
-"""A manager with tiers asks the memory tier first: when it holds a complete step at least as new as every step the
-manager began to save to the root or the remote tier (the nodes' marks, ``tiers.marks``), the restore loads it
-without listing either — on an object store a LIST walks every key, and it blocked the restart before memory was
-asked. Without a usable mark, or with a slower tier holding a newer step, the restore lists and picks exactly what it
-picked before. A mark is hostile bytes like any other file."""
+"""A manager with tiers asks the memory tier first: when it holds a complete step at least as new as every step a
+manager of the root began to save to the root or the remote tier (the root's ``INTENT``, one small read), the restore
+loads it without listing either — on an object store a LIST walks every key, and it blocked the restart before
+memory was asked. Without a usable record, or with a slower tier holding a newer step, the restore lists and picks
+exactly what it picked before — also when the memory it finds is a stale node's, or runs without tiers saved newer
+steps in between. ``INTENT`` is hostile bytes like any other file."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import pytest
 import torch
 
 from liferaft import CheckpointManager, JobOptions, PreemptionOptions, TierOptions
-from liferaft.tiers import marks
+from liferaft.errors import LiferaftError
+from liferaft.manager.listing import INTENT, read_intent
 from liferaft.tiers.memory import MemoryTier
 
 NO_SIGNALS = PreemptionOptions(signals=())
@@ -42,7 +44,7 @@ def test_memory_answers_while_the_root_listing_hangs_and_the_remote_tier_is_neve
     """Root and remote tier on S3 behind a proxy that holds the first LIST after the job restarts (the start's
     listing of the root for its clean-up, which runs behind): the construction and the restore return the memory
     tier's newest step well before that LIST is answered, and no request at all goes to the remote tier. With the
-    mark removed the same restore lists the remote tier first."""
+    root's INTENT removed the same restore lists the remote tier first."""
     import time
 
     from liferaft.storage.s3 import S3Storage
@@ -68,7 +70,7 @@ def test_memory_answers_while_the_root_listing_hangs_and_the_remote_tier_is_neve
         after = proxy.requests[seen:]
         assert [r.outcome for r in after if "list-type" in r.path][:1] == ["stall"]     # the start's, held
         assert not [r for r in after if "/remote" in r.path or "remote%2F" in r.path], after
-        os.remove(os.path.join(shm, "job", "n0", marks.mark_name(root.url)))
+        root.delete(INTENT)
         seen = len(proxy.requests)
         with CheckpointManager(root, preemption=NO_SIGNALS, job=JobOptions(lease_ttl=30.0), tiers=tiers) as mgr:
             assert mgr.restore(got) == 5
@@ -76,94 +78,142 @@ def test_memory_answers_while_the_root_listing_hangs_and_the_remote_tier_is_neve
 
 
 def test_a_newer_step_on_the_root_is_still_found(tmp_path, shm):
-    """Saves straight to the root (drain=False) raise the mark past the memory tier's newest: the restore lists the
-    root and loads its newer step."""
+    """Saves straight to the root (drain=False) record a step newer than the memory tier's newest: the restore lists
+    the root and loads its newer step."""
     root = str(tmp_path / "root")
     _run(root, shm, range(5), drain=False, memory_every=3)            # memory: 3; root: 0 2 4
     with CheckpointManager(root, preemption=NO_SIGNALS, tiers=TierOptions(_tier(shm), drain=False)) as mgr:
         got = _state(-1.0)
         assert mgr.restore(got) == 4 and torch.equal(got["w"], _state(4.0)["w"])
-    assert marks.read_mark(os.path.join(shm, "job", "n0"), _url(root)) == 4
+    assert read_intent(CheckpointManager(root, preemption=NO_SIGNALS).storage) == 4
 
 
-def _url(root: str) -> str:
-    with CheckpointManager(root, preemption=NO_SIGNALS) as mgr:
-        return mgr.storage.url
+def _intent_path(root: str) -> str:
+    return os.path.join(root, INTENT)
 
 
-def _mark_path(shm: str, root: str) -> str:
-    return os.path.join(shm, "job", "n0", marks.mark_name(_url(root)))
-
-
-@pytest.mark.parametrize("plant", ["garbage", "other-owner", "low-step", "symlink", "fifo", "folder", "huge",
+@pytest.mark.parametrize("plant", ["garbage", "other-format", "fractional", "symlink", "fifo", "folder", "huge",
                                    "negative", "removed"])
-def test_a_mark_that_does_not_hold_makes_the_restore_list(tmp_path, shm, plant):
-    """Whatever sits where the mark belongs, a restore still finds the root's newer step (a mark only ever saves a
-    listing) and never blocks on it. A mark lower than the truth is the one case a mark cannot catch; the node's
-    memory-tier folder is the job's own (docs/TIERS.md)."""
+def test_an_intent_that_does_not_hold_makes_the_restore_list(tmp_path, shm, plant):
+    """Whatever sits where the root's INTENT belongs, a restore still finds the root's newer step (the record only
+    ever saves a listing) and never blocks on it."""
     root = str(tmp_path / "root")
     _run(root, shm, range(5), drain=False, memory_every=3)            # memory: 3; root: 0 2 4
-    path = _mark_path(shm, root)
+    path = _intent_path(root)
     os.remove(path)
-    url = _url(root)
     if plant == "garbage":
         open(path, "wb").write(b"\xff{not json")
-    elif plant == "other-owner":
-        open(path, "w").write('{"format": 1, "owner": "file:///elsewhere", "step": 1}')
-    elif plant == "low-step":
-        open(path, "w").write(f'{{"format": 1, "owner": "{url}", "step": 2.5}}')
+    elif plant == "other-format":
+        open(path, "w").write('{"format": 2, "step": 1}')
+    elif plant == "fractional":
+        open(path, "w").write('{"format": 1, "step": 2.5}')
     elif plant == "symlink":
         target = tmp_path / "elsewhere.json"
-        target.write_text(f'{{"format": 1, "owner": "{url}", "step": 1}}')
+        target.write_text('{"format": 1, "step": 1}')
         os.symlink(target, path)
     elif plant == "fifo":
         os.mkfifo(path)
     elif plant == "folder":
         os.mkdir(path)
     elif plant == "huge":
-        open(path, "w").write(f'{{"format": 1, "owner": "{url}", "step": 1, "pad": "{"x" * (70 << 10)}"}}')
+        open(path, "w").write(f'{{"format": 1, "step": 1, "pad": "{"x" * (2 << 20)}"}}')
     elif plant == "negative":
-        open(path, "w").write(f'{{"format": 1, "owner": "{url}", "step": -1}}')
-    assert marks.read_mark(os.path.dirname(path), url) is None
+        open(path, "w").write('{"format": 1, "step": -1}')
     with CheckpointManager(root, preemption=NO_SIGNALS, tiers=TierOptions(_tier(shm), drain=False)) as mgr:
+        assert read_intent(mgr.storage) is None
         got = _state(-1.0)
         assert mgr.restore(got) == 4 and torch.equal(got["w"], _state(4.0)["w"])
 
 
-def test_the_mark_never_goes_down(tmp_path, shm):
-    """A restore of an older step that then saves leaves the newer steps under the root: the mark keeps the newest,
-    so a later restore lists them (and picks what it picked before marks existed)."""
+def test_the_intent_never_goes_down(tmp_path, shm):
+    """A restore of an older step that then saves leaves the newer steps under the root: INTENT keeps the newest, so
+    a later restore lists them (and picks what it picked before)."""
     root = str(tmp_path / "root")
     _run(root, shm, range(7), memory_every=1)                          # root: 0 2 4 6 (drained), memory: 6
-    path = _mark_path(shm, root)
     with CheckpointManager(root, preemption=NO_SIGNALS, async_save=False,
                            tiers=TierOptions(_tier(shm))) as mgr:
         got = _state(-1.0)
         assert mgr.restore(got, step=2) == 2
         mgr.save(3, _state(3.0))
-    assert '"step": 6' in open(path).read()
+        assert read_intent(mgr.storage) == 6
 
 
-def test_a_mark_that_cannot_be_written_is_no_mark(tmp_path, shm):
-    """A folder (with a file in it) where the mark belongs: it can be neither replaced nor removed, and reads as no
-    mark, so the save goes on and the next restore lists the root and finds the step saved after it."""
+def test_an_intent_that_cannot_be_written_stops_the_save_on_every_rank(tmp_path, shm):
+    """A folder where INTENT belongs cannot be replaced: the save does not start (nothing of it under the root), and
+    the error names the file; the restore, finding no record, lists."""
     root = str(tmp_path / "root")
     _run(root, shm, range(5), drain=False, memory_every=3)            # memory: 3; root: 0 2 4
-    path = _mark_path(shm, root)
+    path = _intent_path(root)
     os.remove(path)
     os.mkdir(path)
     open(os.path.join(path, "x"), "w").close()
     with CheckpointManager(root, preemption=NO_SIGNALS, async_save=False, tiers=TierOptions(_tier(shm), drain=False),
                            job=JobOptions(lease_ttl=30.0)) as mgr:
-        mgr.save(8, _state(8.0))
-    assert os.path.isdir(path)
+        with pytest.raises(LiferaftError, match="INTENT"):
+            mgr.save(8, _state(8.0))
+        assert not os.path.exists(os.path.join(root, "step-0000000008"))
+        got = _state(-1.0)
+        assert mgr.restore(got) == 4
+
+
+def test_a_stale_nodes_memory_never_wins_over_newer_steps_saved_elsewhere(tmp_path, shm):
+    """Node n1 holds step 3 in memory; the job then runs on node n0 alone and saves up to step 10 to the root; n1
+    comes back (a node renamed by its rendezvous position, or a host drained and reused): the restore takes step 10,
+    not n1's step 3 (a per-node record would have been n1's, and stale)."""
+    root = str(tmp_path / "root")
+    with CheckpointManager(root, every_steps=2, async_save=False, preemption=NO_SIGNALS, job=JobOptions(lease_ttl=30.0),
+                           tiers=TierOptions(MemoryTier("job", node="n1", base=shm), drain=False,
+                                             memory_every=3)) as mgr:
+        for step in range(4):
+            mgr.maybe_save(step, _state(float(step)))
+            mgr._tiers.wait()
+    with CheckpointManager(root, every_steps=2, async_save=False, preemption=NO_SIGNALS, job=JobOptions(lease_ttl=30.0),
+                           tiers=TierOptions(MemoryTier("job", node="n0", base=shm), drain=False,
+                                             memory_every=100)) as mgr:
+        assert mgr.restore(_state(-1.0)) == 2
+        for step in range(4, 11):
+            mgr.maybe_save(step, _state(float(step)))
+    with CheckpointManager(root, preemption=NO_SIGNALS, job=JobOptions(lease_ttl=30.0),
+                           tiers=TierOptions(MemoryTier("job", node="n1", base=shm), drain=False)) as mgr:
+        got = _state(-1.0)
+        assert mgr.restore(got) == 10 and torch.equal(got["w"], _state(10.0)["w"])
+
+
+def test_a_run_without_tiers_in_between_is_seen(tmp_path, shm):
+    """A run of the job without tiers saves steps 4-10 to the root; the next run with the memory tier (holding step
+    3) restores step 10."""
+    root = str(tmp_path / "root")
+    _run(root, shm, range(4), drain=False, memory_every=3)            # memory: 3; root: 0 2
+    with CheckpointManager(root, every_steps=2, async_save=False, preemption=NO_SIGNALS) as mgr:
+        assert mgr.restore(_state(-1.0)) == 2
+        for step in range(4, 11):
+            mgr.maybe_save(step, _state(float(step)))
     with CheckpointManager(root, preemption=NO_SIGNALS, tiers=TierOptions(_tier(shm), drain=False)) as mgr:
         got = _state(-1.0)
-        assert mgr.restore(got) == 8 and torch.equal(got["w"], _state(8.0)["w"])
+        assert mgr.restore(got) == 10 and torch.equal(got["w"], _state(10.0)["w"])
+
+
+def test_the_start_listing_is_not_used_after_another_manager_saved(tmp_path):
+    """Two managers of the job on one root in one process: A is made, B saves step 10 and closes; A's first restore
+    lists again (INTENT is newer than A's start listing) and finds 10."""
+    root = str(tmp_path / "root")
+    with CheckpointManager(root, every_steps=2, async_save=False, preemption=NO_SIGNALS) as mgr:
+        for step in range(3):
+            mgr.maybe_save(step, _state(float(step)))
+    job = JobOptions(job_id="one-job", lease_ttl=30.0)      # (the same job: B takes the lease over)
+    a = CheckpointManager(root, preemption=NO_SIGNALS, job=job)
+    try:
+        a.steps()                                   # (its start listing: steps 0 and 2)
+        with CheckpointManager(root, async_save=False, preemption=NO_SIGNALS, job=job) as b:
+            b.save(10, _state(10.0))
+        got = _state(-1.0)
+        assert a.restore(got) == 10 and torch.equal(got["w"], _state(10.0)["w"])
+    finally:
+        a.close()
 
 
 def test_every_node_lost_lists_the_root(tmp_path, shm):
-    """No memory left (and no marks with it): the root's newest step, as before."""
+    """No memory left: the root's newest step, as before."""
     root = str(tmp_path / "root")
     _run(root, shm, range(6), memory_every=1)
     shutil.rmtree(shm)
@@ -198,3 +248,39 @@ def test_the_first_restore_uses_the_listing_of_the_start(s3_server, monkeypatch)
             mgr.save(5, _state(5.0))
             before = lists()
             assert mgr.restore(got) == 5 and lists() > before
+
+
+def test_a_construction_that_fails_after_the_start_leaves_no_clean_up_running_and_no_lease(tmp_path, shm):
+    """The tiers fail to build after the start took the lease and began its clean-up: nothing of that manager keeps
+    running (its clean-up would delete, from its old listing, a step a later manager saves again) and another
+    job takes the root at once."""
+    import threading
+
+    from liferaft.errors import StorageError
+
+    root = str(tmp_path / "root")
+    with pytest.raises(StorageError, match="bogus"):
+        CheckpointManager(root, preemption=NO_SIGNALS, job=JobOptions(job_id="a", lease_ttl=600.0),
+                          tiers=TierOptions(_tier(shm), remote="bogus://x/y"))
+    assert not [t for t in threading.enumerate() if t.name.startswith("liferaft-retention")]
+    with CheckpointManager(root, async_save=False, preemption=NO_SIGNALS,
+                           job=JobOptions(job_id="b", lease_ttl=600.0)) as mgr:      # (no wait for a stale lease)
+        mgr.save(1, _state(1.0))
+
+
+def test_close_releases_the_lease_when_the_start_clean_up_warning_is_an_error(tmp_path):
+    """With warnings as errors, the start's clean-up warning (a foreign folder under a step name) is raised by
+    close() — after the lease is released and the deleter stopped, so another job takes the root."""
+    import warnings
+
+    root = str(tmp_path / "root")
+    os.makedirs(os.path.join(root, "step-0000000009"))
+    open(os.path.join(root, "step-0000000009", "notes.txt"), "w").write("not liferaft's")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mgr = CheckpointManager(root, preemption=NO_SIGNALS, job=JobOptions(job_id="a", lease_ttl=600.0))
+        with pytest.raises(UserWarning, match="does not write"):
+            mgr.close()
+    with CheckpointManager(root, async_save=False, preemption=NO_SIGNALS,
+                           job=JobOptions(job_id="b", lease_ttl=600.0)) as other:
+        other.save(1, _state(1.0))

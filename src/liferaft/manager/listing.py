@@ -34,6 +34,9 @@ from liferaft.storage.refs import with_references
 
 _parse_step = parse_step
 PINS = "PINS"                  # the steps the user pinned (a JSON list) under the root
+#: the newest step a manager of the root began to save (JSON, rank 0 writes it before the save starts): a restore
+#: that finds the memory tier holding a step at least that new needs no listing of the root or the remote tier
+INTENT = "INTENT"
 
 
 @dataclass(frozen=True)
@@ -177,6 +180,25 @@ def read_pins(storage: Storage) -> frozenset[int]:
     return frozenset(doc)
 
 
+def read_intent(storage: Storage) -> int | None:
+    """The step ``INTENT`` under the root holds: the newest step a manager of this root began to save (to the root,
+    or drained to the remote tier); None if there is none or it does not hold (unreadable, not strict JSON, not
+    ``{"format": 1, "step": <int in [0, 2**63)>}``, a link or not a regular file on a local root): no record, so
+    the caller lists instead. Never raises."""
+    try:
+        raw = storage.read_all(INTENT, MAX_ROOT_FILE_BYTES)
+        doc = jsonsafe.loads(raw, f"{storage.url}/{INTENT}", MAX_ROOT_FILE_BYTES)
+    except (OSError, LiferaftError, ValueError):
+        return None
+    step = doc.get("step") if isinstance(doc, dict) and doc.get("format") == 1 else None
+    return step if type(step) is int and 0 <= step <= MAX_INT else None
+
+
+def write_intent(storage: Storage, step: int) -> None:
+    """Rank 0, holding the lease, before a save of ``step`` starts: record it in ``INTENT`` (atomically replaced)."""
+    storage.put_atomic(INTENT, json.dumps({"format": 1, "step": int(step)}).encode())
+
+
 def write_pins(storage: Storage, pins: Iterable[int]) -> None:
     storage.put_atomic(PINS, json.dumps(sorted(pins)).encode())
 
@@ -256,15 +278,18 @@ def restore_candidates(listing: list[StepInfo], step: int | None, url: str) -> l
 
 
 __all__ = [
+    "INTENT",
     "PINS",
     "STEP_PREFIX",
     "StepInfo",
     "delete_step",
     "kept_steps",
     "list_steps",
+    "read_intent",
     "read_pins",
     "remove_leftovers",
     "restore_candidates",
     "step_name",
+    "write_intent",
     "write_pins",
 ]

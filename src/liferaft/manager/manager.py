@@ -34,10 +34,12 @@ from liferaft.manager.listing import (  # noqa: F401 - PINS, _parse_step: re-exp
     delete_step,
     kept_steps,
     list_steps,
+    read_intent,
     read_pins,
     remove_leftovers,
     restore_candidates,
     step_name,
+    write_intent,
     write_pins,
 )
 from liferaft.manager.options import JobOptions, PreemptionOptions, StepLogOptions, TierOptions
@@ -145,6 +147,7 @@ class CheckpointManager:
         self._start_warnings: list[str] = []
         self._start_listing: list[StepInfo] | None = None
         self._root_changed = False              # rank 0: a save started (the start's listing is out of date)
+        self._intent: int | None = None         # rank 0: the step the root's INTENT holds, once read or written
 
         def identify() -> tuple[str, str]:      # rank 0's identity is the job's
             who = this_job(job.job_id)
@@ -153,20 +156,36 @@ class CheckpointManager:
         self.job_id, self.job_source = self.coord.run_on_zero(identify, "manager (job id)")
         self._lease = Lease(self.storage, self.job_id, job.lease_ttl) if self.coord.rank == 0 else None
         learn = self.save_policy.auto_interval or (tiers is not None and tiers.memory_every == "auto")
+        if step_log is not None and tiers is None:
+            raise OptionsError("CheckpointManager(step_log=...) keeps its records in the memory tier: give "
+                               "tiers=TierOptions(memory=MemoryTier(...)) too")
         starts, self._read_only_why = self.coord.run_on_zero(lambda: self._start(learn), "manager (start)")
-        hours = self.save_policy.mtbf_hours
-        mtbf_s = hours * 3600.0 if hours is not None else \
-            mtbf_from_starts(starts, PRIOR_MTBF_HOURS * 3600.0, time.time())
-        self._auto = AutoInterval(mtbf_s=mtbf_s) if self.save_policy.auto_interval else None
-        self._tiers = Tiers(tiers, self.storage, self.coord, process_group, mtbf_s) if tiers is not None else None
-        self._steplog: StepLog | None = None
-        if step_log is not None:
-            if tiers is None:
-                raise OptionsError("CheckpointManager(step_log=...) keeps its records in the memory tier: give "
-                                   "tiers=TierOptions(memory=MemoryTier(...)) too")
-            self._steplog = StepLog(tiers.memory, replicas=step_log.replicas, max_steps=step_log.max_steps,
-                                    process_group=process_group, timeout=self.save_options.timeout,
-                                    allow_pickle=self.save_options.allow_pickle, owner=self.storage.url)
+        try:
+            hours = self.save_policy.mtbf_hours
+            mtbf_s = hours * 3600.0 if hours is not None else \
+                mtbf_from_starts(starts, PRIOR_MTBF_HOURS * 3600.0, time.time())
+            self._auto = AutoInterval(mtbf_s=mtbf_s) if self.save_policy.auto_interval else None
+            self._tiers = Tiers(tiers, self.storage, self.coord, process_group, mtbf_s) if tiers is not None else None
+            self._steplog: StepLog | None = None
+            if step_log is not None and tiers is not None:
+                self._steplog = StepLog(tiers.memory, replicas=step_log.replicas, max_steps=step_log.max_steps,
+                                        process_group=process_group, timeout=self.save_options.timeout,
+                                        allow_pickle=self.save_options.allow_pickle, owner=self.storage.url)
+        except BaseException:
+            self._abandon()                 # (no manager: its start's clean-up and lease must not outlive it)
+            raise
+
+    def _abandon(self) -> None:
+        """A construction that failed after the start: wait for the start's clean-up (never left running to delete
+        what a later manager saves), stop the deleter, release the lease."""
+        self._closed = True
+        if self._deleter is not None:
+            with contextlib.suppress(Exception):
+                self._wait_start()
+            self._deleter.shutdown(wait=True)
+        if self._lease is not None:
+            with contextlib.suppress(Exception):
+                self._lease.release()
 
     def _start(self, learn: bool) -> tuple[list[float], str | None]:
         """Rank 0: take the lease, record this start (``learn``), start the clean-up of leftovers in the background
@@ -240,11 +259,15 @@ class CheckpointManager:
         """Every step under the root, oldest first (this process; no collective)."""
         return list_steps(self.storage, self._pins(), deep)
 
-    def _listing_now(self) -> list[StepInfo]:
-        """Rank 0: the root's steps — as listed at the start (once: only this manager writes the root while it
-        holds the lease, and nothing was saved since), else listed now."""
+    def _listing_now(self, intent: int | None) -> list[StepInfo]:
+        """Rank 0: the root's steps — as listed at the start while nothing was saved since (this manager holds the
+        lease) and no step newer than its newest was begun (``intent``: another manager of the job in this
+        process), else listed now."""
         listing = self._wait_start()
-        return listing if listing is not None else self._list()
+        if listing is not None and (intent is None or
+                                    intent <= max((i.step for i in listing if i.status == "committed"), default=-1)):
+            return listing
+        return self._list()
 
     def steps(self, verify: bool = False) -> list[StepInfo]:
         """Every step under the root, and in this node's memory tier, with its status and the tiers holding a
@@ -287,18 +310,21 @@ class CheckpointManager:
             return self._restore(state, step, strict)
 
     def _restore(self, state: Any, step: int | None, strict: bool) -> int | None:
+        # the newest step any manager of this root began to save (one small read, no listing): memory answers
+        # alone when it holds one at least that new, and the start's listing is used only if it is that new
+        intent = self.coord.run_on_zero(lambda: read_intent(self.storage), "restore (intent)")
         listing: list[StepInfo] | None = None
 
         def root_listing() -> list[StepInfo]:       # (collective; once, and not at all when memory answers)
             nonlocal listing
             if listing is None:
-                listing = self.coord.run_on_zero(self._listing_now, "restore (listing)")
+                listing = self.coord.run_on_zero(lambda: self._listing_now(intent), "restore (listing)")
             return listing
 
         got: tuple[int, LoadResult] | None = None
         if step is None and self._tiers is not None:
-            got = self._tiers.restore(state, lambda: max((i.step for i in root_listing() if i.status == "committed"),
-                                                         default=None), self.load_options, strict)
+            got = self._tiers.restore(state, intent, lambda: max(
+                (i.step for i in root_listing() if i.status == "committed"), default=None), self.load_options, strict)
         if got is None:
             candidates = [(i.step, i.path) for i in restore_candidates(root_listing(), step, self.storage.url)]
 
@@ -490,8 +516,9 @@ class CheckpointManager:
         self._settle()
         self._save(step, state, metrics, "explicit", wait=not self.async_save)
 
-    def _begin_save(self) -> None:
-        """Wait for the previous save (its error is raised here, as itself) and check the lease, on every rank."""
+    def _begin_save(self, step: int) -> None:
+        """Wait for the previous save (its error is raised here, as itself), check the lease and record the step in
+        the root's ``INTENT`` (never lowered) before anything of it is written, on every rank."""
         self._check_writable()
         self.wait()
         lease = self._lease
@@ -501,6 +528,11 @@ class CheckpointManager:
             self._root_changed = True
             if lease is not None:
                 lease.check()
+            if self._intent is None:
+                self._intent = read_intent(self.storage)
+            if self._intent is None or step > self._intent:
+                write_intent(self.storage, step)
+                self._intent = step
 
         self.coord.run(check if self.coord.rank == 0 else lambda: None, "save (lease)")
 
@@ -535,7 +567,7 @@ class CheckpointManager:
 
     def _save_now(self, step: int, state: Any, metrics: Mapping[str, float] | None, reason: str, wait: bool,
                   timeout: float | None = None) -> None:
-        self._begin_save()
+        self._begin_save(step)
         self._has_base = True
         base = self._base if self._base is not None and self._base[0] != step else None
         since = base[1] + 1 if base is not None and base[1] + 1 < self.save_policy.full_every else 0
@@ -546,8 +578,6 @@ class CheckpointManager:
         if timeout is not None:                     # a preemption save: no rank waits past the deadline
             opts = replace(opts, timeout=min(opts.timeout, timeout))
         target = self._step_storage(step)
-        if self._tiers is not None:
-            self._tiers.mark(step)                  # (before the root can hold it: tiers.marks)
         self._last_step, self._last_time = step, time.monotonic()
         t0 = time.perf_counter()
         if wait:
@@ -563,7 +593,7 @@ class CheckpointManager:
     def _drain_save(self, step: int, state: Any, metrics: Mapping[str, float] | None, reason: str) -> None:
         """Save into the memory tier and drain that copy to the root in the background (a full step)."""
         assert self._tiers is not None
-        self._begin_save()
+        self._begin_save(step)
         self._has_base = True
         opts = self._options(step, reason, metrics, 0)
         self._last_step, self._last_time = step, time.monotonic()
@@ -670,7 +700,10 @@ class CheckpointManager:
             preemption_handlers.remove(self._signalled)
             self._installed = False
         if self._deleter is not None:
-            self._wait_start()              # (its warnings)
+            try:
+                self._wait_start()          # (its warnings: an error when warnings are errors, raised below)
+            except BaseException as e:  # noqa: BLE001
+                err = err or e
             self._deleter.shutdown(wait=True)
         if self._lease is not None:
             self._lease.release()

@@ -130,7 +130,6 @@ class Tiers:
     def drain_save(self, step: int, state: Any, options: SaveOptions, wait: bool) -> None:
         """Save into the memory tier and drain that copy to the root (and every ``remote_every``-th to the remote
         tier) in the background; ``wait``: return once drained. ``options.metadata`` is the step's."""
-        self.mark(step)
         targets = [self._root.child(step_name(step))]
         if self.remote is not None and self._drains % self.remote_every == 0:
             targets.append(self.remote.child(step_name(step)))
@@ -139,26 +138,20 @@ class Tiers:
 
     # ------------------------------------------------------------------ restoring
 
-    def mark(self, step: int) -> None:
-        """Before a save of ``step`` to the root or the remote tier starts (every rank, no collective): each node's
-        mark says that a slower tier may hold it (``tiers.marks``)."""
-        self.memory.mark(self._root.url, step)
-
-    def restore(self, state: Any, root_newest: Callable[[], int | None], load_options: LoadOptions,
-                strict: bool) -> tuple[int, LoadResult] | None:
+    def restore(self, state: Any, intent: int | None, root_newest: Callable[[], int | None],
+                load_options: LoadOptions, strict: bool) -> tuple[int, LoadResult] | None:
         """Load the newest step the tiers hold that is at least as new as the root's newest committed one: from
         memory (files no live node holds taken from the root's or the remote's copy of the same save), else —
         newer than the root's — from the remote tier. None if the tiers hold none. Collective.
 
-        The memory tier answers first: when its newest complete step is at least as new as the nodes' marks (the
-        newest step this manager began to save to the root or the remote tier), it is loaded and neither the root
-        nor the remote tier is listed. Otherwise (no mark, or memory holds nothing that new) ``root_newest()``
-        (collective: the root's newest committed step) and the remote tier are listed first, as they must be."""
-        held = [m for m in self._coord.exchange(self.memory.marked(self._root.url), None, "restore (marks)")
-                if m is not None]
+        The memory tier answers first: when its newest complete step is at least ``intent`` (the root's
+        ``INTENT``: the newest step a manager of this root began to save to the root or drain to the remote tier),
+        it is loaded and neither the root nor the remote tier is listed. Otherwise (no intent recorded, or memory
+        holds nothing that new) ``root_newest()`` (collective: the root's newest committed step) and the remote
+        tier are listed first, as they must be."""
         failed = False
-        if held:
-            got, failed = self._from_memory(state, max(held), load_options, strict)
+        if intent is not None:
+            got, failed = self._from_memory(state, intent, load_options, strict)
             if got is not None:
                 return got
         newest_root = root_newest()

@@ -29,7 +29,7 @@ import torch
 
 from liferaft.core.commit import CommitRecord, open_checkpoint, publish_commit, read_commit, read_marker
 from liferaft.dist import Coordinator
-from liferaft.errors import CorruptCheckpointError, DistributedError, LiferaftError, OptionsError, StorageError
+from liferaft.errors import CorruptCheckpointError, DistributedError, LiferaftError, OptionsError
 from liferaft.format.layout import COMMIT_MARKER, DATA_DIR, data_file_rank, manifest_name, parse_step, step_name
 from liferaft.format.limits import MAX_INT
 from liferaft.format.manifest import decode_commit_marker
@@ -37,7 +37,7 @@ from liferaft.options import LoadOptions, SaveOptions
 from liferaft.storage.base import FileWriter, Storage
 from liferaft.storage.files import plain_component
 from liferaft.storage.posix import PosixStorage
-from liferaft.tiers import marks, parity
+from liferaft.tiers import parity
 
 DEFAULT_BASE = "/dev/shm/liferaft"
 PIECE = 4 << 20             # bytes per message when copying a file between ranks, and per request of a drain
@@ -124,29 +124,6 @@ class MemoryTier:
             return []
         return sorted(s for s in (parse_step(d) for d in os.listdir(self.root))
                       if s is not None and os.path.isfile(os.path.join(self.root, step_name(s), COMMIT_MARKER)))
-
-    def mark(self, owner: str, step: int) -> None:
-        """Before a save of ``step`` to a slower tier of the manager whose root is ``owner`` (its URL) starts: raise
-        this node's mark to ``step`` (``tiers.marks``; the node's leader writes, no collective). If the mark cannot
-        be raised it is removed (no mark: the next restore lists the slower tiers); one still lower after that
-        raises StorageError naming it (the save does not start)."""
-        if not self._leader():
-            return
-        try:
-            marks.write_mark(self.storage, owner, step)
-        except (OSError, LiferaftError) as e:
-            path = os.path.join(self.root, marks.mark_name(owner))
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-            held = marks.read_mark(self.root, owner)
-            if held is not None and held < step:
-                raise StorageError(f"{path}: the memory tier's mark could not be raised to step {step} nor removed "
-                                   f"({e}); remove it by hand (a restore would not look for newer steps beyond "
-                                   f"step {held})") from e
-
-    def marked(self, owner: str) -> int | None:
-        """The step this node's mark for ``owner`` holds (None: no usable mark). No collective."""
-        return marks.read_mark(self.root, owner)
 
     # ------------------------------------------------------------------ save
 
