@@ -4,8 +4,9 @@ One process, an S3-compatible server (moto, a subprocess on 127.0.0.1) holding t
 a job of ``--steps`` saves (state ``--size-mib``), its root padded to look like a job of ``--ranks`` ranks (one
 data file per rank in every step folder: the keys a LIST walks). Then restarts, alternated ``--reps`` times:
 
-- ``memory first``: the node's memory tier holds the newest step and its mark (``tiers.marks``): no LIST;
-- ``listing first``: the same, the mark removed (what every restart did before marks: the root and the remote tier
+- ``memory first``: the node's memory tier holds the newest step, at least the root's ``INTENT`` (the newest step
+  begun there; one small GET): no LIST;
+- ``listing first``: the same, ``INTENT`` removed (what every restart did before it: the root and the remote tier
   listed before memory was asked);
 - ``root only``: no memory tier, the newest step loaded from the S3 root;
 - ``PyTorch DCP``: ``dcp.load`` of the same state from local disk (no object store: DCP has no S3 writer of its own
@@ -46,9 +47,9 @@ def main() -> int:
     import torch.distributed.checkpoint as dcp
 
     from liferaft import CheckpointManager, JobOptions, PreemptionOptions, TierOptions
+    from liferaft.manager.listing import INTENT
     from liferaft.storage.s3 import S3Storage
     from liferaft.testing.s3server import MotoS3Server
-    from liferaft.tiers import marks
     from liferaft.tiers.memory import MemoryTier
 
     n = args.size_mib << 18
@@ -81,15 +82,14 @@ def main() -> int:
         torch.save(dict(state), os.path.join(work, "ref.pt"))
         dcp_dir = os.path.join(work, "dcp")
         dcp.save(dict(state), checkpoint_id=dcp_dir)
-        mark = os.path.join(shm, "bench", "n0", marks.mark_name(root.url))
-        saved = open(mark, "rb").read()
+        saved = root.read_all(INTENT)
         times: dict[str, list[float]] = {"memory first": [], "listing first": [], "root only": [], "PyTorch DCP": []}
         restores: dict[str, list[float]] = {k: [] for k in times}
         for _ in range(args.reps):
             for name in times:
                 got = {"w": torch.zeros(n), "step": -1}
                 if name == "listing first":
-                    os.remove(mark)
+                    root.delete(INTENT)
                 t0 = time.perf_counter()
                 if name == "PyTorch DCP":
                     t1 = t0
@@ -104,8 +104,7 @@ def main() -> int:
                 restores[name].append(time.perf_counter() - t1 if name == "PyTorch DCP" else t2 - t1)
                 times[name].append(time.perf_counter() - t0 if name == "PyTorch DCP" else t2 - t0)
                 if name == "listing first":
-                    with open(mark, "wb") as f:
-                        f.write(saved)
+                    root.put_atomic(INTENT, saved)
                 assert step == args.steps - 1 and torch.equal(got["w"], state["w"]), (name, step)
         shutil.rmtree(shm, ignore_errors=True)
     shutil.rmtree(work, ignore_errors=True)
