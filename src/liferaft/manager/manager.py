@@ -16,7 +16,7 @@ import threading
 import time
 import warnings
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, Self, TypeVar
 
@@ -36,10 +36,8 @@ from liferaft.manager.listing import (  # noqa: F401 - PINS, _parse_step: re-exp
     list_steps,
     read_intent,
     read_pins,
-    remove_leftovers,
     restore_candidates,
     step_name,
-    write_intent,
     write_pins,
 )
 from liferaft.manager.options import JobOptions, PreemptionOptions, StepLogOptions, TierOptions
@@ -51,6 +49,7 @@ from liferaft.manager.policies import (
     mtbf_from_starts,
 )
 from liferaft.manager.preemption import preemption_handlers
+from liferaft.manager.startup import RootStart
 from liferaft.manager.tiering import Tiers, first_that_loads
 from liferaft.options import LoadOptions, LoadResult, SaveOptions, SaveResult, check_path
 from liferaft.storage import Storage, resolve
@@ -143,11 +142,7 @@ class CheckpointManager:
             if self.coord.rank == 0 else None
         self._closed = False
         self._stall = 0.0
-        self._start_pass: Future[list[StepInfo] | None] | None = None     # rank 0: the start's clean-up
-        self._start_warnings: list[str] = []
-        self._start_listing: list[StepInfo] | None = None
-        self._root_changed = False              # rank 0: a save started (the start's listing is out of date)
-        self._intent: int | None = None         # rank 0: the step the root's INTENT holds, once read or written
+        self._root_start = RootStart(self.storage, self._list)     # (rank 0's: the start's clean-up, INTENT)
 
         def identify() -> tuple[str, str]:      # rank 0's identity is the job's
             who = this_job(job.job_id)
@@ -181,7 +176,7 @@ class CheckpointManager:
         self._closed = True
         if self._deleter is not None:
             with contextlib.suppress(Exception):
-                self._wait_start()
+                self._root_start.wait()
             self._deleter.shutdown(wait=True)
         if self._lease is not None:
             with contextlib.suppress(Exception):
@@ -189,7 +184,7 @@ class CheckpointManager:
 
     def _start(self, learn: bool) -> tuple[list[float], str | None]:
         """Rank 0: take the lease, record this start (``learn``), start the clean-up of leftovers in the background
-        (``_clean_up_start``); (starts, why read-only)."""
+        (``startup.RootStart``); (starts, why read-only)."""
         assert self._lease is not None
         try:
             self._lease.acquire()
@@ -197,33 +192,8 @@ class CheckpointManager:
             return [], str(e)
         starts = record_start(self.storage) if learn else []
         assert self._deleter is not None        # (rank 0's: the start's pass runs before any retention pass)
-        self._start_pass = self._deleter.submit(self._clean_up_start)
+        self._root_start.begin(self._deleter)
         return starts, None
-
-    def _clean_up_start(self) -> list[StepInfo] | None:
-        """Rank 0, background (started by ``_start``; nothing waits for it but what needs it: ``_wait_start``):
-        list the root and remove what interrupted saves left (``remove_leftovers``); the listing, or None if it
-        failed (said by a warning: the clean-up runs again at the next start). Its warnings are kept for
-        ``_wait_start`` to give on the caller's thread."""
-        try:
-            listing = self._list()
-            remove_leftovers(self.storage, listing, warn=self._start_warnings.append)
-            return listing
-        except Exception as e:  # noqa: BLE001 - a clean-up must not stop a job; the restore lists again
-            self._start_warnings.append(f"liferaft: cleaning up {self.storage.url} at the start failed: {e}")
-            return None
-
-    def _wait_start(self) -> list[StepInfo] | None:
-        """Rank 0: wait for the start's clean-up if it still runs and give its warnings (once); its listing while
-        the root is as it was listed (no save started since: only this manager writes the root while it holds
-        the lease), else None."""
-        if self._start_pass is not None:
-            self._start_listing = self._start_pass.result()
-            self._start_pass = None
-            for text in self._start_warnings:
-                warnings.warn(text, stacklevel=3)
-            self._start_warnings.clear()
-        return None if self._root_changed else self._start_listing
 
     @property
     def read_only(self) -> bool:
@@ -259,23 +229,13 @@ class CheckpointManager:
         """Every step under the root, oldest first (this process; no collective)."""
         return list_steps(self.storage, self._pins(), deep)
 
-    def _listing_now(self, intent: int | None) -> list[StepInfo]:
-        """Rank 0: the root's steps — as listed at the start while nothing was saved since (this manager holds the
-        lease) and no step newer than its newest was begun (``intent``: another manager of the job in this
-        process), else listed now."""
-        listing = self._wait_start()
-        if listing is not None and (intent is None or
-                                    intent <= max((i.step for i in listing if i.status == "committed"), default=-1)):
-            return listing
-        return self._list()
-
     def steps(self, verify: bool = False) -> list[StepInfo]:
         """Every step under the root, and in this node's memory tier, with its status and the tiers holding a
         committed copy, oldest first. ``verify`` re-hashes every committed step under the root (reads all its
         data). Not collective: a memory-tier step is listed as this node sees it (its data may be spread over
         the nodes); on rank 0 after the start's clean-up of interrupted saves (which runs in the background from
         the start: another rank may still list their steps as incomplete)."""
-        self._wait_start()
+        self._root_start.wait()
         out = {i.step: replace(i, tiers=("root",) if i.status == "committed" else ()) for i in self._list(deep=verify)}
         if self._tiers is not None:
             for step in self._tiers.local_steps():
@@ -318,7 +278,7 @@ class CheckpointManager:
         def root_listing() -> list[StepInfo]:       # (collective; once, and not at all when memory answers)
             nonlocal listing
             if listing is None:
-                listing = self.coord.run_on_zero(lambda: self._listing_now(intent), "restore (listing)")
+                listing = self.coord.run_on_zero(lambda: self._root_start.listing(intent), "restore (listing)")
             return listing
 
         got: tuple[int, LoadResult] | None = None
@@ -524,15 +484,9 @@ class CheckpointManager:
         lease = self._lease
 
         def check() -> None:                    # (rank 0: the start's clean-up is done before the root changes)
-            self._wait_start()
-            self._root_changed = True
             if lease is not None:
                 lease.check()
-            if self._intent is None:
-                self._intent = read_intent(self.storage)
-            if self._intent is None or step > self._intent:
-                write_intent(self.storage, step)
-                self._intent = step
+            self._root_start.intend(step)
 
         self.coord.run(check if self.coord.rank == 0 else lambda: None, "save (lease)")
 
@@ -701,7 +655,7 @@ class CheckpointManager:
             self._installed = False
         if self._deleter is not None:
             try:
-                self._wait_start()          # (its warnings: an error when warnings are errors, raised below)
+                self._root_start.wait()          # (its warnings: an error when warnings are errors, raised below)
             except BaseException as e:  # noqa: BLE001
                 err = err or e
             self._deleter.shutdown(wait=True)

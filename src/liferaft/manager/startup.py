@@ -1,0 +1,78 @@
+"""Rank 0's view of a manager root between the start and the saves: the start's clean-up, run behind, and the
+root's ``INTENT``.
+
+At its start a manager (rank 0, holding the lease) lists the root and removes what interrupted saves left
+(``listing.remove_leftovers``). That runs on the manager's deleter thread (``RootStart``), so a restart does not wait
+for a listing of the root (a LIST of every key on an object store) before the memory tier answers: the first save,
+``steps()`` and ``close()`` wait for it, its warnings are given on the thread that waits, and the first restore uses
+its listing while the root is as it was listed. Before a save of a step starts, ``RootStart.intend`` records it in
+the root's ``INTENT`` (never lowered): a restore that finds memory holding a step at least that new lists nothing.
+The manager holds one; it never imports the manager.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from liferaft.manager.listing import StepInfo, read_intent, remove_leftovers, write_intent
+from liferaft.storage import Storage
+
+
+class RootStart:
+    """Rank 0's start of a root: ``begin`` submits the clean-up (listing by ``lister``) to ``deleter``."""
+
+    def __init__(self, storage: Storage, lister: Callable[[], list[StepInfo]]) -> None:
+        self.storage, self._lister = storage, lister
+        self._pass: Future[list[StepInfo] | None] | None = None
+        self._warnings: list[str] = []
+        self._listing: list[StepInfo] | None = None
+        self._changed = False           # a save started: the start's listing is out of date
+        self._intent: int | None = None  # the step INTENT holds, once read or written
+
+    def begin(self, deleter: ThreadPoolExecutor) -> None:
+        self._pass = deleter.submit(self._clean_up)
+
+    def _clean_up(self) -> list[StepInfo] | None:
+        """Background: list the root and remove what interrupted saves left; the listing, or None if it failed
+        (said by a warning: the clean-up runs again at the next start). Its warnings are kept for ``wait``."""
+        try:
+            listing = self._lister()
+            remove_leftovers(self.storage, listing, warn=self._warnings.append)
+            return listing
+        except Exception as e:  # noqa: BLE001 - a clean-up must not stop a job; the restore lists again
+            self._warnings.append(f"liferaft: cleaning up {self.storage.url} at the start failed: {e}")
+            return None
+
+    def wait(self) -> list[StepInfo] | None:
+        """Wait for the clean-up if it still runs and give its warnings (once); its listing while the root is as it
+        was listed (no save started since: only this manager writes the root while it holds the lease), else
+        None."""
+        if self._pass is not None:
+            self._listing = self._pass.result()
+            self._pass = None
+            for text in self._warnings:
+                warnings.warn(text, stacklevel=3)
+            self._warnings.clear()
+        return None if self._changed else self._listing
+
+    def listing(self, intent: int | None) -> list[StepInfo]:
+        """The root's steps: as listed at the start while nothing was saved since and no step newer than its newest
+        was begun (``intent``: another manager of the job in this process), else listed now."""
+        listing = self.wait()
+        if listing is not None and (intent is None or
+                                    intent <= max((i.step for i in listing if i.status == "committed"), default=-1)):
+            return listing
+        return self._lister()
+
+    def intend(self, step: int) -> None:
+        """Before a save of ``step`` starts (after the lease check): the clean-up done, then ``step`` recorded in the
+        root's ``INTENT`` unless it holds a newer one."""
+        self.wait()
+        self._changed = True
+        if self._intent is None:
+            self._intent = read_intent(self.storage)
+        if self._intent is None or step > self._intent:
+            write_intent(self.storage, step)
+            self._intent = step
