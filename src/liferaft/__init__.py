@@ -3,7 +3,9 @@
 The public API is this module's ``__all__`` (grouped below, each name documented in docs/API.md) and the public
 modules ``liferaft.errors`` (every error), ``liferaft.options`` (the options and result types, and the ``Literal``
 types of their string options), ``liferaft.storage`` (the storage backends: ``resolve``, ``Storage``),
-``liferaft.data`` (the data-position sampler) and ``liferaft.testing`` (test helpers). Everything else is private
+``liferaft.data`` (the data-position sampler), ``liferaft.integrations.lightning`` and
+``liferaft.integrations.accelerate`` (framework integrations, each importing its framework) and
+``liferaft.testing`` (test helpers). Everything else is private
 and may change. The package is typed (``py.typed``).
 """
 
