@@ -8,7 +8,8 @@ One process (``devices=1``, CPU): an MLP of ``--size-mib`` of fp32 parameters tr
 - ``Lightning async`` — ``AsyncCheckpointIO()`` (its thread: the tensors cloned, then ``torch.save``);
 - ``PyTorch DCP async`` — a ``CheckpointIO`` of five lines around ``torch.distributed.checkpoint.async_save`` (what a
   user would write; each save waits for the previous one);
-- ``liferaft`` — ``LiferaftCheckpointIO()``.
+- ``liferaft`` — ``LiferaftCheckpointIO()`` (each save committed when it returns, as Lightning's own);
+- ``liferaft async`` — ``LiferaftCheckpointIO(async_save=True)``.
 
 Per engine and rep (alternated): the fit's wall time, less a fit without checkpoints in the same rep = the cost of
 the checkpoints to training (the final save's wait at teardown included), per save (after an untimed fit: the
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import os
 import shutil
 import statistics
@@ -60,7 +62,8 @@ def _engines() -> dict[str, Any]:
                 self.future = None
 
     return {"none": None, "torch.save": TorchCheckpointIO, "Lightning async": AsyncCheckpointIO,
-            "PyTorch DCP async": DCPAsync, "liferaft": LiferaftCheckpointIO}
+            "PyTorch DCP async": DCPAsync, "liferaft": LiferaftCheckpointIO,
+            "liferaft async": functools.partial(LiferaftCheckpointIO, async_save=True)}
 
 
 def _fit(engine: Any, ckdir: str, size_mib: int, steps: int, every: int) -> tuple[float, int, Any]:
@@ -128,7 +131,7 @@ def main() -> int:
                 continue
             sizes[name] = dir_bytes(ckdir)
             last = os.path.join(ckdir, max(os.listdir(ckdir), key=lambda n: int(n.split("step=")[1][:-5])))
-            if name == "liferaft":
+            if name.startswith("liferaft"):
                 got = liferaft.read(last)["state_dict"]
             elif name == "PyTorch DCP async":
                 import torch.distributed.checkpoint as dcp
@@ -140,7 +143,7 @@ def main() -> int:
                 got = torch.load(last, weights_only=True)["state_dict"]
             assert all(torch.equal(got[k], v) for k, v in params.items()), name
         blob = os.path.join(work, "limit.bin")
-        nbytes = sizes.get("liferaft", 0)
+        nbytes = sizes.get("torch.save", 0)
         buf = bytearray(os.urandom(1 << 20)) * max(1, nbytes >> 20)
         t0 = time.perf_counter()
         with open(blob, "wb") as f:

@@ -81,7 +81,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(1)
     x = torch.randn(64, 16, generator=g)
     data = TensorDataset(x, x[:, :1] * 0.5 - x[:, 1:2] ** 2)
-    io = LiferaftCheckpointIO()
+    io = LiferaftCheckpointIO(async_save=True)         # (the background path, in a real fit)
     trainer = L.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), num_nodes=1,
                         strategy=DDPStrategy(process_group_backend="gloo"), max_epochs=EPOCHS, plugins=[io],
                         callbacks=[ModelCheckpoint(dirpath=ckdir, monitor="train_loss", save_top_k=2, save_last=True,

@@ -149,3 +149,47 @@ def test_import_liferaft_does_not_import_lightning():
     code = "import sys, liferaft, liferaft.integrations; print(sorted(m for m in sys.modules if 'lightning' in m))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr[-2000:]
+
+
+def test_async_a_new_checkpoint_appears_only_once_committed_and_what_lightning_drops_goes_after(tmp_path):
+    """async_save=True: a new path holds nothing until its save commits (written under a temporary name, renamed
+    into place), and a checkpoint Lightning drops while a save is in flight is removed only once that save committed
+    (an older checkpoint never goes before a newer one exists)."""
+    io = LiferaftCheckpointIO(async_save=True)
+    old, new = tmp_path / "epoch=0.ckpt", tmp_path / "epoch=1.ckpt"
+    io.save_checkpoint(_checkpoint(), old)
+    io.wait()
+    big = {**_checkpoint(), "blob": torch.randn(8 << 20)}              # (32 MiB: the save takes a while)
+    io.save_checkpoint(big, new)
+    io.remove_checkpoint(old)                                           # ModelCheckpoint drops the old one at once
+    assert liferaft.verify(str(old)).chunks > 0                         # still there: the new one is not committed
+    assert not os.path.exists(new) or liferaft.verify(str(new)).chunks  # absent, or whole
+    io.teardown()
+    assert not os.path.exists(old) and torch.equal(io.load_checkpoint(new)["blob"], big["blob"])
+    assert [n for n in os.listdir(tmp_path)] == ["epoch=1.ckpt"]        # (no temporary left)
+
+
+def test_async_a_save_still_in_flight_at_exit_is_finished(tmp_path):
+    """``trainer.save_checkpoint`` after ``fit`` (teardown has run) and then the end of the script: the plugin waits
+    for the save at the interpreter's exit."""
+    code = (f"import torch, liferaft\nfrom liferaft.integrations.lightning import LiferaftCheckpointIO\n"
+            f"io = LiferaftCheckpointIO(async_save=True)\n"
+            f"io.save_checkpoint({{'w': torch.randn(8 << 20), 'epoch': 1}}, {str(tmp_path / 'final.ckpt')!r})\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert liferaft.verify(str(tmp_path / "final.ckpt")).chunks > 0
+
+
+def test_remove_checkpoint_on_s3(s3_server, monkeypatch):
+    import uuid
+
+    for k, v in s3_server.env().items():
+        monkeypatch.setenv(k, v)
+    url = f"s3://{s3_server.bucket}/{uuid.uuid4().hex[:10]}/epoch=0.ckpt"
+    io = LiferaftCheckpointIO()
+    io.save_checkpoint(_checkpoint(), url)
+    assert io.load_checkpoint(url)["epoch"] == 3
+    io.remove_checkpoint(url)
+    from liferaft.storage import resolve
+
+    assert resolve(url).list() == []

@@ -5,15 +5,19 @@ Importing this module imports ``accelerate`` (``pip install liferaft[hf]``); ``i
 
 What is saved — every object the accelerator prepared or was given to checkpoint: each model (unwrapped from DDP;
 an FSDP2 model's DTensor shards as they are), each optimizer and learning-rate scheduler (unwrapped from
-Accelerate's wrappers), each object registered with ``accelerator.register_for_checkpointing``, the random streams
-of every rank (``liferaft.RNGState``) and ``extra`` (the user's step counter, data position, anything else) — as
+Accelerate's wrappers), each object registered with ``accelerator.register_for_checkpointing``, the gradient
+scaler (fp16), the position in a gradient-accumulation window (``accelerator.step``), the random streams of every
+rank (``liferaft.RNGState``) and ``extra`` (the user's step counter, data position, anything else) — as
 one liferaft checkpoint, collectively over the accelerator's processes: replicated tensors written once, the
 writes spread over the ranks, asynchronously if asked. ``load_state`` loads it into the same objects on any number
 of processes and any layout liferaft reshards between (DDP on 2 → 1 or 3 processes; FSDP2 ↔ DDP), every byte
 verified. The data position is the user's to record in ``extra`` (e.g. the step, then
 ``accelerator.skip_first_batches(dataloader, n)`` when resuming): a dataloader's own iterator state is per rank and
 would not survive a change of process count. The model exports to a folder ``from_pretrained`` loads with
-``liferaft.convert(path, out, "hf", module="models.0", config=...)``.
+``liferaft.convert(path, out, "hf", module="models.0", config=...)``. Not done: the hooks registered with
+``accelerator.register_save_state_pre_hook`` / ``register_load_state_pre_hook`` are not called (they act on
+Accelerate's own files: keep what they save, e.g. EMA weights, in ``extra`` or register it for checkpointing), and
+dataloaders are not saved (above).
 """
 
 from __future__ import annotations
@@ -48,7 +52,10 @@ def accelerator_state(accelerator: Accelerator, extra: Mapping[str, Any] | None 
         "schedulers": {str(i): getattr(s, "scheduler", s) for i, s in enumerate(accelerator._schedulers)},
         "custom": {str(i): obj for i, obj in enumerate(accelerator._custom_objects)},
         "rng": RNGState(),
+        "accumulation": _Step(accelerator),             # where in a gradient-accumulation window it is
     }
+    if accelerator.scaler is not None:                  # fp16's loss scale and growth tracker
+        state["scaler"] = accelerator.scaler
     if extra is not None:
         state["extra"] = extra
     return state
@@ -79,3 +86,19 @@ def load_state(accelerator: Accelerator, path: str | os.PathLike[str], *,
     if extra is not None:
         extra.update(state["extra"])        # (plain values come back in a new dict: into the caller's)
     return result
+
+
+class _Step:
+    """``accelerator.step`` (micro-steps since the last optimizer step) as a stateful object."""
+
+    def __init__(self, accelerator: Accelerator) -> None:
+        self._accelerator = accelerator
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": int(self._accelerator.step)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        step = state.get("step")
+        if type(step) is not int or step < 0:
+            raise OptionsError(f"the saved accelerator step must be a non-negative integer, got {step!r}")
+        self._accelerator.step = step

@@ -3,46 +3,61 @@
 Importing this module imports ``lightning`` (``pip install liferaft[lightning]``); ``import liferaft`` never does.
 
 Lightning builds the checkpoint (a dict: the model's ``state_dict``, the optimizers' and schedulers' states, the
-loops' progress, the callbacks' states, hyperparameters) on every rank, and its strategies hand it to the
-``CheckpointIO`` on rank 0 only (DDP and single-device strategies: the state is replicated). This plugin then saves
-it as a liferaft checkpoint — a folder at the path Lightning names (``epoch=3-step=40.ckpt/``, ``last.ckpt/``) — from
-that process alone, asynchronously: ``save_checkpoint`` returns once the tensors are copied into liferaft's reused,
-budgeted staging buffers; the encoding, writing and commit run behind. One save is in flight at a time (the next
-waits for it, and raises its error); ``teardown`` (end of ``fit``), ``load_checkpoint`` and ``remove_checkpoint``
-wait for it too. A checkpoint exists once committed: a process killed mid-save leaves the previous ``last.ckpt``
-loadable (a save over an existing checkpoint replaces it atomically at its commit), never a half-written one.
+loops' progress, the callbacks' states, hyperparameters) on every rank, and the DDP and single-device strategies
+hand it to the ``CheckpointIO`` on rank 0 only (the state is replicated). This plugin saves it as a liferaft
+checkpoint — a folder at the path Lightning names (``epoch=3-step=40.ckpt/``, ``last.ckpt/``) — from that process
+alone. A save over an existing checkpoint (``last.ckpt`` again) replaces it atomically at its commit: a process
+killed mid-save leaves the previous one loadable.
 
-``load_checkpoint`` reads liferaft checkpoints and, so that switching keeps old runs resumable, Lightning's own
-``torch.save`` files (through liferaft's reader: ``weights_only``, nothing run), every byte checked; every rank reads
-the whole checkpoint, as Lightning's own plugin does. DDP checkpoints are world-size free: one saved by 2 processes
-resumes on 1 or 3. Sharded strategies (FSDP, ModelParallel) write their own distributed checkpoints and do not go
-through a ``CheckpointIO``; use ``liferaft.convert`` / ``liferaft.load`` on those (docs/INTEGRATIONS.md).
+By default a save is finished when ``save_checkpoint`` returns, as Lightning's ``ModelCheckpoint`` assumes (it
+checks the file for its ``-v1`` names, links ``last.ckpt`` to it, and removes the checkpoint ``save_top_k`` drops
+right after). ``async_save=True`` returns once the tensors are copied into liferaft's reused, budgeted staging
+buffers; the writing and commit run behind, and the plugin keeps Lightning's assumptions as far as it can: a new
+checkpoint is written under a temporary name and renamed into place once committed (a path never holds a
+half-written checkpoint), a checkpoint Lightning drops is removed only after the save in flight has committed, one
+save is in flight at a time (the next waits for it and raises its error), and ``teardown``, ``load_checkpoint``
+and the interpreter's exit wait for it. What it cannot keep: a path exists only once its save committed, so
+Lightning does not see it in between (use file names unique per save, the default ``{epoch}-{step}`` ones, and
+``save_last=True`` rather than ``"link"``).
+
+``load_checkpoint`` reads liferaft checkpoints and Lightning's own ``torch.save`` files (liferaft's reader:
+``weights_only``, nothing run), every byte checked; every rank reads the whole checkpoint, as Lightning's own plugin
+does. DDP checkpoints are world-size free: one saved by 2 processes resumes on 1 or 3. Not supported: the FSDP,
+DeepSpeed and ModelParallel strategies (they write, and FSDP reads, their own files around the plugin), and
+``LightningModule.load_from_checkpoint`` (it reads with ``torch.load`` itself: load with
+``LiferaftCheckpointIO().load_checkpoint(path)["state_dict"]`` instead); docs/INTEGRATIONS.md.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
+import threading
+import warnings
+import weakref
 from typing import Any
 
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from liferaft.core.read import read
-from liferaft.core.save import AsyncSaveHandle, async_save, save
-from liferaft.errors import OptionsError
+from liferaft.core.save import async_save, save
+from liferaft.errors import LiferaftError, OptionsError
 from liferaft.options import LoadOptions, SaveOptions
+from liferaft.storage import resolve
 
 __all__ = ["LiferaftCheckpointIO"]
 
 
 class LiferaftCheckpointIO(CheckpointIO):
-    """A Lightning ``CheckpointIO`` that saves through liferaft (asynchronously unless ``async_save=False``) and
-    loads liferaft checkpoints and ``torch.save`` files. ``options`` are the saves' ``SaveOptions`` (compression,
-    codecs, staging budget, ``allow_pickle`` for hyperparameters that are not plain values, ...; ``overwrite`` is
-    always on: Lightning saves ``last.ckpt`` again and again); ``load_options`` the loads'."""
+    """A Lightning ``CheckpointIO`` that saves through liferaft (synchronously, or in the background with
+    ``async_save=True``: see the module's docstring) and loads liferaft checkpoints and ``torch.save`` files.
+    ``options`` are the saves' ``SaveOptions`` (compression, codecs, staging budget, ``allow_pickle`` for
+    hyperparameters that are not plain values, ...; ``overwrite`` is always on: Lightning saves ``last.ckpt`` again
+    and again); ``load_options`` the loads'."""
 
-    def __init__(self, *, async_save: bool = True, options: SaveOptions | None = None,
+    def __init__(self, *, async_save: bool = False, options: SaveOptions | None = None,
                  load_options: LoadOptions | None = None) -> None:
         if not isinstance(async_save, bool):
             raise OptionsError(f"LiferaftCheckpointIO(async_save=...) must be True or False, got {async_save!r}")
@@ -53,8 +68,10 @@ class LiferaftCheckpointIO(CheckpointIO):
         self.async_save = async_save
         self.options = SaveOptions(**{**(options or SaveOptions()).__dict__, "overwrite": True})
         self.load_options = load_options
-        self._pending: tuple[str, AsyncSaveHandle] | None = None
+        self._pending: tuple[str, threading.Thread, list[BaseException]] | None = None
+        self._removals: list[str] = []          # dropped by Lightning: removed once the save in flight commits
         self._group: Any = None
+        atexit.register(_flush_at_exit, weakref.ref(self))
 
     def _alone(self) -> Any:
         """A process group of this process alone (Lightning calls the plugin on rank 0 only): made once, by this
@@ -68,10 +85,16 @@ class LiferaftCheckpointIO(CheckpointIO):
         return self._group
 
     def wait(self) -> None:
-        """Wait for the save in flight, if any; raise its error."""
+        """Wait for the save in flight, if any, then remove what Lightning dropped meanwhile; raise the save's error
+        (then nothing is removed: the older checkpoints stay)."""
         pending, self._pending = self._pending, None
+        removals, self._removals = self._removals, []
         if pending is not None:
-            pending[1].wait()
+            pending[1].join()
+            if pending[2]:
+                raise pending[2][0]
+        for target in removals:
+            _remove(target)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
         if storage_options is not None:
@@ -79,12 +102,33 @@ class LiferaftCheckpointIO(CheckpointIO):
                             f"LiferaftCheckpointIO(options=...)); got {storage_options!r}")
         self.wait()                             # (one in flight: its error is raised here)
         target = os.fspath(path)
+        local = "://" not in target
+        if local:
+            os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
         if not self.async_save:
             save(target, checkpoint, process_group=self._alone(), options=self.options)
             return
-        handle = async_save(target, checkpoint, process_group=self._alone(), options=self.options)
-        if handle is not None:
-            self._pending = (os.path.abspath(target), handle)
+        # a new local path: written under a temporary name, renamed into place once committed
+        fresh = local and not os.path.lexists(target)
+        where = f"{target}.liferaft-writing" if fresh else target
+        if fresh and os.path.lexists(where):
+            shutil.rmtree(where)                # (a save of a process killed before its commit)
+        handle = async_save(where, checkpoint, process_group=self._alone(), options=self.options)
+        if handle is None:                      # (if_busy="skip" in the options: nothing saved)
+            return
+        errors: list[BaseException] = []
+
+        def finish() -> None:
+            try:
+                handle.wait()
+                if fresh:
+                    os.rename(where, target)
+            except BaseException as e:  # noqa: BLE001 - raised by wait() on the caller's thread
+                errors.append(e)
+
+        thread = threading.Thread(target=finish, name="liferaft-lightning-save", daemon=True)
+        thread.start()
+        self._pending = (os.path.abspath(target), thread, errors)
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None
                         ) -> dict[str, Any]:
@@ -103,18 +147,43 @@ class LiferaftCheckpointIO(CheckpointIO):
         return _move(out, map_location)
 
     def remove_checkpoint(self, path: Any) -> None:
-        """Remove the checkpoint at ``path`` (its folder, or a file): what Lightning's ``save_top_k`` drops. A link
-        is removed, never followed."""
+        """Remove the checkpoint at ``path`` (its folder, a file, or an ``s3://`` prefix): what Lightning's
+        ``save_top_k`` drops — once the save in flight, if any, has committed (a newer checkpoint exists before an
+        older one goes). A link is removed, never followed."""
         target = os.fspath(path)
-        if self._pending is not None and self._pending[0] == os.path.abspath(target):
-            self.wait()
-        if os.path.islink(target) or os.path.isfile(target):
-            os.remove(target)
-        elif os.path.isdir(target):
-            shutil.rmtree(target)
+        if self._pending is not None and self._pending[0] != os.path.abspath(target):
+            self._removals.append(target)
+            return
+        self.wait()
+        _remove(target)
 
     def teardown(self) -> None:
         self.wait()
+
+
+def _remove(target: str) -> None:
+    """Remove a checkpoint: a local folder or file (a link itself, never its target), or every object under an
+    object-store prefix (its ``COMMIT`` first: never a committed checkpoint with missing files)."""
+    if "://" in target:
+        st = resolve(target)
+        names = st.list()
+        for name in sorted(names, key=lambda n: n != "COMMIT"):
+            st.delete(name)
+    elif os.path.islink(target) or os.path.isfile(target):
+        os.remove(target)
+    elif os.path.isdir(target):
+        shutil.rmtree(target)
+
+
+def _flush_at_exit(ref: weakref.ref[LiferaftCheckpointIO]) -> None:
+    """At the interpreter's exit: wait for a save still in flight (a ``trainer.save_checkpoint`` after ``fit``)."""
+    io = ref()
+    if io is None:
+        return
+    try:
+        io.wait()
+    except (LiferaftError, OSError) as e:
+        warnings.warn(f"liferaft: a Lightning checkpoint save in flight at exit failed: {e}", stacklevel=1)
 
 
 def _move(tree: Any, where: Any) -> Any:
