@@ -107,6 +107,9 @@ class AsyncSaveHandle:
         self._error: BaseException | None = None
         self._result: SaveResult | None = None
         self._observed = False
+        #: the save's threads (writer, stager): joined once it is done, so that none is still winding down when
+        #: the caller goes on (a daemon thread still running at the interpreter's exit aborted the process)
+        self._threads: list[threading.Thread] = []
 
     def done(self) -> bool:
         """True once the save has finished, successfully or not."""
@@ -125,11 +128,19 @@ class AsyncSaveHandle:
         """Block until the checkpoint is committed; return its SaveResult or raise the save's error."""
         if not self._done.wait(timeout):
             raise TimeoutError(f"async save to {self.path} not finished within {timeout}s")
+        self._join()
         self._observed = True
         if self._error is not None:
             raise self._error
         assert self._result is not None
         return self._result
+
+
+    def _join(self) -> None:
+        """Join the save's threads (done: they only return from here on); never the calling thread."""
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join()
 
 
 class ProcessState:
@@ -198,6 +209,7 @@ class ProcessState:
         if prev is None:
             return
         prev._done.wait()
+        prev._join()
         self.inflight = None
         if prev._error is not None and not prev._observed:
             prev._observed = True
@@ -207,3 +219,13 @@ class ProcessState:
 
 #: The process's one ProcessState.
 PROCESS = ProcessState()
+
+
+def finish_at_exit() -> None:
+    """At the interpreter's exit: let an async save still in flight finish (it commits, or fails within its
+    timeout) and its threads end, before the interpreter tears down what they use. Registered by ``async_save``
+    (again at each call, so that it runs before the exit hooks of what the save uses, made earlier)."""
+    prev = PROCESS.inflight
+    if prev is not None:
+        prev._done.wait()
+        prev._join()

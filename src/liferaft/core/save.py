@@ -15,6 +15,7 @@ the gloo groups of ``dist``); each module's doc says what it keeps and for how l
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
 import queue
@@ -28,7 +29,7 @@ from liferaft.codecs import frames
 from liferaft.core.chunks.writer import WriteOutcome, write_staged, write_streamed
 from liferaft.core.commit import forget_opened
 from liferaft.core.phases import PLANS, PreparedSave, finish_save, prepare_save
-from liferaft.core.process import CALLS, PROCESS, AsyncSaveHandle, in_call
+from liferaft.core.process import CALLS, PROCESS, AsyncSaveHandle, finish_at_exit, in_call
 from liferaft.dist import Coordinator, release_groups
 from liferaft.options import SaveOptions, SaveResult, check_options, check_path
 from liferaft.staging.pool import BufferPool
@@ -121,9 +122,14 @@ def async_save(path: PathLike, state: Any, *, process_group: ProcessGroup | None
     writer = threading.Thread(target=_write_and_commit, args=(bg, prep, pieces, pool, opts, handle, hold),
                               name="liferaft-writer", daemon=True)
     PROCESS.inflight = handle
+    handle._threads.append(writer)
+    atexit.unregister(finish_at_exit)                   # (last registered: runs before what it uses goes)
+    atexit.register(finish_at_exit)
     writer.start()
     if opts.staging == "overlapped":
-        threading.Thread(target=run_stage, name="liferaft-stager", daemon=True).start()
+        stager = threading.Thread(target=run_stage, name="liferaft-stager", daemon=True)
+        handle._threads.append(stager)
+        stager.start()
     else:
         run_stage()
     prep.timings["blocked"] = time.perf_counter() - t_call

@@ -142,7 +142,7 @@ class CheckpointManager:
             if self.coord.rank == 0 else None
         self._closed = False
         self._stall = 0.0
-        self._root_start = RootStart(self.storage, self._list)     # (rank 0's: the start's clean-up, INTENT)
+        self._root_start = RootStart(self.storage)     # (rank 0's: the start's clean-up, INTENT)
 
         def identify() -> tuple[str, str]:      # rank 0's identity is the job's
             who = this_job(job.job_id)

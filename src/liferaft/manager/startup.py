@@ -13,23 +13,27 @@ The manager holds one; it never imports the manager.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from liferaft.manager.listing import StepInfo, read_intent, remove_leftovers, write_intent
+from liferaft.manager.listing import StepInfo, list_steps, read_intent, read_pins, remove_leftovers, write_intent
 from liferaft.storage import Storage
 
 
 class RootStart:
-    """Rank 0's start of a root: ``begin`` submits the clean-up (listing by ``lister``) to ``deleter``."""
+    """Rank 0's start of a root: ``begin`` submits the clean-up to ``deleter``. It holds the root's storage only
+    (nothing of the manager: a reference back would keep the manager, its gloo groups and their threads alive until
+    the interpreter's last collection, where tearing them down aborted the process)."""
 
-    def __init__(self, storage: Storage, lister: Callable[[], list[StepInfo]]) -> None:
-        self.storage, self._lister = storage, lister
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
         self._pass: Future[list[StepInfo] | None] | None = None
         self._warnings: list[str] = []
         self._listing: list[StepInfo] | None = None
         self._changed = False           # a save started: the start's listing is out of date
         self._intent: int | None = None  # the step INTENT holds, once read or written
+
+    def _list(self) -> list[StepInfo]:
+        return list_steps(self.storage, read_pins(self.storage))
 
     def begin(self, deleter: ThreadPoolExecutor) -> None:
         self._pass = deleter.submit(self._clean_up)
@@ -38,7 +42,7 @@ class RootStart:
         """Background: list the root and remove what interrupted saves left; the listing, or None if it failed
         (said by a warning: the clean-up runs again at the next start). Its warnings are kept for ``wait``."""
         try:
-            listing = self._lister()
+            listing = self._list()
             remove_leftovers(self.storage, listing, warn=self._warnings.append)
             return listing
         except Exception as e:  # noqa: BLE001 - a clean-up must not stop a job; the restore lists again
@@ -64,7 +68,7 @@ class RootStart:
         if listing is not None and (intent is None or
                                     intent <= max((i.step for i in listing if i.status == "committed"), default=-1)):
             return listing
-        return self._lister()
+        return self._list()
 
     def intend(self, step: int) -> None:
         """Before a save of ``step`` starts (after the lease check): the clean-up done, then ``step`` recorded in the
