@@ -135,7 +135,6 @@ class AsyncSaveHandle:
         assert self._result is not None
         return self._result
 
-
     def _join(self) -> None:
         """Join the save's threads (done: they only return from here on); never the calling thread."""
         for thread in self._threads:
