@@ -112,7 +112,7 @@ class LiferaftCheckpointIO(CheckpointIO):
         fresh = local and not os.path.lexists(target)
         where = f"{target}.liferaft-writing" if fresh else target
         if fresh and os.path.lexists(where):
-            shutil.rmtree(where)                # (a save of a process killed before its commit)
+            _remove(where)                      # (a save of a process killed before its commit; a link: itself)
         handle = async_save(where, checkpoint, process_group=self._alone(), options=self.options)
         if handle is None:                      # (if_busy="skip" in the options: nothing saved)
             return
