@@ -12,6 +12,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test,bench,demo]'
+	# torchtitan for tests/integrations/test_torchtitan.py: its checkpoint components and what they import, without
+	# the rest it declares (wandb, tensorboard, datasets, ...: its trainer's, which needs an accelerator anyway)
+	$(PY) -m pip install -q --no-deps torchtitan==0.3.0 spmd-types==0.2.3 "tyro>=0.9" "docstring-parser>=0.16" \
+		"typeguard>=4"
 	touch $@
 
 demo: $(VENV)/.installed
