@@ -153,6 +153,17 @@ def test_initial_load_from_dcp_seed_step_retention_and_last_model_only(tmp_path)
     assert fscheds.state_dict() == {"last_epoch": 3}
     with pytest.raises(CheckpointNotFoundError, match="load_step=7"):
         m2.load(step=7)
+    for step in (4, 5):                                            # over the leftovers of step 4
+        _step(fresh, fopts, fscheds)
+        assert m2.save(step)
+    m2.close()
+    again, aopts, ascheds = _parts(seed=5)                         # back to step 3, then step 4 saved again
+    m3 = _manager(tmp_path, again, aopts, ascheds, _Train())
+    assert m3.load(step=3)
+    _step(again, aopts, ascheds)
+    assert m3.save(4)
+    m3.close()
+    assert all(torch.equal(v, liferaft.read(str(ck / "step-4"))["model"][k]) for k, v in again.state_dict().items())
 
     seed_model, sopts, sscheds = _parts(seed=3)                     # step 0: the seed checkpoint, model only
     seed = _manager(tmp_path / "seed", seed_model, sopts, sscheds, _Train())

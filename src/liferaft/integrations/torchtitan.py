@@ -58,11 +58,15 @@ from liferaft.core.open import format_of
 from liferaft.core.read import inspect
 from liferaft.core.save import AsyncSaveHandle, async_save, save
 from liferaft.errors import CheckpointNotFoundError, LiferaftError, OptionsError, StateMismatchError
+from liferaft.options import SaveOptions
 from liferaft.storage import resolve
 
 __all__ = ["LiferaftCheckpointManager"]
 
 _STEP = re.compile(r"^step-(\d+)$")
+#: a step saved again (a job resumed from an earlier step with ``load_step``) replaces it at its commit, as
+#: torchtitan's own manager does; until then the previous one stays loadable
+_OVERWRITE = SaveOptions(overwrite=True)
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -117,11 +121,11 @@ class LiferaftCheckpointManager(BaseCheckpointManager):
             dtype = _DTYPES[self.config.export_dtype]
             model = {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
                      for k, v in self.states[MODEL].state_dict().items()}
-            save(path, {MODEL: model})
+            save(path, {MODEL: model}, options=_OVERWRITE)
         elif self.config.async_save and not last_step:
-            self.save_future = async_save(path, self.states)
+            self.save_future = async_save(path, self.states, options=_OVERWRITE)
         else:
-            save(path, self.states)
+            save(path, self.states, options=_OVERWRITE)
         self._purge(keep=curr_step)
         return True
 
