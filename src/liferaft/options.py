@@ -281,6 +281,9 @@ class LoadOptions:
     exact: refuse (LossyCheckpointError, before anything is loaded) a checkpoint in which any tensor to load was
         stored lossily (``SaveOptions.quantize``); without it such a load warns with the recorded error per key
         and lists them in ``LoadResult.lossy``.
+    ignore_keys: checkpoint keys a strict load leaves unread without counting them as unexpected — each a key or
+        a prefix of dotted keys (``"dataloader"`` ignores ``dataloader`` and ``dataloader.*``). A key of the state
+        missing from the checkpoint is refused as before. Still listed in ``LoadResult.unexpected_keys``.
     """
 
     allow_pickle: bool = False
@@ -289,6 +292,7 @@ class LoadOptions:
     share_reads: bool | None = None
     timeout: float = 600.0
     max_read_bytes: int = DEFAULT_MAX_READ
+    ignore_keys: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         o = "LoadOptions"
@@ -297,6 +301,13 @@ class LoadOptions:
         check_bool(o, "share_reads", self.share_reads, none=True)
         check_number(o, "timeout", self.timeout, 0, MAX_TIMEOUT, above=True)
         check_int(o, "max_read_bytes", self.max_read_bytes, MIN_READ_BYTES, MAX_READ_BYTES)
+        if type(self.ignore_keys) is not tuple or not all(type(k) is str and k for k in self.ignore_keys):
+            raise OptionsError(f"{o}.ignore_keys must be a tuple of non-empty key strings, got "
+                               f"{self.ignore_keys!r}")
+
+    def ignores(self, key: str) -> bool:
+        """Whether ``key`` of a checkpoint is one ``ignore_keys`` names (itself, or under it)."""
+        return any(key == k or key.startswith(k + ".") for k in self.ignore_keys)
 
 
 @dataclass(frozen=True)

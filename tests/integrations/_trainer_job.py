@@ -4,7 +4,7 @@
 
 Fine-tunes the packaged all-MiniLM-L6-v2 as a ``BertForSequenceClassification`` (dropout on) with the Trainer's
 AdamW and linear schedule, 2 micro-batches of 2 per step and process (gradient accumulation), 48 sequences, 2
-epochs, a checkpoint every 2 steps (``save_total_limit=3``), ``LiferaftCallback(async_save=True)``. MODE "train":
+epochs, a checkpoint every 2 steps, ``LiferaftCallback(async_save=True, keep_last=3)``. MODE "train":
 rank 0 kills itself with SIGKILL when step KILL_AT is done and logged (after waiting for the save in flight, so that the
 newest checkpoint is committed). MODE "resume": ``trainer.train(resume_from_checkpoint=CHECKPOINT)`` (default:
 ``last_checkpoint(OUT/run)``) to the end. Rank 0 appends ``{"mode", "world", "step", "loss"}`` per step to
@@ -84,10 +84,10 @@ def main() -> None:
     args = transformers.TrainingArguments(
         output_dir=run, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=12,
         learning_rate=1e-4, lr_scheduler_type="linear", logging_steps=1, save_strategy="steps", save_steps=2,
-        save_total_limit=3, save_only_model=True, report_to=[], use_cpu=True, seed=0, ddp_backend="gloo",
+        save_only_model=True, report_to=[], use_cpu=True, seed=0, ddp_backend="gloo",
         disable_tqdm=True, dataloader_num_workers=0, ddp_find_unused_parameters=False)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
-    lr = LiferaftCallback(trainer, async_save=True)
+    lr = LiferaftCallback(trainer, async_save=True, keep_last=3)
     trainer.add_callback(lr)
     trainer.add_callback(_Record(trainer, lr, out, mode))
     resume = None

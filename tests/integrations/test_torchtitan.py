@@ -138,7 +138,7 @@ def test_initial_load_from_dcp_seed_step_retention_and_last_model_only(tmp_path)
         assert m.save(step, last_step=step == 5)
     m.close()
     ck = tmp_path / "ck"
-    assert sorted(os.listdir(ck)) == ["step-3", "step-4", "step-5"]      # keep_latest_k=3
+    assert sorted(os.listdir(ck)) == ["step-2", "step-3", "step-4", "step-5"]   # keep_latest_k=3 + the final one
     last = liferaft.read(str(ck / "step-5"))
     assert set(last) == {"model"} and all(v.dtype == torch.bfloat16 for v in last["model"].values())
 
@@ -188,3 +188,42 @@ def test_initial_model_load_with_a_missing_key_changes_nothing(tmp_path):
     with pytest.raises(StateMismatchError, match=r"'0.bias'.*nothing was loaded"):
         m.load()
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_exclusions_stay_strict_foreign_steps_are_refused_and_odd_names_ignored(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    model, opts, scheds = _parts()
+    train = _Train()
+    m = _manager(tmp_path, model, opts, scheds, train)
+    _step(model, opts, scheds)
+    train.step = 1
+    assert m.save(1)
+    m.close()
+    # a model with one more parameter than the checkpoint: refused even with an exclusion (only it is lenient)
+    bigger = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2), torch.nn.Linear(2, 2))
+    _, bopts, bscheds = _parts()
+    from torchtitan.components.optimizer.optimizer import OptimizersContainer, ParamGroupConfig
+    bopts = OptimizersContainer.Config(
+        param_groups=[ParamGroupConfig(pattern=r".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-2})],
+        implementation="for-loop").build(model_parts=[bigger])
+    before = {k: v.clone() for k, v in bigger.state_dict().items()}
+    excl = _manager(tmp_path, bigger, bopts, bscheds, _Train(), exclude_from_loading=["train_state"])
+    with pytest.raises(StateMismatchError, match=r"model\.2\.weight"):
+        excl.load()
+    assert all(torch.equal(before[k], v) for k, v in bigger.state_dict().items())
+    # the exclusion itself: train_state not loaded, the rest is
+    fresh, fopts, fscheds = _parts(seed=9)
+    ftrain = _Train()
+    assert _manager(tmp_path, fresh, fopts, fscheds, ftrain, exclude_from_loading=["train_state"]).load()
+    assert ftrain.step == 0 and all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(),
+                                                                        model.state_dict().values()))
+    # a name torchtitan never makes is not a step; a DCP step (torchtitan's own manager's) newer than the newest
+    # liferaft step is refused with what to do
+    shutil.copytree(tmp_path / "ck" / "step-1", tmp_path / "ck" / "step-07")
+    other, oopts, oscheds = _parts(seed=3)
+    otrain = _Train()
+    assert _manager(tmp_path, other, oopts, oscheds, otrain).load() and otrain.step == 1
+    dcp.save({"x": torch.zeros(2)}, checkpoint_id=str(tmp_path / "ck" / "step-5"))
+    with pytest.raises(OptionsError, match=r"DCP steps newer.*step-5.*initial_load_path"):
+        _manager(tmp_path, other, oopts, oscheds, otrain).load()

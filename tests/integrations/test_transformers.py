@@ -1,15 +1,16 @@
 """liferaft behind the Hugging Face Trainer (``LiferaftCallback``).
 
 Under torchrun: the packaged all-MiniLM-L6-v2 fine-tuned by a real ``Trainer`` on 2 processes (DDP over gloo, CPU,
-dropout on, gradient accumulation, ``async_save=True``), rank 0 killed with SIGKILL at step 11; resumed on 2
-processes from the checkpoint that ends epoch 1 (step 6) and from the newest committed one, mid-epoch (step 10):
-the redone steps' losses are the killed run's bit for bit (each of the two points where the random streams are
-given back is needed: restoring them at the start of training instead changes the losses); resumed on 3 processes:
-the parameters, AdamW state and schedule are those saved, bit for bit, and the run trains to its end.
+dropout on, gradient accumulation, ``async_save=True``, ``keep_last=3``), rank 0 killed with SIGKILL at step 11;
+resumed on 2 processes from the newest committed checkpoint, mid-epoch (step 10): the redone step's loss is the
+killed run's bit for bit (giving the random streams back at the start of training instead changes it); resumed on
+3 processes: the parameters, AdamW state and schedule are those saved, bit for bit, and the run trains to its end.
 
 In one process (a small model): ``save_only_model`` is required, a resume from a checkpoint whose liferaft part is
 not committed or belongs to another run is refused before any live state changes, ``last_checkpoint`` skips what
-is not committed and links, and the synchronous mode resumes bit for bit.
+is not committed and links, and the synchronous mode resumes bit for bit mid-epoch and at the end of an epoch
+(the other point where the random streams are given back: restoring them at the first step instead changes the
+losses).
 """
 
 from __future__ import annotations
@@ -60,22 +61,19 @@ def test_trainer_killed_resumes_bitwise_on_2_and_on_3_processes(tmp_path):
     killed = _losses(first, "train", 2)
     assert sorted(killed) == list(range(1, 12))
     run = os.path.join(first, "run")
-    assert sorted(os.listdir(run)) == ["checkpoint-10", "checkpoint-6", "checkpoint-8"]    # save_total_limit=3
+    assert sorted(os.listdir(run)) == ["checkpoint-10", "checkpoint-6", "checkpoint-8"]    # keep_last=3
     assert last_checkpoint(run) == os.path.join(run, "checkpoint-10")
     assert liferaft.verify(os.path.join(run, "checkpoint-10", PART)).chunks > 0
 
     copies = {}
-    for name, keep in (("at6", "checkpoint-6"), ("at10", "checkpoint-10"), ("on3", "checkpoint-10")):
-        copies[name] = str(tmp_path / name)             # (each with the one checkpoint it resumes from)
-        shutil.copytree(first, copies[name], ignore=lambda d, names, keep=keep: [
-            n for n in names if d == run and n != keep])
-    _run(copies["at6"], 2, "resume", os.path.join(copies["at6"], "run", "checkpoint-6"))   # the end of epoch 1
-    _run(copies["at10"], 2, "resume")                                                       # mid-epoch 2
-    again6, again10 = _losses(copies["at6"], "resume", 2), _losses(copies["at10"], "resume", 2)
-    assert sorted(again6) == list(range(7, 13)) and sorted(again10) == [11, 12]
-    assert all(again6[s] == killed[s] for s in range(7, 12)), (again6, killed)
-    assert again10[11] == killed[11] and again10[12] == again6[12], (again10, again6, killed)
-    assert _digest(copies["at6"], "loaded-2-6.json") == _digest(first, "saved-6.json")
+    for name in ("at10", "on3"):                       # (each with the checkpoint it resumes from)
+        copies[name] = str(tmp_path / name)
+        shutil.copytree(first, copies[name], ignore=lambda d, names: [
+            n for n in names if d == run and n != "checkpoint-10"])
+    _run(copies["at10"], 2, "resume")                                           # mid-epoch 2, last_checkpoint
+    again10 = _losses(copies["at10"], "resume", 2)
+    assert sorted(again10) == [11, 12] and again10[11] == killed[11], (again10, killed)
+    assert _digest(copies["at10"], "loaded-2-10.json") == _digest(first, "saved-10.json")
 
     _run(copies["on3"], 3, "resume")
     assert _digest(copies["on3"], "loaded-3-10.json") == _digest(first, "saved-10.json")
@@ -104,17 +102,19 @@ class _Losses(transformers.TrainerCallback):
             self.losses[state.global_step] = logs["loss"]
 
 
-def _trainer(out, *, seed: int = 0, save_only_model: bool = True, max_steps: int = 6, **cb):
+def _trainer(out, *, seed: int = 0, save_only_model: bool = True, max_steps: int = 6, logging: str = "steps",
+             save_total_limit: int | None = None, **cb):
     g = torch.Generator().manual_seed(seed)
     data = [{"x": torch.randn(8, generator=g), "labels": torch.randint(0, 2, (), generator=g)} for _ in range(24)]
     torch.manual_seed(seed)
     args = transformers.TrainingArguments(
         output_dir=str(out), per_device_train_batch_size=4, max_steps=max_steps, learning_rate=1e-2,
-        logging_steps=1, save_strategy="steps", save_steps=2, save_only_model=save_only_model, report_to=[],
-        use_cpu=True, seed=seed, disable_tqdm=True)
+        logging_strategy=logging, logging_steps=1, save_strategy="steps", save_steps=2,
+        save_only_model=save_only_model, save_total_limit=save_total_limit, report_to=[], use_cpu=True, seed=seed,
+        disable_tqdm=True)
     trainer = transformers.Trainer(model=_Tiny(), args=args, train_dataset=data)
     losses = _Losses()
-    if save_only_model:
+    if save_only_model and save_total_limit is None:
         trainer.add_callback(LiferaftCallback(trainer, **cb))
     trainer.add_callback(losses)
     return trainer, losses
@@ -129,6 +129,24 @@ def test_needs_save_only_model_and_a_trainer(tmp_path):
     trainer, _ = _trainer(tmp_path / "b")
     with pytest.raises(OptionsError, match="async_save"):
         LiferaftCallback(trainer, async_save="yes")  # type: ignore[arg-type]
+    with pytest.raises(OptionsError, match="keep_last"):
+        LiferaftCallback(trainer, keep_last=0)
+    trainer, _ = _trainer(tmp_path / "c", save_total_limit=2)
+    with pytest.raises(OptionsError, match=r"save_total_limit=None.*keep_last=2"):
+        LiferaftCallback(trainer)
+    trainer, _ = _trainer(tmp_path / "d", save_only_model=False)
+    trainer.args.save_only_model, trainer.args.save_on_each_node = True, True
+    with pytest.raises(OptionsError, match="save_on_each_node"):
+        LiferaftCallback(trainer)
+
+
+def test_resume_at_the_end_of_an_epoch_is_bitwise(tmp_path):
+    trainer, whole = _trainer(tmp_path, max_steps=12)                # 2 epochs of 6 steps
+    trainer.train()
+    again_trainer, again = _trainer(tmp_path, max_steps=12)
+    again_trainer.train(resume_from_checkpoint=os.path.join(str(tmp_path), "checkpoint-6"))
+    assert sorted(again.losses) == list(range(7, 13))
+    assert all(again.losses[s] == whole.losses[s] for s in again.losses), (again.losses, whole.losses)
 
 
 def test_sync_resume_is_bitwise_and_last_checkpoint_skips_what_is_not_committed(tmp_path):
@@ -153,19 +171,40 @@ def test_sync_resume_is_bitwise_and_last_checkpoint_skips_what_is_not_committed(
     assert all(again.losses[s] == whole.losses[s] for s in (5, 6)), (again.losses, whole.losses)
 
 
-def test_a_part_of_another_run_is_refused_before_any_state_changes(tmp_path):
+@pytest.mark.parametrize("logging", ["steps", "no"])       # ("no": an empty log history, the same in both runs)
+def test_a_part_of_another_run_is_refused_before_any_state_changes(tmp_path, logging):
     for name, seed in (("a", 0), ("b", 1)):
-        trainer, _ = _trainer(tmp_path / name, seed=seed, max_steps=2)
+        trainer, _ = _trainer(tmp_path / name, seed=seed, max_steps=2, logging=logging)
         trainer.train()
     # the Trainer resumes from b's checkpoint, the callback looks in its own output_dir (a's)
-    trainer, _ = _trainer(tmp_path / "a", max_steps=4)
+    trainer, _ = _trainer(tmp_path / "a", max_steps=4, logging=logging)
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
-    with pytest.raises(StateMismatchError, match="not the checkpoint the Trainer resumed from"):
+    with pytest.raises(StateMismatchError, match="not the liferaft part of the checkpoint the Trainer resumed from"):
         trainer.train(resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-2"))
     assert not trainer.optimizer.state_dict()["state"]                  # nothing loaded into the optimizer
     assert trainer.lr_scheduler.state_dict()["last_epoch"] == 0
     assert any(not torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())   # (the Trainer loaded b's weights itself)
 
-    trainer, losses = _trainer(tmp_path / "a", max_steps=4, resume_from=tmp_path / "b" / "checkpoint-2")
+    trainer, losses = _trainer(tmp_path / "a", max_steps=4, resume_from=tmp_path / "b" / "checkpoint-2",
+                               logging=logging)
     trainer.train(resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-2"))
-    assert sorted(losses.losses) == [3, 4]
+    assert trainer.state.global_step == 4 and sorted(losses.losses) == ([3, 4] if logging == "steps" else [])
+
+
+def test_a_step_saved_again_whose_part_never_committed_is_not_resumed_and_keep_last(tmp_path):
+    trainer, _ = _trainer(tmp_path, keep_last=2)
+    trainer.train()
+    run = str(tmp_path)
+    assert sorted(os.listdir(run)) == ["checkpoint-4", "checkpoint-6"]           # keep_last=2
+    # the Trainer saved step 6 again (its files rewritten, a new token) and the process died before the part
+    # committed: the old part is still committed, but is not this checkpoint's
+    state = os.path.join(run, "checkpoint-6", "trainer_state.json")
+    with open(state) as f:
+        doc = json.load(f)
+    doc["stateful_callbacks"]["LiferaftSaveToken"]["attributes"]["token"] = "0" * 32
+    with open(state, "w") as f:
+        json.dump(doc, f)
+    assert last_checkpoint(run) == os.path.join(run, "checkpoint-4")
+    again, _ = _trainer(tmp_path)
+    with pytest.raises(StateMismatchError, match=r"saved again and killed.*checkpoint-4"):
+        again.train(resume_from_checkpoint=os.path.join(run, "checkpoint-6"))

@@ -132,9 +132,10 @@ def _load(reader: Reader, state: Any, coord: Coordinator, opts: LoadOptions, str
     else:
         sharing = ({} if not mode or coord.world == 1 else plan_sharing([g[2] for g in gathered], holders=holders)
                    if holders is not None else plan_sharing([g[2] for g in gathered], min_bytes=0))
-    if strict and (missing or unexpected):
+    refused = tuple(k for k in unexpected if not opts.ignores(k))
+    if strict and (missing or refused):
         raise StateMismatchError(_mismatch_message(reader.url, NAMES[reader.fmt] if reader.fmt != "liferaft"
-                                                   else "checkpoint", missing, unexpected))
+                                                   else "checkpoint", missing, refused))
     host = _set_up_host(coord, sharing, plan.job.span_bytes, opts) if shares else None   # (collective)
     if isinstance(host, str):
         if opts.share_reads:        # (asked for; by default a host without room just reads as before)

@@ -58,12 +58,12 @@ from liferaft.core.open import format_of
 from liferaft.core.read import inspect
 from liferaft.core.save import AsyncSaveHandle, async_save, save
 from liferaft.errors import CheckpointNotFoundError, LiferaftError, OptionsError, StateMismatchError
-from liferaft.options import SaveOptions
+from liferaft.options import LoadOptions, SaveOptions
 from liferaft.storage import resolve
 
 __all__ = ["LiferaftCheckpointManager"]
 
-_STEP = re.compile(r"^step-(\d+)$")
+_STEP = re.compile(r"^step-(0|[1-9]\d*)$")          # (the names torchtitan makes: "step-01" is none of them)
 #: a step saved again (a job resumed from an earlier step with ``load_step``) replaces it at its commit, as
 #: torchtitan's own manager does; until then the previous one stays loadable
 _OVERWRITE = SaveOptions(overwrite=True)
@@ -126,7 +126,8 @@ class LiferaftCheckpointManager(BaseCheckpointManager):
             self.save_future = async_save(path, self.states, options=_OVERWRITE)
         else:
             save(path, self.states, options=_OVERWRITE)
-        self._purge(keep=curr_step)
+        if not last_step:                   # (as torchtitan's own manager: the final save purges nothing)
+            self._purge(keep=curr_step)
         return True
 
     def _wait_for_saving(self) -> None:
@@ -169,6 +170,15 @@ class LiferaftCheckpointManager(BaseCheckpointManager):
         else:
             steps = self._committed_steps()
             found = max(steps) if steps else -1
+            foreign = [n for n in self._foreign_steps() if n > found]
+            if foreign:
+                raise OptionsError(
+                    f"{self.folder} holds PyTorch DCP steps newer than its newest liferaft step "
+                    f"({', '.join(f'step-{n}' for n in sorted(foreign))}; newest liferaft: "
+                    f"{'step-' + str(found) if found >= 0 else 'none'}): torchtitan's own manager wrote them, and "
+                    "liferaft does not resume their pickled data-loader state. Move them out of the folder and "
+                    "start from the newest one with checkpoint.initial_load_path (its model), or resume with "
+                    "torchtitan's own manager")
         if found == -1:
             if not c.initial_load_path:
                 return False
@@ -196,11 +206,12 @@ class LiferaftCheckpointManager(BaseCheckpointManager):
             raise OptionsError(f"{path} is a PyTorch DCP checkpoint: liferaft loads its model (initial_load_path "
                                "with initial_load_model_only=True); its data-loader state is pickled and is not "
                                "loaded")
-        excluded = _excluded(self.config, self.states)
+        excluded = tuple(_excluded(self.config, self.states))
         state = {k: v for k, v in self.states.items() if k not in excluded}
+        options = LoadOptions(ignore_keys=excluded)       # strict for the rest: a missing key is refused
         if DATALOADER in state:                             # its position belongs to its data-parallel size
             saved = _Fields({"dp_world_size": 0})
-            load(path, {DATALOADER: saved}, strict=False)
+            load(path, {DATALOADER: saved}, strict=False)       # (plain values only: nothing live)
             here = state[DATALOADER].dp_world_size
             if saved.values["dp_world_size"] != here:
                 raise StateMismatchError(
@@ -208,12 +219,26 @@ class LiferaftCheckpointManager(BaseCheckpointManager):
                     f"{saved.values['dp_world_size']} and this job's is {here}; another size cuts the data "
                     f"differently. Nothing was loaded. Set checkpoint.exclude_from_loading=['dataloader'] to "
                     f"resume without it")
-        load(path, state, strict=not excluded)
+        load(path, state, options=options)
 
     # -- folders -------------------------------------------------------------------------------------------------
 
     def _step_path(self, step: int) -> str:
         return os.path.join(self.folder, f"step-{step}")
+
+    def _foreign_steps(self) -> list[int]:
+        """The steps in ``folder`` that are PyTorch DCP checkpoints (torchtitan's own manager's)."""
+        out: list[int] = []
+        try:
+            with os.scandir(self.folder) as entries:
+                for e in entries:
+                    m = _STEP.match(e.name)
+                    if m and e.is_dir(follow_symlinks=False) and os.path.isfile(os.path.join(e.path, ".metadata")) \
+                            and not _committed(e.path):
+                        out.append(int(m.group(1)))
+        except FileNotFoundError:
+            pass
+        return out
 
     def _committed_steps(self) -> list[int]:
         """The steps in ``folder`` with a committed liferaft checkpoint (links not followed)."""
