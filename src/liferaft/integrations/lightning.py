@@ -22,8 +22,10 @@ Lightning does not see it in between (use file names unique per save, the defaul
 
 ``load_checkpoint`` reads liferaft checkpoints and Lightning's own ``torch.save`` files (liferaft's reader:
 ``weights_only``, nothing run), every byte checked; every rank reads the whole checkpoint, as Lightning's own plugin
-does. DDP checkpoints are world-size free: one saved by 2 processes resumes on 1 or 3. Not supported: the FSDP,
-DeepSpeed and ModelParallel strategies (they write, and FSDP reads, their own files around the plugin), and
+does. DDP checkpoints are world-size free: one saved by 2 processes resumes on 1 or 3. Sharded strategies never
+hand their state to a ``CheckpointIO``: for FSDP2 and tensor parallelism, ``LiferaftModelParallelStrategy`` is
+Lightning's ``ModelParallelStrategy`` saving and loading through liferaft itself. Not supported: Lightning's FSDP1
+``FSDPStrategy`` and DeepSpeed (they write, and FSDP reads, their own files around the plugin), and
 ``LightningModule.load_from_checkpoint`` (it reads with ``torch.load`` itself: load with
 ``LiferaftCheckpointIO().load_checkpoint(path)["state_dict"]`` instead); docs/INTEGRATIONS.md.
 """
@@ -40,14 +42,17 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.pytorch.strategies import ModelParallelStrategy
 
-from liferaft.core.read import read
+from liferaft.core.load import load
+from liferaft.core.open import format_of
+from liferaft.core.read import inspect, read
 from liferaft.core.save import async_save, save
 from liferaft.errors import LiferaftError, OptionsError
 from liferaft.options import LoadOptions, SaveOptions
 from liferaft.storage import resolve
 
-__all__ = ["LiferaftCheckpointIO"]
+__all__ = ["LiferaftCheckpointIO", "LiferaftModelParallelStrategy"]
 
 
 class LiferaftCheckpointIO(CheckpointIO):
@@ -159,6 +164,75 @@ class LiferaftCheckpointIO(CheckpointIO):
 
     def teardown(self) -> None:
         self.wait()
+
+
+class LiferaftModelParallelStrategy(ModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` (FSDP2 and tensor parallelism through DTensor, applied in the
+    module's ``configure_model``) with its checkpoints saved and loaded through liferaft instead of PyTorch DCP.
+
+    Lightning calls a sharded strategy's ``save_checkpoint`` on every rank (no ``CheckpointIO``). This one saves the
+    checkpoint Lightning built — the loops, callbacks, schedulers, hyperparameters — with the model and the
+    optimizers as they are (their DTensor shards, keyed by parameter name; nothing gathered), as one liferaft
+    checkpoint at the path Lightning names, collectively: every rank writes its own shards, replicated values once.
+    It is committed when ``save_checkpoint`` returns (Lightning's ``ModelCheckpoint`` acts on it at once). A save
+    over an existing checkpoint (``last.ckpt``) replaces it at its commit.
+
+    ``load_checkpoint`` (``fit(ckpt_path=...)``, after the model is sharded and the optimizers made) loads the
+    model and optimizer shards into this run's layout — another rank count, FSDP2 ↔ FSDP2 × TP — every byte
+    verified, the model's and optimizers' keys checked before any is read (strict), and returns the rest for
+    Lightning to restore. A folder written by Lightning's own ``ModelParallelStrategy`` (DCP) still loads, through
+    it. ``options`` / ``load_options``: the saves' ``SaveOptions`` (``overwrite`` always on) and the loads'
+    ``LoadOptions``; the other arguments are ``ModelParallelStrategy``'s (``save_distributed_checkpoint`` must stay
+    True: a liferaft checkpoint is always the shards)."""
+
+    def __init__(self, data_parallel_size: Any = "auto", tensor_parallel_size: Any = "auto", *,
+                 options: SaveOptions | None = None, load_options: LoadOptions | None = None, **kwargs: Any) -> None:
+        if kwargs.get("save_distributed_checkpoint", True) is not True:
+            raise OptionsError("LiferaftModelParallelStrategy always saves the shards (save_distributed_checkpoint "
+                               "must stay True); `liferaft convert` writes a single file from them")
+        for name, value, kind in (("options", options, SaveOptions), ("load_options", load_options, LoadOptions)):
+            if value is not None and not isinstance(value, kind):
+                raise OptionsError(f"LiferaftModelParallelStrategy({name}=...) must be a {kind.__name__}, got "
+                                   f"{type(value).__name__}")
+        super().__init__(data_parallel_size, tensor_parallel_size, **kwargs)
+        self.liferaft_options = SaveOptions(**{**(options or SaveOptions()).__dict__, "overwrite": True})
+        self.liferaft_load_options = load_options or LoadOptions()
+
+    def _live(self) -> dict[str, Any]:
+        """The model and optimizers, as liferaft saves and loads them (parameter names, shards as they are)."""
+        return {"state_dict": self.model,
+                "optimizer_states": {str(i): getattr(o, "_optimizer", o) for i, o in enumerate(self.optimizers)}}
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        if storage_options is not None:
+            raise TypeError("LiferaftModelParallelStrategy.save_checkpoint takes no storage_options (give "
+                            f"SaveOptions to the strategy's options=...); got {storage_options!r}")
+        path = os.fspath(self.broadcast(os.fspath(filepath)))
+        if "://" not in path:
+            if self.global_rank == 0:
+                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+                if os.path.islink(path) or os.path.isfile(path):
+                    os.remove(path)             # (a torch.save file or a link at that name: replaced, not followed)
+            self.barrier()
+        rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        save(path, {**rest, **self._live()}, options=self.liferaft_options)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        if weights_only is False:
+            raise OptionsError("LiferaftModelParallelStrategy never unpickles arbitrary objects "
+                               "(weights_only=False)")
+        path = os.fspath(self.broadcast(os.fspath(checkpoint_path)))
+        if format_of(path) != "liferaft":
+            return super().load_checkpoint(path, weights_only=weights_only)
+        info = inspect(path)
+        tops = sorted({info.paths[k][0] if info.paths.get(k) else k.split(".")[0]
+                       for k in [t.key for t in info.tensors] + list(info.values)})
+        rest_keys = [str(k) for k in tops if k not in ("state_dict", "optimizer_states")]
+        rest = read(path, keys=rest_keys, options=self.liferaft_load_options) if rest_keys else {}
+        opts = LoadOptions(**{**self.liferaft_load_options.__dict__,
+                              "ignore_keys": (*self.liferaft_load_options.ignore_keys, *rest_keys)})
+        load(path, self._live(), options=opts)
+        return dict(rest)
 
 
 def _remove(target: str) -> None:
