@@ -281,9 +281,12 @@ class LoadOptions:
     exact: refuse (LossyCheckpointError, before anything is loaded) a checkpoint in which any tensor to load was
         stored lossily (``SaveOptions.quantize``); without it such a load warns with the recorded error per key
         and lists them in ``LoadResult.lossy``.
-    ignore_keys: checkpoint keys a strict load leaves unread without counting them as unexpected — each a key or
-        a prefix of dotted keys (``"dataloader"`` ignores ``dataloader`` and ``dataloader.*``). A key of the state
-        missing from the checkpoint is refused as before. Still listed in ``LoadResult.unexpected_keys``.
+    ignore_keys: checkpoint keys that the state does not hold and that a strict load then leaves unread instead of
+        refusing them as unexpected — each a key or a prefix of the dotted key strings (``"dataloader"`` covers
+        ``dataloader`` and every ``dataloader.*``, including a key whose own name holds dots). It only tolerates:
+        a named key the state does hold is loaded as usual (to skip loading something, leave it out of the state),
+        and a key of the state missing from the checkpoint is refused as before. Still listed in
+        ``LoadResult.unexpected_keys``.
     """
 
     allow_pickle: bool = False

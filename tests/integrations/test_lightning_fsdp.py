@@ -65,3 +65,49 @@ def test_options_it_cannot_honour_are_refused():
         LiferaftModelParallelStrategy(save_distributed_checkpoint=False)
     with pytest.raises(OptionsError, match="SaveOptions"):
         LiferaftModelParallelStrategy(options={"overwrite": True})  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def no_process_group_after():
+    """The strategy sets up a process group (of one) in this process: torn down after the test."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_the_plugin_and_the_strategy_refuse_each_others_checkpoints(tmp_path, no_process_group_after):
+    import lightning as L
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from liferaft.integrations.lightning import LiferaftCheckpointIO
+
+    sys.path.insert(0, os.path.dirname(JOB))
+    from _lightning_fsdp_job import Model
+
+    class Plain(Model):                                           # (the same module, unsharded: for the plugin)
+        def configure_model(self):
+            pass
+
+    x = torch.randn(32, 16, generator=torch.Generator().manual_seed(1))
+    data = DataLoader(TensorDataset(x, x[:, :1]), batch_size=8)
+    common = {"accelerator": "cpu", "devices": 1, "max_epochs": 1, "logger": False, "enable_progress_bar": False,
+              "enable_model_summary": False}
+
+    def strategy():
+        return LiferaftModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1,
+                                             process_group_backend="gloo")
+
+    L.Trainer(plugins=[LiferaftCheckpointIO()], callbacks=[ModelCheckpoint(tmp_path / "plugin", save_last=True)],
+              **common).fit(Plain(), data)
+    L.Trainer(strategy=strategy(), callbacks=[ModelCheckpoint(tmp_path / "strategy", save_last=True)],
+              **common).fit(Model(), data)
+    with pytest.raises(OptionsError, match="not saved by LiferaftModelParallelStrategy.*nothing was loaded"):
+        L.Trainer(strategy=strategy(), **{**common, "max_epochs": 2}).fit(
+            Model(), data, ckpt_path=str(tmp_path / "plugin" / "last.ckpt"))
+    with pytest.raises(OptionsError, match="saved by LiferaftModelParallelStrategy.*nothing was loaded"):
+        L.Trainer(plugins=[LiferaftCheckpointIO()], **{**common, "max_epochs": 2}).fit(
+            Plain(), data, ckpt_path=str(tmp_path / "strategy" / "last.ckpt"))

@@ -208,3 +208,26 @@ def test_a_step_saved_again_whose_part_never_committed_is_not_resumed_and_keep_l
     again, _ = _trainer(tmp_path)
     with pytest.raises(StateMismatchError, match=r"saved again and killed.*checkpoint-4"):
         again.train(resume_from_checkpoint=os.path.join(run, "checkpoint-6"))
+
+
+def test_after_a_roll_back_the_new_checkpoints_are_the_newest(tmp_path):
+    trainer, _ = _trainer(tmp_path, max_steps=8)
+    trainer.train()
+    run = str(tmp_path)
+    for gone in ("checkpoint-4", "checkpoint-6"):
+        shutil.rmtree(os.path.join(run, gone))
+    assert last_checkpoint(run) == os.path.join(run, "checkpoint-8")
+    # back to step 2: the run saves step 4 again; the abandoned step 8 is older, not newer
+    back, _ = _trainer(tmp_path, max_steps=4, keep_last=1)
+    back.train(resume_from_checkpoint=os.path.join(run, "checkpoint-2"))
+    assert sorted(os.listdir(run)) == ["checkpoint-4"]
+    assert last_checkpoint(run) == os.path.join(run, "checkpoint-4")
+
+
+def test_last_checkpoint_skips_a_hostile_trainer_state(tmp_path):
+    trainer, _ = _trainer(tmp_path, max_steps=4)
+    trainer.train()
+    run = str(tmp_path)
+    with open(os.path.join(run, "checkpoint-4", "trainer_state.json"), "w") as f:
+        f.write("[" * 200_000)                                   # (json.loads: RecursionError)
+    assert last_checkpoint(run) == os.path.join(run, "checkpoint-2")

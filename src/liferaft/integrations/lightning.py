@@ -147,6 +147,10 @@ class LiferaftCheckpointIO(CheckpointIO):
                                "LoadOptions(allow_pickle=True) allows")
         self.wait()
         out = read(os.fspath(path), options=self.load_options)
+        if isinstance(out, dict) and _SHARDED in out:
+            raise OptionsError(f"{os.fspath(path)} was saved by LiferaftModelParallelStrategy (the model and "
+                               "optimizer shards, keyed by parameter name): resume it with that strategy; "
+                               "nothing was loaded")
         if map_location is None:
             return out
         return _move(out, map_location)
@@ -215,7 +219,7 @@ class LiferaftModelParallelStrategy(ModelParallelStrategy):
                     os.remove(path)             # (a torch.save file or a link at that name: replaced, not followed)
             self.barrier()
         rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        save(path, {**rest, **self._live()}, options=self.liferaft_options)
+        save(path, {**rest, **self._live(), _SHARDED: 1}, options=self.liferaft_options)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         if weights_only is False:
@@ -227,12 +231,22 @@ class LiferaftModelParallelStrategy(ModelParallelStrategy):
         info = inspect(path)
         tops = sorted({info.paths[k][0] if info.paths.get(k) else k.split(".")[0]
                        for k in [t.key for t in info.tensors] + list(info.values)})
-        rest_keys = [str(k) for k in tops if k not in ("state_dict", "optimizer_states")]
+        if _SHARDED not in tops:
+            raise OptionsError(f"{path} was not saved by LiferaftModelParallelStrategy (a liferaft checkpoint "
+                               "without its shards' layout: LiferaftCheckpointIO's, from rank 0 of a DDP or "
+                               "single-device run, or another state): resume it with the strategy that saved it; "
+                               "nothing was loaded")
+        rest_keys = [str(k) for k in tops if k not in ("state_dict", "optimizer_states", _SHARDED)]
         rest = read(path, keys=rest_keys, options=self.liferaft_load_options) if rest_keys else {}
         opts = LoadOptions(**{**self.liferaft_load_options.__dict__,
-                              "ignore_keys": (*self.liferaft_load_options.ignore_keys, *rest_keys)})
+                              "ignore_keys": (*self.liferaft_load_options.ignore_keys, *rest_keys, _SHARDED)})
         load(path, self._live(), options=opts)
         return dict(rest)
+
+
+#: a value LiferaftModelParallelStrategy saves beside the shards: the plugin and the strategy each refuse the
+#: other's checkpoints (their model and optimizer layouts differ) before anything is loaded
+_SHARDED = "liferaft_sharded_strategy"
 
 
 def _remove(target: str) -> None:

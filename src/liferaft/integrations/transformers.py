@@ -54,6 +54,7 @@ from liferaft.core.load import load
 from liferaft.core.read import read
 from liferaft.core.save import AsyncSaveHandle, async_save, save
 from liferaft.errors import LiferaftError, OptionsError, StateMismatchError
+from liferaft.format.layout import COMMIT_MARKER
 from liferaft.options import LoadOptions, SaveOptions
 from liferaft.state.rng import RNGState
 from liferaft.storage import resolve
@@ -68,24 +69,44 @@ _MAX_STATE_BYTES = 256 << 20             # trainer_state.json read by last_check
 
 
 def last_checkpoint(output_dir: str | os.PathLike[str]) -> str | None:
-    """The newest ``checkpoint-<step>`` folder in ``output_dir`` whose liferaft part is committed and belongs to
-    the Trainer's files beside it (the save token in ``trainer_state.json`` is the part's: a save killed midway,
-    or a step saved again and killed before its part committed, is not counted), or None: what to pass as
-    ``trainer.train(resume_from_checkpoint=...)``. Links are not followed."""
-    root = os.fspath(output_dir)
-    found: list[tuple[int, str]] = []
+    """The ``checkpoint-<step>`` folder in ``output_dir`` whose liferaft part committed last, among those whose
+    part belongs to the Trainer's files beside it (the save token in ``trainer_state.json`` is the part's: a save
+    killed midway, or a step saved again and killed before its part committed, is not counted), or None: what to
+    pass as ``trainer.train(resume_from_checkpoint=...)``. Committed last, not the highest step: after a run rolled
+    back to an earlier checkpoint, the abandoned run's higher steps are not its newest state. Links are not
+    followed."""
+    found = [(at, step, path) for step, path in _folders(os.fspath(output_dir))
+             if (at := committed_at(path, step)) is not None]
+    return max(found)[2] if found else None
+
+
+def _folders(root: str) -> list[tuple[int, str]]:
+    """``(step, path)`` of the ``checkpoint-<step>`` entries of ``root`` (links included; none if no folder)."""
+    out: list[tuple[int, str]] = []
     try:
         with os.scandir(root) as entries:
             for e in entries:
                 m = _CHECKPOINT.match(e.name)
-                if m and e.is_dir(follow_symlinks=False):
-                    found.append((int(m.group(1)), e.path))
+                if m:
+                    out.append((int(m.group(1)), e.path))
     except FileNotFoundError:
+        pass
+    return out
+
+
+def committed_at(folder: str, step: int) -> int | None:
+    """When the liferaft part of ``folder`` (``checkpoint-<step>``) committed (its marker's mtime, ns), if the
+    folder is resumable: not a link, its part committed at ``step`` with the token of its ``trainer_state.json``;
+    else None."""
+    if os.path.islink(folder) or not os.path.isdir(folder):
         return None
-    for step, path in sorted(found, reverse=True):
-        if last_checkpoint_of(path, step):
-            return path
-    return None
+    token = _trainer_token(folder)
+    if token is None or _part_progress(os.path.join(folder, PART)) != {"global_step": step, "token": token}:
+        return None
+    try:
+        return os.stat(os.path.join(folder, PART, COMMIT_MARKER), follow_symlinks=False).st_mtime_ns
+    except OSError:
+        return None
 
 
 def _trainer_token(folder: str) -> str | None:
@@ -100,7 +121,7 @@ def _trainer_token(folder: str) -> str | None:
         entry = doc["stateful_callbacks"][LiferaftSaveToken.__name__]
         entry = entry[-1] if isinstance(entry, list) else entry
         token = entry["attributes"]["token"]
-    except (OSError, ValueError, KeyError, TypeError, IndexError):
+    except (OSError, ValueError, KeyError, TypeError, IndexError, RecursionError):
         return None
     return token if isinstance(token, str) else None
 
@@ -231,31 +252,28 @@ class LiferaftCallback(TrainerCallback):
             self._retain()
 
     def _retain(self) -> None:
-        """``keep_last``: on the process that writes the Trainer's files, remove the ``checkpoint-<step>`` folders
-        older than the newest ``keep_last`` resumable ones (``last_checkpoint``'s test), except the Trainer's best;
-        never one newer than the oldest of those kept, nor a link's target (a link is removed itself)."""
+        """``keep_last``: on the process that writes the Trainer's files, keep the ``keep_last`` resumable
+        ``checkpoint-<step>`` folders whose parts committed last (``last_checkpoint``'s order: after a roll-back,
+        the abandoned run's higher steps count as older) and the Trainer's best one; remove the other resumable
+        ones, and folders that are not resumable (killed saves, links: removed themselves, never followed) below
+        the lowest step kept — never one above it (the Trainer's files of the save about to start are there)."""
         args = self.trainer.args
         if self.keep_last is None or not args.should_save:
             return
-        folders: list[tuple[int, str]] = []
-        with os.scandir(args.output_dir) as entries:
-            for e in entries:
-                m = _CHECKPOINT.match(e.name)
-                if m:
-                    folders.append((int(m.group(1)), e.path))
-        folders.sort(reverse=True)
-        kept: list[int] = []
-        for step, path in folders:
-            if len(kept) == self.keep_last:
-                break
-            if not os.path.islink(path) and last_checkpoint_of(path, step):
-                kept.append(step)
-        if len(kept) < self.keep_last:
+        folders = _folders(args.output_dir)
+        ready = sorted(((at, step, path) for step, path in folders
+                        if (at := committed_at(path, step)) is not None), reverse=True)
+        if len(ready) <= self.keep_last:
             return
+        kept = {path for _, _, path in ready[:self.keep_last]}
+        lowest = min(step for _, step, _ in ready[:self.keep_last])
         best = self.trainer.state.best_model_checkpoint
+        resumable = {path for _, _, path in ready}
         for step, path in folders:
-            if step < kept[-1] and not (best and os.path.abspath(best) == os.path.abspath(path)):
-                if os.path.islink(path):
+            if path in kept or (best and os.path.abspath(best) == os.path.abspath(path)):
+                continue
+            if path in resumable or step < lowest:
+                if os.path.islink(path) or not os.path.isdir(path):
                     os.remove(path)
                 else:
                     shutil.rmtree(path, ignore_errors=True)
@@ -345,12 +363,6 @@ def _agreed(token: str | None) -> str | None:
     box = [token]
     dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def last_checkpoint_of(folder: str, step: int) -> bool:
-    """Whether ``folder`` (``checkpoint-<step>``) is resumable: ``last_checkpoint``'s test for one folder."""
-    token = _trainer_token(folder)
-    return token is not None and _part_progress(os.path.join(folder, PART)) == {"global_step": step, "token": token}
 
 
 class _DeferredRNG:
