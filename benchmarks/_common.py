@@ -170,3 +170,18 @@ def fsync_path(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_fsync_rate(folder: str, nbytes: int) -> float:
+    """The device's write limit in the same run: GB/s of one file of ``nbytes`` (whole MiB, at least 1) of random
+    bytes written and fsynced in ``folder`` (the file is removed)."""
+    blob = os.path.join(folder, "limit.bin")
+    buf = bytearray(os.urandom(1 << 20)) * max(1, nbytes >> 20)
+    t0 = time.perf_counter()
+    with open(blob, "wb") as f:
+        f.write(buf)
+        f.flush()
+        os.fsync(f.fileno())
+    rate = len(buf) / (time.perf_counter() - t0) / 1e9
+    os.remove(blob)
+    return rate

@@ -32,7 +32,7 @@ import tempfile
 import time
 from typing import Any
 
-from _common import PeakRss, dir_bytes, machine, med_range  # sets up the paths
+from _common import PeakRss, dir_bytes, machine, med_range, write_fsync_rate  # sets up the paths
 
 
 def _engines() -> dict[str, Any]:
@@ -142,16 +142,7 @@ def main() -> int:
             else:
                 got = torch.load(last, weights_only=True)["state_dict"]
             assert all(torch.equal(got[k], v) for k, v in params.items()), name
-        blob = os.path.join(work, "limit.bin")
-        nbytes = sizes.get("torch.save", 0)
-        buf = bytearray(os.urandom(1 << 20)) * max(1, nbytes >> 20)
-        t0 = time.perf_counter()
-        with open(blob, "wb") as f:
-            f.write(buf)
-            f.flush()
-            os.fsync(f.fileno())
-        limits.append(len(buf) / (time.perf_counter() - t0) / 1e9)
-        os.remove(blob)
+        limits.append(write_fsync_rate(work, sizes.get("torch.save", 0)))
     shutil.rmtree(work, ignore_errors=True)
     base = statistics.median(walls["none"])
     print(f"# {datetime.date.today()} {machine()}")

@@ -178,7 +178,7 @@ def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         _worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]))
         return 0
-    from _common import machine, med_range  # sets up the paths
+    from _common import machine, med_range, write_fsync_rate  # sets up the paths
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, default=2)
@@ -194,16 +194,7 @@ def main() -> int:
     for rep in range(args.reps):
         for name in ENGINES if rep % 2 == 0 else ENGINES[:1] + ENGINES[:0:-1]:
             got[name].append(_run(args, name, os.path.join(work, name.replace(" ", "_"))))
-        nbytes = max(r["bytes"] for rs in got.values() for r in rs)
-        buf = bytearray(os.urandom(1 << 20)) * max(1, nbytes >> 20)
-        blob = os.path.join(work, "limit.bin")
-        t0 = time.perf_counter()
-        with open(blob, "wb") as f:
-            f.write(buf)
-            f.flush()
-            os.fsync(f.fileno())
-        limits.append(len(buf) / (time.perf_counter() - t0) / 1e9)
-        os.remove(blob)
+        limits.append(write_fsync_rate(work, max(r["bytes"] for rs in got.values() for r in rs)))
     shutil.rmtree(work, ignore_errors=True)
     from importlib.metadata import version
 

@@ -33,7 +33,7 @@ import tempfile
 import time
 from typing import Any
 
-from _common import PeakRss, dir_bytes, machine, med_range  # sets up the paths
+from _common import PeakRss, dir_bytes, machine, med_range, write_fsync_rate  # sets up the paths
 
 
 def _fit(engine: str, out: str, size_mib: int, steps: int, every: int) -> dict[str, Any]:
@@ -167,15 +167,7 @@ def main() -> int:
             sizes[name] = dir_bytes(out)
             _check(name, os.path.join(out, f"checkpoint-{args.steps}"), r.pop("params"))
             shutil.rmtree(out, ignore_errors=True)
-        blob = os.path.join(work, "limit.bin")
-        buf = bytearray(os.urandom(1 << 20)) * max(1, sizes.get("Trainer", 0) >> 20)
-        t0 = time.perf_counter()
-        with open(blob, "wb") as f:
-            f.write(buf)
-            f.flush()
-            os.fsync(f.fileno())
-        limits.append(len(buf) / (time.perf_counter() - t0) / 1e9)
-        os.remove(blob)
+        limits.append(write_fsync_rate(work, sizes.get("Trainer", 0)))
     shutil.rmtree(work, ignore_errors=True)
     none = got["none"]
     print(f"# {datetime.date.today()} {machine()} transformers {transformers.__version__}")

@@ -52,14 +52,13 @@ from torchtitan.components.checkpointer.base import (
     ModelWrapper,
 )
 
-from liferaft.core.commit import read_commit
 from liferaft.core.load import load
 from liferaft.core.open import format_of
 from liferaft.core.read import inspect
 from liferaft.core.save import AsyncSaveHandle, async_save, save
-from liferaft.errors import CheckpointNotFoundError, LiferaftError, OptionsError, StateMismatchError
+from liferaft.errors import CheckpointNotFoundError, OptionsError, StateMismatchError
+from liferaft.integrations._common import committed
 from liferaft.options import LoadOptions, SaveOptions
-from liferaft.storage import resolve
 
 __all__ = ["LiferaftCheckpointManager"]
 
@@ -228,31 +227,25 @@ class LiferaftCheckpointManager(BaseCheckpointManager):
 
     def _foreign_steps(self) -> list[int]:
         """The steps in ``folder`` that are PyTorch DCP checkpoints (torchtitan's own manager's)."""
-        out: list[int] = []
-        try:
-            with os.scandir(self.folder) as entries:
-                for e in entries:
-                    m = _STEP.match(e.name)
-                    if m and e.is_dir(follow_symlinks=False) and os.path.isfile(os.path.join(e.path, ".metadata")) \
-                            and not _committed(e.path):
-                        out.append(int(m.group(1)))
-        except FileNotFoundError:
-            pass
-        return out
+        return [n for n, path in self._steps()
+                if os.path.isfile(os.path.join(path, ".metadata")) and not committed(path)]
 
     def _committed_steps(self) -> list[int]:
-        """The steps in ``folder`` with a committed liferaft checkpoint (links not followed)."""
-        out: list[int] = []
+        """The steps in ``folder`` with a committed liferaft checkpoint."""
+        return [n for n, path in self._steps() if committed(path)]
+
+    def _steps(self) -> list[tuple[int, str]]:
+        """``(step, path)`` of the ``step-<n>`` folders in ``folder`` (links not followed: not counted)."""
+        out: list[tuple[int, str]] = []
         try:
             with os.scandir(self.folder) as entries:
                 for e in entries:
                     m = _STEP.match(e.name)
-                    if m and e.is_dir(follow_symlinks=False) and _committed(e.path):
-                        out.append(int(m.group(1)))
+                    if m and e.is_dir(follow_symlinks=False):
+                        out.append((int(m.group(1)), e.path))
         except FileNotFoundError:
             pass
         return out
-
 
 def _excluded(config: Any, states: dict[str, Any]) -> list[str]:
     """``exclude_from_loading``, checked: every key must be one of the saved states (as torchtitan's manager)."""
@@ -308,14 +301,6 @@ class _Loader:
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         StatefulDataLoader.load_state_dict(self.loader, sd["state"])
-
-
-def _committed(path: str) -> bool:
-    try:
-        read_commit(resolve(path))
-    except (LiferaftError, OSError):
-        return False
-    return True
 
 
 def _remove(*paths: str) -> None:

@@ -49,15 +49,14 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from liferaft.core.commit import read_commit
 from liferaft.core.load import load
 from liferaft.core.read import read
 from liferaft.core.save import AsyncSaveHandle, async_save, save
 from liferaft.errors import LiferaftError, OptionsError, StateMismatchError
 from liferaft.format.layout import COMMIT_MARKER
+from liferaft.integrations._common import committed
 from liferaft.options import LoadOptions, SaveOptions
 from liferaft.state.rng import RNGState
-from liferaft.storage import resolve
 
 __all__ = ["PART", "LiferaftCallback", "LiferaftSaveToken", "last_checkpoint"]
 
@@ -129,21 +128,13 @@ def _trainer_token(folder: str) -> str | None:
 def _part_progress(path: str) -> dict[str, Any] | None:
     """What the liferaft part at ``path`` was saved at (``{"global_step", "token"}``), or None when it is not a
     committed liferaft checkpoint holding it."""
-    if not _committed(path):
+    if not committed(path):
         return None
     try:
         got = read(path, keys=["trainer"])["trainer"]
     except (LiferaftError, OSError, KeyError, TypeError):
         return None
     return got if isinstance(got, dict) else None
-
-
-def _committed(path: str) -> bool:
-    try:
-        read_commit(resolve(path))
-    except (LiferaftError, OSError):
-        return False
-    return True
 
 
 class LiferaftCallback(TrainerCallback):
@@ -293,7 +284,7 @@ class LiferaftCallback(TrainerCallback):
                 f"({last_checkpoint(args.output_dir) or 'none in ' + os.fspath(args.output_dir)})"
                 + ("" if self.resume_from else ", or pass LiferaftCallback(resume_from=...) when the Trainer resumes "
                    "from a checkpoint outside output_dir"))
-        if not _committed(path):
+        if not committed(path):
             raise StateMismatchError(
                 f"the Trainer resumes from step {state.global_step} but {path} holds no committed liferaft "
                 f"checkpoint (a save killed midway, or a checkpoint written without LiferaftCallback); {hint}")
