@@ -1,0 +1,184 @@
+"""Planning at scale, in one process: what the first save's plan and a resharding load's plan cost per rank as the
+job grows, side by side with PyTorch DCP's own planner on the same simulated metadata (issue #20's baseline).
+
+Simulated jobs of ``--ranks`` ranks, each holding its part of ``--tensors`` tensors of ``--rows`` × 4096 fp32
+(``--rows`` grown to at least the rank count so that every rank holds a row), in these layouts:
+
+- ``fsdp`` — every tensor ``Shard(0)`` over all ranks (FSDP2: one row block per rank);
+- ``fsdp×tp8`` — ``Shard(0)`` over ranks / 8 and ``Shard(1)`` over 8 (a 2-D grid);
+- ``pairs`` — hand-made row shards over ranks / 2, each held by 2 ranks (replicas);
+- ``ddp`` — every rank holds every tensor whole (replicated; one rank writes each chunk).
+
+Measured (median of ``--reps``): liferaft's ``plan_save`` over the gathered metadata (what every rank runs for
+the first save today), the bytes of one rank's metadata and of everyone's (what each rank receives), the
+manifest's JSON size (``build_manifest`` with one 4 MiB hash block per chunk); liferaft's ``plan_reads`` for one
+rank of a resharding load onto ¾ of the ranks (``fsdp`` only); DCP's ``dedup_save_plans`` +
+``create_default_global_save_plan`` over the same shards (its coordinator's global plan) and the pickled size of
+its ``Metadata`` (what every loading rank reads). DCP's local load plan needs real DTensors (a process group) and
+is not simulated here. A cell that would take longer than ``--budget-s`` (estimated from the smaller sizes, growing as
+ranks²) is skipped.
+
+    python benchmarks/bench_scale.py [--ranks 256,1024,4096] [--tensors 100] [--layouts fsdp,fsdp×tp8,pairs,ddp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import pickle
+import statistics
+import time
+from typing import Any
+
+from _common import machine  # sets up the paths
+
+COLS = 4096
+
+
+def _metas(layout: str, ranks: int, tensors: int, rows: int) -> list[Any]:
+    from liferaft.planning.save_plan import RankMeta, TensorMeta
+
+    rows = max(rows, ranks)
+    out = []
+    for r in range(ranks):
+        boxes: list[tuple[tuple[int, int], tuple[int, int]]] = []
+        if layout == "fsdp":
+            lo, hi = r * rows // ranks, (r + 1) * rows // ranks
+            boxes = [((lo, 0), (hi - lo, COLS))]
+        elif layout == "fsdp×tp8":
+            dp, tp = ranks // 8, 8
+            i, j = r // tp, r % tp
+            lo, hi = i * rows // dp, (i + 1) * rows // dp
+            boxes = [((lo, j * COLS // tp), (hi - lo, COLS // tp))]
+        elif layout == "pairs":
+            half = ranks // 2
+            i = r % half
+            lo, hi = i * rows // half, (i + 1) * rows // half
+            boxes = [((lo, 0), (hi - lo, COLS))]
+        elif layout == "ddp":
+            boxes = [((0, 0), (rows, COLS))]
+        metas = tuple(TensorMeta(key=f"layers.{t}.weight", path=("layers", str(t), "weight"), kind="tensor",
+                                 dtype="float32", shape=(rows, COLS), boxes=tuple(boxes)) for t in range(tensors))
+        out.append(RankMeta(rank=r, tensors=metas, values=(), containers=()))
+    return out
+
+
+def _liferaft_save(metas: list[Any]) -> tuple[float, Any]:
+    from liferaft.planning.save_plan import plan_save
+
+    t0 = time.perf_counter()
+    plan = plan_save(metas, "0" * 16)
+    return time.perf_counter() - t0, plan
+
+
+def _manifest_bytes(plan: Any) -> int:
+    from liferaft.core.chunks.writer import StoredChunk
+    from liferaft.planning.save_plan import build_manifest
+
+    block = 4 << 20
+    stored = [[StoredChunk(file=w.file, byte_offset=w.byte_offset, block_size=block,
+                           hashes=tuple("0" * 8 for _ in range(max(1, -(-w.length // block)))))
+               for w in items] for items in plan.writes]
+    sizes = [sum(w.length for w in items) for items in plan.writes]
+    m = build_manifest(plan, stored, sizes, save_id="0" * 16, created_unix=0.0, liferaft_version="0",
+                       torch_version="0")
+    return len(m.to_json_bytes())
+
+
+def _liferaft_load(plan: Any, ranks: int, rows: int, tensors: int) -> float:
+    """One rank's read plan for an ``fsdp`` load onto ¾ of the ranks (the rank in the middle)."""
+    from liferaft.format.records import ChunkRecord, TensorEntry
+    from liferaft.planning.load_plan import plan_reads
+
+    rows = max(rows, ranks)
+    new = max(1, ranks * 3 // 4)
+    r = new // 2
+    lo, hi = r * rows // new, (r + 1) * rows // new
+    entries = []
+    for t in plan.tensors:
+        chunks = tuple(ChunkRecord(offsets=b[0], sizes=b[1], file="f", byte_offset=0, length=b[1][0] * b[1][1] * 4,
+                                   block_size=4 << 20, hashes=("0" * 8,) * max(1, -(-(b[1][0] * b[1][1] * 4)
+                                                                                 // (4 << 20))))
+                       for b in t.boxes)
+        entries.append(TensorEntry(key=t.key, path=t.path, kind=t.kind, dtype=t.dtype, shape=t.shape, chunks=chunks))
+    wanted = [(0, ((lo, 0), (hi - lo, COLS)))]
+    t0 = time.perf_counter()
+    for e in entries[:tensors]:
+        plan_reads(e, wanted)
+    return time.perf_counter() - t0
+
+
+def _dcp_plans(layout: str, ranks: int, tensors: int, rows: int) -> list[Any]:
+    import torch
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+    props = TensorProperties(dtype=torch.float32)
+    plans = []
+    for meta in _metas(layout, ranks, tensors, rows):
+        items = []
+        for t in meta.tensors:
+            (off, size), = t.boxes
+            items.append(WriteItem(index=MetadataIndex(t.key, torch.Size(off)), type=WriteItemType.SHARD,
+                                   tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(torch.Size(off),
+                                                                                         torch.Size(size)),
+                                                               properties=props, size=torch.Size(t.shape))))
+        plans.append(SavePlan(items))
+    return plans
+
+
+def _dcp_save(plans: list[Any]) -> tuple[float, Any]:
+    from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
+    from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
+
+    t0 = time.perf_counter()
+    deduped = dedup_save_plans(plans)
+    _, metadata = create_default_global_save_plan(deduped)
+    return time.perf_counter() - t0, metadata
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", default="256,1024,4096")
+    ap.add_argument("--tensors", type=int, default=100)
+    ap.add_argument("--rows", type=int, default=8192)
+    ap.add_argument("--layouts", default="fsdp,fsdp×tp8,pairs,ddp")
+    ap.add_argument("--reps", type=int, default=1)
+    ap.add_argument("--budget-s", type=float, default=120.0)
+    args = ap.parse_args()
+    sizes = [int(x) for x in args.ranks.split(",")]
+    print(f"# {datetime.date.today()} {machine()}")
+    print(f"# {args.tensors} tensors of max({args.rows}, ranks) × {COLS} fp32; one process; median of {args.reps}")
+    print("| layout | ranks | liferaft plan_save (s) | one rank's metadata (kB) | received per rank (MB) | "
+          "manifest (MB) | liferaft load plan, 1 rank (s) | DCP global save plan (s) | DCP metadata (MB) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for layout in args.layouts.split(","):
+        last: tuple[int, float] | None = None
+        for ranks in sizes:
+            if last is not None and last[1] * (ranks / last[0]) ** 2 > args.budget_s:
+                print(f"| {layout} | {ranks} | skipped (est. {last[1] * (ranks / last[0]) ** 2:.0f} s) |||||||")
+                continue
+            metas = _metas(layout, ranks, args.tensors, args.rows)
+            one = len(pickle.dumps(metas[0]))
+            times, plan = [], None
+            for _ in range(args.reps):
+                dt, plan = _liferaft_save(metas)
+                times.append(dt)
+            t_save = statistics.median(times)
+            last = (ranks, t_save)
+            man = _manifest_bytes(plan)
+            t_load = _liferaft_load(plan, ranks, args.rows, args.tensors) if layout == "fsdp" else float("nan")
+            dplans = _dcp_plans(layout, ranks, args.tensors, args.rows)
+            d_times, metadata = [], None
+            for _ in range(args.reps):
+                dt, metadata = _dcp_save(dplans)
+                d_times.append(dt)
+            print(f"| {layout} | {ranks} | {t_save:.2f} | {one / 1e3:.1f} | {one * ranks / 1e6:.1f} | "
+                  f"{man / 1e6:.1f} | {t_load:.3f} | {statistics.median(d_times):.2f} | "
+                  f"{len(pickle.dumps(metadata)) / 1e6:.1f} |", flush=True)
+            del metas, plan, dplans, metadata
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
