@@ -5,10 +5,13 @@ here). Imports nothing of liferaft and no torch.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 FORMAT_NAME = "liferaft"
 FORMAT_VERSION = 3          # the newest version this code reads; a save uses 2 or 3 only when it needs it (§4.1, §4.5)
@@ -126,6 +129,14 @@ class TensorEntry:
     @property
     def itemsize(self) -> int:
         return DTYPE_ITEMSIZE[self.dtype]
+
+    @functools.cached_property
+    def chunk_bounds(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(first, end)``: int64 arrays (chunks × dimensions) of each chunk's first index and one past its last,
+        for overlap queries over many chunks (``planning.load_plan``); computed once per entry."""
+        first = np.array([c.offsets for c in self.chunks], dtype=np.int64).reshape(len(self.chunks), len(self.shape))
+        sizes = np.array([c.sizes for c in self.chunks], dtype=np.int64).reshape(first.shape)
+        return first, first + sizes
 
     @property
     def nbytes(self) -> int:

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from liferaft.format.manifest import CHECKSUM_ALGO, ChunkRecord, TensorEntry
 from liferaft.planning.geometry import Box, byte_span, intersect, split_for_reading, strides
 
@@ -113,6 +115,24 @@ def plan_reads(entry: TensorEntry, wanted: Sequence[tuple[int, Box]], max_read: 
     holds at least one whole hash block.
     """
     units: list[ReadUnit] = []
-    for chunk in entry.chunks:
+    for chunk in _candidates(entry, wanted):
         units.extend(_units_for_chunk(entry.key, chunk, entry.itemsize, wanted, max(max_read, chunk.block_size)))
     return units
+
+
+#: from this many chunks on, the chunks a load may need are found by an array query over their bounds (one pass
+#: in C per wanted box) rather than by intersecting each chunk in Python: a tensor sharded over thousands of ranks
+#: has thousands of chunks, of which a rank's box overlaps a few
+INDEX_FROM = 32
+
+
+def _candidates(entry: TensorEntry, wanted: Sequence[tuple[int, Box]]) -> Sequence[ChunkRecord]:
+    """The chunks of ``entry`` that share an element with some wanted box (a superset of those; manifest order)."""
+    if len(entry.chunks) < INDEX_FROM:
+        return entry.chunks
+    first, end = entry.chunk_bounds
+    hit = np.zeros(len(entry.chunks), dtype=bool)
+    for _, (offsets, sizes) in wanted:
+        lo = np.asarray(offsets, dtype=np.int64)
+        hit |= np.all((first < lo + np.asarray(sizes, dtype=np.int64)) & (end > lo), axis=1)
+    return [entry.chunks[i] for i in np.flatnonzero(hit)]
