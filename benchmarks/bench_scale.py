@@ -32,35 +32,13 @@ from typing import Any
 
 from _common import machine  # sets up the paths
 
-COLS = 4096
+COLS = 4096            # (liferaft.testing.scale.COLS)
 
 
 def _metas(layout: str, ranks: int, tensors: int, rows: int) -> list[Any]:
-    from liferaft.planning.save_plan import RankMeta, TensorMeta
+    from liferaft.testing.scale import rank_metas
 
-    rows = max(rows, ranks)
-    out = []
-    for r in range(ranks):
-        boxes: list[tuple[tuple[int, int], tuple[int, int]]] = []
-        if layout == "fsdp":
-            lo, hi = r * rows // ranks, (r + 1) * rows // ranks
-            boxes = [((lo, 0), (hi - lo, COLS))]
-        elif layout == "fsdp×tp8":
-            dp, tp = ranks // 8, 8
-            i, j = r // tp, r % tp
-            lo, hi = i * rows // dp, (i + 1) * rows // dp
-            boxes = [((lo, j * COLS // tp), (hi - lo, COLS // tp))]
-        elif layout == "pairs":
-            half = ranks // 2
-            i = r % half
-            lo, hi = i * rows // half, (i + 1) * rows // half
-            boxes = [((lo, 0), (hi - lo, COLS))]
-        elif layout == "ddp":
-            boxes = [((0, 0), (rows, COLS))]
-        metas = tuple(TensorMeta(key=f"layers.{t}.weight", path=("layers", str(t), "weight"), kind="tensor",
-                                 dtype="float32", shape=(rows, COLS), boxes=tuple(boxes)) for t in range(tensors))
-        out.append(RankMeta(rank=r, tensors=metas, values=(), containers=()))
-    return out
+    return rank_metas(layout, ranks, tensors, rows)
 
 
 def _liferaft_save(metas: list[Any]) -> tuple[float, Any]:
