@@ -18,6 +18,11 @@ its ``Metadata`` (what every loading rank reads). DCP's local load plan needs re
 is not simulated here. A cell that would take longer than ``--budget-s`` (estimated from the smaller sizes, growing as
 ranks²) is skipped.
 
+A second table: the plan each rank makes on its own when every tensor has a compact layout (``planning.layouts``;
+not ``pairs``): one rank's time to digest its layouts and plan its writes, at ``--own-ranks`` ×
+``--own-tensors``; the bytes it receives to plan (the digest vote and the save id); and its row of the commit's
+gather to rank 0, with rank 0's total.
+
     python benchmarks/bench_scale.py [--ranks 256,1024,4096] [--tensors 100] [--layouts fsdp,fsdp×tp8,pairs,ddp]
 """
 
@@ -115,6 +120,52 @@ def _dcp_save(plans: list[Any]) -> tuple[float, Any]:
     return time.perf_counter() - t0, metadata
 
 
+def _own(layout: str, ranks: int, tensors: int, rows: int) -> tuple[float, int, int] | None:
+    """Planned by each rank on its own (``planning.layouts``): one rank's time to digest its layouts and plan its
+    writes (the middle rank), the bytes it receives to plan (the digest vote and the save id), and the bytes of
+    its row of the commit's gather to rank 0 (its writes with their stored records). None: no compact layout."""
+    from liferaft.core.chunks.writer import StoredChunk
+    from liferaft.core.phases import _layout_digest
+    from liferaft.planning.layouts import plan_own
+    from liferaft.planning.save_plan import RankMeta
+    from liferaft.testing.scale import compact_tensors
+
+    described = compact_tensors(layout, ranks, tensors, rows)
+    if described is None:
+        return None
+    rank = ranks // 2
+    meta = RankMeta(rank=rank, tensors=tuple(t for t, _ in described), values=(), containers=())
+    t0 = time.perf_counter()
+    _layout_digest(meta, tuple(la for _, la in described), 64, 16 << 20)
+    mine = plan_own(described, rank, "0" * 16, 64, 16 << 20)
+    dt = time.perf_counter() - t0
+    received = 8 * 3 + 8 + len(pickle.dumps((None, "0" * 16)))       # all-reduce of 3 int64; the broadcast
+    block = 4 << 20
+    stored = [StoredChunk(file=w.file, byte_offset=w.byte_offset, block_size=block,
+                          hashes=tuple("0" * 8 for _ in range(max(1, -(-w.length // block))))) for w in mine]
+    row = len(pickle.dumps((mine, stored, sum(w.length for w in mine), (), ())))
+    return dt, received, row
+
+
+def _own_table(sizes: list[int], counts: list[int], layouts: list[str], rows: int) -> None:
+    print()
+    print("Planned by each rank on its own (one rank: digest + plan_own; what it receives to plan; its row of the "
+          "commit's gather to rank 0, and rank 0's total):")
+    print("| layout | ranks | tensors | plan, one rank (s) | received to plan (B) | row to rank 0 (kB) | "
+          "rank 0 gathers (MB) |")
+    print("|---|---|---|---|---|---|---|")
+    for layout in layouts:
+        for ranks in sizes:
+            for tensors in counts:
+                got = _own(layout, ranks, tensors, rows)
+                if got is None:
+                    print(f"| {layout} | {ranks} | {tensors} | gathered (no compact layout) ||||")
+                    continue
+                dt, received, row = got
+                print(f"| {layout} | {ranks} | {tensors} | {dt:.3f} | {received} | {row / 1e3:.1f} | "
+                      f"{row * ranks / 1e6:.0f} |", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", default="256,1024,4096")
@@ -123,10 +174,18 @@ def main() -> int:
     ap.add_argument("--layouts", default="fsdp,fsdp×tp8,pairs,ddp")
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--budget-s", type=float, default=120.0)
+    ap.add_argument("--own-ranks", default="1024,16384,100000",
+                    help="rank counts for the table of plans each rank makes on its own")
+    ap.add_argument("--own-tensors", default="100,1000")
+    ap.add_argument("--skip-gathered", action="store_true", help="only the table of plans made on their own")
     args = ap.parse_args()
     sizes = [int(x) for x in args.ranks.split(",")]
     print(f"# {datetime.date.today()} {machine()}")
     print(f"# {args.tensors} tensors of max({args.rows}, ranks) × {COLS} fp32; one process; median of {args.reps}")
+    own = ([int(x) for x in args.own_ranks.split(",")], [int(x) for x in args.own_tensors.split(",")])
+    if args.skip_gathered:
+        _own_table(*own, args.layouts.split(","), args.rows)
+        return 0
     print("| layout | ranks | liferaft plan_save (s) | one rank's metadata (kB) | received per rank (MB) | "
           "manifest (MB) | liferaft load plan, 1 rank (s) | DCP global save plan (s) | DCP metadata (MB) |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -155,6 +214,7 @@ def main() -> int:
                   f"{man / 1e6:.1f} | {t_load:.3f} | {statistics.median(d_times):.2f} | "
                   f"{len(pickle.dumps(metadata)) / 1e6:.1f} |", flush=True)
             del metas, plan, dplans, metadata
+    _own_table(*own, args.layouts.split(","), args.rows)
     return 0
 
 

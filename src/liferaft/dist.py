@@ -350,6 +350,9 @@ class Coordinator:
         self.timeout = timeout
         self.group: _Group | None = None
         self.key = "local"
+        #: whether this coordinator's rank ``i`` is the job's global rank ``i`` for every ``i`` (a DeviceMesh
+        #: names global ranks)
+        self.global_order = True
         if not (dist.is_available() and dist.is_initialized()):
             if process_group is not None:
                 raise DistributedError("a process_group was given but torch.distributed is not initialized")
@@ -358,6 +361,7 @@ class Coordinator:
         pg = process_group if process_group is not None else dist.group.WORLD
         self.rank = dist.get_rank(pg)
         self.world = dist.get_world_size(pg)
+        self.global_order = pg is dist.group.WORLD or dist.get_process_group_ranks(pg) == list(range(self.world))
         if self.world > 1:
             self.group = _group(pg, timeout, channel)
             self.key = self.group.name
@@ -463,6 +467,75 @@ class Coordinator:
             if cleanup is not None:
                 cleanup()
             raise
+
+    def gather_to_zero(self, payload: Any, error: BaseException | None = None, what: str = "") -> list[Any] | None:
+        """Every rank's ``payload`` on rank 0 (in rank order; None on the other ranks), with the error semantics
+        of :meth:`exchange`: if any rank passed an ``error``, every rank raises. What a rank other than 0
+        receives does not grow with the world (one all-reduce of two numbers; the messages of failed ranks
+        only when some failed), so it serves what only rank 0 needs from everyone (what goes in the manifest)."""
+        if self.world == 1 or self.group is None:
+            if error is not None:
+                raise error
+            return [payload]
+        import torch
+        import torch._C._distributed_c10d as c10d
+
+        data = b"" if error is not None else pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
+        failed, longest = self.all_max([int(error is not None), len(data) + 8], what)
+        if failed:
+            self.exchange(None, error, what)        # raises on every rank, naming the failed ranks
+            raise DistributedError(f"{what or 'operation'} failed on a rank that sent no message")
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        mine[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+        if data:
+            mine[8:8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        outs = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world)] if self.rank == 0 else []
+        opts = c10d.GatherOptions()
+        opts.rootRank = 0
+        opts.timeout = datetime.timedelta(seconds=self.timeout)
+        try:
+            self.group.backend.gather([outs] if self.rank == 0 else [], [mine], opts).wait()
+        except Exception as e:  # noqa: BLE001 - gloo reports timeouts and lost peers as RuntimeError
+            raise self._fail(e, what, None) from None
+        if self.rank != 0:
+            return None
+        out = []
+        for buf in outs:
+            n = int(buf[:8].view(torch.int64).item())
+            out.append(pickle.loads(buf[8:8 + n].numpy().tobytes()))      # our own ranks' messages
+        return out
+
+    def run_max(self, step: Callable[[], tuple[T, list[int]]], width: int, what: str, *,
+                cleanup: Callable[[], object] | None = None) -> tuple[T, list[int]]:
+        """Run ``step`` on this rank (it returns a result kept here and ``width`` numbers to vote on), then one
+        all-reduce: the element-wise maximum of every rank's numbers. If any rank's step failed, every rank
+        raises as in :meth:`run` (``cleanup`` first). What a rank receives does not grow with the world."""
+        result, error = _attempt(step)
+        numbers = list(result[1]) if result is not None else [0] * width
+        if len(numbers) != width:
+            raise ValueError(f"run_max: step gave {len(numbers)} numbers, not {width}")
+        try:
+            vote = self.all_max([int(error is not None)] + numbers, what)
+            if vote[0]:
+                self.exchange(None, error, what)
+                raise DistributedError(f"{what or 'operation'} failed on a rank that sent no message")
+        except BaseException:
+            if cleanup is not None:
+                cleanup()
+            raise
+        assert result is not None
+        return result[0], vote[1:]
+
+    def agree(self, error: BaseException | None = None, what: str = "") -> None:
+        """Return on every rank when no rank passed an ``error``; otherwise raise on every rank as
+        :meth:`exchange` does. One all-reduce of one number when all went well."""
+        if self.world == 1 or self.group is None:
+            if error is not None:
+                raise error
+            return
+        if self.all_max([int(error is not None)], what)[0]:
+            self.exchange(None, error, what)
+            raise DistributedError(f"{what or 'operation'} failed on a rank that sent no message")
 
     def run_on_zero(self, step: Callable[[], T], what: str) -> T:
         """Run ``step`` on rank 0 only and give its result to every rank; if it fails, every rank raises (rank 0

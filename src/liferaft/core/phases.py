@@ -32,7 +32,8 @@ from liferaft.errors import CheckpointExistsError, LiferaftError, StorageError
 from liferaft.format.layout import COMMIT_MARKER
 from liferaft.format.manifest import ChunkRecord, Manifest
 from liferaft.options import SaveOptions, SaveResult
-from liferaft.planning.geometry import Box
+from liferaft.planning.geometry import Box, numel
+from liferaft.planning.layouts import Layout, layout_box, plan_own
 from liferaft.planning.save_plan import (
     RankMeta,
     SavePlan,
@@ -40,6 +41,8 @@ from liferaft.planning.save_plan import (
     ValueMeta,
     WriteItem,
     build_manifest,
+    merge_containers,
+    merge_values,
     per_rank_keys,
     plan_save,
     replan,
@@ -61,7 +64,9 @@ def _version() -> str:
 
 
 PlanKey = tuple[str, int, int, int, int]
-Planned = tuple[tuple[TensorMeta, ...], SavePlan, str]
+#: (every tensor's metadata on this rank, or ``("layouts", digest)`` for a plan made from compact layouts; the
+#: plan; the id of the save it was made for)
+Planned = tuple[Any, SavePlan, str]
 
 
 class PlanCache:
@@ -165,6 +170,8 @@ class PreparedSave:
     t_start: float = 0.0
     lossy: dict[str, dict[str, Any]] = field(default_factory=dict)
     copies: str | None = None       # this rank's file of chunks copied from a sibling checkpoint, if any
+    #: planned on its own (``plan.own``): this rank's metadata, whose values and containers go to rank 0
+    own: RankMeta | None = None
 
     @property
     def writes(self) -> tuple[WriteItem, ...]:
@@ -181,16 +188,24 @@ class PreparedSave:
 
 
 def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOptions) -> PreparedSave:
-    """Flatten, exchange metadata and plan (collective). Raises on every rank if any rank fails."""
+    """Flatten, exchange metadata and plan (collective). Raises on every rank if any rank fails.
+
+    When every rank describes the same tensors with the same compact layouts (``planning.layouts``: DTensors
+    over a mesh of the ranks in order, plain tensors held whole), which one all-reduce of a digest tells, each
+    rank plans its own writes and nothing is gathered; otherwise every rank's metadata is gathered and planned
+    (``planning.save_plan``)."""
     t_start = time.perf_counter()
     flat: FlatState | None = None
     meta: RankMeta | None = None
+    layouts: tuple[Layout, ...] | None = None
     cache_key = (coord.key, coord.rank, coord.world, opts.alignment, opts.chunk_bytes)
     cached = PLANS.get(cache_key)
+    # (every rank of a group votes, whatever its options, so that all run the same collectives)
+    compact = coord.world > 1 and coord.global_order
 
     def describe() -> tuple[Any, ...]:
         """This rank's metadata to share (flattening ``state``, which is kept here)."""
-        nonlocal flat, meta
+        nonlocal flat, meta, layouts
         if sys.byteorder != "little":
             raise StorageError("liferaft stores little-endian bytes; big-endian hosts are not supported")
         if storage.process_local and coord.world > 1:
@@ -198,6 +213,8 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
                                "backend (a local path, file:// or an object store)")
         flat = flatten(state, world=coord.world)
         meta = _rank_meta(coord.rank, flat, opts.allow_pickle, coord.world)
+        if compact and not opts.incremental_base:   # (an incremental save's references are planned gathered)
+            layouts = _layouts(flat, coord.rank, coord.world)
         if coord.rank == 0 and not opts.overwrite and storage.exists(COMMIT_MARKER):
             raise CheckpointExistsError(f"{storage.url} already holds a committed checkpoint; pass "
                                         "SaveOptions(overwrite=True) to replace it, or save to a new path")
@@ -207,18 +224,38 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
         return (replace(meta, tensors=()) if reuse else meta, uuid.uuid4().hex[:16] if coord.rank == 0 else None,
                 reuse, base)
 
-    gathered = coord.run(describe, "save (planning)")
-    save_id, base = gathered[0][1], gathered[0][3]
-    assert flat is not None and meta is not None
-    # (every rank sends its digests, also with a reused plan: which plain tensors are stored per rank may change)
-    if cached is not None and all(g[2] == cached[2] for g in gathered) and \
-            per_rank_keys([g[0] for g in gathered]) == cached[1].per_rank:
-        plan = replan(cached[1], [g[0] for g in gathered], save_id)
+    plan: SavePlan | None = None
+    if compact:
+        def vote() -> tuple[tuple[Any, ...], list[int]]:
+            payload = describe()
+            assert meta is not None
+            h = _layout_digest(meta, layouts, opts.alignment, opts.chunk_bytes) if layouts is not None else 0
+            return payload, [h, -h]
+
+        payload, (high, neg_low) = coord.run_max(vote, 2, "save (planning)")
+        assert meta is not None
+        if high == -neg_low != 0:                   # every rank sent the same digest of compact layouts
+            assert layouts is not None
+            save_id = coord.broadcast_from_zero(payload[1], None, "save (planning)")
+            plan = _own_plan(meta, layouts, coord, save_id, opts, cached, high)
+        else:
+            gathered = coord.exchange(payload, None, "save (planning)")
     else:
-        if any(g[2] for g in gathered):     # some rank sent no tensor metadata: gather it all again
-            gathered = coord.exchange((meta, None, None, None), None, "save (planning)")
-        plan = plan_save([g[0] for g in gathered], save_id, opts.alignment, opts.chunk_bytes)
-        PLANS.put(cache_key, (meta.tensors, plan, save_id))
+        gathered = coord.run(describe, "save (planning)")
+    assert flat is not None and meta is not None
+    if plan is None:
+        save_id, base = gathered[0][1], gathered[0][3]
+        # (every rank sends its digests, also with a reused plan: which plain tensors are stored per rank may change)
+        if cached is not None and all(g[2] == cached[2] for g in gathered) and \
+                per_rank_keys([g[0] for g in gathered]) == cached[1].per_rank:
+            plan = replan(cached[1], [g[0] for g in gathered], save_id)
+        else:
+            if any(g[2] for g in gathered):     # some rank sent no tensor metadata: gather it all again
+                gathered = coord.exchange((meta, None, None, None), None, "save (planning)")
+            plan = plan_save([g[0] for g in gathered], save_id, opts.alignment, opts.chunk_bytes)
+            PLANS.put(cache_key, (meta.tensors, plan, save_id))
+    else:
+        base = None
     sources = _per_rank_sources(plan, flat, coord.rank)
     for w in plan.writes[coord.rank]:
         if w.parent is not None:
@@ -226,9 +263,57 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
                                                               (w.offsets, w.sizes))
     policy, lossy = chunk_policy(plan, storage, opts, base)
     prepared = PreparedSave(storage=storage, plan=plan, save_id=save_id, rank=coord.rank, world=coord.world,
-                            sources=sources, policy=policy, t_start=t_start, lossy=lossy)
+                            sources=sources, policy=policy, t_start=t_start, lossy=lossy,
+                            own=meta if layouts is not None and plan.own else None)
     prepared.timings["plan"] = time.perf_counter() - t_start
     return prepared
+
+
+def _layouts(flat: FlatState, rank: int, world: int) -> tuple[Layout, ...] | None:
+    """Each tensor's compact layout over ``world`` ranks, checked against the box this rank holds (None: some
+    tensor has none: a hand-made shard, a ``_StridedShard``, a mesh of other ranks or in another order)."""
+    out = []
+    for t in flat.tensors:
+        if t.spec is not None:
+            layout = Layout(*t.spec)
+            if layout.world != world:
+                return None
+        elif len(t.parts) == 1 and t.parts[0][0] == (tuple(0 for _ in t.shape), t.shape):
+            layout = Layout((world,), (None,))
+        else:
+            return None
+        if len(t.parts) != 1:
+            return None
+        held, want = t.parts[0][0], layout_box(layout, t.shape, rank)
+        if held != want and not (numel(held[1]) == 0 == numel(want[1])):
+            return None
+        out.append(layout)
+    return tuple(out)
+
+
+def _layout_digest(meta: RankMeta, layouts: tuple[Layout, ...], alignment: int, chunk_bytes: int) -> int:
+    """A 62-bit digest (never 0) of what every rank must agree on to plan on its own: every tensor's key, path,
+    kind, dtype, global shape and layout, in order, the digests of the plain tensors that are compared, and the
+    options the plan depends on."""
+    described = [(t.key, t.path, t.kind, t.dtype, t.shape, la.mesh, la.shards) for t, la in zip(meta.tensors, layouts)]
+    return (int(digest(repr((described, meta.digests, alignment, chunk_bytes)).encode()), 16) >> 2) | 1
+
+
+def _own_plan(meta: RankMeta, layouts: tuple[Layout, ...], coord: Coordinator, save_id: str, opts: SaveOptions,
+              cached: Planned | None, agreed: int) -> SavePlan:
+    """This rank's plan from compact layouts (``planning.layouts.plan_own``): its own writes only (the other
+    ranks' are empty here), the global tensors as this rank describes them; values and containers are merged
+    on rank 0 at the commit. Reused from the cache when planned for the same digest."""
+    cache_key = (coord.key, coord.rank, coord.world, opts.alignment, opts.chunk_bytes)
+    if cached is not None and cached[0] == ("layouts", agreed):
+        return replan(cached[1], [], save_id)
+    mine = plan_own(list(zip(meta.tensors, layouts)), coord.rank, save_id, opts.alignment, opts.chunk_bytes)
+    writes = tuple(mine if r == coord.rank else () for r in range(coord.world))
+    files = {mine[-1].file: mine[-1].byte_offset + mine[-1].length} if mine else {}
+    plan = SavePlan(world_size=coord.world, writes=writes, files=files, tensors=meta.tensors, values=(),
+                    containers=(), own=True)
+    PLANS.put(cache_key, (("layouts", agreed), plan, save_id))    # type: ignore[arg-type]
+    return plan
 
 
 def finish_save(coord: Coordinator, prep: PreparedSave, write: Callable[[], WriteOutcome],
@@ -237,6 +322,8 @@ def finish_save(coord: Coordinator, prep: PreparedSave, write: Callable[[], Writ
     checkpoint exists when this returns on any rank. If any rank fails, every rank raises, having removed the
     files it wrote unless the checkpoint was committed."""
     storage, save_id, plan = prep.storage, prep.save_id, prep.plan
+    if prep.own is not None:
+        return _finish_own(coord, prep, write, opts)
     outcomes = coord.run(write, "save (write)", cleanup=prep.abandon)
     stored, copied = _copy_crumbs(coord, prep, [(o.chunks, o.file_size) for o in outcomes], opts)
     outcome = outcomes[coord.rank]
@@ -277,6 +364,65 @@ def finish_save(coord: Coordinator, prep: PreparedSave, write: Callable[[], Writ
                       files=sum(1 for s in stored if s[1]) + sum(1 for c in copied if c[0]), timings=timings,
                       bytes_reused=outcome.bytes_reused - copied[prep.rank][1],
                       bytes_encoded=outcome.bytes_encoded)
+
+
+def _finish_own(coord: Coordinator, prep: PreparedSave, write: Callable[[], WriteOutcome], opts: SaveOptions
+                ) -> SaveResult:
+    """``finish_save`` of a plan each rank made on its own: each rank's writes, what it stored, its values and
+    containers go to rank 0 only (``Coordinator.gather_to_zero``), which writes the manifest and commits; the
+    other ranks learn the outcome from one broadcast. (No references to sibling checkpoints: such a save has no
+    incremental base.)"""
+    storage, save_id, plan, meta = prep.storage, prep.save_id, prep.plan, prep.own
+    assert meta is not None
+    result, error = None, None
+    try:
+        result = write()
+    except BaseException as e:  # noqa: BLE001 - reported to every rank, then raised here too
+        error = e
+    row = None if result is None else (prep.writes, result.chunks, result.file_size, meta.values, meta.containers)
+    try:
+        rows = coord.gather_to_zero(row, error, "save (write)")
+    except BaseException:
+        prep.abandon()
+        raise
+    assert result is not None
+    timings = prep.timings
+    timings.setdefault("stage", result.stage_s)
+    timings["write"] = result.write_s
+    timings["encode"] = result.encode_s
+    t0 = time.perf_counter()
+    summary, error = None, None
+    if rows is not None:
+        try:
+            metas = [RankMeta(rank=r, tensors=(), values=v, containers=c) for r, (_, _, _, v, c) in enumerate(rows)]
+            full = replace(plan, writes=tuple(w for w, *_ in rows), values=tuple(merge_values(metas)),
+                           containers=merge_containers(metas))
+            manifest = build_manifest(full, [s for _, s, *_ in rows], [n for _, _, n, *_ in rows],
+                                      save_id=save_id, created_unix=time.time(), liferaft_version=_version(),
+                                      torch_version=torch.__version__, extra=opts.metadata, lossy=prep.lossy)
+            write_commit(storage, save_id, manifest)
+            summary = (sum(n for _, _, n, *_ in rows), sum(1 for _, _, n, *_ in rows if n))
+        except OSError as e:
+            error = StorageError(f"{storage.url}: writing the manifest or the commit marker failed: {e}")
+        except BaseException as e:  # noqa: BLE001 - reported to every rank, then raised here too
+            error = e
+    try:
+        total, files = coord.broadcast_from_zero(summary, error, "save (commit)")
+    except BaseException:
+        if not is_committed(storage, save_id):      # never delete files a committed checkpoint needs
+            prep.abandon()
+        raise
+    if coord.rank == 0:
+        try:
+            remove_stale(storage, keep=save_id)
+        except OSError as e:
+            warnings.warn(f"{storage.url}: checkpoint committed, but removing files of the checkpoint it replaced "
+                          f"failed ({e}); they are unused and can be deleted", stacklevel=2)
+    timings["commit"] = time.perf_counter() - t0
+    timings["total"] = time.perf_counter() - prep.t_start
+    return SaveResult(path=storage.url, save_id=save_id, world_size=coord.world, rank=coord.rank,
+                      bytes_written=result.bytes_written, total_bytes=total, files=files, timings=timings,
+                      bytes_reused=result.bytes_reused, bytes_encoded=result.bytes_encoded)
 
 
 def _copy_crumbs(coord: Coordinator, prep: PreparedSave, stored: list[Any], opts: SaveOptions

@@ -92,6 +92,9 @@ class SavePlan:
     tensors: tuple[TensorMeta, ...]                 # global entries (boxes = distinct chunks), manifest order
     values: tuple[ValueEntry, ...]
     containers: tuple[ContainerEntry, ...]
+    #: planned by each rank on its own (``planning.layouts``): only this rank's writes are here, and rank 0
+    #: gathers the others' with what they stored
+    own: bool = False
 
     def bytes_for_rank(self, rank: int) -> int:
         return sum(w.length for w in self.writes[rank])
@@ -221,7 +224,7 @@ def plan_save(metas: Sequence[RankMeta], save_id: str, alignment: int = 64,
             files[fname] = pos
         writes.append(tuple(out))
     return SavePlan(world_size=world, writes=tuple(writes), files=files, tensors=tuple(tensors),
-                    values=tuple(_merge_values(metas)), containers=_merge_containers(metas))
+                    values=tuple(merge_values(metas)), containers=merge_containers(metas))
 
 
 def replan(previous: SavePlan, metas: Sequence[RankMeta], save_id: str) -> SavePlan:
@@ -232,10 +235,10 @@ def replan(previous: SavePlan, metas: Sequence[RankMeta], save_id: str) -> SaveP
     files = {data_file_name(save_id, rank): items[-1].byte_offset + items[-1].length
              for rank, items in enumerate(writes) if items}
     return SavePlan(world_size=previous.world_size, writes=writes, files=files, tensors=previous.tensors,
-                    values=tuple(_merge_values(metas)), containers=_merge_containers(metas))
+                    values=tuple(merge_values(metas)), containers=merge_containers(metas), own=previous.own)
 
 
-def _merge_containers(metas: Sequence[RankMeta]) -> tuple[ContainerEntry, ...]:
+def merge_containers(metas: Sequence[RankMeta]) -> tuple[ContainerEntry, ...]:
     containers: dict[tuple, ContainerEntry] = {}
     for m in metas:
         for c in m.containers:
@@ -251,7 +254,7 @@ def _merge_containers(metas: Sequence[RankMeta]) -> tuple[ContainerEntry, ...]:
     return tuple(containers.values())
 
 
-def _merge_values(metas: Sequence[RankMeta]) -> list[ValueEntry]:
+def merge_values(metas: Sequence[RankMeta]) -> list[ValueEntry]:
     seen: dict[str, list[ValueMeta | None]] = {}
     order: list[str] = []
     for m in metas:

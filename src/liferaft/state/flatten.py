@@ -54,6 +54,10 @@ class TensorLeaf:
     parts: list[tuple[Box, torch.Tensor]]
     #: a plain leaf (tensor, numpy, bytes) outside a module / optimizer: its copies are compared across ranks
     compare: bool = False
+    #: a DTensor over a mesh of the ranks ``0..n-1`` in row-major order with Shard and Replicate placements only:
+    #: the mesh's shape and, per mesh dimension, the tensor dimension it shards (None: replicates); see
+    #: ``planning.layouts``
+    spec: tuple[tuple[int, ...], tuple[int | None, ...]] | None = None
 
     @property
     def dtype_name(self) -> str:
@@ -167,6 +171,29 @@ def _dtensor_parts(dt: Any, key: str) -> list[tuple[Box, torch.Tensor]]:
     return parts
 
 
+def _spec(dt: Any) -> tuple[tuple[int, ...], tuple[int | None, ...]] | None:
+    """``TensorLeaf.spec`` of the DTensor ``dt`` (None: its layout is not one ``planning.layouts`` describes)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    shards: list[int | None] = []
+    for p in dt.placements:
+        if type(p) is Shard:
+            shards.append(p.dim)
+        elif type(p) is Replicate:
+            shards.append(None)
+        else:
+            return None
+    mesh = dt.device_mesh
+    return (tuple(mesh.mesh.shape), tuple(shards)) if _mesh_in_order(mesh) else None
+
+
+@functools.lru_cache(maxsize=256)
+def _mesh_in_order(mesh: Any) -> bool:
+    """Whether ``mesh`` holds the ranks ``0..n-1`` in row-major order."""
+    ranks = mesh.mesh.reshape(-1)
+    return bool(torch.equal(ranks, torch.arange(ranks.numel(), dtype=ranks.dtype)))
+
+
 def is_model_or_optimizer_state_dict(v: Any) -> bool:
     """Whether ``v`` is the state dict of a module or an optimizer, saved as a dict rather than as the object
     (``{"model": model.state_dict(), "optim": opt.state_dict()}``, the common DDP pattern): a module's is the
@@ -235,7 +262,7 @@ class _Walker:
             self._tensor(path, "tensor", v.local, v.global_shape, v.boxes())
         elif self.dtensor is not None and isinstance(v, self.dtensor):
             key = key_of(path)
-            self._tensor(path, "tensor", v, tuple(v.shape), _dtensor_parts(v, key))
+            self._tensor(path, "tensor", v, tuple(v.shape), _dtensor_parts(v, key), spec=_spec(v))
         elif isinstance(v, torch.Tensor):
             _refuse_exotic(v, key_of(path))
             self._tensor(path, "tensor", v, tuple(v.shape), [((tuple(0 for _ in v.shape), tuple(v.shape)), v)],
@@ -314,7 +341,8 @@ class _Walker:
             self.walk(x, path + (k,))
 
     def _tensor(self, path: tuple[PathPart, ...], kind: str, t: Any, shape: tuple[int, ...],
-                parts: list[tuple[Box, torch.Tensor]], compare: bool = False) -> None:
+                parts: list[tuple[Box, torch.Tensor]], compare: bool = False,
+                spec: tuple[tuple[int, ...], tuple[int | None, ...]] | None = None) -> None:
         key = self._claim(path)
         if t.dtype not in _SUPPORTED:
             raise InvalidStateError(f"key {key!r}: tensors of dtype {t.dtype} are not supported")
@@ -329,7 +357,7 @@ class _Walker:
                                         "a tensor without the lazy bit (.resolve_conj() / .resolve_neg())")
             parts = [(box, p.resolve_conj().resolve_neg()) for box, p in parts]     # (a copy: what it reads as)
         self.flat.tensors.append(TensorLeaf(key=key, path=path, kind=kind, dtype=t.dtype, shape=tuple(shape),
-                                            parts=parts, compare=compare))
+                                            parts=parts, compare=compare, spec=spec))
 
     def _value(self, path: tuple[PathPart, ...], v: Any) -> None:
         self.flat.values.append((self._claim(path), path, v))

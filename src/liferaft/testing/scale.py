@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from liferaft.planning.layouts import Layout
 from liferaft.planning.save_plan import RankMeta, TensorMeta
 
 #: the columns of every simulated tensor (fp32)
@@ -37,3 +38,19 @@ def rank_metas(layout: str, ranks: int, tensors: int, rows: int) -> list[RankMet
                                  dtype="float32", shape=(rows, COLS), boxes=(box,)) for t in range(tensors))
         out.append(RankMeta(rank=r, tensors=metas, values=(), containers=()))
     return out
+
+
+def compact_tensors(layout: str, ranks: int, tensors: int, rows: int) -> list[tuple[TensorMeta, Layout]] | None:
+    """The same tensors as :func:`rank_metas`, each with its compact layout (``planning.layouts``): what every
+    rank describes when it plans its own writes; None for ``pairs`` (hand-made shards have no compact layout).
+    The row split is DTensor's (``ceil(rows / parts)`` each), equal to ``rank_metas``' when the parts divide the
+    rows."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if layout == "pairs":
+        return None
+    rows = max(rows, ranks)
+    how = {"fsdp": Layout((ranks,), (0,)), "fsdp×tp8": Layout((ranks // 8, 8), (0, 1)),
+           "ddp": Layout((ranks,), (None,))}[layout]
+    return [(TensorMeta(key=f"layers.{t}.weight", path=("layers", str(t), "weight"), kind="tensor", dtype="float32",
+                        shape=(rows, COLS), boxes=()), how) for t in range(tensors)]

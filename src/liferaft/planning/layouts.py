@@ -1,0 +1,120 @@
+"""Save planning from compact layouts: each rank plans its own writes, with nothing gathered.
+
+A tensor laid out the way DTensor lays it out — over the ranks ``0..world-1`` arranged row-major as a ``mesh``,
+each mesh dimension either sharding one tensor dimension (``Shard(d)``: torch.chunk's even split, a later mesh
+dimension splitting what an earlier one left) or replicating it — is described by one :class:`Layout`, whatever
+the rank count. A plain tensor every rank holds whole is ``Layout((world,), (None,))``. From a layout every rank
+can compute any rank's box and the holders of its own, so when every rank describes the same tensors with the
+same layouts (checked by comparing one digest: ``core.phases``), each rank plans its own writes in time and
+memory that grow with what it holds, not with the job (issue #20).
+
+The plan it gives is a valid save plan (every element written exactly once, by a rank that holds it; chunks of
+at most ``chunk_bytes``; the writer's file laid out as :func:`planning.save_plan.plan_save` lays it out), not
+the same one: the chunks of the boxes held by one group of replicas are balanced within that group (largest
+first, to the member with the fewest bytes of that group so far; ties rotate with the group), so the busiest
+member of a group writes at most one chunk more than its least busy member.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from liferaft.format.layout import data_file_name
+from liferaft.format.manifest import DTYPE_ITEMSIZE
+from liferaft.planning.geometry import Box, numel, split_box
+from liferaft.planning.save_plan import PAGE, PAGE_ALIGN_MIN, TensorMeta, WriteItem, _align
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A tensor over the ranks ``0..prod(mesh)-1`` arranged row-major as ``mesh``: ``shards[i]`` is the tensor
+    dimension mesh dimension ``i`` shards (``None``: it replicates)."""
+
+    mesh: tuple[int, ...]
+    shards: tuple[int | None, ...]
+
+    @property
+    def world(self) -> int:
+        return numel(self.mesh)
+
+
+def coordinate(mesh: Sequence[int], rank: int) -> tuple[int, ...]:
+    """``rank``'s place in the row-major ``mesh``."""
+    out = []
+    for n in reversed(mesh):
+        rank, c = divmod(rank, n)
+        out.append(c)
+    return tuple(reversed(out))
+
+
+def layout_box(layout: Layout, shape: Sequence[int], rank: int) -> Box:
+    """The box of the global tensor of ``shape`` that ``rank`` holds (sizes 0 along a dimension: it holds none).
+    Each ``Shard(d)`` splits the extent left along ``d`` into ``mesh[i]`` parts of ``ceil(n / mesh[i])``, the last
+    ones shorter or empty, as DTensor does."""
+    offs, sizes = [0] * len(shape), list(shape)
+    for n, d, c in zip(layout.mesh, layout.shards, coordinate(layout.mesh, rank)):
+        if d is None:
+            continue
+        full = -(-sizes[d] // n)
+        start = min(full * c, sizes[d])
+        size = min(sizes[d], start + full) - start
+        offs[d], sizes[d] = offs[d] + start, size
+    if 0 in sizes:
+        return tuple(0 for _ in shape), tuple(sizes)
+    return tuple(offs), tuple(sizes)
+
+
+def layout_holders(layout: Layout, rank: int) -> tuple[int, ...]:
+    """The ranks holding the same box as ``rank``: its coordinate varied along the replicating mesh dimensions,
+    in rank order."""
+    coord = coordinate(layout.mesh, rank)
+    ranks = [0]
+    for n, d, c in zip(layout.mesh, layout.shards, coord):
+        ranks = [r * n + i for r in ranks for i in ((c,) if d is not None else range(n))]
+    return tuple(ranks)
+
+
+def plan_own(tensors: Sequence[tuple[TensorMeta, Layout]], rank: int, save_id: str, alignment: int,
+             chunk_bytes: int) -> tuple[WriteItem, ...]:
+    """The chunks ``rank`` writes for a save of ``tensors`` (every tensor of the state, in manifest order, each
+    with its layout; the same sequence on every rank), laid out in its data file. Each of the rank's non-empty
+    boxes is cut into chunks of at most ``chunk_bytes`` (``geometry.split_box``); the chunks of all boxes held
+    by one group of ranks are assigned within that group, largest first, to the member with the fewest bytes so
+    far (ties: the member after the group's rotation), computed identically by every member."""
+    groups: dict[tuple[int, ...], list[tuple[int, int, str, Box, Box]]] = {}
+    holders: dict[Layout, list[tuple[int, int, str, Box, Box]]] = {}      # (a model has a few layouts)
+    for pos, (t, layout) in enumerate(tensors):
+        held = layout_box(layout, t.shape, rank)
+        if numel(held[1]) == 0:
+            continue
+        isz = DTYPE_ITEMSIZE[t.dtype]
+        jobs = holders.get(layout)
+        if jobs is None:
+            jobs = holders[layout] = groups.setdefault(layout_holders(layout, rank), [])
+        for box in split_box(held, isz, chunk_bytes):
+            jobs.append((numel(box[1]) * isz, pos, t.key, box, held))
+    mine: list[tuple[int, int, str, Box, Box]] = []
+    for members, jobs in groups.items():
+        if len(members) == 1:
+            mine.extend(jobs)
+            continue
+        jobs.sort(key=lambda j: (-j[0], j[1], j[3]))
+        turn = sum(members) % len(members)
+        heap = [(0, (i - turn) % len(members), r) for i, r in enumerate(members)]
+        heapq.heapify(heap)
+        for job in jobs:
+            load, order, r = heapq.heappop(heap)
+            if r == rank:
+                mine.append(job)
+            heapq.heappush(heap, (load + job[0], order, r))
+    mine.sort(key=lambda j: (j[1], j[3]))
+    fname = data_file_name(save_id, rank)
+    pos, out = 0, []
+    for nbytes, _, key, box, held in mine:
+        pos = _align(pos, max(alignment, PAGE) if nbytes >= PAGE_ALIGN_MIN else alignment)
+        out.append(WriteItem(key=key, offsets=box[0], sizes=box[1], file=fname, byte_offset=pos, length=nbytes,
+                             parent=None if held == box else held))
+        pos += nbytes
+    return tuple(out)
