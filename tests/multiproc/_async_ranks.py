@@ -46,7 +46,7 @@ def plan_reuse(rank: int, world: int, root: str) -> list[bool]:
     """Four saves: the same layout twice (the plan is reused), then rank 1 alone adds a tensor (every rank
     replans), then a shape change. Returns, per save, whether it loaded back exactly, and whether the plans were
     reused exactly when they should be."""
-    from liferaft.core.phases import PLANS
+    from liferaft.core.caches import PLANS
 
     def state(step: int, extra: bool, rows: int) -> dict:
         s = {"w": liferaft.Sharded(torch.full((rows, 3), float(step + rank)), (2 * rows, 3), (rank * rows, 0)),

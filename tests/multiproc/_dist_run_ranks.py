@@ -53,7 +53,7 @@ def run_and_run_on_zero(rank: int, world: int) -> dict[str, Any]:
 def plans_after_regroup(rank: int, world: int, root: str) -> dict[str, Any]:
     """Two saves of one layout (the plan is reused), then the groups are released (the next save goes over a
     new group, with a new key: planned anew), then ``liferaft.release()`` drops plans, pools and groups."""
-    from liferaft.core.phases import PLANS
+    from liferaft.core.caches import PLANS
     from liferaft.core.process import PROCESS
 
     state = {"w": liferaft.Sharded(torch.full((2, 3), float(rank)), (2 * world, 3), (2 * rank, 0)), "step": 1}

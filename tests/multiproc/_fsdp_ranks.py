@@ -133,10 +133,13 @@ def fsdp_tp(model: nn.Module, dp: int, tp: int) -> nn.Module:
     return fully_shard(model, mesh=mesh["dp"])
 
 
-def save_fsdp_tp(rank: int, world: int, path: str, ref_path: str) -> list[str]:
+def save_fsdp_tp(rank: int, world: int, path: str, ref_path: str) -> tuple[list[str], str]:
+    """Returns the parameters' placement types and how the save was planned ("layouts": by each rank on its own)."""
+    from multiproc._own_plan_ranks import planned_how
+
     model = fsdp_tp(make_model(32), 2, 2)
     _train_and_save(model, rank, path, ref_path)
-    return sorted({type(p).__name__ for v in model.parameters() for p in v.placements})
+    return sorted({type(p).__name__ for v in model.parameters() for p in v.placements}), planned_how()
 
 
 def load_fsdp_tp(rank: int, world: int, path: str, ref_path: str) -> list[str]:

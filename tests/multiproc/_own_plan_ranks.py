@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 import liferaft
-from liferaft.core.phases import PLANS
+from liferaft.core.caches import PLANS
 
 #: name -> (global shape, placements over the 2 × 2 mesh as tokens: "S<d>" shards dimension d, "R" replicates)
 DTENSORS: dict[str, tuple[tuple[int, ...], tuple[str, str]]] = {

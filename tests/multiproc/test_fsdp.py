@@ -67,8 +67,9 @@ def test_fsdp2_plus_tp_on_a_2d_mesh_to_plain_to_fsdp2_and_back(tmp_path):
     from multiproc._fsdp_ranks import load_fsdp_tp, save_fsdp_tp
 
     path, ref_path = str(tmp_path / "ck"), str(tmp_path / "ref.pt")
-    placements = run_ranks(save_fsdp_tp, 4, path, ref_path)
-    assert "_StridedShard" in placements[0], placements       # what FSDP2 over TP produces
+    saved = run_ranks(save_fsdp_tp, 4, path, ref_path)
+    assert "_StridedShard" in saved[0][0], saved               # what FSDP2 over TP produces
+    assert all(how == "layouts" for _, how in saved), saved    # planned by each rank on its own
     liferaft.verify(path)
     model = make_model(32)                                     # -> one process, plain model
     opt = torch.optim.AdamW(model.parameters(), lr=0.5)

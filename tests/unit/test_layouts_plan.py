@@ -129,3 +129,47 @@ def test_a_rank_of_16k_plans_only_what_it_holds():
     assert all(w.sizes == (8, 512) and w.offsets == (12345 // 8 * 8, 12345 % 8 * 512) for w in mine
                if w.key.startswith("w"))
     assert sum(w.key.startswith("b") for w in mine) <= 1      # the plain ones: one chunk each, spread
+
+
+def test_a_strided_layout_plans_the_boxes_each_rank_holds():
+    """A ``_StridedShard`` (FSDP2 over TP): each rank's boxes are its DTensor's (two interleaved row runs here),
+    held alike by its replicas; the union of the own plans writes every element once."""
+    layout = Layout((2, 2), ((0, 2), None))          # strided over the first mesh dimension, replicated over the second
+    assert not layout.regular
+    with pytest.raises(ValueError):
+        layout_box(layout, (8, 4), 0)
+    runs = {0: (((0, 0), (2, 4)), ((4, 0), (2, 4))), 1: (((2, 0), (2, 4)), ((6, 0), (2, 4)))}
+    own = []
+    for rank in range(4):
+        c = coordinate(layout.mesh, rank)
+        t = TensorMeta(key="w", path=("w",), kind="tensor", dtype="float32", shape=(8, 4), boxes=runs[c[0]])
+        own.append(plan_own([(t, layout)], rank, "s" * 16, 64, 1 << 20))
+        assert layout_holders(layout, rank) == ((0, 1) if c[0] == 0 else (2, 3))
+    chunks = sorted((w.offsets, w.sizes) for items in own for w in items)
+    assert chunks == sorted(b for r in runs.values() for b in r)
+    assert all(len(items) == 1 for items in own)     # two boxes per group, one to each member
+
+
+def test_the_commit_refuses_own_plans_that_do_not_tile():
+    from liferaft.core.phases import _check_tiles
+    from liferaft.errors import InvalidStateError
+    from liferaft.planning.save_plan import SavePlan, WriteItem
+
+    t = TensorMeta(key="w", path=("w",), kind="tensor", dtype="float32", shape=(4, 2), boxes=())
+
+    def plan(*boxes):
+        writes = tuple((WriteItem(key="w", offsets=o, sizes=s, file="f", byte_offset=0, length=numel(s) * 4),)
+                       for o, s in boxes)
+        return SavePlan(world_size=len(writes), writes=writes, files={}, tensors=(t,), values=(), containers=(),
+                        own=True)
+
+    _check_tiles(plan(((0, 0), (2, 2)), ((2, 0), (2, 2))))
+    for bad in (plan(((0, 0), (2, 2)), ((1, 0), (2, 2))),          # overlapping
+                plan(((0, 0), (2, 2)), ((2, 0), (1, 2)))):         # a row missing
+        with pytest.raises(InvalidStateError, match="'w'"):
+            _check_tiles(bad)
+    stray = SavePlan(world_size=1, writes=((WriteItem(key="x", offsets=(0,), sizes=(1,), file="f", byte_offset=0,
+                                                      length=4),),), files={}, tensors=(t,), values=(),
+                     containers=(), own=True)
+    with pytest.raises(InvalidStateError, match="'x'"):
+        _check_tiles(stray)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import liferaft
-from liferaft.core.phases import PLANS, PlanCache
+from liferaft.core.caches import PLANS, PlanCache
 from liferaft.core.process import PROCESS
 from liferaft.storage import register_scheme
 from liferaft.testing.faults import FailingStorage

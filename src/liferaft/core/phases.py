@@ -6,18 +6,16 @@ rank 0 removes files of the checkpoint it replaced). Every phase that can fail o
 ``Coordinator.run`` step, so every rank raises when any rank fails (docs/FORMAT.md §8); a rank whose save fails
 removes the files it wrote unless the checkpoint was committed.
 
-Process-wide state: :data:`PLANS`, the last tensor layout planned per group (see :class:`PlanCache`): at most
-``PlanCache.LIMIT`` entries, the least recently used dropped first, all dropped by ``liferaft.release()``.
+Process-wide state: ``core.caches``: the last tensor layout planned per group, and the layouts whose own plans
+rank 0 checked; bounded, all dropped by ``liferaft.release()``.
 """
 
 from __future__ import annotations
 
 import sys
-import threading
 import time
 import uuid
 import warnings
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -25,14 +23,15 @@ from typing import Any
 import torch
 
 from liferaft.codecs.checksum import digest
+from liferaft.core.caches import PLANS, TILED, Planned
 from liferaft.core.chunks.writer import ChunkPolicy, WriteOutcome
 from liferaft.core.commit import abandon, is_committed, open_checkpoint, remove_stale, write_commit
 from liferaft.dist import Coordinator
-from liferaft.errors import CheckpointExistsError, LiferaftError, StorageError
+from liferaft.errors import CheckpointExistsError, InvalidStateError, LiferaftError, StorageError
 from liferaft.format.layout import COMMIT_MARKER
 from liferaft.format.manifest import ChunkRecord, Manifest
 from liferaft.options import SaveOptions, SaveResult
-from liferaft.planning.geometry import Box, numel
+from liferaft.planning.geometry import Box, check_chunks_tile, numel
 from liferaft.planning.layouts import Layout, layout_box, plan_own
 from liferaft.planning.save_plan import (
     RankMeta,
@@ -61,62 +60,6 @@ def _version() -> str:
         return version("liferaft")
     except PackageNotFoundError:            # run from a source tree that was never installed
         return "unknown"
-
-
-PlanKey = tuple[str, int, int, int, int]
-#: (every tensor's metadata on this rank, or ``("layouts", digest)`` for a plan made from compact layouts; the
-#: plan; the id of the save it was made for)
-Planned = tuple[Any, SavePlan, str]
-
-
-class PlanCache:
-    """The last tensor layout planned per (``Coordinator.key``, rank, world, alignment, chunk bytes), with this
-    rank's tensor metadata and the id of the save it was planned for: a save whose tensors every rank describes
-    exactly as then, and for which every rank holds that same plan, reuses it (planning a large model costs tens
-    of ms per save).
-
-    Keyed by the gloo group's name, which is new for every group made (after ``release_groups``, a failure, or
-    a new process group), so a plan made over one group is never offered over another: a remade group plans
-    anew. ("local" is the key of a single process, whose own metadata is all a plan depends on.) At most
-    ``LIMIT`` entries (a process rarely saves over more than one or two groups; each plan holds the metadata of
-    every tensor of every rank), the least recently used dropped first; ``clear()`` drops all."""
-
-    LIMIT = 8
-
-    def __init__(self, limit: int = LIMIT) -> None:
-        self.limit = limit
-        self._lock = threading.Lock()
-        self._entries: OrderedDict[PlanKey, Planned] = OrderedDict()
-
-    def get(self, key: PlanKey) -> Planned | None:
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is not None:
-                self._entries.move_to_end(key)
-            return entry
-
-    def put(self, key: PlanKey, entry: Planned) -> None:
-        with self._lock:
-            self._entries[key] = entry
-            self._entries.move_to_end(key)
-            while len(self._entries) > self.limit:
-                self._entries.popitem(last=False)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-
-    def items(self) -> list[tuple[PlanKey, Planned]]:
-        """The entries, least recently used first (for tests and diagnostics)."""
-        with self._lock:
-            return list(self._entries.items())
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-
-#: The process's plan cache.
-PLANS = PlanCache()
 
 
 def _rank_meta(rank: int, flat: FlatState, allow_pickle: bool, world: int = 1) -> RankMeta:
@@ -170,8 +113,10 @@ class PreparedSave:
     t_start: float = 0.0
     lossy: dict[str, dict[str, Any]] = field(default_factory=dict)
     copies: str | None = None       # this rank's file of chunks copied from a sibling checkpoint, if any
-    #: planned on its own (``plan.own``): this rank's metadata, whose values and containers go to rank 0
+    #: planned on its own (``plan.own``): this rank's metadata, whose values and containers go to rank 0, and
+    #: the digest the ranks agreed on
     own: RankMeta | None = None
+    own_digest: int = 0
 
     @property
     def writes(self) -> tuple[WriteItem, ...]:
@@ -225,6 +170,7 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
                 reuse, base)
 
     plan: SavePlan | None = None
+    agreed = 0
     if compact:
         def vote() -> tuple[tuple[Any, ...], list[int]]:
             payload = describe()
@@ -238,6 +184,7 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
             assert layouts is not None
             save_id = coord.broadcast_from_zero(payload[1], None, "save (planning)")
             plan = _own_plan(meta, layouts, coord, save_id, opts, cached, high)
+            agreed = high
         else:
             gathered = coord.exchange(payload, None, "save (planning)")
     else:
@@ -264,14 +211,17 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
     policy, lossy = chunk_policy(plan, storage, opts, base)
     prepared = PreparedSave(storage=storage, plan=plan, save_id=save_id, rank=coord.rank, world=coord.world,
                             sources=sources, policy=policy, t_start=t_start, lossy=lossy,
-                            own=meta if layouts is not None and plan.own else None)
+                            own=meta if layouts is not None and plan.own else None,
+                            own_digest=agreed)
     prepared.timings["plan"] = time.perf_counter() - t_start
     return prepared
 
 
 def _layouts(flat: FlatState, rank: int, world: int) -> tuple[Layout, ...] | None:
-    """Each tensor's compact layout over ``world`` ranks, checked against the box this rank holds (None: some
-    tensor has none: a hand-made shard, a ``_StridedShard``, a mesh of other ranks or in another order)."""
+    """Each tensor's compact layout over ``world`` ranks, a regular one checked against the box this rank holds
+    (None: some tensor has none: a hand-made shard, a mesh of other ranks or in another order, another
+    placement). The boxes of a ``_StridedShard`` are its DTensor's; rank 0 checks at the commit that the chunks
+    of a layout's first save tile every tensor (``_finish_own``)."""
     out = []
     for t in flat.tensors:
         if t.spec is not None:
@@ -282,6 +232,9 @@ def _layouts(flat: FlatState, rank: int, world: int) -> tuple[Layout, ...] | Non
             layout = Layout((world,), (None,))
         else:
             return None
+        if not layout.regular:
+            out.append(layout)
+            continue
         if len(t.parts) != 1:
             return None
         held, want = t.parts[0][0], layout_box(layout, t.shape, rank)
@@ -397,6 +350,9 @@ def _finish_own(coord: Coordinator, prep: PreparedSave, write: Callable[[], Writ
             metas = [RankMeta(rank=r, tensors=(), values=v, containers=c) for r, (_, _, _, v, c) in enumerate(rows)]
             full = replace(plan, writes=tuple(w for w, *_ in rows), values=tuple(merge_values(metas)),
                            containers=merge_containers(metas))
+            if TILED.get((coord.key, prep.own_digest)) is None:
+                _check_tiles(full)
+                TILED.put((coord.key, prep.own_digest), True)
             manifest = build_manifest(full, [s for _, s, *_ in rows], [n for _, _, n, *_ in rows],
                                       save_id=save_id, created_unix=time.time(), liferaft_version=_version(),
                                       torch_version=torch.__version__, extra=opts.metadata, lossy=prep.lossy)
@@ -423,6 +379,23 @@ def _finish_own(coord: Coordinator, prep: PreparedSave, write: Callable[[], Writ
     return SaveResult(path=storage.url, save_id=save_id, world_size=coord.world, rank=coord.rank,
                       bytes_written=result.bytes_written, total_bytes=total, files=files, timings=timings,
                       bytes_reused=result.bytes_reused, bytes_encoded=result.bytes_encoded)
+
+
+def _check_tiles(plan: SavePlan) -> None:
+    """Raise InvalidStateError unless the chunks of ``plan`` (every rank's writes, gathered) tile every tensor:
+    what rank 0 checks before it commits the first save of a layout planned by each rank on its own (the
+    boxes of a ``_StridedShard`` come from DTensor, not from ``planning.layouts``)."""
+    boxes: dict[str, list[Box]] = {t.key: [] for t in plan.tensors}
+    for items in plan.writes:
+        for w in items:
+            if w.key not in boxes:
+                raise InvalidStateError(f"key {w.key!r}: a rank planned to write a tensor the others do not hold")
+            boxes[w.key].append((w.offsets, w.sizes))
+    for t in plan.tensors:
+        problem = check_chunks_tile(t.shape, boxes[t.key])
+        if problem:
+            raise InvalidStateError(f"key {t.key!r}: {problem}; the ranks' own plans do not tile the tensor (its "
+                                    "DTensor placements give the ranks overlapping or missing parts)")
 
 
 def _copy_crumbs(coord: Coordinator, prep: PreparedSave, stored: list[Any], opts: SaveOptions

@@ -26,9 +26,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from liferaft.codecs import frames
+from liferaft.core.caches import PLANS, TILED
 from liferaft.core.chunks.writer import WriteOutcome, write_staged, write_streamed
 from liferaft.core.commit import forget_opened
-from liferaft.core.phases import PLANS, PreparedSave, finish_save, prepare_save
+from liferaft.core.phases import PreparedSave, finish_save, prepare_save
 from liferaft.core.process import CALLS, PROCESS, AsyncSaveHandle, finish_at_exit, in_call
 from liferaft.dist import Coordinator, release_groups
 from liferaft.options import SaveOptions, SaveResult, check_options, check_path
@@ -173,6 +174,7 @@ def release() -> None:
             PROCESS.release()
         finally:
             PLANS.clear()
+            TILED.clear()
             forget_opened()
             frames.shutdown()
             release_groups()

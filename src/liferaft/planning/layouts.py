@@ -6,7 +6,9 @@ dimension splitting what an earlier one left) or replicating it — is described
 the rank count. A plain tensor every rank holds whole is ``Layout((world,), (None,))``. From a layout every rank
 can compute any rank's box and the holders of its own, so when every rank describes the same tensors with the
 same layouts (checked by comparing one digest: ``core.phases``), each rank plans its own writes in time and
-memory that grow with what it holds, not with the job (issue #20).
+memory that grow with what it holds, not with the job (issue #20). A ``_StridedShard`` (FSDP2 over tensor
+parallelism) is a layout too, whose boxes each rank takes from its DTensor; a DTensor on a sub-mesh (FSDP2 on
+``mesh["dp"]``) is described over the root mesh, replicated along the dimensions the sub-mesh lacks.
 
 The plan it gives is a valid save plan (every element written exactly once, by a rank that holds it; chunks of
 at most ``chunk_bytes``; the writer's file laid out as :func:`planning.save_plan.plan_save` lays it out), not
@@ -30,14 +32,21 @@ from liferaft.planning.save_plan import PAGE, PAGE_ALIGN_MIN, TensorMeta, WriteI
 @dataclass(frozen=True)
 class Layout:
     """A tensor over the ranks ``0..prod(mesh)-1`` arranged row-major as ``mesh``: ``shards[i]`` is the tensor
-    dimension mesh dimension ``i`` shards (``None``: it replicates)."""
+    dimension mesh dimension ``i`` shards (``None``: it replicates; ``(dim, split_factor)``: DTensor's
+    ``_StridedShard``, FSDP2 over tensor parallelism, whose boxes each rank takes from its DTensor rather than
+    from :func:`layout_box`)."""
 
     mesh: tuple[int, ...]
-    shards: tuple[int | None, ...]
+    shards: tuple[int | tuple[int, int] | None, ...]
 
     @property
     def world(self) -> int:
         return numel(self.mesh)
+
+    @property
+    def regular(self) -> bool:
+        """Whether :func:`layout_box` describes it (no ``_StridedShard``)."""
+        return not any(isinstance(d, tuple) for d in self.shards)
 
 
 def coordinate(mesh: Sequence[int], rank: int) -> tuple[int, ...]:
@@ -53,9 +62,11 @@ def layout_box(layout: Layout, shape: Sequence[int], rank: int) -> Box:
     """The box of the global tensor of ``shape`` that ``rank`` holds (sizes 0 along a dimension: it holds none).
     Each ``Shard(d)`` splits the extent left along ``d`` into ``mesh[i]`` parts of ``ceil(n / mesh[i])``, the last
     ones shorter or empty, as DTensor does."""
+    if not layout.regular:
+        raise ValueError(f"layout_box: {layout} has a _StridedShard; take the rank's boxes from its DTensor")
     offs, sizes = [0] * len(shape), list(shape)
     for n, d, c in zip(layout.mesh, layout.shards, coordinate(layout.mesh, rank)):
-        if d is None:
+        if not isinstance(d, int):
             continue
         full = -(-sizes[d] // n)
         start = min(full * c, sizes[d])
@@ -80,21 +91,24 @@ def plan_own(tensors: Sequence[tuple[TensorMeta, Layout]], rank: int, save_id: s
              chunk_bytes: int) -> tuple[WriteItem, ...]:
     """The chunks ``rank`` writes for a save of ``tensors`` (every tensor of the state, in manifest order, each
     with its layout; the same sequence on every rank), laid out in its data file. Each of the rank's non-empty
-    boxes is cut into chunks of at most ``chunk_bytes`` (``geometry.split_box``); the chunks of all boxes held
-    by one group of ranks are assigned within that group, largest first, to the member with the fewest bytes so
-    far (ties: the member after the group's rotation), computed identically by every member."""
+    boxes (:func:`layout_box`; for a layout that is not ``regular``, the ``boxes`` of its ``TensorMeta``, which
+    every member of a group of replicas holds alike) is cut into chunks of at most ``chunk_bytes``
+    (``geometry.split_box``); the chunks of all boxes held by one group of ranks are assigned within that group,
+    largest first, to the member with the fewest bytes so far (ties: the member after the group's rotation),
+    computed identically by every member."""
     groups: dict[tuple[int, ...], list[tuple[int, int, str, Box, Box]]] = {}
     holders: dict[Layout, list[tuple[int, int, str, Box, Box]]] = {}      # (a model has a few layouts)
     for pos, (t, layout) in enumerate(tensors):
-        held = layout_box(layout, t.shape, rank)
-        if numel(held[1]) == 0:
-            continue
+        boxes = (layout_box(layout, t.shape, rank),) if layout.regular else t.boxes
         isz = DTYPE_ITEMSIZE[t.dtype]
-        jobs = holders.get(layout)
-        if jobs is None:
-            jobs = holders[layout] = groups.setdefault(layout_holders(layout, rank), [])
-        for box in split_box(held, isz, chunk_bytes):
-            jobs.append((numel(box[1]) * isz, pos, t.key, box, held))
+        for held in boxes:
+            if numel(held[1]) == 0:
+                continue
+            jobs = holders.get(layout)
+            if jobs is None:
+                jobs = holders[layout] = groups.setdefault(layout_holders(layout, rank), [])
+            for box in split_box(held, isz, chunk_bytes):
+                jobs.append((numel(box[1]) * isz, pos, t.key, box, held))
     mine: list[tuple[int, int, str, Box, Box]] = []
     for members, jobs in groups.items():
         if len(members) == 1:

@@ -54,10 +54,10 @@ class TensorLeaf:
     parts: list[tuple[Box, torch.Tensor]]
     #: a plain leaf (tensor, numpy, bytes) outside a module / optimizer: its copies are compared across ranks
     compare: bool = False
-    #: a DTensor over a mesh of the ranks ``0..n-1`` in row-major order with Shard and Replicate placements only:
-    #: the mesh's shape and, per mesh dimension, the tensor dimension it shards (None: replicates); see
-    #: ``planning.layouts``
-    spec: tuple[tuple[int, ...], tuple[int | None, ...]] | None = None
+    #: a DTensor over a mesh of the ranks ``0..n-1`` in row-major order with Shard, _StridedShard and Replicate
+    #: placements: the mesh's shape and, per mesh dimension, the tensor dimension it shards (``(dim, split
+    #: factor)`` for a _StridedShard; None: it replicates); see ``planning.layouts``
+    spec: tuple[tuple[int, ...], tuple[Any, ...]] | None = None
 
     @property
     def dtype_name(self) -> str:
@@ -171,20 +171,45 @@ def _dtensor_parts(dt: Any, key: str) -> list[tuple[Box, torch.Tensor]]:
     return parts
 
 
-def _spec(dt: Any) -> tuple[tuple[int, ...], tuple[int | None, ...]] | None:
+def _spec(dt: Any) -> tuple[tuple[int, ...], tuple[Any, ...]] | None:
     """``TensorLeaf.spec`` of the DTensor ``dt`` (None: its layout is not one ``planning.layouts`` describes)."""
     from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 
-    shards: list[int | None] = []
+    shards: list[Any] = []
     for p in dt.placements:
         if type(p) is Shard:
             shards.append(p.dim)
+        elif type(p) is _StridedShard:
+            shards.append((p.dim, p.split_factor))
         elif type(p) is Replicate:
             shards.append(None)
         else:
             return None
     mesh = dt.device_mesh
-    return (tuple(mesh.mesh.shape), tuple(shards)) if _mesh_in_order(mesh) else None
+    if _mesh_in_order(mesh):
+        return tuple(mesh.mesh.shape), tuple(shards)
+    return _over_root(mesh, tuple(shards))
+
+
+def _over_root(mesh: Any, shards: tuple[Any, ...]) -> tuple[tuple[int, ...], tuple[Any, ...]] | None:
+    """The spec over the root mesh of the sub-mesh ``mesh`` (FSDP2 on ``mesh["dp"]`` of a (dp, tp) mesh): each
+    dimension of the root that the sub-mesh lacks replicates (the job holds the same tensor on every sub-mesh
+    that slices it, as it does a plain tensor on every rank). None when the root is not in order or the
+    dimensions cannot be matched by name. (A rank's box is checked against the spec before it is used.)"""
+    try:
+        root = mesh._get_root_mesh()
+        names, root_names = mesh.mesh_dim_names, root.mesh_dim_names
+    except Exception:  # noqa: BLE001 - a private DeviceMesh API: without it, the save gathers its metadata
+        return None
+    if root is mesh or not names or not root_names or not set(names) <= set(root_names) or \
+            len(set(names)) != len(names) or not _mesh_in_order(root):
+        return None
+    by_name = dict(zip(names, shards))
+    order = [root_names.index(n) for n in names]
+    if order != sorted(order):
+        return None
+    return tuple(root.mesh.shape), tuple(by_name.get(n) for n in root_names)
 
 
 @functools.lru_cache(maxsize=256)
@@ -342,7 +367,7 @@ class _Walker:
 
     def _tensor(self, path: tuple[PathPart, ...], kind: str, t: Any, shape: tuple[int, ...],
                 parts: list[tuple[Box, torch.Tensor]], compare: bool = False,
-                spec: tuple[tuple[int, ...], tuple[int | None, ...]] | None = None) -> None:
+                spec: tuple[tuple[int, ...], tuple[Any, ...]] | None = None) -> None:
         key = self._claim(path)
         if t.dtype not in _SUPPORTED:
             raise InvalidStateError(f"key {key!r}: tensors of dtype {t.dtype} are not supported")

@@ -1,0 +1,93 @@
+"""The save's process-wide caches (dropped by ``liferaft.release()``): :data:`PLANS`, the last tensor layout planned
+per group (see :class:`PlanCache`: at most ``PlanCache.LIMIT`` entries, the least recently used dropped first), and
+:data:`TILED`, the layouts planned by each rank on its own whose chunks rank 0 checked at a commit."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Any
+
+from liferaft.planning.save_plan import SavePlan
+
+PlanKey = tuple[str, int, int, int, int]
+#: (every tensor's metadata on this rank, or ``("layouts", digest)`` for a plan made from compact layouts; the
+#: plan; the id of the save it was made for)
+Planned = tuple[Any, SavePlan, str]
+
+
+class PlanCache:
+    """The last tensor layout planned per (``Coordinator.key``, rank, world, alignment, chunk bytes), with this
+    rank's tensor metadata and the id of the save it was planned for: a save whose tensors every rank describes
+    exactly as then, and for which every rank holds that same plan, reuses it (planning a large model costs tens
+    of ms per save).
+
+    Keyed by the gloo group's name, which is new for every group made (after ``release_groups``, a failure, or
+    a new process group), so a plan made over one group is never offered over another: a remade group plans
+    anew. ("local" is the key of a single process, whose own metadata is all a plan depends on.) At most
+    ``LIMIT`` entries (a process rarely saves over more than one or two groups; each plan holds the metadata of
+    every tensor of every rank), the least recently used dropped first; ``clear()`` drops all."""
+
+    LIMIT = 8
+
+    def __init__(self, limit: int = LIMIT) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[PlanKey, Planned] = OrderedDict()
+
+    def get(self, key: PlanKey) -> Planned | None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._entries.move_to_end(key)
+            return entry
+
+    def put(self, key: PlanKey, entry: Planned) -> None:
+        with self._lock:
+            self._entries[key] = entry
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.limit:
+                self._entries.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+    def items(self) -> list[tuple[PlanKey, Planned]]:
+        """The entries, least recently used first (for tests and diagnostics)."""
+        with self._lock:
+            return list(self._entries.items())
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+#: The process's plan cache.
+PLANS = PlanCache()
+
+
+class KeySet:
+    """A bounded set (least recently used dropped first) of the layouts whose plans rank 0 checked (``TILED``)."""
+
+    def __init__(self, limit: int = 64) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[Any, bool] = OrderedDict()
+
+    def get(self, key: Any) -> bool | None:
+        with self._lock:
+            return self._entries.get(key)
+
+    def put(self, key: Any, value: bool) -> None:
+        with self._lock:
+            self._entries[key] = value
+            while len(self._entries) > self.limit:
+                self._entries.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+#: (group key, agreed digest) of the plans made on their own whose chunks rank 0 found to tile every tensor
+TILED = KeySet()
