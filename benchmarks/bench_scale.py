@@ -68,15 +68,22 @@ def _manifest_bytes(plan: Any) -> int:
     return len(m.to_json_bytes())
 
 
-def _liferaft_load(plan: Any, ranks: int, rows: int, tensors: int) -> float:
-    """One rank's read plan for an ``fsdp`` load onto ¾ of the ranks (the rank in the middle)."""
+def _liferaft_load(plan: Any, ranks: int, rows: int, tensors: int, to_tp: bool = False) -> float:
+    """One rank's read plan for an ``fsdp`` load onto ¾ of the ranks (the rank in the middle), or (``to_tp``)
+    onto the same ranks as FSDP × TP 8."""
     from liferaft.format.records import ChunkRecord, TensorEntry
     from liferaft.planning.load_plan import plan_reads
 
     rows = max(rows, ranks)
-    new = max(1, ranks * 3 // 4)
-    r = new // 2
-    lo, hi = r * rows // new, (r + 1) * rows // new
+    if to_tp:
+        dp, r = max(1, ranks // 8), ranks // 2
+        lo, hi = (r // 8) * rows // dp, (r // 8 + 1) * rows // dp
+        cols = (r % 8 * COLS // 8, COLS // 8)
+    else:
+        new = max(1, ranks * 3 // 4)
+        r = new // 2
+        lo, hi = r * rows // new, (r + 1) * rows // new
+        cols = (0, COLS)
     entries = []
     for t in plan.tensors:
         chunks = tuple(ChunkRecord(offsets=b[0], sizes=b[1], file="f", byte_offset=0, length=b[1][0] * b[1][1] * 4,
@@ -84,7 +91,7 @@ def _liferaft_load(plan: Any, ranks: int, rows: int, tensors: int) -> float:
                                                                                  // (4 << 20))))
                        for b in t.boxes)
         entries.append(TensorEntry(key=t.key, path=t.path, kind=t.kind, dtype=t.dtype, shape=t.shape, chunks=chunks))
-    wanted = [(0, ((lo, 0), (hi - lo, COLS)))]
+    wanted = [(0, ((lo, cols[0]), (hi - lo, cols[1])))]
     t0 = time.perf_counter()
     for e in entries[:tensors]:
         plan_reads(e, wanted)
@@ -187,7 +194,8 @@ def main() -> int:
         _own_table(*own, args.layouts.split(","), args.rows)
         return 0
     print("| layout | ranks | liferaft plan_save (s) | one rank's metadata (kB) | received per rank (MB) | "
-          "manifest (MB) | liferaft load plan, 1 rank (s) | DCP global save plan (s) | DCP metadata (MB) |")
+          "manifest (MB) | liferaft load plan, 1 rank: → ¾ ranks / → FSDP × TP 8 (s) | DCP global save plan (s) | "
+          "DCP metadata (MB) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for layout in args.layouts.split(","):
         last: tuple[int, float] | None = None
@@ -204,14 +212,16 @@ def main() -> int:
             t_save = statistics.median(times)
             last = (ranks, t_save)
             man = _manifest_bytes(plan)
-            t_load = _liferaft_load(plan, ranks, args.rows, args.tensors) if layout == "fsdp" else float("nan")
+            t_load = (f"{_liferaft_load(plan, ranks, args.rows, args.tensors):.3f} / "
+                      f"{_liferaft_load(plan, ranks, args.rows, args.tensors, to_tp=True):.3f}"
+                      if layout == "fsdp" else "–")
             dplans = _dcp_plans(layout, ranks, args.tensors, args.rows)
             d_times, metadata = [], None
             for _ in range(args.reps):
                 dt, metadata = _dcp_save(dplans)
                 d_times.append(dt)
             print(f"| {layout} | {ranks} | {t_save:.2f} | {one / 1e3:.1f} | {one * ranks / 1e6:.1f} | "
-                  f"{man / 1e6:.1f} | {t_load:.3f} | {statistics.median(d_times):.2f} | "
+                  f"{man / 1e6:.1f} | {t_load} | {statistics.median(d_times):.2f} | "
                   f"{len(pickle.dumps(metadata)) / 1e6:.1f} |", flush=True)
             del metas, plan, dplans, metadata
     _own_table(*own, args.layouts.split(","), args.rows)
