@@ -303,6 +303,11 @@ def _agree_incarnation(store: Any, rank: int, world: int, timeout: float) -> str
                                f"through torchrun's store within {timeout:.0f} s: {_one_line(e)}") from None
 
 
+#: the tag of ``Coordinator.gather_to_zero``'s sends (a channel runs one collective at a time; the tags of a
+#: load's shared spans count up from 0)
+GATHER_TAG = 0x4C46_0001
+
+
 class _Work:
     """A send or receive under way; ``wait()`` is bounded by the coordinator's timeout."""
 
@@ -470,9 +475,16 @@ class Coordinator:
 
     def gather_to_zero(self, payload: Any, error: BaseException | None = None, what: str = "") -> list[Any] | None:
         """Every rank's ``payload`` on rank 0 (in rank order; None on the other ranks), with the error semantics
-        of :meth:`exchange`: if any rank passed an ``error``, every rank raises. What a rank other than 0
-        receives does not grow with the world (one all-reduce of two numbers; the messages of failed ranks
-        only when some failed), so it serves what only rank 0 needs from everyone (what goes in the manifest)."""
+        of :meth:`exchange`: if any rank passed an ``error`` (or its payload cannot be pickled), every rank
+        raises. Each message travels at its own size (its length gathered first, then one send to rank 0), so
+        rank 0 holds the sum of the messages; what a rank other than 0 receives does not grow with the world
+        (one all-reduce of one number; the messages of failed ranks only when some failed). For what only rank 0
+        needs from everyone (what goes in the manifest)."""
+        if error is None:
+            try:
+                data = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as e:  # noqa: BLE001 - reported to every rank like a failed step
+                error = e
         if self.world == 1 or self.group is None:
             if error is not None:
                 raise error
@@ -480,30 +492,26 @@ class Coordinator:
         import torch
         import torch._C._distributed_c10d as c10d
 
-        data = b"" if error is not None else pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
-        failed, longest = self.all_max([int(error is not None), len(data) + 8], what)
-        if failed:
+        if self.all_max([int(error is not None)], what)[0]:
             self.exchange(None, error, what)        # raises on every rank, naming the failed ranks
             raise DistributedError(f"{what or 'operation'} failed on a rank that sent no message")
-        mine = torch.zeros(longest, dtype=torch.uint8)
-        mine[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
-        if data:
-            mine[8:8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        outs = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world)] if self.rank == 0 else []
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)] if self.rank == 0 else []
         opts = c10d.GatherOptions()
         opts.rootRank = 0
         opts.timeout = datetime.timedelta(seconds=self.timeout)
         try:
-            self.group.backend.gather([outs] if self.rank == 0 else [], [mine], opts).wait()
+            self.group.backend.gather([sizes] if self.rank == 0 else [], [size], opts).wait()
         except Exception as e:  # noqa: BLE001 - gloo reports timeouts and lost peers as RuntimeError
             raise self._fail(e, what, None) from None
         if self.rank != 0:
+            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)     # (alive until the send is done)
+            self.isend(buf, 0, GATHER_TAG).wait()
             return None
-        out = []
-        for buf in outs:
-            n = int(buf[:8].view(torch.int64).item())
-            out.append(pickle.loads(buf[8:8 + n].numpy().tobytes()))      # our own ranks' messages
-        return out
+        bufs = {r: torch.empty(int(n.item()), dtype=torch.uint8) for r, n in enumerate(sizes) if r}
+        for w in [self.irecv(buf, r, GATHER_TAG) for r, buf in bufs.items()]:
+            w.wait()
+        return [payload] + [pickle.loads(bufs[r].numpy().tobytes()) for r in range(1, self.world)]  # our ranks'
 
     def run_max(self, step: Callable[[], tuple[T, list[int]]], width: int, what: str, *,
                 cleanup: Callable[[], object] | None = None) -> tuple[T, list[int]]:
@@ -512,8 +520,9 @@ class Coordinator:
         raises as in :meth:`run` (``cleanup`` first). What a rank receives does not grow with the world."""
         result, error = _attempt(step)
         numbers = list(result[1]) if result is not None else [0] * width
-        if len(numbers) != width:
-            raise ValueError(f"run_max: step gave {len(numbers)} numbers, not {width}")
+        if len(numbers) != width:           # (reported like a failed step, so that no rank waits for this one)
+            result, error, numbers = None, ValueError(f"run_max: the step gave {len(numbers)} numbers, not "
+                                                      f"{width}"), [0] * width
         try:
             vote = self.all_max([int(error is not None)] + numbers, what)
             if vote[0]:
@@ -525,17 +534,6 @@ class Coordinator:
             raise
         assert result is not None
         return result[0], vote[1:]
-
-    def agree(self, error: BaseException | None = None, what: str = "") -> None:
-        """Return on every rank when no rank passed an ``error``; otherwise raise on every rank as
-        :meth:`exchange` does. One all-reduce of one number when all went well."""
-        if self.world == 1 or self.group is None:
-            if error is not None:
-                raise error
-            return
-        if self.all_max([int(error is not None)], what)[0]:
-            self.exchange(None, error, what)
-            raise DistributedError(f"{what or 'operation'} failed on a rank that sent no message")
 
     def run_on_zero(self, step: Callable[[], T], what: str) -> T:
         """Run ``step`` on rank 0 only and give its result to every rank; if it fails, every rank raises (rank 0

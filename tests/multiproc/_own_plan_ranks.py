@@ -41,6 +41,8 @@ def _state(world: int, rank: int, plain_differs: bool) -> dict[str, Any]:
     state["plain"] = plain + rank if plain_differs else plain
     state["rank"] = rank                                        # a value per rank
     state["step"] = 7
+    state["vocab"] = {"words": [f"w{i}" for i in range(2000)]}   # a large value every rank holds alike
+    state["seen"] = list(range(rank * 100))                      # a large value that differs (empty on rank 0)
     return state
 
 

@@ -22,8 +22,8 @@ def _manifest(path: str):
 
 def _whole(path: str) -> dict:
     state = {name: torch.zeros(shape) for name, (shape, _) in DTENSORS.items()}
-    state.update(plain=torch.zeros(6, 7), step=0)
-    liferaft.load(path, state, options=liferaft.LoadOptions(ignore_keys=("rank",)))
+    state.update(plain=torch.zeros(6, 7), step=0, vocab={})
+    liferaft.load(path, state, options=liferaft.LoadOptions(ignore_keys=("rank", "seen")))
     return state
 
 
@@ -34,7 +34,7 @@ def _load_rows(rank: int, world: int, path: str) -> dict:
         lo, hi = rank * shape[0] // world, (rank + 1) * shape[0] // world
         t = torch.zeros((hi - lo,) + shape[1:])
         out[name] = liferaft.Sharded(t, shape, (lo,) + (0,) * (len(shape) - 1))
-    liferaft.load(path, out, options=liferaft.LoadOptions(ignore_keys=("rank", "step", "plain")))
+    liferaft.load(path, out, options=liferaft.LoadOptions(ignore_keys=("rank", "step", "plain", "vocab", "seen")))
     return {k: v.local.tolist() for k, v in out.items()}
 
 
@@ -52,6 +52,9 @@ def test_each_rank_plans_its_own_writes_and_the_checkpoint_is_exact(tmp_path):
         assert state["step"] == 7
         m = _manifest(path)
         assert next(v for v in m.values if v.key == "rank").per_rank == (0, 1, 2, 3)
+        vocab = next(v for v in m.values if v.key == "vocab")
+        assert vocab.per_rank is None and state["vocab"] == {"words": [f"w{i}" for i in range(2000)]}
+        assert len(next(v for v in m.values if v.key == "seen").per_rank) == 4
         for t in m.tensors:                                  # every element stored exactly once
             assert sum(c.length for c in t.chunks) == torch.Size(t.shape).numel() * 4, t.key
     for rank, got in enumerate(run_ranks(_load_rows, 3, a)):

@@ -117,6 +117,8 @@ class PreparedSave:
     #: the digest the ranks agreed on
     own: RankMeta | None = None
     own_digest: int = 0
+    #: (planned on its own) the digest of each of rank 0's values, by key
+    zero_values: dict[str, str] = field(default_factory=dict)
 
     @property
     def writes(self) -> tuple[WriteItem, ...]:
@@ -171,6 +173,7 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
 
     plan: SavePlan | None = None
     agreed = 0
+    zero_values: dict[str, str] = {}
     if compact:
         def vote() -> tuple[tuple[Any, ...], list[int]]:
             payload = describe()
@@ -182,7 +185,9 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
         assert meta is not None
         if high == -neg_low != 0:                   # every rank sent the same digest of compact layouts
             assert layouts is not None
-            save_id = coord.broadcast_from_zero(payload[1], None, "save (planning)")
+            # (with rank 0's values' digests: a rank sends rank 0 only the values that differ from rank 0's)
+            save_id, zero_values = coord.broadcast_from_zero(
+                (payload[1], {v.key: v.digest for v in meta.values}), None, "save (planning)")
             plan = _own_plan(meta, layouts, coord, save_id, opts, cached, high)
             agreed = high
         else:
@@ -212,7 +217,7 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
     prepared = PreparedSave(storage=storage, plan=plan, save_id=save_id, rank=coord.rank, world=coord.world,
                             sources=sources, policy=policy, t_start=t_start, lossy=lossy,
                             own=meta if layouts is not None and plan.own else None,
-                            own_digest=agreed)
+                            own_digest=agreed, zero_values=zero_values)
     prepared.timings["plan"] = time.perf_counter() - t_start
     return prepared
 
@@ -321,9 +326,10 @@ def finish_save(coord: Coordinator, prep: PreparedSave, write: Callable[[], Writ
 
 def _finish_own(coord: Coordinator, prep: PreparedSave, write: Callable[[], WriteOutcome], opts: SaveOptions
                 ) -> SaveResult:
-    """``finish_save`` of a plan each rank made on its own: each rank's writes, what it stored, its values and
-    containers go to rank 0 only (``Coordinator.gather_to_zero``), which writes the manifest and commits; the
-    other ranks learn the outcome from one broadcast. (No references to sibling checkpoints: such a save has no
+    """``finish_save`` of a plan each rank made on its own: each rank's writes, what it stored, its values (those
+    equal to rank 0's by digest as their key only) and containers go to rank 0 only
+    (``Coordinator.gather_to_zero``), which writes the manifest and commits; the other ranks learn the outcome
+    from one broadcast. (No references to sibling checkpoints: such a save has no
     incremental base.)"""
     storage, save_id, plan, meta = prep.storage, prep.save_id, prep.plan, prep.own
     assert meta is not None
@@ -332,7 +338,8 @@ def _finish_own(coord: Coordinator, prep: PreparedSave, write: Callable[[], Writ
         result = write()
     except BaseException as e:  # noqa: BLE001 - reported to every rank, then raised here too
         error = e
-    row = None if result is None else (prep.writes, result.chunks, result.file_size, meta.values, meta.containers)
+    values = tuple(v.key if prep.zero_values.get(v.key) == v.digest else v for v in meta.values)  # (key: rank 0's)
+    row = None if result is None else (prep.writes, result.chunks, result.file_size, values, meta.containers)
     try:
         rows = coord.gather_to_zero(row, error, "save (write)")
     except BaseException:
@@ -347,7 +354,9 @@ def _finish_own(coord: Coordinator, prep: PreparedSave, write: Callable[[], Writ
     summary, error = None, None
     if rows is not None:
         try:
-            metas = [RankMeta(rank=r, tensors=(), values=v, containers=c) for r, (_, _, _, v, c) in enumerate(rows)]
+            zero = {v.key: v for v in meta.values}
+            metas = [RankMeta(rank=r, tensors=(), values=tuple(zero[x] if isinstance(x, str) else x for x in v),
+                              containers=c) for r, (_, _, _, v, c) in enumerate(rows)]
             full = replace(plan, writes=tuple(w for w, *_ in rows), values=tuple(merge_values(metas)),
                            containers=merge_containers(metas))
             if TILED.get((coord.key, prep.own_digest)) is None:
