@@ -251,10 +251,12 @@ def _layouts(flat: FlatState, rank: int, world: int) -> tuple[Layout, ...] | Non
 
 def _layout_digest(meta: RankMeta, layouts: tuple[Layout, ...], alignment: int, chunk_bytes: int) -> int:
     """A 62-bit digest (never 0) of what every rank must agree on to plan on its own: every tensor's key, path,
-    kind, dtype, global shape and layout, in order, the digests of the plain tensors that are compared, and the
-    options the plan depends on."""
+    kind, dtype, global shape and layout, in order, the digests of the plain tensors that are compared, the
+    options the plan depends on, and the containers (ranks whose containers differ plan gathered, where a
+    conflict is refused before anything is written)."""
     described = [(t.key, t.path, t.kind, t.dtype, t.shape, la.mesh, la.shards) for t, la in zip(meta.tensors, layouts)]
-    return (int(digest(repr((described, meta.digests, alignment, chunk_bytes)).encode()), 16) >> 2) | 1
+    return (int(digest(repr((described, meta.digests, alignment, chunk_bytes, meta.containers)).encode()), 16)
+            >> 2) | 1
 
 
 def _own_plan(meta: RankMeta, layouts: tuple[Layout, ...], coord: Coordinator, save_id: str, opts: SaveOptions,
