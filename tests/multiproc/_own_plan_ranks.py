@@ -18,10 +18,16 @@ DTENSORS: dict[str, tuple[tuple[int, ...], tuple[str, str]]] = {
     "rows": ((5, 2), ("S0", "R")),
     "whole": ((4, 4), ("R", "R")),
 }
+#: name -> (global shape, sub-mesh, its placement): DTensors on one dimension of the 2 × 2 mesh (FSDP2 on
+#: mesh["dp"] beside tensor parallelism; TP alone on mesh["tp"]), described over the root mesh
+SUB: dict[str, tuple[tuple[int, ...], str, str]] = {
+    "on_dp": ((9, 6), "dp", "S1"),
+    "on_tp": ((7, 4), "tp", "S0"),
+}
 
 
 def full(name: str) -> torch.Tensor:
-    shape = DTENSORS[name][0] if name in DTENSORS else (6, 7)
+    shape = DTENSORS[name][0] if name in DTENSORS else SUB[name][0] if name in SUB else (6, 7)
     n = 1
     for s in shape:
         n *= s
@@ -32,11 +38,13 @@ def _state(world: int, rank: int, plain_differs: bool) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    mesh = init_device_mesh("cpu", (2, world // 2))
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
     state: dict[str, Any] = {}
     for name, (_, tokens) in DTENSORS.items():
         places = [Shard(int(t[1:])) if t.startswith("S") else Replicate() for t in tokens]
         state[name] = distribute_tensor(full(name), mesh, places)
+    for name, (_, dim, token) in SUB.items():
+        state[name] = distribute_tensor(full(name), mesh[dim], [Shard(int(token[1:]))])
     plain = full("plain")
     state["plain"] = plain + rank if plain_differs else plain
     state["rank"] = rank                                        # a value per rank

@@ -1,13 +1,13 @@
 """Saves each rank plans on its own from compact layouts (DTensors over a mesh of the ranks, plain tensors held
 whole; ``planning.layouts``), on 4 real ranks: the path is taken, the checkpoint holds exactly the state (loaded
-whole in one process and resharded onto 3 ranks), a plan reused from the cache saves the same, a layout the
+whole in one process and resharded onto 3 ranks; DTensors on sub-meshes included), a plan reused from the cache saves the same, a layout the
 ranks do not agree on falls back to the gathered plan, and a failure on one rank fails the save on all."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from multiproc._own_plan_ranks import DTENSORS, fail_on, full, save
+from multiproc._own_plan_ranks import DTENSORS, SUB, fail_on, full, save
 
 import liferaft
 from liferaft.testing import run_ranks
@@ -21,7 +21,7 @@ def _manifest(path: str):
 
 
 def _whole(path: str) -> dict:
-    state = {name: torch.zeros(shape) for name, (shape, _) in DTENSORS.items()}
+    state = {name: torch.zeros(shape) for name, (shape, *_) in [*DTENSORS.items(), *SUB.items()]}
     state.update(plain=torch.zeros(6, 7), step=0, vocab={})
     liferaft.load(path, state, options=liferaft.LoadOptions(ignore_keys=("rank", "seen")))
     return state
@@ -34,7 +34,8 @@ def _load_rows(rank: int, world: int, path: str) -> dict:
         lo, hi = rank * shape[0] // world, (rank + 1) * shape[0] // world
         t = torch.zeros((hi - lo,) + shape[1:])
         out[name] = liferaft.Sharded(t, shape, (lo,) + (0,) * (len(shape) - 1))
-    liferaft.load(path, out, options=liferaft.LoadOptions(ignore_keys=("rank", "step", "plain", "vocab", "seen")))
+    liferaft.load(path, out, options=liferaft.LoadOptions(ignore_keys=("rank", "step", "plain", "vocab", "seen",
+                                                                       *SUB)))
     return {k: v.local.tolist() for k, v in out.items()}
 
 
@@ -46,7 +47,7 @@ def test_each_rank_plans_its_own_writes_and_the_checkpoint_is_exact(tmp_path):
     assert len({(t, f) for _, t, f in results}) == 1        # every rank reports the same totals
     for path in (a, b):
         state = _whole(path)
-        for name in DTENSORS:
+        for name in [*DTENSORS, *SUB]:
             assert torch.equal(state[name], full(name)), name
         assert torch.equal(state["plain"], full("plain"))
         assert state["step"] == 7

@@ -187,9 +187,18 @@ def _spec(dt: Any) -> tuple[tuple[int, ...], tuple[Any, ...]] | None:
         else:
             return None
     mesh = dt.device_mesh
-    if _mesh_in_order(mesh):
-        return tuple(mesh.mesh.shape), tuple(shards)
-    return _over_root(mesh, tuple(shards))
+    over_root = _over_root(mesh, tuple(shards))        # (a sub-mesh is described over its root, in order or not)
+    if over_root is not None or _has_root(mesh):
+        return over_root
+    return (tuple(mesh.mesh.shape), tuple(shards)) if _mesh_in_order(mesh) else None
+
+
+def _has_root(mesh: Any) -> bool:
+    """Whether ``mesh`` is a sub-mesh of another (a private DeviceMesh API: without it, assume not)."""
+    try:
+        return mesh._get_root_mesh() is not mesh
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def _over_root(mesh: Any, shards: tuple[Any, ...]) -> tuple[tuple[int, ...], tuple[Any, ...]] | None:
