@@ -310,14 +310,7 @@ def finish_save(coord: Coordinator, prep: PreparedSave, write: Callable[[], Writ
             prep.abandon()
 
     coord.run(commit, "save (commit)", cleanup=unless_committed)
-    if coord.rank == 0:
-        try:
-            remove_stale(storage, keep=save_id)
-        except OSError as e:
-            warnings.warn(f"{storage.url}: checkpoint committed, but removing files of the checkpoint it replaced "
-                          f"failed ({e}); they are unused and can be deleted", stacklevel=2)
-    timings["commit"] = time.perf_counter() - t0
-    timings["total"] = time.perf_counter() - prep.t_start
+    _after_commit(coord, prep, t0)
     return SaveResult(path=storage.url, save_id=save_id, world_size=coord.world, rank=coord.rank,
                       bytes_written=outcome.bytes_written + copied[prep.rank][0],
                       total_bytes=sum(s[1] for s in stored) + sum(c[0] for c in copied),
@@ -379,17 +372,23 @@ def _finish_own(coord: Coordinator, prep: PreparedSave, write: Callable[[], Writ
         if not is_committed(storage, save_id):      # never delete files a committed checkpoint needs
             prep.abandon()
         raise
-    if coord.rank == 0:
-        try:
-            remove_stale(storage, keep=save_id)
-        except OSError as e:
-            warnings.warn(f"{storage.url}: checkpoint committed, but removing files of the checkpoint it replaced "
-                          f"failed ({e}); they are unused and can be deleted", stacklevel=2)
-    timings["commit"] = time.perf_counter() - t0
-    timings["total"] = time.perf_counter() - prep.t_start
+    _after_commit(coord, prep, t0)
     return SaveResult(path=storage.url, save_id=save_id, world_size=coord.world, rank=coord.rank,
                       bytes_written=result.bytes_written, total_bytes=total, files=files, timings=timings,
                       bytes_reused=result.bytes_reused, bytes_encoded=result.bytes_encoded)
+
+
+def _after_commit(coord: Coordinator, prep: PreparedSave, t0: float) -> None:
+    """Once every rank knows the save committed: rank 0 removes the files of the checkpoint it replaced (a
+    failure is a warning); the commit's and the save's times are recorded."""
+    if coord.rank == 0:
+        try:
+            remove_stale(prep.storage, keep=prep.save_id)
+        except OSError as e:
+            warnings.warn(f"{prep.storage.url}: checkpoint committed, but removing files of the checkpoint it "
+                          f"replaced failed ({e}); they are unused and can be deleted", stacklevel=3)
+    prep.timings["commit"] = time.perf_counter() - t0
+    prep.timings["total"] = time.perf_counter() - prep.t_start
 
 
 def _check_tiles(plan: SavePlan) -> None:
