@@ -21,7 +21,8 @@ ranks²) is skipped.
 A second table: the plan each rank makes on its own when every tensor has a compact layout (``planning.layouts``;
 not ``pairs``): one rank's time to digest its layouts and plan its writes, at ``--own-ranks`` ×
 ``--own-tensors``; the bytes it receives to plan (the digest vote and the save id); and its row of the commit's
-gather to rank 0, with rank 0's total.
+gather to rank 0, with rank 0's total; and (``fsdp``) what each rank receives in a load's planning exchange, which
+still all-gathers every rank's read spans.
 
     python benchmarks/bench_scale.py [--ranks 256,1024,4096] [--tensors 100] [--layouts fsdp,fsdp×tp8,pairs,ddp]
 """
@@ -154,23 +155,34 @@ def _own(layout: str, ranks: int, tensors: int, rows: int) -> tuple[float, int, 
     return dt, received, row
 
 
+def _load_exchange(ranks: int, tensors: int) -> int:
+    """The bytes each rank receives in a load's planning exchange (``core.load``: every rank's covered keys, read
+    spans and host, all-gathered for read sharing) when every rank loads its own row shard of ``tensors``
+    tensors saved FSDP-style (one span per tensor; the default "host" sharing mode)."""
+    one = (None, (bytearray(tensors), (), [(f"data/{'0' * 16}/r{ranks // 2:05d}.bin", i << 20, 1 << 20)
+                                             for i in range(tensors)],
+                  ("x" * 64, {}), (), "host"))
+    return len(pickle.dumps(one, protocol=pickle.HIGHEST_PROTOCOL)) * ranks
+
+
 def _own_table(sizes: list[int], counts: list[int], layouts: list[str], rows: int) -> None:
     print()
     print("Planned by each rank on its own (one rank: digest + plan_own; what it receives to plan; its row of the "
           "commit's gather to rank 0, and rank 0's total):")
     print("| layout | ranks | tensors | plan, one rank (s) | received to plan (B) | row to rank 0 (kB) | "
-          "rank 0 gathers (MB) |")
-    print("|---|---|---|---|---|---|---|")
+          "rank 0 gathers (MB) | a load's planning exchange, received per rank (MB) |")
+    print("|---|---|---|---|---|---|---|---|")
     for layout in layouts:
         for ranks in sizes:
             for tensors in counts:
                 got = _own(layout, ranks, tensors, rows)
                 if got is None:
-                    print(f"| {layout} | {ranks} | {tensors} | gathered (no compact layout) ||||")
+                    print(f"| {layout} | {ranks} | {tensors} | gathered (no compact layout) |||||")
                     continue
                 dt, received, row = got
+                loading = _load_exchange(ranks, tensors) if layout == "fsdp" else float("nan")
                 print(f"| {layout} | {ranks} | {tensors} | {dt:.3f} | {received} | {row / 1e3:.1f} | "
-                      f"{row * ranks / 1e6:.0f} |", flush=True)
+                      f"{row * ranks / 1e6:.0f} | {loading / 1e6:.0f} |", flush=True)
 
 
 def main() -> int:
