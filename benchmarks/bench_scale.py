@@ -21,8 +21,8 @@ ranks²) is skipped.
 A second table: the plan each rank makes on its own when every tensor has a compact layout (``planning.layouts``;
 not ``pairs``): one rank's time to digest its layouts and plan its writes, at ``--own-ranks`` ×
 ``--own-tensors``; the bytes it receives to plan (the digest vote and the save id); and its row of the commit's
-gather to rank 0, with rank 0's total; and (``fsdp``) what each rank receives in a load's planning exchange, which
-still all-gathers every rank's read spans.
+gather to rank 0, with rank 0's total; and (``fsdp``) what each rank receives in a load's planning exchange
+(modelled from its payload, 8 ranks per host).
 
     python benchmarks/bench_scale.py [--ranks 256,1024,4096] [--tensors 100] [--layouts fsdp,fsdp×tp8,pairs,ddp]
 """
@@ -155,14 +155,21 @@ def _own(layout: str, ranks: int, tensors: int, rows: int) -> tuple[float, int, 
     return dt, received, row
 
 
+#: ranks per host in the model of a load's planning exchange
+HOST_RANKS = 8
+
+
 def _load_exchange(ranks: int, tensors: int) -> int:
-    """The bytes each rank receives in a load's planning exchange (``core.load``: every rank's covered keys, read
-    spans and host, all-gathered for read sharing) when every rank loads its own row shard of ``tensors``
-    tensors saved FSDP-style (one span per tensor; the default "host" sharing mode)."""
-    one = (None, (bytearray(tensors), (), [(f"data/{'0' * 16}/r{ranks // 2:05d}.bin", i << 20, 1 << 20)
-                                             for i in range(tensors)],
-                  ("x" * 64, {}), (), "host"))
-    return len(pickle.dumps(one, protocol=pickle.HIGHEST_PROTOCOL)) * ranks
+    """The bytes each rank receives in a load's planning exchange (``core.load``, the default "host" sharing mode)
+    when every rank loads its own row shard of ``tensors`` tensors saved FSDP-style (one span per tensor): the
+    all-gathered part from every rank (covered keys as bits, host key, no spans) and the read spans of the other
+    ``HOST_RANKS - 1`` ranks of its host, exchanged among them."""
+    import numpy as np
+
+    small = (None, (bytes(np.packbits(np.ones(tensors, dtype=np.uint8))), (), [], ("x" * 64, {}), (), "host"))
+    spans = ([(f"data/{'0' * 16}/r{ranks // 2:05d}.bin", i << 20, 1 << 20) for i in range(tensors)], ("x" * 64, {}))
+    return len(pickle.dumps(small, protocol=pickle.HIGHEST_PROTOCOL)) * ranks + \
+        len(pickle.dumps(spans, protocol=pickle.HIGHEST_PROTOCOL)) * (HOST_RANKS - 1)
 
 
 def _own_table(sizes: list[int], counts: list[int], layouts: list[str], rows: int) -> None:
@@ -182,7 +189,7 @@ def _own_table(sizes: list[int], counts: list[int], layouts: list[str], rows: in
                 dt, received, row = got
                 loading = _load_exchange(ranks, tensors) if layout == "fsdp" else float("nan")
                 print(f"| {layout} | {ranks} | {tensors} | {dt:.3f} | {received} | {row / 1e3:.1f} | "
-                      f"{row * ranks / 1e6:.0f} | {loading / 1e6:.0f} |", flush=True)
+                      f"{row * ranks / 1e6:.0f} | {loading / 1e6:.1f} |", flush=True)
 
 
 def main() -> int:

@@ -94,3 +94,15 @@ def load_killed(rank: int, world: int, path: str, pids: str, victim: int) -> tup
     with open(os.path.join(pids, f"{rank}.out"), "w") as f:        # (run_ranks raises: a rank died)
         f.write(repr(out))
     return out
+
+
+def load_two_hosts(rank: int, world: int, path: str) -> dict[str, Any]:
+    """Ranks 0, 1 on "host-a" and 2, 3 on "host-b" (the seam: ``shm.host_key``) load every tensor replicated: each
+    host's ranks exchange their spans among themselves and share within the host only."""
+    from liferaft.core.chunks import shm
+
+    shm.host_key = lambda: "host-a" if rank < world // 2 else "host-b"
+    state = build(world, "R", False)
+    res = liferaft.load(path, state, options=LoadOptions(timeout=TIMEOUT, share_reads=True))
+    right = all(torch.equal(state[k].to_local().view(torch.int32), reference(k).view(torch.int32)) for k in SHAPES)
+    return {"right": right, "read": res.bytes_read, "received": res.bytes_received}

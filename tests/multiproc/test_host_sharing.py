@@ -46,6 +46,21 @@ def test_shared_memory_load_is_bitwise_equal_to_plain_reads(tmp_path, layout, wo
     assert sum(o["read"] - o["received"] for o in out) < sum(o["read"] for o in out) <= world * full, out
 
 
+def test_two_hosts_share_within_each_host_only(tmp_path):
+    """The ranks of a host exchange their read spans among themselves (not with the whole job): on two simulated
+    hosts of 2 ranks, each host reads every replicated byte once from storage and shares it within the host."""
+    path = str(tmp_path / "ck")
+    _run(R.save, 2, path, "S0", "off")
+    out = _run(R.load_two_hosts, 4, path)
+    assert all(o["right"] for o in out), out
+    full = sum(R.reference(k).numel() * 4 for k in R.SHAPES)
+    for host in (out[:2], out[2:]):
+        assert all(o["read"] == full for o in host), out                    # each rank ends with all of it
+        assert 0 < sum(o["received"] for o in host) < full * 2, out         # some of it came from its mate
+        from_storage = sum(o["read"] - o["received"] for o in host)
+        assert full <= from_storage <= full * 1.05, out      # read from storage about once, nothing from the other host
+
+
 def test_rank_killed_in_the_shared_phase_fails_the_others_and_leaves_no_segment(tmp_path):
     path, pids = str(tmp_path / "ck"), tmp_path / "pids"
     pids.mkdir()

@@ -18,6 +18,7 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from liferaft.core.aliasing import check_disjoint
@@ -112,23 +113,28 @@ def _load(reader: Reader, state: Any, coord: Coordinator, opts: LoadOptions, str
             spans = [s for s in spans if p.job.span_bytes.get(s, opts.max_read_bytes + 1) <= opts.max_read_bytes]
             hosted = (shm.host_key(), {s: p.job.span_bytes[s] for s in spans if p.job.span_bytes[s] > s[2]})
             shm.sweep_stale()
-        return p.covered, p.missing, spans, hosted, p.skipped, mode
+            own_spans.append((spans, hosted))
+            spans, hosted = [], (hosted[0], {})      # (exchanged among the host's ranks only, below)
+        return bytes(np.packbits(np.frombuffer(p.covered, dtype=np.uint8))), p.missing, spans, hosted, p.skipped, \
+            mode
+    own_spans: list[Any] = []
     gathered = coord.run(planned, "load (planning)")
     if len({g[5] for g in gathered}) > 1:       # (a rank without /dev/shm): no rank shares, all alike
         mode = None
     plan = plans[0]
     all_keys = reader.keys
-    covered = bytearray(len(all_keys))
+    covered = np.zeros(len(all_keys), dtype=np.uint8)
     for c, *_ in gathered:
-        covered = bytearray(a | b for a, b in zip(covered, c))
-    unexpected = tuple(k for k, hit in zip(all_keys, covered) if not hit)
+        covered |= np.unpackbits(np.frombuffer(c, dtype=np.uint8), count=len(all_keys))
+    unexpected = tuple(k for k, hit in zip(all_keys, covered.tolist()) if not hit)
     missing = tuple(sorted({k for _, m, *_ in gathered for k in m}))
     skipped = tuple(sorted({k for *_, s, _ in gathered for k in s}))
     shares = False                  # (mode "host": whether the ranks of any host share, the same on every rank)
     if mode == "host":
         hosts = [g[3][0] for g in gathered]
+        gathered = _mates_spans(coord, hosts, own_spans[0], gathered)
         sharing = _host_sharing(gathered, hosts, hosts[coord.rank], opts)
-        shares = bool(sharing) or any(_host_sharing(gathered, hosts, h, opts) for h in set(hosts) - {hosts[coord.rank]})
+        shares = bool(coord.all_max([int(bool(sharing))], "load (planning)")[0])
     else:
         sharing = ({} if not mode or coord.world == 1 else plan_sharing([g[2] for g in gathered], holders=holders)
                    if holders is not None else plan_sharing([g[2] for g in gathered], min_bytes=0))
@@ -187,6 +193,42 @@ def _share_mode(reader: Reader, coord: Coordinator, opts: LoadOptions) -> str | 
     if shm.available():
         return "host"
     return "peers" if opts.share_reads else None    # (over loopback: measured slower than each rank reading)
+
+
+def _mates_spans(coord: Coordinator, hosts: list[str], mine: tuple[Any, Any], gathered: list[Any]) -> list[Any]:
+    """``gathered`` with the spans and decoded sizes (``mine``: this rank's) of the ranks on this rank's host filled
+    in, exchanged among those ranks only (a length, then the pickled spans, sent to each): what a rank receives
+    grows with its host's ranks and their reads, not with the job's (collective over each host's ranks)."""
+    import pickle
+
+    import torch
+
+    mates = [r for r, h in enumerate(hosts) if h == hosts[coord.rank] and r != coord.rank]
+    out = list(gathered)
+    out[coord.rank] = (*gathered[coord.rank][:2], mine[0], mine[1], *gathered[coord.rank][4:])
+    if not mates:
+        return out
+    data = torch.frombuffer(bytearray(pickle.dumps(mine, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+    size = torch.tensor([data.numel()], dtype=torch.int64)
+    sizes = {r: torch.zeros(1, dtype=torch.int64) for r in mates}
+    works = [coord.irecv(sizes[r], r, SPAN_SIZE_TAG) for r in mates]
+    works += [coord.isend(size, r, SPAN_SIZE_TAG) for r in mates]
+    for w in works:
+        w.wait()
+    bufs = {r: torch.empty(int(sizes[r].item()), dtype=torch.uint8) for r in mates}
+    works = [coord.irecv(bufs[r], r, SPAN_TAG) for r in mates]
+    works += [coord.isend(data, r, SPAN_TAG) for r in mates]
+    for w in works:
+        w.wait()
+    for r in mates:
+        spans, hosted = pickle.loads(bufs[r].numpy().tobytes())      # (our own ranks' messages)
+        out[r] = (*gathered[r][:2], spans, hosted, *gathered[r][4:])
+    return out
+
+
+#: the tags of the exchange of read spans among a host's ranks (``_mates_spans``; ``dist.GATHER_TAG`` is
+#: 0x4C46_0001, the tags of shared spans count up from 0)
+SPAN_SIZE_TAG, SPAN_TAG = 0x4C46_0002, 0x4C46_0003
 
 
 def _host_sharing(gathered: list[Any], hosts: list[str], host: str, opts: LoadOptions) -> Any:
