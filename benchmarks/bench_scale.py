@@ -168,7 +168,8 @@ def _load_exchange(ranks: int, tensors: int) -> int:
 
     small = (None, (bytes(np.packbits(np.ones(tensors, dtype=np.uint8))), (), [], ("x" * 64, {}), (), "host"))
     spans = ([(f"data/{'0' * 16}/r{ranks // 2:05d}.bin", i << 20, 1 << 20) for i in range(tensors)], ("x" * 64, {}))
-    return len(pickle.dumps(small, protocol=pickle.HIGHEST_PROTOCOL)) * ranks + \
+    # (the all-gather sends every message's length first, then the messages padded to the longest: all alike here)
+    return (8 + len(pickle.dumps(small, protocol=pickle.HIGHEST_PROTOCOL))) * ranks + \
         len(pickle.dumps(spans, protocol=pickle.HIGHEST_PROTOCOL)) * (HOST_RANKS - 1)
 
 
