@@ -13,6 +13,7 @@ followed by an exchange, so every rank raises when any rank fails and nothing ha
 from __future__ import annotations
 
 import os
+import pickle
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -199,10 +200,6 @@ def _mates_spans(coord: Coordinator, hosts: list[str], mine: tuple[Any, Any], ga
     """``gathered`` with the spans and decoded sizes (``mine``: this rank's) of the ranks on this rank's host filled
     in, exchanged among those ranks only (a length, then the pickled spans, sent to each): what a rank receives
     grows with its host's ranks and their reads, not with the job's (collective over each host's ranks)."""
-    import pickle
-
-    import torch
-
     mates = [r for r, h in enumerate(hosts) if h == hosts[coord.rank] and r != coord.rank]
     out = list(gathered)
     out[coord.rank] = (*gathered[coord.rank][:2], mine[0], mine[1], *gathered[coord.rank][4:])
