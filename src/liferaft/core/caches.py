@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from liferaft.planning.save_plan import SavePlan
 
@@ -16,8 +16,13 @@ PlanKey = tuple[str, int, int, int, int]
 Planned = tuple[Any, SavePlan, str]
 
 
-class PlanCache:
-    """The last tensor layout planned per (``Coordinator.key``, rank, world, alignment, chunk bytes), with this
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class PlanCache(Generic[K, V]):
+    """A bounded map, the least recently used entry dropped first; the process's two caches are of it. :data:`PLANS`:
+    the last tensor layout planned per (``Coordinator.key``, rank, world, alignment, chunk bytes), with this
     rank's tensor metadata and the id of the save it was planned for: a save whose tensors every rank describes
     exactly as then, and for which every rank holds that same plan, reuses it (planning a large model costs tens
     of ms per save).
@@ -33,16 +38,16 @@ class PlanCache:
     def __init__(self, limit: int = LIMIT) -> None:
         self.limit = limit
         self._lock = threading.Lock()
-        self._entries: OrderedDict[PlanKey, Planned] = OrderedDict()
+        self._entries: OrderedDict[K, V] = OrderedDict()
 
-    def get(self, key: PlanKey) -> Planned | None:
+    def get(self, key: K) -> V | None:
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None:
                 self._entries.move_to_end(key)
             return entry
 
-    def put(self, key: PlanKey, entry: Planned) -> None:
+    def put(self, key: K, entry: V) -> None:
         with self._lock:
             self._entries[key] = entry
             self._entries.move_to_end(key)
@@ -53,7 +58,7 @@ class PlanCache:
         with self._lock:
             self._entries.clear()
 
-    def items(self) -> list[tuple[PlanKey, Planned]]:
+    def items(self) -> list[tuple[K, V]]:
         """The entries, least recently used first (for tests and diagnostics)."""
         with self._lock:
             return list(self._entries.items())
@@ -63,31 +68,8 @@ class PlanCache:
 
 
 #: The process's plan cache.
-PLANS = PlanCache()
-
-
-class KeySet:
-    """A bounded set (least recently used dropped first) of the layouts whose plans rank 0 checked (``TILED``)."""
-
-    def __init__(self, limit: int = 64) -> None:
-        self.limit = limit
-        self._lock = threading.Lock()
-        self._entries: OrderedDict[Any, bool] = OrderedDict()
-
-    def get(self, key: Any) -> bool | None:
-        with self._lock:
-            return self._entries.get(key)
-
-    def put(self, key: Any, value: bool) -> None:
-        with self._lock:
-            self._entries[key] = value
-            while len(self._entries) > self.limit:
-                self._entries.popitem(last=False)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
+PLANS: PlanCache[PlanKey, Planned] = PlanCache()
 
 
 #: (group key, agreed digest) of the plans made on their own whose chunks rank 0 found to tile every tensor
-TILED = KeySet()
+TILED: PlanCache[tuple[str, int], bool] = PlanCache(limit=64)
