@@ -190,6 +190,12 @@ class SaveOptions:
         composes the state from several steps. The tensor's manifest entry says how many chunks came from which
         checkpoint and the largest change left out; ``LoadOptions(exact=True)`` refuses such a checkpoint. Costs
         a read of the base's chunks at save time.
+    chunk_tables: (default True) when the ranks plan their writes on their own (DTensors over one mesh of every
+        rank, plain tensors alike on every rank: ``planning.layouts``), each writing rank stores the records of
+        its chunks in a table file beside its data file and the manifest becomes a small index (format version
+        4, docs/FORMAT.md §4.6): rank 0 receives a few bytes per rank to commit instead of every chunk's record,
+        and a loading rank reads only the tables of the ranks whose boxes it needs. False: one manifest lists
+        every chunk (version 1 to 3, readable by liferaft before 4).
     """
 
     overwrite: bool = False
@@ -210,10 +216,11 @@ class SaveOptions:
     delta: tuple[str, ...] = ()
     selective: float | None = None
     selective_keys: tuple[str, ...] = ("*",)
+    chunk_tables: bool = True
 
     def __post_init__(self) -> None:
         o = "SaveOptions"
-        for name in ("overwrite", "allow_pickle"):
+        for name in ("overwrite", "allow_pickle", "chunk_tables"):
             check_bool(o, name, getattr(self, name))
         check_number(o, "timeout", self.timeout, 0, MAX_TIMEOUT, above=True)
         _check_choice(o, "compression", self.compression, Compression)

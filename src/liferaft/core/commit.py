@@ -9,7 +9,7 @@ path, the memory tier, the manager and the tools all go through these functions 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 from liferaft.codecs import registry as codec_registry
@@ -24,7 +24,15 @@ from liferaft.errors import (
 from liferaft.format.jsonsafe import paused_gc
 from liferaft.format.layout import COMMIT_MARKER, DATA_DIR, is_stale, manifest_name
 from liferaft.format.limits import MAX_MANIFEST_BYTES, MAX_MARKER_BYTES
-from liferaft.format.manifest import ChunkRecord, CommitMarker, Manifest, decode_commit_marker, decode_manifest
+from liferaft.format.manifest import (
+    ChunkRecord,
+    CommitMarker,
+    Manifest,
+    TableRef,
+    decode_commit_marker,
+    decode_manifest,
+)
+from liferaft.format.tables import decode_table, with_tables
 from liferaft.planning.geometry import check_chunks_tile
 from liferaft.storage import Storage
 
@@ -172,6 +180,8 @@ def decode_verified(storage: Storage, data: bytes, name: str, reuse: bool = Fals
                 return manifest
     with paused_gc():
         manifest = decode_manifest(data, f"{storage.url}/{name}", codecs=codecs)
+        if manifest.tables:
+            manifest = read_tables(storage, manifest, manifest.tables, codecs)
         for entry in manifest.tensors:
             problem = check_chunks_tile(entry.shape, [(c.offsets, c.sizes) for c in entry.chunks])
             for c in entry.chunks if problem is None else ():
@@ -185,6 +195,33 @@ def decode_verified(storage: Storage, data: bytes, name: str, reuse: bool = Fals
     if reuse:
         _OPENED[:] = [(storage.url, codecs, bytes(data), manifest)]
     return manifest
+
+
+def read_tables(storage: Storage, index: Manifest, refs: Iterable[TableRef], codecs: Collection[str] | None
+                ) -> Manifest:
+    """``index`` (a version 4 manifest, docs/FORMAT.md §4.6) with the chunks of the tables ``refs`` filled in:
+    each table read at most at the size the index lists (no link followed), its size and digest compared with
+    the index's before it is decoded (``format.tables.decode_table``). Raises CorruptCheckpointError naming the
+    table (missing, another size or digest, damaged)."""
+    decoded = {}
+    for ref in refs:
+        size = index.files[ref.file]
+        if size > MANIFEST_LIMIT:
+            raise CorruptCheckpointError(f"{storage.url}: chunk table {ref.file!r} is listed with {size} bytes "
+                                         f"(at most {MANIFEST_LIMIT}); the checkpoint is damaged")
+        try:
+            data = storage.read_all(ref.file, size)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{storage.url}: chunk table {ref.file!r} is missing; the checkpoint is "
+                                         "damaged (restore the file, or load an older checkpoint)") from None
+        except CorruptCheckpointError as e:
+            raise CorruptCheckpointError(f"{storage.url}: chunk table {ref.file!r} is larger than the {size} bytes "
+                                         f"the manifest records ({e}); the checkpoint is damaged") from e
+        if len(data) != size or digest(data) != ref.hash:
+            raise CorruptCheckpointError(f"{storage.url}: chunk table {ref.file!r} does not match the size/checksum "
+                                         "the manifest records; the checkpoint is damaged")
+        decoded[ref.file] = decode_table(data, ref, index, codecs)
+    return with_tables(index, decoded)
 
 
 def _frames_problem(chunk: ChunkRecord) -> str | None:

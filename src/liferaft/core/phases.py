@@ -26,9 +26,10 @@ from liferaft.codecs.checksum import digest
 from liferaft.core.caches import PLANS, TILED, Planned
 from liferaft.core.chunks.writer import ChunkPolicy, WriteOutcome
 from liferaft.core.commit import abandon, is_committed, open_checkpoint, remove_stale, write_commit
+from liferaft.core.tabled import build_index, write_table
 from liferaft.dist import Coordinator
 from liferaft.errors import CheckpointExistsError, InvalidStateError, LiferaftError, StorageError
-from liferaft.format.layout import COMMIT_MARKER
+from liferaft.format.layout import COMMIT_MARKER, table_file_name
 from liferaft.format.manifest import ChunkRecord, Manifest
 from liferaft.options import SaveOptions, SaveResult
 from liferaft.planning.geometry import Box, check_chunks_tile, numel
@@ -119,6 +120,10 @@ class PreparedSave:
     own_digest: int = 0
     #: (planned on its own) the digest of each of rank 0's values, by key
     zero_values: dict[str, str] = field(default_factory=dict)
+    #: (planned on its own) each tensor's layout; ``tables``: the chunk records go to per-rank chunk tables
+    #: (format version 4, ``core.tabled``): every layout regular, nothing lossy, ``SaveOptions.chunk_tables``
+    layouts: tuple[Layout, ...] | None = None
+    tables: bool = False
 
     @property
     def writes(self) -> tuple[WriteItem, ...]:
@@ -132,6 +137,8 @@ class PreparedSave:
         """Delete the files this rank wrote for this save (it failed; never raises)."""
         abandon(self.storage, self.my_file)
         abandon(self.storage, self.copies)
+        if self.tables and self.writes:
+            abandon(self.storage, table_file_name(self.save_id, self.rank))
 
 
 def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOptions) -> PreparedSave:
@@ -214,10 +221,12 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
             sources[(w.key, (w.offsets, w.sizes))] = sub_view(sources[(w.key, w.parent)], w.parent,
                                                               (w.offsets, w.sizes))
     policy, lossy = chunk_policy(plan, storage, opts, base)
+    own = layouts is not None and plan.own
     prepared = PreparedSave(storage=storage, plan=plan, save_id=save_id, rank=coord.rank, world=coord.world,
                             sources=sources, policy=policy, t_start=t_start, lossy=lossy,
-                            own=meta if layouts is not None and plan.own else None,
-                            own_digest=agreed, zero_values=zero_values)
+                            own=meta if own else None, own_digest=agreed, zero_values=zero_values,
+                            layouts=layouts if own else None,
+                            tables=own and opts.chunk_tables and not lossy and all(la.regular for la in layouts or ()))
     prepared.timings["plan"] = time.perf_counter() - t_start
     return prepared
 
@@ -328,13 +337,20 @@ def _finish_own(coord: Coordinator, prep: PreparedSave, write: Callable[[], Writ
     incremental base.)"""
     storage, save_id, plan, meta = prep.storage, prep.save_id, prep.plan, prep.own
     assert meta is not None
-    result, error = None, None
+    result, error, table = None, None, None
     try:
         result = write()
+        if prep.tables and prep.writes:
+            table = write_table(storage, save_id, prep.rank, plan, prep.writes, result.chunks)
     except BaseException as e:  # noqa: BLE001 - reported to every rank, then raised here too
         error = e
     values = tuple(v.key if prep.zero_values.get(v.key) == v.digest else v for v in meta.values)  # (key: rank 0's)
-    row = None if result is None else (prep.writes, result.chunks, result.file_size, values, meta.containers)
+    if prep.tables:             # (the table's reference instead of every chunk's record)
+        wrote = sum(w.length for w in prep.writes)
+        row = None if result is None else ((table or (None, 0)) + (result.file_size, wrote), (), 0, values,
+                                           meta.containers)
+    else:
+        row = None if result is None else (prep.writes, result.chunks, result.file_size, values, meta.containers)
     try:
         rows = coord.gather_to_zero(row, error, "save (write)")
     except BaseException:
@@ -352,16 +368,25 @@ def _finish_own(coord: Coordinator, prep: PreparedSave, write: Callable[[], Writ
             zero = {v.key: v for v in meta.values}
             metas = [RankMeta(rank=r, tensors=(), values=tuple(zero[x] if isinstance(x, str) else x for x in v),
                               containers=c) for r, (_, _, _, v, c) in enumerate(rows)]
-            full = replace(plan, writes=tuple(w for w, *_ in rows), values=tuple(merge_values(metas)),
-                           containers=merge_containers(metas))
-            if TILED.get((coord.key, prep.own_digest)) is None:
-                _check_tiles(full)
-                TILED.put((coord.key, prep.own_digest), True)
-            manifest = build_manifest(full, [s for _, s, *_ in rows], [n for _, _, n, *_ in rows],
-                                      save_id=save_id, created_unix=time.time(), liferaft_version=_version(),
-                                      torch_version=torch.__version__, extra=opts.metadata, lossy=prep.lossy)
+            merged: dict[str, Any] = {"values": tuple(merge_values(metas)), "containers": merge_containers(metas)}
+            if prep.tables:
+                assert prep.layouts is not None
+                manifest = build_index(plan, prep.layouts, [w for w, *_ in rows], save_id=save_id,
+                                       created_unix=time.time(), liferaft_version=_version(),
+                                       torch_version=torch.__version__, extra=dict(opts.metadata),
+                                       alignment=opts.alignment, chunk_bytes=opts.chunk_bytes, **merged)
+                sizes = [w[2] for w, *_ in rows]
+            else:
+                full = replace(plan, writes=tuple(w for w, *_ in rows), **merged)
+                if TILED.get((coord.key, prep.own_digest)) is None:
+                    _check_tiles(full)
+                    TILED.put((coord.key, prep.own_digest), True)
+                manifest = build_manifest(full, [s for _, s, *_ in rows], [n for _, _, n, *_ in rows],
+                                          save_id=save_id, created_unix=time.time(), liferaft_version=_version(),
+                                          torch_version=torch.__version__, extra=opts.metadata, lossy=prep.lossy)
+                sizes = [n for _, _, n, *_ in rows]
             write_commit(storage, save_id, manifest)
-            summary = (sum(n for _, _, n, *_ in rows), sum(1 for _, _, n, *_ in rows if n))
+            summary = (sum(sizes), sum(1 for n in sizes if n))
         except OSError as e:
             error = StorageError(f"{storage.url}: writing the manifest or the commit marker failed: {e}")
         except BaseException as e:  # noqa: BLE001 - reported to every rank, then raised here too

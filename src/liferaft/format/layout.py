@@ -1,7 +1,7 @@
 """The names of the on-disk layout, in one place (docs/FORMAT.md §1): pure functions, no I/O.
 
 One checkpoint (a storage root): ``data/<save id>/r<rank, 5 digits>.bin`` per rank (and ``...-copies.bin`` for
-chunks copied from a sibling), ``manifest-<save id>.json`` and the marker ``COMMIT``. A manager root (and the
+chunks copied from a sibling, ``...-chunks.json`` for its chunk table in format version 4), ``manifest-<save id>.json`` and the marker ``COMMIT``. A manager root (and the
 memory tier): one checkpoint per step in ``step-<step, 10 digits>/``.
 """
 
@@ -34,6 +34,12 @@ def data_file_name(save_id: str, rank: int) -> str:
 def copies_file_name(save_id: str, rank: int) -> str:
     """The file of chunks rank ``rank`` copied from a sibling checkpoint into save ``save_id``."""
     return f"{data_prefix(save_id)}r{rank:05d}-copies.bin"
+
+
+def table_file_name(save_id: str, rank: int) -> str:
+    """The chunk table rank ``rank`` writes for save ``save_id`` (format version 4, docs/FORMAT.md §4.6): the
+    records of the chunks of its data file."""
+    return f"{data_prefix(save_id)}r{rank:05d}-chunks.json"
 
 
 def data_file_rank(name: str) -> int | None:

@@ -19,7 +19,7 @@ from typing import Any
 from liferaft.errors import CorruptCheckpointError, FormatVersionError, UnsafePathError
 from liferaft.format import jsonsafe
 from liferaft.format.checks import check_tree, value_depth
-from liferaft.format.layout import COMMIT_MARKER
+from liferaft.format.layout import COMMIT_MARKER, table_file_name
 from liferaft.format.limits import (
     MAX_INT,
     MAX_MANIFEST_BYTES,
@@ -46,6 +46,7 @@ from liferaft.format.records import (  # the manifest's data (re-exported: its h
     ContainerEntry,
     Manifest,
     PathPart,
+    TableRef,
     TensorEntry,
     ValueEntry,
 )
@@ -260,7 +261,7 @@ def _plain_tensor(key: str, path: tuple[PathPart, ...], kind: str, dtype: str, s
     entry = _new(TensorEntry)
     d = entry.__dict__
     d["key"], d["path"], d["kind"], d["dtype"], d["shape"], d["chunks"] = key, path, kind, dtype, shape, chunks
-    d["lossy"] = d["per_rank"] = None
+    d["lossy"] = d["per_rank"] = d["layout"] = None
     return entry
 
 
@@ -362,7 +363,62 @@ def _decode_tensor(t: dict[str, Any], name: str, files: Mapping[str, int], codec
             raise _fail(where, f"per_rank {list(per_rank)} must name distinct ranks, one per index of the "
                                f"first dimension of shape {list(shape)}")
     return TensorEntry(key=key, path=_path(t.get("path"), where), kind=kind, dtype=dtype, shape=shape, chunks=chunks,
-                       lossy=lossy, per_rank=per_rank)
+                       lossy=lossy, per_rank=per_rank, layout=_layout(t.get("layout"), where, len(shape)))
+
+
+def _layout(v: Any, where: str, ndim: int) -> tuple[tuple[int, ...], tuple[int | None, ...]] | None:
+    """A tensor's ``layout`` (§4.6): ``{"mesh": [n, ...], "shards": [dim or null, ...]}``, one shard per mesh
+    dimension, each a dimension of the tensor; None when absent."""
+    if v is None:
+        return None
+    if not isinstance(v, dict) or set(v) != {"mesh", "shards"}:
+        raise _fail(where, f"layout must be an object with mesh and shards, got {v!r:.80}")
+    mesh = _ints(v["mesh"], f"{where} layout mesh", 1, MAX_NDIM)
+    shards = v["shards"]
+    if not mesh or not isinstance(shards, list) or len(shards) != len(mesh) or not all(
+            d is None or (type(d) is int and 0 <= d < ndim) for d in shards):
+        raise _fail(where, f"layout needs one shard (a dimension below {ndim}, or null) per mesh dimension, got "
+                           f"{v!r:.80}")
+    _product(mesh, 1, f"{where} layout mesh")
+    return mesh, tuple(shards)
+
+
+def _tables(doc: Mapping[str, Any], name: str, version: int, save_id: str, world_size: int,
+            files: Mapping[str, int], tensors: list[TensorEntry]) -> tuple[tuple[TableRef, ...], dict[str, int] | None]:
+    """The chunk tables and planning options of a version 4 index (§4.6), checked against its files, world size
+    and tensors (whose chunks the tables hold: none may be listed inline, and each layout covers the world)."""
+    raw, planned = doc.get("tables"), doc.get("planned")
+    if raw is None and planned is None:
+        if any(t.layout is not None for t in tensors):
+            raise _fail(name, "a tensor records a layout, but the manifest has no chunk tables")
+        return (), None
+    if version < 4:
+        raise _fail(name, f"chunk tables need format version 4, the manifest says {version}")
+    if not isinstance(raw, list) or not raw:
+        raise _fail(name, "tables must be a non-empty list of objects")
+    if not isinstance(planned, dict) or set(planned) != {"alignment", "chunk_bytes"}:
+        raise _fail(name, f"planned must be an object with alignment and chunk_bytes, got {planned!r:.80}")
+    plan = {k: _int(planned[k], f"{name} planned {k}", 1) for k in ("alignment", "chunk_bytes")}
+    refs, ranks = [], set()
+    for r in raw:
+        if not isinstance(r, dict) or set(r) != {"file", "rank", "hash", "chunks"}:
+            raise _fail(name, f"a chunk table must be an object with file, rank, hash and chunks, got {r!r:.80}")
+        rank = _int(r["rank"], f"{name} table", 0, world_size - 1)
+        file = _str(r["file"], f"{name} table")
+        if file != table_file_name(save_id, rank) or file not in files or rank in ranks:
+            raise _fail(name, f"chunk table {file!r:.120} of rank {rank} is not {table_file_name(save_id, rank)!r}, "
+                              "is not listed in files, or is not the only table of its rank")
+        h = _str(r["hash"], f"{name} table {file!r}")
+        if len(h) != 16 or not _HEX.issuperset(h):
+            raise _fail(name, f"chunk table {file!r}: hash must be 16 lowercase hex digits, got {h!r:.40}")
+        ranks.add(rank)
+        refs.append(TableRef(file=file, rank=rank, hash=h, chunks=_int(r["chunks"], f"{name} table {file!r}")))
+    for t in tensors:
+        if t.chunks:
+            raise _fail(name, f"tensor {t.key!r} lists chunks in a manifest whose chunks live in chunk tables")
+        if t.layout is not None and math.prod(t.layout[0]) != world_size:
+            raise _fail(name, f"tensor {t.key!r}: layout mesh {list(t.layout[0])} is not of {world_size} rank(s)")
+    return tuple(sorted(refs, key=lambda r: r.rank)), plan
 
 
 def decode_manifest(data: bytes, name: str = "manifest", codecs: Collection[str] | None = None) -> Manifest:
@@ -436,8 +492,10 @@ def _decode_manifest(data: bytes, name: str, codecs: Collection[str] | None) -> 
         if t.per_rank is not None and max(t.per_rank) >= world_size:
             raise _fail(f"{name} tensor {t.key!r}", f"per_rank names rank {max(t.per_rank)} of a save by "
                                                     f"{world_size} rank(s)")
+    save_id = _str(doc.get("save_id"), name)
+    tables, planned = _tables(doc, name, version, save_id, world_size, files, tensors)
     return Manifest(
-        save_id=_str(doc.get("save_id"), name), world_size=world_size,
+        save_id=save_id, world_size=world_size, tables=tables, planned=planned,
         created_unix=float(doc.get("created_unix") or 0.0), liferaft_version=str(doc.get("liferaft_version", "")),
         torch_version=str(doc.get("torch_version", "")), files=files, tensors=tuple(tensors), values=tuple(values),
         containers=tuple(containers), extra=extra if isinstance(extra, dict) else {}, version=version)

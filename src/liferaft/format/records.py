@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 
 FORMAT_NAME = "liferaft"
-FORMAT_VERSION = 3          # the newest version this code reads; a save uses 2 or 3 only when it needs it (§4.1, §4.5)
+FORMAT_VERSION = 4          # the newest version this code reads; a save uses 2, 3 or 4 only when it needs it
+#: (§4.1 encoded chunks, §4.5 tensors per rank, §4.6 chunk tables)
 
 #: The block checksum a save records for the chunks it writes (CRC-32C: hardware-computed and hashed without the
 #: GIL, so a background save does not stall a Python training loop; docs/FORMAT.md §3.1).
@@ -125,6 +126,9 @@ class TensorEntry:
     #: None for a tensor every rank held alike (or sharded); else the saving ranks whose copies differed, one per
     #: index of dimension 0: the stored shape is ``[len(per_rank), *shape of each copy]`` (docs/FORMAT.md §4.5)
     per_rank: tuple[int, ...] | None = None
+    #: (version 4) how the saving ranks held it: ``(mesh, shards)`` of a ``planning.layouts.Layout`` whose
+    #: ``shards`` are tensor dimensions or None (replicated); None when not recorded
+    layout: tuple[tuple[int, ...], tuple[int | None, ...]] | None = None
 
     @property
     def itemsize(self) -> int:
@@ -145,9 +149,12 @@ class TensorEntry:
             n *= s
         return n
 
-    def to_json(self, default_checksum: str = CHECKSUM_ALGO) -> dict[str, Any]:
+    def to_json(self, default_checksum: str = CHECKSUM_ALGO, chunks: bool = True) -> dict[str, Any]:
+        """The tensor's JSON object; ``chunks=False``: without its chunks (they live in chunk tables, §4.6)."""
         out = {"key": self.key, "path": list(self.path), "kind": self.kind, "dtype": self.dtype,
-               "shape": list(self.shape), "chunks": [c.to_json(default_checksum) for c in self.chunks]}
+               "shape": list(self.shape), "chunks": [c.to_json(default_checksum) for c in self.chunks] if chunks else []}
+        if self.layout is not None:
+            out["layout"] = {"mesh": list(self.layout[0]), "shards": list(self.layout[1])}
         if self.lossy is not None:
             out["lossy"] = dict(self.lossy)
         if self.per_rank is not None:
@@ -205,6 +212,21 @@ class ContainerEntry:
 
 
 @dataclass(frozen=True)
+class TableRef:
+    """(Version 4) One rank's chunk table (docs/FORMAT.md §4.6): the file ``file`` (listed in the manifest's
+    ``files`` with its size) holding the records of the ``chunks`` chunks of rank ``rank``'s data file, pinned
+    by the ``LEGACY_CHECKSUM`` digest ``hash`` of its bytes."""
+
+    file: str
+    rank: int
+    hash: str
+    chunks: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"file": self.file, "rank": self.rank, "hash": self.hash, "chunks": self.chunks}
+
+
+@dataclass(frozen=True)
 class Manifest:
     """Everything a reader needs: entries, files and who wrote the checkpoint."""
 
@@ -219,11 +241,19 @@ class Manifest:
     containers: tuple[ContainerEntry, ...]
     extra: Mapping[str, Any] = field(default_factory=dict)
     version: int = 1
+    #: (version 4) the chunk tables holding every chunk record, by rank (docs/FORMAT.md §4.6); empty: the chunks
+    #: are listed in ``tensors``. A manifest read back with tables has its tensors' chunks filled from them.
+    tables: tuple[TableRef, ...] = ()
+    #: (version 4) ``{"alignment": int, "chunk_bytes": int}``: the options the writes were planned with from the
+    #: tensors' layouts (``planning.layouts.plan_own``), so that a reader can tell which rank wrote which box
+    planned: Mapping[str, int] | None = None
 
     def needs_version(self) -> int:
-        """The lowest format version that describes this manifest: 3 when a tensor is stored per rank; 2 when a
-        chunk is encoded or lives in another checkpoint, or an entry is lossy; else 1 (readable by liferaft
-        versions that predate them)."""
+        """The lowest format version that describes this manifest: 4 when its chunks live in chunk tables; 3 when
+        a tensor is stored per rank; 2 when a chunk is encoded or lives in another checkpoint, or an entry is
+        lossy; else 1 (readable by liferaft versions that predate them)."""
+        if self.tables:
+            return 4
         if any(t.per_rank is not None for t in self.tensors):
             return 3
         for t in self.tensors:
@@ -247,15 +277,21 @@ class Manifest:
         return LEGACY_CHECKSUM
 
     def to_json_bytes(self) -> bytes:
-        algo = self.default_checksum()
+        """The manifest's bytes; with ``tables``, the tensors are written without their chunks (the index of
+        §4.6: the chunks are in the tables)."""
+        algo = self.default_checksum() if not self.tables else CHECKSUM_ALGO
         doc = {
             "format": FORMAT_NAME, "version": max(self.version, self.needs_version()), "save_id": self.save_id,
             "world_size": self.world_size, "created_unix": self.created_unix,
             "liferaft_version": self.liferaft_version, "torch_version": self.torch_version,
             "checksum": algo, "byte_order": "little", "files": dict(sorted(self.files.items())),
-            "tensors": [t.to_json(algo) for t in self.tensors], "values": [v.to_json() for v in self.values],
+            "tensors": [t.to_json(algo, chunks=not self.tables) for t in self.tensors],
+            "values": [v.to_json() for v in self.values],
             "containers": [c.to_json() for c in self.containers], "extra": dict(self.extra),
         }
+        if self.tables:
+            doc["tables"] = [r.to_json() for r in self.tables]
+            doc["planned"] = dict(self.planned or {})
         return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 
     def tensor_map(self) -> dict[str, TensorEntry]:

@@ -275,6 +275,13 @@ def merge_values(metas: Sequence[RankMeta]) -> list[ValueEntry]:
     return out
 
 
+def chunk_record(w: WriteItem, sc: Any) -> ChunkRecord:
+    """The record of write ``w`` as its writer stored it (``sc``, a ``StoredChunk``)."""
+    return ChunkRecord(offsets=w.offsets, sizes=w.sizes, file=sc.file, byte_offset=sc.byte_offset, length=w.length,
+                       block_size=sc.block_size, hashes=tuple(sc.hashes), codec=sc.codec, frames=sc.frames,
+                       delta=sc.delta, checksum=sc.checksum, digest=sc.digest)
+
+
 def build_manifest(plan: SavePlan, stored: Sequence[Sequence[Any]], file_sizes: Sequence[int], *, save_id: str,
                    created_unix: float, liferaft_version: str, torch_version: str,
                    extra: Mapping[str, Any] | None = None, lossy: Mapping[str, Mapping[str, Any]] | None = None
@@ -295,10 +302,7 @@ def build_manifest(plan: SavePlan, stored: Sequence[Sequence[Any]], file_sizes: 
             files[data_file_name(save_id, rank)] = file_sizes[rank]
         for w, sc in zip(items, stored[rank]):
             files.update(sc.ref_files or {})
-            records[w.key].append(ChunkRecord(offsets=w.offsets, sizes=w.sizes, file=sc.file,
-                                              byte_offset=sc.byte_offset, length=w.length, block_size=sc.block_size,
-                                              hashes=tuple(sc.hashes), codec=sc.codec, frames=sc.frames,
-                                              delta=sc.delta, checksum=sc.checksum, digest=sc.digest))
+            records[w.key].append(chunk_record(w, sc))
             if sc.error is not None:
                 e = errors.setdefault(w.key, [0.0, 0.0, 0])
                 e[0], e[1], e[2] = max(e[0], sc.error[0]), e[1] + sc.error[1], e[2] + sc.error[2]

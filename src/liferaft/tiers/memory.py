@@ -147,8 +147,10 @@ class MemoryTier:
         elif opts.if_busy == "skip" and self._thread is not None and self._thread.is_alive():
             return
         self.wait()
+        # (one manifest listing every chunk: a node restores from the manifest and the data files it holds, and
+        # a node's chunk tables would live only in its own memory and its peers')
         opts = SaveOptions(**{**opts.__dict__, "overwrite": True, "compression": "off", "incremental_base": None,
-                              "metadata": {**dict(opts.metadata), "step": step, "job_id": self.job_id,
+                              "chunk_tables": False, "metadata": {**dict(opts.metadata), "step": step, "job_id": self.job_id,
                                            "tier": "memory"}})
         handle = async_save(self.step_storage(step), state, process_group=self.process_group, options=opts)
         if handle is None:              # if_busy="skip": another save of this process is in flight

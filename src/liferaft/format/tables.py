@@ -1,0 +1,81 @@
+"""Chunk tables (format version 4, docs/FORMAT.md §4.6): one small JSON file per writing rank holding the records
+of the chunks of its data file, so that the manifest (the index: tensors, their layouts, files, values) grows
+with the tensors and the ranks, not with the chunks, and nobody gathers every chunk's record to commit.
+
+``encode_table`` is what a rank writes; ``decode_table`` reads one back, checked against the index that pins it
+(its bytes' digest, its rank, and every chunk through the manifest's own chunk checks, each in its writer's data
+file); ``with_tables`` fills an index's tensors with the chunks of the tables read. Pure: no I/O, no torch.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import replace
+
+from liferaft.format import jsonsafe
+from liferaft.format.layout import data_file_name
+from liferaft.format.limits import MAX_MANIFEST_BYTES
+from liferaft.format.manifest import _chunk_fast, _decode_chunk, _fail
+from liferaft.format.records import CHECKSUM_ALGO, LEGACY_CHECKSUM, ChunkRecord, Manifest, TableRef
+
+TABLE_FORMAT = "liferaft-chunks"
+TABLE_VERSION = 1
+
+
+def encode_table(save_id: str, rank: int, chunks: Sequence[tuple[int, ChunkRecord]]) -> bytes:
+    """The bytes of rank ``rank``'s chunk table for save ``save_id``: ``chunks`` as (index of the tensor in the
+    manifest, record), in that order."""
+    doc = {"format": TABLE_FORMAT, "version": TABLE_VERSION, "save_id": save_id, "rank": rank,
+           "checksum": CHECKSUM_ALGO, "chunks": [[i, c.to_json(CHECKSUM_ALGO)] for i, c in chunks]}
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+
+
+def decode_table(data: bytes, ref: TableRef, index: Manifest, codecs: Collection[str] | None = None
+                 ) -> list[tuple[int, ChunkRecord]]:
+    """The chunks of the table ``ref`` of ``index`` from its bytes ``data``, whose digest the caller compared
+    with ``ref.hash``. Every chunk is checked as a manifest's chunk is (§9), lies in rank ``ref.rank``'s data
+    file and names a tensor of the index; the count must be ``ref.chunks``. Raises CorruptCheckpointError."""
+    where = f"chunk table {ref.file!r}"
+    doc = jsonsafe.loads(data, where, MAX_MANIFEST_BYTES)
+    if not isinstance(doc, dict) or doc.get("format") != TABLE_FORMAT or doc.get("version") != TABLE_VERSION:
+        raise _fail(where, f"not a version {TABLE_VERSION} {TABLE_FORMAT} document")
+    if doc.get("save_id") != index.save_id or doc.get("rank") != ref.rank:
+        raise _fail(where, f"it belongs to save {doc.get('save_id')!r:.40} rank {doc.get('rank')!r:.20}, not "
+                           f"{index.save_id!r} rank {ref.rank}")
+    algo = doc.get("checksum")
+    if algo not in (CHECKSUM_ALGO, LEGACY_CHECKSUM):
+        raise _fail(where, f"unknown checksum {algo!r:.40}")
+    raw = doc.get("chunks")
+    if not isinstance(raw, list) or len(raw) != ref.chunks:
+        raise _fail(where, f"holds {len(raw) if isinstance(raw, list) else 'no list of'} chunks, the manifest "
+                           f"says {ref.chunks}")
+    own = data_file_name(index.save_id, ref.rank)
+    files = {own: index.files[own]} if own in index.files else {}
+    out = []
+    tensors = index.tensors
+    for item in raw:
+        if not (isinstance(item, list) and len(item) == 2 and type(item[0]) is int
+                and 0 <= item[0] < len(tensors)):
+            raise _fail(where, f"a chunk must be [tensor index, record] naming one of the {len(tensors)} "
+                               f"tensors, got {item!r:.80}")
+        t = tensors[item[0]]
+        rec = _chunk_fast(item[1], len(t.shape), files, t.itemsize, algo)
+        if rec is None:
+            rec = _decode_chunk(item[1], f"{where} tensor {t.key!r}", len(t.shape), files, t.itemsize, codecs, algo)
+        if rec.file != own or rec.delta is not None:
+            raise _fail(where, f"tensor {t.key!r}: a chunk in {rec.file!r} (a table lists only the chunks of its "
+                               f"rank's data file {own!r}, none a delta)")
+        out.append((item[0], rec))
+    return out
+
+
+def with_tables(index: Manifest, tables: Mapping[str, Sequence[tuple[int, ChunkRecord]]]) -> Manifest:
+    """``index`` with each tensor's chunks taken from the decoded ``tables`` (by file), sorted by offsets."""
+    chunks: list[list[ChunkRecord]] = [[] for _ in index.tensors]
+    for items in tables.values():
+        for i, rec in items:
+            chunks[i].append(rec)
+    return replace(index, tensors=tuple(replace(t, chunks=tuple(sorted(c, key=lambda r: r.offsets)))
+                                        for t, c in zip(index.tensors, chunks)))
+
