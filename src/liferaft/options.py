@@ -357,3 +357,6 @@ class LoadResult:
     #: keys of the checkpoint naming buffers the state's modules do not persist (``persistent=False``): not
     #: loaded, and not "unexpected" (``liferaft.state.matching``)
     skipped_keys: tuple[str, ...] = ()
+    #: chunk tables this rank read (format version 4, docs/FORMAT.md §4.6: those of the ranks that wrote the
+    #: boxes it loads; None: the checkpoint has none)
+    tables_read: int | None = None

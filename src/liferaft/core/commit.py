@@ -165,11 +165,12 @@ def read_verified(storage: Storage) -> tuple[bytes, str]:
     return data, marker.manifest
 
 
-def decode_verified(storage: Storage, data: bytes, name: str, reuse: bool = False) -> Manifest:
+def decode_verified(storage: Storage, data: bytes, name: str, reuse: bool = False, tables: bool = True) -> Manifest:
     """The manifest ``name`` of ``storage`` from its bytes ``data`` (``read_verified``'s), decoded and checked
     (every tensor's chunks tile it; an encoded chunk's frames can hold its blocks): a function of those bytes and
     the codecs registered alone, so ranks given the same bytes decode the same manifest or raise the same error.
-    ``reuse`` as in ``open_checkpoint``."""
+    ``reuse`` as in ``open_checkpoint``. ``tables=False``: a version 4 manifest comes back as its index, its
+    tensors without chunks and nothing of its chunk tables read (``core.tabled.TableSource`` reads them)."""
     if not isinstance(data, bytes) or not isinstance(name, str):
         raise CorruptCheckpointError(f"{storage.url}: the manifest was passed as {type(data).__name__} named "
                                      f"{type(name).__name__}, not bytes and a name")
@@ -180,13 +181,15 @@ def decode_verified(storage: Storage, data: bytes, name: str, reuse: bool = Fals
                 return manifest
     with paused_gc():
         manifest = decode_manifest(data, f"{storage.url}/{name}", codecs=codecs)
+        if manifest.tables and not tables:
+            return manifest
         if manifest.tables:
             manifest = read_tables(storage, manifest, manifest.tables, codecs)
         for entry in manifest.tensors:
             problem = check_chunks_tile(entry.shape, [(c.offsets, c.sizes) for c in entry.chunks])
             for c in entry.chunks if problem is None else ():
                 if c.codec is not None or c.delta is not None:
-                    problem = _frames_problem(c) or (c.delta and _frames_problem(c.delta))
+                    problem = frames_problem(c) or (c.delta and frames_problem(c.delta))
                     if problem:
                         break
             if problem:
@@ -203,28 +206,31 @@ def read_tables(storage: Storage, index: Manifest, refs: Iterable[TableRef], cod
     each table read at most at the size the index lists (no link followed), its size and digest compared with
     the index's before it is decoded (``format.tables.decode_table``). Raises CorruptCheckpointError naming the
     table (missing, another size or digest, damaged)."""
-    decoded = {}
-    for ref in refs:
-        size = index.files[ref.file]
-        if size > MANIFEST_LIMIT:
-            raise CorruptCheckpointError(f"{storage.url}: chunk table {ref.file!r} is listed with {size} bytes "
-                                         f"(at most {MANIFEST_LIMIT}); the checkpoint is damaged")
-        try:
-            data = storage.read_all(ref.file, size)
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"{storage.url}: chunk table {ref.file!r} is missing; the checkpoint is "
-                                         "damaged (restore the file, or load an older checkpoint)") from None
-        except CorruptCheckpointError as e:
-            raise CorruptCheckpointError(f"{storage.url}: chunk table {ref.file!r} is larger than the {size} bytes "
-                                         f"the manifest records ({e}); the checkpoint is damaged") from e
-        if len(data) != size or digest(data) != ref.hash:
-            raise CorruptCheckpointError(f"{storage.url}: chunk table {ref.file!r} does not match the size/checksum "
-                                         "the manifest records; the checkpoint is damaged")
-        decoded[ref.file] = decode_table(data, ref, index, codecs)
-    return with_tables(index, decoded)
+    return with_tables(index, {ref.file: read_table(storage, index, ref, codecs) for ref in refs})
 
 
-def _frames_problem(chunk: ChunkRecord) -> str | None:
+def read_table(storage: Storage, index: Manifest, ref: TableRef, codecs: Collection[str] | None
+               ) -> list[tuple[int, ChunkRecord]]:
+    """The decoded chunks of table ``ref`` of ``index`` (``read_tables``)."""
+    size = index.files[ref.file]
+    if size > MANIFEST_LIMIT:
+        raise CorruptCheckpointError(f"{storage.url}: chunk table {ref.file!r} is listed with {size} bytes "
+                                     f"(at most {MANIFEST_LIMIT}); the checkpoint is damaged")
+    try:
+        data = storage.read_all(ref.file, size)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{storage.url}: chunk table {ref.file!r} is missing; the checkpoint is "
+                                     "damaged (restore the file, or load an older checkpoint)") from None
+    except CorruptCheckpointError as e:
+        raise CorruptCheckpointError(f"{storage.url}: chunk table {ref.file!r} is larger than the {size} bytes "
+                                     f"the manifest records ({e}); the checkpoint is damaged") from e
+    if len(data) != size or digest(data) != ref.hash:
+        raise CorruptCheckpointError(f"{storage.url}: chunk table {ref.file!r} does not match the size/checksum "
+                                     "the manifest records; the checkpoint is damaged")
+    return decode_table(data, ref, index, codecs)
+
+
+def frames_problem(chunk: ChunkRecord) -> str | None:
     """Why the frames of an encoded chunk cannot hold its blocks (each frame at least ``block / max_expansion``
     bytes of its codec), or None: so that a manifest never makes a reader allocate far beyond the stored bytes."""
     if chunk.codec is None or chunk.frames is None:

@@ -178,7 +178,7 @@ def _load(reader: Reader, state: Any, coord: Coordinator, opts: LoadOptions, str
                       stacklevel=3)
     return LoadResult(path=reader.url, rank=coord.rank, bytes_read=stats.used, bytes_received=stats.received,
                       missing_keys=missing, unexpected_keys=unexpected, timings=timings, lossy=plan.lossy,
-                      skipped_keys=skipped)
+                      skipped_keys=skipped, tables_read=getattr(reader, "tables_read", None))
 
 
 def _share_mode(reader: Reader, coord: Coordinator, opts: LoadOptions) -> str | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ import torch
 from liferaft.core.chunks.blocks import read_blocks
 from liferaft.core.chunks.reader import execute_reads
 from liferaft.core.commit import check_files
+from liferaft.core.tabled import TableSource
 from liferaft.errors import LiferaftError
 from liferaft.format.manifest import Manifest, TensorEntry, ValueEntry
 from liferaft.formats.base import (
@@ -31,6 +33,7 @@ from liferaft.formats.base import (
     ValueSpec,
 )
 from liferaft.options import LoadOptions
+from liferaft.planning.geometry import Box, numel
 from liferaft.planning.load_plan import plan_reads
 from liferaft.state.tree import build_tree
 from liferaft.state.values import PerRank, decode_value
@@ -58,12 +61,18 @@ class NativeReader(Reader):
     """A committed liferaft checkpoint in ``storage`` (with references to sibling checkpoints resolved), read
     through its verified ``manifest``. ``manifest``, ``storage`` and ``entries`` (the manifest's tensor entries by
     key) are read-only; each data file is checked present and long enough once per reader (``check_present``, or
-    the first ``plan`` that reads from it), not again for every read."""
+    the first ``plan`` that reads from it), not again for every read.
 
-    def __init__(self, storage: Storage, manifest: Manifest, options: LoadOptions | None = None) -> None:
+    ``tables``: the chunk tables of a version 4 ``manifest`` given as its index (docs/FORMAT.md §4.6), read as
+    the boxes planned need them (``core.tabled.TableSource``): ``entries`` then hold the chunks read so far, and
+    ``manifest`` stays the index."""
+
+    def __init__(self, storage: Storage, manifest: Manifest, options: LoadOptions | None = None,
+                 tables: TableSource | None = None) -> None:
         self.storage, self.manifest = storage, manifest
         self.options = options or LoadOptions()
         self.entries = manifest.tensor_map()
+        self._tables = tables
         self._values = {v.key: v for v in manifest.values}
         self._checked: set[str] = set()             # data files found present and long enough
         m = manifest
@@ -78,6 +87,29 @@ class NativeReader(Reader):
                   "files": dict(m.files), "metadata": dict(m.extra),
                   "containers": [(c.path, c.kind, c.children, c.cls) for c in m.containers]})
 
+    @property
+    def tables_read(self) -> int | None:
+        """Chunk tables read so far (None: the manifest lists every chunk, or was opened whole)."""
+        return None if self._tables is None else len(self._tables.done)
+
+    def _resolve(self, wanted: Iterable[tuple[str, Box | None]]) -> None:
+        """(Chunk tables) Read the tables holding the chunks of the ``(key, box)`` wanted (None: the whole
+        tensor), fill ``entries`` with them and check each box covered."""
+        src = self._tables
+        if src is None:
+            return
+        wanted = [(k, b if b is not None else (tuple(0 for _ in self.entries[k].shape), self.entries[k].shape))
+                  for k, b in wanted]
+        ranks: set[int] = set()
+        for key, box in wanted:
+            ranks |= src.writers(key, box)
+        for pos in src.fetch(ranks):
+            entry = src.entry(pos)
+            self.entries[entry.key] = entry
+        for key, box in wanted:
+            if numel(box[1]):
+                src.check_covered(self.entries[key], box)
+
     def value(self, key: str) -> Any:
         return decode_entry_value(self._values[key], self.options.allow_pickle)
 
@@ -91,6 +123,7 @@ class NativeReader(Reader):
         """Each chunk of ``key`` as saved: its codec (``"raw"`` for none) and ``"xor-delta"`` when it is stored
         as a delta, its file (relative to the checkpoint; ``../<sibling>/...`` for a reference), the bytes it
         takes there, the rank whose file holds it."""
+        self._resolve([(key, None)])
         out = []
         for c in self.entries[key].chunks:
             found = _WRITER.search(c.file)
@@ -101,6 +134,8 @@ class NativeReader(Reader):
         return tuple(out)
 
     def check_present(self, keys: Iterable[str]) -> None:
+        keys = list(keys)
+        self._resolve([(k, None) for k in keys])
         self._check({c.file for k in keys for c in self.entries[k].chunks})
 
     def held_elsewhere(self, files: Iterable[str]) -> None:
@@ -130,6 +165,9 @@ class NativeReader(Reader):
         """Every data file present with the size the manifest records, and every block of every chunk re-hashed
         (``max_read_bytes`` at a time)."""
         storage, m = self.storage, self.manifest
+        if self._tables is not None:
+            self._tables.whole()
+            m = replace(m, tensors=tuple(self._tables.entry(i) for i in range(len(m.tensors))))
         faults: list[str] = []
         refused: set[str] = set()
         for name, size in m.files.items():
@@ -178,6 +216,7 @@ class _NativeJob(ReadJob):
         self.units: list[Any] = []
         files: set[str] = set()
         max_read = reader.options.max_read_bytes
+        reader._resolve((key, box) for key, box, _ in self.requests)
         for key, box, dest in self.requests:
             self.targets.append(dest)
             units = plan_reads(reader.entries[key], [(len(self.targets) - 1, box)], max_read)

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import os
 
+from liferaft.codecs.registry import names as codec_names
 from liferaft.core.commit import check_references, decode_verified, open_checkpoint, read_verified
 from liferaft.core.native import NativeReader
 from liferaft.core.process import in_call
+from liferaft.core.tabled import TableSource
 from liferaft.dist import Coordinator
 from liferaft.errors import CheckpointNotFoundError, StateMismatchError
 from liferaft.format.manifest import Manifest
@@ -63,7 +65,9 @@ def open_reader(path: PathLike | Storage, options: LoadOptions | None = None, *,
         storage = with_references(path if isinstance(path, Storage) else resolve(path))
         if coord is None:
             return NativeReader(storage, open_checkpoint(storage, reuse=True), opts)
-        return NativeReader(storage, _open_on_ranks(storage, coord), opts)
+        manifest = _open_on_ranks(storage, coord)
+        lazy = TableSource(storage, manifest, codec_names()) if manifest.tables else None
+        return NativeReader(storage, manifest, opts, tables=lazy)
     if coord is None:
         return _open_foreign(os.fspath(path), fmt)
     opened: list[Reader] = []
@@ -82,7 +86,7 @@ def _open_on_ranks(storage: Storage, coord: Coordinator) -> Manifest:
     opened: list[Manifest] = []
 
     def decode() -> None:
-        manifest = decode_verified(storage, data, name)
+        manifest = decode_verified(storage, data, name, tables=False)     # (chunk tables: read as needed)
         if coord.rank == 0:
             check_references(storage, manifest)
         opened.append(manifest)

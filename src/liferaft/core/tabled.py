@@ -10,15 +10,26 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from liferaft.codecs.checksum import digest
-from liferaft.errors import InvalidStateError
+from liferaft.core.commit import frames_problem, read_table
+from liferaft.errors import CorruptCheckpointError, InvalidStateError
 from liferaft.format.layout import data_file_name, table_file_name
-from liferaft.format.manifest import DTYPE_ITEMSIZE, LEGACY_CHECKSUM, ContainerEntry, Manifest, TableRef, TensorEntry
+from liferaft.format.manifest import (
+    DTYPE_ITEMSIZE,
+    LEGACY_CHECKSUM,
+    ChunkRecord,
+    ContainerEntry,
+    Manifest,
+    TableRef,
+    TensorEntry,
+)
 from liferaft.format.tables import encode_table
-from liferaft.planning.layouts import Layout
-from liferaft.planning.save_plan import SavePlan, WriteItem, chunk_record
+from liferaft.planning.geometry import Box, check_chunks_tile, intersect, numel, split_box
+from liferaft.planning.layouts import Layout, group_writers, layout_box, layout_holders, overlapping
+from liferaft.planning.save_plan import SavePlan, TensorMeta, WriteItem, chunk_record
 from liferaft.storage import Storage
 
 assert LEGACY_CHECKSUM == "xxh3_64"         # the digest ``TableRef.hash`` records (``codecs.checksum.digest``)
@@ -66,3 +77,124 @@ def build_index(plan: SavePlan, layouts: Sequence[Layout], rows: Sequence[tuple[
                     liferaft_version=liferaft_version, torch_version=torch_version, files=files, tensors=tensors,
                     values=values, containers=containers, extra=dict(extra), version=4, tables=tuple(refs),
                     planned={"alignment": alignment, "chunk_bytes": chunk_bytes})
+
+
+class TableSource:
+    """The chunk tables of a version 4 index, read as a load needs them (docs/FORMAT.md §4.6).
+
+    ``resolve`` takes the boxes a rank reads and reads only the tables of the ranks that wrote chunks of them:
+    the boxes of each tensor's layout that overlap a wanted box (``planning.layouts.overlapping``: grid
+    arithmetic), and within a group of replicas the member the save's plan gave each chunk to
+    (``group_writers``, replayed from the index). Every chunk of a table read must be one its rank was planned
+    to write (a piece of its box, and its share within its group), listed once; every wanted box must then be
+    covered by those chunks. A table that fails either check is refused (CorruptCheckpointError naming it)
+    before anything is copied. A tensor without a layout makes every table read."""
+
+    def __init__(self, storage: Storage, index: Manifest, codecs: Any) -> None:
+        self.storage, self.index, self.codecs = storage, index, codecs
+        self.refs = {r.rank: r for r in index.tables}
+        self.chunk_bytes = (index.planned or {}).get("chunk_bytes", 0)
+        tensors = index.tensors
+        self.layouts = [None if t.layout is None else Layout(*t.layout) for t in tensors]
+        self.metas = None if None in self.layouts else [
+            (TensorMeta(key=t.key, path=t.path, kind=t.kind, dtype=t.dtype, shape=t.shape, boxes=()), la)
+            for t, la in zip(tensors, self.layouts)]
+        self.pos = {t.key: i for i, t in enumerate(tensors)}
+        self.chunks: list[list[ChunkRecord]] = [[] for _ in tensors]
+        self.seen: set[tuple[int, tuple[int, ...]]] = set()
+        self.done: set[int] = set()
+        self._groups: dict[tuple[int, ...], dict[tuple[int, Box], int]] = {}
+        self._holders: dict[tuple[Layout, int], tuple[int, ...]] = {}
+
+    def _members(self, layout: Layout, rank: int) -> tuple[int, ...]:
+        found = self._holders.get((layout, rank))
+        if found is None:
+            found = self._holders[(layout, rank)] = layout_holders(layout, rank)
+        return found
+
+    def _writer(self, pos: int, layout: Layout, member: int, box: Box) -> int:
+        """The rank the save's plan gave chunk ``box`` of tensor ``pos``, held by ``member``'s group."""
+        holders = self._members(layout, member)
+        if len(holders) == 1:
+            return member
+        if holders not in self._groups:
+            assert self.metas is not None
+            self._groups.update(group_writers(self.metas, holders[0], self.chunk_bytes))
+        return self._groups[holders].get((pos, box), -1)
+
+    def writers(self, key: str, box: Box) -> set[int]:
+        """The ranks whose tables hold the chunks of ``key`` that share an element with ``box``."""
+        pos = self.pos[key]
+        layout = self.layouts[pos]
+        if layout is None or self.metas is None:
+            return set(self.refs)
+        t = self.index.tensors[pos]
+        out = set()
+        for saved, member in overlapping(layout, t.shape, box):
+            for c in split_box(saved, t.itemsize, self.chunk_bytes):
+                if intersect(c, box) is not None:
+                    out.add(self._writer(pos, layout, member, c))
+        return out
+
+    def fetch(self, ranks: set[int]) -> set[int]:
+        """Read the tables of ``ranks`` not read yet; the positions of the tensors that gained chunks."""
+        touched: set[int] = set()
+        for rank in sorted(ranks - self.done):
+            ref = self.refs.get(rank)
+            if ref is None:
+                raise CorruptCheckpointError(f"{self.storage.url}: rank {rank} was planned to write chunks a load "
+                                             "needs, but the manifest lists no chunk table of it; the checkpoint is "
+                                             "damaged")
+            for pos, rec in read_table(self.storage, self.index, ref, self.codecs):
+                problem = self._unplanned(pos, rec, rank)
+                if problem is None and (pos, rec.offsets) in self.seen:
+                    problem = "is listed twice"
+                if problem is None and rec.codec is not None:
+                    problem = frames_problem(rec)
+                if problem:
+                    raise CorruptCheckpointError(f"{self.storage.url}: chunk table {ref.file!r}: tensor "
+                                                 f"{self.index.tensors[pos].key!r}: the chunk at {list(rec.offsets)} "
+                                                 f"{problem}; the checkpoint is damaged")
+                self.seen.add((pos, rec.offsets))
+                self.chunks[pos].append(rec)
+                touched.add(pos)
+            self.done.add(rank)
+        return touched
+
+    def _unplanned(self, pos: int, rec: ChunkRecord, rank: int) -> str | None:
+        """Why chunk ``rec`` of tensor ``pos`` is not one ``rank`` was planned to write, or None."""
+        layout = self.layouts[pos]
+        if layout is None or self.metas is None:
+            return None                         # (every table is read: the whole tensor's tiling is checked)
+        t = self.index.tensors[pos]
+        box = (rec.offsets, rec.sizes)
+        held = layout_box(layout, t.shape, rank)
+        if intersect(box, held) != box or box not in split_box(held, t.itemsize, self.chunk_bytes):
+            return f"is not a piece of rank {rank}'s box {held} as the save planned it"
+        if self._writer(pos, layout, rank, box) != rank:
+            return f"was planned for another rank of the replicas of rank {rank}"
+        return None
+
+    def entry(self, pos: int) -> TensorEntry:
+        """Tensor ``pos`` with the chunks read so far (sorted by offsets)."""
+        return replace(self.index.tensors[pos], chunks=tuple(sorted(self.chunks[pos], key=lambda c: c.offsets)))
+
+    def check_covered(self, entry: TensorEntry, box: Box) -> None:
+        """CorruptCheckpointError unless the chunks of ``entry`` (planned, distinct) cover ``box``."""
+        got = 0
+        for c in entry.chunks:
+            o = intersect((c.offsets, c.sizes), box)
+            got += 0 if o is None else numel(o[1])
+        if got != numel(box[1]):
+            raise CorruptCheckpointError(f"{self.storage.url}: tensor {entry.key!r}: the chunk tables cover "
+                                         f"{got} of the {numel(box[1])} elements of box {box} a load needs; the "
+                                         "checkpoint is damaged")
+
+    def whole(self) -> None:
+        """Read every table, then check that the chunks tile every tensor."""
+        self.fetch(set(self.refs))
+        for pos, t in enumerate(self.index.tensors):
+            problem = check_chunks_tile(t.shape, [(c.offsets, c.sizes) for c in self.chunks[pos]])
+            if problem:
+                raise CorruptCheckpointError(f"{self.storage.url}: tensor {t.key!r}: {problem}; the checkpoint is "
+                                             "damaged")

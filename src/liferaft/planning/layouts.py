@@ -96,8 +96,31 @@ def plan_own(tensors: Sequence[tuple[TensorMeta, Layout]], rank: int, save_id: s
     (``geometry.split_box``); the chunks of all boxes held by one group of ranks are assigned within that group,
     largest first, to the member with the fewest bytes so far (ties: the member after the group's rotation),
     computed identically by every member."""
-    groups: dict[tuple[int, ...], list[tuple[int, int, str, Box, Box]]] = {}
-    holders: dict[Layout, list[tuple[int, int, str, Box, Box]]] = {}      # (a model has a few layouts)
+    mine: list[tuple[int, int, str, Box, Box]] = []
+    for members, jobs in _own_jobs(tensors, rank, chunk_bytes).items():
+        if len(members) == 1:
+            mine.extend(jobs)
+        else:
+            mine.extend(j for j, r in _assign(members, jobs) if r == rank)
+    mine.sort(key=lambda j: (j[1], j[3]))
+    fname = data_file_name(save_id, rank)
+    pos, out = 0, []
+    for nbytes, _, key, box, held in mine:
+        pos = _align(pos, max(alignment, PAGE) if nbytes >= PAGE_ALIGN_MIN else alignment)
+        out.append(WriteItem(key=key, offsets=box[0], sizes=box[1], file=fname, byte_offset=pos, length=nbytes,
+                             parent=None if held == box else held))
+        pos += nbytes
+    return tuple(out)
+
+
+_Job = tuple[int, int, str, Box, Box]       # (bytes, position of the tensor, key, chunk, the box it is cut from)
+
+
+def _own_jobs(tensors: Sequence[tuple[TensorMeta, Layout]], rank: int, chunk_bytes: int
+              ) -> dict[tuple[int, ...], list[_Job]]:
+    """The chunks of every box ``rank`` holds, by the group of ranks holding that box (``plan_own``)."""
+    groups: dict[tuple[int, ...], list[_Job]] = {}
+    holders: dict[Layout, list[_Job]] = {}      # (a model has a few layouts)
     for pos, (t, layout) in enumerate(tensors):
         boxes = (layout_box(layout, t.shape, rank),) if layout.regular else t.boxes
         isz = DTYPE_ITEMSIZE[t.dtype]
@@ -109,26 +132,59 @@ def plan_own(tensors: Sequence[tuple[TensorMeta, Layout]], rank: int, save_id: s
                 jobs = holders[layout] = groups.setdefault(layout_holders(layout, rank), [])
             for box in split_box(held, isz, chunk_bytes):
                 jobs.append((numel(box[1]) * isz, pos, t.key, box, held))
-    mine: list[tuple[int, int, str, Box, Box]] = []
-    for members, jobs in groups.items():
-        if len(members) == 1:
-            mine.extend(jobs)
-            continue
-        jobs.sort(key=lambda j: (-j[0], j[1], j[3]))
-        turn = sum(members) % len(members)
-        heap = [(0, (i - turn) % len(members), r) for i, r in enumerate(members)]
-        heapq.heapify(heap)
-        for job in jobs:
-            load, order, r = heapq.heappop(heap)
-            if r == rank:
-                mine.append(job)
-            heapq.heappush(heap, (load + job[0], order, r))
-    mine.sort(key=lambda j: (j[1], j[3]))
-    fname = data_file_name(save_id, rank)
-    pos, out = 0, []
-    for nbytes, _, key, box, held in mine:
-        pos = _align(pos, max(alignment, PAGE) if nbytes >= PAGE_ALIGN_MIN else alignment)
-        out.append(WriteItem(key=key, offsets=box[0], sizes=box[1], file=fname, byte_offset=pos, length=nbytes,
-                             parent=None if held == box else held))
-        pos += nbytes
-    return tuple(out)
+    return groups
+
+
+def _assign(members: tuple[int, ...], jobs: list[_Job]) -> list[tuple[_Job, int]]:
+    """Each of the chunks ``jobs`` of a group of replicas ``members`` with the member that writes it: largest
+    first, to the member with the fewest bytes so far, ties to the member after the group's rotation."""
+    jobs.sort(key=lambda j: (-j[0], j[1], j[3]))
+    turn = sum(members) % len(members)
+    heap = [(0, (i - turn) % len(members), r) for i, r in enumerate(members)]
+    heapq.heapify(heap)
+    out = []
+    for job in jobs:
+        load, order, r = heapq.heappop(heap)
+        out.append((job, r))
+        heapq.heappush(heap, (load + job[0], order, r))
+    return out
+
+
+def group_writers(tensors: Sequence[tuple[TensorMeta, Layout]], member: int, chunk_bytes: int
+                  ) -> dict[tuple[int, ...], dict[tuple[int, Box], int]]:
+    """For each group of replicas ``member`` belongs to, which member writes each chunk (by tensor position and
+    box) in ``plan_own``: what a reader replays to find the rank whose chunk table holds a chunk."""
+    return {members: {(j[1], j[3]): r for j, r in _assign(members, jobs)}
+            for members, jobs in _own_jobs(tensors, member, chunk_bytes).items() if len(members) > 1}
+
+
+def overlapping(layout: Layout, shape: Sequence[int], box: Box) -> list[tuple[Box, int]]:
+    """The non-empty boxes of a regular ``layout`` of a tensor of ``shape`` that share an element with ``box``,
+    each with one rank holding it (the one at coordinate 0 along the replicating mesh dimensions): grid
+    arithmetic over the mesh, in time that grows with the boxes found, not with the ranks."""
+    if numel(box[1]) == 0:
+        return []
+    lo, hi = box[0], tuple(o + s for o, s in zip(*box))
+    states: list[tuple[int, list[int], list[int]]] = [(0, [0] * len(shape), list(shape))]
+    for n, d in zip(layout.mesh, layout.shards):
+        nxt = []
+        for rank, offs, sizes in states:
+            if d is None:
+                nxt.append((rank * n, offs, sizes))
+                continue
+            assert isinstance(d, int)
+            full = -(-sizes[d] // n)
+            if full == 0:
+                continue
+            first = max(0, (lo[d] - offs[d]) // full)
+            last = min(n - 1, (hi[d] - 1 - offs[d]) // full)
+            for c in range(first, last + 1):
+                start = min(full * c, sizes[d])
+                size = min(sizes[d], start + full) - start
+                if size > 0:
+                    o, z = list(offs), list(sizes)
+                    o[d], z[d] = offs[d] + start, size
+                    nxt.append((rank * n + c, o, z))
+        states = nxt
+    return [((tuple(o), tuple(z)), rank) for rank, o, z in states
+            if all(a < h and a + b > q for a, b, q, h in zip(o, z, lo, hi))]

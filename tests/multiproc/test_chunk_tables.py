@@ -1,0 +1,168 @@
+"""Checkpoints whose chunk records live in per-rank chunk tables (format version 4, docs/FORMAT.md §4.6), on real
+ranks: the save writes one table per writing rank and a small index; loads on ranks read only the tables of the
+ranks whose boxes they need, and every load (any layout, one process, the tools) gets exactly the state; a table
+that is missing, damaged, or lists chunks its rank was not planned to write is refused before anything is copied,
+naming it."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from multiproc._tables_ranks import TENSORS, full, load, load_expect_error, load_one, save
+
+import liferaft
+from liferaft.codecs.checksum import digest
+from liferaft.testing import run_ranks
+from liferaft.testing.tamper import read_manifest, rewrite_manifest
+
+
+def _tables(path: str) -> list[Path]:
+    return sorted(Path(path).glob("data/*/r*-chunks.json"))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("tables") / "ckpt")
+    run_ranks(save, 4, path)
+    return path
+
+
+def test_the_save_writes_an_index_and_one_table_per_writing_rank(saved):
+    doc, _ = read_manifest(saved)
+    assert doc["version"] == 4 and all(t["chunks"] == [] for t in doc["tensors"])
+    assert {t["key"]: t["layout"] for t in doc["tensors"]}["rows"] == {"mesh": [4], "shards": [0]}
+    assert [t["rank"] for t in doc["tables"]] == [0, 1, 2, 3]
+    assert len(_tables(saved)) == 4
+    info = liferaft.inspect(saved)
+    assert info.format_version == 4 and {t.key for t in info.tensors} == {*TENSORS, "plain"}
+    report = liferaft.verify(saved)             # every table read, every chunk re-hashed
+    assert report.chunks > len(TENSORS) + 1 and report.bytes_checked == sum(t.nbytes for t in info.tensors)
+
+
+def test_loads_get_the_state_in_every_layout_and_in_one_process(saved):
+    for tables, exact, step in run_ranks(load, 4, saved):
+        assert exact and step == 11 and tables >= 1
+    for tables, exact, step in run_ranks(load, 2, saved):      # resharded
+        assert exact and step == 11
+    state = {n: torch.zeros(shape) for n, (shape, _) in TENSORS.items()} | {"plain": torch.zeros(300, 64), "step": 0}
+    liferaft.load(saved, state)                                 # one process: every table
+    assert all(torch.equal(state[n], full(n)) for n in [*TENSORS, "plain"]) and state["step"] == 11
+
+
+def test_a_rank_reads_only_the_tables_of_the_ranks_that_wrote_its_boxes(saved):
+    assert run_ranks(load_one, 4, saved, "rows") == [(1, True)] * 4          # its own only
+    assert run_ranks(load_one, 2, saved, "rows") == [(2, True)] * 2          # the two halves it spans
+
+
+def test_the_same_state_saved_without_tables_is_a_version_3_manifest(tmp_path):
+    path = str(tmp_path / "v3")
+    run_ranks(save, 2, path, False)
+    doc, _ = read_manifest(path)
+    assert doc["version"] < 4 and "tables" not in doc and not _tables(path)
+    for tables, exact, _ in run_ranks(load, 2, path):
+        assert tables is None and exact
+
+
+def _copy(saved: str, tmp_path: Path) -> str:
+    import shutil
+
+    dst = str(tmp_path / "copy")
+    shutil.copytree(saved, dst)
+    return dst
+
+
+def _refused(path: str, *words: str) -> None:
+    errors = run_ranks(load_expect_error, 2, path)
+    for e in errors:
+        assert e.startswith("CorruptCheckpointError"), e
+        for w in words:
+            assert w in e, e
+    with pytest.raises(liferaft.CorruptCheckpointError):
+        liferaft.inspect(path)
+
+
+def test_a_damaged_or_missing_table_is_refused_naming_it(saved, tmp_path):
+    path = _copy(saved, tmp_path)
+    table = _tables(path)[1]
+    data = bytearray(table.read_bytes())
+    data[len(data) // 2] ^= 1
+    table.write_bytes(bytes(data))
+    _refused(path, table.name, "size/checksum")
+    table.unlink()
+    _refused(path, table.name, "missing")
+
+
+def _forge(path: str, rank: int, edit) -> str:
+    """Rewrite rank ``rank``'s table with ``edit(doc)`` and re-pin its size and digest in the index (what an
+    attacker who writes a whole checkpoint can do): the table's bytes then reach the checks of its content."""
+    table = _tables(path)[rank]
+    doc = json.loads(table.read_bytes())
+    edit(doc)
+    data = json.dumps(doc).encode()
+    table.write_bytes(data)
+
+    def pin(m):
+        m["files"][str(table.relative_to(path))] = len(data)
+        ref = next(t for t in m["tables"] if t["rank"] == rank)
+        ref["hash"], ref["chunks"] = digest(data), len(doc["chunks"])
+    rewrite_manifest(path, pin)
+    return table.name
+
+
+def test_a_table_listing_a_chunk_its_rank_was_not_planned_to_write_is_refused(saved, tmp_path):
+    path = _copy(saved, tmp_path)
+    rows = next(i for i, t in enumerate(read_manifest(path)[0]["tensors"]) if t["key"] == "rows")
+
+    def shift(doc):             # rank 1 claims rank 0's rows (same bytes of its own file)
+        for i, c in doc["chunks"]:
+            if i == rows:
+                c["offsets"][0] -= 64
+    name = _forge(path, 1, shift)
+    _refused(path, name, "not a piece of rank 1")
+
+
+def test_a_table_that_drops_a_chunk_is_refused_not_read_as_zeros(saved, tmp_path):
+    path = _copy(saved, tmp_path)
+    name = _forge(path, 2, lambda doc: doc["chunks"].pop(0))
+    errors = run_ranks(load_expect_error, 4, path)
+    assert any("cover" in e and "CorruptCheckpointError" in e for e in errors) and "loaded" not in errors, errors
+    with pytest.raises(liferaft.CorruptCheckpointError, match="does not tile|missing|cover"):
+        liferaft.inspect(path)
+    assert name
+
+
+def test_a_table_of_another_save_or_rank_is_refused(saved, tmp_path):
+    path = _copy(saved, tmp_path)
+    name = _forge(path, 3, lambda doc: doc.update(rank=2))
+    _refused(path, name, "belongs to")
+
+
+def test_a_table_pointing_into_another_ranks_file_is_refused(saved, tmp_path):
+    path = _copy(saved, tmp_path)
+
+    def other(doc):
+        for _, c in doc["chunks"]:
+            c["file"] = c["file"].replace("r00001.bin", "r00000.bin")
+    name = _forge(path, 1, other)
+    _refused(path, name)
+
+
+def test_the_index_refuses_tables_that_do_not_fit_it(saved, tmp_path):
+    cases = {
+        "another name": lambda m: m["tables"][0].update(file=m["tables"][1]["file"]),
+        "a rank beyond the world": lambda m: m["tables"][0].update(rank=9),
+        "chunks inline as well": lambda m: m["tensors"][0].update(chunks=[{}]),
+        "a layout of other ranks": lambda m: m["tensors"][0].update(layout={"mesh": [3], "shards": [0]}),
+        "a layout without tables": lambda m: (m.pop("tables"), m.pop("planned")),
+        "tables in version 3": lambda m: m.update(version=3),
+    }
+    for what, edit in cases.items():
+        path = _copy(saved, tmp_path / what.replace(" ", "_"))
+        rewrite_manifest(path, edit)
+        with pytest.raises(liferaft.CorruptCheckpointError):
+            liferaft.inspect(path)
+        assert os.path.exists(path), what

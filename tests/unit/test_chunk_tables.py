@@ -1,0 +1,133 @@
+"""Chunk tables (format version 4, docs/FORMAT.md §4.6), the pure parts: a table's encoding and its checks
+against the index, and how a reader finds the tables it needs from the index alone: the boxes of a layout that
+overlap a wanted box (grid arithmetic, equal to trying every rank) and the member of a group of replicas each
+chunk was given to (equal to the save's own plans), at 16k simulated ranks reading a few tables."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from liferaft.core.tabled import TableSource
+from liferaft.errors import CorruptCheckpointError
+from liferaft.format.layout import data_file_name, table_file_name
+from liferaft.format.manifest import DTYPE_ITEMSIZE, ChunkRecord, Manifest, TableRef, TensorEntry
+from liferaft.format.tables import decode_table, encode_table
+from liferaft.planning.geometry import intersect, numel
+from liferaft.planning.layouts import Layout, group_writers, layout_box, layout_holders, overlapping, plan_own
+from liferaft.planning.save_plan import TensorMeta
+
+
+def _random_case(rng: random.Random):
+    mesh = tuple(rng.choice([1, 2, 3, 4]) for _ in range(rng.choice([1, 2, 3])))
+    ndim = rng.choice([0, 1, 2, 3])
+    shape = tuple(rng.choice([1, 2, 3, 5, 7, 11, 16]) for _ in range(ndim))
+    shards = tuple(rng.choice([None, *range(ndim)]) for _ in mesh)
+    offs = tuple(rng.randrange(s) for s in shape)
+    box = offs, tuple(rng.randint(0, s - o) for s, o in zip(shape, offs))
+    return Layout(mesh, shards), shape, box
+
+
+def test_the_boxes_overlapping_a_box_are_those_found_by_trying_every_rank():
+    rng = random.Random(7)
+    for _ in range(3000):
+        layout, shape, box = _random_case(rng)
+        want: dict = {}
+        for r in range(layout.world):
+            held = layout_box(layout, shape, r)
+            if numel(held[1]) and numel(box[1]) and intersect(held, box) is not None:
+                want.setdefault(held, set()).add(r)
+        got = overlapping(layout, shape, box)
+        assert len(got) == len(want) and {b for b, _ in got} == set(want), (layout, shape, box)
+        for held, member in got:
+            assert member in want[held] and member == min(layout_holders(layout, member))
+
+
+def test_the_writer_of_every_chunk_replayed_from_the_index_is_the_rank_whose_own_plan_wrote_it():
+    rng = random.Random(3)
+    for _ in range(60):
+        mesh = tuple(rng.choice([1, 2, 3]) for _ in range(rng.choice([1, 2])))
+        tensors = []
+        for i in range(rng.randint(1, 6)):
+            ndim = rng.choice([1, 2])
+            shape = tuple(rng.choice([1, 3, 40, 300]) for _ in range(ndim))
+            shards = tuple(rng.choice([None, *range(ndim)]) for _ in mesh)
+            tensors.append((TensorMeta(f"t{i}", (f"t{i}",), "tensor", "float32", shape, ()), Layout(mesh, shards)))
+        world, chunk = tensors[0][1].world, rng.choice([64, 256, 4096])
+        written = {}
+        for r in range(world):
+            for w in plan_own(tensors, r, "s", 64, chunk):
+                pos = next(i for i, (t, _) in enumerate(tensors) if t.key == w.key)
+                assert (pos, (w.offsets, w.sizes)) not in written
+                written[(pos, (w.offsets, w.sizes))] = r
+        for r in range(world):
+            for members, writers in group_writers(tensors, r, chunk).items():
+                assert r in members
+                for job, writer in writers.items():
+                    assert written[job] == writer
+
+
+def _index(world: int, tensors: list[tuple[str, tuple[int, ...], Layout]], chunk: int) -> Manifest:
+    entries = tuple(TensorEntry(key=k, path=(k,), kind="tensor", dtype="float32", shape=s, chunks=(),
+                                layout=(la.mesh, la.shards)) for k, s, la in tensors)  # type: ignore[arg-type]
+    refs = tuple(TableRef(file=table_file_name("s", r), rank=r, hash="0" * 16, chunks=0) for r in range(world))
+    return Manifest(save_id="s", world_size=world, created_unix=0.0, liferaft_version="", torch_version="",
+                    files={}, tensors=entries, values=(), containers=(), version=4, tables=refs,
+                    planned={"alignment": 64, "chunk_bytes": chunk})
+
+
+@pytest.mark.parametrize("world,new", [(16384, 12288), (16384, 16384)])
+def test_a_rank_of_a_resharded_fsdp_load_at_16k_ranks_needs_two_or_three_tables(world, new):
+    """FSDP over 16,384 ranks, loaded over 12,288: each loading rank's rows span at most three saved boxes."""
+    tensors = [(f"layer{i}", (16384 * 8, 1024 * (i + 1)), Layout((world,), (0,))) for i in range(20)]
+    src = TableSource(None, _index(world, tensors, 16 << 20), None)       # type: ignore[arg-type]
+    for rank in (0, 1, new // 2, new - 1):
+        need: set[int] = set()
+        for key, shape, _ in tensors:
+            lo, hi = rank * shape[0] // new, (rank + 1) * shape[0] // new
+            need |= src.writers(key, ((lo, 0), (hi - lo, shape[1])))
+        assert 1 <= len(need) <= (1 if new == world else 3), need
+        assert all(abs(w - rank * world // new) <= 2 for w in need)
+
+
+def test_a_replicated_tensor_needs_only_the_tables_of_the_members_given_its_chunks():
+    """DDP over 16,384 ranks: a 96 MiB tensor is 6 chunks, written by 6 members; a whole load reads 6 tables."""
+    world = 16384
+    tensors = [("w", (6 * 4096, 1024), Layout((world,), (None,)))]
+    src = TableSource(None, _index(world, tensors, 16 << 20), None)       # type: ignore[arg-type]
+    need = src.writers("w", ((0, 0), (6 * 4096, 1024)))
+    assert len(need) == 6
+    plan = {r for r in need if plan_own([(TensorMeta("w", ("w",), "tensor", "float32", (6 * 4096, 1024), ()),
+                                          tensors[0][2])], r, "s", 64, 16 << 20)}
+    assert plan == need
+
+
+def _chunk(offsets, sizes, rank=0, save_id="s") -> ChunkRecord:
+    n = numel(sizes) * 4
+    return ChunkRecord(offsets=offsets, sizes=sizes, file=data_file_name(save_id, rank), byte_offset=0, length=n,
+                       block_size=n, hashes=("00000000",))
+
+
+def test_a_table_round_trips_and_its_damage_is_refused_naming_it():
+    la = Layout((2,), (0,))
+    index = _index(2, [("a", (4, 3), la)], 1 << 20)
+    index = Manifest(**{**index.__dict__, "files": {data_file_name("s", 0): 1024, table_file_name("s", 0): 10}})
+    ref = TableRef(file=table_file_name("s", 0), rank=0, hash="0" * 16, chunks=1)
+    data = encode_table("s", 0, [(0, _chunk((0, 0), (2, 3)))])
+    assert decode_table(data, ref, index) == [(0, _chunk((0, 0), (2, 3)))]
+    bad = {
+        "another rank": encode_table("s", 1, [(0, _chunk((0, 0), (2, 3)))]),
+        "another save": encode_table("t", 0, [(0, _chunk((0, 0), (2, 3)))]),
+        "a tensor not in the index": encode_table("s", 0, [(1, _chunk((0, 0), (2, 3)))]),
+        "another rank's file": encode_table("s", 0, [(0, _chunk((0, 0), (2, 3), rank=1))]),
+        "a chunk beyond its file": encode_table("s", 0, [(0, _chunk((0, 0), (2, 3)).__class__(
+            **{**_chunk((0, 0), (2, 3)).__dict__, "byte_offset": 1020}))]),
+        "more chunks than the index says": encode_table("s", 0, [(0, _chunk((0, 0), (2, 3)))] * 2),
+        "not JSON": b"\xff" * 8,
+    }
+    for what, data in bad.items():
+        with pytest.raises(CorruptCheckpointError, match="r00000-chunks.json"):
+            decode_table(data, ref, index)
+        assert what
+    assert DTYPE_ITEMSIZE["float32"] == 4
