@@ -20,9 +20,11 @@ ranks²) is skipped.
 
 A second table: the plan each rank makes on its own when every tensor has a compact layout (``planning.layouts``;
 not ``pairs``): one rank's time to digest its layouts and plan its writes, at ``--own-ranks`` ×
-``--own-tensors``; the bytes it receives to plan (the digest vote and the save id); and its row of the commit's
-gather to rank 0, with rank 0's total; and (``fsdp``) what each rank receives in a load's planning exchange
-(modelled from its payload, 8 ranks per host).
+``--own-tensors``; the bytes it receives to plan (the digest vote and the save id); the commit with chunk tables
+(format version 4: ``core.tabled``): its row of the gather to rank 0, rank 0's total, the index's size and one
+rank's table's; one rank of a load onto ¾ of the ranks planned for real from files (the index decoded, the
+tables it needs found, read, checked; its reads planned) and how many tables it read; and (``fsdp``) what each
+rank receives in a load's planning exchange (modelled from its payload, 8 ranks per host).
 
     python benchmarks/bench_scale.py [--ranks 256,1024,4096] [--tensors 100] [--layouts fsdp,fsdp×tp8,pairs,ddp]
 """
@@ -37,6 +39,12 @@ import time
 from typing import Any
 
 from _common import machine  # sets up the paths
+
+
+def compact_tensors_of(layout: str, ranks: int, tensors: int, rows: int) -> Any:
+    from liferaft.testing.scale import compact_tensors
+
+    return compact_tensors(layout, ranks, tensors, rows)
 
 COLS = 4096            # (liferaft.testing.scale.COLS)
 
@@ -155,6 +163,103 @@ def _own(layout: str, ranks: int, tensors: int, rows: int) -> tuple[float, int, 
     return dt, received, row
 
 
+def _tabled(layout: str, ranks: int, tensors: int, rows: int, tmp: str) -> tuple[int, int, int, float, int, float]:
+    """A save with chunk tables (format version 4) of these tensors: the bytes of the middle rank's row of the
+    commit's gather to rank 0, of the index (the manifest), of the middle rank's chunk table; then the middle rank
+    of a load onto ¾ of the ranks (``fsdp``, ``fsdp×tp8``: its row block of every tensor; ``ddp``: every tensor
+    whole) planned for real: decode the index, find the tables it needs (``core.tabled.TableSource``), read,
+    check and decode them from files, check coverage, plan its reads. Returns (row, index, table, load plan s,
+    tables read, of which index decode s)."""
+    import os
+
+    from liferaft.codecs.checksum import digest
+    from liferaft.core.chunks.writer import StoredChunk
+    from liferaft.core.tabled import TableSource, build_index, replicated
+    from liferaft.format.layout import data_file_name, table_file_name
+    from liferaft.format.manifest import TableRef, decode_manifest
+    from liferaft.format.tables import encode_table
+    from liferaft.planning.geometry import numel
+    from liferaft.planning.layouts import group_writers, plan_own
+    from liferaft.planning.load_plan import plan_reads
+    from liferaft.planning.save_plan import SavePlan, WriteItem, chunk_record
+    from liferaft.storage import resolve
+
+    described = compact_tensors_of(layout, ranks, tensors, rows)
+    sid, block, cb = "0" * 16, 4 << 20, 16 << 20
+    layouts = [la for _, la in described]
+    plan = SavePlan(world_size=ranks, writes=(), files={}, tensors=tuple(t for t, _ in described), values=(),
+                    containers=(), own=True)
+    pos = {t.key: i for i, (t, _) in enumerate(described)}
+
+    def stored(w: WriteItem) -> Any:
+        return chunk_record(w, StoredChunk(file=w.file, byte_offset=w.byte_offset, block_size=block,
+                                           hashes=tuple("0" * 8 for _ in range(-(-w.length // block)))))
+
+    def table(rank: int) -> tuple[bytes, int, int, list[Any]]:
+        mine = plan_own(described, rank, sid, 64, cb)
+        recs = [(pos[w.key], stored(w)) for w in mine]
+        return (encode_table(sid, rank, [(i, c) for i, c in recs if not replicated(layouts[i])]),
+                mine[-1].byte_offset + mine[-1].length if mine else 0, sum(w.length for w in mine),
+                [(i, c) for i, c in recs if replicated(layouts[i])])
+
+    mid = ranks // 2
+    data, fsize, wrote, inline = table(mid)
+    ref = TableRef(file=table_file_name(sid, mid), rank=mid, hash=digest(data), chunks=data.count(b'"offsets"'))
+    row = len(pickle.dumps(((ref, len(data), fsize, wrote, inline), (), 0, (), ())))
+    # every replicated tensor's chunks, by writer (listed in the index)
+    listed: dict[int, list[Any]] = {}
+    if any(replicated(la) for la in layouts):
+        for (i, box), w in next(iter(group_writers(described, 0, cb).values())).items():
+            t = described[i][0]
+            n = numel(box[1]) * 4
+            listed.setdefault(w, []).append((i, stored(WriteItem(key=t.key, offsets=box[0], sizes=box[1],
+                                                                 file=data_file_name(sid, w), byte_offset=0,
+                                                                 length=n))))
+    total = sum(t.shape[0] * t.shape[1] * 4 for t, _ in described)
+    new = max(1, ranks * 3 // 4)
+    r = new // 2
+    full_rows = described[0][0].shape[0]
+    lo, hi = (r * full_rows // new, (r + 1) * full_rows // new) if layout != "ddp" else (0, full_rows)
+    wanted_boxes = [(t.key, ((lo, 0), (hi - lo, t.shape[1]))) for t, _ in described]
+    actual: dict[int, tuple[bytes, int]] = {}
+
+    def index_bytes() -> bytes:
+        has = not all(replicated(la) for la in layouts)
+        rows_ = [(TableRef(file=table_file_name(sid, q), rank=q,
+                           hash=digest(actual[q][0]) if q in actual else ref.hash,
+                           chunks=actual[q][0].count(b'"offsets"') if q in actual else ref.chunks) if has else None,
+                  len(actual[q][0]) if q in actual else len(data), actual[q][1] if q in actual else max(fsize, 1),
+                  total // ranks + (total % ranks if q == 0 else 0), listed.get(q, [])) for q in range(ranks)]
+        return build_index(plan, layouts, rows_, save_id=sid, values=(), containers=(), created_unix=0.0,
+                           liferaft_version="0", torch_version="0", extra={}, alignment=64,
+                           chunk_bytes=cb).to_json_bytes()
+    storage = resolve(tmp)
+    probe = TableSource(storage, decode_manifest(index_bytes()), None)
+    need: set[int] = set()
+    for key, box in wanted_boxes:
+        need |= probe.writers(key, box)
+    for w in need:                          # write the tables the load reads, with the index pinning them
+        d, fs, _, _ = table(w)
+        os.makedirs(os.path.dirname(os.path.join(tmp, table_file_name(sid, w))), exist_ok=True)
+        with open(os.path.join(tmp, table_file_name(sid, w)), "wb") as f:
+            f.write(d)
+        actual[w] = (d, fs)
+    raw = index_bytes()
+    t0 = time.perf_counter()
+    index = decode_manifest(raw)
+    t_index = time.perf_counter() - t0
+    src = TableSource(storage, index, None)
+    got: set[int] = set()
+    for key, box in wanted_boxes:
+        got |= src.writers(key, box)
+    src.fetch(got)
+    for key, box in wanted_boxes:
+        entry = src.entry(src.pos[key])
+        src.check_covered(entry, box)
+        plan_reads(entry, [(0, box)])
+    return row, len(raw), len(data), time.perf_counter() - t0, len(got), t_index
+
+
 #: ranks per host in the model of a load's planning exchange
 HOST_RANKS = 8
 
@@ -174,23 +279,35 @@ def _load_exchange(ranks: int, tensors: int) -> int:
 
 
 def _own_table(sizes: list[int], counts: list[int], layouts: list[str], rows: int) -> None:
+    import tempfile
+
     print()
-    print("Planned by each rank on its own (one rank: digest + plan_own; what it receives to plan; its row of the "
-          "commit's gather to rank 0, and rank 0's total):")
-    print("| layout | ranks | tensors | plan, one rank (s) | received to plan (B) | row to rank 0 (kB) | "
-          "rank 0 gathers (MB) | a load's planning exchange, received per rank (MB) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("Planned by each rank on its own (one rank: digest + plan_own; what it receives to plan); committed with "
+          "chunk tables (format version 4; DDP, every tensor held whole, keeps one manifest): that rank's row of "
+          "the commit's gather to rank 0 and rank 0's total, the index, one rank's table; one rank of a load onto "
+          "¾ of the ranks: its plan (index decode + tables found, read, checked + read plan), the tables it read:")
+    print("| layout | ranks | tensors | plan, one rank (s) | received to plan (B) | row to rank 0 (B) | "
+          "rank 0 gathers (MB) | index (MB) | one table (kB) | load plan, one rank (s) | tables read | "
+          "a load's planning exchange, received per rank (MB) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for layout in layouts:
         for ranks in sizes:
             for tensors in counts:
                 got = _own(layout, ranks, tensors, rows)
                 if got is None:
-                    print(f"| {layout} | {ranks} | {tensors} | gathered (no compact layout) |||||")
+                    print(f"| {layout} | {ranks} | {tensors} | gathered (no compact layout) ||||||||")
                     continue
                 dt, received, row = got
                 loading = _load_exchange(ranks, tensors) if layout == "fsdp" else float("nan")
-                print(f"| {layout} | {ranks} | {tensors} | {dt:.3f} | {received} | {row / 1e3:.1f} | "
-                      f"{row * ranks / 1e6:.0f} | {loading / 1e6:.1f} |", flush=True)
+                if layout == "ddp":         # (one manifest: the v3 row, every chunk's record)
+                    print(f"| {layout} | {ranks} | {tensors} | {dt:.3f} | {received} | {row} | "
+                          f"{row * ranks / 1e6:.0f} | one manifest | – | – | – | – |", flush=True)
+                    continue
+                with tempfile.TemporaryDirectory() as tmp:
+                    trow, index, table, t_load, read, _ = _tabled(layout, ranks, tensors, rows, tmp)
+                print(f"| {layout} | {ranks} | {tensors} | {dt:.3f} | {received} | {trow} | "
+                      f"{trow * ranks / 1e6:.1f} | {index / 1e6:.1f} | {table / 1e3:.0f} | {t_load:.2f} | {read} | "
+                      f"{loading / 1e6:.1f} |", flush=True)
 
 
 def main() -> int:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar, get_args
 
 from liferaft.errors import OptionsError
+from liferaft.format.limits import MIN_CHUNK_BYTES
 from liferaft.planning.load_plan import DEFAULT_MAX_READ
 from liferaft.planning.references import DEFAULT_MIN_SHARE
 from liferaft.planning.save_plan import DEFAULT_CHUNK_BYTES
@@ -225,7 +226,7 @@ class SaveOptions:
         check_number(o, "timeout", self.timeout, 0, MAX_TIMEOUT, above=True)
         _check_choice(o, "compression", self.compression, Compression)
         check_number(o, "storage_write_bps", self.storage_write_bps, 0, above=True, none=True)
-        check_int(o, "chunk_bytes", self.chunk_bytes, 64 << 10)
+        check_int(o, "chunk_bytes", self.chunk_bytes, MIN_CHUNK_BYTES)
         check_int(o, "memory_budget", self.memory_budget, 1 << 20, none=True)
         check_int(o, "block_size", self.block_size, 16, none=True)
         check_int(o, "alignment", self.alignment, 1, 1 << 30)

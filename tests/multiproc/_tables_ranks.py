@@ -74,3 +74,31 @@ def load_expect_error(rank: int, world: int, path: str) -> str:
     except liferaft.LiferaftError as e:
         return f"{type(e).__name__}: {e}"
     return "loaded"
+
+
+def _odd_state(world: int, kind: str, zeros: bool) -> dict[str, Any]:
+    """"ddp": every tensor held whole by every rank; "empty": a DTensor sharded over the ranks with no elements
+    beside a replicated one (no rank writes a chunk of a sharded tensor)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    value = (lambda n: torch.zeros(n)) if zeros else (lambda n: torch.arange(float(n)))
+    state: dict[str, Any] = {"w": value(300 * 64).reshape(300, 64), "b": value(5)}
+    if kind == "empty":
+        state["none"] = distribute_tensor(torch.zeros(0, 4), mesh, [Shard(0)])
+        state["w"] = distribute_tensor(state["w"], mesh, [Replicate()])
+    return state
+
+
+def save_odd(rank: int, world: int, path: str, kind: str) -> None:
+    liferaft.save(path, _odd_state(world, kind, False), options=liferaft.SaveOptions(chunk_bytes=CHUNK))
+
+
+def load_odd(rank: int, world: int, path: str, kind: str) -> bool:
+    state = _odd_state(world, kind, True)
+    liferaft.load(path, state)
+    want = _odd_state(world, kind, False)
+    w = state["w"].full_tensor() if kind == "empty" else state["w"]
+    return torch.equal(w, want["w"].full_tensor() if kind == "empty" else want["w"]) and torch.equal(state["b"],
+                                                                                                      want["b"])

@@ -33,7 +33,9 @@ def saved(tmp_path_factory) -> str:
 
 def test_the_save_writes_an_index_and_one_table_per_writing_rank(saved):
     doc, _ = read_manifest(saved)
-    assert doc["version"] == 4 and all(t["chunks"] == [] for t in doc["tensors"])
+    assert doc["version"] == 4
+    listed = {t["key"]: len(t["chunks"]) for t in doc["tensors"]}     # only the tensors every rank held whole
+    assert listed == {"rows": 0, "cols": 0, "uneven": 0, "tiny": 0, "repl": 3, "plain": 2}
     assert {t["key"]: t["layout"] for t in doc["tensors"]}["rows"] == {"mesh": [4], "shards": [0]}
     assert [t["rank"] for t in doc["tables"]] == [0, 1, 2, 3]
     assert len(_tables(saved)) == 4
@@ -76,11 +78,12 @@ def _copy(saved: str, tmp_path: Path) -> str:
 
 
 def _refused(path: str, *words: str) -> None:
+    """Every rank's load fails; the ranks that read the bad table name it (the others: a DistributedError)."""
     errors = run_ranks(load_expect_error, 2, path)
-    for e in errors:
-        assert e.startswith("CorruptCheckpointError"), e
-        for w in words:
-            assert w in e, e
+    assert all(e.startswith(("CorruptCheckpointError", "DistributedError")) for e in errors), errors
+    assert all("CorruptCheckpointError" in e for e in errors), errors
+    for w in words:
+        assert all(w in e for e in errors), errors
     with pytest.raises(liferaft.CorruptCheckpointError):
         liferaft.inspect(path)
 
@@ -139,6 +142,9 @@ def test_a_table_of_another_save_or_rank_is_refused(saved, tmp_path):
     path = _copy(saved, tmp_path)
     name = _forge(path, 3, lambda doc: doc.update(rank=2))
     _refused(path, name, "belongs to")
+    path = _copy(saved, tmp_path / "bool")
+    name = _forge(path, 1, lambda doc: doc.update(rank=True))        # (True == 1, but not a rank)
+    _refused(path, name, "belongs to")
 
 
 def test_a_table_pointing_into_another_ranks_file_is_refused(saved, tmp_path):
@@ -159,6 +165,9 @@ def test_the_index_refuses_tables_that_do_not_fit_it(saved, tmp_path):
         "a layout of other ranks": lambda m: m["tensors"][0].update(layout={"mesh": [3], "shards": [0]}),
         "a layout without tables": lambda m: (m.pop("tables"), m.pop("planned")),
         "tables in version 3": lambda m: m.update(version=3),
+        "a tensor without a layout": lambda m: m["tensors"][-1].pop("layout"),
+        "chunks below the smallest chunk_bytes": lambda m: m["planned"].update(chunk_bytes=1),
+        "more chunks than its size can hold": lambda m: m["tables"][0].update(chunks=10 ** 9),
     }
     for what, edit in cases.items():
         path = _copy(saved, tmp_path / what.replace(" ", "_"))
@@ -166,3 +175,19 @@ def test_the_index_refuses_tables_that_do_not_fit_it(saved, tmp_path):
         with pytest.raises(liferaft.CorruptCheckpointError):
             liferaft.inspect(path)
         assert os.path.exists(path), what
+
+
+def test_a_state_held_whole_by_every_rank_keeps_one_manifest_and_no_sharded_chunk_still_loads(tmp_path):
+    from multiproc._tables_ranks import load_odd, save_odd
+
+    ddp, empty = str(tmp_path / "ddp"), str(tmp_path / "empty")
+    run_ranks(save_odd, 2, ddp, "ddp")
+    doc, _ = read_manifest(ddp)
+    assert doc["version"] < 4 and not _tables(ddp)          # DDP: every load needs every chunk; one manifest
+    run_ranks(save_odd, 2, empty, "empty")
+    doc, _ = read_manifest(empty)
+    assert doc["version"] == 4 and doc["tables"] == [] and not _tables(empty)     # no rank wrote a sharded chunk
+    for path, kind in ((ddp, "ddp"), (empty, "empty")):
+        assert run_ranks(load_odd, 2, path, kind) == [True, True]
+        assert run_ranks(load_odd, 3, path, kind) == [True, True, True]
+        liferaft.verify(path)

@@ -181,9 +181,9 @@ def decode_verified(storage: Storage, data: bytes, name: str, reuse: bool = Fals
                 return manifest
     with paused_gc():
         manifest = decode_manifest(data, f"{storage.url}/{name}", codecs=codecs)
-        if manifest.tables and not tables:
+        if manifest.tabled and not tables:
             return manifest
-        if manifest.tables:
+        if manifest.tabled:
             manifest = read_tables(storage, manifest, manifest.tables, codecs)
         for entry in manifest.tensors:
             problem = check_chunks_tile(entry.shape, [(c.offsets, c.sizes) for c in entry.chunks])

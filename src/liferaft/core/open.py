@@ -66,7 +66,7 @@ def open_reader(path: PathLike | Storage, options: LoadOptions | None = None, *,
         if coord is None:
             return NativeReader(storage, open_checkpoint(storage, reuse=True), opts)
         manifest = _open_on_ranks(storage, coord)
-        lazy = TableSource(storage, manifest, codec_names()) if manifest.tables else None
+        lazy = TableSource(storage, manifest, codec_names()) if manifest.tabled else None
         return NativeReader(storage, manifest, opts, tables=lazy)
     if coord is None:
         return _open_foreign(os.fspath(path), fmt)

@@ -26,7 +26,7 @@ from liferaft.codecs.checksum import digest
 from liferaft.core.caches import PLANS, TILED, Planned
 from liferaft.core.chunks.writer import ChunkPolicy, WriteOutcome
 from liferaft.core.commit import abandon, is_committed, open_checkpoint, remove_stale, write_commit
-from liferaft.core.tabled import build_index, write_table
+from liferaft.core.tabled import build_index, replicated, write_table
 from liferaft.dist import Coordinator
 from liferaft.errors import CheckpointExistsError, InvalidStateError, LiferaftError, StorageError
 from liferaft.format.layout import COMMIT_MARKER, table_file_name
@@ -121,7 +121,9 @@ class PreparedSave:
     #: (planned on its own) the digest of each of rank 0's values, by key
     zero_values: dict[str, str] = field(default_factory=dict)
     #: (planned on its own) each tensor's layout; ``tables``: the chunk records go to per-rank chunk tables
-    #: (format version 4, ``core.tabled``): every layout regular, nothing lossy, ``SaveOptions.chunk_tables``
+    #: (format version 4, ``core.tabled``): every layout regular, some tensor sharded (with every tensor held
+    #: whole by every rank, as under DDP, one manifest lists the few chunks), nothing lossy,
+    #: ``SaveOptions.chunk_tables``
     layouts: tuple[Layout, ...] | None = None
     tables: bool = False
 
@@ -226,7 +228,8 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
                             sources=sources, policy=policy, t_start=t_start, lossy=lossy,
                             own=meta if own else None, own_digest=agreed, zero_values=zero_values,
                             layouts=layouts if own else None,
-                            tables=own and opts.chunk_tables and not lossy and all(la.regular for la in layouts or ()))
+                            tables=own and opts.chunk_tables and not lossy and all(la.regular for la in layouts or ())
+                            and not all(replicated(la) for la in layouts or ()))
     prepared.timings["plan"] = time.perf_counter() - t_start
     return prepared
 
@@ -341,13 +344,15 @@ def _finish_own(coord: Coordinator, prep: PreparedSave, write: Callable[[], Writ
     try:
         result = write()
         if prep.tables and prep.writes:
-            table = write_table(storage, save_id, prep.rank, plan, prep.writes, result.chunks)
+            assert prep.layouts is not None
+            table = write_table(storage, save_id, prep.rank, plan, prep.layouts, prep.writes, result.chunks)
     except BaseException as e:  # noqa: BLE001 - reported to every rank, then raised here too
         error = e
     values = tuple(v.key if prep.zero_values.get(v.key) == v.digest else v for v in meta.values)  # (key: rank 0's)
     if prep.tables:             # (the table's reference instead of every chunk's record)
         wrote = sum(w.length for w in prep.writes)
-        row = None if result is None else ((table or (None, 0)) + (result.file_size, wrote), (), 0, values,
+        ref, size, inline = table or (None, 0, [])
+        row = None if result is None else ((ref, size, result.file_size, wrote, inline), (), 0, values,
                                            meta.containers)
     else:
         row = None if result is None else (prep.writes, result.chunks, result.file_size, values, meta.containers)

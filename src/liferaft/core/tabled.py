@@ -1,9 +1,11 @@
 """The commit of a save whose chunk records live in per-rank chunk tables (format version 4, docs/FORMAT.md §4.6).
 
-Each writing rank, once its data file is durable, writes the table of its chunks beside it (``write_table``)
-and sends rank 0 only the table's name, size, digest and chunk count; rank 0 builds the index
-(``build_index``): the tensors with their layouts, the files, the tables, the values and containers. What rank 0
-receives to commit grows with the ranks, not with the chunks.
+Each writing rank, once its data file is durable, writes the table of its chunks of sharded tensors beside it
+(``write_table``) and sends rank 0 only the table's name, size, digest and chunk count, with the records of its
+chunks of the tensors every rank holds whole (DDP's parameters, a model's replicated buffers: any rank loading
+them needs them all, so they are listed in the index); rank 0 builds the index (``build_index``): the tensors with
+their layouts, the files, the tables, the values and containers. What rank 0 receives to commit grows with the
+ranks and the replicated tensors, not with the chunks of sharded ones.
 """
 
 from __future__ import annotations
@@ -35,28 +37,44 @@ from liferaft.storage import Storage
 assert LEGACY_CHECKSUM == "xxh3_64"         # the digest ``TableRef.hash`` records (``codecs.checksum.digest``)
 
 
-def write_table(storage: Storage, save_id: str, rank: int, plan: SavePlan, writes: Sequence[WriteItem],
-                stored: Sequence[Any]) -> tuple[TableRef, int]:
-    """Write and make durable rank ``rank``'s chunk table (``stored[i]`` is how ``writes[i]`` was stored); its
-    reference and size."""
+def replicated(layout: Layout | tuple[Any, ...] | None) -> bool:
+    """Whether a tensor of ``layout`` is held whole by every rank (its chunks are listed in the index: any rank
+    loading it needs them all, written by members spread over the whole world)."""
+    shards = layout.shards if isinstance(layout, Layout) else layout[1] if layout is not None else (0,)
+    return all(d is None for d in shards)
+
+
+def write_table(storage: Storage, save_id: str, rank: int, plan: SavePlan, layouts: Sequence[Layout],
+                writes: Sequence[WriteItem], stored: Sequence[Any]
+                ) -> tuple[TableRef | None, int, list[tuple[int, ChunkRecord]]]:
+    """Write and make durable rank ``rank``'s chunk table (``stored[i]`` is how ``writes[i]`` was stored): its
+    reference and size (None, 0: it holds no chunk of a sharded tensor), and the records of its chunks of the
+    tensors every rank holds whole, which go to the index instead."""
     index = {t.key: i for i, t in enumerate(plan.tensors)}
     if len(stored) != len(writes):
         raise InvalidStateError(f"rank {rank} stored {len(stored)} chunks for {len(writes)} writes")
-    data = encode_table(save_id, rank, [(index[w.key], chunk_record(w, sc)) for w, sc in zip(writes, stored)])
+    records = [(index[w.key], chunk_record(w, sc)) for w, sc in zip(writes, stored)]
+    inline = [(i, rec) for i, rec in records if replicated(layouts[i])]
+    mine = [(i, rec) for i, rec in records if not replicated(layouts[i])]
+    if not mine:
+        return None, 0, inline
+    data = encode_table(save_id, rank, mine)
     name = table_file_name(save_id, rank)
     storage.put_atomic(name, data)
     storage.sync()
-    return TableRef(file=name, rank=rank, hash=digest(data), chunks=len(writes)), len(data)
+    return TableRef(file=name, rank=rank, hash=digest(data), chunks=len(mine)), len(data), inline
 
 
-def build_index(plan: SavePlan, layouts: Sequence[Layout], rows: Sequence[tuple[TableRef | None, int, int, int]],
+def build_index(plan: SavePlan, layouts: Sequence[Layout],
+                rows: Sequence[tuple[TableRef | None, int, int, int, Sequence[tuple[int, ChunkRecord]]]],
                 *, save_id: str, values: tuple, containers: tuple[ContainerEntry, ...], created_unix: float,
                 liferaft_version: str, torch_version: str, extra: dict, alignment: int, chunk_bytes: int
                 ) -> Manifest:
     """The version 4 index of a save planned from ``layouts`` (``planning.layouts.plan_own``), from each rank's
-    row: (its table or None, the table's size, its data file's size, the raw bytes it wrote). Refused
-    (InvalidStateError) unless the ranks wrote exactly the tensors' bytes, once: the tables' chunks are the
-    ranks' own plans, which tile every tensor by construction; this cheap sum catches plans that disagree."""
+    row: (its table or None, the table's size, its data file's size, the raw bytes it wrote, its records of the
+    tensors every rank holds whole). Refused (InvalidStateError) unless the ranks wrote exactly the tensors'
+    bytes, once: the tables' chunks are the ranks' own plans, which tile every tensor by construction; this
+    cheap sum catches plans that disagree."""
     wrote = sum(r[3] for r in rows)
     total = sum(math.prod(t.shape) * DTYPE_ITEMSIZE[t.dtype] for t in plan.tensors)
     if wrote != total:
@@ -64,15 +82,19 @@ def build_index(plan: SavePlan, layouts: Sequence[Layout], rows: Sequence[tuple[
                                 "disagree; nothing was committed")
     files: dict[str, int] = {}
     refs = []
-    for rank, (ref, table_size, file_size, _) in enumerate(rows):
+    inline: list[list[ChunkRecord]] = [[] for _ in plan.tensors]
+    for rank, (ref, table_size, file_size, _, listed) in enumerate(rows):
         if file_size:
             files[data_file_name(save_id, rank)] = file_size
         if ref is not None:
             files[ref.file] = table_size
             refs.append(ref)
-    tensors = tuple(TensorEntry(key=t.key, path=t.path, kind=t.kind, dtype=t.dtype, shape=t.shape, chunks=(),
-                                per_rank=t.per_rank, layout=(la.mesh, la.shards))  # type: ignore[arg-type]
-                    for t, la in zip(plan.tensors, layouts))
+        for i, rec in listed:
+            inline[i].append(rec)
+    tensors = tuple(TensorEntry(key=t.key, path=t.path, kind=t.kind, dtype=t.dtype, shape=t.shape,
+                                chunks=tuple(sorted(inline[i], key=lambda c: c.offsets)), per_rank=t.per_rank,
+                                layout=(la.mesh, la.shards))  # type: ignore[arg-type]
+                    for i, (t, la) in enumerate(zip(plan.tensors, layouts)))
     return Manifest(save_id=save_id, world_size=plan.world_size, created_unix=created_unix,
                     liferaft_version=liferaft_version, torch_version=torch_version, files=files, tensors=tensors,
                     values=values, containers=containers, extra=dict(extra), version=4, tables=tuple(refs),
@@ -86,30 +108,39 @@ class TableSource:
     the boxes of each tensor's layout that overlap a wanted box (``planning.layouts.overlapping``: grid
     arithmetic), and within a group of replicas the member the save's plan gave each chunk to
     (``group_writers``, replayed from the index). Every chunk of a table read must be one its rank was planned
-    to write (a piece of its box, and its share within its group), listed once; every wanted box must then be
-    covered by those chunks. A table that fails either check is refused (CorruptCheckpointError naming it)
-    before anything is copied. A tensor without a layout makes every table read."""
+    to write (a piece of its box, and its share within its group), listed once: so the chunks read are
+    disjoint, and every wanted box must then be covered by them. A table that fails either check is refused
+    (CorruptCheckpointError naming it) before anything is copied. (The index gives every tensor a layout:
+    ``format.manifest`` refuses one without.)"""
 
     def __init__(self, storage: Storage, index: Manifest, codecs: Any) -> None:
         self.storage, self.index, self.codecs = storage, index, codecs
         self.refs = {r.rank: r for r in index.tables}
-        self.chunk_bytes = (index.planned or {}).get("chunk_bytes", 0)
+        self.chunk_bytes = (index.planned or {})["chunk_bytes"]
         tensors = index.tensors
-        self.layouts = [None if t.layout is None else Layout(*t.layout) for t in tensors]
-        self.metas = None if None in self.layouts else [
-            (TensorMeta(key=t.key, path=t.path, kind=t.kind, dtype=t.dtype, shape=t.shape, boxes=()), la)
-            for t, la in zip(tensors, self.layouts)]
+        self.layouts = [Layout(*t.layout) for t in tensors]         # type: ignore[misc]
+        self.metas = [(TensorMeta(key=t.key, path=t.path, kind=t.kind, dtype=t.dtype, shape=t.shape, boxes=()), la)
+                      for t, la in zip(tensors, self.layouts)]
         self.pos = {t.key: i for i, t in enumerate(tensors)}
-        self.chunks: list[list[ChunkRecord]] = [[] for _ in tensors]
-        self.seen: set[tuple[int, tuple[int, ...]]] = set()
+        self.chunks: list[list[ChunkRecord]] = [list(t.chunks) for t in tensors]     # (replicated: in the index)
+        self.seen: set[tuple[int, tuple[int, ...]]] = {(i, c.offsets) for i, t in enumerate(tensors) for c in t.chunks}
         self.done: set[int] = set()
         self._groups: dict[tuple[int, ...], dict[tuple[int, Box], int]] = {}
         self._holders: dict[tuple[Layout, int], tuple[int, ...]] = {}
+        self._pieces: dict[tuple[int, Box], frozenset[Box]] = {}
 
     def _members(self, layout: Layout, rank: int) -> tuple[int, ...]:
         found = self._holders.get((layout, rank))
         if found is None:
             found = self._holders[(layout, rank)] = layout_holders(layout, rank)
+        return found
+
+    def _split(self, pos: int, held: Box) -> frozenset[Box]:
+        """The chunks box ``held`` of tensor ``pos`` was cut into (computed once per box)."""
+        found = self._pieces.get((pos, held))
+        if found is None:
+            t = self.index.tensors[pos]
+            found = self._pieces[(pos, held)] = frozenset(split_box(held, t.itemsize, self.chunk_bytes))
         return found
 
     def _writer(self, pos: int, layout: Layout, member: int, box: Box) -> int:
@@ -118,7 +149,6 @@ class TableSource:
         if len(holders) == 1:
             return member
         if holders not in self._groups:
-            assert self.metas is not None
             self._groups.update(group_writers(self.metas, holders[0], self.chunk_bytes))
         return self._groups[holders].get((pos, box), -1)
 
@@ -126,12 +156,12 @@ class TableSource:
         """The ranks whose tables hold the chunks of ``key`` that share an element with ``box``."""
         pos = self.pos[key]
         layout = self.layouts[pos]
-        if layout is None or self.metas is None:
-            return set(self.refs)
         t = self.index.tensors[pos]
-        out = set()
+        out: set[int] = set()
+        if replicated(layout):
+            return out                          # (its chunks are in the index)
         for saved, member in overlapping(layout, t.shape, box):
-            for c in split_box(saved, t.itemsize, self.chunk_bytes):
+            for c in self._split(pos, saved):
                 if intersect(c, box) is not None:
                     out.add(self._writer(pos, layout, member, c))
         return out
@@ -164,12 +194,12 @@ class TableSource:
     def _unplanned(self, pos: int, rec: ChunkRecord, rank: int) -> str | None:
         """Why chunk ``rec`` of tensor ``pos`` is not one ``rank`` was planned to write, or None."""
         layout = self.layouts[pos]
-        if layout is None or self.metas is None:
-            return None                         # (every table is read: the whole tensor's tiling is checked)
         t = self.index.tensors[pos]
+        if replicated(layout):
+            return "belongs to a tensor every rank held whole, whose chunks the index lists"
         box = (rec.offsets, rec.sizes)
         held = layout_box(layout, t.shape, rank)
-        if intersect(box, held) != box or box not in split_box(held, t.itemsize, self.chunk_bytes):
+        if not numel(held[1]) or box not in self._split(pos, held):
             return f"is not a piece of rank {rank}'s box {held} as the save planned it"
         if self._writer(pos, layout, rank, box) != rank:
             return f"was planned for another rank of the replicas of rank {rank}"

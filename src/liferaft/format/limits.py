@@ -21,6 +21,14 @@ MAX_INT = 2 ** 63 - 1
 #: Most dimensions a stored tensor may have (torch's own limit is lower for most operations).
 MAX_NDIM = 64
 
+#: Smallest ``SaveOptions.chunk_bytes`` (a save's chunks are at most this small only at a tensor's edges): a
+#: version 4 index planned with a smaller one is refused (a reader replays the plan chunk by chunk).
+MIN_CHUNK_BYTES = 64 << 10
+
+#: Fewest bytes one chunk's record takes in a chunk table (version 4): a table listed with more chunks than its
+#: size holds at this rate is refused before it is read.
+MIN_CHUNK_RECORD_BYTES = 64
+
 #: Most ranks a save may record (a value stored per rank holds one item per rank).
 MAX_WORLD_SIZE = 1 << 20
 

@@ -29,6 +29,8 @@ from liferaft.format.limits import (
     MAX_NESTING,
     MAX_UNIX_TIME,
     MAX_WORLD_SIZE,
+    MIN_CHUNK_BYTES,
+    MIN_CHUNK_RECORD_BYTES,
     name_bytes,
 )
 from liferaft.format.records import (  # the manifest's data (re-exported: its home before records.py)
@@ -394,11 +396,12 @@ def _tables(doc: Mapping[str, Any], name: str, version: int, save_id: str, world
         return (), None
     if version < 4:
         raise _fail(name, f"chunk tables need format version 4, the manifest says {version}")
-    if not isinstance(raw, list) or not raw:
-        raise _fail(name, "tables must be a non-empty list of objects")
+    if not isinstance(raw, list):
+        raise _fail(name, "tables must be a list of objects")
     if not isinstance(planned, dict) or set(planned) != {"alignment", "chunk_bytes"}:
         raise _fail(name, f"planned must be an object with alignment and chunk_bytes, got {planned!r:.80}")
-    plan = {k: _int(planned[k], f"{name} planned {k}", 1) for k in ("alignment", "chunk_bytes")}
+    plan = {"alignment": _int(planned["alignment"], f"{name} planned alignment", 1),
+            "chunk_bytes": _int(planned["chunk_bytes"], f"{name} planned chunk_bytes", MIN_CHUNK_BYTES)}
     refs, ranks = [], set()
     for r in raw:
         if not isinstance(r, dict) or set(r) != {"file", "rank", "hash", "chunks"}:
@@ -412,11 +415,19 @@ def _tables(doc: Mapping[str, Any], name: str, version: int, save_id: str, world
         if len(h) != 16 or not _HEX.issuperset(h):
             raise _fail(name, f"chunk table {file!r}: hash must be 16 lowercase hex digits, got {h!r:.40}")
         ranks.add(rank)
-        refs.append(TableRef(file=file, rank=rank, hash=h, chunks=_int(r["chunks"], f"{name} table {file!r}")))
+        count = _int(r["chunks"], f"{name} table {file!r}", 0, files[file] // MIN_CHUNK_RECORD_BYTES)
+        refs.append(TableRef(file=file, rank=rank, hash=h, chunks=count))
+    tabled = {r.file for r in refs}
     for t in tensors:
-        if t.chunks:
-            raise _fail(name, f"tensor {t.key!r} lists chunks in a manifest whose chunks live in chunk tables")
-        if t.layout is not None and math.prod(t.layout[0]) != world_size:
+        if t.chunks and not t.held_whole:
+            raise _fail(name, f"tensor {t.key!r} is sharded and lists chunks in a manifest whose sharded tensors' "
+                              "chunks live in chunk tables")
+        if any(c.file in tabled for c in t.chunks):
+            raise _fail(name, f"tensor {t.key!r} has a chunk in a chunk table's file")
+        if t.layout is None:
+            raise _fail(name, f"tensor {t.key!r} has no layout in a manifest whose chunks live in chunk tables (a "
+                              "reader finds a chunk's table from its tensor's layout)")
+        if math.prod(t.layout[0]) != world_size:
             raise _fail(name, f"tensor {t.key!r}: layout mesh {list(t.layout[0])} is not of {world_size} rank(s)")
     return tuple(sorted(refs, key=lambda r: r.rank)), plan
 

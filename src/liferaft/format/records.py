@@ -134,6 +134,11 @@ class TensorEntry:
     def itemsize(self) -> int:
         return DTYPE_ITEMSIZE[self.dtype]
 
+    @property
+    def held_whole(self) -> bool:
+        """(Version 4) Its ``layout`` says every saving rank held it whole: its chunks are listed in the index."""
+        return self.layout is not None and all(d is None for d in self.layout[1])
+
     @functools.cached_property
     def chunk_bounds(self) -> tuple[np.ndarray, np.ndarray]:
         """``(first, end)``: int64 arrays (chunks × dimensions) of each chunk's first index and one past its last,
@@ -248,11 +253,17 @@ class Manifest:
     #: tensors' layouts (``planning.layouts.plan_own``), so that a reader can tell which rank wrote which box
     planned: Mapping[str, int] | None = None
 
+    @property
+    def tabled(self) -> bool:
+        """(Version 4) Its sharded tensors' chunks live in chunk tables (``planned`` is set; ``tables`` may be
+        empty when no rank wrote a chunk of a sharded tensor)."""
+        return self.planned is not None
+
     def needs_version(self) -> int:
         """The lowest format version that describes this manifest: 4 when its chunks live in chunk tables; 3 when
         a tensor is stored per rank; 2 when a chunk is encoded or lives in another checkpoint, or an entry is
         lossy; else 1 (readable by liferaft versions that predate them)."""
-        if self.tables:
+        if self.tabled:
             return 4
         if any(t.per_rank is not None for t in self.tensors):
             return 3
@@ -277,19 +288,19 @@ class Manifest:
         return LEGACY_CHECKSUM
 
     def to_json_bytes(self) -> bytes:
-        """The manifest's bytes; with ``tables``, the tensors are written without their chunks (the index of
-        §4.6: the chunks are in the tables)."""
-        algo = self.default_checksum() if not self.tables else CHECKSUM_ALGO
+        """The manifest's bytes; with ``tables``, the sharded tensors are written without their chunks (the index
+        of §4.6: their chunks are in the tables)."""
+        algo = self.default_checksum() if not self.tabled else CHECKSUM_ALGO
         doc = {
             "format": FORMAT_NAME, "version": max(self.version, self.needs_version()), "save_id": self.save_id,
             "world_size": self.world_size, "created_unix": self.created_unix,
             "liferaft_version": self.liferaft_version, "torch_version": self.torch_version,
             "checksum": algo, "byte_order": "little", "files": dict(sorted(self.files.items())),
-            "tensors": [t.to_json(algo, chunks=not self.tables) for t in self.tensors],
+            "tensors": [t.to_json(algo, chunks=not self.tabled or t.held_whole) for t in self.tensors],
             "values": [v.to_json() for v in self.values],
             "containers": [c.to_json() for c in self.containers], "extra": dict(self.extra),
         }
-        if self.tables:
+        if self.tabled:
             doc["tables"] = [r.to_json() for r in self.tables]
             doc["planned"] = dict(self.planned or {})
         return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()

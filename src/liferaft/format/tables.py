@@ -40,7 +40,7 @@ def decode_table(data: bytes, ref: TableRef, index: Manifest, codecs: Collection
     doc = jsonsafe.loads(data, where, MAX_MANIFEST_BYTES)
     if not isinstance(doc, dict) or doc.get("format") != TABLE_FORMAT or doc.get("version") != TABLE_VERSION:
         raise _fail(where, f"not a version {TABLE_VERSION} {TABLE_FORMAT} document")
-    if doc.get("save_id") != index.save_id or doc.get("rank") != ref.rank:
+    if doc.get("save_id") != index.save_id or type(doc.get("rank")) is not int or doc.get("rank") != ref.rank:
         raise _fail(where, f"it belongs to save {doc.get('save_id')!r:.40} rank {doc.get('rank')!r:.20}, not "
                            f"{index.save_id!r} rank {ref.rank}")
     algo = doc.get("checksum")
@@ -60,6 +60,9 @@ def decode_table(data: bytes, ref: TableRef, index: Manifest, codecs: Collection
             raise _fail(where, f"a chunk must be [tensor index, record] naming one of the {len(tensors)} "
                                f"tensors, got {item!r:.80}")
         t = tensors[item[0]]
+        if t.layout is None or t.held_whole:
+            raise _fail(where, f"tensor {t.key!r}: a chunk of a tensor every rank held whole (the index lists "
+                               "those)")
         rec = _chunk_fast(item[1], len(t.shape), files, t.itemsize, algo)
         if rec is None:
             rec = _decode_chunk(item[1], f"{where} tensor {t.key!r}", len(t.shape), files, t.itemsize, codecs, algo)
@@ -71,8 +74,9 @@ def decode_table(data: bytes, ref: TableRef, index: Manifest, codecs: Collection
 
 
 def with_tables(index: Manifest, tables: Mapping[str, Sequence[tuple[int, ChunkRecord]]]) -> Manifest:
-    """``index`` with each tensor's chunks taken from the decoded ``tables`` (by file), sorted by offsets."""
-    chunks: list[list[ChunkRecord]] = [[] for _ in index.tensors]
+    """``index`` with each tensor's chunks (those it lists: the tensors every rank held whole) joined by those of
+    the decoded ``tables`` (by file), sorted by offsets."""
+    chunks: list[list[ChunkRecord]] = [list(t.chunks) for t in index.tensors]   # (the index's own, if any)
     for items in tables.values():
         for i, rec in items:
             chunks[i].append(rec)

@@ -91,16 +91,14 @@ def test_a_rank_of_a_resharded_fsdp_load_at_16k_ranks_needs_two_or_three_tables(
         assert all(abs(w - rank * world // new) <= 2 for w in need)
 
 
-def test_a_replicated_tensor_needs_only_the_tables_of_the_members_given_its_chunks():
-    """DDP over 16,384 ranks: a 96 MiB tensor is 6 chunks, written by 6 members; a whole load reads 6 tables."""
+def test_the_chunks_of_a_tensor_every_rank_holds_whole_are_in_the_index_not_in_tables():
+    """DDP over 16,384 ranks: a 96 MiB tensor is 6 chunks written by 6 members; every loading rank needs them
+    all, so the index lists them and a load reads no table for it; a sharded tensor's chunks come from tables."""
     world = 16384
-    tensors = [("w", (6 * 4096, 1024), Layout((world,), (None,)))]
+    tensors = [("w", (6 * 4096, 1024), Layout((world,), (None,))), ("s", (world, 8), Layout((world,), (0,)))]
     src = TableSource(None, _index(world, tensors, 16 << 20), None)       # type: ignore[arg-type]
-    need = src.writers("w", ((0, 0), (6 * 4096, 1024)))
-    assert len(need) == 6
-    plan = {r for r in need if plan_own([(TensorMeta("w", ("w",), "tensor", "float32", (6 * 4096, 1024), ()),
-                                          tensors[0][2])], r, "s", 64, 16 << 20)}
-    assert plan == need
+    assert src.writers("w", ((0, 0), (6 * 4096, 1024))) == set()
+    assert src.writers("s", ((5, 0), (2, 8))) == {5, 6}
 
 
 def _chunk(offsets, sizes, rank=0, save_id="s") -> ChunkRecord:
