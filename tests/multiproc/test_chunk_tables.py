@@ -191,3 +191,20 @@ def test_a_state_held_whole_by_every_rank_keeps_one_manifest_and_no_sharded_chun
         assert run_ranks(load_odd, 2, path, kind) == [True, True]
         assert run_ranks(load_odd, 3, path, kind) == [True, True, True]
         liferaft.verify(path)
+
+
+def test_the_chunks_the_index_lists_are_checked_before_a_load_on_ranks_reads_them(saved, tmp_path):
+    """The tensors every rank held whole list their chunks in the index: overlapping or missing ones are refused
+    by a load on ranks (which reads no table for them) as by the tools."""
+    def overlap(m):
+        repl = next(t for t in m["tensors"] if t["key"] == "repl")
+        repl["chunks"][1]["offsets"][0] -= 1            # overlaps the first, leaves a gap at the end
+    def missing(m):
+        next(t for t in m["tensors"] if t["key"] == "plain")["chunks"].pop()
+    for what, edit in (("overlap", overlap), ("missing", missing)):
+        path = _copy(saved, tmp_path / what)
+        rewrite_manifest(path, edit)
+        errors = run_ranks(load_expect_error, 2, path)
+        assert all(e.startswith("CorruptCheckpointError") and ("repl" in e or "plain" in e) for e in errors), errors
+        with pytest.raises(liferaft.CorruptCheckpointError):
+            liferaft.inspect(path)

@@ -170,22 +170,24 @@ def decode_verified(storage: Storage, data: bytes, name: str, reuse: bool = Fals
     (every tensor's chunks tile it; an encoded chunk's frames can hold its blocks): a function of those bytes and
     the codecs registered alone, so ranks given the same bytes decode the same manifest or raise the same error.
     ``reuse`` as in ``open_checkpoint``. ``tables=False``: a version 4 manifest comes back as its index, its
-    tensors without chunks and nothing of its chunk tables read (``core.tabled.TableSource`` reads them)."""
+    sharded tensors without chunks and nothing of its chunk tables read (``core.tabled.TableSource`` reads them);
+    the chunks it lists (the tensors held whole) are checked as above."""
     if not isinstance(data, bytes) or not isinstance(name, str):
         raise CorruptCheckpointError(f"{storage.url}: the manifest was passed as {type(data).__name__} named "
                                      f"{type(name).__name__}, not bytes and a name")
     codecs = codec_registry.names()
-    if reuse:
+    if reuse and tables:
         for url, names, raw, manifest in _OPENED:
             if url == storage.url and names == codecs and raw == data:
                 return manifest
     with paused_gc():
         manifest = decode_manifest(data, f"{storage.url}/{name}", codecs=codecs)
-        if manifest.tabled and not tables:
-            return manifest
-        if manifest.tabled:
+        lazy = manifest.tabled and not tables
+        if manifest.tabled and tables:
             manifest = read_tables(storage, manifest, manifest.tables, codecs)
         for entry in manifest.tensors:
+            if lazy and not entry.held_whole:
+                continue                    # (its chunks are checked as the tables holding them are read)
             problem = check_chunks_tile(entry.shape, [(c.offsets, c.sizes) for c in entry.chunks])
             for c in entry.chunks if problem is None else ():
                 if c.codec is not None or c.delta is not None:
@@ -195,7 +197,7 @@ def decode_verified(storage: Storage, data: bytes, name: str, reuse: bool = Fals
             if problem:
                 raise CorruptCheckpointError(f"{storage.url}: tensor {entry.key!r}: {problem}; the checkpoint is "
                                              "damaged")
-    if reuse:
+    if reuse and not lazy:
         _OPENED[:] = [(storage.url, codecs, bytes(data), manifest)]
     return manifest
 
