@@ -93,6 +93,23 @@ def save_rank(rank: int, world: int, path: str) -> str:
     return liferaft.save(path, rank_state(rank), options=liferaft.SaveOptions(metadata={"golden": "v1"})).save_id
 
 
+def files_digest(golden_dir: Path) -> dict[str, str]:
+    """xxh3_64 of every file under ``golden_dir``, by relative name: the tests of a golden checkpoint compare it
+    before and after they read it (reading must change no byte)."""
+    import xxhash
+
+    return {str(p.relative_to(golden_dir)): xxhash.xxh3_64_hexdigest(p.read_bytes())
+            for p in sorted(golden_dir.rglob("*")) if p.is_file()}
+
+
+def untouched(golden_dir: Path) -> Any:
+    """A generator for a module fixture: the golden checkpoint is there, and unchanged by the module's tests."""
+    assert (golden_dir / "COMMIT").is_file(), f"the golden checkpoint {golden_dir} is missing; restore it from git"
+    before = files_digest(golden_dir)
+    yield
+    assert files_digest(golden_dir) == before, "reading the golden checkpoint changed its files"
+
+
 def write_golden(golden_dir: Path, save: Any, world: int, argv: list[str]) -> None:
     """Save a golden checkpoint into ``golden_dir`` with ``save(rank, world, path)`` on ``world`` ranks; refuse to
     replace a committed one unless ``--force`` is in ``argv``."""

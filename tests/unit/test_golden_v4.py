@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import xxhash
+from golden.make_golden import untouched
 from golden.make_golden_v4 import GOLDEN_DIR, SHAPES, WORLD, full, rank_state
 
 import liferaft
@@ -15,17 +15,9 @@ from liferaft.testing import run_ranks
 PATH = str(GOLDEN_DIR)
 
 
-def digest() -> dict[str, str]:
-    return {str(p.relative_to(GOLDEN_DIR)): xxhash.xxh3_64_hexdigest(p.read_bytes())
-            for p in sorted(GOLDEN_DIR.rglob("*")) if p.is_file()}
-
-
 @pytest.fixture(scope="module", autouse=True)
 def golden_untouched():
-    assert (GOLDEN_DIR / "COMMIT").is_file(), f"the golden checkpoint {GOLDEN_DIR} is missing; restore it from git"
-    before = digest()
-    yield
-    assert digest() == before, "reading the golden checkpoint changed its files"
+    yield from untouched(GOLDEN_DIR)
 
 
 def test_inspect_read_and_verify_golden_v4():
