@@ -165,6 +165,8 @@ def main() -> None:
             write(f"saved-{train_state.step}.json", {"digest": digest})
         if mode == "train" and train_state.step == KILL_AT:
             checkpointer.maybe_wait_for_saving()
+            for t in checkpointer._purges:      # (the purge of step 4 runs in the background: let it finish, so
+                t.join()                        # that the test sees keep_latest_k applied, not a kill's race)
             dist.barrier()
             if rank == 0:
                 os.kill(os.getpid(), signal.SIGKILL)
