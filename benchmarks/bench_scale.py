@@ -266,16 +266,15 @@ HOST_RANKS = 8
 
 def _load_exchange(ranks: int, tensors: int) -> int:
     """The bytes each rank receives in a load's planning exchange (``core.load``, the default "host" sharing mode)
-    when every rank loads its own row shard of ``tensors`` tensors saved FSDP-style (one span per tensor): the
-    all-gathered part from every rank (covered keys as bits, host key, no spans) and the read spans of the other
+    when every rank loads its own row shard of ``tensors`` tensors saved FSDP-style (one span per tensor): one
+    all-reduce of a number per key and four more (the keys some rank loads, the sharing mode, whether any rank
+    misses or skips keys; a ring all-reduce receives about twice the vector), the all-gather of each rank's host id
+    (a length, then the message, padded to the longest: all alike here), and the read spans of the other
     ``HOST_RANKS - 1`` ranks of its host, exchanged among them."""
-    import numpy as np
-
-    small = (None, (bytes(np.packbits(np.ones(tensors, dtype=np.uint8))), (), [], ("x" * 64, {}), (), "host"))
+    vote = 2 * (1 + tensors + 4) * 8
+    host = (8 + len(pickle.dumps((None, (1 << 61) + ranks), protocol=pickle.HIGHEST_PROTOCOL))) * ranks
     spans = ([(f"data/{'0' * 16}/r{ranks // 2:05d}.bin", i << 20, 1 << 20) for i in range(tensors)], ("x" * 64, {}))
-    # (the all-gather sends every message's length first, then the messages padded to the longest: all alike here)
-    return (8 + len(pickle.dumps(small, protocol=pickle.HIGHEST_PROTOCOL))) * ranks + \
-        len(pickle.dumps(spans, protocol=pickle.HIGHEST_PROTOCOL)) * (HOST_RANKS - 1)
+    return vote + host + len(pickle.dumps(spans, protocol=pickle.HIGHEST_PROTOCOL)) * (HOST_RANKS - 1)
 
 
 def _own_table(sizes: list[int], counts: list[int], layouts: list[str], rows: int) -> None:

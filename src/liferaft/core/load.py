@@ -19,9 +19,9 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
+from liferaft.codecs.checksum import digest
 from liferaft.core.aliasing import check_disjoint
 from liferaft.core.chunks import shm
 from liferaft.core.native import NativeReader
@@ -100,45 +100,52 @@ def _load(reader: Reader, state: Any, coord: Coordinator, opts: LoadOptions, str
     timings: dict[str, float] = {}
     plans: list[_LoadPlan] = []
     mode = "peers" if holders is not None else _share_mode(reader, coord, opts)
-    hosts: list[str] = []                   # host name per rank (mode "host")
+    hosts: list[int] = []                   # host id per rank (mode "host")
+    all_keys = reader.keys
+    width = len(all_keys) + 4
+    mine: list[Any] = []        # this rank's spans and decoded sizes, and its host key (mode "host")
 
-    def planned() -> Any:
+    def planned() -> tuple[None, list[int]]:
         plans.append(_plan_load(reader, flatten(state, template=True, world=coord.world), coord, opts, strict))
         p = plans[0]
         spans = p.job.spans if mode and holders is None else \
             [(u.file, u.file_offset, u.length) for u, _ in p.job.units] if mode else []
-        hosted = None
+        hosted: Any = None
         if mode == "peers" and holders is None:     # one message per span: only spans worth one
             spans = [s for s in spans if max(s[2], p.job.span_bytes[s]) >= MIN_SHARED_BYTES]
         if mode == "host":
             spans = [s for s in spans if p.job.span_bytes.get(s, opts.max_read_bytes + 1) <= opts.max_read_bytes]
             hosted = (shm.host_key(), {s: p.job.span_bytes[s] for s in spans if p.job.span_bytes[s] > s[2]})
             shm.sweep_stale()
-            own_spans.append((spans, hosted))
-            spans, hosted = [], (hosted[0], {})      # (exchanged among the host's ranks only, below)
-        return bytes(np.packbits(np.frombuffer(p.covered, dtype=np.uint8))), p.missing, spans, hosted, p.skipped, \
-            mode
-    own_spans: list[Any] = []
-    gathered = coord.run(planned, "load (planning)")
-    if len({g[5] for g in gathered}) > 1:       # (a rank without /dev/shm): no rank shares, all alike
+        mine.append((spans, hosted))
+        code = _MODES.index(mode)
+        # (one all-reduce: which keys some rank loads, whether every rank chose the same way of sharing, and
+        # whether any rank misses or skips keys: what a rank receives does not grow with the world)
+        return None, [*p.covered, code, -code, int(bool(p.missing)), int(bool(p.skipped))]
+    _, voted = coord.run_max(planned, width, "load (planning)")
+    n = len(all_keys)
+    if voted[n] != -voted[n + 1]:           # (a rank without /dev/shm): no rank shares, all alike
         mode = None
     plan = plans[0]
-    all_keys = reader.keys
-    covered = np.zeros(len(all_keys), dtype=np.uint8)
-    for c, *_ in gathered:
-        covered |= np.unpackbits(np.frombuffer(c, dtype=np.uint8), count=len(all_keys))
-    unexpected = tuple(k for k, hit in zip(all_keys, covered.tolist()) if not hit)
-    missing = tuple(sorted({k for _, m, *_ in gathered for k in m}))
-    skipped = tuple(sorted({k for *_, s, _ in gathered for k in s}))
+    unexpected = tuple(k for k, hit in zip(all_keys, voted[:n]) if not hit)
+    missing: tuple[str, ...] = ()
+    skipped: tuple[str, ...] = ()
+    if voted[n + 2] or voted[n + 3]:        # (rare: the lists, from the ranks that have some)
+        lists = coord.exchange((plan.missing, plan.skipped), None, "load (planning)")
+        missing = tuple(sorted({k for m, _ in lists for k in m}))
+        skipped = tuple(sorted({k for _, s in lists for k in s}))
     shares = False                  # (mode "host": whether the ranks of any host share, the same on every rank)
     if mode == "host":
-        hosts = [g[3][0] for g in gathered]
-        gathered = _mates_spans(coord, hosts, own_spans[0], gathered)
-        sharing = _host_sharing(gathered, hosts, hosts[coord.rank], opts)
+        hosts = coord.exchange(_host_id(mine[0][1][0]), None, "load (planning)")
+        spans_of = _mates_spans(coord, hosts, mine[0])
+        sharing = _host_sharing(spans_of, hosts, hosts[coord.rank], opts)
         shares = bool(coord.all_max([int(bool(sharing))], "load (planning)")[0])
+    elif mode:
+        every = coord.exchange(mine[0][0], None, "load (planning)")     # (spans shared over the network)
+        sharing = ({} if coord.world == 1 else plan_sharing(every, holders=holders) if holders is not None
+                   else plan_sharing(every, min_bytes=0))
     else:
-        sharing = ({} if not mode or coord.world == 1 else plan_sharing([g[2] for g in gathered], holders=holders)
-                   if holders is not None else plan_sharing([g[2] for g in gathered], min_bytes=0))
+        sharing = {}
     refused = tuple(k for k in unexpected if not opts.ignores(k))
     if strict and (missing or refused):
         raise StateMismatchError(_mismatch_message(reader.url, NAMES[reader.fmt] if reader.fmt != "liferaft"
@@ -196,13 +203,12 @@ def _share_mode(reader: Reader, coord: Coordinator, opts: LoadOptions) -> str | 
     return "peers" if opts.share_reads else None    # (over loopback: measured slower than each rank reading)
 
 
-def _mates_spans(coord: Coordinator, hosts: list[str], mine: tuple[Any, Any], gathered: list[Any]) -> list[Any]:
-    """``gathered`` with the spans and decoded sizes (``mine``: this rank's) of the ranks on this rank's host filled
-    in, exchanged among those ranks only (a length, then the pickled spans, sent to each): what a rank receives
-    grows with its host's ranks and their reads, not with the job's (collective over each host's ranks)."""
+def _mates_spans(coord: Coordinator, hosts: list[int], mine: tuple[Any, Any]) -> dict[int, Any]:
+    """The spans and decoded sizes (``mine``: this rank's) of this rank and of the other ranks of its host (same
+    ``hosts`` id), exchanged among those ranks only (a length, then the pickled spans, sent to each): what a rank
+    receives grows with its host's ranks and their reads, not with the job's (collective over each host's ranks)."""
     mates = [r for r, h in enumerate(hosts) if h == hosts[coord.rank] and r != coord.rank]
-    out = list(gathered)
-    out[coord.rank] = (*gathered[coord.rank][:2], mine[0], mine[1], *gathered[coord.rank][4:])
+    out = {coord.rank: mine}
     if not mates:
         return out
     data = torch.frombuffer(bytearray(pickle.dumps(mine, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
@@ -218,9 +224,17 @@ def _mates_spans(coord: Coordinator, hosts: list[str], mine: tuple[Any, Any], ga
     for w in works:
         w.wait()
     for r in mates:
-        spans, hosted = pickle.loads(bufs[r].numpy().tobytes())      # (our own ranks' messages)
-        out[r] = (*gathered[r][:2], spans, hosted, *gathered[r][4:])
+        out[r] = pickle.loads(bufs[r].numpy().tobytes())      # (our own ranks' messages)
     return out
+
+
+#: how a load shares its reads (``_share_mode``), as the number each rank votes with
+_MODES = (None, "peers", "host")
+
+
+def _host_id(key: str) -> int:
+    """A rank's host (``shm.host_key``) as a 62-bit number: what the ranks all-gather to find their host's ranks."""
+    return int(digest(key.encode()), 16) >> 2
 
 
 #: the tags of the exchange of read spans among a host's ranks (``_mates_spans``; ``dist.GATHER_TAG`` is
@@ -228,14 +242,14 @@ def _mates_spans(coord: Coordinator, hosts: list[str], mine: tuple[Any, Any], ga
 SPAN_SIZE_TAG, SPAN_TAG = 0x4C46_0002, 0x4C46_0003
 
 
-def _host_sharing(gathered: list[Any], hosts: list[str], host: str, opts: LoadOptions) -> Any:
-    """The sharing plan of the ranks of ``host`` (``gathered``: every rank's planning result, ``hosts``: every
-    rank's host key): their spans, runs up to ``max_read_bytes``, short spans when linked to long ones."""
+def _host_sharing(spans_of: Mapping[int, Any], hosts: list[int], host: int, opts: LoadOptions) -> Any:
+    """The sharing plan of the ranks of ``host`` (``spans_of``: their spans and decoded sizes by rank, ``hosts``:
+    every rank's host id): their spans, runs up to ``max_read_bytes``, short spans when linked to long ones."""
     mates = [r for r, h in enumerate(hosts) if h == host]
-    return plan_sharing([gathered[r][2] if r in mates else [] for r in range(len(hosts))],
+    return plan_sharing([spans_of[r][0] if r in mates else [] for r in range(len(hosts))],
                         min_bytes=min(MIN_SHARED_BYTES, opts.max_read_bytes // 4),
                         run_bytes=opts.max_read_bytes,          # a reader's runs: one read per slot
-                        decoded={s: n for r in mates for s, n in gathered[r][3][1].items()})
+                        decoded={s: n for r in mates for s, n in spans_of[r][1][1].items()})
 
 
 def _set_up_host(coord: Coordinator, sharing: Any, span_bytes: Mapping[Any, int],
