@@ -163,11 +163,13 @@ def _own(layout: str, ranks: int, tensors: int, rows: int) -> tuple[float, int, 
     return dt, received, row
 
 
-def _tabled(layout: str, ranks: int, tensors: int, rows: int, tmp: str) -> tuple[int, int, int, float, int, float]:
+def _tabled(layout: str, ranks: int, tensors: int, rows: int, tmp: str, to_tp: bool = False
+            ) -> tuple[int, int, int, float, int, float]:
     """A save with chunk tables (format version 4) of these tensors: the bytes of the middle rank's row of the
     commit's gather to rank 0, of the index (the manifest), of the middle rank's chunk table; then the middle rank
     of a load onto ¾ of the ranks (``fsdp``, ``fsdp×tp8``: its row block of every tensor; ``ddp``: every tensor
-    whole) planned for real: decode the index, find the tables it needs (``core.tabled.TableSource``), read,
+    whole; ``to_tp``: the middle rank of the same ranks as FSDP × TP 8, its row block of its column block)
+    planned for real: decode the index, find the tables it needs (``core.tabled.TableSource``), read,
     check and decode them from files, check coverage, plan its reads. Returns (row, index, table, load plan s,
     tables read, of which index decode s)."""
     import os
@@ -220,7 +222,12 @@ def _tabled(layout: str, ranks: int, tensors: int, rows: int, tmp: str) -> tuple
     r = new // 2
     full_rows = described[0][0].shape[0]
     lo, hi = (r * full_rows // new, (r + 1) * full_rows // new) if layout != "ddp" else (0, full_rows)
-    wanted_boxes = [(t.key, ((lo, 0), (hi - lo, t.shape[1]))) for t, _ in described]
+    col, width = 0, described[0][0].shape[1]
+    if to_tp:
+        dp, r = max(1, ranks // 8), ranks // 2
+        lo, hi = (r // 8) * full_rows // dp, (r // 8 + 1) * full_rows // dp
+        col, width = r % 8 * width // 8, width // 8
+    wanted_boxes = [(t.key, ((lo, col), (hi - lo, width))) for t, _ in described]
     actual: dict[int, tuple[bytes, int]] = {}
 
     def index_bytes() -> bytes:
@@ -286,27 +293,32 @@ def _own_table(sizes: list[int], counts: list[int], layouts: list[str], rows: in
           "the commit's gather to rank 0 and rank 0's total, the index, one rank's table; one rank of a load onto "
           "¾ of the ranks: its plan (index decode + tables found, read, checked + read plan), the tables it read:")
     print("| layout | ranks | tensors | plan, one rank (s) | received to plan (B) | row to rank 0 (B) | "
-          "rank 0 gathers (MB) | index (MB) | one table (kB) | load plan, one rank (s) | tables read | "
-          "a load's planning exchange, received per rank (MB) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "rank 0 gathers (MB) | index (MB) | one table (kB) | load plan, one rank → ¾ ranks (s) | tables read | "
+          "load plan → FSDP × TP 8 (s) (tables read) | a load's planning exchange, received per rank (MB) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for layout in layouts:
         for ranks in sizes:
             for tensors in counts:
                 got = _own(layout, ranks, tensors, rows)
                 if got is None:
-                    print(f"| {layout} | {ranks} | {tensors} | gathered (no compact layout) ||||||||")
+                    print(f"| {layout} | {ranks} | {tensors} | gathered (no compact layout) |||||||||")
                     continue
                 dt, received, row = got
                 loading = _load_exchange(ranks, tensors) if layout == "fsdp" else float("nan")
                 if layout == "ddp":         # (one manifest: the v3 row, every chunk's record)
                     print(f"| {layout} | {ranks} | {tensors} | {dt:.3f} | {received} | {row} | "
-                          f"{row * ranks / 1e6:.0f} | one manifest | – | – | – | – |", flush=True)
+                          f"{row * ranks / 1e6:.0f} | one manifest | – | – | – | – | – |", flush=True)
                     continue
                 with tempfile.TemporaryDirectory() as tmp:
                     trow, index, table, t_load, read, _ = _tabled(layout, ranks, tensors, rows, tmp)
+                tp = "–"
+                if layout == "fsdp":
+                    with tempfile.TemporaryDirectory() as tmp:
+                        *_, t_tp, read_tp, _ = _tabled(layout, ranks, tensors, rows, tmp, to_tp=True)
+                    tp = f"{t_tp:.2f} ({read_tp})"
                 print(f"| {layout} | {ranks} | {tensors} | {dt:.3f} | {received} | {trow} | "
                       f"{trow * ranks / 1e6:.1f} | {index / 1e6:.1f} | {table / 1e3:.0f} | {t_load:.2f} | {read} | "
-                      f"{loading / 1e6:.1f} |", flush=True)
+                      f"{tp} | {loading / 1e6:.1f} |", flush=True)
 
 
 def main() -> int:
