@@ -208,3 +208,30 @@ def test_the_chunks_the_index_lists_are_checked_before_a_load_on_ranks_reads_the
         assert all(e.startswith("CorruptCheckpointError") and ("repl" in e or "plain" in e) for e in errors), errors
         with pytest.raises(liferaft.CorruptCheckpointError):
             liferaft.inspect(path)
+
+
+def test_a_listing_of_steps_reads_no_table_and_a_restore_passes_over_a_step_whose_table_is_damaged(saved, tmp_path):
+    """A manager root's listing opens a version 4 step's index only (its tables: by the load, or ``verify``);
+    a restore whose newest step has a damaged table loads the step before, with a warning naming the table."""
+    import shutil
+
+    from multiproc._tables_ranks import TENSORS, full
+
+    from liferaft.manager.listing import list_steps
+    from liferaft.storage import resolve
+
+    root = tmp_path / "root"
+    for step in (1, 2):
+        shutil.copytree(saved, root / f"step-{step:010d}")
+    table = _tables(str(root / "step-0000000002"))[0]
+    data = bytearray(table.read_bytes())
+    data[-3] ^= 1
+    table.write_bytes(bytes(data))
+    listed = {i.step: i.status for i in list_steps(resolve(str(root)))}
+    assert listed == {1: "committed", 2: "committed"}
+    deep = {i.step: (i.status, i.reason) for i in list_steps(resolve(str(root)), deep=True)}
+    assert deep[1][0] == "committed" and deep[2][0] == "corrupt" and table.name in deep[2][1]
+    state = {n: torch.zeros(shape) for n, (shape, _) in TENSORS.items()} | {"plain": torch.zeros(300, 64), "step": 0}
+    with liferaft.CheckpointManager(str(root)) as manager, pytest.warns(UserWarning, match=table.name):
+        assert manager.restore(state) == 1
+    assert all(torch.equal(state[n], full(n)) for n in [*TENSORS, "plain"])

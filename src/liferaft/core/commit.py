@@ -112,7 +112,7 @@ def forget_opened() -> None:
     _OPENED.clear()
 
 
-def open_checkpoint(storage: Storage, *, reuse: bool = False) -> Manifest:
+def open_checkpoint(storage: Storage, *, reuse: bool = False, tables: bool = True) -> Manifest:
     """The verified manifest of the committed checkpoint in ``storage``.
 
     ``reuse``: when the manifest is byte for byte the one the last ``reuse=True`` call decoded (same storage URL,
@@ -125,20 +125,23 @@ def open_checkpoint(storage: Storage, *, reuse: bool = False) -> Manifest:
     ``../<sibling>/<file>`` must name a data file that the committed manifest of the sibling checkpoint
     ``<sibling>`` (under the same root) lists as its own: nothing else next to the checkpoint is ever read.
 
+    ``tables=False``: a version 4 checkpoint's index only, none of its chunk tables read (a listing of steps:
+    the tables are checked when a load or ``verify`` reads them; docs/FORMAT.md §4.6).
+
     Raises CheckpointNotFoundError (nothing there), IncompleteCheckpointError (files but no commit marker),
     CorruptCheckpointError (manifest missing/damaged/not matching the marker, chunks not tiling a tensor),
     FormatVersionError (written by a newer format) or UnsafePathError (a path leaving the checkpoint, a link, a
     reference to anything but a committed sibling's data file).
     """
-    manifest = _open(storage, reuse)
+    manifest = _open(storage, reuse, tables)
     check_references(storage, manifest)
     return manifest
 
 
-def _open(storage: Storage, reuse: bool = False) -> Manifest:
+def _open(storage: Storage, reuse: bool = False, tables: bool = True) -> Manifest:
     """``open_checkpoint`` without the check of references."""
     data, name = read_verified(storage)
-    return decode_verified(storage, data, name, reuse)
+    return decode_verified(storage, data, name, reuse, tables)
 
 
 def read_verified(storage: Storage) -> tuple[bytes, str]:
@@ -258,7 +261,7 @@ def check_references(storage: Storage, manifest: Manifest) -> None:
             wanted.setdefault(sibling, []).append(rest)
     for sibling, names in sorted(wanted.items()):
         try:
-            theirs = _open(storage.sibling(sibling)).files
+            theirs = _open(storage.sibling(sibling), tables=False).files
         except (LiferaftError, OSError, NotImplementedError) as e:
             raise UnsafePathError(f"{storage.url}: the manifest references files of {sibling!r} next to it, which is "
                                   f"not a committed checkpoint there ({e}); liferaft reads nothing else outside the "

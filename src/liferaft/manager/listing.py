@@ -64,7 +64,9 @@ def list_steps(storage: Storage, pins: frozenset[int] = frozenset(), deep: bool 
                progress: Callable[[int], None] | None = None) -> list[StepInfo]:
     """Every step under the manager root ``storage``, oldest first, with its status (committed / incomplete /
     corrupt and why), own bytes, writer, metrics and the steps it references; ``deep`` re-hashes committed steps
-    (``progress`` is called with the bytes of each read). Reads only (no lease, no collective)."""
+    (``progress`` is called with the bytes of each read). Reads only (no lease, no collective). A step's manifest
+    is read and checked, and its files found at their sizes; the chunk tables of a version 4 step are read only
+    with ``deep`` (a load of a step whose table is damaged fails, and ``restore`` takes the step before)."""
     names, unlisted = _step_names(storage)
     out = []
     for step in sorted({*names, *unlisted}):
@@ -82,7 +84,7 @@ def list_steps(storage: Storage, pins: frozenset[int] = frozenset(), deep: bool 
             out.append(StepInfo(step, path, "incomplete", "no commit marker", pinned=pinned))
             continue
         try:
-            m = open_checkpoint(st)
+            m = open_checkpoint(st, tables=False)       # (a version 4 step's tables: read by a load or verify)
             recorded = m.extra.get("step")
             if type(recorded) is int and recorded != step:
                 raise CorruptCheckpointError(f"{path}: its manifest records step {recorded}, the folder says {step} "
