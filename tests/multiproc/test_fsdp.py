@@ -71,6 +71,10 @@ def test_fsdp2_plus_tp_on_a_2d_mesh_to_plain_to_fsdp2_and_back(tmp_path):
     assert "_StridedShard" in saved[0][0], saved               # what FSDP2 over TP produces
     assert all(how == "layouts" for _, how in saved), saved    # planned by each rank on its own
     liferaft.verify(path)
+    from liferaft.testing.tamper import read_manifest
+
+    doc, _ = read_manifest(path)       # evenly split: the strided rows are a nested split, TP first (chunk tables)
+    assert doc["version"] == 4 and any(t.get("layout", {}).get("order") == [1, 0] for t in doc["tensors"]), doc
     model = make_model(32)                                     # -> one process, plain model
     opt = torch.optim.AdamW(model.parameters(), lr=0.5)
     liferaft.load(path, {"model": model, "optim": opt})

@@ -129,3 +129,69 @@ def test_a_table_round_trips_and_its_damage_is_refused_naming_it():
             decode_table(data, ref, index)
         assert what
     assert DTYPE_ITEMSIZE["float32"] == 4
+
+
+class _Mesh:
+    """What ``state.flatten._local_runs`` asks of a DeviceMesh: the size of each of its dimensions."""
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        self.shape = shape
+
+    def size(self, dim: int) -> int:
+        return self.shape[dim]
+
+
+def test_fsdp2_over_tp_split_evenly_is_a_nested_split_tp_first_equal_to_dtensors_boxes():
+    """``as_ordered``: a ``_StridedShard(d, sf)`` followed by ``Shard(d)`` over ``sf`` ranks, with ``sf`` dividing
+    the extent, holds exactly the rows of splitting by the later mesh dimension first (DTensor's own boxes, from
+    ``_local_runs``, for every rank of random 2-D and 3-D meshes with replicated and other sharded dimensions);
+    the grid arithmetic over the reordered layout finds the same boxes as trying every rank."""
+    import itertools
+
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from liferaft.planning.layouts import as_ordered, coordinate
+    from liferaft.state.flatten import _local_runs
+
+    rng = random.Random(5)
+    converted = 0
+    for _ in range(400):
+        k = rng.choice([2, 3])
+        mesh = tuple(rng.randint(1, 4) for _ in range(k))
+        ndim = rng.choice([1, 2])
+        shape = tuple(rng.randint(1, 24) for _ in range(ndim))
+        a = rng.randrange(k - 1)
+        b = rng.randrange(a + 1, k)
+        d = rng.randrange(ndim)
+        places, shards = [], []
+        for i in range(k):
+            other = [x for x in range(ndim) if x != d]
+            if i == a:
+                places.append(_StridedShard(d, split_factor=mesh[b]))
+                shards.append((d, mesh[b]))
+            elif i == b:
+                places.append(Shard(d))
+                shards.append(d)
+            elif other and rng.random() < 0.5:
+                places.append(Shard(other[0]))
+                shards.append(other[0])
+            else:
+                places.append(Replicate())
+                shards.append(None)
+        ordered = as_ordered(Layout(mesh, tuple(shards)), shape)
+        if ordered is None:
+            assert shape[d] % mesh[b]
+            continue
+        converted += 1
+        for rank in range(numel(mesh)):
+            _, runs = _local_runs(shape, _Mesh(mesh), tuple(places), coordinate(mesh, rank))
+            boxes = [(tuple(r[1] for r in combo), tuple(r[2] for r in combo)) for combo in itertools.product(*runs)]
+            boxes = [b_ for b_ in boxes if numel(b_[1])]
+            want = layout_box(ordered, shape, rank)
+            assert boxes == ([want] if numel(want[1]) else []), (mesh, shards, shape, rank, boxes, want)
+        box = (tuple(rng.randrange(s) for s in shape), tuple(1 for _ in shape))
+        found = {held for held, _ in overlapping(ordered, shape, box)}
+        assert found == {layout_box(ordered, shape, r) for r in range(numel(mesh))
+                         if numel(layout_box(ordered, shape, r)[1]) and intersect(layout_box(ordered, shape, r), box)}
+    assert converted > 100

@@ -33,7 +33,7 @@ from liferaft.format.layout import COMMIT_MARKER, table_file_name
 from liferaft.format.manifest import ChunkRecord, Manifest
 from liferaft.options import SaveOptions, SaveResult
 from liferaft.planning.geometry import Box, check_chunks_tile, numel
-from liferaft.planning.layouts import Layout, layout_box, plan_own
+from liferaft.planning.layouts import Layout, as_ordered, layout_box, plan_own
 from liferaft.planning.save_plan import (
     RankMeta,
     SavePlan,
@@ -250,8 +250,11 @@ def _layouts(flat: FlatState, rank: int, world: int) -> tuple[Layout, ...] | Non
         else:
             return None
         if not layout.regular:
-            out.append(layout)
-            continue
+            ordered = as_ordered(layout, t.shape)   # (FSDP2 over TP, evenly split: a nested split, checked below)
+            if ordered is None:
+                out.append(layout)
+                continue
+            layout = ordered
         if len(t.parts) != 1:
             return None
         held, want = t.parts[0][0], layout_box(layout, t.shape, rank)
@@ -266,7 +269,8 @@ def _layout_digest(meta: RankMeta, layouts: tuple[Layout, ...], alignment: int, 
     kind, dtype, global shape and layout, in order, the digests of the plain tensors that are compared, the
     options the plan depends on, and the containers (ranks whose containers differ plan gathered, where a
     conflict is refused before anything is written)."""
-    described = [(t.key, t.path, t.kind, t.dtype, t.shape, la.mesh, la.shards) for t, la in zip(meta.tensors, layouts)]
+    described = [(t.key, t.path, t.kind, t.dtype, t.shape, la.mesh, la.shards, la.order)
+                 for t, la in zip(meta.tensors, layouts)]
     return (int(digest(repr((described, meta.digests, alignment, chunk_bytes, meta.containers)).encode()), 16)
             >> 2) | 1
 

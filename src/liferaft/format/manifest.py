@@ -368,13 +368,15 @@ def _decode_tensor(t: dict[str, Any], name: str, files: Mapping[str, int], codec
                        lossy=lossy, per_rank=per_rank, layout=_layout(t.get("layout"), where, len(shape)))
 
 
-def _layout(v: Any, where: str, ndim: int) -> tuple[tuple[int, ...], tuple[int | None, ...]] | None:
+def _layout(v: Any, where: str, ndim: int
+            ) -> tuple[tuple[int, ...], tuple[int | None, ...], tuple[int, ...] | None] | None:
     """A tensor's ``layout`` (§4.6): ``{"mesh": [n, ...], "shards": [dim or null, ...]}``, one shard per mesh
-    dimension, each a dimension of the tensor; None when absent."""
+    dimension, each a dimension of the tensor, and optionally ``"order"``: the mesh dimensions in the order they
+    split the tensor (a permutation); None when absent."""
     if v is None:
         return None
-    if not isinstance(v, dict) or set(v) != {"mesh", "shards"}:
-        raise _fail(where, f"layout must be an object with mesh and shards, got {v!r:.80}")
+    if not isinstance(v, dict) or not {"mesh", "shards"} <= set(v) <= {"mesh", "shards", "order"}:
+        raise _fail(where, f"layout must be an object with mesh, shards and optionally order, got {v!r:.80}")
     mesh = _ints(v["mesh"], f"{where} layout mesh", 1, MAX_NDIM)
     shards = v["shards"]
     if not mesh or not isinstance(shards, list) or len(shards) != len(mesh) or not all(
@@ -382,7 +384,12 @@ def _layout(v: Any, where: str, ndim: int) -> tuple[tuple[int, ...], tuple[int |
         raise _fail(where, f"layout needs one shard (a dimension below {ndim}, or null) per mesh dimension, got "
                            f"{v!r:.80}")
     _product(mesh, 1, f"{where} layout mesh")
-    return mesh, tuple(shards)
+    order = None
+    if "order" in v:
+        order = _ints(v["order"], f"{where} layout order", 0, len(mesh))
+        if sorted(order) != list(range(len(mesh))):
+            raise _fail(where, f"layout order {v['order']!r:.80} is not an order of the {len(mesh)} mesh dimensions")
+    return mesh, tuple(shards), order
 
 
 def _tables(doc: Mapping[str, Any], name: str, version: int, save_id: str, world_size: int,

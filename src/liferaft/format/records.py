@@ -126,9 +126,10 @@ class TensorEntry:
     #: None for a tensor every rank held alike (or sharded); else the saving ranks whose copies differed, one per
     #: index of dimension 0: the stored shape is ``[len(per_rank), *shape of each copy]`` (docs/FORMAT.md §4.5)
     per_rank: tuple[int, ...] | None = None
-    #: (version 4) how the saving ranks held it: ``(mesh, shards)`` of a ``planning.layouts.Layout`` whose
-    #: ``shards`` are tensor dimensions or None (replicated); None when not recorded
-    layout: tuple[tuple[int, ...], tuple[int | None, ...]] | None = None
+    #: (version 4) how the saving ranks held it: ``(mesh, shards, order)`` of a ``planning.layouts.Layout`` whose
+    #: ``shards`` are tensor dimensions or None (replicated), ``order`` None or the order the mesh dimensions
+    #: split the tensor in; None when not recorded
+    layout: tuple[tuple[int, ...], tuple[int | None, ...], tuple[int, ...] | None] | None = None
 
     @property
     def itemsize(self) -> int:
@@ -160,6 +161,8 @@ class TensorEntry:
                "shape": list(self.shape), "chunks": [c.to_json(default_checksum) for c in self.chunks] if chunks else []}
         if self.layout is not None:
             out["layout"] = {"mesh": list(self.layout[0]), "shards": list(self.layout[1])}
+            if self.layout[2] is not None:
+                out["layout"]["order"] = list(self.layout[2])
         if self.lossy is not None:
             out["lossy"] = dict(self.lossy)
         if self.per_rank is not None:

@@ -7,8 +7,11 @@ the rank count. A plain tensor every rank holds whole is ``Layout((world,), (Non
 can compute any rank's box and the holders of its own, so when every rank describes the same tensors with the
 same layouts (checked by comparing one digest: ``core.phases``), each rank plans its own writes in time and
 memory that grow with what it holds, not with the job (issue #20). A ``_StridedShard`` (FSDP2 over tensor
-parallelism) is a layout too, whose boxes each rank takes from its DTensor; a DTensor on a sub-mesh (FSDP2 on
-``mesh["dp"]``) is described over the root mesh, replicated along the dimensions the sub-mesh lacks.
+parallelism) is a layout too, whose boxes each rank takes from its DTensor — unless the TP split is even, where
+it is a nested split with the TP dimension first (:func:`as_ordered`: a regular layout with an ``order``); a
+DTensor on a sub-mesh (FSDP2 on ``mesh["dp"]``) is described over the root mesh, replicated along the dimensions
+the sub-mesh lacks. A reader finds the boxes overlapping a box by grid arithmetic (:func:`overlapping`) and the
+member of a group of replicas that wrote each chunk by replaying the plan (:func:`group_writers`).
 
 The plan it gives is a valid save plan (every element written exactly once, by a rank that holds it; chunks of
 at most ``chunk_bytes``; the writer's file laid out as :func:`planning.save_plan.plan_save` lays it out), not
@@ -38,10 +41,19 @@ class Layout:
 
     mesh: tuple[int, ...]
     shards: tuple[int | tuple[int, int] | None, ...]
+    #: the order in which the mesh dimensions split the tensor (None: ``0, 1, ...``, DTensor's for ``Shard``);
+    #: another order describes FSDP2 over tensor parallelism where its ``_StridedShard`` is a plain nested split
+    #: (:func:`as_ordered`)
+    order: tuple[int, ...] | None = None
 
     @property
     def world(self) -> int:
         return numel(self.mesh)
+
+    @property
+    def steps(self) -> tuple[int, ...]:
+        """The mesh dimensions in the order they split the tensor."""
+        return self.order if self.order is not None else tuple(range(len(self.mesh)))
 
     @property
     def regular(self) -> bool:
@@ -65,7 +77,9 @@ def layout_box(layout: Layout, shape: Sequence[int], rank: int) -> Box:
     if not layout.regular:
         raise ValueError(f"layout_box: {layout} has a _StridedShard; take the rank's boxes from its DTensor")
     offs, sizes = [0] * len(shape), list(shape)
-    for n, d, c in zip(layout.mesh, layout.shards, coordinate(layout.mesh, rank)):
+    coord = coordinate(layout.mesh, rank)
+    for i in layout.steps:
+        n, d, c = layout.mesh[i], layout.shards[i], coord[i]
         if not isinstance(d, int):
             continue
         full = -(-sizes[d] // n)
@@ -165,12 +179,14 @@ def overlapping(layout: Layout, shape: Sequence[int], box: Box) -> list[tuple[Bo
     if numel(box[1]) == 0:
         return []
     lo, hi = box[0], tuple(o + s for o, s in zip(*box))
-    states: list[tuple[int, list[int], list[int]]] = [(0, [0] * len(shape), list(shape))]
-    for n, d in zip(layout.mesh, layout.shards):
+    states: list[tuple[tuple[int, ...], list[int], list[int]]] = [((0,) * len(layout.mesh), [0] * len(shape),
+                                                                     list(shape))]
+    for i in layout.steps:
+        n, d = layout.mesh[i], layout.shards[i]
         nxt = []
-        for rank, offs, sizes in states:
+        for coord, offs, sizes in states:
             if d is None:
-                nxt.append((rank * n, offs, sizes))
+                nxt.append((coord, offs, sizes))
                 continue
             assert isinstance(d, int)
             full = -(-sizes[d] // n)
@@ -184,7 +200,35 @@ def overlapping(layout: Layout, shape: Sequence[int], box: Box) -> list[tuple[Bo
                 if size > 0:
                     o, z = list(offs), list(sizes)
                     o[d], z[d] = offs[d] + start, size
-                    nxt.append((rank * n + c, o, z))
+                    nxt.append((coord[:i] + (c,) + coord[i + 1:], o, z))
         states = nxt
-    return [((tuple(o), tuple(z)), rank) for rank, o, z in states
+    return [((tuple(o), tuple(z)), _rank_of(layout.mesh, coord)) for coord, o, z in states
             if all(a < h and a + b > q for a, b, q, h in zip(o, z, lo, hi))]
+
+
+def _rank_of(mesh: Sequence[int], coord: Sequence[int]) -> int:
+    """The rank at ``coord`` of the row-major ``mesh`` (:func:`coordinate`'s inverse)."""
+    rank = 0
+    for n, c in zip(mesh, coord):
+        rank = rank * n + c
+    return rank
+
+
+def as_ordered(layout: Layout, shape: Sequence[int]) -> Layout | None:
+    """A regular layout with the boxes of ``layout`` when its one ``_StridedShard(d, sf)`` (FSDP2 over tensor
+    parallelism: on mesh dimension ``a``) is followed by exactly one ``Shard(d)`` on a mesh dimension ``b`` of
+    ``sf`` ranks, no other mesh dimension splits ``d``, and ``sf`` divides ``shape[d]``: then the rows a rank holds
+    are those of splitting by ``b`` first, then by ``a`` (checked against DTensor's own boxes: tests); else None."""
+    strided = [i for i, d in enumerate(layout.shards) if isinstance(d, tuple)]
+    if len(strided) != 1:
+        return None
+    a = strided[0]
+    d, sf = layout.shards[a]            # type: ignore[misc]
+    later = [i for i, x in enumerate(layout.shards) if x == d]
+    if len(later) != 1 or later[0] < a or layout.mesh[later[0]] != sf or not 0 <= d < len(shape) or shape[d] % sf:
+        return None
+    b = later[0]
+    steps = [i for i in range(len(layout.mesh)) if i != b]
+    steps.insert(steps.index(a), b)
+    shards = tuple(d if i == a else x for i, x in enumerate(layout.shards))
+    return Layout(layout.mesh, shards, tuple(steps))
