@@ -235,3 +235,19 @@ def test_a_listing_of_steps_reads_no_table_and_a_restore_passes_over_a_step_whos
     with liferaft.CheckpointManager(str(root)) as manager, pytest.warns(UserWarning, match=table.name):
         assert manager.restore(state) == 1
     assert all(torch.equal(state[n], full(n)) for n in [*TENSORS, "plain"])
+
+
+def test_an_index_whose_layout_disagrees_with_its_tables_is_refused_by_loads_and_by_the_tools(saved, tmp_path):
+    """The tables are the save's plan for the layouts the index records: an index re-pinned with another layout
+    (here ``rows`` on a 2 x 2 mesh instead of 4 ranks in a row) is refused by ``inspect`` and ``verify`` as by a
+    load, naming the table whose chunks were not planned."""
+    path = _copy(saved, tmp_path)
+
+    def relayout(m):
+        next(t for t in m["tensors"] if t["key"] == "rows")["layout"] = {"mesh": [2, 2], "shards": [0, None]}
+    rewrite_manifest(path, relayout)
+    errors = run_ranks(load_expect_error, 2, path)
+    assert all("CorruptCheckpointError" in e and ("was planned" in e or "not a piece" in e) for e in errors), errors
+    for tool in (liferaft.inspect, liferaft.verify, liferaft.read):
+        with pytest.raises(liferaft.CorruptCheckpointError, match="chunks.json"):
+            tool(path)

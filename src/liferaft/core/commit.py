@@ -10,7 +10,7 @@ path, the memory tier, the manager and the tools all go through these functions 
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from liferaft.codecs import registry as codec_registry
 from liferaft.codecs.checksum import digest
@@ -32,7 +32,7 @@ from liferaft.format.manifest import (
     decode_commit_marker,
     decode_manifest,
 )
-from liferaft.format.tables import decode_table, with_tables
+from liferaft.format.tables import decode_table
 from liferaft.planning.geometry import check_chunks_tile
 from liferaft.storage import Storage
 
@@ -187,7 +187,7 @@ def decode_verified(storage: Storage, data: bytes, name: str, reuse: bool = Fals
         manifest = decode_manifest(data, f"{storage.url}/{name}", codecs=codecs)
         lazy = manifest.tabled and not tables
         if manifest.tabled and tables:
-            manifest = read_tables(storage, manifest, manifest.tables, codecs)
+            manifest = read_tables(storage, manifest, codecs)
         for entry in manifest.tensors:
             if lazy and not entry.held_whole:
                 continue                    # (its chunks are checked as the tables holding them are read)
@@ -205,18 +205,23 @@ def decode_verified(storage: Storage, data: bytes, name: str, reuse: bool = Fals
     return manifest
 
 
-def read_tables(storage: Storage, index: Manifest, refs: Iterable[TableRef], codecs: Collection[str] | None
-                ) -> Manifest:
-    """``index`` (a version 4 manifest, docs/FORMAT.md §4.6) with the chunks of the tables ``refs`` filled in:
-    each table read at most at the size the index lists (no link followed), its size and digest compared with
-    the index's before it is decoded (``format.tables.decode_table``). Raises CorruptCheckpointError naming the
-    table (missing, another size or digest, damaged)."""
-    return with_tables(index, {ref.file: read_table(storage, index, ref, codecs) for ref in refs})
+def read_tables(storage: Storage, index: Manifest, codecs: Collection[str] | None) -> Manifest:
+    """``index`` (a version 4 manifest, docs/FORMAT.md §4.6) with the chunks of every table filled in, each table
+    checked as a load on ranks checks it (``core.tabled.TableSource``: its size and digest against the index's,
+    then every chunk one its rank was planned to write, listed once), then every tensor tiled. Raises
+    CorruptCheckpointError naming the table (missing, another size or digest, damaged, not the plan)."""
+    from liferaft.core.tabled import TableSource  # (it reads each table with ``read_table``, below)
+
+    src = TableSource(storage, index, codecs)
+    src.whole()
+    return replace(index, tensors=tuple(src.entry(i) for i in range(len(index.tensors))))
 
 
 def read_table(storage: Storage, index: Manifest, ref: TableRef, codecs: Collection[str] | None
                ) -> list[tuple[int, ChunkRecord]]:
-    """The decoded chunks of table ``ref`` of ``index`` (``read_tables``)."""
+    """The decoded chunks of table ``ref`` of ``index``: read at most at the size the index lists (no link
+    followed), its size and digest compared with the index's before it is decoded
+    (``format.tables.decode_table``)."""
     size = index.files[ref.file]
     if size > MANIFEST_LIMIT:
         raise CorruptCheckpointError(f"{storage.url}: chunk table {ref.file!r} is listed with {size} bytes "

@@ -4,14 +4,13 @@ with the tensors and the ranks, not with the chunks, and nobody gathers every ch
 
 ``encode_table`` is what a rank writes; ``decode_table`` reads one back, checked against the index that pins it
 (its bytes' digest, its rank, and every chunk through the manifest's own chunk checks, each in its writer's data
-file); ``with_tables`` fills an index's tensors with the chunks of the tables read. Pure: no I/O, no torch.
+file). Pure: no I/O, no torch; ``core.tabled`` reads tables and checks their chunks against the plan.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Mapping, Sequence
-from dataclasses import replace
+from collections.abc import Collection, Sequence
 
 from liferaft.format import jsonsafe
 from liferaft.format.layout import data_file_name
@@ -71,15 +70,3 @@ def decode_table(data: bytes, ref: TableRef, index: Manifest, codecs: Collection
                                f"rank's data file {own!r}, none a delta)")
         out.append((item[0], rec))
     return out
-
-
-def with_tables(index: Manifest, tables: Mapping[str, Sequence[tuple[int, ChunkRecord]]]) -> Manifest:
-    """``index`` with each tensor's chunks (those it lists: the tensors every rank held whole) joined by those of
-    the decoded ``tables`` (by file), sorted by offsets."""
-    chunks: list[list[ChunkRecord]] = [list(t.chunks) for t in index.tensors]   # (the index's own, if any)
-    for items in tables.values():
-        for i, rec in items:
-            chunks[i].append(rec)
-    return replace(index, tensors=tuple(replace(t, chunks=tuple(sorted(c, key=lambda r: r.offsets)))
-                                        for t, c in zip(index.tensors, chunks)))
-
