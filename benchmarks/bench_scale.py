@@ -19,7 +19,7 @@ is not simulated here. A cell that would take longer than ``--budget-s`` (estima
 ranks²) is skipped.
 
 A second table: the plan each rank makes on its own when every tensor has a compact layout (``planning.layouts``;
-not ``pairs``): one rank's time to digest its layouts and plan its writes, at ``--own-ranks`` ×
+for ``pairs``, hand-made shards, the layout inferred from the boxes of a few ranks, timed in a third table): one rank's time to digest its layouts and plan its writes, at ``--own-ranks`` ×
 ``--own-tensors``; the bytes it receives to plan (the digest vote and the save id); the commit with chunk tables
 (format version 4: ``core.tabled``): its row of the gather to rank 0, rank 0's total, the index's size and one
 rank's table's; one rank of a load onto ¾ of the ranks planned for real from files (the index decoded, the
@@ -138,11 +138,12 @@ def _dcp_save(plans: list[Any]) -> tuple[float, Any]:
 
 def _own(layout: str, ranks: int, tensors: int, rows: int) -> tuple[float, int, int] | None:
     """Planned by each rank on its own (``planning.layouts``): one rank's time to digest its layouts and plan its
-    writes (the middle rank), the bytes it receives to plan (the digest vote and the save id), and the bytes of
-    its row of the commit's gather to rank 0 (its writes with their stored records). None: no compact layout."""
+    writes (the middle rank), the bytes it receives to plan (the digest vote and the save id; for ``pairs`` also
+    the inferred layouts in that broadcast and the all-reduce of the ranks' checks), and the bytes of its row of
+    the commit's gather to rank 0 (its writes with their stored records). None: no compact layout."""
     from liferaft.core.chunks.writer import StoredChunk
-    from liferaft.core.phases import _layout_digest
-    from liferaft.planning.layouts import plan_own
+    from liferaft.core.described import layout_digest as _layout_digest
+    from liferaft.planning.layouts import layout_box, plan_own
     from liferaft.planning.save_plan import RankMeta
     from liferaft.testing.scale import compact_tensors
 
@@ -153,14 +154,39 @@ def _own(layout: str, ranks: int, tensors: int, rows: int) -> tuple[float, int, 
     meta = RankMeta(rank=rank, tensors=tuple(t for t, _ in described), values=(), containers=())
     t0 = time.perf_counter()
     _layout_digest(meta, tuple(la for _, la in described), 64, 16 << 20)
+    if layout == "pairs":           # (the rank checks its box against each inferred layout)
+        for t, la in described:
+            layout_box(la, t.shape, rank)
     mine = plan_own(described, rank, "0" * 16, 64, 16 << 20)
     dt = time.perf_counter() - t0
-    received = 8 * 3 + 8 + len(pickle.dumps((None, "0" * 16)))       # all-reduce of 3 int64; the broadcast
+    inferred = tuple(la for _, la in described) if layout == "pairs" else None
+    received = 8 * 5 + 8 + len(pickle.dumps((None, "0" * 16, {}, inferred)))    # all-reduce of 5 int64; the broadcast
+    if layout == "pairs":
+        received += 8
     block = 4 << 20
     stored = [StoredChunk(file=w.file, byte_offset=w.byte_offset, block_size=block,
                           hashes=tuple("0" * 8 for _ in range(max(1, -(-w.length // block))))) for w in mine]
     row = len(pickle.dumps((mine, stored, sum(w.length for w in mine), (), ())))
     return dt, received, row
+
+
+def _inference(ranks: int, tensors: int, rows: int) -> tuple[float, int, int]:
+    """Hand-made shards (``pairs``): rank 0's time to infer every tensor's layout from the probes' boxes
+    (``core.described.infer_unknown``), the bytes rank 0 receives for it (each probe's boxes; a length and an
+    empty message from every other rank), and the number of probes."""
+    from liferaft.core.described import infer_unknown
+    from liferaft.planning.layouts import probe_ranks
+    from liferaft.testing.scale import rank_box
+
+    probes = probe_ranks(ranks)
+    probed = {r: tuple(rank_box("pairs", ranks, rows, r) for _ in range(tensors)) for r in probes}
+    t0 = time.perf_counter()
+    got = infer_unknown([(max(rows, ranks), COLS)] * tensors, probed, ranks)
+    dt = time.perf_counter() - t0
+    assert all(la is not None for la in got)
+    received = sum(8 + len(pickle.dumps(m, protocol=pickle.HIGHEST_PROTOCOL)) for m in probed.values())
+    received += (ranks - len(probes)) * (8 + len(pickle.dumps(None, protocol=pickle.HIGHEST_PROTOCOL)))
+    return dt, received, len(probes)
 
 
 def _tabled(layout: str, ranks: int, tensors: int, rows: int, tmp: str, to_tp: bool = False
@@ -304,7 +330,7 @@ def _own_table(sizes: list[int], counts: list[int], layouts: list[str], rows: in
                     print(f"| {layout} | {ranks} | {tensors} | gathered (no compact layout) |||||||||")
                     continue
                 dt, received, row = got
-                loading = _load_exchange(ranks, tensors) if layout == "fsdp" else float("nan")
+                loading = f"{_load_exchange(ranks, tensors) / 1e6:.1f}" if layout == "fsdp" else "–"
                 if layout == "ddp":         # (one manifest: the v3 row, every chunk's record)
                     print(f"| {layout} | {ranks} | {tensors} | {dt:.3f} | {received} | {row} | "
                           f"{row * ranks / 1e6:.0f} | one manifest | – | – | – | – | – |", flush=True)
@@ -318,7 +344,17 @@ def _own_table(sizes: list[int], counts: list[int], layouts: list[str], rows: in
                     tp = f"{t_tp:.2f} ({read_tp})"
                 print(f"| {layout} | {ranks} | {tensors} | {dt:.3f} | {received} | {trow} | "
                       f"{trow * ranks / 1e6:.1f} | {index / 1e6:.1f} | {table / 1e3:.0f} | {t_load:.2f} | {read} | "
-                      f"{tp} | {loading / 1e6:.1f} |", flush=True)
+                      f"{tp} | {loading} |", flush=True)
+    if "pairs" in layouts:
+        print()
+        print("Hand-made shards (pairs): their layouts inferred on rank 0 from the boxes of the probes (rank 0 and "
+              "every divisor of the world), then checked by every rank against its own box:")
+        print("| ranks | tensors | probes | infer on rank 0 (s) | rank 0 receives for it (MB) |")
+        print("|---|---|---|---|---|")
+        for ranks in sizes:
+            for tensors in counts:
+                dt, received, probes = _inference(ranks, tensors, rows)
+                print(f"| {ranks} | {tensors} | {probes} | {dt:.3f} | {received / 1e6:.2f} |", flush=True)
 
 
 def main() -> int:

@@ -1,6 +1,7 @@
 """The save's process-wide caches (dropped by ``liferaft.release()``): :data:`PLANS`, the last tensor layout planned
 per group (see :class:`PlanCache`: at most ``PlanCache.LIMIT`` entries, the least recently used dropped first), and
-:data:`TILED`, the layouts planned by each rank on its own whose chunks rank 0 checked at a commit."""
+:data:`TILED`, the layouts planned by each rank on its own whose chunks rank 0 checked at a commit, and :data:`INFERRED`,
+the layouts last inferred for hand-made shards."""
 
 from __future__ import annotations
 
@@ -73,3 +74,8 @@ PLANS: PlanCache[PlanKey, Planned] = PlanCache()
 
 #: (group key, agreed digest) of the plans made on their own whose chunks rank 0 found to tile every tensor
 TILED: PlanCache[tuple[str, int], bool] = PlanCache(limit=64)
+
+
+#: (group key, digest of the tensors as described with their layouts unknown) → the layouts the ranks last agreed on
+#: for the tensors whose layout is inferred (``planning.layouts.infer_layout``): a repeated save skips the probe
+INFERRED: PlanCache[tuple[str, int], tuple[Any, ...]] = PlanCache(limit=16)

@@ -18,22 +18,23 @@ import uuid
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from liferaft.codecs.checksum import digest
-from liferaft.core.caches import PLANS, TILED, Planned
+from liferaft.core.caches import INFERRED, PLANS, TILED, Planned
 from liferaft.core.chunks.writer import ChunkPolicy, WriteOutcome
 from liferaft.core.commit import abandon, is_committed, open_checkpoint, remove_stale, write_commit
+from liferaft.core.described import fill_inferred, infer_unknown, layout_digest, layouts_of
 from liferaft.core.tabled import build_index, replicated, write_table
 from liferaft.dist import Coordinator
 from liferaft.errors import CheckpointExistsError, InvalidStateError, LiferaftError, StorageError
 from liferaft.format.layout import COMMIT_MARKER, table_file_name
 from liferaft.format.manifest import ChunkRecord, Manifest
 from liferaft.options import SaveOptions, SaveResult
-from liferaft.planning.geometry import Box, check_chunks_tile, numel
-from liferaft.planning.layouts import Layout, as_ordered, layout_box, plan_own
+from liferaft.planning.geometry import Box, check_chunks_tile
+from liferaft.planning.layouts import Layout, plan_own, probe_ranks
 from liferaft.planning.save_plan import (
     RankMeta,
     SavePlan,
@@ -153,7 +154,7 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
     t_start = time.perf_counter()
     flat: FlatState | None = None
     meta: RankMeta | None = None
-    layouts: tuple[Layout, ...] | None = None
+    layouts: tuple[Layout | None, ...] | None = None
     cache_key = (coord.key, coord.rank, coord.world, opts.alignment, opts.chunk_bytes)
     cached = PLANS.get(cache_key)
     # (every rank of a group votes, whatever its options, so that all run the same collectives)
@@ -170,7 +171,7 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
         flat = flatten(state, world=coord.world)
         meta = _rank_meta(coord.rank, flat, opts.allow_pickle, coord.world)
         if compact and not opts.incremental_base:   # (an incremental save's references are planned gathered)
-            layouts = _layouts(flat, coord.rank, coord.world)
+            layouts = layouts_of(flat, coord.rank, coord.world)
         if coord.rank == 0 and not opts.overwrite and storage.exists(COMMIT_MARKER):
             raise CheckpointExistsError(f"{storage.url} already holds a committed checkpoint; pass "
                                         "SaveOptions(overwrite=True) to replace it, or save to a new path")
@@ -184,21 +185,55 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
     agreed = 0
     zero_values: dict[str, str] = {}
     if compact:
-        def vote() -> tuple[tuple[Any, ...], list[int]]:
-            payload = describe()
-            assert meta is not None
-            h = _layout_digest(meta, layouts, opts.alignment, opts.chunk_bytes) if layouts is not None else 0
-            return payload, [h, -h]
+        cached_inferred: tuple[Layout, ...] | None = None
 
-        payload, (high, neg_low) = coord.run_max(vote, 2, "save (planning)")
-        assert meta is not None
+        def vote() -> tuple[tuple[Any, ...], list[int]]:
+            nonlocal cached_inferred
+            payload = describe()
+            assert meta is not None and flat is not None
+            h = layout_digest(meta, layouts, opts.alignment, opts.chunk_bytes) if layouts is not None else 0
+            need, known = 0, 0
+            if layouts is not None and None in layouts:     # hand-made shards: their layouts are inferred
+                cached_inferred = fill_inferred(layouts, INFERRED.get((coord.key, h)), flat, coord.rank)
+                need = int(cached_inferred is None)
+                if cached_inferred is not None:
+                    known = layout_digest(meta, cached_inferred, opts.alignment, opts.chunk_bytes)
+            return payload, [h, -h, need, known, -known]
+
+        payload, (high, neg_low, need, known, neg_known) = coord.run_max(vote, 5, "save (planning)")
+        assert meta is not None and flat is not None
         if high == -neg_low != 0:                   # every rank sent the same digest of compact layouts
             assert layouts is not None
+            unknown = [i for i, la in enumerate(layouts) if la is None]
+            probed = None
+            if unknown and (need or known != -neg_known):   # infer them from the boxes of a few ranks
+                probed = coord.gather_to_zero(tuple(flat.tensors[i].parts[0][0] for i in unknown)
+                                              if coord.rank in probe_ranks(coord.world) else None,
+                                              None, "save (planning)")
+            inferred, error = None, None
+            if probed is not None:
+                try:
+                    inferred = infer_unknown([flat.tensors[i].shape for i in unknown], probed, coord.world)
+                except Exception as e:  # noqa: BLE001 - reported to every rank by the broadcast
+                    error = e
             # (with rank 0's values' digests: a rank sends rank 0 only the values that differ from rank 0's)
-            save_id, zero_values = coord.broadcast_from_zero(
-                (payload[1], {v.key: v.digest for v in meta.values}), None, "save (planning)")
-            plan = _own_plan(meta, layouts, coord, save_id, opts, cached, high)
-            agreed = high
+            save_id, zero_values, inferred = coord.broadcast_from_zero(
+                (payload[1], {v.key: v.digest for v in meta.values}, inferred), error, "save (planning)")
+            if unknown:
+                filled = cached_inferred if inferred is None and not need and known == -neg_known else \
+                    fill_inferred(layouts, inferred, flat, coord.rank)
+                if coord.all_max([int(filled is None)], "save (planning)")[0]:
+                    layouts = None                  # some rank's box follows no inferred layout: gathered
+                else:
+                    assert filled is not None
+                    INFERRED.put((coord.key, high), tuple(filled[i] for i in unknown))
+                    layouts = filled
+                    high = layout_digest(meta, layouts, opts.alignment, opts.chunk_bytes)
+            if layouts is not None:
+                plan = _own_plan(meta, cast("tuple[Layout, ...]", layouts), coord, save_id, opts, cached, high)
+                agreed = high
+            else:
+                gathered = coord.exchange(payload, None, "save (planning)")
         else:
             gathered = coord.exchange(payload, None, "save (planning)")
     else:
@@ -224,55 +259,15 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
                                                               (w.offsets, w.sizes))
     policy, lossy = chunk_policy(plan, storage, opts, base)
     own = layouts is not None and plan.own
+    chosen = cast("tuple[Layout, ...]", layouts) if own else None
     prepared = PreparedSave(storage=storage, plan=plan, save_id=save_id, rank=coord.rank, world=coord.world,
                             sources=sources, policy=policy, t_start=t_start, lossy=lossy,
                             own=meta if own else None, own_digest=agreed, zero_values=zero_values,
-                            layouts=layouts if own else None,
-                            tables=own and opts.chunk_tables and not lossy and all(la.regular for la in layouts or ())
-                            and not all(replicated(la) for la in layouts or ()))
+                            layouts=chosen,
+                            tables=own and opts.chunk_tables and not lossy and all(la.regular for la in chosen or ())
+                            and not all(replicated(la) for la in chosen or ()))
     prepared.timings["plan"] = time.perf_counter() - t_start
     return prepared
-
-
-def _layouts(flat: FlatState, rank: int, world: int) -> tuple[Layout, ...] | None:
-    """Each tensor's compact layout over ``world`` ranks, a regular one checked against the box this rank holds
-    (None: some tensor has none: a hand-made shard, a mesh of other ranks or in another order, another
-    placement). The boxes of a ``_StridedShard`` are its DTensor's; rank 0 checks at the commit that the chunks
-    of a layout's first save tile every tensor (``_finish_own``)."""
-    out = []
-    for t in flat.tensors:
-        if t.spec is not None:
-            layout = Layout(*t.spec)
-            if layout.world != world:
-                return None
-        elif len(t.parts) == 1 and t.parts[0][0] == (tuple(0 for _ in t.shape), t.shape):
-            layout = Layout((world,), (None,))
-        else:
-            return None
-        if not layout.regular:
-            ordered = as_ordered(layout, t.shape)   # (FSDP2 over TP, evenly split: a nested split, checked below)
-            if ordered is None:
-                out.append(layout)
-                continue
-            layout = ordered
-        if len(t.parts) != 1:
-            return None
-        held, want = t.parts[0][0], layout_box(layout, t.shape, rank)
-        if held != want and not (numel(held[1]) == 0 == numel(want[1])):
-            return None
-        out.append(layout)
-    return tuple(out)
-
-
-def _layout_digest(meta: RankMeta, layouts: tuple[Layout, ...], alignment: int, chunk_bytes: int) -> int:
-    """A 62-bit digest (never 0) of what every rank must agree on to plan on its own: every tensor's key, path,
-    kind, dtype, global shape and layout, in order, the digests of the plain tensors that are compared, the
-    options the plan depends on, and the containers (ranks whose containers differ plan gathered, where a
-    conflict is refused before anything is written)."""
-    described = [(t.key, t.path, t.kind, t.dtype, t.shape, la.mesh, la.shards, la.order)
-                 for t, la in zip(meta.tensors, layouts)]
-    return (int(digest(repr((described, meta.digests, alignment, chunk_bytes, meta.containers)).encode()), 16)
-            >> 2) | 1
 
 
 def _own_plan(meta: RankMeta, layouts: tuple[Layout, ...], coord: Coordinator, save_id: str, opts: SaveOptions,

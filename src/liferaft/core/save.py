@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from liferaft.codecs import frames
-from liferaft.core.caches import PLANS, TILED
+from liferaft.core.caches import INFERRED, PLANS, TILED
 from liferaft.core.chunks.writer import WriteOutcome, write_staged, write_streamed
 from liferaft.core.commit import forget_opened
 from liferaft.core.phases import PreparedSave, finish_save, prepare_save
@@ -175,6 +175,7 @@ def release() -> None:
         finally:
             PLANS.clear()
             TILED.clear()
+            INFERRED.clear()
             forget_opened()
             frames.shutdown()
             release_groups()

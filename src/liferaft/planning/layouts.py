@@ -232,3 +232,65 @@ def as_ordered(layout: Layout, shape: Sequence[int]) -> Layout | None:
     steps.insert(steps.index(a), b)
     shards = tuple(d if i == a else x for i, x in enumerate(layout.shards))
     return Layout(layout.mesh, shards, tuple(steps))
+
+
+def probe_ranks(world: int) -> tuple[int, ...]:
+    """The ranks whose boxes :func:`infer_layout` reads: 0 and every divisor of ``world`` below it (the strides of
+    every row-major mesh of ``world`` ranks), in order; at most a few hundred ranks whatever the world."""
+    small = [d for d in range(1, int(world ** 0.5) + 1) if world % d == 0]
+    return (0,) + tuple(sorted({*small, *(world // d for d in small)} - {world}))
+
+
+def infer_layout(shape: Sequence[int], boxes: dict[int, Box], world: int) -> Layout | None:
+    """A regular layout over ``world`` ranks in which every rank of ``boxes`` (the boxes of at least
+    :func:`probe_ranks`, by rank) holds its box, or None when none is found: what hand-made shards
+    (``Sharded``) and DTensors on a mesh of the ranks in another order are described by when they follow one.
+    The mesh is read from the probes, its innermost dimension first: at stride ``s`` the box of rank ``s``
+    either equals rank 0's (a replicating dimension, as long as the ranks ``s·k`` hold the same) or moves along
+    one tensor dimension by one block (a sharding one, as long as the ranks ``s·k`` hold block ``k``). Each
+    tensor dimension is split as DTensor splits it (``ceil(n / parts)``, trailing parts shorter or empty); the
+    layout is returned only if it gives every probe its box. A caller must still check every other rank's box
+    (each rank checks its own) before using it."""
+    def same(a: Box, b: Box) -> bool:
+        return a == b or numel(a[1]) == 0 == numel(b[1])
+
+    nd = len(shape)
+    if 0 not in boxes or any(not (isinstance(b, tuple) and len(b) == 2 and all(
+            isinstance(v, tuple) and len(v) == nd and all(type(x) is int for x in v) for v in b))
+            for b in boxes.values()):
+        return None
+    b0 = boxes[0]
+    if numel(b0[1]) == 0:
+        return None
+    dims: list[tuple[int, int | None]] = []         # (size, tensor dimension it shards), innermost first
+    s = 1
+    while s < world:
+        rest = world // s
+        ks = [k for k in range(2, rest) if rest % k == 0]
+        at = boxes.get(s)
+        if at is None or any(s * k not in boxes for k in ks):
+            return None
+        if same(at, b0):
+            size = next((k for k in ks if not same(boxes[s * k], b0)), rest)
+            dims.append((size, None))
+        else:
+            moved = [d for d in range(len(shape)) if (at[0][d], at[1][d]) != (b0[0][d], b0[1][d])]
+            if numel(at[1]) == 0 or len(moved) != 1 or at[0][moved[0]] <= b0[0][moved[0]]:
+                return None
+            d = moved[0]
+            full, lo = at[0][d] - b0[0][d], b0[0][d]
+
+            def block(k: int, d: int = d, full: int = full, lo: int = lo) -> Box:
+                start = lo + full * k
+                size = min(full, shape[d] - start)
+                if size <= 0:
+                    return tuple(0 for _ in shape), tuple(0 for _ in shape)
+                return (b0[0][:d] + (start,) + b0[0][d + 1:], b0[1][:d] + (size,) + b0[1][d + 1:])
+
+            size = next((k for k in ks if not same(boxes[s * k], block(k))), rest)
+            dims.append((size, d))
+        s *= dims[-1][0]
+    layout = Layout(tuple(n for n, _ in reversed(dims)) or (1,), tuple(d for _, d in reversed(dims)) or (None,))
+    if layout.world != world or any(not same(layout_box(layout, shape, r), b) for r, b in boxes.items()):
+        return None
+    return layout

@@ -17,40 +17,43 @@ def rank_metas(layout: str, ranks: int, tensors: int, rows: int) -> list[RankMet
     ``pairs`` — row shards over ranks / 2, each held by 2 ranks; ``ddp`` — every rank holds every tensor whole."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    rows = max(rows, ranks)
     out = []
     for r in range(ranks):
-        if layout == "fsdp":
-            lo, hi = r * rows // ranks, (r + 1) * rows // ranks
-            box = ((lo, 0), (hi - lo, COLS))
-        elif layout == "fsdp×tp8":
-            dp, tp = ranks // 8, 8
-            i, j = r // tp, r % tp
-            lo, hi = i * rows // dp, (i + 1) * rows // dp
-            box = ((lo, j * COLS // tp), (hi - lo, COLS // tp))
-        elif layout == "pairs":
-            half = ranks // 2
-            lo, hi = (r % half) * rows // half, (r % half + 1) * rows // half
-            box = ((lo, 0), (hi - lo, COLS))
-        else:
-            box = ((0, 0), (rows, COLS))
+        box = rank_box(layout, ranks, rows, r)
         metas = tuple(TensorMeta(key=f"layers.{t}.weight", path=("layers", str(t), "weight"), kind="tensor",
-                                 dtype="float32", shape=(rows, COLS), boxes=(box,)) for t in range(tensors))
+                                 dtype="float32", shape=(max(rows, ranks), COLS), boxes=(box,))
+                      for t in range(tensors))
         out.append(RankMeta(rank=r, tensors=metas, values=(), containers=()))
     return out
 
 
-def compact_tensors(layout: str, ranks: int, tensors: int, rows: int) -> list[tuple[TensorMeta, Layout]] | None:
+def rank_box(layout: str, ranks: int, rows: int, r: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The box rank ``r`` holds of every tensor in :func:`rank_metas`."""
+    rows = max(rows, ranks)
+    if layout == "fsdp":
+        lo, hi = r * rows // ranks, (r + 1) * rows // ranks
+        return (lo, 0), (hi - lo, COLS)
+    if layout == "fsdp×tp8":
+        dp, tp = ranks // 8, 8
+        i, j = r // tp, r % tp
+        lo, hi = i * rows // dp, (i + 1) * rows // dp
+        return (lo, j * COLS // tp), (hi - lo, COLS // tp)
+    if layout == "pairs":
+        half = ranks // 2
+        lo, hi = (r % half) * rows // half, (r % half + 1) * rows // half
+        return (lo, 0), (hi - lo, COLS)
+    return (0, 0), (rows, COLS)
+
+
+def compact_tensors(layout: str, ranks: int, tensors: int, rows: int) -> list[tuple[TensorMeta, Layout]]:
     """The same tensors as :func:`rank_metas`, each with its compact layout (``planning.layouts``): what every
-    rank describes when it plans its own writes; None for ``pairs`` (hand-made shards have no compact layout).
-    The row split is DTensor's (``ceil(rows / parts)`` each), equal to ``rank_metas``' when the parts divide the
-    rows."""
+    rank describes when it plans its own writes (for ``pairs``, hand-made shards, the layout the save infers
+    from the probes' boxes: ``planning.layouts.infer_layout``). The row split is DTensor's (``ceil(rows / parts)``
+    each), equal to ``rank_metas``' when the parts divide the rows."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if layout == "pairs":
-        return None
     rows = max(rows, ranks)
-    how = {"fsdp": Layout((ranks,), (0,)), "fsdp×tp8": Layout((ranks // 8, 8), (0, 1)),
+    how = {"pairs": Layout((2, ranks // 2), (None, 0)),"fsdp": Layout((ranks,), (0,)), "fsdp×tp8": Layout((ranks // 8, 8), (0, 1)),
            "ddp": Layout((ranks,), (None,))}[layout]
     return [(TensorMeta(key=f"layers.{t}.weight", path=("layers", str(t), "weight"), kind="tensor", dtype="float32",
                         shape=(rows, COLS), boxes=()), how) for t in range(tensors)]
