@@ -172,9 +172,10 @@ def _own(layout: str, ranks: int, tensors: int, rows: int) -> tuple[float, int, 
 
 def _inference(ranks: int, tensors: int, rows: int) -> tuple[float, int, int]:
     """Hand-made shards (``pairs``): rank 0's time to infer every tensor's layout from the probes' boxes
-    (``core.described.infer_unknown``), the bytes rank 0 receives for it (each probe's boxes; a length and an
-    empty message from every other rank), and the number of probes."""
+    (``core.described.infer_unknown``), the bytes rank 0 receives for it (each probe's message, sent point to
+    point: ``core.phases.probe_message`` and its length), and the number of probes."""
     from liferaft.core.described import infer_unknown
+    from liferaft.core.phases import probe_message
     from liferaft.planning.layouts import probe_ranks
     from liferaft.testing.scale import rank_box
 
@@ -184,8 +185,7 @@ def _inference(ranks: int, tensors: int, rows: int) -> tuple[float, int, int]:
     got = infer_unknown([(max(rows, ranks), COLS)] * tensors, probed, ranks)
     dt = time.perf_counter() - t0
     assert all(la is not None for la in got)
-    received = sum(8 + len(pickle.dumps(m, protocol=pickle.HIGHEST_PROTOCOL)) for m in probed.values())
-    received += (ranks - len(probes)) * (8 + len(pickle.dumps(None, protocol=pickle.HIGHEST_PROTOCOL)))
+    received = sum(8 + len(probe_message(m)) for r, m in probed.items() if r)
     return dt, received, len(probes)
 
 
@@ -349,12 +349,12 @@ def _own_table(sizes: list[int], counts: list[int], layouts: list[str], rows: in
         print()
         print("Hand-made shards (pairs): their layouts inferred on rank 0 from the boxes of the probes (rank 0 and "
               "every divisor of the world), then checked by every rank against its own box:")
-        print("| ranks | tensors | probes | infer on rank 0 (s) | rank 0 receives for it (MB) |")
+        print("| ranks | tensors | probes | infer on rank 0 (s) | rank 0 receives for it (kB) |")
         print("|---|---|---|---|---|")
         for ranks in sizes:
             for tensors in counts:
                 dt, received, probes = _inference(ranks, tensors, rows)
-                print(f"| {ranks} | {tensors} | {probes} | {dt:.3f} | {received / 1e6:.2f} |", flush=True)
+                print(f"| {ranks} | {tensors} | {probes} | {dt:.3f} | {received / 1e3:.1f} |", flush=True)
 
 
 def main() -> int:

@@ -12,6 +12,7 @@ rank 0 checked; bounded, all dropped by ``liferaft.release()``.
 
 from __future__ import annotations
 
+import pickle
 import sys
 import time
 import uuid
@@ -205,20 +206,19 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
         if high == -neg_low != 0:                   # every rank sent the same digest of compact layouts
             assert layouts is not None
             unknown = [i for i, la in enumerate(layouts) if la is None]
-            probed = None
-            if unknown and (need or known != -neg_known):   # infer them from the boxes of a few ranks
-                probed = coord.gather_to_zero(tuple(flat.tensors[i].parts[0][0] for i in unknown)
-                                              if coord.rank in probe_ranks(coord.world) else None,
-                                              None, "save (planning)")
             inferred, error = None, None
-            if probed is not None:
-                try:
-                    inferred = infer_unknown([flat.tensors[i].shape for i in unknown], probed, coord.world)
-                except Exception as e:  # noqa: BLE001 - reported to every rank by the broadcast
-                    error = e
+            if unknown and (need or known != -neg_known):   # infer them from the boxes of a few ranks
+                probed, error = _gather_probes(coord, tuple(flat.tensors[i].parts[0][0] for i in unknown))
+                if probed is not None:
+                    try:
+                        inferred = infer_unknown([flat.tensors[i].shape for i in unknown], probed, coord.world)
+                    except Exception as e:  # noqa: BLE001 - reported to every rank by the broadcast
+                        error = e
             # (with rank 0's values' digests: a rank sends rank 0 only the values that differ from rank 0's)
             save_id, zero_values, inferred = coord.broadcast_from_zero(
                 (payload[1], {v.key: v.digest for v in meta.values}, inferred), error, "save (planning)")
+            if error is not None:       # (a probe whose send failed; rank 0's receive failed too, or timed out)
+                raise error
             if unknown:
                 filled = cached_inferred if inferred is None and not need and known == -neg_known else \
                     fill_inferred(layouts, inferred, flat, coord.rank)
@@ -268,6 +268,45 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
                             and not all(replicated(la) for la in chosen or ()))
     prepared.timings["plan"] = time.perf_counter() - t_start
     return prepared
+
+
+#: the tags of the probes' messages to rank 0 (``_gather_probes``; ``dist.GATHER_TAG`` and ``core.load``'s
+#: span tags are 0x4C46_0001 to 0x4C46_0003)
+PROBE_SIZE_TAG, PROBE_TAG = 0x4C46_0004, 0x4C46_0005
+
+
+def probe_message(boxes: tuple[Box, ...]) -> bytes:
+    """A probe's message: its boxes pickled, equal boxes as one object (pickle then sends a repeat as a
+    reference: a model's thousand tensors of a few shapes cost a few kB)."""
+    same: dict[Box, Box] = {}
+    return pickle.dumps(tuple(same.setdefault(b, b) for b in boxes), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _gather_probes(coord: Coordinator, boxes: tuple[Box, ...]) -> tuple[dict[int, Any] | None, BaseException | None]:
+    """On rank 0, the boxes of the tensors of unknown layout held by each of ``planning.layouts.probe_ranks``
+    (``boxes`` on each rank), sent point to point by the probes alone (a few dozen messages whatever the world);
+    (None, None) on the other ranks. A failed send or receive is returned as the error (rank 0's goes to every
+    rank with the broadcast that follows)."""
+    probes = probe_ranks(coord.world)
+    try:
+        if coord.rank == 0:
+            sizes = {r: torch.zeros(1, dtype=torch.int64) for r in probes if r}
+            for w in [coord.irecv(t, r, PROBE_SIZE_TAG) for r, t in sizes.items()]:
+                w.wait()
+            if any(not 0 < int(t.item()) <= 1 << 30 for t in sizes.values()):
+                raise InvalidStateError(f"a probe rank announced its boxes in "
+                                        f"{max(int(t.item()) for t in sizes.values())} bytes")
+            bufs = {r: torch.empty(int(t.item()), dtype=torch.uint8) for r, t in sizes.items()}
+            for w in [coord.irecv(b, r, PROBE_TAG) for r, b in bufs.items()]:
+                w.wait()
+            return {0: boxes, **{r: pickle.loads(b.numpy().tobytes()) for r, b in bufs.items()}}, None
+        if coord.rank in probes:
+            data = torch.frombuffer(bytearray(probe_message(boxes)), dtype=torch.uint8)
+            coord.isend(torch.tensor([data.numel()], dtype=torch.int64), 0, PROBE_SIZE_TAG).wait()
+            coord.isend(data, 0, PROBE_TAG).wait()
+        return None, None
+    except Exception as e:  # noqa: BLE001 - reported to every rank by the broadcast that follows
+        return None, e
 
 
 def _own_plan(meta: RankMeta, layouts: tuple[Layout, ...], coord: Coordinator, save_id: str, opts: SaveOptions,
