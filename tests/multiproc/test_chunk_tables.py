@@ -251,3 +251,40 @@ def test_an_index_whose_layout_disagrees_with_its_tables_is_refused_by_loads_and
     for tool in (liferaft.inspect, liferaft.verify, liferaft.read):
         with pytest.raises(liferaft.CorruptCheckpointError, match="chunks.json"):
             tool(path)
+
+
+def test_verify_streams_the_tables_reporting_every_damaged_one_and_read_reads_only_the_tables_it_needs(
+        saved, tmp_path):
+    """``verify`` reads one table at a time: each damaged or missing table is its own fault and the others are
+    still checked; ``read`` of a few keys reads only the tables holding them (the tensors every rank held whole:
+    none)."""
+    path = _copy(saved, tmp_path)
+    tables = _tables(path)
+    data = bytearray(tables[1].read_bytes())
+    data[-3] ^= 1
+    tables[1].write_bytes(bytes(data))
+    tables[3].unlink()
+    with pytest.raises(liferaft.CorruptCheckpointError) as e:
+        liferaft.verify(path)
+    msg = str(e.value)
+    assert tables[1].name in msg and tables[3].name in msg, msg
+    assert "lack the elements of the 2 chunk table(s)" in msg, msg
+    got = liferaft.read(path, ["plain", "repl", "step"])         # their chunks are in the index
+    assert torch.equal(got["plain"], full("plain")) and torch.equal(got["repl"], full("repl"))
+    for key in ("rows", "tiny"):                                 # rank 1 wrote a chunk of each
+        with pytest.raises(liferaft.CorruptCheckpointError, match=tables[1].name):
+            liferaft.read(path, [key])
+
+
+def test_verify_names_each_tensor_a_table_that_lacks_chunks_leaves_short(saved, tmp_path):
+    """A table re-pinned in the index with its chunks of one tensor dropped: every table reads, and the tensor
+    is short of the elements those chunks held."""
+    path = _copy(saved, tmp_path)
+    rows = next(i for i, t in enumerate(read_manifest(path)[0]["tensors"]) if t["key"] == "rows")
+
+    def drop_rows(doc):
+        doc["chunks"] = [c for c in doc["chunks"] if c[0] != rows]
+    _forge(path, 2, drop_rows)
+    with pytest.raises(liferaft.CorruptCheckpointError, match=r"tensor 'rows': the chunk tables hold \d+ of its "
+                                                              r"40960 elements"):
+        liferaft.verify(path)

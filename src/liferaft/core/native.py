@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -21,7 +20,7 @@ from liferaft.core.chunks.reader import execute_reads
 from liferaft.core.commit import check_files
 from liferaft.core.tabled import TableSource
 from liferaft.errors import LiferaftError
-from liferaft.format.manifest import Manifest, TensorEntry, ValueEntry
+from liferaft.format.manifest import ChunkRecord, Manifest, TensorEntry, ValueEntry
 from liferaft.formats.base import (
     BoxRead,
     CheckReport,
@@ -163,11 +162,12 @@ class NativeReader(Reader):
 
     def verify(self, progress: Callable[[int], None] | None = None) -> CheckReport:
         """Every data file present with the size the manifest records, and every block of every chunk re-hashed
-        (``max_read_bytes`` at a time)."""
+        (``max_read_bytes`` at a time). Opened with its chunk ``tables`` (version 4, not read yet), the tables are
+        streamed: each is read, checked against the plan (``TableSource.check_table``), its chunks re-hashed and
+        dropped, so memory holds one table at a time; a damaged table is a fault and the others are still
+        checked; the chunks read must then hold every element of every tensor (the planned pieces are disjoint:
+        their count is their tiling)."""
         storage, m = self.storage, self.manifest
-        if self._tables is not None:
-            self._tables.whole()
-            m = replace(m, tensors=tuple(self._tables.entry(i) for i in range(len(m.tensors))))
         faults: list[str] = []
         refused: set[str] = set()
         for name, size in m.files.items():
@@ -182,10 +182,11 @@ class NativeReader(Reader):
                 continue
             if actual != size:
                 faults.append(f"data file {name!r} has {actual} bytes, the manifest says {size}")
-        chunks = checked = 0
-        for t in m.tensors:
-            for c in t.chunks:
-                chunks += 1
+        done = [0, 0]                               # chunks, bytes checked
+
+        def check_chunks(chunks: Iterable[tuple[TensorEntry, ChunkRecord]]) -> None:
+            for t, c in chunks:
+                done[0] += 1
                 if c.file in refused:
                     continue
                 per_read = max(1, self.options.max_read_bytes // c.block_size)
@@ -193,14 +194,38 @@ class NativeReader(Reader):
                     end = min(len(c.hashes), first + per_read)
                     try:
                         got = len(read_blocks(storage, c, first, end, t.dtype, t.key))
-                        checked += got
+                        done[1] += got
                         if progress is not None:
                             progress(got)
                     except LiferaftError as e:
                         if "is missing" not in str(e):          # (missing files are reported above)
                             faults.append(str(e))
                         break
-        return CheckReport(path=storage.url, fmt=self.fmt, units=chunks, checked_bytes=checked, bytes_read=checked,
+
+        check_chunks((t, c) for t in m.tensors for c in t.chunks)       # (with tables: those held whole)
+        src = self._tables
+        if src is not None:
+            held = [0] * len(m.tensors)
+            bad = 0
+            for rank in sorted(src.refs):
+                try:
+                    chunks = src.check_table(rank)
+                except LiferaftError as e:
+                    faults.append(str(e))
+                    bad += 1
+                    continue
+                for pos, c in chunks:
+                    held[pos] += numel(c.sizes)
+                check_chunks((m.tensors[pos], c) for pos, c in chunks)
+            short = [(t.key, n, numel(t.shape)) for t, n in zip(m.tensors, held)
+                     if not t.held_whole and n != numel(t.shape)]
+            if short and bad:
+                faults.append(f"{len(short)} tensor(s) lack the elements of the {bad} chunk table(s) that could not "
+                              "be read")
+            elif short:
+                faults.extend(f"tensor {k!r}: the chunk tables hold {n} of its {total} elements (a table is missing "
+                              "or lacks chunks)" for k, n, total in short)
+        return CheckReport(path=storage.url, fmt=self.fmt, units=done[0], checked_bytes=done[1], bytes_read=done[1],
                            faults=tuple(faults))
 
 

@@ -42,14 +42,16 @@ def _seen(path: PathLike | Storage) -> Format | None:
 
 
 def open_reader(path: PathLike | Storage, options: LoadOptions | None = None, *,
-                coord: Coordinator | None = None) -> Reader:
+                coord: Coordinator | None = None, lazy: bool = False) -> Reader:
     """The checkpoint at ``path`` opened for reading, whatever its format (liferaft's verified; DCP, safetensors
     and ``torch.save`` files memory-mapped, nothing run from them). With ``coord`` it is collective: the ranks first
     agree on what the path holds (ranks that see different things — a node-local path, a shared file system not
     yet in sync — all raise at once, naming what each saw); a liferaft manifest is then read by rank 0, checked
     against its commit marker and sent to the others, and every rank decodes it (``_open_on_ranks``); foreign
     files are opened by every rank (they are memory-mapped where each rank reads); any rank's failure raises on
-    every rank."""
+    every rank. ``lazy`` (one process): a version 4 checkpoint's chunk tables are read as its reads need them
+    (``read`` of a few keys reads only their tables) or streamed (``verify``), not all read up front; the reader's
+    ``tensors`` then list no boxes for the sharded tensors (``chunks(key)`` reads them)."""
     check_path(path)
     opts = check_options(options, LoadOptions, "open")
     where = path.url if isinstance(path, Storage) else os.fspath(path)
@@ -63,8 +65,12 @@ def open_reader(path: PathLike | Storage, options: LoadOptions | None = None, *,
         raise CheckpointNotFoundError(f"{where}: no checkpoint there (the path does not exist)")
     if fmt == "liferaft":
         storage = with_references(path if isinstance(path, Storage) else resolve(path))
-        if coord is None:
+        if coord is None and not lazy:
             return NativeReader(storage, open_checkpoint(storage, reuse=True), opts)
+        if coord is None:
+            index = open_checkpoint(storage, tables=False)
+            return NativeReader(storage, index, opts,
+                                tables=TableSource(storage, index, codec_names()) if index.tabled else None)
         manifest = _open_on_ranks(storage, coord)
         lazy = TableSource(storage, manifest, codec_names()) if manifest.tabled else None
         return NativeReader(storage, manifest, opts, tables=lazy)

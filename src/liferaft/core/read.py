@@ -29,7 +29,7 @@ def read(path: str | os.PathLike[str], keys: Sequence[str] | None = None, *,
     as their state dicts; numpy arrays and bytes as such; a value that differed per saving rank as a
     :class:`PerRank` tuple. liferaft's bytes are verified; the other formats carry no checksums.
     """
-    reader = open_reader(path, options)
+    reader = open_reader(path, options, lazy=True)     # (chunk tables: only those of the keys read)
     try:
         chosen = set(select(reader.keys, keys, url=reader.url, error=StateMismatchError))
         specs = [t for k, t in reader.tensors.items() if k in chosen]
@@ -158,7 +158,7 @@ def check(path: str | os.PathLike[str], *, max_read_bytes: int = 32 << 20,
         from liferaft.formats.safetensors import verify_files
 
         return verify_files(os.fspath(path), progress)
-    reader = open_reader(path, LoadOptions(max_read_bytes=max_read_bytes))
+    reader = open_reader(path, LoadOptions(max_read_bytes=max_read_bytes), lazy=True)    # (tables streamed)
     try:
         return reader.verify(progress)
     finally:

@@ -170,26 +170,40 @@ class TableSource:
         """Read the tables of ``ranks`` not read yet; the positions of the tensors that gained chunks."""
         touched: set[int] = set()
         for rank in sorted(ranks - self.done):
-            ref = self.refs.get(rank)
-            if ref is None:
-                raise CorruptCheckpointError(f"{self.storage.url}: rank {rank} was planned to write chunks a load "
-                                             "needs, but the manifest lists no chunk table of it; the checkpoint is "
-                                             "damaged")
-            for pos, rec in read_table(self.storage, self.index, ref, self.codecs):
-                problem = self._unplanned(pos, rec, rank)
-                if problem is None and (pos, rec.offsets) in self.seen:
-                    problem = "is listed twice"
-                if problem is None and rec.codec is not None:
-                    problem = frames_problem(rec)
-                if problem:
-                    raise CorruptCheckpointError(f"{self.storage.url}: chunk table {ref.file!r}: tensor "
+            for pos, rec in self.check_table(rank):
+                if (pos, rec.offsets) in self.seen:
+                    raise CorruptCheckpointError(f"{self.storage.url}: chunk table {self.refs[rank].file!r}: tensor "
                                                  f"{self.index.tensors[pos].key!r}: the chunk at {list(rec.offsets)} "
-                                                 f"{problem}; the checkpoint is damaged")
+                                                 "is listed twice; the checkpoint is damaged")
                 self.seen.add((pos, rec.offsets))
                 self.chunks[pos].append(rec)
                 touched.add(pos)
             self.done.add(rank)
         return touched
+
+    def check_table(self, rank: int) -> list[tuple[int, ChunkRecord]]:
+        """The chunks of ``rank``'s table, each checked to be one that rank was planned to write, listed once in
+        it, its frames able to hold its blocks; nothing kept here (``fetch`` keeps them; ``verify`` streams).
+        CorruptCheckpointError naming the table when it is missing, damaged or not the plan."""
+        ref = self.refs.get(rank)
+        if ref is None:
+            raise CorruptCheckpointError(f"{self.storage.url}: rank {rank} was planned to write chunks a load "
+                                         "needs, but the manifest lists no chunk table of it; the checkpoint is "
+                                         "damaged")
+        out, mine = [], set()
+        for pos, rec in read_table(self.storage, self.index, ref, self.codecs):
+            problem = self._unplanned(pos, rec, rank)
+            if problem is None and (pos, rec.offsets) in mine:
+                problem = "is listed twice"
+            if problem is None and rec.codec is not None:
+                problem = frames_problem(rec)
+            if problem:
+                raise CorruptCheckpointError(f"{self.storage.url}: chunk table {ref.file!r}: tensor "
+                                             f"{self.index.tensors[pos].key!r}: the chunk at {list(rec.offsets)} "
+                                             f"{problem}; the checkpoint is damaged")
+            mine.add((pos, rec.offsets))
+            out.append((pos, rec))
+        return out
 
     def _unplanned(self, pos: int, rec: ChunkRecord, rank: int) -> str | None:
         """Why chunk ``rec`` of tensor ``pos`` is not one ``rank`` was planned to write, or None."""
