@@ -140,10 +140,15 @@ def _load(reader: Reader, state: Any, coord: Coordinator, opts: LoadOptions, str
         spans_of = _mates_spans(coord, hosts, mine[0])
         sharing = _host_sharing(spans_of, hosts, hosts[coord.rank], opts)
         shares = bool(coord.all_max([int(bool(sharing))], "load (planning)")[0])
-    elif mode:
-        every = coord.exchange(mine[0][0], None, "load (planning)")     # (spans shared over the network)
-        sharing = ({} if coord.world == 1 else plan_sharing(every, holders=holders) if holders is not None
-                   else plan_sharing(every, min_bytes=0))
+    elif mode and holders is None:
+        # (spans shared over the process group, within a host: a span another host needs too is read there as
+        # well, which costs its network what sending it would; what a rank receives grows with its host's ranks)
+        hosts = coord.exchange(_host_id(shm.host_key()), None, "load (planning)")
+        spans_of = _mates_spans(coord, hosts, mine[0])
+        sharing = plan_sharing([spans_of[r][0] if r in spans_of else [] for r in range(coord.world)], min_bytes=0)
+    elif mode:              # (a memory tier's node-local files: every rank's spans, the holders read for others)
+        every = coord.exchange(mine[0][0], None, "load (planning)")
+        sharing = {} if coord.world == 1 else plan_sharing(every, holders=holders)
     else:
         sharing = {}
     refused = tuple(k for k in unexpected if not opts.ignores(k))
