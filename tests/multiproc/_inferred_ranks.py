@@ -40,13 +40,15 @@ def _shard(name: str, rank: int, table: dict[str, Any]) -> liferaft.Sharded:
     return liferaft.Sharded(full(name)[r0:r0 + nr, c0:c0 + nc].clone(), shape, (r0, c0))
 
 
-def _permuted_dtensor(ranks: list[list[int]]) -> Any:
-    """A DTensor on a 2 × 2 mesh holding the ranks in another order, sharded along both dimensions."""
+def _permuted_dtensor(ranks: list[list[int]], replicate_last: bool = False) -> Any:
+    """A DTensor on a 2 × 2 mesh holding the ranks in another order, sharded along both dimensions (or along the
+    first only, replicated along the second)."""
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     mesh = DeviceMesh("cpu", torch.tensor(ranks))
-    return distribute_tensor(torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6), mesh, [Shard(0), Shard(1)])
+    return distribute_tensor(torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6), mesh,
+                             [Shard(0), Replicate() if replicate_last else Shard(1)])
 
 
 def state(rank: int, names: tuple[str, ...]) -> dict[str, Any]:
@@ -56,16 +58,20 @@ def state(rank: int, names: tuple[str, ...]) -> dict[str, Any]:
         out["permuted"] = _permuted_dtensor([[0, 2], [1, 3]])
     if "rotated" in names:          # (rank 1 at the origin: no layout over the ranks in order describes it)
         out["rotated"] = _permuted_dtensor([[1, 0], [3, 2]])
+    if "replicated_down" in names:  # (ranks decreasing along a dimension that only replicates: its boxes hold)
+        out["replicated_down"] = _permuted_dtensor([[0, 1], [3, 2]], replicate_last=True)
     out["plain"] = full("plain")
     out["step"] = 3
     return out
 
 
 def save(rank: int, world: int, paths: list[str], names: tuple[str, ...]) -> Any:
-    """Save the state to each of ``paths``; return how each save was planned on this rank and what it inferred."""
+    """Save the state to each of ``paths`` (the plain tensor every rank holds alike changed before each save);
+    return how each save was planned on this rank and how many layouts it keeps inferred."""
     kinds = []
     st = state(rank, names)
-    for p in paths:
+    for i, p in enumerate(paths):
+        st["plain"] = full("plain") + i
         liferaft.save(p, st)
         planned_from = PLANS.items()[-1][1][0]
         kinds.append("layouts" if planned_from[:1] == ("layouts",) else "gathered")
@@ -89,4 +95,22 @@ def save_rotated(rank: int, world: int, path: str) -> str:
         liferaft.save(path, state(rank, ("rotated",)))
     except liferaft.InvalidStateError as e:
         return str(e)
+    return "saved"
+
+
+def load_expect_error(rank: int, world: int, path: str, names: tuple[str, ...]) -> str:
+    """``load_rows`` expecting it to fail: the error's type and message."""
+    try:
+        load_rows(rank, world, path, names)
+    except liferaft.LiferaftError as e:
+        return f"{type(e).__name__}: {e}"
+    return "loaded"
+
+
+def save_tables_differ(rank: int, world: int, path: str, names: tuple[str, ...]) -> str:
+    """Save with ``chunk_tables`` on rank 0 only: refused on every rank."""
+    try:
+        liferaft.save(path, state(rank, names), options=liferaft.SaveOptions(chunk_tables=rank == 0))
+    except liferaft.LiferaftError as e:
+        return f"{type(e).__name__}: {e}"
     return "saved"

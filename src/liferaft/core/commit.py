@@ -185,6 +185,11 @@ def decode_verified(storage: Storage, data: bytes, name: str, reuse: bool = Fals
                 return manifest
     with paused_gc():
         manifest = decode_manifest(data, f"{storage.url}/{name}", codecs=codecs)
+        for entry in manifest.tensors:     # (explicit boxes: the chunk tables list exactly these, by rank)
+            problem = entry.boxes is not None and check_chunks_tile(entry.shape, [(o, z) for _, o, z in entry.boxes])
+            if problem:
+                raise CorruptCheckpointError(f"{storage.url}: tensor {entry.key!r}: its boxes: {problem}; the "
+                                             "checkpoint is damaged")
         lazy = manifest.tabled and not tables
         if manifest.tabled and tables:
             manifest = read_tables(storage, manifest, codecs)

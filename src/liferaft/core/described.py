@@ -96,12 +96,15 @@ def infer_unknown(shapes: Sequence[tuple[int, ...]], probed: Mapping[int, Any] |
     return tuple(out)
 
 
-def layout_digest(meta: RankMeta, layouts: tuple[Layout | None, ...], alignment: int, chunk_bytes: int) -> int:
+def layout_digest(meta: RankMeta, layouts: tuple[Layout | None, ...], alignment: int, chunk_bytes: int,
+                  chunk_tables: bool = True, *, values: bool = True) -> int:
     """A 62-bit digest (never 0) of what every rank must agree on to plan on its own: every tensor's key, path,
-    kind, dtype, global shape and layout, in order, the digests of the plain tensors that are compared, the
-    options the plan depends on, and the containers (ranks whose containers differ plan gathered, where a
-    conflict is refused before anything is written)."""
+    kind, dtype, global shape and layout (None: to be inferred), in order, the options the plan and the commit
+    depend on, and (``values``) the digests of the plain tensors that are compared and the containers (ranks
+    whose containers differ plan gathered, where a conflict is refused before anything is written). Without
+    ``values``: what the inferred layouts are kept by (``caches.INFERRED``), unchanged when a compared plain
+    tensor's value changes between saves."""
     described = [(t.key, t.path, t.kind, t.dtype, t.shape) + ((la.mesh, la.shards, la.order) if la else ("?",))
                  for t, la in zip(meta.tensors, layouts)]
-    return (int(digest(repr((described, meta.digests, alignment, chunk_bytes, meta.containers)).encode()), 16)
-            >> 2) | 1
+    extra = (meta.digests, meta.containers) if values else ()
+    return (int(digest(repr((described, alignment, chunk_bytes, chunk_tables, extra)).encode()), 16) >> 2) | 1

@@ -116,8 +116,8 @@ class PreparedSave:
     t_start: float = 0.0
     lossy: dict[str, dict[str, Any]] = field(default_factory=dict)
     copies: str | None = None       # this rank's file of chunks copied from a sibling checkpoint, if any
-    #: planned on its own (``plan.own``): this rank's metadata, whose values and containers go to rank 0, and
-    #: the digest the ranks agreed on
+    #: planned on its own (``plan.own``), or gathered and committed with chunk tables: this rank's metadata, whose
+    #: values and containers go to rank 0 (``_finish_own``), and the digest the ranks agreed on (0: gathered)
     own: RankMeta | None = None
     own_digest: int = 0
     #: (planned on its own) the digest of each of rank 0's values, by key
@@ -125,7 +125,8 @@ class PreparedSave:
     #: (planned on its own) each tensor's layout; ``tables``: the chunk records go to per-rank chunk tables
     #: (format version 4, ``core.tabled``): every layout regular, some tensor sharded (with every tensor held
     #: whole by every rank, as under DDP, one manifest lists the few chunks), nothing lossy,
-    #: ``SaveOptions.chunk_tables``
+    #: ``SaveOptions.chunk_tables``; or, planned gathered (``layouts`` None), some tensor sharded, more than one
+    #: rank, nothing lossy, no incremental base: the index lists every chunk's box and rank (explicit boxes)
     layouts: tuple[Layout, ...] | None = None
     tables: bool = False
 
@@ -180,7 +181,7 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
         reuse = cached[2] if cached is not None and cached[0] == meta.tensors else None
         base = open_base(storage, opts.incremental_base) if coord.rank == 0 and opts.incremental_base else None
         return (replace(meta, tensors=()) if reuse else meta, uuid.uuid4().hex[:16] if coord.rank == 0 else None,
-                reuse, base)
+                reuse, base, opts.chunk_tables)
 
     plan: SavePlan | None = None
     agreed = 0
@@ -192,13 +193,15 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
             nonlocal cached_inferred
             payload = describe()
             assert meta is not None and flat is not None
-            h = layout_digest(meta, layouts, opts.alignment, opts.chunk_bytes) if layouts is not None else 0
+            h = layout_digest(meta, layouts, opts.alignment, opts.chunk_bytes, opts.chunk_tables) \
+                if layouts is not None else 0
             need, known = 0, 0
             if layouts is not None and None in layouts:     # hand-made shards: their layouts are inferred
-                cached_inferred = fill_inferred(layouts, INFERRED.get((coord.key, h)), flat, coord.rank)
+                shape_key = layout_digest(meta, layouts, opts.alignment, opts.chunk_bytes, values=False)
+                cached_inferred = fill_inferred(layouts, INFERRED.get((coord.key, shape_key)), flat, coord.rank)
                 need = int(cached_inferred is None)
                 if cached_inferred is not None:
-                    known = layout_digest(meta, cached_inferred, opts.alignment, opts.chunk_bytes)
+                    known = layout_digest(meta, cached_inferred, opts.alignment, opts.chunk_bytes, opts.chunk_tables)
             return payload, [h, -h, need, known, -known]
 
         payload, (high, neg_low, need, known, neg_known) = coord.run_max(vote, 5, "save (planning)")
@@ -226,9 +229,10 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
                     layouts = None                  # some rank's box follows no inferred layout: gathered
                 else:
                     assert filled is not None
-                    INFERRED.put((coord.key, high), tuple(filled[i] for i in unknown))
+                    INFERRED.put((coord.key, layout_digest(meta, layouts, opts.alignment, opts.chunk_bytes, values=False)),
+                                 tuple(filled[i] for i in unknown))
                     layouts = filled
-                    high = layout_digest(meta, layouts, opts.alignment, opts.chunk_bytes)
+                    high = layout_digest(meta, layouts, opts.alignment, opts.chunk_bytes, opts.chunk_tables)
             if layouts is not None:
                 plan = _own_plan(meta, cast("tuple[Layout, ...]", layouts), coord, save_id, opts, cached, high)
                 agreed = high
@@ -241,13 +245,16 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
     assert flat is not None and meta is not None
     if plan is None:
         save_id, base = gathered[0][1], gathered[0][3]
+        if len({g[4] for g in gathered}) > 1:       # (they would commit in different ways: refused alike)
+            raise InvalidStateError("the ranks passed different SaveOptions.chunk_tables (" + ", ".join(
+                f"rank {r}: {g[4]}" for r, g in enumerate(gathered)) + "); pass the same options on every rank")
         # (every rank sends its digests, also with a reused plan: which plain tensors are stored per rank may change)
         if cached is not None and all(g[2] == cached[2] for g in gathered) and \
                 per_rank_keys([g[0] for g in gathered]) == cached[1].per_rank:
             plan = replan(cached[1], [g[0] for g in gathered], save_id)
         else:
             if any(g[2] for g in gathered):     # some rank sent no tensor metadata: gather it all again
-                gathered = coord.exchange((meta, None, None, None), None, "save (planning)")
+                gathered = coord.exchange((meta, None, None, None, opts.chunk_tables), None, "save (planning)")
             plan = plan_save([g[0] for g in gathered], save_id, opts.alignment, opts.chunk_bytes)
             PLANS.put(cache_key, (meta.tensors, plan, save_id))
     else:
@@ -260,14 +267,23 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
     policy, lossy = chunk_policy(plan, storage, opts, base)
     own = layouts is not None and plan.own
     chosen = cast("tuple[Layout, ...]", layouts) if own else None
+    if own:
+        tables = opts.chunk_tables and not lossy and all(la.regular for la in chosen or ()) and \
+            not all(replicated(la) for la in chosen or ())
+    else:   # (gathered: explicit boxes, when some tensor is sharded and nothing refers to another checkpoint)
+        tables = opts.chunk_tables and not lossy and base is None and coord.world > 1 and _sharded(plan)
     prepared = PreparedSave(storage=storage, plan=plan, save_id=save_id, rank=coord.rank, world=coord.world,
                             sources=sources, policy=policy, t_start=t_start, lossy=lossy,
-                            own=meta if own else None, own_digest=agreed, zero_values=zero_values,
-                            layouts=chosen,
-                            tables=own and opts.chunk_tables and not lossy and all(la.regular for la in chosen or ())
-                            and not all(replicated(la) for la in chosen or ()))
+                            own=meta if own or tables else None, own_digest=agreed, zero_values=zero_values,
+                            layouts=chosen, tables=tables)
     prepared.timings["plan"] = time.perf_counter() - t_start
     return prepared
+
+
+def _sharded(plan: SavePlan) -> bool:
+    """Whether some rank of a gathered ``plan`` holds part of a tensor, not all of it."""
+    whole = {t.key: (tuple(0 for _ in t.shape), t.shape) for t in plan.tensors}
+    return any((w.parent or (w.offsets, w.sizes)) != whole[w.key] for writes in plan.writes for w in writes)
 
 
 #: the tags of the probes' messages to rank 0 (``_gather_probes``; ``dist.GATHER_TAG`` and ``core.load``'s
@@ -382,7 +398,6 @@ def _finish_own(coord: Coordinator, prep: PreparedSave, write: Callable[[], Writ
     try:
         result = write()
         if prep.tables and prep.writes:
-            assert prep.layouts is not None
             table = write_table(storage, save_id, prep.rank, plan, prep.layouts, prep.writes, result.chunks)
     except BaseException as e:  # noqa: BLE001 - reported to every rank, then raised here too
         error = e
@@ -413,7 +428,6 @@ def _finish_own(coord: Coordinator, prep: PreparedSave, write: Callable[[], Writ
                               containers=c) for r, (_, _, _, v, c) in enumerate(rows)]
             merged: dict[str, Any] = {"values": tuple(merge_values(metas)), "containers": merge_containers(metas)}
             if prep.tables:
-                assert prep.layouts is not None
                 manifest = build_index(plan, prep.layouts, [w for w, *_ in rows], save_id=save_id,
                                        created_unix=time.time(), liferaft_version=_version(),
                                        torch_version=torch.__version__, extra=dict(opts.metadata),

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
+
 from liferaft.codecs.checksum import digest
 from liferaft.core.commit import frames_problem, read_table
 from liferaft.errors import CorruptCheckpointError, InvalidStateError
@@ -44,18 +46,19 @@ def replicated(layout: Layout | tuple[Any, ...] | None) -> bool:
     return all(d is None for d in shards)
 
 
-def write_table(storage: Storage, save_id: str, rank: int, plan: SavePlan, layouts: Sequence[Layout],
+def write_table(storage: Storage, save_id: str, rank: int, plan: SavePlan, layouts: Sequence[Layout] | None,
                 writes: Sequence[WriteItem], stored: Sequence[Any]
                 ) -> tuple[TableRef | None, int, list[tuple[int, ChunkRecord]]]:
     """Write and make durable rank ``rank``'s chunk table (``stored[i]`` is how ``writes[i]`` was stored): its
     reference and size (None, 0: it holds no chunk of a sharded tensor), and the records of its chunks of the
-    tensors every rank holds whole, which go to the index instead."""
+    tensors every rank holds whole, which go to the index instead (``layouts`` None: a plan gathered from boxes
+    that follow no layout, whose index lists every chunk's box: all its chunks go to the table)."""
     index = {t.key: i for i, t in enumerate(plan.tensors)}
     if len(stored) != len(writes):
         raise InvalidStateError(f"rank {rank} stored {len(stored)} chunks for {len(writes)} writes")
     records = [(index[w.key], chunk_record(w, sc)) for w, sc in zip(writes, stored)]
-    inline = [(i, rec) for i, rec in records if replicated(layouts[i])]
-    mine = [(i, rec) for i, rec in records if not replicated(layouts[i])]
+    inline = [(i, rec) for i, rec in records if layouts is not None and replicated(layouts[i])]
+    mine = [(i, rec) for i, rec in records if layouts is None or not replicated(layouts[i])]
     if not mine:
         return None, 0, inline
     data = encode_table(save_id, rank, mine)
@@ -65,7 +68,7 @@ def write_table(storage: Storage, save_id: str, rank: int, plan: SavePlan, layou
     return TableRef(file=name, rank=rank, hash=digest(data), chunks=len(mine)), len(data), inline
 
 
-def build_index(plan: SavePlan, layouts: Sequence[Layout],
+def build_index(plan: SavePlan, layouts: Sequence[Layout] | None,
                 rows: Sequence[tuple[TableRef | None, int, int, int, Sequence[tuple[int, ChunkRecord]]]],
                 *, save_id: str, values: tuple, containers: tuple[ContainerEntry, ...], created_unix: float,
                 liferaft_version: str, torch_version: str, extra: dict, alignment: int, chunk_bytes: int
@@ -91,10 +94,20 @@ def build_index(plan: SavePlan, layouts: Sequence[Layout],
             refs.append(ref)
         for i, rec in listed:
             inline[i].append(rec)
-    tensors = tuple(TensorEntry(key=t.key, path=t.path, kind=t.kind, dtype=t.dtype, shape=t.shape,
-                                chunks=tuple(sorted(inline[i], key=lambda c: c.offsets)), per_rank=t.per_rank,
-                                layout=(la.mesh, la.shards, la.order))  # type: ignore[arg-type]
-                    for i, (t, la) in enumerate(zip(plan.tensors, layouts)))
+    if layouts is None:             # (a gathered plan: every rank's writes are known here, and are the boxes)
+        pos = {t.key: i for i, t in enumerate(plan.tensors)}
+        boxes: list[list[tuple[int, tuple[int, ...], tuple[int, ...]]]] = [[] for _ in plan.tensors]
+        for rank, writes in enumerate(plan.writes):
+            for w in writes:
+                boxes[pos[w.key]].append((rank, w.offsets, w.sizes))
+        tensors = tuple(TensorEntry(key=t.key, path=t.path, kind=t.kind, dtype=t.dtype, shape=t.shape, chunks=(),
+                                    per_rank=t.per_rank, boxes=tuple(sorted(boxes[i], key=lambda b: b[1])))
+                        for i, t in enumerate(plan.tensors))
+    else:
+        tensors = tuple(TensorEntry(key=t.key, path=t.path, kind=t.kind, dtype=t.dtype, shape=t.shape,
+                                    chunks=tuple(sorted(inline[i], key=lambda c: c.offsets)), per_rank=t.per_rank,
+                                    layout=(la.mesh, la.shards, la.order))  # type: ignore[arg-type]
+                        for i, (t, la) in enumerate(zip(plan.tensors, layouts)))
     return Manifest(save_id=save_id, world_size=plan.world_size, created_unix=created_unix,
                     liferaft_version=liferaft_version, torch_version=torch_version, files=files, tensors=tensors,
                     values=values, containers=containers, extra=dict(extra), version=4, tables=tuple(refs),
@@ -118,7 +131,8 @@ class TableSource:
         self.refs = {r.rank: r for r in index.tables}
         self.chunk_bytes = (index.planned or {})["chunk_bytes"]
         tensors = index.tensors
-        self.layouts = [Layout(*t.layout) for t in tensors]         # type: ignore[misc]
+        # (a layout, or None: explicit boxes, ``format.manifest`` gives every tensor of an index one or the other)
+        self.layouts = [Layout(*t.layout) if t.layout is not None else None for t in tensors]
         self.metas = [(TensorMeta(key=t.key, path=t.path, kind=t.kind, dtype=t.dtype, shape=t.shape, boxes=()), la)
                       for t, la in zip(tensors, self.layouts)]
         self.pos = {t.key: i for i, t in enumerate(tensors)}
@@ -128,6 +142,18 @@ class TableSource:
         self._groups: dict[tuple[int, ...], dict[tuple[int, Box], int]] = {}
         self._holders: dict[tuple[Layout, int], tuple[int, ...]] = {}
         self._pieces: dict[tuple[int, Box], frozenset[Box]] = {}
+        self._listed: dict[int, tuple[dict[tuple[int, ...], tuple[tuple[int, ...], int]], Any, Any, list[int]]] = {}
+
+    def _boxes(self, pos: int) -> tuple[dict[tuple[int, ...], tuple[tuple[int, ...], int]], Any, Any, list[int]]:
+        """Tensor ``pos``'s explicit boxes: by offsets (sizes, rank), and as arrays of their first and end indices
+        and their ranks (for overlap queries), made once."""
+        found = self._listed.get(pos)
+        if found is None:
+            boxes = self.index.tensors[pos].boxes or ()
+            first = np.array([o for _, o, _ in boxes], dtype=np.int64).reshape(len(boxes), -1)
+            end = first + np.array([z for _, _, z in boxes], dtype=np.int64).reshape(first.shape)
+            found = self._listed[pos] = ({o: (z, r) for r, o, z in boxes}, first, end, [r for r, _, _ in boxes])
+        return found
 
     def _members(self, layout: Layout, rank: int) -> tuple[int, ...]:
         found = self._holders.get((layout, rank))
@@ -158,6 +184,13 @@ class TableSource:
         layout = self.layouts[pos]
         t = self.index.tensors[pos]
         out: set[int] = set()
+        if layout is None:                      # explicit boxes: those sharing an element with ``box``
+            _, first, end, ranks = self._boxes(pos)
+            if not numel(box[1]) or not ranks:
+                return out
+            lo = np.array(box[0], dtype=np.int64)
+            hit = ((first < lo + np.array(box[1], dtype=np.int64)) & (end > lo)).all(axis=1)
+            return {ranks[i] for i in np.flatnonzero(hit)}
         if replicated(layout):
             return out                          # (its chunks are in the index)
         for saved, member in overlapping(layout, t.shape, box):
@@ -209,6 +242,10 @@ class TableSource:
         """Why chunk ``rec`` of tensor ``pos`` is not one ``rank`` was planned to write, or None."""
         layout = self.layouts[pos]
         t = self.index.tensors[pos]
+        if layout is None:
+            if self._boxes(pos)[0].get(rec.offsets) != (rec.sizes, rank):
+                return f"is not a box the index lists for rank {rank}"
+            return None
         if replicated(layout):
             return "belongs to a tensor every rank held whole, whose chunks the index lists"
         box = (rec.offsets, rec.sizes)

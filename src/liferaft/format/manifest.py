@@ -10,6 +10,7 @@ full decoder, which names what is wrong.
 
 from __future__ import annotations
 
+import itertools
 import math
 import posixpath
 from collections import Counter
@@ -263,7 +264,7 @@ def _plain_tensor(key: str, path: tuple[PathPart, ...], kind: str, dtype: str, s
     entry = _new(TensorEntry)
     d = entry.__dict__
     d["key"], d["path"], d["kind"], d["dtype"], d["shape"], d["chunks"] = key, path, kind, dtype, shape, chunks
-    d["lossy"] = d["per_rank"] = d["layout"] = None
+    d["lossy"] = d["per_rank"] = d["layout"] = d["boxes"] = None
     return entry
 
 
@@ -365,7 +366,33 @@ def _decode_tensor(t: dict[str, Any], name: str, files: Mapping[str, int], codec
             raise _fail(where, f"per_rank {list(per_rank)} must name distinct ranks, one per index of the "
                                f"first dimension of shape {list(shape)}")
     return TensorEntry(key=key, path=_path(t.get("path"), where), kind=kind, dtype=dtype, shape=shape, chunks=chunks,
-                       lossy=lossy, per_rank=per_rank, layout=_layout(t.get("layout"), where, len(shape)))
+                       lossy=lossy, per_rank=per_rank, layout=_layout(t.get("layout"), where, len(shape)),
+                       boxes=_boxes(t.get("boxes"), where, shape))
+
+
+def _boxes(v: Any, where: str, shape: tuple[int, ...]) -> tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...] | None:
+    """A tensor's explicit ``boxes`` (§4.6): ``[[rank, [offsets], [sizes]], ...]``, each a non-empty box inside the
+    tensor, sorted by offsets; the ranks are checked against the world by ``_tables``, their tiling by
+    ``core.commit.decode_verified``."""
+    if v is None:
+        return None
+    if not isinstance(v, list):
+        raise _fail(where, f"boxes must be a list of [rank, offsets, sizes], got {type(v).__name__}")
+    out = []
+    for b in v:
+        if not (isinstance(b, list) and len(b) == 3):
+            raise _fail(where, f"a box must be [rank, offsets, sizes], got {b!r:.80}")
+        rank = _int(b[0], f"{where} box rank")
+        offs = _ints(b[1], f"{where} box offsets", 0, len(shape))
+        sizes = _ints(b[2], f"{where} box sizes", 1, len(shape))
+        if len(offs) != len(shape) or len(sizes) != len(shape) or any(
+                o + n > s for o, n, s in zip(offs, sizes, shape)):
+            raise _fail(where, f"box {b!r:.80} is not a non-empty box inside shape {list(shape)}")
+        out.append((rank, offs, sizes))
+    out.sort(key=lambda b: b[1])
+    if any(a[1] == b[1] for a, b in itertools.pairwise(out)):
+        raise _fail(where, "two of its boxes start at the same offsets")
+    return tuple(out)
 
 
 def _layout(v: Any, where: str, ndim: int
@@ -398,8 +425,8 @@ def _tables(doc: Mapping[str, Any], name: str, version: int, save_id: str, world
     and tensors (whose chunks the tables hold: none may be listed inline, and each layout covers the world)."""
     raw, planned = doc.get("tables"), doc.get("planned")
     if raw is None and planned is None:
-        if any(t.layout is not None for t in tensors):
-            raise _fail(name, "a tensor records a layout, but the manifest has no chunk tables")
+        if any(t.layout is not None or t.boxes is not None for t in tensors):
+            raise _fail(name, "a tensor records a layout or boxes, but the manifest has no chunk tables")
         return (), None
     if version < 4:
         raise _fail(name, f"chunk tables need format version 4, the manifest says {version}")
@@ -425,15 +452,25 @@ def _tables(doc: Mapping[str, Any], name: str, version: int, save_id: str, world
         count = _int(r["chunks"], f"{name} table {file!r}", 0, files[file] // MIN_CHUNK_RECORD_BYTES)
         refs.append(TableRef(file=file, rank=rank, hash=h, chunks=count))
     tabled = {r.file for r in refs}
+    if len({t.boxes is None for t in tensors}) > 1:
+        raise _fail(name, "some tensors record boxes and others a layout: an index describes every tensor one way")
     for t in tensors:
         if t.chunks and not t.held_whole:
             raise _fail(name, f"tensor {t.key!r} is sharded and lists chunks in a manifest whose sharded tensors' "
                               "chunks live in chunk tables")
         if any(c.file in tabled for c in t.chunks):
             raise _fail(name, f"tensor {t.key!r} has a chunk in a chunk table's file")
-        if t.layout is None:
-            raise _fail(name, f"tensor {t.key!r} has no layout in a manifest whose chunks live in chunk tables (a "
-                              "reader finds a chunk's table from its tensor's layout)")
+        if (t.layout is None) == (t.boxes is None):
+            raise _fail(name, f"tensor {t.key!r} has {'both a layout and boxes' if t.layout else 'no layout'} in a "
+                              "manifest whose chunks live in chunk tables (a reader finds a chunk's table from its "
+                              "tensor's layout, or from its boxes)")
+        if t.boxes is not None:
+            if t.chunks:
+                raise _fail(name, f"tensor {t.key!r} lists boxes and chunks inline")
+            if any(r >= world_size or r not in ranks for r, _, _ in t.boxes):
+                raise _fail(name, f"tensor {t.key!r}: a box names a rank beyond the world of {world_size} or "
+                                  "without a chunk table")
+            continue
         if math.prod(t.layout[0]) != world_size:
             raise _fail(name, f"tensor {t.key!r}: layout mesh {list(t.layout[0])} is not of {world_size} rank(s)")
     return tuple(sorted(refs, key=lambda r: r.rank)), plan

@@ -130,6 +130,9 @@ class TensorEntry:
     #: ``shards`` are tensor dimensions or None (replicated), ``order`` None or the order the mesh dimensions
     #: split the tensor in; None when not recorded
     layout: tuple[tuple[int, ...], tuple[int | None, ...], tuple[int, ...] | None] | None = None
+    #: (version 4, a tensor without a ``layout``) the boxes of its chunks, each ``(rank, offsets, sizes)``: the
+    #: rank whose chunk table lists that chunk (a save whose ranks' boxes follow no layout: planned gathered)
+    boxes: tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...] | None = None
 
     @property
     def itemsize(self) -> int:
@@ -163,6 +166,8 @@ class TensorEntry:
             out["layout"] = {"mesh": list(self.layout[0]), "shards": list(self.layout[1])}
             if self.layout[2] is not None:
                 out["layout"]["order"] = list(self.layout[2])
+        if self.boxes is not None:
+            out["boxes"] = [[r, list(o), list(z)] for r, o, z in self.boxes]
         if self.lossy is not None:
             out["lossy"] = dict(self.lossy)
         if self.per_rank is not None:

@@ -59,7 +59,7 @@ def decode_table(data: bytes, ref: TableRef, index: Manifest, codecs: Collection
             raise _fail(where, f"a chunk must be [tensor index, record] naming one of the {len(tensors)} "
                                f"tensors, got {item!r:.80}")
         t = tensors[item[0]]
-        if t.layout is None or t.held_whole:
+        if (t.layout is None and t.boxes is None) or t.held_whole:
             raise _fail(where, f"tensor {t.key!r}: a chunk of a tensor every rank held whole (the index lists "
                                "those)")
         rec = _chunk_fast(item[1], len(t.shape), files, t.itemsize, algo)

@@ -152,10 +152,10 @@ def _dtensor_parts(dt: Any, key: str) -> list[tuple[Box, torch.Tensor]]:
             raise InvalidStateError(
                 f"key {key!r}: DTensor placement {p!r} is not supported yet (Shard, _StridedShard and Replicate "
                 "are); redistribute the tensor to Shard/Replicate placements before saving")
-    if not _mesh_dims_ascending(dt.device_mesh):
+    if not _mesh_dims_ascending(dt.device_mesh, tuple(not isinstance(p, Replicate) for p in dt.placements)):
         raise InvalidStateError(
-            f"key {key!r}: DTensor on a mesh {dt.device_mesh.mesh.tolist()} one of whose dimensions lists its ranks "
-            "out of increasing order: torch's collectives on that dimension order its ranks by number, its "
+            f"key {key!r}: DTensor on a mesh {dt.device_mesh.mesh.tolist()} one of whose sharding dimensions lists "
+            "its ranks out of increasing order: torch's collectives on that dimension order its ranks by number, its "
             "coordinates by position, so the box this rank holds is not the one its coordinate names. Build the "
             "mesh with each dimension's ranks in increasing order (init_device_mesh does), or save "
             "dt.full_tensor()")
@@ -229,11 +229,13 @@ def _over_root(mesh: Any, shards: tuple[Any, ...]) -> tuple[tuple[int, ...], tup
 
 
 @functools.lru_cache(maxsize=256)
-def _mesh_dims_ascending(mesh: Any) -> bool:
-    """Whether each 1-D slice of ``mesh`` along each of its dimensions holds its ranks in increasing order (the
-    order of the process group torch makes for it: ``new_group`` sorts its ranks)."""
+def _mesh_dims_ascending(mesh: Any, sharding: tuple[bool, ...]) -> bool:
+    """Whether each 1-D slice of ``mesh`` along each of its ``sharding`` dimensions holds its ranks in increasing
+    order (the order of the process group torch makes for it: ``new_group`` sorts its ranks; along a replicating
+    dimension the order does not matter)."""
     ranks = mesh.mesh
-    return all(bool((ranks.diff(dim=d) > 0).all()) for d in range(ranks.dim()) if ranks.shape[d] > 1)
+    return all(bool((ranks.diff(dim=d) > 0).all()) for d in range(ranks.dim())
+               if ranks.shape[d] > 1 and (d >= len(sharding) or sharding[d]))
 
 
 @functools.lru_cache(maxsize=256)
