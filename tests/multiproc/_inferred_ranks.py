@@ -114,3 +114,21 @@ def save_tables_differ(rank: int, world: int, path: str, names: tuple[str, ...])
     except liferaft.LiferaftError as e:
         return f"{type(e).__name__}: {e}"
     return "saved"
+
+
+def save_with_empty(rank: int, world: int, path: str, base: str | None = None) -> None:
+    """A gathered save (explicit boxes) holding empty tensors beside an irregular hand-made shard; with ``base``,
+    an incremental save on it (nothing changed)."""
+    st = state(rank, ())
+    lo, n = ((0, 7), (7, 3))[rank]                  # (rows split 7 / 3: not torch.chunk's 5 / 5)
+    st["array_split"] = liferaft.Sharded(full("array_split")[lo:lo + n].clone(), (10, 2), (lo, 0))
+    st["empty"] = torch.zeros(0, 4)
+    st["empty_sharded"] = liferaft.Sharded(torch.zeros(0, 3), (0, 3), (0, 0))
+    liferaft.save(path, st, options=liferaft.SaveOptions(incremental_base=base))
+
+
+def load_with_empty(rank: int, world: int, path: str) -> bool:
+    out: dict[str, Any] = {"array_split": liferaft.Sharded(torch.zeros(5, 2), (10, 2), (5 * rank, 0)),
+                           "empty": torch.ones(0, 4), "empty_sharded": torch.ones(0, 3)}
+    liferaft.load(path, out, options=liferaft.LoadOptions(ignore_keys=("plain", "step")))
+    return torch.equal(out["array_split"].local, full("array_split")[5 * rank:5 * rank + 5])

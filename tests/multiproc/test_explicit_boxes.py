@@ -121,3 +121,43 @@ def test_a_table_listing_a_chunk_the_index_gives_another_rank_is_refused(saved, 
             tool(path)
     errors = run_ranks(load_expect_error, 2, path, NAMES)
     assert any("not a box the index lists" in e for e in errors), errors
+
+
+def test_empty_tensors_in_an_index_of_explicit_boxes_load_and_read(tmp_path):
+    from multiproc._inferred_ranks import load_with_empty, save_with_empty
+
+    path = str(tmp_path / "ck")
+    run_ranks(save_with_empty, 2, path)
+    doc, _ = read_manifest(path)
+    assert doc["version"] == 4 and {t["key"]: t["boxes"] for t in doc["tensors"]}["empty"] == []
+    got = liferaft.read(path)
+    assert got["empty"].shape == (0, 4) and got["empty_sharded"].shape == (0, 3)
+    assert torch.equal(got["array_split"], full("array_split"))
+    assert liferaft.read(path, ["empty"])["empty"].shape == (0, 4)
+    assert run_ranks(load_with_empty, 2, path) == [True, True]
+    liferaft.verify(path)
+
+
+def test_a_reference_to_a_siblings_chunk_table_is_refused(tmp_path):
+    """An incremental save's references may name only a sibling's data files, never its chunk tables."""
+    from multiproc._inferred_ranks import save_with_empty
+
+    root = tmp_path / "root"
+    a, b = str(root / "a"), str(root / "b")
+    run_ranks(save_with_empty, 2, a)
+    run_ranks(save_with_empty, 2, b, "a")
+    assert any(f.startswith("../a/") for f in read_manifest(b)[0]["files"])      # (it refers to a's data)
+    table = min(Path(a).glob("data/*/r00000-chunks.json"))
+    rel = "../a/" + str(table.relative_to(a))
+
+    def refer(m):
+        ref = next(f for f in m["files"] if f.startswith("../a/"))
+        m["files"][rel] = table.stat().st_size
+        for t in m["tensors"]:
+            for c in t["chunks"]:
+                if c["file"] == ref:
+                    c["file"] = rel
+    rewrite_manifest(b, refer)
+    for tool in (liferaft.inspect, liferaft.read, liferaft.verify):
+        with pytest.raises(liferaft.UnsafePathError, match="not a data file of the committed checkpoint 'a'"):
+            tool(b)

@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+import liferaft
 from liferaft.core.described import infer_unknown
 from liferaft.errors import InvalidStateError
 from liferaft.planning.geometry import numel
@@ -93,3 +94,17 @@ def test_hand_made_pairs_at_16k_ranks_are_inferred_once_for_every_tensor():
 def test_a_probe_describing_other_tensors_is_refused():
     with pytest.raises(InvalidStateError, match="rank 1 described 1 tensors"):
         infer_unknown([(4,), (4,)], {0: (((0,), (2,)), ((0,), (2,))), 1: (((2,), (2,)),)}, 2)
+
+
+def test_an_index_with_more_boxes_than_a_tensor_may_have_is_refused_before_they_are_decoded():
+    from liferaft.format.limits import MAX_CHUNKS_PER_TENSOR
+    from liferaft.format.manifest import _boxes
+
+    one = [0, [0], [1]]
+    with pytest.raises(liferaft.CorruptCheckpointError, match="more than the"):
+        _boxes([one] * (MAX_CHUNKS_PER_TENSOR + 1), "index tensor 'w'", (MAX_CHUNKS_PER_TENSOR + 1,))
+    assert _boxes([[1, [2], [3]], one, [0, [1], [1]]], "w", (5,)) == ((0, (0,), (1,)), (0, (1,), (1,)),
+                                                                        (1, (2,), (3,)))
+    for bad in ([True, [0], [5]], [0, [0], [0]], [0, [1], [5]], [0, [0.0], [5]], [-1, [0], [5]], [0, [0, 0], [5]]):
+        with pytest.raises(liferaft.CorruptCheckpointError):
+            _boxes([bad], "w", (5,))

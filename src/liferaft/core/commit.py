@@ -237,12 +237,15 @@ def read_table(storage: Storage, index: Manifest, ref: TableRef, codecs: Collect
         raise CorruptCheckpointError(f"{storage.url}: chunk table {ref.file!r} is missing; the checkpoint is "
                                      "damaged (restore the file, or load an older checkpoint)") from None
     except CorruptCheckpointError as e:
-        raise CorruptCheckpointError(f"{storage.url}: chunk table {ref.file!r} is larger than the {size} bytes "
+        raise CorruptCheckpointError(f"{storage.url}: chunk table {ref.file!r} cannot be read as the {size} bytes "
                                      f"the manifest records ({e}); the checkpoint is damaged") from e
     if len(data) != size or digest(data) != ref.hash:
         raise CorruptCheckpointError(f"{storage.url}: chunk table {ref.file!r} does not match the size/checksum "
                                      "the manifest records; the checkpoint is damaged")
-    return decode_table(data, ref, index, codecs)
+    try:
+        return decode_table(data, ref, index, codecs)
+    except CorruptCheckpointError as e:
+        raise CorruptCheckpointError(f"{storage.url}: {e}") from None
 
 
 def frames_problem(chunk: ChunkRecord) -> str | None:
@@ -263,7 +266,8 @@ def frames_problem(chunk: ChunkRecord) -> str | None:
 
 def check_references(storage: Storage, manifest: Manifest) -> None:
     """UnsafePathError unless every ``../<sibling>/<file>`` of ``manifest`` names a data file listed (as its
-    own, not a reference) by the committed manifest of the sibling checkpoint ``<sibling>`` of ``storage``."""
+    own, not a reference, and not one of its chunk tables) by the committed manifest of the sibling checkpoint
+    ``<sibling>`` of ``storage``."""
     wanted: dict[str, list[str]] = {}
     for name in manifest.files:
         if name.startswith("../"):
@@ -271,7 +275,8 @@ def check_references(storage: Storage, manifest: Manifest) -> None:
             wanted.setdefault(sibling, []).append(rest)
     for sibling, names in sorted(wanted.items()):
         try:
-            theirs = _open(storage.sibling(sibling), tables=False).files
+            opened = _open(storage.sibling(sibling), tables=False)
+            theirs = {f: n for f, n in opened.files.items() if f not in {r.file for r in opened.tables}}
         except (LiferaftError, OSError, NotImplementedError) as e:
             raise UnsafePathError(f"{storage.url}: the manifest references files of {sibling!r} next to it, which is "
                                   f"not a committed checkpoint there ({e}); liferaft reads nothing else outside the "

@@ -149,8 +149,9 @@ class TableSource:
         and their ranks (for overlap queries), made once."""
         found = self._listed.get(pos)
         if found is None:
-            boxes = self.index.tensors[pos].boxes or ()
-            first = np.array([o for _, o, _ in boxes], dtype=np.int64).reshape(len(boxes), -1)
+            t = self.index.tensors[pos]
+            boxes = t.boxes or ()
+            first = np.array([o for _, o, _ in boxes], dtype=np.int64).reshape(len(boxes), len(t.shape))
             end = first + np.array([z for _, _, z in boxes], dtype=np.int64).reshape(first.shape)
             found = self._listed[pos] = ({o: (z, r) for r, o, z in boxes}, first, end, [r for r, _, _ in boxes])
         return found

@@ -17,11 +17,14 @@ from collections import Counter
 from collections.abc import Collection, Mapping
 from typing import Any
 
+import numpy as np
+
 from liferaft.errors import CorruptCheckpointError, FormatVersionError, UnsafePathError
 from liferaft.format import jsonsafe
 from liferaft.format.checks import check_tree, value_depth
 from liferaft.format.layout import COMMIT_MARKER, table_file_name
 from liferaft.format.limits import (
+    MAX_CHUNKS_PER_TENSOR,
     MAX_INT,
     MAX_MANIFEST_BYTES,
     MAX_MARKER_BYTES,
@@ -378,6 +381,14 @@ def _boxes(v: Any, where: str, shape: tuple[int, ...]) -> tuple[tuple[int, tuple
         return None
     if not isinstance(v, list):
         raise _fail(where, f"boxes must be a list of [rank, offsets, sizes], got {type(v).__name__}")
+    if len(v) > MAX_CHUNKS_PER_TENSOR:
+        raise _fail(where, f"{len(v)} boxes, more than the {MAX_CHUNKS_PER_TENSOR} chunks a tensor may have")
+    fast = _boxes_fast(v, shape)
+    if fast is not None:
+        out = fast
+        if any(a[1] == b[1] for a, b in itertools.pairwise(out)):
+            raise _fail(where, "two of its boxes start at the same offsets")
+        return tuple(out)
     out = []
     for b in v:
         if not (isinstance(b, list) and len(b) == 3):
@@ -393,6 +404,33 @@ def _boxes(v: Any, where: str, shape: tuple[int, ...]) -> tuple[tuple[int, tuple
     if any(a[1] == b[1] for a, b in itertools.pairwise(out)):
         raise _fail(where, "two of its boxes start at the same offsets")
     return tuple(out)
+
+
+def _boxes_fast(v: list[Any], shape: tuple[int, ...]) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]] | None:
+    """``_boxes`` of well-formed boxes, checked as arrays (a million boxes in about a second), sorted by offsets;
+    None when any box is not plain (then ``_boxes`` checks each and names the bad one)."""
+    nd = len(shape)
+    if not all(type(b) is list and len(b) == 3 for b in v):
+        return None
+    ranks, offs, sizes = [b[0] for b in v], [b[1] for b in v], [b[2] for b in v]
+    if not all(type(o) is list and len(o) == nd for o in offs) or not all(type(z) is list and len(z) == nd
+                                                                          for z in sizes):
+        return None
+    if not {*map(type, ranks), *map(type, itertools.chain.from_iterable(offs)),
+            *map(type, itertools.chain.from_iterable(sizes))} <= {int}:
+        return None                                 # (bool, float, str, None, nested lists: named one by one)
+    try:
+        r = np.array(ranks, dtype=np.int64)
+        o = np.array(offs, dtype=np.int64).reshape(len(v), nd)
+        z = np.array(sizes, dtype=np.int64).reshape(len(v), nd)
+    except OverflowError:
+        return None
+    dims = np.array(shape, dtype=np.int64)
+    if (r < 0).any() or (o < 0).any() or (z < 1).any() or (o > dims).any() or (z > dims).any() or \
+            (o + z > dims).any():                   # (o, z ≤ dims ≤ 2**63 / 2: no overflow)
+        return None
+    order = np.lexsort(o.T[::-1]) if nd else np.arange(len(v))
+    return [(ranks[i], tuple(offs[i]), tuple(sizes[i])) for i in order.tolist()]
 
 
 def _layout(v: Any, where: str, ndim: int
