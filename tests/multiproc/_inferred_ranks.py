@@ -132,3 +132,4 @@ def load_with_empty(rank: int, world: int, path: str) -> bool:
                            "empty": torch.ones(0, 4), "empty_sharded": torch.ones(0, 3)}
     liferaft.load(path, out, options=liferaft.LoadOptions(ignore_keys=("plain", "step")))
     return torch.equal(out["array_split"].local, full("array_split")[5 * rank:5 * rank + 5])
+

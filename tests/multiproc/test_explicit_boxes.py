@@ -161,3 +161,4 @@ def test_a_reference_to_a_siblings_chunk_table_is_refused(tmp_path):
     for tool in (liferaft.inspect, liferaft.read, liferaft.verify):
         with pytest.raises(liferaft.UnsafePathError, match="not a data file of the committed checkpoint 'a'"):
             tool(b)
+

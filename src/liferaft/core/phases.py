@@ -131,6 +131,13 @@ class PreparedSave:
     tables: bool = False
 
     @property
+    def explicit(self) -> bool:
+        """(With ``tables``) whether the index lists every chunk's box and rank (explicit boxes): the plan was
+        gathered, or made on each rank with a layout no reader can replay (a ``_StridedShard`` that is not a
+        nested split: each rank sends rank 0 its boxes)."""
+        return self.layouts is None or not all(la.regular for la in self.layouts)
+
+    @property
     def writes(self) -> tuple[WriteItem, ...]:
         return self.plan.writes[self.rank]
 
@@ -267,9 +274,8 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
     policy, lossy = chunk_policy(plan, storage, opts, base)
     own = layouts is not None and plan.own
     chosen = cast("tuple[Layout, ...]", layouts) if own else None
-    if own:
-        tables = opts.chunk_tables and not lossy and all(la.regular for la in chosen or ()) and \
-            not all(replicated(la) for la in chosen or ())
+    if own:     # (a _StridedShard that is no nested split: explicit boxes, ``PreparedSave.explicit``)
+        tables = opts.chunk_tables and not lossy and not all(replicated(la) for la in chosen or ())
     else:   # (gathered: explicit boxes, when some tensor is sharded and nothing refers to another checkpoint)
         tables = opts.chunk_tables and not lossy and base is None and coord.world > 1 and _sharded(plan)
     prepared = PreparedSave(storage=storage, plan=plan, save_id=save_id, rank=coord.rank, world=coord.world,
@@ -398,14 +404,17 @@ def _finish_own(coord: Coordinator, prep: PreparedSave, write: Callable[[], Writ
     try:
         result = write()
         if prep.tables and prep.writes:
-            table = write_table(storage, save_id, prep.rank, plan, prep.layouts, prep.writes, result.chunks)
+            table = write_table(storage, save_id, prep.rank, plan, None if prep.explicit else prep.layouts,
+                                prep.writes, result.chunks)
     except BaseException as e:  # noqa: BLE001 - reported to every rank, then raised here too
         error = e
     values = tuple(v.key if prep.zero_values.get(v.key) == v.digest else v for v in meta.values)  # (key: rank 0's)
     if prep.tables:             # (the table's reference instead of every chunk's record)
         wrote = sum(w.length for w in prep.writes)
         ref, size, inline = table or (None, 0, [])
-        row = None if result is None else ((ref, size, result.file_size, wrote, inline), (), 0, values,
+        # (explicit boxes of a plan made on each rank: this rank's boxes, which rank 0 does not know)
+        boxes = [(w.key, w.offsets, w.sizes) for w in prep.writes] if prep.explicit and prep.layouts else None
+        row = None if result is None else ((ref, size, result.file_size, wrote, inline, boxes), (), 0, values,
                                            meta.containers)
     else:
         row = None if result is None else (prep.writes, result.chunks, result.file_size, values, meta.containers)
@@ -428,7 +437,8 @@ def _finish_own(coord: Coordinator, prep: PreparedSave, write: Callable[[], Writ
                               containers=c) for r, (_, _, _, v, c) in enumerate(rows)]
             merged: dict[str, Any] = {"values": tuple(merge_values(metas)), "containers": merge_containers(metas)}
             if prep.tables:
-                manifest = build_index(plan, prep.layouts, [w for w, *_ in rows], save_id=save_id,
+                manifest = build_index(plan, None if prep.explicit else prep.layouts, [w for w, *_ in rows],
+                                       save_id=save_id,
                                        created_unix=time.time(), liferaft_version=_version(),
                                        torch_version=torch.__version__, extra=dict(opts.metadata),
                                        alignment=opts.alignment, chunk_bytes=opts.chunk_bytes, **merged)

@@ -69,15 +69,17 @@ def write_table(storage: Storage, save_id: str, rank: int, plan: SavePlan, layou
 
 
 def build_index(plan: SavePlan, layouts: Sequence[Layout] | None,
-                rows: Sequence[tuple[TableRef | None, int, int, int, Sequence[tuple[int, ChunkRecord]]]],
+                rows: Sequence[tuple[Any, ...]],
                 *, save_id: str, values: tuple, containers: tuple[ContainerEntry, ...], created_unix: float,
                 liferaft_version: str, torch_version: str, extra: dict, alignment: int, chunk_bytes: int
                 ) -> Manifest:
     """The version 4 index of a save planned from ``layouts`` (``planning.layouts.plan_own``), from each rank's
     row: (its table or None, the table's size, its data file's size, the raw bytes it wrote, its records of the
-    tensors every rank holds whole). Refused (InvalidStateError) unless the ranks wrote exactly the tensors'
-    bytes, once: the tables' chunks are the ranks' own plans, which tile every tensor by construction; this
-    cheap sum catches plans that disagree."""
+    tensors every rank holds whole[, its writes' boxes as (key, offsets, sizes)]). Refused (InvalidStateError)
+    unless the ranks wrote exactly the tensors' bytes, once: the tables' chunks are the ranks' own plans, which
+    tile every tensor by construction; this cheap sum catches plans that disagree. ``layouts`` None: explicit
+    boxes, each rank's from its row (a plan made on each rank) or from ``plan.writes`` (a gathered plan), their
+    tiling of every tensor checked here."""
     wrote = sum(r[3] for r in rows)
     total = sum(math.prod(t.shape) * DTYPE_ITEMSIZE[t.dtype] for t in plan.tensors)
     if wrote != total:
@@ -86,7 +88,10 @@ def build_index(plan: SavePlan, layouts: Sequence[Layout] | None,
     files: dict[str, int] = {}
     refs = []
     inline: list[list[ChunkRecord]] = [[] for _ in plan.tensors]
-    for rank, (ref, table_size, file_size, _, listed) in enumerate(rows):
+    written: list[Sequence[Any]] = []
+    for rank, (ref, table_size, file_size, _, listed, *boxes) in enumerate(rows):
+        written.append(boxes[0] if boxes and boxes[0] is not None else
+                       [(w.key, w.offsets, w.sizes) for w in plan.writes[rank]] if rank < len(plan.writes) else [])
         if file_size:
             files[data_file_name(save_id, rank)] = file_size
         if ref is not None:
@@ -94,12 +99,17 @@ def build_index(plan: SavePlan, layouts: Sequence[Layout] | None,
             refs.append(ref)
         for i, rec in listed:
             inline[i].append(rec)
-    if layouts is None:             # (a gathered plan: every rank's writes are known here, and are the boxes)
+    if layouts is None:             # (explicit boxes: each rank's writes, from a gathered plan or from its row)
         pos = {t.key: i for i, t in enumerate(plan.tensors)}
         boxes: list[list[tuple[int, tuple[int, ...], tuple[int, ...]]]] = [[] for _ in plan.tensors]
-        for rank, writes in enumerate(plan.writes):
-            for w in writes:
-                boxes[pos[w.key]].append((rank, w.offsets, w.sizes))
+        for rank, writes in enumerate(written):
+            for key, offsets, sizes in writes:
+                boxes[pos[key]].append((rank, offsets, sizes))
+        for t, b in zip(plan.tensors, boxes):      # (a plan made on each rank: rank 0 checks, before committing)
+            problem = check_chunks_tile(t.shape, [(o, z) for _, o, z in b])
+            if problem:
+                raise InvalidStateError(f"key {t.key!r}: {problem}; the ranks' plans do not tile the tensor; "
+                                        "nothing was committed")
         tensors = tuple(TensorEntry(key=t.key, path=t.path, kind=t.kind, dtype=t.dtype, shape=t.shape, chunks=(),
                                     per_rank=t.per_rank, boxes=tuple(sorted(boxes[i], key=lambda b: b[1])))
                         for i, t in enumerate(plan.tensors))
