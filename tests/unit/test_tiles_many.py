@@ -55,3 +55,22 @@ def test_many_boxes_get_the_verdict_of_the_general_check():
             seen.add((how, fast is None))
     assert ("none", True) in seen and ("gap", False) in seen and ("replica", True) in seen
     assert ("overlap", False) in seen and ("outside", False) in seen
+
+
+def test_boxes_the_numpy_path_cannot_take_as_they_are_get_the_general_verdict():
+    """Boxes of another rank than the shape, floats, dimensions near 2**63 and boxes of more than 2**63 elements
+    (found by a review: the numpy path accepted overlaps, truncated floats, wrapped int64)."""
+    cells = [((i, j), (1, 1)) for i in range(64) for j in range(64)]
+    big = 1 << 51
+    runs = [((i * big,), (big,)) for i in range(4096)]
+    runs[1] = ((big - 1,), (big,))                              # overlaps its neighbour by 1, then a gap of 1
+    cases = [
+        ((64, 64), [((o[0], o[1], z[0]), (z[1],)) for o, z in cells]),      # offsets and sizes of other ranks
+        ((64, 64), [((o[0] + 0.9, o[1]), z) for o, z in cells]),           # floats
+        ((4096 * big,), runs),                                              # near 2**63: float cuts
+        ((1 << 62, 4096), [((0, j), (1 << 62, 1)) for j in range(4096)]),    # boxes beyond 2**63 elements
+        ((64, 64), [((i, j), (True, 1)) for (i, j), _ in cells]),           # bools
+    ]
+    for shape, boxes in cases:
+        assert (check_chunks_tile(shape, boxes) is None) == (check_chunks_tile(shape, iter(boxes)) is None), shape
+    assert check_chunks_tile((64, 64), cases[0][1]) is not None and check_chunks_tile((4096 * big,), runs) is not None

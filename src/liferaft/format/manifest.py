@@ -426,8 +426,8 @@ def _boxes_fast(v: list[Any], shape: tuple[int, ...]) -> list[tuple[int, tuple[i
     except OverflowError:
         return None
     dims = np.array(shape, dtype=np.int64)
-    if (r < 0).any() or (o < 0).any() or (z < 1).any() or (o > dims).any() or (z > dims).any() or \
-            (o + z > dims).any():                   # (o, z ≤ dims ≤ 2**63 / 2: no overflow)
+    if (r < 0).any() or (o < 0).any() or (z < 1).any() or (o > dims).any() or (z > dims - o).any():
+        # (dims - o ≥ 0 once o ≤ dims: no overflow, whatever the dims)
         return None
     order = np.lexsort(o.T[::-1]) if nd else np.arange(len(v))
     return [(ranks[i], tuple(offs[i]), tuple(sizes[i])) for i in order.tolist()]

@@ -117,19 +117,24 @@ def _tiles_many(shape: Sequence[int], boxes: Sequence[Box]) -> str | None:
     non-negative int64 boxes of the shape's rank or are not cells of the grid their offsets draw (then the
     general check decides)."""
     nd = len(shape)
+    if not all(type(n) is int and 0 <= n < 1 << 62 for n in shape) or numel(shape) >= 1 << 63:
+        return _UNDECIDED                   # (int64 arithmetic below: exact for such shapes and their boxes)
+    if not all(len(o) == nd == len(z) for o, z in boxes) or \
+            not {type(x) for o, z in boxes for x in (*o, *z)} <= {int}:
+        return _UNDECIDED                   # (floats, bools, strings, numpy scalars: the general check names them)
     try:
-        both = np.array([(*o, *z) for o, z in boxes], dtype=np.int64)
+        both = np.array([(*o, *z) for o, z in boxes], dtype=np.int64).reshape(len(boxes), 2 * nd)
     except (OverflowError, TypeError, ValueError):
         return _UNDECIDED
-    if both.ndim != 2 or both.shape[1] != 2 * nd or (both < 0).any():
+    if (both < 0).any():
         return _UNDECIDED
     both = both[(both[:, nd:] > 0).all(axis=1)]             # (empty boxes hold nothing)
     both = np.unique(both, axis=0)                           # distinct, identical replicas counted once
     if len(both) > MAX_CHUNKS_PER_TENSOR:
         return f"{len(both)} chunks, more than the {MAX_CHUNKS_PER_TENSOR} a tensor may have"
     first, sizes = both[:, :nd], both[:, nd:]
-    dims = np.array(shape, dtype=np.uint64)
-    outside = ((first.astype(np.uint64) + sizes.astype(np.uint64)) > dims).any(axis=1)
+    dims = np.array(shape, dtype=np.int64)
+    outside = ((first > dims) | (sizes > dims - np.minimum(first, dims))).any(axis=1)    # (no overflow)
     if outside.any():
         i = int(np.flatnonzero(outside)[0])
         return (f"chunk at offsets {first[i].tolist()} with sizes {sizes[i].tolist()} lies outside the global shape "
