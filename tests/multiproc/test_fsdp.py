@@ -17,6 +17,19 @@ def _saved(tmp_path):
     return path, ref
 
 
+def _load_in_one_process(path: str, ref_path: str, hidden: int) -> None:
+    """Load the checkpoint into a plain model of ``hidden`` units and its AdamW in this process: equal to the
+    gathered reference the saving ranks wrote."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    model = make_model(hidden)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.5)
+    liferaft.load(path, {"model": model, "optim": opt})
+    osd = get_optimizer_state_dict(model, opt)
+    got = {"model": dict(model.state_dict()), "optim": osd["state"], "lr": [g["lr"] for g in osd["param_groups"]]}
+    assert compare(torch.load(ref_path), got) == []
+
+
 def test_fsdp2_adam_2_ranks_to_plain_model_1_process_and_to_fsdp2_4_ranks(tmp_path):
     path, ref_path = _saved(tmp_path)
     info = liferaft.inspect(path)
@@ -51,14 +64,7 @@ def test_tensor_parallel_2_ranks_to_plain_1_process_and_to_tp_4_ranks(tmp_path):
     run_ranks(save_tp, 2, path, ref_path)
     info = {t.key: t for t in liferaft.inspect(path).tensors}
     assert info["model.1.weight"].chunks == 2 and info["model.3.weight"].chunks == 2   # colwise / rowwise shards
-    model = make_model(32)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.5)
-    liferaft.load(path, {"model": model, "optim": opt})
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    osd = get_optimizer_state_dict(model, opt)
-    got = {"model": dict(model.state_dict()), "optim": osd["state"], "lr": [g["lr"] for g in osd["param_groups"]]}
-    assert compare(torch.load(ref_path), got) == []
+    _load_in_one_process(path, ref_path, 32)
     for rank, bad in enumerate(run_ranks(load_tp, 4, path, ref_path)):
         assert bad == [], f"rank {rank}: {bad}"
 
@@ -75,14 +81,7 @@ def test_fsdp2_plus_tp_on_a_2d_mesh_to_plain_to_fsdp2_and_back(tmp_path):
 
     doc, _ = read_manifest(path)       # evenly split: the strided rows are a nested split, TP first (chunk tables)
     assert doc["version"] == 4 and any(t.get("layout", {}).get("order") == [1, 0] for t in doc["tensors"]), doc
-    model = make_model(32)                                     # -> one process, plain model
-    opt = torch.optim.AdamW(model.parameters(), lr=0.5)
-    liferaft.load(path, {"model": model, "optim": opt})
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    osd = get_optimizer_state_dict(model, opt)
-    got = {"model": dict(model.state_dict()), "optim": osd["state"], "lr": [g["lr"] for g in osd["param_groups"]]}
-    assert compare(torch.load(ref_path), got) == []
+    _load_in_one_process(path, ref_path, 32)  # -> one process, plain model
     for rank, bad in enumerate(run_ranks(load_fsdp_tp, 4, path, ref_path)):  # -> FSDP2 + TP again
         assert bad == [], f"rank {rank}: {bad}"
 
@@ -101,14 +100,7 @@ def test_fsdp2_plus_tp_split_unevenly_commits_explicit_boxes(tmp_path):
     doc, _ = read_manifest(path)
     assert doc["version"] == 4 and all("boxes" in t for t in doc["tensors"]), doc["tensors"][0]
     liferaft.verify(path)
-    model = make_model(33)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.5)
-    liferaft.load(path, {"model": model, "optim": opt})
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    osd = get_optimizer_state_dict(model, opt)
-    got = {"model": dict(model.state_dict()), "optim": osd["state"], "lr": [g["lr"] for g in osd["param_groups"]]}
-    assert compare(torch.load(ref_path), got) == []
+    _load_in_one_process(path, ref_path, 33)
     for rank, bad in enumerate(run_ranks(load_fsdp_tp, 4, path, ref_path, 33)):
         assert bad == [], f"rank {rank}: {bad}"
 
