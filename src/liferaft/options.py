@@ -191,12 +191,15 @@ class SaveOptions:
         composes the state from several steps. The tensor's manifest entry says how many chunks came from which
         checkpoint and the largest change left out; ``LoadOptions(exact=True)`` refuses such a checkpoint. Costs
         a read of the base's chunks at save time.
-    chunk_tables: (default True) when the ranks plan their writes on their own (DTensors over one mesh of every
-        rank, plain tensors alike on every rank: ``planning.layouts``), each writing rank stores the records of
-        its chunks in a table file beside its data file and the manifest becomes a small index (format version
-        4, docs/FORMAT.md §4.6): rank 0 receives a few bytes per rank to commit instead of every chunk's record,
-        and a loading rank reads only the tables of the ranks whose boxes it needs. False: one manifest lists
-        every chunk (version 1 to 3, readable by liferaft before 4).
+    chunk_tables: (default True) when some tensor is sharded over several ranks and nothing is lossy, each
+        writing rank stores the records of its chunks in a table file beside its data file and the manifest
+        becomes an index (format version 4, docs/FORMAT.md §4.6): with the tensors' layouts when the ranks plan
+        their writes on their own (DTensors over one mesh of every rank, hand-made shards that follow such a
+        layout, plain tensors alike on every rank: ``planning.layouts``; rank 0 then receives a few bytes per
+        rank to commit instead of every chunk's record), else with every chunk's box and rank (explicit boxes;
+        not for an incremental save). A loading rank reads only the tables of the ranks whose boxes it needs.
+        Every rank must pass the same value. False: one manifest lists every chunk (version 1 to 3, readable by
+        liferaft before 4).
     """
 
     overwrite: bool = False
