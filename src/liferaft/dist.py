@@ -513,6 +513,51 @@ class Coordinator:
             w.wait()
         return [payload] + [pickle.loads(bufs[r].numpy().tobytes()) for r in range(1, self.world)]  # our ranks'
 
+    def gather_some(self, ranks: tuple[int, ...], payload: Any, tags: tuple[int, int], what: str,
+                    limit: int = 1 << 30) -> dict[int, Any] | None:
+        """On rank 0, ``{r: payload of rank r}`` for rank 0 and each of ``ranks`` (the others' sent point to point:
+        a message's size with tag ``tags[0]``, then the message with ``tags[1]``); None on the other ranks, which
+        send only if they are among ``ranks``. What rank 0 receives grows with ``ranks``, not with the world. A
+        message over ``limit`` bytes, a lost peer or a timeout raises (DistributedError; a caller reports it to
+        every rank with the broadcast that follows, so that none waits)."""
+        import torch
+
+        if self.rank == 0:
+            sizes = {r: torch.zeros(1, dtype=torch.int64) for r in ranks if r}
+            for w in [self.irecv(t, r, tags[0]) for r, t in sizes.items()]:
+                w.wait()
+            if any(not 0 < int(t.item()) <= limit for t in sizes.values()):
+                raise DistributedError(f"{what}: a rank announced a message of "
+                                       f"{max(int(t.item()) for t in sizes.values())} bytes (at most {limit})")
+            bufs = {r: torch.empty(int(t.item()), dtype=torch.uint8) for r, t in sizes.items()}
+            for w in [self.irecv(b, r, tags[1]) for r, b in bufs.items()]:
+                w.wait()
+            return {0: payload, **{r: pickle.loads(b.numpy().tobytes()) for r, b in bufs.items()}}  # our ranks'
+        if self.rank in ranks:
+            data = torch.frombuffer(bytearray(pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)),
+                                    dtype=torch.uint8)
+            self.isend(torch.tensor([data.numel()], dtype=torch.int64), 0, tags[0]).wait()
+            self.isend(data, 0, tags[1]).wait()
+        return None
+
+    def all_gather_int(self, value: int, what: str) -> list[int]:
+        """Every rank's 64-bit ``value``, in rank order (one all-gather of 8 bytes a rank: what each rank receives
+        is 8 bytes times the world)."""
+        import torch
+        import torch._C._distributed_c10d as c10d
+
+        if self.world == 1 or self.group is None:
+            return [value]
+        opts = c10d.AllgatherOptions()
+        opts.timeout = datetime.timedelta(seconds=self.timeout)
+        out = torch.zeros(self.world, dtype=torch.int64)
+        try:
+            self.group.backend.allgather([list(out.chunk(self.world))], [torch.tensor([value], dtype=torch.int64)],
+                                         opts).wait()
+        except Exception as e:  # noqa: BLE001 - gloo reports timeouts and lost peers as RuntimeError
+            raise self._fail(e, what, None) from None
+        return out.tolist()
+
     def run_max(self, step: Callable[[], tuple[T, list[int]]], width: int, what: str, *,
                 cleanup: Callable[[], object] | None = None) -> tuple[T, list[int]]:
         """Run ``step`` on this rank (it returns a result kept here and ``width`` numbers to vote on), then one

@@ -79,3 +79,9 @@ TILED: PlanCache[tuple[str, int], bool] = PlanCache(limit=64)
 #: (group key, digest of the tensors as described with their layouts unknown) → the layouts the ranks last agreed on
 #: for the tensors whose layout is inferred (``planning.layouts.infer_layout``): a repeated save skips the probe
 INFERRED: PlanCache[tuple[str, int], tuple[Any, ...]] = PlanCache(limit=16)
+
+
+#: (group key, this rank's digest of what it describes) → (the digest of every rank's, the tensors of every stage
+#: and their layouts scoped to the ranks holding them): the plan of ranks that hold different tensors
+#: (``core.stages``) last agreed on; a repeated save skips the exchange
+STAGED: PlanCache[tuple[str, int], tuple[Any, ...]] = PlanCache(limit=16)

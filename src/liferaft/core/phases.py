@@ -28,6 +28,7 @@ from liferaft.core.caches import INFERRED, PLANS, TILED, Planned
 from liferaft.core.chunks.writer import ChunkPolicy, WriteOutcome
 from liferaft.core.commit import abandon, is_committed, open_checkpoint, remove_stale, write_commit
 from liferaft.core.described import fill_inferred, infer_unknown, layout_digest, layouts_of
+from liferaft.core.stages import known_stages, plan_stages, stage_digest
 from liferaft.core.tabled import build_index, replicated, write_table
 from liferaft.dist import Coordinator
 from liferaft.errors import CheckpointExistsError, InvalidStateError, LiferaftError, StorageError
@@ -195,11 +196,14 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
     zero_values: dict[str, str] = {}
     if compact:
         cached_inferred: tuple[Layout, ...] | None = None
+        sig = 0
+        stage_opts = (opts.alignment, opts.chunk_bytes, opts.chunk_tables)
 
         def vote() -> tuple[tuple[Any, ...], list[int]]:
             nonlocal cached_inferred
             payload = describe()
             assert meta is not None and flat is not None
+            nonlocal sig
             h = layout_digest(meta, layouts, opts.alignment, opts.chunk_bytes, opts.chunk_tables) \
                 if layouts is not None else 0
             need, known = 0, 0
@@ -209,11 +213,25 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
                 need = int(cached_inferred is None)
                 if cached_inferred is not None:
                     known = layout_digest(meta, cached_inferred, opts.alignment, opts.chunk_bytes, opts.chunk_tables)
-            return payload, [h, -h, need, known, -known]
+            # (ranks that hold different tensors, each with a regular layout: pipeline stages, ``core.stages``)
+            stageable = layouts is not None and all(la is not None and la.regular for la in layouts)
+            if stageable:
+                sig = stage_digest(meta, cast("tuple[Layout, ...]", layouts), stage_opts)
+            staged = known_stages(coord, sig) if stageable else 0
+            return payload, [h, -h, need, known, -known, int(not stageable), staged, -staged]
 
-        payload, (high, neg_low, need, known, neg_known) = coord.run_max(vote, 5, "save (planning)")
+        payload, (high, neg_low, need, known, neg_known, unstageable, staged, neg_staged) = coord.run_max(
+            vote, 8, "save (planning)")
         assert meta is not None and flat is not None
-        if high == -neg_low != 0:                   # every rank sent the same digest of compact layouts
+        if high != -neg_low and not unstageable:    # the ranks hold different tensors: planned by stages
+            found = plan_stages(coord, meta, cast("tuple[Layout, ...]", layouts), sig, staged == -neg_staged != 0,
+                                (payload[1], {v.key: v.digest for v in meta.values}), stage_opts)
+            if found is not None:
+                tensors, layouts, agreed, (save_id, zero_values) = found
+                plan = _own_plan(meta, layouts, coord, save_id, opts, cached, agreed, tensors)
+            else:
+                gathered = coord.exchange(payload, None, "save (planning)")
+        elif high == -neg_low != 0:                 # every rank sent the same digest of compact layouts
             assert layouts is not None
             unknown = [i for i, la in enumerate(layouts) if la is None]
             inferred, error = None, None
@@ -300,8 +318,12 @@ PROBE_SIZE_TAG, PROBE_TAG = 0x4C46_0004, 0x4C46_0005
 def probe_message(boxes: tuple[Box, ...]) -> bytes:
     """A probe's message: its boxes pickled, equal boxes as one object (pickle then sends a repeat as a
     reference: a model's thousand tensors of a few shapes cost a few kB)."""
+    return pickle.dumps(_deduped(boxes), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _deduped(boxes: tuple[Box, ...]) -> tuple[Box, ...]:
     same: dict[Box, Box] = {}
-    return pickle.dumps(tuple(same.setdefault(b, b) for b in boxes), protocol=pickle.HIGHEST_PROTOCOL)
+    return tuple(same.setdefault(b, b) for b in boxes)
 
 
 def _gather_probes(coord: Coordinator, boxes: tuple[Box, ...]) -> tuple[dict[int, Any] | None, BaseException | None]:
@@ -309,40 +331,27 @@ def _gather_probes(coord: Coordinator, boxes: tuple[Box, ...]) -> tuple[dict[int
     (``boxes`` on each rank), sent point to point by the probes alone (a few dozen messages whatever the world);
     (None, None) on the other ranks. A failed send or receive is returned as the error (rank 0's goes to every
     rank with the broadcast that follows)."""
-    probes = probe_ranks(coord.world)
     try:
-        if coord.rank == 0:
-            sizes = {r: torch.zeros(1, dtype=torch.int64) for r in probes if r}
-            for w in [coord.irecv(t, r, PROBE_SIZE_TAG) for r, t in sizes.items()]:
-                w.wait()
-            if any(not 0 < int(t.item()) <= 1 << 30 for t in sizes.values()):
-                raise InvalidStateError(f"a probe rank announced its boxes in "
-                                        f"{max(int(t.item()) for t in sizes.values())} bytes")
-            bufs = {r: torch.empty(int(t.item()), dtype=torch.uint8) for r, t in sizes.items()}
-            for w in [coord.irecv(b, r, PROBE_TAG) for r, b in bufs.items()]:
-                w.wait()
-            return {0: boxes, **{r: pickle.loads(b.numpy().tobytes()) for r, b in bufs.items()}}, None
-        if coord.rank in probes:
-            data = torch.frombuffer(bytearray(probe_message(boxes)), dtype=torch.uint8)
-            coord.isend(torch.tensor([data.numel()], dtype=torch.int64), 0, PROBE_SIZE_TAG).wait()
-            coord.isend(data, 0, PROBE_TAG).wait()
-        return None, None
+        return coord.gather_some(probe_ranks(coord.world), _deduped(boxes),
+                                 (PROBE_SIZE_TAG, PROBE_TAG), "save (planning): the probes' boxes"), None
     except Exception as e:  # noqa: BLE001 - reported to every rank by the broadcast that follows
         return None, e
 
 
 def _own_plan(meta: RankMeta, layouts: tuple[Layout, ...], coord: Coordinator, save_id: str, opts: SaveOptions,
-              cached: Planned | None, agreed: int) -> SavePlan:
+              cached: Planned | None, agreed: int, tensors: tuple[TensorMeta, ...] | None = None) -> SavePlan:
     """This rank's plan from compact layouts (``planning.layouts.plan_own``): its own writes only (the other
-    ranks' are empty here), the global tensors as this rank describes them; values and containers are merged
-    on rank 0 at the commit. Reused from the cache when planned for the same digest."""
+    ranks' are empty here), the global tensors as this rank describes them (``tensors``: those of every rank,
+    when the ranks hold different ones: ``core.stages``); values and containers are merged on rank 0 at the
+    commit. Reused from the cache when planned for the same digest."""
     cache_key = (coord.key, coord.rank, coord.world, opts.alignment, opts.chunk_bytes)
     if cached is not None and cached[0] == ("layouts", agreed):
         return replan(cached[1], [], save_id)
-    mine = plan_own(list(zip(meta.tensors, layouts)), coord.rank, save_id, opts.alignment, opts.chunk_bytes)
+    tensors = meta.tensors if tensors is None else tensors
+    mine = plan_own(list(zip(tensors, layouts)), coord.rank, save_id, opts.alignment, opts.chunk_bytes)
     writes = tuple(mine if r == coord.rank else () for r in range(coord.world))
     files = {mine[-1].file: mine[-1].byte_offset + mine[-1].length} if mine else {}
-    plan = SavePlan(world_size=coord.world, writes=writes, files=files, tensors=meta.tensors, values=(),
+    plan = SavePlan(world_size=coord.world, writes=writes, files=files, tensors=tensors, values=(),
                     containers=(), own=True)
     PLANS.put(cache_key, (("layouts", agreed), plan, save_id))    # type: ignore[arg-type]
     return plan

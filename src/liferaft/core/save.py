@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from liferaft.codecs import frames
-from liferaft.core.caches import INFERRED, PLANS, TILED
+from liferaft.core.caches import INFERRED, PLANS, STAGED, TILED
 from liferaft.core.chunks.writer import WriteOutcome, write_staged, write_streamed
 from liferaft.core.commit import forget_opened
 from liferaft.core.phases import PreparedSave, finish_save, prepare_save
@@ -176,6 +176,7 @@ def release() -> None:
             PLANS.clear()
             TILED.clear()
             INFERRED.clear()
+            STAGED.clear()
             forget_opened()
             frames.shutdown()
             release_groups()

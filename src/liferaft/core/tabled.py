@@ -116,7 +116,7 @@ def build_index(plan: SavePlan, layouts: Sequence[Layout] | None,
     else:
         tensors = tuple(TensorEntry(key=t.key, path=t.path, kind=t.kind, dtype=t.dtype, shape=t.shape,
                                     chunks=tuple(sorted(inline[i], key=lambda c: c.offsets)), per_rank=t.per_rank,
-                                    layout=(la.mesh, la.shards, la.order))  # type: ignore[arg-type]
+                                    layout=(la.mesh, la.shards, la.order, la.at))
                         for i, (t, la) in enumerate(zip(plan.tensors, layouts)))
     return Manifest(save_id=save_id, world_size=plan.world_size, created_unix=created_unix,
                     liferaft_version=liferaft_version, torch_version=torch_version, files=files, tensors=tensors,

@@ -433,15 +433,15 @@ def _boxes_fast(v: list[Any], shape: tuple[int, ...]) -> list[tuple[int, tuple[i
     return [(ranks[i], tuple(offs[i]), tuple(sizes[i])) for i in order.tolist()]
 
 
-def _layout(v: Any, where: str, ndim: int
-            ) -> tuple[tuple[int, ...], tuple[int | None, ...], tuple[int, ...] | None] | None:
+def _layout(v: Any, where: str, ndim: int) -> tuple[Any, ...] | None:
     """A tensor's ``layout`` (§4.6): ``{"mesh": [n, ...], "shards": [dim or null, ...]}``, one shard per mesh
     dimension, each a dimension of the tensor, and optionally ``"order"``: the mesh dimensions in the order they
-    split the tensor (a permutation); None when absent."""
+    split the tensor (a permutation), and ``"at"``: per mesh dimension null or the coordinate a replicating
+    dimension is fixed at (the tensor of one pipeline stage); ``(mesh, shards, order, at)``, None when absent."""
     if v is None:
         return None
-    if not isinstance(v, dict) or not {"mesh", "shards"} <= set(v) <= {"mesh", "shards", "order"}:
-        raise _fail(where, f"layout must be an object with mesh, shards and optionally order, got {v!r:.80}")
+    if not isinstance(v, dict) or not {"mesh", "shards"} <= set(v) <= {"mesh", "shards", "order", "at"}:
+        raise _fail(where, f"layout must be an object with mesh, shards and optionally order and at, got {v!r:.80}")
     mesh = _ints(v["mesh"], f"{where} layout mesh", 1, MAX_NDIM)
     shards = v["shards"]
     if not mesh or not isinstance(shards, list) or len(shards) != len(mesh) or not all(
@@ -454,7 +454,16 @@ def _layout(v: Any, where: str, ndim: int
         order = _ints(v["order"], f"{where} layout order", 0, len(mesh))
         if sorted(order) != list(range(len(mesh))):
             raise _fail(where, f"layout order {v['order']!r:.80} is not an order of the {len(mesh)} mesh dimensions")
-    return mesh, tuple(shards), order
+    at = None
+    if "at" in v:
+        at = v["at"]
+        if not isinstance(at, list) or len(at) != len(mesh) or not all(
+                a is None or (type(a) is int and d is None and 0 <= a < n) for a, d, n in zip(at, shards, mesh)) \
+                or all(a is None for a in at):
+            raise _fail(where, f"layout at {at!r:.80} must fix, for some replicating mesh dimensions, a coordinate "
+                               "of that dimension (null elsewhere)")
+        at = tuple(at)
+    return mesh, tuple(shards), order, at
 
 
 def _tables(doc: Mapping[str, Any], name: str, version: int, save_id: str, world_size: int,

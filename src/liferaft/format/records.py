@@ -126,10 +126,11 @@ class TensorEntry:
     #: None for a tensor every rank held alike (or sharded); else the saving ranks whose copies differed, one per
     #: index of dimension 0: the stored shape is ``[len(per_rank), *shape of each copy]`` (docs/FORMAT.md §4.5)
     per_rank: tuple[int, ...] | None = None
-    #: (version 4) how the saving ranks held it: ``(mesh, shards, order)`` of a ``planning.layouts.Layout`` whose
-    #: ``shards`` are tensor dimensions or None (replicated), ``order`` None or the order the mesh dimensions
-    #: split the tensor in; None when not recorded
-    layout: tuple[tuple[int, ...], tuple[int | None, ...], tuple[int, ...] | None] | None = None
+    #: (version 4) how the saving ranks held it: ``(mesh, shards, order[, at])`` of a ``planning.layouts.Layout``
+    #: whose ``shards`` are tensor dimensions or None (replicated), ``order`` None or the order the mesh
+    #: dimensions split the tensor in, ``at`` None or the coordinate some replicating dimensions are fixed at
+    #: (a pipeline stage's tensor); None when not recorded
+    layout: tuple[Any, ...] | None = None
     #: (version 4, a tensor without a ``layout``) the boxes of its chunks, each ``(rank, offsets, sizes)``: the
     #: rank whose chunk table lists that chunk (a save whose ranks' boxes follow no layout: planned gathered)
     boxes: tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...] | None = None
@@ -166,6 +167,8 @@ class TensorEntry:
             out["layout"] = {"mesh": list(self.layout[0]), "shards": list(self.layout[1])}
             if self.layout[2] is not None:
                 out["layout"]["order"] = list(self.layout[2])
+            if len(self.layout) > 3 and self.layout[3] is not None:     # type: ignore[misc]
+                out["layout"]["at"] = list(self.layout[3])              # type: ignore[misc]
         if self.boxes is not None:
             out["boxes"] = [[r, list(o), list(z)] for r, o, z in self.boxes]
         if self.lossy is not None:

@@ -22,6 +22,7 @@ member of a group writes at most one chunk more than its least busy member.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -45,6 +46,13 @@ class Layout:
     #: another order describes FSDP2 over tensor parallelism where its ``_StridedShard`` is a plain nested split
     #: (:func:`as_ordered`)
     order: tuple[int, ...] | None = None
+    #: (pipeline stages) the coordinate fixed along some replicating mesh dimensions (None elsewhere): only the
+    #: ranks at ``at`` hold the tensor (a DTensor on the sub-mesh of one stage, its key held by that stage
+    #: alone: ``planning.stages``); None: every coordinate holds it
+    at: tuple[int | None, ...] | None = None
+    #: (pipeline stages, a tensor held whole) the ranks holding it, in order, when not every rank does; planning
+    #: only (its chunks are listed in the index, which records no group)
+    group: tuple[int, ...] | None = None
 
     @property
     def world(self) -> int:
@@ -78,6 +86,8 @@ def layout_box(layout: Layout, shape: Sequence[int], rank: int) -> Box:
         raise ValueError(f"layout_box: {layout} has a _StridedShard; take the rank's boxes from its DTensor")
     offs, sizes = [0] * len(shape), list(shape)
     coord = coordinate(layout.mesh, rank)
+    if not holds(layout, rank, coord):
+        return tuple(0 for _ in shape), tuple(0 for _ in shape)
     for i in layout.steps:
         n, d, c = layout.mesh[i], layout.shards[i], coord[i]
         if not isinstance(d, int):
@@ -91,13 +101,28 @@ def layout_box(layout: Layout, shape: Sequence[int], rank: int) -> Box:
     return tuple(offs), tuple(sizes)
 
 
+def holds(layout: Layout, rank: int, coord: Sequence[int] | None = None) -> bool:
+    """Whether ``rank`` (at ``coord`` of the mesh) is one of the ranks holding a tensor of ``layout`` (every rank,
+    unless ``at`` or ``group`` restrict them)."""
+    if layout.group is not None:
+        i = bisect.bisect_left(layout.group, rank)
+        return i < len(layout.group) and layout.group[i] == rank
+    if layout.at is not None:
+        coord = coordinate(layout.mesh, rank) if coord is None else coord
+        return all(a is None or a == c for a, c in zip(layout.at, coord))
+    return True
+
+
 def layout_holders(layout: Layout, rank: int) -> tuple[int, ...]:
-    """The ranks holding the same box as ``rank``: its coordinate varied along the replicating mesh dimensions,
-    in rank order."""
+    """The ranks holding the same box as ``rank`` (one that holds it): its coordinate varied along the replicating
+    mesh dimensions that ``at`` does not fix, in rank order (a ``group``: its ranks)."""
+    if layout.group is not None:
+        return layout.group
     coord = coordinate(layout.mesh, rank)
+    at = layout.at or (None,) * len(layout.mesh)
     ranks = [0]
-    for n, d, c in zip(layout.mesh, layout.shards, coord):
-        ranks = [r * n + i for r in ranks for i in ((c,) if d is not None else range(n))]
+    for n, d, c, a in zip(layout.mesh, layout.shards, coord, at):
+        ranks = [r * n + i for r in ranks for i in ((c,) if d is not None or a is not None else range(n))]
     return tuple(ranks)
 
 
@@ -111,7 +136,7 @@ def plan_own(tensors: Sequence[tuple[TensorMeta, Layout]], rank: int, save_id: s
     largest first, to the member with the fewest bytes so far (ties: the member after the group's rotation),
     computed identically by every member."""
     mine: list[tuple[int, int, str, Box, Box]] = []
-    for members, jobs in _own_jobs(tensors, rank, chunk_bytes).items():
+    for members, _, jobs in _own_jobs(tensors, rank, chunk_bytes):
         if len(members) == 1:
             mine.extend(jobs)
         else:
@@ -131,9 +156,13 @@ _Job = tuple[int, int, str, Box, Box]       # (bytes, position of the tensor, ke
 
 
 def _own_jobs(tensors: Sequence[tuple[TensorMeta, Layout]], rank: int, chunk_bytes: int
-              ) -> dict[tuple[int, ...], list[_Job]]:
-    """The chunks of every box ``rank`` holds, by the group of ranks holding that box (``plan_own``)."""
+              ) -> list[tuple[tuple[int, ...], bool, list[_Job]]]:
+    """The chunks of every box ``rank`` holds, by the group of ranks holding that box (``plan_own``), each group
+    with whether it holds tensors of ``group`` layouts: those (held whole by some ranks, their chunks listed in
+    the index) are balanced apart from the others, whose groups a reader replays from the index (which records
+    no ``group``)."""
     groups: dict[tuple[int, ...], list[_Job]] = {}
+    apart: dict[tuple[int, ...], list[_Job]] = {}
     holders: dict[Layout, list[_Job]] = {}      # (a model has a few layouts)
     for pos, (t, layout) in enumerate(tensors):
         boxes = (layout_box(layout, t.shape, rank),) if layout.regular else t.boxes
@@ -143,10 +172,11 @@ def _own_jobs(tensors: Sequence[tuple[TensorMeta, Layout]], rank: int, chunk_byt
                 continue
             jobs = holders.get(layout)
             if jobs is None:
-                jobs = holders[layout] = groups.setdefault(layout_holders(layout, rank), [])
+                jobs = holders[layout] = (apart if layout.group is not None else groups).setdefault(
+                    layout_holders(layout, rank), [])
             for box in split_box(held, isz, chunk_bytes):
                 jobs.append((numel(box[1]) * isz, pos, t.key, box, held))
-    return groups
+    return [(m, False, j) for m, j in groups.items()] + [(m, True, j) for m, j in apart.items()]
 
 
 def _assign(members: tuple[int, ...], jobs: list[_Job]) -> list[tuple[_Job, int]]:
@@ -169,18 +199,18 @@ def group_writers(tensors: Sequence[tuple[TensorMeta, Layout]], member: int, chu
     """For each group of replicas ``member`` belongs to, which member writes each chunk (by tensor position and
     box) in ``plan_own``: what a reader replays to find the rank whose chunk table holds a chunk."""
     return {members: {(j[1], j[3]): r for j, r in _assign(members, jobs)}
-            for members, jobs in _own_jobs(tensors, member, chunk_bytes).items() if len(members) > 1}
+            for members, apart, jobs in _own_jobs(tensors, member, chunk_bytes) if len(members) > 1 and not apart}
 
 
 def overlapping(layout: Layout, shape: Sequence[int], box: Box) -> list[tuple[Box, int]]:
     """The non-empty boxes of a regular ``layout`` of a tensor of ``shape`` that share an element with ``box``,
-    each with one rank holding it (the one at coordinate 0 along the replicating mesh dimensions): grid
+    each with one rank holding it (the one at coordinate 0, or ``at``, along the replicating mesh dimensions): grid
     arithmetic over the mesh, in time that grows with the boxes found, not with the ranks."""
     if numel(box[1]) == 0:
         return []
     lo, hi = box[0], tuple(o + s for o, s in zip(*box))
-    states: list[tuple[tuple[int, ...], list[int], list[int]]] = [((0,) * len(layout.mesh), [0] * len(shape),
-                                                                     list(shape))]
+    start = tuple(0 if a is None else a for a in layout.at) if layout.at is not None else (0,) * len(layout.mesh)
+    states: list[tuple[tuple[int, ...], list[int], list[int]]] = [(start, [0] * len(shape), list(shape))]
     for i in layout.steps:
         n, d = layout.mesh[i], layout.shards[i]
         nxt = []

@@ -1,0 +1,113 @@
+"""The exchange that plans a save from ranks holding different tensors (pipeline stages: ``planning.stages``).
+
+Each rank's digest of what it describes is all-gathered (8 bytes a rank); the first rank of each class of ranks
+that describe alike sends rank 0 its tensors and layouts, point to point; rank 0 merges them and broadcasts the
+result with the save's id. What a rank receives grows with the world by 8 bytes a rank and with the tensors of
+every stage (the index's size), not with the ranks times the tensors. A repeated save whose ranks all kept the
+same agreement votes it in the save's first all-reduce and skips all of this (``caches.STAGED``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from liferaft.codecs.checksum import digest
+from liferaft.core.caches import STAGED
+from liferaft.core.described import layout_digest
+from liferaft.dist import Coordinator
+from liferaft.errors import InvalidStateError
+from liferaft.planning.layouts import Layout, holds
+from liferaft.planning.save_plan import RankMeta, TensorMeta
+from liferaft.planning.stages import MAX_CLASSES, Staged, classes_of, merge_stages, stage_layouts
+
+#: the tags of the classes' descriptions sent to rank 0 (``core.phases``'s probes are 0x4C46_0004/5)
+DESCRIBE_TAGS = (0x4C46_0006, 0x4C46_0007)
+
+
+def stage_digest(meta: RankMeta, layouts: tuple[Layout, ...], options: tuple[Any, ...]) -> int:
+    """What ranks of one class share (62 bits, never 0): their tensors with their layouts (``layout_digest``
+    without the values), their containers and ``options``; not the values of the plain tensors compared across
+    ranks (an optimizer's step counts change at every save: their copies are compared by
+    :func:`_same_copies`)."""
+    alignment, chunk_bytes, tables = options
+    described = layout_digest(meta, layouts, alignment, chunk_bytes, tables, values=False)
+    return (int(digest(repr((described, meta.containers)).encode()), 16) >> 2) | 1
+
+
+def known_stages(coord: Coordinator, sig: int) -> int:
+    """The digest of every rank's description this rank last agreed on under its description ``sig`` (0: none):
+    what a repeated save votes on."""
+    found = STAGED.get((coord.key, sig))
+    return found[0] if found is not None else 0
+
+
+def plan_stages(coord: Coordinator, meta: RankMeta, layouts: tuple[Layout, ...], sig: int, agreed: bool,
+                head: tuple[Any, ...], options: tuple[Any, ...]
+                ) -> tuple[tuple[TensorMeta, ...], tuple[Layout, ...], int, Any] | None:
+    """(Collective) every tensor of every rank with its layout scoped to the ranks holding it, the digest of every
+    rank's description (what the plan is cached by) and rank 0's ``head`` (broadcast: the save's id and its
+    values' digests); None when the ranks must plan gathered (the same answer on every rank). ``agreed``: every
+    rank voted the same nonzero ``known_stages``, which are then reused without an exchange. ``options``: what
+    the plan depends on beyond the tensors (every class must pass the same). Raises on every rank if a rank
+    failed to send or rank 0 to receive."""
+    key = (coord.key, sig)
+    if agreed:
+        found = STAGED.get(key)
+        assert found is not None
+        head = coord.broadcast_from_zero(head, None, "save (planning)")
+        return (found[1], found[2], found[0], head) if _same_copies(coord, meta, found[1], found[2]) else None
+    sigs = coord.all_gather_int(sig, "save (planning): the ranks' descriptions")
+    class_of, firsts = classes_of(sigs)
+    if len(firsts) > MAX_CLASSES:           # (every rank sees the same digests: all plan gathered)
+        return None
+    merged: Staged | str | None = None
+    error: BaseException | None = None
+    try:
+        descs = coord.gather_some(tuple(firsts), (meta.tensors, layouts, meta.containers, options)
+                                  if coord.rank in firsts else None, DESCRIBE_TAGS,
+                                  "save (planning): the stages' descriptions", limit=1 << 28)
+        if descs is not None:
+            merged = merge_stages([descs[r] for r in firsts], class_of)
+    except Exception as e:  # noqa: BLE001 - reported to every rank by the broadcast that follows
+        error = e
+    head, merged = coord.broadcast_from_zero((head, merged), error, "save (planning)")
+    if error is not None:           # (a send that failed: rank 0's receive failed too, or timed out)
+        raise error
+    if not isinstance(merged, Staged):
+        return None
+    scoped = stage_layouts(merged, class_of)
+    mine = {t.key for t in meta.tensors}
+    for t, la in zip(merged.tensors, scoped):   # (each rank holds exactly its own tensors, in their scope)
+        if holds(la, coord.rank) != (t.key in mine):
+            raise InvalidStateError(f"key {t.key!r}: the stages' plan gives rank {coord.rank} a tensor it "
+                                    f"{'lacks' if t.key not in mine else 'holds but is not planned to'}")
+    whole = (int(digest(np.asarray(sigs, dtype=np.int64).tobytes()), 16) >> 2) | 1
+    STAGED.put(key, (whole, merged.tensors, scoped))
+    if not _same_copies(coord, meta, merged.tensors, scoped):
+        return None
+    return merged.tensors, scoped, whole, head
+
+
+#: what a rank that does not hold a compared plain tensor votes for it (below every holder's digest and negation)
+_ABSENT = -(1 << 62)
+
+
+def _same_copies(coord: Coordinator, meta: RankMeta, tensors: tuple[TensorMeta, ...], layouts: tuple[Layout, ...]
+                 ) -> bool:
+    """(Collective) whether every plain tensor compared across ranks (``RankMeta.digests``: a model's and an
+    optimizer's) holds the same bytes on every rank holding it: one all-reduce of two numbers per tensor of the
+    job held whole (each rank's digest and its negation, or :data:`_ABSENT`, by the tensor's place in
+    ``tensors``). Copies that differ are stored per rank, which the gathered plan does."""
+    mine = dict(meta.digests)
+    votes = []
+    for t, la in zip(tensors, layouts):
+        if any(d is not None for d in la.shards):
+            continue
+        d = mine.get(t.key)
+        h = int(d, 16) >> 2 if d is not None else None
+        votes += [_ABSENT, _ABSENT] if h is None else [h, -h]
+    if not votes:
+        return True
+    result = coord.all_max(votes, "save (planning): the plain tensors' copies")
+    return all(a == _ABSENT or a == -b for a, b in zip(result[::2], result[1::2]))

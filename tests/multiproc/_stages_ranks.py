@@ -1,0 +1,120 @@
+"""Rank functions for pipeline stages under FSDP2 (imported as ``multiproc._stages_ranks``): 4 ranks as 2 stages of
+2 data-parallel ranks each; each stage holds its own layers (their names kept, as torchtitan's pipeline split keeps
+them), sharded by FSDP2 over the stage's sub-mesh, with AdamW, a plain tensor of the stage and one every rank
+holds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+import liferaft
+from liferaft.core.caches import PLANS, STAGED
+
+#: the layers of each stage (in, out)
+LAYERS = {"l0": (16, 33), "l1": (33, 33), "l2": (33, 10), "l3": (10, 6)}
+STAGES = (("l0", "l1"), ("l2", "l3"))
+
+
+def full_model() -> nn.ModuleDict:
+    torch.manual_seed(0)
+    return nn.ModuleDict({k: nn.Linear(i, o) for k, (i, o) in LAYERS.items()})
+
+
+def stage_model(stage: int) -> nn.ModuleDict:
+    """The layers of ``stage``, with their names and initial values from the whole model."""
+    model = full_model()
+    for k in list(model):
+        if k not in STAGES[stage]:
+            del model[k]
+    return model
+
+
+def train(model: nn.ModuleDict, opt: torch.optim.Optimizer, stage: int, steps: int) -> None:
+    g = torch.Generator().manual_seed(7 + stage)
+    first = LAYERS[STAGES[stage][0]][0]
+    for _ in range(steps):
+        x = torch.randn(4, first, generator=g)
+        for k in STAGES[stage]:
+            x = torch.relu(model[k](x))
+        x.pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def make(rank: int, pp: int, dp: int, lr: float = 0.01) -> tuple[nn.ModuleDict, torch.optim.Optimizer, int]:
+    """This rank's stage model, sharded by FSDP2 over its stage's sub-mesh when ``dp`` > 1, and its AdamW."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    stage = rank // dp
+    model = stage_model(stage)
+    if dp > 1:
+        mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
+        for k in STAGES[stage]:
+            fully_shard(model[k], mesh=mesh["dp"])
+    return model, torch.optim.AdamW(model.parameters(), lr=lr), stage
+
+
+def reference(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """This stage's full parameters and optimizer state (gathered over its data-parallel ranks), by name."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    o = StateDictOptions(full_state_dict=True, cpu_offload=False)
+    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t
+    osd = get_optimizer_state_dict(model, opt, options=o)
+    return {"model": {k: full(v).clone() for k, v in get_model_state_dict(model, options=o).items()},
+            "optim": {k: {n: full(t).clone() for n, t in s.items()} for k, s in osd["state"].items()}}
+
+
+def state(model: nn.Module, opt: torch.optim.Optimizer, stage: int, step: int) -> dict[str, Any]:
+    return {"model": model, "optim": opt, "stage_state": {f"s{stage}": torch.full((5,), float(stage + step))},
+            "shared": torch.arange(6.0) + step, "step": step}
+
+
+def save(rank: int, world: int, paths: list[str], ref_path: str) -> list[Any]:
+    """Train PP 2 × FSDP2 2 and save to each of ``paths`` (one more step before each); write each stage's
+    reference beside; return how each save was planned and how many stage plans this rank keeps."""
+    model, opt, stage = make(rank, 2, 2)
+    out = []
+    for i, p in enumerate(paths):
+        train(model, opt, stage, 2)
+        ref = reference(model, opt)
+        if rank % 2 == 0:
+            torch.save(ref, f"{ref_path}.{i}.{stage}")
+        liferaft.save(p, state(model, opt, stage, i))
+        out.append(("layouts" if PLANS.items()[-1][1][0][:1] == ("layouts",) else "gathered", len(STAGED)))
+    return out
+
+
+def load(rank: int, world: int, path: str, ref_path: str, step: int, pp_dp: tuple[int, int]) -> list[str]:
+    """Load the save of ``step`` (its stages' references at ``ref_path``) into ``pp_dp`` (pipeline ×
+    data-parallel ranks) with other values; the keys that differ from the saving stage's reference."""
+    model, opt, stage = make(rank, *pp_dp, lr=0.5)
+    for p in model.parameters():
+        (p.data.to_local() if hasattr(p.data, "to_local") else p.data).zero_()
+    st = state(model, opt, stage, -1)
+    # (each stage's optimizer names its own parameters in its param_groups: a value per saving rank, which maps
+    # onto the same ranks only; the optimizer's state is loaded all the same)
+    result = liferaft.load(path, st, strict=pp_dp == (2, 2))
+    ref = torch.load(f"{ref_path}.{step}.{stage}")
+    got = reference(model, opt)
+    bad = [k for k in ref["model"] if not torch.equal(ref["model"][k], got["model"][k])]
+    bad += [f"{k}.{n}" for k, s in ref["optim"].items() for n, t in s.items() if not torch.equal(t, got["optim"][k][n])]
+    expect = state(model, opt, stage, step)
+    if st["step"] != step or not torch.equal(st["shared"], expect["shared"]) or \
+            not torch.equal(st["stage_state"][f"s{stage}"], expect["stage_state"][f"s{stage}"]):
+        bad.append("rest")
+    if list(result.missing_keys) not in ([], ["optim.param_groups"]):
+        bad.append(f"missing {result.missing_keys}")
+    return bad
+
+
+def load_expect_error(rank: int, world: int, path: str, ref_path: str) -> str:
+    try:
+        load(rank, world, path, ref_path, 0, (2, 2))
+    except liferaft.LiferaftError as e:
+        return f"{type(e).__name__}: {e}"
+    return "loaded"

@@ -1,0 +1,78 @@
+"""Pipeline stages on 4 real ranks (2 stages × FSDP2 over 2 data-parallel ranks, AdamW): the ranks hold different
+tensors, yet each plans its own writes (``planning.stages``: nothing but 8 bytes a rank is all-gathered), the save
+commits with chunk tables whose layouts are scoped to their stage (``at``), a repeated save reuses the agreement,
+and every checkpoint loads exactly: into the same layout, into 2 ranks of one stage each, into one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from multiproc._stages_ranks import LAYERS, STAGES, full_model, load, load_expect_error, save
+
+import liferaft
+from liferaft.core.commit import open_checkpoint
+from liferaft.storage import resolve
+from liferaft.testing import run_ranks
+from liferaft.testing.tamper import rewrite_manifest
+
+
+def _saved(tmp_path, n: int = 1) -> tuple[list[str], str]:
+    paths, ref = [str(tmp_path / f"c{i}") for i in range(n)], str(tmp_path / "ref")
+    for kinds in run_ranks(save, 4, paths, ref):
+        assert kinds == [("layouts", 1)] * n        # planned by each rank, the agreement kept once
+    return paths, ref
+
+
+def test_pipeline_stages_under_fsdp2_are_planned_by_each_rank_and_load_exactly(tmp_path):
+    (a, b), ref = _saved(tmp_path, 2)
+    m = open_checkpoint(resolve(a))
+    assert m.version == 4 and len(m.tables) == 4
+    layouts = {t.key: t.layout for t in m.tensors}
+    for stage, names in enumerate(STAGES):
+        for k in names:
+            assert layouts[f"model.{k}.weight"] == ((2, 2), (None, 0), None, (stage, None))
+            assert layouts[f"optim.state.{k}.weight.exp_avg"] == ((2, 2), (None, 0), None, (stage, None))
+            assert layouts[f"optim.state.{k}.weight.step"][:2] == ((4,), (None,))     # whole, in the index
+    assert layouts["shared"][:2] == ((4,), (None,))
+    for t in m.tensors:                                     # every element stored exactly once
+        assert sum(c.length for c in t.chunks) == torch.Size(t.shape).numel() * 4, t.key
+    for step, path in enumerate((a, b)):
+        assert run_ranks(load, 4, path, ref, step, (2, 2)) == [[]] * 4
+        assert run_ranks(load, 2, path, ref, step, (2, 1)) == [[]] * 2     # one rank per stage, whole
+    assert liferaft.verify(a).chunks == sum(len(t.chunks) for t in m.tensors)
+
+
+def test_every_stage_loads_into_one_process(tmp_path):
+    (path,), ref = _saved(tmp_path)
+    model = full_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.5)
+    st = {"model": model, "optim": opt, "stage_state": {"s0": torch.zeros(5), "s1": torch.zeros(5)},
+          "shared": torch.zeros(6), "step": -1}
+    assert list(liferaft.load(path, st, strict=False).missing_keys) == ["optim.param_groups"]
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    osd = get_optimizer_state_dict(model, opt)["state"]
+    for stage in (0, 1):
+        want = torch.load(f"{ref}.0.{stage}")
+        for k, t in want["model"].items():
+            assert torch.equal(model.state_dict()[k], t), k
+        for k, s in want["optim"].items():
+            for n, t in s.items():
+                assert torch.equal(osd[k][n], t), (k, n)
+        assert torch.equal(st["stage_state"][f"s{stage}"], torch.full((5,), float(stage)))
+    assert st["step"] == 0 and torch.equal(st["shared"], torch.arange(6.0))
+    assert set(LAYERS) == set(model)
+
+
+def test_an_index_whose_stage_is_moved_is_refused_by_name(tmp_path):
+    (path,), ref = _saved(tmp_path)
+
+    def move(doc):      # the first stage's layers said to be held by the second stage's ranks
+        for t in doc["tensors"]:
+            if t.get("layout", {}).get("at") == [0, None]:
+                t["layout"]["at"] = [1, None]
+    rewrite_manifest(path, move)
+    for got in run_ranks(load_expect_error, 4, path, ref):     # (the ranks of the first stage find it)
+        assert "CorruptCheckpointError" in got and "'model.l0.weight': the chunk tables cover 0 of" in got, got
+    with pytest.raises(liferaft.CorruptCheckpointError, match="is not a piece of rank 0's box"):
+        liferaft.verify(path)                               # (and verify, reading its tables)
