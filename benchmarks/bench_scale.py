@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import pickle
 import statistics
 import time
@@ -175,7 +176,7 @@ def _own(layout: str, ranks: int, tensors: int, rows: int) -> tuple[float, int, 
     mine = plan_own(described, rank, "0" * 16, 64, 16 << 20)
     dt = time.perf_counter() - t0
     inferred = tuple(la for _, la in described) if layout == "pairs" else None
-    received = 8 * 5 + 8 + len(pickle.dumps((None, "0" * 16, {}, inferred)))    # all-reduce of 5 int64; the broadcast
+    received = 8 * 9 + 8 + len(pickle.dumps((None, "0" * 16, {}, inferred)))    # all-reduce of 9 int64; the broadcast
     if layout == "pairs":
         received += 8
     block = 4 << 20
@@ -202,6 +203,50 @@ def _inference(ranks: int, tensors: int, rows: int) -> tuple[float, int, int]:
     assert all(la is not None for la in got)
     received = sum(8 + len(probe_message(m)) for r, m in probed.items() if r)
     return dt, received, len(probes)
+
+
+def _stages(ranks: int, tensors: int, rows: int) -> tuple[float, int, float, int]:
+    """Pipeline stages (``pp16``, ``planning.stages``): rank 0's time to merge the stages' descriptions and the
+    bytes it receives for them (one message from the first rank of each stage, point to point); one rank's time
+    to digest what it describes, number the classes from the all-gathered digests, scope every stage's layouts
+    and plan its writes over them, and the bytes it receives to plan (the vote; the all-gather of 8 bytes a rank;
+    the broadcast of every stage's tensors; the all-reduce that compares the copies of the tensors held whole,
+    two numbers each, about twice the vector for a ring)."""
+    import numpy as np
+
+    from liferaft.core.stages import stage_digest
+    from liferaft.planning.layouts import Layout, plan_own
+    from liferaft.planning.save_plan import RankMeta
+    from liferaft.planning.stages import classes_of, merge_stages, stage_layouts
+    from liferaft.testing.scale import STAGES, stage_tensors
+
+    dp, opts = ranks // STAGES, (64, 16 << 20, True)
+
+    def described(rank: int) -> tuple[Any, tuple[Any, ...]]:
+        metas = stage_tensors(ranks, tensors, rows, rank)
+        return metas, tuple(Layout((STAGES, dp), (None, 0)) if t.shape else Layout((ranks,), (None,))
+                            for t in metas)
+
+    descs = [(*described(s * dp), (), opts) for s in range(STAGES)]
+    sigs = np.repeat(np.array([stage_digest(RankMeta(s * dp, d[0], (), ()), d[1], opts) for s, d in
+                               enumerate(descs)], dtype=np.int64), dp)
+    t0 = time.perf_counter()
+    merged = merge_stages(descs, classes_of(sigs)[0])
+    t_merge = time.perf_counter() - t0
+    assert not isinstance(merged, str), merged
+    to_zero = sum(16 + len(pickle.dumps(d, protocol=pickle.HIGHEST_PROTOCOL)) for d in descs[1:])
+    rank = ranks // 2
+    metas, lays = described(rank)
+    t0 = time.perf_counter()
+    stage_digest(RankMeta(rank, metas, (), ()), lays, opts)
+    class_of, _ = classes_of(sigs)
+    scoped = stage_layouts(merged, class_of)
+    plan_own(list(zip(merged.tensors, scoped)), rank, "0" * 16, 64, 16 << 20)
+    dt = time.perf_counter() - t0
+    whole = sum(1 for la in scoped if all(d is None for d in la.shards))
+    received = 2 * 9 * 8 + 8 * ranks + len(pickle.dumps((None, (("0" * 16, {}), merged)),
+                                                    protocol=pickle.HIGHEST_PROTOCOL)) + 2 * 2 * 8 * whole
+    return t_merge, to_zero, dt, received
 
 
 def _tabled(layout: str, ranks: int, tensors: int, rows: int, tmp: str, to_tp: bool = False
@@ -251,14 +296,18 @@ def _tabled(layout: str, ranks: int, tensors: int, rows: int, tmp: str, to_tp: b
     row = len(pickle.dumps(((ref, len(data), fsize, wrote, inline), (), 0, (), ())))
     # every replicated tensor's chunks, by writer (listed in the index)
     listed: dict[int, list[Any]] = {}
-    if any(replicated(la) for la in layouts):
-        for (i, box), w in next(iter(group_writers(described, 0, cb).values())).items():
+    firsts = sorted({la.group[0] for la in layouts if la.group})    # (pp16: each stage's tensors held whole)
+    writers = [w for f in firsts for g in group_writers(described, f, cb, whole=True).values() for w in g.items()] \
+        if firsts else list(next(iter(group_writers(described, 0, cb).values())).items()) \
+        if any(replicated(la) for la in layouts) else []
+    if writers:
+        for (i, box), w in writers:
             t = described[i][0]
             n = numel(box[1]) * 4
             listed.setdefault(w, []).append((i, stored(WriteItem(key=t.key, offsets=box[0], sizes=box[1],
                                                                  file=data_file_name(sid, w), byte_offset=0,
                                                                  length=n))))
-    total = sum(t.shape[0] * t.shape[1] * 4 for t, _ in described)
+    total = sum(math.prod(t.shape) * 4 for t, _ in described)
     new = max(1, ranks * 3 // 4)
     r = new // 2
     full_rows = described[0][0].shape[0]
@@ -268,7 +317,7 @@ def _tabled(layout: str, ranks: int, tensors: int, rows: int, tmp: str, to_tp: b
         dp, r = max(1, ranks // 8), ranks // 2
         lo, hi = (r // 8) * full_rows // dp, (r // 8 + 1) * full_rows // dp
         col, width = r % 8 * width // 8, width // 8
-    wanted_boxes = [(t.key, ((lo, col), (hi - lo, width))) for t, _ in described]
+    wanted_boxes = [(t.key, ((lo, col), (hi - lo, width))) for t, _ in described if len(t.shape) == 2]
     actual: dict[int, tuple[bytes, int]] = {}
 
     def index_bytes() -> bytes:
@@ -345,6 +394,8 @@ def _own_table(sizes: list[int], counts: list[int], layouts: list[str], rows: in
                     print(f"| {layout} | {ranks} | {tensors} | gathered (no compact layout) |||||||||")
                     continue
                 dt, received, row = got
+                if layout == "pp16":        # (planned by stages: ``_stages``)
+                    _, _, dt, received = _stages(ranks, tensors, rows)
                 loading = f"{_load_exchange(ranks, tensors) / 1e6:.1f}" if layout == "fsdp" else "–"
                 if layout == "ddp":         # (one manifest: the v3 row, every chunk's record)
                     print(f"| {layout} | {ranks} | {tensors} | {dt:.3f} | {received} | {row} | "
@@ -360,6 +411,19 @@ def _own_table(sizes: list[int], counts: list[int], layouts: list[str], rows: in
                 print(f"| {layout} | {ranks} | {tensors} | {dt:.3f} | {received} | {trow} | "
                       f"{trow * ranks / 1e6:.1f} | {index / 1e6:.1f} | {table / 1e3:.0f} | {t_load:.2f} | {read} | "
                       f"{tp} | {loading} |", flush=True)
+    if "pp16" in layouts:
+        print()
+        print("Pipeline stages (pp16: 16 stages, each holding a sixteenth of the tensors, Shard(0) over its ranks, "
+              "and a plain step count per tensor): rank 0 merges the first rank of each stage's description; one "
+              "rank numbers the classes, scopes every stage's layouts and plans its writes:")
+        print("| ranks | tensors | rank 0 merges (s) | rank 0 receives for it (kB) | plan, one rank (s) | "
+              "received to plan, one rank (kB) |")
+        print("|---|---|---|---|---|---|")
+        for ranks in sizes:
+            for tensors in counts:
+                t_merge, to_zero, dt, received = _stages(ranks, tensors, rows)
+                print(f"| {ranks} | {tensors} | {t_merge:.3f} | {to_zero / 1e3:.0f} | {dt:.3f} | "
+                      f"{received / 1e3:.0f} |", flush=True)
     if "pairs" in layouts:
         print()
         print("Hand-made shards (pairs): their layouts inferred on rank 0 from the boxes of the probes (rank 0 and "

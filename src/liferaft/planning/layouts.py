@@ -194,12 +194,15 @@ def _assign(members: tuple[int, ...], jobs: list[_Job]) -> list[tuple[_Job, int]
     return out
 
 
-def group_writers(tensors: Sequence[tuple[TensorMeta, Layout]], member: int, chunk_bytes: int
+def group_writers(tensors: Sequence[tuple[TensorMeta, Layout]], member: int, chunk_bytes: int, whole: bool = False
                   ) -> dict[tuple[int, ...], dict[tuple[int, Box], int]]:
     """For each group of replicas ``member`` belongs to, which member writes each chunk (by tensor position and
-    box) in ``plan_own``: what a reader replays to find the rank whose chunk table holds a chunk."""
+    box) in ``plan_own``: what a reader replays to find the rank whose chunk table holds a chunk. ``whole``: the
+    groups of the tensors of ``group`` layouts instead (held whole by some ranks: what their writers list in the
+    index)."""
     return {members: {(j[1], j[3]): r for j, r in _assign(members, jobs)}
-            for members, apart, jobs in _own_jobs(tensors, member, chunk_bytes) if len(members) > 1 and not apart}
+            for members, apart, jobs in _own_jobs(tensors, member, chunk_bytes)
+            if len(members) > 1 and apart == whole}
 
 
 def overlapping(layout: Layout, shape: Sequence[int], box: Box) -> list[tuple[Box, int]]:

@@ -9,14 +9,43 @@ from liferaft.planning.save_plan import RankMeta, TensorMeta
 #: the columns of every simulated tensor (fp32)
 COLS = 4096
 LAYOUTS = ("fsdp", "fsdp×tp8", "pairs", "ddp")
+#: pipeline stages: 16 stages, each holding its own tensors (a sixteenth of them), each ``Shard(0)`` over the
+#: stage's ranks (FSDP2 on the stage's sub-mesh), with a plain step count per tensor the stage holds whole
+STAGES = 16
+
+
+def stage_of(ranks: int, tensors: int, t: int) -> int:
+    """The stage holding tensor ``t`` in the ``pp16`` layout."""
+    return t * STAGES // tensors
+
+
+def stage_tensors(ranks: int, tensors: int, rows: int, rank: int) -> tuple[TensorMeta, ...]:
+    """What ``rank`` holds in the ``pp16`` layout: its stage's weights' row blocks (``Shard(0)`` over its stage's
+    ranks) and step counts (plain tensors its stage holds whole), in tensor order."""
+    dp = ranks // STAGES
+    stage, i = divmod(rank, dp)
+    rows = max(rows, ranks)
+    lo, hi = i * rows // dp, (i + 1) * rows // dp
+    out = []
+    for t in range(tensors):
+        if stage_of(ranks, tensors, t) == stage:
+            out.append(TensorMeta(key=f"layers.{t}.weight", path=("layers", str(t), "weight"), kind="tensor",
+                                  dtype="float32", shape=(rows, COLS), boxes=(((lo, 0), (hi - lo, COLS)),)))
+            out.append(TensorMeta(key=f"layers.{t}.step", path=("layers", str(t), "step"), kind="tensor",
+                                  dtype="float32", shape=(), boxes=(((), ()),)))
+    return tuple(out)
 
 
 def rank_metas(layout: str, ranks: int, tensors: int, rows: int) -> list[RankMeta]:
     """What each of ``ranks`` ranks holds of ``tensors`` tensors of ``max(rows, ranks)`` × ``COLS`` fp32:
     ``fsdp`` — ``Shard(0)`` over all ranks; ``fsdp×tp8`` — ``Shard(0)`` over ranks / 8 × ``Shard(1)`` over 8;
-    ``pairs`` — row shards over ranks / 2, each held by 2 ranks; ``ddp`` — every rank holds every tensor whole."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    ``pairs`` — row shards over ranks / 2, each held by 2 ranks; ``ddp`` — every rank holds every tensor whole;
+    ``pp16`` — pipeline stages (:func:`stage_tensors`)."""
+    if layout not in LAYOUTS + ("pp16",):
+        raise ValueError(f"layout must be one of {LAYOUTS + ('pp16',)}, got {layout!r}")
+    if layout == "pp16":
+        return [RankMeta(rank=r, tensors=stage_tensors(ranks, tensors, rows, r), values=(), containers=())
+                for r in range(ranks)]
     out = []
     for r in range(ranks):
         box = rank_box(layout, ranks, rows, r)
@@ -48,11 +77,25 @@ def rank_box(layout: str, ranks: int, rows: int, r: int) -> tuple[tuple[int, int
 def compact_tensors(layout: str, ranks: int, tensors: int, rows: int) -> list[tuple[TensorMeta, Layout]]:
     """The same tensors as :func:`rank_metas`, each with its compact layout (``planning.layouts``): what every
     rank describes when it plans its own writes (for ``pairs``, hand-made shards, the layout the save infers
-    from the probes' boxes: ``planning.layouts.infer_layout``). The row split is DTensor's (``ceil(rows / parts)``
-    each), equal to ``rank_metas``' when the parts divide the rows."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    from the probes' boxes: ``planning.layouts.infer_layout``; for ``pp16``, every stage's tensors with their layouts
+    scoped to the stage, as ``planning.stages.stage_layouts`` gives them). The row split is DTensor's
+    (``ceil(rows / parts)`` each), equal to ``rank_metas``' when the parts divide the rows."""
+    if layout not in LAYOUTS + ("pp16",):
+        raise ValueError(f"layout must be one of {LAYOUTS + ('pp16',)}, got {layout!r}")
     rows = max(rows, ranks)
+    if layout == "pp16":            # (every stage's tensors, scoped to the stage: ``planning.stages``)
+        dp = ranks // STAGES
+        groups = [tuple(range(s * dp, (s + 1) * dp)) for s in range(STAGES)]
+        out = []
+        for t in range(tensors):
+            s = stage_of(ranks, tensors, t)
+            out.append((TensorMeta(key=f"layers.{t}.weight", path=("layers", str(t), "weight"), kind="tensor",
+                                   dtype="float32", shape=(rows, COLS), boxes=()),
+                        Layout((STAGES, dp), (None, 0), at=(s, None))))
+            out.append((TensorMeta(key=f"layers.{t}.step", path=("layers", str(t), "step"), kind="tensor",
+                                   dtype="float32", shape=(), boxes=()),
+                        Layout((ranks,), (None,), group=groups[s])))
+        return out
     how = {"pairs": Layout((2, ranks // 2), (None, 0)),"fsdp": Layout((ranks,), (0,)), "fsdp×tp8": Layout((ranks // 8, 8), (0, 1)),
            "ddp": Layout((ranks,), (None,))}[layout]
     return [(TensorMeta(key=f"layers.{t}.weight", path=("layers", str(t), "weight"), kind="tensor", dtype="float32",
