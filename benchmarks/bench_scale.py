@@ -207,17 +207,17 @@ def _inference(ranks: int, tensors: int, rows: int) -> tuple[float, int, int]:
 
 def _stages(ranks: int, tensors: int, rows: int) -> tuple[float, int, float, int]:
     """Pipeline stages (``pp16``, ``planning.stages``): rank 0's time to merge the stages' descriptions and the
-    bytes it receives for them (one message from the first rank of each stage, point to point); one rank's time
-    to digest what it describes, number the classes from the all-gathered digests, scope every stage's layouts
-    and plan its writes over them, and the bytes it receives to plan (the vote; the all-gather of 8 bytes a rank;
-    the broadcast of every stage's tensors; the all-reduce that compares the copies of the tensors held whole,
-    two numbers each, about twice the vector for a ring)."""
+    bytes it receives (the gather of 8 bytes a rank, one message from the first rank of each stage); one rank's
+    time to digest what it describes, scope every stage's layouts and plan its writes over them, and the bytes it
+    receives to plan (the vote; the broadcasts of the classes, run-length encoded, and of every stage's tensors;
+    the all-reduce that compares the copies of the tensors held whole, two numbers each, about twice the vector
+    for a ring)."""
     import numpy as np
 
     from liferaft.core.stages import stage_digest
     from liferaft.planning.layouts import Layout, plan_own
     from liferaft.planning.save_plan import RankMeta
-    from liferaft.planning.stages import classes_of, merge_stages, stage_layouts
+    from liferaft.planning.stages import classes_of, merge_stages, runs, stage_layouts
     from liferaft.testing.scale import STAGES, stage_tensors
 
     dp, opts = ranks // STAGES, (64, 16 << 20, True)
@@ -244,9 +244,11 @@ def _stages(ranks: int, tensors: int, rows: int) -> tuple[float, int, float, int
     plan_own(list(zip(merged.tensors, scoped)), rank, "0" * 16, 64, 16 << 20)
     dt = time.perf_counter() - t0
     whole = sum(1 for la in scoped if all(d is None for d in la.shards))
-    received = 2 * 9 * 8 + 8 * ranks + len(pickle.dumps((None, (("0" * 16, {}), merged)),
-                                                    protocol=pickle.HIGHEST_PROTOCOL)) + 2 * 2 * 8 * whole
-    return t_merge, to_zero, dt, received
+    numbered = pickle.dumps((None, (*runs(class_of), list(range(0, ranks, dp)), 1 << 61)),
+                            protocol=pickle.HIGHEST_PROTOCOL)
+    received = 2 * 9 * 8 + 2 * 8 + len(numbered) + len(pickle.dumps((None, (("0" * 16, {}), merged)),
+                                                                    protocol=pickle.HIGHEST_PROTOCOL)) + 2 * 2 * 8 * whole
+    return t_merge, to_zero + 8 * ranks, dt, received
 
 
 def _tabled(layout: str, ranks: int, tensors: int, rows: int, tmp: str, to_tp: bool = False
@@ -416,7 +418,7 @@ def _own_table(sizes: list[int], counts: list[int], layouts: list[str], rows: in
         print("Pipeline stages (pp16: 16 stages, each holding a sixteenth of the tensors, Shard(0) over its ranks, "
               "and a plain step count per tensor): rank 0 merges the first rank of each stage's description; one "
               "rank numbers the classes, scopes every stage's layouts and plans its writes:")
-        print("| ranks | tensors | rank 0 merges (s) | rank 0 receives for it (kB) | plan, one rank (s) | "
+        print("| ranks | tensors | rank 0 merges (s) | rank 0 receives (kB) | plan, one rank (s) | "
               "received to plan, one rank (kB) |")
         print("|---|---|---|---|---|---|")
         for ranks in sizes:

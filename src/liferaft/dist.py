@@ -540,23 +540,24 @@ class Coordinator:
             self.isend(data, 0, tags[1]).wait()
         return None
 
-    def all_gather_int(self, value: int, what: str) -> list[int]:
-        """Every rank's 64-bit ``value``, in rank order (one all-gather of 8 bytes a rank: what each rank receives
-        is 8 bytes times the world)."""
+    def gather_int_to_zero(self, value: int, what: str) -> list[int] | None:
+        """Every rank's 64-bit ``value`` on rank 0, in rank order (None on the other ranks): one gather, each rank
+        sending 8 bytes."""
         import torch
         import torch._C._distributed_c10d as c10d
 
         if self.world == 1 or self.group is None:
             return [value]
-        opts = c10d.AllgatherOptions()
+        opts = c10d.GatherOptions()
+        opts.rootRank = 0
         opts.timeout = datetime.timedelta(seconds=self.timeout)
-        out = torch.zeros(self.world, dtype=torch.int64)
+        out = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)] if self.rank == 0 else []
         try:
-            self.group.backend.allgather([list(out.chunk(self.world))], [torch.tensor([value], dtype=torch.int64)],
-                                         opts).wait()
+            self.group.backend.gather([out] if self.rank == 0 else [], [torch.tensor([value], dtype=torch.int64)],
+                                      opts).wait()
         except Exception as e:  # noqa: BLE001 - gloo reports timeouts and lost peers as RuntimeError
             raise self._fail(e, what, None) from None
-        return out.tolist()
+        return [int(t.item()) for t in out] if self.rank == 0 else None
 
     def run_max(self, step: Callable[[], tuple[T, list[int]]], width: int, what: str, *,
                 cleanup: Callable[[], object] | None = None) -> tuple[T, list[int]]:

@@ -1,9 +1,10 @@
 """The exchange that plans a save from ranks holding different tensors (pipeline stages: ``planning.stages``).
 
-Each rank's digest of what it describes is all-gathered (8 bytes a rank); the first rank of each class of ranks
-that describe alike sends rank 0 its tensors and layouts, point to point; rank 0 merges them and broadcasts the
-result with the save's id. What a rank receives grows with the world by 8 bytes a rank and with the tensors of
-every stage (the index's size), not with the ranks times the tensors. A repeated save whose ranks all kept the
+Each rank's digest of what it describes is gathered to rank 0 (8 bytes a rank), which numbers the classes of ranks
+that describe alike and broadcasts them run-length encoded (a run per stage); the first rank of each class sends
+rank 0 its tensors and layouts, point to point; rank 0 merges them and broadcasts the result with the save's id.
+What a rank other than 0 receives grows with the tensors of every stage (the index's size) and the runs, not with
+the ranks times the tensors; rank 0 receives 8 bytes a rank and one description a class. A repeated save whose ranks all kept the
 same agreement votes it in the save's first all-reduce and skips all of this (``caches.STAGED``)."""
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from liferaft.dist import Coordinator
 from liferaft.errors import InvalidStateError
 from liferaft.planning.layouts import Layout, holds
 from liferaft.planning.save_plan import RankMeta, TensorMeta
-from liferaft.planning.stages import MAX_CLASSES, Staged, classes_of, merge_stages, stage_layouts
+from liferaft.planning.stages import MAX_CLASSES, Staged, classes_of, from_runs, merge_stages, runs, stage_layouts
 
 #: the tags of the classes' descriptions sent to rank 0 (``core.phases``'s probes are 0x4C46_0004/5)
 DESCRIBE_TAGS = (0x4C46_0006, 0x4C46_0007)
@@ -57,10 +58,17 @@ def plan_stages(coord: Coordinator, meta: RankMeta, layouts: tuple[Layout, ...],
         assert found is not None
         head = coord.broadcast_from_zero(head, None, "save (planning)")
         return (found[1], found[2], found[0], head) if _same_copies(coord, meta, found[1], found[2]) else None
-    sigs = coord.all_gather_int(sig, "save (planning): the ranks' descriptions")
-    class_of, firsts = classes_of(sigs)
-    if len(firsts) > MAX_CLASSES:           # (every rank sees the same digests: all plan gathered)
+    sigs = coord.gather_int_to_zero(sig, "save (planning): the ranks' descriptions")
+    numbered = None
+    if sigs is not None:                    # (rank 0: the classes, sent to every rank run-length encoded)
+        class_of, firsts = classes_of(sigs)
+        if len(firsts) <= MAX_CLASSES:
+            numbered = (*runs(class_of), firsts, (int(digest(np.asarray(sigs, dtype=np.int64).tobytes()), 16) >> 2) | 1)
+    numbered = coord.broadcast_from_zero(numbered, None, "save (planning): the classes of ranks")
+    if numbered is None:                    # (so many classes: every rank plans gathered)
         return None
+    starts, numbers, firsts, whole = numbered
+    class_of = from_runs(starts, numbers, coord.world)
     merged: Staged | str | None = None
     error: BaseException | None = None
     try:
@@ -82,7 +90,6 @@ def plan_stages(coord: Coordinator, meta: RankMeta, layouts: tuple[Layout, ...],
         if holds(la, coord.rank) != (t.key in mine):
             raise InvalidStateError(f"key {t.key!r}: the stages' plan gives rank {coord.rank} a tensor it "
                                     f"{'lacks' if t.key not in mine else 'holds but is not planned to'}")
-    whole = (int(digest(np.asarray(sigs, dtype=np.int64).tobytes()), 16) >> 2) | 1
     STAGED.put(key, (whole, merged.tensors, scoped))
     if not _same_copies(coord, meta, merged.tensors, scoped):
         return None

@@ -100,11 +100,26 @@ def merge_stages(descs: Sequence[Any], class_of: np.ndarray) -> Staged | str:
         return str(e)
     staged = Staged(tuple(tensors), tuple(layouts), tuple(tuple(c) for c in classes))
     members = _members(staged, class_of)
-    for t, la, cs in zip(staged.tensors, staged.layouts, staged.classes):
+    first = {(la, cs): t for t, la, cs in zip(staged.tensors, staged.layouts, staged.classes)}
+    for (la, cs), t in first.items():           # (each pair of a layout and its classes once)
         if scoped(la, members[cs]) is None:
             return (f"key {t.key!r}: the ranks holding it ({len(members[cs])} of {world}) are no slice of its "
                     f"layout {la.mesh}")
     return staged
+
+
+def runs(class_of: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``class_of`` run-length encoded: where each run of one class starts, and its class (what rank 0 sends every
+    rank: a run per stage, when each stage's ranks are consecutive)."""
+    if not len(class_of):
+        return np.zeros(0, np.int64), np.zeros(0, np.int32)
+    starts = np.flatnonzero(np.r_[True, class_of[1:] != class_of[:-1]])
+    return starts.astype(np.int64), class_of[starts].astype(np.int32)
+
+
+def from_runs(starts: np.ndarray, classes: np.ndarray, world: int) -> np.ndarray:
+    """:func:`runs`' inverse, for ``world`` ranks."""
+    return np.repeat(classes, np.diff(np.r_[starts, world])).astype(np.int32)
 
 
 def _first(class_of: np.ndarray, c: int) -> int:
