@@ -78,14 +78,18 @@ def save(rank: int, world: int, paths: list[str], ref_path: str) -> list[Any]:
     """Train PP 2 × FSDP2 2 and save to each of ``paths`` (one more step before each); write each stage's
     reference beside; return how each save was planned and how many stage plans this rank keeps."""
     model, opt, stage = make(rank, 2, 2)
-    out = []
+    out, agreed = [], None
     for i, p in enumerate(paths):
         train(model, opt, stage, 2)
         ref = reference(model, opt)
         if rank % 2 == 0:
             torch.save(ref, f"{ref_path}.{i}.{stage}")
         liferaft.save(p, state(model, opt, stage, i))
-        out.append(("layouts" if PLANS.items()[-1][1][0][:1] == ("layouts",) else "gathered", len(STAGED)))
+        kept = STAGED.items()[-1][1] if len(STAGED) else None
+        # (the same entry: the agreement was reused, not exchanged again; the step counts changed meanwhile)
+        out.append(("layouts" if PLANS.items()[-1][1][0][:1] == ("layouts",) else "gathered", len(STAGED),
+                    "reused" if kept is not None and kept is agreed else "exchanged"))
+        agreed = kept
     return out
 
 
@@ -118,3 +122,19 @@ def load_expect_error(rank: int, world: int, path: str, ref_path: str) -> str:
     except liferaft.LiferaftError as e:
         return f"{type(e).__name__}: {e}"
     return "loaded"
+
+
+def save_diverged(rank: int, world: int, path: str) -> tuple[str, list[float]]:
+    """PP 2 × FSDP2 2 whose plain tensor every rank holds differs on rank 3: planned gathered (its copies are
+    stored per rank); then loaded back on the same ranks: each rank's own copy."""
+    model, opt, stage = make(rank, 2, 2)
+    train(model, opt, stage, 1)
+    st = state(model, opt, stage, 0)
+    if rank == 3:
+        st["shared"] = st["shared"] + 100
+    liferaft.save(path, st)
+    kind = "layouts" if PLANS.items()[-1][1][0][:1] == ("layouts",) else "gathered"
+    back = state(model, opt, stage, 0)
+    back["shared"] = torch.zeros(6)
+    liferaft.load(path, back)
+    return kind, back["shared"].tolist()

@@ -18,8 +18,8 @@ from liferaft.testing.tamper import rewrite_manifest
 
 def _saved(tmp_path, n: int = 1) -> tuple[list[str], str]:
     paths, ref = [str(tmp_path / f"c{i}") for i in range(n)], str(tmp_path / "ref")
-    for kinds in run_ranks(save, 4, paths, ref):
-        assert kinds == [("layouts", 1)] * n        # planned by each rank, the agreement kept once
+    for kinds in run_ranks(save, 4, paths, ref):     # planned by each rank, the agreement kept once and reused
+        assert kinds == [("layouts", 1, "exchanged")] + [("layouts", 1, "reused")] * (n - 1)
     return paths, ref
 
 
@@ -76,3 +76,11 @@ def test_an_index_whose_stage_is_moved_is_refused_by_name(tmp_path):
         assert "CorruptCheckpointError" in got and "'model.l0.weight': the chunk tables cover 0 of" in got, got
     with pytest.raises(liferaft.CorruptCheckpointError, match="is not a piece of rank 0's box"):
         liferaft.verify(path)                               # (and verify, reading its tables)
+
+
+def test_stages_whose_plain_tensor_differs_on_one_rank_are_planned_gathered_and_keep_each_copy(tmp_path):
+    from multiproc._stages_ranks import save_diverged
+
+    got = run_ranks(save_diverged, 4, str(tmp_path / "c"))
+    assert [k for k, _ in got] == ["gathered"] * 4
+    assert [s for _, s in got] == [list(range(6))] * 3 + [[100.0 + i for i in range(6)]]
