@@ -247,7 +247,7 @@ def _stages(ranks: int, tensors: int, rows: int) -> tuple[float, int, float, int
     numbered = pickle.dumps((None, (*runs(class_of), list(range(0, ranks, dp)), 1 << 61)),
                             protocol=pickle.HIGHEST_PROTOCOL)
     received = 2 * 9 * 8 + 2 * 8 + len(numbered) + len(pickle.dumps((None, (("0" * 16, {}), merged)),
-                                                                    protocol=pickle.HIGHEST_PROTOCOL)) + 2 * 2 * 8 * whole
+                                                                    protocol=pickle.HIGHEST_PROTOCOL)) + 2 * 8 * (2 * whole + 1)
     return t_merge, to_zero + 8 * ranks, dt, received
 
 

@@ -57,7 +57,7 @@ def plan_stages(coord: Coordinator, meta: RankMeta, layouts: tuple[Layout, ...],
         found = STAGED.get(key)
         assert found is not None
         head = coord.broadcast_from_zero(head, None, "save (planning)")
-        return (found[1], found[2], found[0], head) if _same_copies(coord, meta, found[1], found[2]) else None
+        return (found[1], found[2], found[0], head) if _same_copies(coord, meta, found[1], found[2], None) else None
     sigs = coord.gather_int_to_zero(sig, "save (planning): the ranks' descriptions")
     numbered = None
     if sigs is not None:                    # (rank 0: the classes, sent to every rank run-length encoded)
@@ -86,12 +86,12 @@ def plan_stages(coord: Coordinator, meta: RankMeta, layouts: tuple[Layout, ...],
         return None
     scoped = stage_layouts(merged, class_of)
     mine = {t.key for t in meta.tensors}
-    for t, la in zip(merged.tensors, scoped):   # (each rank holds exactly its own tensors, in their scope)
-        if holds(la, coord.rank) != (t.key in mine):
-            raise InvalidStateError(f"key {t.key!r}: the stages' plan gives rank {coord.rank} a tensor it "
-                                    f"{'lacks' if t.key not in mine else 'holds but is not planned to'}")
-    STAGED.put(key, (whole, merged.tensors, scoped))
-    if not _same_copies(coord, meta, merged.tensors, scoped):
+    problem = next((f"key {t.key!r}: the stages' plan gives rank {coord.rank} a tensor it "
+                    f"{'lacks' if t.key not in mine else 'holds but is not planned to write'}"
+                    for t, la in zip(merged.tensors, scoped) if holds(la, coord.rank) != (t.key in mine)), None)
+    if problem is None:         # (each rank holds exactly its own tensors, in their scope: kept for the next save)
+        STAGED.put(key, (whole, merged.tensors, scoped))
+    if not _same_copies(coord, meta, merged.tensors, scoped, problem):
         return None
     return merged.tensors, scoped, whole, head
 
@@ -100,21 +100,23 @@ def plan_stages(coord: Coordinator, meta: RankMeta, layouts: tuple[Layout, ...],
 _ABSENT = -(1 << 62)
 
 
-def _same_copies(coord: Coordinator, meta: RankMeta, tensors: tuple[TensorMeta, ...], layouts: tuple[Layout, ...]
-                 ) -> bool:
+def _same_copies(coord: Coordinator, meta: RankMeta, tensors: tuple[TensorMeta, ...], layouts: tuple[Layout, ...],
+                 problem: str | None) -> bool:
     """(Collective) whether every plain tensor compared across ranks (``RankMeta.digests``: a model's and an
     optimizer's) holds the same bytes on every rank holding it: one all-reduce of two numbers per tensor of the
     job held whole (each rank's digest and its negation, or :data:`_ABSENT`, by the tensor's place in
-    ``tensors``). Copies that differ are stored per rank, which the gathered plan does."""
+    ``tensors``). Copies that differ are stored per rank, which the gathered plan does. A ``problem`` this rank
+    found with the plan rides on the same all-reduce: every rank raises (InvalidStateError), none waits."""
     mine = dict(meta.digests)
-    votes = []
+    votes = [int(problem is not None)]
     for t, la in zip(tensors, layouts):
         if any(d is not None for d in la.shards):
             continue
         d = mine.get(t.key)
         h = int(d, 16) >> 2 if d is not None else None
         votes += [_ABSENT, _ABSENT] if h is None else [h, -h]
-    if not votes:
-        return True
     result = coord.all_max(votes, "save (planning): the plain tensors' copies")
-    return all(a == _ABSENT or a == -b for a, b in zip(result[::2], result[1::2]))
+    if result[0]:
+        raise InvalidStateError(problem or "a rank found the stages' plan gives it tensors it lacks (its error "
+                                "names them); nothing was written")
+    return all(a == _ABSENT or a == -b for a, b in zip(result[1::2], result[2::2]))
