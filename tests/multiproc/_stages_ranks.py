@@ -138,3 +138,14 @@ def save_diverged(rank: int, world: int, path: str) -> tuple[str, list[float]]:
     back["shared"] = torch.zeros(6)
     liferaft.load(path, back)
     return kind, back["shared"].tolist()
+
+
+def save_async(rank: int, world: int, path: str, ref_path: str) -> str:
+    """``save`` through ``async_save``: planned by stages on the background thread's own group."""
+    model, opt, stage = make(rank, 2, 2)
+    train(model, opt, stage, 2)
+    ref = reference(model, opt)         # (collective within the stage)
+    if rank % 2 == 0:
+        torch.save(ref, f"{ref_path}.0.{stage}")
+    liferaft.async_save(path, state(model, opt, stage, 0)).wait()
+    return "layouts" if PLANS.items()[-1][1][0][:1] == ("layouts",) else "gathered"

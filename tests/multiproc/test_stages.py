@@ -84,3 +84,12 @@ def test_stages_whose_plain_tensor_differs_on_one_rank_are_planned_gathered_and_
     got = run_ranks(save_diverged, 4, str(tmp_path / "c"))
     assert [k for k, _ in got] == ["gathered"] * 4
     assert [s for _, s in got] == [list(range(6))] * 3 + [[100.0 + i for i in range(6)]]
+
+
+def test_an_async_save_of_stages_is_planned_by_each_rank_and_loads_exactly(tmp_path):
+    from multiproc._stages_ranks import save_async
+
+    path, ref = str(tmp_path / "c"), str(tmp_path / "ref")
+    assert run_ranks(save_async, 4, path, ref) == ["layouts"] * 4
+    assert open_checkpoint(resolve(path)).version == 4
+    assert run_ranks(load, 4, path, ref, 0, (2, 2)) == [[]] * 4
