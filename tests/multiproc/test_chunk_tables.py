@@ -16,6 +16,8 @@ from multiproc._tables_ranks import TENSORS, full, load, load_expect_error, load
 
 import liferaft
 from liferaft.codecs.checksum import digest
+from liferaft.core.commit import open_checkpoint
+from liferaft.storage import resolve
 from liferaft.testing import run_ranks
 from liferaft.testing.tamper import read_manifest, rewrite_manifest
 
@@ -218,7 +220,6 @@ def test_a_listing_of_steps_reads_no_table_and_a_restore_passes_over_a_step_whos
     from multiproc._tables_ranks import TENSORS, full
 
     from liferaft.manager.listing import list_steps
-    from liferaft.storage import resolve
 
     root = tmp_path / "root"
     for step in (1, 2):
@@ -288,3 +289,24 @@ def test_verify_names_each_tensor_a_table_that_lacks_chunks_leaves_short(saved, 
     with pytest.raises(liferaft.CorruptCheckpointError, match=r"tensor 'rows': the chunk tables hold \d+ of its "
                                                               r"40960 elements"):
         liferaft.verify(path)
+
+
+def test_inspect_and_describe_stream_the_tables_and_report_what_the_whole_manifest_says(saved, tmp_path):
+    from liferaft.core.open import open_reader
+
+    whole = open_checkpoint(resolve(saved))                 # (every table read into one manifest)
+    counts = {t.key: len(t.chunks) for t in whole.tensors}
+    assert {t.key: t.chunks for t in liferaft.inspect(saved).tensors} == counts
+    for info in liferaft.describe(saved):
+        entry = whole.tensor_map()[info.key]
+        assert info.chunks == counts[info.key] and info.stored_bytes == sum(c.stored_length for c in entry.chunks)
+        assert info.files == len({c.file for c in entry.chunks}), info
+    reader = open_reader(saved, lazy=True)
+    try:                                                    # streamed: no table kept by the reader
+        assert sum(1 for _ in reader.chunk_infos(["rows"])) == counts["rows"] and reader.tables_read == 0
+    finally:
+        reader.close()
+    path = _copy(saved, tmp_path)
+    _forge(path, 2, lambda doc: doc["chunks"].pop(0))
+    with pytest.raises(liferaft.CorruptCheckpointError, match="chunks are missing"):
+        liferaft.describe(path, ["rows", "cols", "uneven", "tiny"])

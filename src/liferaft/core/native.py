@@ -10,7 +10,7 @@ verified ``format.manifest.Manifest``, read-only) and ``storage`` (where it lies
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -19,7 +19,7 @@ from liferaft.core.chunks.blocks import read_blocks
 from liferaft.core.chunks.reader import execute_reads
 from liferaft.core.commit import check_files
 from liferaft.core.tabled import TableSource
-from liferaft.errors import LiferaftError
+from liferaft.errors import CorruptCheckpointError, LiferaftError
 from liferaft.format.manifest import ChunkRecord, Manifest, TensorEntry, ValueEntry
 from liferaft.formats.base import (
     BoxRead,
@@ -123,14 +123,47 @@ class NativeReader(Reader):
         as a delta, its file (relative to the checkpoint; ``../<sibling>/...`` for a reference), the bytes it
         takes there, the rank whose file holds it."""
         self._resolve([(key, None)])
-        out = []
-        for c in self.entries[key].chunks:
-            found = _WRITER.search(c.file)
-            out.append(ChunkInfo(offsets=tuple(c.offsets), sizes=tuple(c.sizes), file=c.file,
-                                 codecs=(c.codec or "raw",) + (("xor-delta",) if c.delta is not None else ()),
-                                 stored_bytes=c.stored_length, rank=int(found.group(1)) if found else None,
-                                 referenced=c.is_reference))
-        return tuple(out)
+        return tuple(chunk_info(c) for c in self.entries[key].chunks)
+
+    def chunk_infos(self, keys: Iterable[str]) -> Iterator[tuple[str, ChunkInfo]]:
+        """(``Reader.chunk_infos``) With chunk tables not read yet, streamed by ``stream_chunks``."""
+        if not self.streams:
+            yield from super().chunk_infos(keys)
+            return
+        for key, c in self.stream_chunks(keys):
+            yield key, chunk_info(c)
+
+    @property
+    def streams(self) -> bool:
+        """Whether the chunks of sharded tensors live in chunk tables not read yet (a version 4 checkpoint opened
+        with ``lazy``): ``stream_chunks`` then reads them one table at a time."""
+        return self._tables is not None and not self._tables.done
+
+    def stream_chunks(self, keys: Iterable[str]) -> Iterator[tuple[str, ChunkRecord]]:
+        """Every chunk of the tensors ``keys``, with its key: those the index lists, then each table's, one table
+        in memory at a time, each checked as a load checks it (``TableSource.check_table``: only chunks its rank
+        was planned to write, each once, so the chunks of a tensor are disjoint), nothing kept. Raises
+        CorruptCheckpointError naming the table when one is missing or damaged, and naming the tensor when the
+        tables do not hold all of its elements (what ``chunks`` checks by their tiling)."""
+        m, src = self.manifest, self._tables
+        wanted = set(keys)
+        pos = {i for i, t in enumerate(m.tensors) if t.key in wanted}
+        held = dict.fromkeys(pos, 0)
+        for i in sorted(pos):
+            for c in m.tensors[i].chunks:
+                held[i] += numel(c.sizes)
+                yield m.tensors[i].key, c
+        if src is not None:
+            for rank in sorted(src.refs):
+                for i, c in src.check_table(rank):
+                    if i in pos:
+                        held[i] += numel(c.sizes)
+                        yield m.tensors[i].key, c
+        for i, n in held.items():
+            if n != numel(m.tensors[i].shape):
+                raise CorruptCheckpointError(f"{self.storage.url}: tensor {m.tensors[i].key!r}: its chunks hold {n} of "
+                                             f"its {numel(m.tensors[i].shape)} elements: chunks are missing from its "
+                                             "chunk tables; the checkpoint is damaged")
 
     def check_present(self, keys: Iterable[str]) -> None:
         keys = list(keys)
@@ -227,6 +260,16 @@ class NativeReader(Reader):
                               "or lacks chunks)" for k, n, total in short)
         return CheckReport(path=storage.url, fmt=self.fmt, units=done[0], checked_bytes=done[1], bytes_read=done[1],
                            faults=tuple(faults))
+
+
+def chunk_info(c: ChunkRecord) -> ChunkInfo:
+    """How chunk ``c`` is stored, as ``Reader.chunks`` reports it: its codec (``"raw"`` for none) and
+    ``"xor-delta"`` when it is stored as a delta, its file, the bytes it takes there, the rank whose file holds it."""
+    found = _WRITER.search(c.file)
+    return ChunkInfo(offsets=tuple(c.offsets), sizes=tuple(c.sizes), file=c.file,
+                     codecs=(c.codec or "raw",) + (("xor-delta",) if c.delta is not None else ()),
+                     stored_bytes=c.stored_length, rank=int(found.group(1)) if found else None,
+                     referenced=c.is_reference)
 
 
 class _NativeJob(ReadJob):

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from liferaft.core.native import NativeReader
 from liferaft.core.open import format_of, open_reader
 from liferaft.core.process import in_call
 from liferaft.errors import CorruptCheckpointError, StateMismatchError
@@ -117,14 +118,20 @@ class CheckpointInfo:
 def inspect(path: str | os.PathLike[str]) -> CheckpointInfo:
     """Summary of the checkpoint at ``path``, in any format: keys, shapes, dtypes, chunks and bytes (from its
     metadata only: no tensor data is read)."""
-    reader = open_reader(path)
+    reader = open_reader(path, lazy=True)      # (a version 4 checkpoint's tables streamed: chunks counted, not kept)
     try:
         info = reader.info
+        counts: dict[str, int] | None = None
+        if isinstance(reader, NativeReader) and reader.streams:     # (counted, one table at a time)
+            counts = dict.fromkeys(reader.tensors, 0)
+            for key, _ in reader.stream_chunks(reader.tensors):
+                counts[key] += 1
         return CheckpointInfo(
             path=reader.url, format_version=info.get("format_version", 0), save_id=info.get("save_id", ""),
             world_size=reader.world_size or 0, created_unix=info.get("created_unix", 0.0),
             liferaft_version=info.get("liferaft_version", ""), torch_version=info.get("torch_version", ""),
-            tensors=tuple(TensorInfo(t.key, t.kind, t.dtype, t.shape, t.nbytes, len(t.boxes))
+            tensors=tuple(TensorInfo(t.key, t.kind, t.dtype, t.shape, t.nbytes,
+                                     len(t.boxes) if counts is None else counts[t.key])
                           for t in reader.tensors.values()),
             values=tuple(reader.values), files=dict(info.get("files", {})), metadata=dict(info.get("metadata", {})),
             format=reader.fmt, paths={k: tuple(s.path) if s.path is not None else tuple(k.split("."))

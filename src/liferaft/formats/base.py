@@ -15,7 +15,7 @@ from __future__ import annotations
 import fnmatch
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -173,6 +173,14 @@ class Reader(ABC):
         out = torch.empty(box[1], dtype=torch_dtype(self.tensors[key].dtype))
         self.plan([(key, box, out)]).run()
         return out
+
+    def chunk_infos(self, keys: Iterable[str]) -> Iterator[tuple[str, ChunkInfo]]:
+        """Every chunk of the tensors ``keys`` (``chunks``), each with its key, the keys in turn. A reader whose
+        chunk records come in pieces (liferaft's chunk tables, opened ``lazy``) streams them instead, one piece
+        in memory at a time, keeping none: the order is then the pieces'."""
+        for key in keys:
+            for c in self.chunks(key):
+                yield key, c
 
     def chunks(self, key: str) -> tuple[ChunkInfo, ...]:
         """How the tensor ``key`` is stored, chunk by chunk (``describe``). This default: one raw chunk per saved

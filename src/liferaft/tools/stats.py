@@ -102,20 +102,27 @@ def describe(path: str | os.PathLike[str], keys: Sequence[str] | None = None, *,
     counts (read in slabs; liferaft's verified, its files checked once up front). ``path`` may be a liferaft
     checkpoint, a DCP folder (its chunks: the layout and ranks that saved it), a safetensors folder/file or a
     ``torch.save`` file (one whole chunk each, nothing to verify there)."""
-    reader = open_reader(path)
+    reader = open_reader(path, lazy=True)      # (a version 4 checkpoint's tables streamed: only the keys' chunks kept)
     try:
         select(reader.keys, keys, url=reader.url)          # a pattern that selects nothing: OptionsError
         picked = select(list(reader.tensors), keys, required=False)
+        streamed: dict[str, list[ChunkInfo]] | None = None
+        if not isinstance(reader, DcpReader):   # (``chunks_of``: DCP's own way)
+            streamed = {k: [] for k in picked}
+            for k, c in reader.chunk_infos(picked):
+                streamed[k].append(c)
         if stats:
             reader.check_present(picked)
-        return [_key_info(reader, key, stats, slab_bytes) for key in picked]
+        return [_key_info(reader, key, stats, slab_bytes, None if streamed is None else streamed[key])
+                for key in picked]
     finally:
         reader.close()
 
 
-def _key_info(reader: Reader, key: str, stats: bool, slab_bytes: int) -> KeyInfo:
+def _key_info(reader: Reader, key: str, stats: bool, slab_bytes: int,
+              chunks: Sequence[ChunkInfo] | None = None) -> KeyInfo:
     spec = reader.tensors[key]
-    chunks = chunks_of(reader, key)
+    chunks = chunks_of(reader, key) if chunks is None else chunks
     item = itemsize(spec.dtype)
     return KeyInfo(key=key, dtype=spec.dtype, shape=tuple(spec.shape), nbytes=spec.nbytes,
                    stored_bytes=sum(c.stored_bytes for c in chunks if not c.referenced),
