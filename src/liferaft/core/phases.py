@@ -28,7 +28,7 @@ from liferaft.core.caches import INFERRED, PLANS, TILED, Planned
 from liferaft.core.chunks.writer import ChunkPolicy, WriteOutcome
 from liferaft.core.commit import abandon, is_committed, open_checkpoint, remove_stale, write_commit
 from liferaft.core.described import fill_inferred, infer_unknown, layout_digest, layouts_of
-from liferaft.core.stages import known_stages, plan_stages, stage_digest
+from liferaft.core.stages import known_stages, plan_stages, stage_digest, staged_before
 from liferaft.core.tabled import build_index, replicated, write_table
 from liferaft.dist import Coordinator
 from liferaft.errors import CheckpointExistsError, InvalidStateError, LiferaftError, StorageError
@@ -215,15 +215,16 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
                     known = layout_digest(meta, cached_inferred, opts.alignment, opts.chunk_bytes, opts.chunk_tables)
             # (ranks that hold different tensors, each with a regular layout: pipeline stages, ``core.stages``)
             stageable = layouts is not None and all(la is not None and la.regular for la in layouts)
-            if stageable:
+            if stageable and staged_before(coord):      # (else computed only if the stages are planned)
                 sig = stage_digest(meta, cast("tuple[Layout, ...]", layouts), stage_opts)
-            staged = known_stages(coord, sig) if stageable else 0
+            staged = known_stages(coord, sig) if sig else 0
             return payload, [h, -h, need, known, -known, int(not stageable), staged, -staged]
 
         payload, (high, neg_low, need, known, neg_known, unstageable, staged, neg_staged) = coord.run_max(
             vote, 8, "save (planning)")
         assert meta is not None and flat is not None
         if high != -neg_low and not unstageable:    # the ranks hold different tensors: planned by stages
+            sig = sig or stage_digest(meta, cast("tuple[Layout, ...]", layouts), stage_opts)
             found = plan_stages(coord, meta, cast("tuple[Layout, ...]", layouts), sig, staged == -neg_staged != 0,
                                 (payload[1], {v.key: v.digest for v in meta.values}), stage_opts)
             if found is not None:

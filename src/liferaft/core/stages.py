@@ -36,6 +36,12 @@ def stage_digest(meta: RankMeta, layouts: tuple[Layout, ...], options: tuple[Any
     return (int(digest(repr((described, meta.containers)).encode()), 16) >> 2) | 1
 
 
+def staged_before(coord: Coordinator) -> bool:
+    """Whether this process keeps a plan of stages made over ``coord``'s group (what makes the digest of a
+    save's description worth computing before the vote)."""
+    return any(k[0] == coord.key for k, _ in STAGED.items())
+
+
 def known_stages(coord: Coordinator, sig: int) -> int:
     """The digest of every rank's description this rank last agreed on under its description ``sig`` (0: none):
     what a repeated save votes on."""
