@@ -26,13 +26,13 @@ def _saved(tmp_path, n: int = 1) -> tuple[list[str], str]:
 def test_pipeline_stages_under_fsdp2_are_planned_by_each_rank_and_load_exactly(tmp_path):
     (a, b), ref = _saved(tmp_path, 2)
     m = open_checkpoint(resolve(a))
-    assert m.version == 4 and len(m.tables) == 4
+    assert m.version == 5 and len(m.tables) == 4
     layouts = {t.key: t.layout for t in m.tensors}
     for stage, names in enumerate(STAGES):
         for k in names:
             assert layouts[f"model.{k}.weight"] == ((2, 2), (None, 0), None, (stage, None))
             assert layouts[f"optim.state.{k}.weight.exp_avg"] == ((2, 2), (None, 0), None, (stage, None))
-            assert layouts[f"optim.state.{k}.weight.step"][:2] == ((4,), (None,))     # whole, in the index
+            assert layouts[f"optim.state.{k}.weight.step"] == ((4,), (None,), None, None)   # whole: in the index
     assert layouts["shared"][:2] == ((4,), (None,))
     for t in m.tensors:                                     # every element stored exactly once
         assert sum(c.length for c in t.chunks) == torch.Size(t.shape).numel() * 4, t.key
@@ -78,6 +78,13 @@ def test_an_index_whose_stage_is_moved_is_refused_by_name(tmp_path):
         liferaft.verify(path)                               # (and verify, reading its tables)
 
 
+def test_an_index_with_stages_that_says_version_4_is_refused(tmp_path):
+    (path,), _ = _saved(tmp_path)
+    rewrite_manifest(path, lambda doc: doc.update(version=4))
+    with pytest.raises(liferaft.CorruptCheckpointError, match="at needs format version 5"):
+        liferaft.inspect(path)
+
+
 def test_stages_whose_plain_tensor_differs_on_one_rank_are_planned_gathered_and_keep_each_copy(tmp_path):
     from multiproc._stages_ranks import save_diverged
 
@@ -91,5 +98,5 @@ def test_an_async_save_of_stages_is_planned_by_each_rank_and_loads_exactly(tmp_p
 
     path, ref = str(tmp_path / "c"), str(tmp_path / "ref")
     assert run_ranks(save_async, 4, path, ref) == ["layouts"] * 4
-    assert open_checkpoint(resolve(path)).version == 4
+    assert open_checkpoint(resolve(path)).version == 5
     assert run_ranks(load, 4, path, ref, 0, (2, 2)) == [[]] * 4

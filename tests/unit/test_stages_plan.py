@@ -38,7 +38,9 @@ def test_a_layout_is_scoped_to_a_slice_a_group_or_refused():
     assert scoped(layout, np.array([0, 1, 4, 5])) is None   # no slice of the mesh
     whole = Layout((8,), (None,))
     assert scoped(whole, np.array([2, 3])) == replace(whole, group=(2, 3))
-    assert scoped(whole, np.array([5])) == replace(whole, at=(5,))
+    assert scoped(whole, np.array([5])) == replace(whole, group=(5,))
+    replicas = Layout((2, 4), (None, None))                 # a stage's DTensor replicated: held whole, a group
+    assert scoped(replicas, np.arange(4, 8)) == replace(replicas, group=(4, 5, 6, 7))
     assert scoped(Layout((1, 8), (0, None)), np.arange(8)) is None     # sharded by a mesh dimension of 1 rank
     grid = Layout((2, 2, 2), (None, 0, None))               # (pp, dp, tp): TP replicates within the stage
     s = scoped(grid, np.arange(4))

@@ -477,6 +477,8 @@ def _tables(doc: Mapping[str, Any], name: str, version: int, save_id: str, world
         return (), None
     if version < 4:
         raise _fail(name, f"chunk tables need format version 4, the manifest says {version}")
+    if version < 5 and any(t.layout is not None and t.layout[3] is not None for t in tensors):
+        raise _fail(name, f"a layout's at needs format version 5, the manifest says {version}")
     if not isinstance(raw, list):
         raise _fail(name, "tables must be a list of objects")
     if not isinstance(planned, dict) or set(planned) != {"alignment", "chunk_bytes"}:

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 FORMAT_NAME = "liferaft"
-FORMAT_VERSION = 4          # the newest version this code reads; a save uses 2, 3 or 4 only when it needs it
+FORMAT_VERSION = 5          # the newest version this code reads; a save uses 2, 3, 4 or 5 only when it needs it
 #: (§4.1 encoded chunks, §4.5 tensors per rank, §4.6 chunk tables)
 
 #: The block checksum a save records for the chunks it writes (CRC-32C: hardware-computed and hashed without the
@@ -271,11 +271,13 @@ class Manifest:
         return self.planned is not None
 
     def needs_version(self) -> int:
-        """The lowest format version that describes this manifest: 4 when its chunks live in chunk tables; 3 when
-        a tensor is stored per rank; 2 when a chunk is encoded or lives in another checkpoint, or an entry is
-        lossy; else 1 (readable by liferaft versions that predate them)."""
+        """The lowest format version that describes this manifest: 5 when its chunks live in chunk tables and a
+        layout is scoped to a slice of the ranks (``at``: pipeline stages); 4 when its chunks live in chunk
+        tables; 3 when a tensor is stored per rank; 2 when a chunk is encoded or lives in another checkpoint, or
+        an entry is lossy; else 1 (readable by liferaft versions that predate them)."""
         if self.tabled:
-            return 4
+            return 5 if any(t.layout is not None and len(t.layout) > 3 and t.layout[3] is not None
+                            for t in self.tensors) else 4
         if any(t.per_rank is not None for t in self.tensors):
             return 3
         for t in self.tensors:

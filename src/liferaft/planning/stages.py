@@ -11,7 +11,7 @@ whole list (``planning.layouts.plan_own``), as when every rank holds every tenso
 
 - a tensor of a sharding layout held by one slice of the mesh (a DTensor on one stage's sub-mesh, described over
   the root mesh, replicated along the dimensions its sub-mesh lacks): ``Layout.at`` fixes its coordinate along
-  those dimensions, recorded in the index, so a reader finds its tables as for any layout;
+  those dimensions, recorded in the index (format version 5), so a reader finds its tables as for any layout;
 - a tensor held whole by some ranks (a stage's plain tensors, the optimizer's step counts): ``Layout.group``
   lists them; its chunks are listed in the index, as for a tensor every rank holds whole.
 
@@ -133,8 +133,8 @@ def _members(staged: Staged, class_of: np.ndarray) -> dict[tuple[int, ...], np.n
 
 def scoped(layout: Layout, members: np.ndarray) -> Layout | None:
     """``layout`` (over ``world`` ranks) scoped to the ranks ``members`` (sorted) that hold its tensor: unchanged
-    when every rank does; else with ``at`` when they are exactly the ranks at one coordinate along some
-    replicating mesh dimensions; else, for a tensor held whole, with ``group``; else None. Also None for a
+    when every rank does; else, for a tensor held whole, with ``group``; else with ``at`` when they are exactly
+    the ranks at one coordinate along some replicating mesh dimensions; else None. Also None for a
     sharding layout whose every box is held by every rank (a mesh dimension of one rank shards it): its group
     would be the whole world, which a reader's replay could not tell apart from the tensors held whole."""
     world = layout.world
@@ -145,14 +145,14 @@ def scoped(layout: Layout, members: np.ndarray) -> Layout | None:
         return layout
     if not len(members):
         return None
+    if not sharding:            # (held whole: its chunks are listed in the index, which needs no scope)
+        return replace(layout, group=tuple(int(r) for r in members))
     coords = np.unravel_index(members, layout.mesh)
     at: list[int | None] = [int(x[0]) if d is None and n > 1 and bool((x == x[0]).all()) else None
                             for x, n, d in zip(coords, layout.mesh, layout.shards)]
     if any(a is not None for a in at) and \
             math.prod(n for n, a in zip(layout.mesh, at) if a is None) == len(members):
         return replace(layout, at=tuple(at))
-    if not sharding:
-        return replace(layout, group=tuple(int(r) for r in members))
     return None
 
 
