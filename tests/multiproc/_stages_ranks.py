@@ -149,3 +149,23 @@ def save_async(rank: int, world: int, path: str, ref_path: str) -> str:
         torch.save(ref, f"{ref_path}.0.{stage}")
     liferaft.async_save(path, state(model, opt, stage, 0)).wait()
     return "layouts" if PLANS.items()[-1][1][0][:1] == ("layouts",) else "gathered"
+
+
+def save_conflicting(rank: int, world: int, path: str, kind: str) -> str:
+    """PP 2 × DP 2 whose key ``x`` is a value on stage 0 and, on stage 1, a tensor (``kind`` "tensor") or a dict
+    (``"dict"``); ``"tensor-dict"``: a tensor on stage 0, a dict on stage 1. The save's error, or "committed"."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    stage = rank // 2
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    st: dict[str, Any] = {f"w{stage}": distribute_tensor(torch.arange(16.0).reshape(4, 4), mesh["dp"], [Shard(0)])}
+    if kind == "tensor-dict":
+        st["x"] = torch.ones(3) if stage == 0 else {"t": torch.ones(3)}
+    else:
+        st["x"] = 1 if stage == 0 else torch.ones(3) if kind == "tensor" else {"t": torch.ones(3)}
+    try:
+        liferaft.save(path, st, options=liferaft.SaveOptions(overwrite=True))
+    except liferaft.LiferaftError as e:
+        return f"{type(e).__name__}: {e}"
+    return "committed"

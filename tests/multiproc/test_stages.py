@@ -100,3 +100,17 @@ def test_an_async_save_of_stages_is_planned_by_each_rank_and_loads_exactly(tmp_p
     assert run_ranks(save_async, 4, path, ref) == ["layouts"] * 4
     assert open_checkpoint(resolve(path)).version == 5
     assert run_ranks(load, 4, path, ref, 0, (2, 2)) == [[]] * 4
+
+
+@pytest.mark.parametrize("kind", ["tensor", "dict", "tensor-dict"])
+def test_stages_whose_key_is_a_tensor_on_one_and_a_value_or_container_on_another_are_refused(tmp_path, kind):
+    """Before anything is committed: the checkpoint already at the path stays, and loads."""
+    from multiproc._stages_ranks import save_conflicting
+
+    path = str(tmp_path / "c")
+    liferaft.save(path, {"good": torch.arange(3.0)})
+    for got in run_ranks(save_conflicting, 4, path, kind):
+        assert got.startswith(("InvalidStateError", "DistributedError")) and "conflict" in got, got
+    back = {"good": torch.zeros(3)}
+    liferaft.load(path, back)
+    assert torch.equal(back["good"], torch.arange(3.0))

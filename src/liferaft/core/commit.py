@@ -18,9 +18,11 @@ from liferaft.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
+    InvalidStateError,
     LiferaftError,
     UnsafePathError,
 )
+from liferaft.format.checks import tree_problem
 from liferaft.format.jsonsafe import paused_gc
 from liferaft.format.layout import COMMIT_MARKER, DATA_DIR, is_stale, manifest_name
 from liferaft.format.limits import MAX_MANIFEST_BYTES, MAX_MARKER_BYTES
@@ -50,7 +52,12 @@ class CommitRecord:
 
 def write_commit(storage: Storage, save_id: str, manifest: Manifest) -> CommitRecord:
     """Write ``manifest`` for ``save_id``, make it durable, then put the ``COMMIT`` marker naming it atomically:
-    the checkpoint exists once this returns (rank 0, after every rank's data is durable)."""
+    the checkpoint exists once this returns (rank 0, after every rank's data is durable). A manifest whose
+    saved tree a reader would refuse (``format.checks.tree_problem``: ranks whose states conflict) raises
+    InvalidStateError instead: nothing is committed, and the checkpoint it would replace stays."""
+    problem = tree_problem(manifest.tensors, manifest.values, manifest.containers)
+    if problem:
+        raise InvalidStateError(f"{storage.url}: the ranks' states conflict: {problem}; nothing was committed")
     data = manifest.to_json_bytes()
     name = manifest_name(save_id)
     marker = CommitMarker(manifest=name, manifest_size=len(data), manifest_hash=digest(data),

@@ -78,8 +78,8 @@ def plan_stages(coord: Coordinator, meta: RankMeta, layouts: tuple[Layout, ...],
     merged: Staged | str | None = None
     error: BaseException | None = None
     try:
-        descs = coord.gather_some(tuple(firsts), (meta.tensors, layouts, meta.containers, options)
-                                  if coord.rank in firsts else None, DESCRIBE_TAGS,
+        mine = (meta.tensors, layouts, meta.containers, options, tuple((v.key, v.path) for v in meta.values))
+        descs = coord.gather_some(tuple(firsts), mine if coord.rank in firsts else None, DESCRIBE_TAGS,
                                   "save (planning): the stages' descriptions", limit=1 << 28)
         if descs is not None:
             merged = merge_stages([descs[r] for r in firsts], class_of)

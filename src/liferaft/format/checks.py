@@ -47,6 +47,23 @@ def value_depth(encoded: Any, limit: int = MAX_NESTING) -> int:
     return deepest
 
 
+def tree_problem(tensors: Iterable[Any], values: Iterable[Any], containers: Iterable[Any]) -> str | None:
+    """The problem with the saved tree of a manifest's ``tensors``, ``values`` and ``containers`` (anything with
+    ``key`` and ``path``; containers with ``path``, ``kind``, ``children``), or None: a key used twice (a tensor
+    and a value, two of either), else :func:`check_tree`'s. What a reader refuses, so what a save checks before
+    it commits (ranks whose states conflict: a key that is a tensor on one pipeline stage, a value or a
+    container on another)."""
+    tensors, values = list(tensors), list(values)
+    seen: set[str] = set()
+    dup: set[str] = set()
+    for x in [*tensors, *values]:
+        (dup if x.key in seen else seen).add(x.key)
+    if dup:
+        return f"keys {sorted(dup)[:5]} appear more than once"
+    return check_tree([(x.key, x.path) for x in [*tensors, *values]],
+                      [(c.path, c.kind, c.children) for c in containers])
+
+
 def check_tree(leaves: Iterable[tuple[str, Sequence[PathPart]]],
                containers: Iterable[tuple[Sequence[PathPart], str, Sequence[PathPart] | None]]) -> str | None:
     """The problem with a saved tree, or None. ``leaves``: (key, path) of every tensor and value; ``containers``:

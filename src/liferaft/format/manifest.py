@@ -13,7 +13,6 @@ from __future__ import annotations
 import itertools
 import math
 import posixpath
-from collections import Counter
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -21,7 +20,7 @@ import numpy as np
 
 from liferaft.errors import CorruptCheckpointError, FormatVersionError, UnsafePathError
 from liferaft.format import jsonsafe
-from liferaft.format.checks import check_tree, value_depth
+from liferaft.format.checks import tree_problem, value_depth
 from liferaft.format.layout import COMMIT_MARKER, table_file_name
 from liferaft.format.limits import (
     MAX_CHUNKS_PER_TENSOR,
@@ -578,12 +577,7 @@ def _decode_manifest(data: bytes, name: str, codecs: Collection[str] | None) -> 
                                          children=None if children is None else _parts(children, f"{name} container"),
                                          role=role if isinstance(role, str) else None,
                                          cls=cls if isinstance(cls, str) else None))
-    keys = [t.key for t in tensors] + [v.key for v in values]
-    if len(set(keys)) != len(keys):
-        dup = sorted(k for k, n in Counter(keys).items() if n > 1)
-        raise _fail(name, f"keys {dup[:5]} appear more than once")
-    problem = check_tree([(t.key, t.path) for t in tensors] + [(v.key, v.path) for v in values],
-                         [(c.path, c.kind, c.children) for c in containers])
+    problem = tree_problem(tensors, values, containers)
     if problem:
         raise _fail(name, problem)
     extra = doc.get("extra") or {}

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from liferaft.errors import InvalidStateError
+from liferaft.format.checks import tree_problem
 from liferaft.format.layout import data_file_name
 from liferaft.format.manifest import (
     DTYPE_ITEMSIZE,
@@ -223,8 +224,12 @@ def plan_save(metas: Sequence[RankMeta], save_id: str, alignment: int = 64,
         if out:
             files[fname] = pos
         writes.append(tuple(out))
+    values, containers = tuple(merge_values(metas)), merge_containers(metas)
+    problem = tree_problem(tensors, values, containers)
+    if problem:             # (what a reader would refuse: refused before anything is written)
+        raise InvalidStateError(f"the ranks' states conflict: {problem}; nothing was written")
     return SavePlan(world_size=world, writes=tuple(writes), files=files, tensors=tuple(tensors),
-                    values=tuple(merge_values(metas)), containers=merge_containers(metas))
+                    values=values, containers=containers)
 
 
 def replan(previous: SavePlan, metas: Sequence[RankMeta], save_id: str) -> SavePlan:

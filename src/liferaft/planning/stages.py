@@ -25,11 +25,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from liferaft.errors import InvalidStateError
+from liferaft.format.checks import tree_problem
 from liferaft.planning.layouts import Layout
 from liferaft.planning.save_plan import RankMeta, TensorMeta, merge_containers
 
@@ -61,9 +62,9 @@ class Staged:
 
 def merge_stages(descs: Sequence[Any], class_of: np.ndarray) -> Staged | str:
     """(On rank 0) the merged description of the classes' ``descs`` (class ``c``'s: ``(tensors, layouts,
-    containers, options)`` of its first rank: its ``TensorMeta``, their layouts, its containers, and the options
-    the plan depends on), or why the save must be planned gathered (where a conflict is refused, before anything
-    is written)."""
+    containers, options[, values])`` of its first rank: its ``TensorMeta``, their layouts, its containers, the
+    options the plan depends on, and its values' ``(key, path)``), or why the save must be planned gathered (where
+    a conflict is refused, before anything is written: keys or paths used twice across the stages among them)."""
     world = len(class_of)
     index: dict[str, int] = {}
     tensors: list[TensorMeta] = []
@@ -71,7 +72,7 @@ def merge_stages(descs: Sequence[Any], class_of: np.ndarray) -> Staged | str:
     classes: list[list[int]] = []
     options = None
     for c, desc in enumerate(descs):
-        metas, lays, _, opts = desc
+        metas, lays, _, opts, *_ = desc
         if options is None:
             options = opts
         elif opts != options:
@@ -94,10 +95,14 @@ def merge_stages(descs: Sequence[Any], class_of: np.ndarray) -> Staged | str:
             else:
                 classes[i].append(c)
     try:
-        merge_containers([RankMeta(rank=_first(class_of, c), tensors=(), values=(), containers=d[2])
-                          for c, d in enumerate(descs)])
+        containers = merge_containers([RankMeta(rank=_first(class_of, c), tensors=(), values=(), containers=d[2])
+                                       for c, d in enumerate(descs)])
     except InvalidStateError as e:
         return str(e)
+    values = {k: _Leaf(k, p) for d in descs for k, p in (d[4] if len(d) > 4 else ())}
+    problem = tree_problem(tensors, values.values(), containers)    # (a tensor on one stage, a value on another)
+    if problem:
+        return problem
     staged = Staged(tuple(tensors), tuple(layouts), tuple(tuple(c) for c in classes))
     members = _members(staged, class_of)
     first = {(la, cs): t for t, la, cs in zip(staged.tensors, staged.layouts, staged.classes)}
@@ -120,6 +125,11 @@ def runs(class_of: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def from_runs(starts: np.ndarray, classes: np.ndarray, world: int) -> np.ndarray:
     """:func:`runs`' inverse, for ``world`` ranks."""
     return np.repeat(classes, np.diff(np.r_[starts, world])).astype(np.int32)
+
+
+class _Leaf(NamedTuple):
+    key: str
+    path: tuple[Any, ...]
 
 
 def _first(class_of: np.ndarray, c: int) -> int:
