@@ -169,3 +169,18 @@ def save_conflicting(rank: int, world: int, path: str, kind: str) -> str:
     except liferaft.LiferaftError as e:
         return f"{type(e).__name__}: {e}"
     return "committed"
+
+
+def save_options_differ(rank: int, world: int, path: str) -> str:
+    """PP 2 × DP 2 whose second stage passes another ``chunk_bytes``: the save's error, or "committed"."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    stage = rank // 2
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    st = {f"w{stage}": distribute_tensor(torch.arange(200_000.0).reshape(1000, 200), mesh["dp"], [Shard(0)])}
+    try:
+        liferaft.save(path, st, options=liferaft.SaveOptions(chunk_bytes=64 << 10) if stage else None)
+    except liferaft.LiferaftError as e:
+        return f"{type(e).__name__}: {e}"
+    return "committed"

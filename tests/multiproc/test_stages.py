@@ -114,3 +114,12 @@ def test_stages_whose_key_is_a_tensor_on_one_and_a_value_or_container_on_another
     back = {"good": torch.zeros(3)}
     liferaft.load(path, back)
     assert torch.equal(back["good"], torch.arange(3.0))
+
+
+def test_stages_passing_different_chunk_bytes_are_refused_by_name_before_writing(tmp_path):
+    from multiproc._stages_ranks import save_options_differ
+
+    path = tmp_path / "c"
+    for got in run_ranks(save_options_differ, 4, str(path)):
+        assert got.startswith("InvalidStateError") and "SaveOptions.chunk_bytes" in got, got
+    assert not (path / "COMMIT").exists() and not list(path.rglob("*.bin"))

@@ -189,7 +189,7 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
         reuse = cached[2] if cached is not None and cached[0] == meta.tensors else None
         base = open_base(storage, opts.incremental_base) if coord.rank == 0 and opts.incremental_base else None
         return (replace(meta, tensors=()) if reuse else meta, uuid.uuid4().hex[:16] if coord.rank == 0 else None,
-                reuse, base, opts.chunk_tables)
+                reuse, base, (opts.chunk_tables, opts.alignment, opts.chunk_bytes))
 
     plan: SavePlan | None = None
     agreed = 0
@@ -271,16 +271,21 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
     assert flat is not None and meta is not None
     if plan is None:
         save_id, base = gathered[0][1], gathered[0][3]
-        if len({g[4] for g in gathered}) > 1:       # (they would commit in different ways: refused alike)
-            raise InvalidStateError("the ranks passed different SaveOptions.chunk_tables (" + ", ".join(
-                f"rank {r}: {g[4]}" for r, g in enumerate(gathered)) + "); pass the same options on every rank")
+        if len({g[4] for g in gathered}) > 1:       # (they would plan or commit in different ways: refused alike)
+            names = ("chunk_tables", "alignment", "chunk_bytes")
+            which = [n for i, n in enumerate(names) if len({g[4][i] for g in gathered}) > 1]
+            i = names.index(which[0])
+            shown = [f"rank {r}: {g[4][i]}" for r, g in enumerate(gathered) if g[4][i] != gathered[0][4][i]][:7]
+            raise InvalidStateError(f"the ranks passed different SaveOptions.{which[0]} (rank 0: {gathered[0][4][i]}, "
+                                    + ", ".join(shown) + "); pass the same options on every rank")
         # (every rank sends its digests, also with a reused plan: which plain tensors are stored per rank may change)
         if cached is not None and all(g[2] == cached[2] for g in gathered) and \
                 per_rank_keys([g[0] for g in gathered]) == cached[1].per_rank:
             plan = replan(cached[1], [g[0] for g in gathered], save_id)
         else:
             if any(g[2] for g in gathered):     # some rank sent no tensor metadata: gather it all again
-                gathered = coord.exchange((meta, None, None, None, opts.chunk_tables), None, "save (planning)")
+                gathered = coord.exchange((meta, None, None, None, (opts.chunk_tables, opts.alignment,
+                                                                    opts.chunk_bytes)), None, "save (planning)")
             plan = plan_save([g[0] for g in gathered], save_id, opts.alignment, opts.chunk_bytes)
             PLANS.put(cache_key, (meta.tensors, plan, save_id))
     else:
