@@ -593,6 +593,24 @@ class Coordinator:
         for a vote made at every step). Bounded by the timeout; a lost peer is a DistributedError naming ``what``."""
         return self.all_max_start(values, what).result()
 
+    def all_sum(self, values: list[int], what: str) -> list[int]:
+        """The element-wise sum of ``values`` over the ranks (one all-reduce of int64; the caller keeps the sums
+        within 63 bits). Bounded by the timeout; a lost peer is a DistributedError naming ``what``."""
+        import torch
+        import torch._C._distributed_c10d as c10d
+
+        t = torch.tensor(values, dtype=torch.int64)
+        if self.world == 1 or self.group is None:
+            return t.tolist()
+        opts = c10d.AllreduceOptions()
+        opts.reduceOp = c10d.ReduceOp.SUM
+        opts.timeout = datetime.timedelta(seconds=self.timeout)
+        try:
+            self.group.backend.allreduce([t], opts).wait()
+        except Exception as e:  # noqa: BLE001 - gloo reports a closed peer as RuntimeError
+            raise self._fail(e, what, None) from None
+        return t.tolist()
+
     def all_max_start(self, values: list[int], what: str) -> MaxVote:
         """``all_max`` started now, its result taken later by ``result()``: the all-reduce runs meanwhile (a vote
         cast at one step and read at the next costs a step no round trip). Collective, in the same order on every

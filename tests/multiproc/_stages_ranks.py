@@ -184,3 +184,23 @@ def save_options_differ(rank: int, world: int, path: str) -> str:
     except liferaft.LiferaftError as e:
         return f"{type(e).__name__}: {e}"
     return "committed"
+
+
+def save_alike_names(rank: int, world: int, path: str, tied: bool) -> str:
+    """PP 2 × FSDP2 2 whose stages both name their layer ``0`` (stage-local names, as an ``nn.Sequential`` per
+    stage gives): with ``tied``, both stages hold the same values (a tied weight kept in sync: seed 0), else
+    their own (seed = stage). The save's error, or "committed"."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    stage = rank // 2
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    torch.manual_seed(0 if tied else stage)
+    model = nn.Sequential(nn.Linear(64, 64))
+    fully_shard(model, mesh=mesh["dp"])
+    try:
+        liferaft.save(path, {"model": model, f"stage{stage}": torch.ones(2)},
+                      options=liferaft.SaveOptions(chunk_bytes=64 << 10))
+    except liferaft.LiferaftError as e:
+        return f"{type(e).__name__}: {e}"
+    return "committed"

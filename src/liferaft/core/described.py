@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
+
 from liferaft.codecs.checksum import digest
 from liferaft.errors import InvalidStateError
 from liferaft.planning.geometry import numel
@@ -108,3 +110,11 @@ def layout_digest(meta: RankMeta, layouts: tuple[Layout | None, ...], alignment:
                  for t, la in zip(meta.tensors, layouts)]
     extra = (meta.digests, meta.containers) if values else ()
     return (int(digest(repr((described, alignment, chunk_bytes, chunk_tables, extra)).encode()), 16) >> 2) | 1
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """xxh3 of a plain tensor's bytes (row-major), to tell whether its copies on the ranks are equal."""
+    flat = t.detach().reshape(-1)
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    return digest(memoryview(flat.contiguous().view(torch.uint8).numpy()))

@@ -23,11 +23,10 @@ from typing import Any, cast
 
 import torch
 
-from liferaft.codecs.checksum import digest
 from liferaft.core.caches import INFERRED, PLANS, TILED, Planned
 from liferaft.core.chunks.writer import ChunkPolicy, WriteOutcome
 from liferaft.core.commit import abandon, is_committed, open_checkpoint, remove_stale, write_commit
-from liferaft.core.described import fill_inferred, infer_unknown, layout_digest, layouts_of
+from liferaft.core.described import fill_inferred, infer_unknown, layout_digest, layouts_of, tensor_digest
 from liferaft.core.stages import known_stages, plan_stages, stage_digest, staged_before
 from liferaft.core.tabled import build_index, replicated, write_table
 from liferaft.dist import Coordinator
@@ -76,14 +75,6 @@ def _rank_meta(rank: int, flat: FlatState, allow_pickle: bool, world: int = 1) -
     digests = tuple((t.key, tensor_digest(t.parts[0][1])) for t in flat.tensors if t.compare) if world > 1 else ()
     return RankMeta(rank=rank, tensors=tensors, values=tuple(values), containers=tuple(flat.containers),
                     digests=digests)
-
-
-def tensor_digest(t: torch.Tensor) -> str:
-    """xxh3 of a plain tensor's bytes (row-major), to tell whether its copies on the ranks are equal."""
-    flat = t.detach().reshape(-1)
-    if flat.device.type != "cpu":
-        flat = flat.cpu()
-    return digest(memoryview(flat.contiguous().view(torch.uint8).numpy()))
 
 
 def _per_rank_sources(plan: SavePlan, flat: FlatState, rank: int) -> dict[tuple[str, Box], torch.Tensor]:
@@ -225,7 +216,7 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
         assert meta is not None and flat is not None
         if high != -neg_low and not unstageable:    # the ranks hold different tensors: planned by stages
             sig = sig or stage_digest(meta, cast("tuple[Layout, ...]", layouts), stage_opts)
-            found = plan_stages(coord, meta, cast("tuple[Layout, ...]", layouts), sig, staged == -neg_staged != 0,
+            found = plan_stages(coord, flat, meta, cast("tuple[Layout, ...]", layouts), sig, staged == -neg_staged != 0,
                                 (payload[1], {v.key: v.digest for v in meta.values}), stage_opts)
             if found is not None:
                 tensors, layouts, agreed, (save_id, zero_values) = found

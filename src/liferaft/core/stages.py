@@ -15,12 +15,13 @@ import numpy as np
 
 from liferaft.codecs.checksum import digest
 from liferaft.core.caches import STAGED
-from liferaft.core.described import layout_digest
+from liferaft.core.described import layout_digest, tensor_digest
 from liferaft.dist import Coordinator
 from liferaft.errors import InvalidStateError
-from liferaft.planning.layouts import Layout, holds
+from liferaft.planning.layouts import Layout, holds, layout_holders
 from liferaft.planning.save_plan import RankMeta, TensorMeta
 from liferaft.planning.stages import MAX_CLASSES, Staged, classes_of, from_runs, merge_stages, runs, stage_layouts
+from liferaft.state.flatten import FlatState
 
 #: the tags of the classes' descriptions sent to rank 0 (``core.phases``'s probes are 0x4C46_0004/5)
 DESCRIBE_TAGS = (0x4C46_0006, 0x4C46_0007)
@@ -49,21 +50,25 @@ def known_stages(coord: Coordinator, sig: int) -> int:
     return found[0] if found is not None else 0
 
 
-def plan_stages(coord: Coordinator, meta: RankMeta, layouts: tuple[Layout, ...], sig: int, agreed: bool,
-                head: tuple[Any, ...], options: tuple[Any, ...]
+def plan_stages(coord: Coordinator, flat: FlatState, meta: RankMeta, layouts: tuple[Layout, ...], sig: int,
+                agreed: bool, head: tuple[Any, ...], options: tuple[Any, ...]
                 ) -> tuple[tuple[TensorMeta, ...], tuple[Layout, ...], int, Any] | None:
     """(Collective) every tensor of every rank with its layout scoped to the ranks holding it, the digest of every
     rank's description (what the plan is cached by) and rank 0's ``head`` (broadcast: the save's id and its
     values' digests); None when the ranks must plan gathered (the same answer on every rank). ``agreed``: every
     rank voted the same nonzero ``known_stages``, which are then reused without an exchange. ``options``: what
     the plan depends on beyond the tensors (every class must pass the same). Raises on every rank if a rank
-    failed to send or rank 0 to receive."""
+    failed to send or rank 0 to receive, or if a tensor several stages hold differs between its copies
+    (:func:`_same_replicas`)."""
     key = (coord.key, sig)
     if agreed:
         found = STAGED.get(key)
         assert found is not None
         head = coord.broadcast_from_zero(head, None, "save (planning)")
-        return (found[1], found[2], found[0], head) if _same_copies(coord, meta, found[1], found[2], None) else None
+        if not _same_copies(coord, meta, found[1], found[2], None):
+            return None
+        _same_replicas(coord, flat, found[1], found[2], found[3])
+        return found[1], found[2], found[0], head
     sigs = coord.gather_int_to_zero(sig, "save (planning): the ranks' descriptions")
     numbered = None
     if sigs is not None:                    # (rank 0: the classes, sent to every rank run-length encoded)
@@ -95,11 +100,46 @@ def plan_stages(coord: Coordinator, meta: RankMeta, layouts: tuple[Layout, ...],
     problem = next((f"key {t.key!r}: the stages' plan gives rank {coord.rank} a tensor it "
                     f"{'lacks' if t.key not in mine else 'holds but is not planned to write'}"
                     for t, la in zip(merged.tensors, scoped) if holds(la, coord.rank) != (t.key in mine)), None)
+    shared = tuple(i for i, cs in enumerate(merged.classes) if len(cs) > 1)
     if problem is None:         # (each rank holds exactly its own tensors, in their scope: kept for the next save)
-        STAGED.put(key, (whole, merged.tensors, scoped))
+        STAGED.put(key, (whole, merged.tensors, scoped, shared))
     if not _same_copies(coord, meta, merged.tensors, scoped, problem):
         return None
+    _same_replicas(coord, flat, merged.tensors, scoped, shared)
     return merged.tensors, scoped, whole, head
+
+
+def _same_replicas(coord: Coordinator, flat: FlatState, tensors: tuple[TensorMeta, ...],
+                   layouts: tuple[Layout, ...], shared: tuple[int, ...]) -> None:
+    """(Collective) Refuse, on every rank, a save in which a tensor held by ranks of several classes (``shared``:
+    positions in ``tensors``) differs between ranks holding the same box of it: pipeline stages that name
+    their layers alike (each stage's first layer ``layers.0``), whose boxes would otherwise be written as
+    replicas, one piece from each stage. A tied weight kept in sync passes. One all-reduce (a sum) of two
+    numbers per such tensor: each rank adds two 20-bit hashes of its box's bytes, times the number of holders
+    of its box on the box's first holder, minus once on every holder; equal copies sum to 0 (the sums stay
+    below 2**62 at any world size). Nothing when no tensor is shared."""
+    if not shared:
+        return
+    local = {t.key: t.parts[0][1] for t in flat.tensors if t.parts}
+    votes = []
+    for i in shared:
+        t, la = tensors[i], layouts[i]
+        if t.key not in local or not holds(la, coord.rank):
+            votes += [0, 0]
+            continue
+        h = int(tensor_digest(local[t.key]), 16)
+        holders = layout_holders(la, coord.rank)
+        for u in (h & 0xFFFFF, (h >> 20) & 0xFFFFF):
+            votes.append((len(holders) * u if holders[0] == coord.rank else 0) - u)
+    sums = coord.all_sum(votes, "save (planning): the copies of the tensors several stages hold")
+    bad = [tensors[i].key for n, i in enumerate(shared) if sums[2 * n] or sums[2 * n + 1]]
+    if bad:
+        raise InvalidStateError(
+            f"key(s) {bad[:5]} are held by ranks of several pipeline stages (or ranks describing different "
+            "tensors) with different values where their boxes are the same: stages that name their layers alike "
+            "(each stage's first layer 'layers.0') would be saved as one tensor pieced from every stage. Name "
+            "each stage's parameters distinctly (as torchtitan's pipeline split keeps the model's names), or "
+            "keep tied weights in sync; nothing was written")
 
 
 #: what a rank that does not hold a compared plain tensor votes for it (below every holder's digest and negation)
