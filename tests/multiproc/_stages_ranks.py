@@ -186,10 +186,11 @@ def save_options_differ(rank: int, world: int, path: str) -> str:
     return "committed"
 
 
-def save_alike_names(rank: int, world: int, path: str, tied: bool) -> str:
+def save_alike_names(rank: int, world: int, path: str, tied: bool, own_key: bool = True) -> str:
     """PP 2 × FSDP2 2 whose stages both name their layer ``0`` (stage-local names, as an ``nn.Sequential`` per
     stage gives): with ``tied``, both stages hold the same values (a tied weight kept in sync: seed 0), else
-    their own (seed = stage). The save's error, or "committed"."""
+    their own (seed = stage); ``own_key``: each stage also holds a key of its own (the ranks then describe
+    different tensors), else every rank describes the same. The save's error, or "committed"."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -199,8 +200,10 @@ def save_alike_names(rank: int, world: int, path: str, tied: bool) -> str:
     model = nn.Sequential(nn.Linear(64, 64))
     fully_shard(model, mesh=mesh["dp"])
     try:
-        liferaft.save(path, {"model": model, f"stage{stage}": torch.ones(2)},
-                      options=liferaft.SaveOptions(chunk_bytes=64 << 10))
+        st: dict[str, Any] = {"model": model}
+        if own_key:
+            st[f"stage{stage}"] = torch.ones(2)
+        liferaft.save(path, st, options=liferaft.SaveOptions(chunk_bytes=64 << 10))
     except liferaft.LiferaftError as e:
         return f"{type(e).__name__}: {e}"
     return "committed"

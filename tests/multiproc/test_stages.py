@@ -125,20 +125,22 @@ def test_stages_passing_different_chunk_bytes_are_refused_by_name_before_writing
     assert not (path / "COMMIT").exists() and not list(path.rglob("*.bin"))
 
 
-def test_stages_that_name_their_layers_alike_are_refused_and_tied_weights_in_sync_save_exactly(tmp_path):
+@pytest.mark.parametrize("own_key", [True, False])
+def test_stages_that_name_their_layers_alike_are_refused_and_tied_weights_in_sync_save_exactly(tmp_path, own_key):
     """Two stages holding ``0.weight`` with their own values would be written as one tensor pieced from both
-    (their boxes look like replicas): refused by name before anything is written. The same key with the same
-    values on both stages (a tied weight kept in sync) saves and loads exactly."""
+    (their boxes look like replicas): refused by name before anything is written, whether the stages also hold
+    keys of their own (planned by stages) or not (every rank describes the same: planned as one layout). The
+    same key with the same values on both stages (a tied weight kept in sync) saves and loads exactly."""
     from multiproc._stages_ranks import save_alike_names
 
     path = tmp_path / "alike"
-    for got in run_ranks(save_alike_names, 4, str(path), False):
-        assert got.startswith("InvalidStateError") and "'model.0.weight'" in got and "several pipeline stages" in got
+    for got in run_ranks(save_alike_names, 4, str(path), False, own_key):
+        assert got.startswith("InvalidStateError") and "'model.0.weight'" in got and "as replicas" in got, got
     assert not (path / "COMMIT").exists() and not list(path.rglob("*.bin"))
     tied = str(tmp_path / "tied")
-    assert run_ranks(save_alike_names, 4, tied, True) == ["committed"] * 4
+    assert run_ranks(save_alike_names, 4, tied, True, own_key) == ["committed"] * 4
     torch.manual_seed(0)
     want = torch.nn.Sequential(torch.nn.Linear(64, 64))
     got = torch.nn.Sequential(torch.nn.Linear(64, 64))
-    liferaft.load(tied, {"model": got, "stage0": torch.zeros(2), "stage1": torch.zeros(2)})
+    liferaft.load(tied, {"model": got, "stage0": torch.zeros(2), "stage1": torch.zeros(2)}, strict=own_key)
     assert all(torch.equal(a, b) for a, b in zip(want.state_dict().values(), got.state_dict().values()))

@@ -68,7 +68,7 @@ def _tensors(rng: random.Random, world: int, mesh: tuple[int, ...], count: int):
         shape = (rng.choice([1, 5, 64, 257]), rng.choice([1, 3, 128]))
         shards = tuple(rng.choice([None, 0, 1]) for _ in mesh)
         dtype = rng.choice(["float32", "bfloat16", "int64"])
-        out.append((TensorMeta(key=f"t{i}", path=("t", str(i)), kind="tensor", dtype=dtype, shape=shape,
+        out.append((TensorMeta(key=f"t.{i}", path=("t", str(i)), kind="tensor", dtype=dtype, shape=shape,
                                boxes=()), Layout(mesh, shards)))
     out.append((TensorMeta(key="plain", path=("plain",), kind="tensor", dtype="float32", shape=(300, 7),
                            boxes=()), Layout((world,), (None,))))
@@ -120,12 +120,12 @@ def test_the_union_of_own_plans_is_a_valid_save_plan(mesh):
 def test_a_rank_of_16k_plans_only_what_it_holds():
     """Rank 12,345 of 16,384 plans 50 FSDP × TP 8 tensors and 5 plain ones without looking at other ranks'."""
     world, mesh = 16384, (2048, 8)
-    tensors = [(TensorMeta(key=f"w{i}", path=("w", str(i)), kind="tensor", dtype="bfloat16", shape=(16384, 4096),
+    tensors = [(TensorMeta(key=f"w.{i}", path=("w", str(i)), kind="tensor", dtype="bfloat16", shape=(16384, 4096),
                            boxes=()), Layout(mesh, (0, 1))) for i in range(50)]
-    tensors += [(TensorMeta(key=f"b{i}", path=("b", str(i)), kind="tensor", dtype="float32", shape=(4096,),
+    tensors += [(TensorMeta(key=f"b.{i}", path=("b", str(i)), kind="tensor", dtype="float32", shape=(4096,),
                             boxes=()), Layout((world,), (None,))) for i in range(5)]
     mine = plan_own(tensors, 12345, "s" * 16, 64, 16 << 20)
-    assert [w.key for w in mine if w.key.startswith("w")] == [f"w{i}" for i in range(50)]
+    assert [w.key for w in mine if w.key.startswith("w")] == [f"w.{i}" for i in range(50)]
     assert all(w.sizes == (8, 512) and w.offsets == (12345 // 8 * 8, 12345 % 8 * 512) for w in mine
                if w.key.startswith("w"))
     assert sum(w.key.startswith("b") for w in mine) <= 1      # the plain ones: one chunk each, spread

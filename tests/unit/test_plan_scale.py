@@ -77,7 +77,7 @@ def test_16k_ranks_each_planning_on_their_own_write_every_element_once_balanced(
     from liferaft.planning.save_plan import TensorMeta
 
     layout = Layout(*OWN_LAYOUTS[name])
-    tensors = [(TensorMeta(key=f"t{i}", path=("t", str(i)), kind="tensor", dtype="bfloat16",
+    tensors = [(TensorMeta(key=f"t.{i}", path=("t", str(i)), kind="tensor", dtype="bfloat16",
                            shape=(ROWS + 7 * i, 1024 + 8 * i) if name != "plain" else (512 + i, 64), boxes=()), layout)
                for i in range(24)]
     ranks = range(RANKS) if name != "plain" else range(64)      # (a plain tensor: the group is the world)
@@ -85,7 +85,7 @@ def test_16k_ranks_each_planning_on_their_own_write_every_element_once_balanced(
     loads: dict[tuple[int, ...], dict[int, int]] = {}
     for rank in ranks:
         for w in plan_own(tensors, rank, "0" * 16, 64, 4 << 20):
-            t = tensors[int(w.key[1:])][0]
+            t = tensors[int(w.key[2:])][0]
             assert _contains(layout_box(layout, t.shape, rank), (w.offsets, w.sizes)), (rank, w)
             chunks[w.key].append((w.offsets, w.sizes))
             group = layout_holders(layout, rank)

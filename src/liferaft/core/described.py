@@ -99,17 +99,19 @@ def infer_unknown(shapes: Sequence[tuple[int, ...]], probed: Mapping[int, Any] |
 
 
 def layout_digest(meta: RankMeta, layouts: tuple[Layout | None, ...], alignment: int, chunk_bytes: int,
-                  chunk_tables: bool = True, *, values: bool = True) -> int:
+                  chunk_tables: bool = True, *, values: bool = True, implied: tuple[int, ...] = ()) -> int:
     """A 62-bit digest (never 0) of what every rank must agree on to plan on its own: every tensor's key, path,
     kind, dtype, global shape and layout (None: to be inferred), in order, the options the plan and the commit
     depend on, and (``values``) the digests of the plain tensors that are compared and the containers (ranks
     whose containers differ plan gathered, where a conflict is refused before anything is written). Without
     ``values``: what the inferred layouts are kept by (``caches.INFERRED``), unchanged when a compared plain
-    tensor's value changes between saves."""
+    tensor's value changes between saves. ``implied``: the positions of the tensors replicated by their
+    sub-mesh alone (``TensorLeaf.implied``), whose copies a save then compares."""
     described = [(t.key, t.path, t.kind, t.dtype, t.shape) + ((la.mesh, la.shards, la.order) if la else ("?",))
                  for t, la in zip(meta.tensors, layouts)]
     extra = (meta.digests, meta.containers) if values else ()
-    return (int(digest(repr((described, alignment, chunk_bytes, chunk_tables, extra)).encode()), 16) >> 2) | 1
+    return (int(digest(repr((described, alignment, chunk_bytes, chunk_tables, extra, implied)).encode()),
+                16) >> 2) | 1
 
 
 def tensor_digest(t: torch.Tensor) -> str:
@@ -118,3 +120,8 @@ def tensor_digest(t: torch.Tensor) -> str:
     if flat.device.type != "cpu":
         flat = flat.cpu()
     return digest(memoryview(flat.contiguous().view(torch.uint8).numpy()))
+
+
+def implied_of(flat: FlatState) -> tuple[int, ...]:
+    """The positions of the tensors whose replicas are implied by a sub-mesh alone (``TensorLeaf.implied``)."""
+    return tuple(i for i, t in enumerate(flat.tensors) if t.implied)

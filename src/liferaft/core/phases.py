@@ -17,7 +17,7 @@ import sys
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
@@ -25,14 +25,21 @@ import torch
 
 from liferaft.core.caches import INFERRED, PLANS, TILED, Planned
 from liferaft.core.chunks.writer import ChunkPolicy, WriteOutcome
-from liferaft.core.commit import abandon, is_committed, open_checkpoint, remove_stale, write_commit
-from liferaft.core.described import fill_inferred, infer_unknown, layout_digest, layouts_of, tensor_digest
-from liferaft.core.stages import known_stages, plan_stages, stage_digest, staged_before
+from liferaft.core.commit import abandon, is_committed, remove_stale, write_commit
+from liferaft.core.described import (
+    fill_inferred,
+    implied_of,
+    infer_unknown,
+    layout_digest,
+    layouts_of,
+    tensor_digest,
+)
+from liferaft.core.policy import chunk_policy, open_base
+from liferaft.core.stages import known_stages, plan_stages, same_replicas, stage_digest, staged_before
 from liferaft.core.tabled import build_index, replicated, write_table
 from liferaft.dist import Coordinator
-from liferaft.errors import CheckpointExistsError, InvalidStateError, LiferaftError, StorageError
+from liferaft.errors import CheckpointExistsError, InvalidStateError, StorageError
 from liferaft.format.layout import COMMIT_MARKER, table_file_name
-from liferaft.format.manifest import ChunkRecord, Manifest
 from liferaft.options import SaveOptions, SaveResult
 from liferaft.planning.geometry import Box, check_chunks_tile
 from liferaft.planning.layouts import Layout, plan_own, probe_ranks
@@ -52,7 +59,6 @@ from liferaft.planning.save_plan import (
 from liferaft.state.flatten import FlatState, flatten
 from liferaft.state.values import digest_encoded, encode_value
 from liferaft.storage import Storage
-from liferaft.storage.refs import with_references
 
 
 def _version() -> str:
@@ -195,8 +201,8 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
             payload = describe()
             assert meta is not None and flat is not None
             nonlocal sig
-            h = layout_digest(meta, layouts, opts.alignment, opts.chunk_bytes, opts.chunk_tables) \
-                if layouts is not None else 0
+            h = layout_digest(meta, layouts, opts.alignment, opts.chunk_bytes, opts.chunk_tables,
+                              implied=implied_of(flat)) if layouts is not None else 0
             need, known = 0, 0
             if layouts is not None and None in layouts:     # hand-made shards: their layouts are inferred
                 shape_key = layout_digest(meta, layouts, opts.alignment, opts.chunk_bytes, values=False)
@@ -249,8 +255,11 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
                     INFERRED.put((coord.key, layout_digest(meta, layouts, opts.alignment, opts.chunk_bytes, values=False)),
                                  tuple(filled[i] for i in unknown))
                     layouts = filled
-                    high = layout_digest(meta, layouts, opts.alignment, opts.chunk_bytes, opts.chunk_tables)
+                    high = layout_digest(meta, layouts, opts.alignment, opts.chunk_bytes, opts.chunk_tables,
+                                         implied=implied_of(flat))
             if layouts is not None:
+                # (replicas by a sub-mesh alone: compared, so that stages naming their layers alike are refused)
+                same_replicas(coord, flat, meta.tensors, cast("tuple[Layout, ...]", layouts), implied_of(flat))
                 plan = _own_plan(meta, cast("tuple[Layout, ...]", layouts), coord, save_id, opts, cached, high)
                 agreed = high
             else:
@@ -543,74 +552,3 @@ def sub_view(local: torch.Tensor, held: Box, box: Box) -> torch.Tensor:
     for d, (o, h, n) in enumerate(zip(box[0], held[0], box[1])):
         view = view.narrow(d, o - h, n)
     return view
-
-
-def open_base(storage: Storage, name: str) -> tuple[str, Manifest] | None:
-    """The committed manifest of the incremental save's base ``name`` (a sibling of ``storage``); None (with a
-    warning: the save is then a full one) when it cannot be opened."""
-
-    try:
-        return name, open_checkpoint(storage.sibling(name))
-    except (LiferaftError, OSError, NotImplementedError) as e:
-        warnings.warn(f"{storage.url}: incremental base {name!r} cannot be used ({e}); saving every chunk",
-                      stacklevel=3)
-        return None
-
-
-def chunk_policy(plan: SavePlan, storage: Storage, opts: SaveOptions, base: tuple[str, Manifest] | None
-                 ) -> tuple[ChunkPolicy, dict[str, dict[str, Any]]]:
-    """How the writers store each chunk (compression, lossy keys, reusable chunks of the base), and the lossy
-    entries the manifest will describe: a function of its arguments only (the same on every rank, whatever
-    earlier saves of the process did; ``codecs.advisor`` for ``compression="auto"``)."""
-    from fnmatch import fnmatchcase
-
-    from liferaft.codecs import advisor, frames, registry
-
-    dtypes = {t.key: t.dtype for t in plan.tensors}
-    quantizer = registry.get(registry.QUANTIZE)
-    lossy = {t.key: quantizer.name for t in plan.tensors if quantizer.accepts(t.dtype) and t.kind == "tensor"
-             and any(fnmatchcase(t.key, p) for p in opts.quantize)}
-    reuse, delta = {}, {}
-    if base is not None:
-        name, manifest = base
-        for t in manifest.tensors:
-            if dtypes.get(t.key) != t.dtype:
-                continue
-            xor = t.kind == "tensor" and any(fnmatchcase(t.key, p) for p in opts.delta)
-            for c in t.chunks:
-                box = (t.key, c.offsets, c.sizes)
-                reuse[box] = _rebased(c, name, manifest.files)
-                if xor and t.lossy is None:
-                    delta[box] = _rebased(c.delta or c, name, manifest.files)
-    if opts.compression == "auto":       # a pure function of the options and the storage's kind
-        compress = advisor.should_compress(storage.remote, opts.storage_write_bps, frames.threads())
-    else:
-        compress = opts.compression == "on"
-    selective = {t.key: opts.selective for t in plan.tensors if opts.selective is not None and base is not None
-                 and t.dtype in QUANTIZABLE and t.kind == "tensor" and t.key not in lossy
-                 and any(fnmatchcase(t.key, p) for p in opts.selective_keys)}
-    policy = ChunkPolicy(dtypes=dtypes, block_size=opts.block_size, alignment=opts.alignment, compress=compress, lossy=lossy,
-                         reuse=reuse, delta=delta, reader=with_references(storage) if delta or selective else None,
-                         selective=selective)
-    described: dict[str, dict[str, Any]] = {k: {"method": c, **registry.get(c).params} for k, c in lossy.items()}
-    described.update({k: {"method": "selective", "threshold": v} for k, v in selective.items()})
-    return policy, described
-
-
-def _rebased(rec: ChunkRecord, base: str, files: Mapping[str, int]) -> tuple[ChunkRecord, dict[str, int]]:
-    """``rec`` of checkpoint ``base`` with its file names made relative to a sibling of ``base``, and the sizes
-    of the files it needs."""
-    def name(f: str) -> str:
-        return f if f.startswith("../") else f"../{base}/{f}"
-
-    sizes = {name(rec.file): files[rec.file]}
-    delta = None
-    if rec.delta is not None:
-        delta = replace(rec.delta, file=name(rec.delta.file))
-        sizes[delta.file] = files[rec.delta.file]
-    return replace(rec, file=name(rec.file), delta=delta), sizes
-
-
-QUANTIZABLE = ("float32", "bfloat16", "float16", "float64")
-
-

@@ -59,7 +59,7 @@ def plan_stages(coord: Coordinator, flat: FlatState, meta: RankMeta, layouts: tu
     rank voted the same nonzero ``known_stages``, which are then reused without an exchange. ``options``: what
     the plan depends on beyond the tensors (every class must pass the same). Raises on every rank if a rank
     failed to send or rank 0 to receive, or if a tensor several stages hold differs between its copies
-    (:func:`_same_replicas`)."""
+    (:func:`same_replicas`)."""
     key = (coord.key, sig)
     if agreed:
         found = STAGED.get(key)
@@ -67,7 +67,7 @@ def plan_stages(coord: Coordinator, flat: FlatState, meta: RankMeta, layouts: tu
         head = coord.broadcast_from_zero(head, None, "save (planning)")
         if not _same_copies(coord, meta, found[1], found[2], None):
             return None
-        _same_replicas(coord, flat, found[1], found[2], found[3])
+        same_replicas(coord, flat, found[1], found[2], found[3])
         return found[1], found[2], found[0], head
     sigs = coord.gather_int_to_zero(sig, "save (planning): the ranks' descriptions")
     numbered = None
@@ -105,11 +105,11 @@ def plan_stages(coord: Coordinator, flat: FlatState, meta: RankMeta, layouts: tu
         STAGED.put(key, (whole, merged.tensors, scoped, shared))
     if not _same_copies(coord, meta, merged.tensors, scoped, problem):
         return None
-    _same_replicas(coord, flat, merged.tensors, scoped, shared)
+    same_replicas(coord, flat, merged.tensors, scoped, shared)
     return merged.tensors, scoped, whole, head
 
 
-def _same_replicas(coord: Coordinator, flat: FlatState, tensors: tuple[TensorMeta, ...],
+def same_replicas(coord: Coordinator, flat: FlatState, tensors: tuple[TensorMeta, ...],
                    layouts: tuple[Layout, ...], shared: tuple[int, ...]) -> None:
     """(Collective) Refuse, on every rank, a save in which a tensor held by ranks of several classes (``shared``:
     positions in ``tensors``) differs between ranks holding the same box of it: pipeline stages that name
@@ -135,8 +135,8 @@ def _same_replicas(coord: Coordinator, flat: FlatState, tensors: tuple[TensorMet
     bad = [tensors[i].key for n, i in enumerate(shared) if sums[2 * n] or sums[2 * n + 1]]
     if bad:
         raise InvalidStateError(
-            f"key(s) {bad[:5]} are held by ranks of several pipeline stages (or ranks describing different "
-            "tensors) with different values where their boxes are the same: stages that name their layers alike "
+            f"key(s) {bad[:5]} differ between ranks holding the same box of them as replicas (ranks of several "
+            "pipeline stages, or of the root mesh outside a DTensor's sub-mesh): stages that name their layers alike "
             "(each stage's first layer 'layers.0') would be saved as one tensor pieced from every stage. Name "
             "each stage's parameters distinctly (as torchtitan's pipeline split keeps the model's names), or "
             "keep tied weights in sync; nothing was written")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,6 +59,10 @@ class TensorLeaf:
     #: placements: the mesh's shape and, per mesh dimension, the tensor dimension it shards (``(dim, split
     #: factor)`` for a _StridedShard; None: it replicates); see ``planning.layouts``
     spec: tuple[tuple[int, ...], tuple[Any, ...]] | None = None
+    #: a DTensor on a sub-mesh (``spec`` over its root): the root's ranks outside the sub-mesh that hold the same
+    #: key are replicas by the DTensor contract, not by a Replicate placement (``core.stages.same_replicas``
+    #: checks them: pipeline stages that name their layers alike look like this)
+    implied: bool = False
 
     @property
     def dtype_name(self) -> str:
@@ -313,7 +318,9 @@ class _Walker:
             self._tensor(path, "tensor", v.local, v.global_shape, v.boxes())
         elif self.dtensor is not None and isinstance(v, self.dtensor):
             key = key_of(path)
-            self._tensor(path, "tensor", v, tuple(v.shape), _dtensor_parts(v, key), spec=_spec(v))
+            spec = _spec(v)
+            self._tensor(path, "tensor", v, tuple(v.shape), _dtensor_parts(v, key), spec=spec,
+                         implied=spec is not None and math.prod(spec[0]) > v.device_mesh.size())
         elif isinstance(v, torch.Tensor):
             _refuse_exotic(v, key_of(path))
             self._tensor(path, "tensor", v, tuple(v.shape), [((tuple(0 for _ in v.shape), tuple(v.shape)), v)],
@@ -393,7 +400,7 @@ class _Walker:
 
     def _tensor(self, path: tuple[PathPart, ...], kind: str, t: Any, shape: tuple[int, ...],
                 parts: list[tuple[Box, torch.Tensor]], compare: bool = False,
-                spec: tuple[tuple[int, ...], tuple[Any, ...]] | None = None) -> None:
+                spec: tuple[tuple[int, ...], tuple[Any, ...]] | None = None, implied: bool = False) -> None:
         key = self._claim(path)
         if t.dtype not in _SUPPORTED:
             raise InvalidStateError(f"key {key!r}: tensors of dtype {t.dtype} are not supported")
@@ -408,7 +415,7 @@ class _Walker:
                                         "a tensor without the lazy bit (.resolve_conj() / .resolve_neg())")
             parts = [(box, p.resolve_conj().resolve_neg()) for box, p in parts]     # (a copy: what it reads as)
         self.flat.tensors.append(TensorLeaf(key=key, path=path, kind=kind, dtype=t.dtype, shape=tuple(shape),
-                                            parts=parts, compare=compare, spec=spec))
+                                            parts=parts, compare=compare, spec=spec, implied=implied))
 
     def _value(self, path: tuple[PathPart, ...], v: Any) -> None:
         self.flat.values.append((self._claim(path), path, v))
