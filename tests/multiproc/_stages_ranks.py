@@ -186,24 +186,53 @@ def save_options_differ(rank: int, world: int, path: str) -> str:
     return "committed"
 
 
-def save_alike_names(rank: int, world: int, path: str, tied: bool, own_key: bool = True) -> str:
+def save_alike_names(rank: int, world: int, path: str, tied: bool, own_key: bool = True,
+                     base: str | None = None, swap: bool = False) -> str:
     """PP 2 × FSDP2 2 whose stages both name their layer ``0`` (stage-local names, as an ``nn.Sequential`` per
     stage gives): with ``tied``, both stages hold the same values (a tied weight kept in sync: seed 0), else
     their own (seed = stage); ``own_key``: each stage also holds a key of its own (the ranks then describe
-    different tensors), else every rank describes the same. The save's error, or "committed"."""
+    different tensors), else every rank describes the same; ``base``: first save to ``base``, then save
+    incrementally on it (planned gathered); ``swap``: both stages hold the same rows, the second stage's in the
+    other order (its two halves swapped). The save's error, or "committed"."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     stage = rank // 2
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-    torch.manual_seed(0 if tied else stage)
+    torch.manual_seed(0 if tied or swap or base else stage)
     model = nn.Sequential(nn.Linear(64, 64))
+    if swap and stage == 1:
+        with torch.no_grad():
+            model[0].weight.copy_(model[0].weight.roll(32, 0))
     fully_shard(model, mesh=mesh["dp"])
     try:
         st: dict[str, Any] = {"model": model}
         if own_key:
             st[f"stage{stage}"] = torch.ones(2)
-        liferaft.save(path, st, options=liferaft.SaveOptions(chunk_bytes=64 << 10))
+        if base is not None:    # (equal at the first save; then each stage steps on its own)
+            liferaft.save(base, st, options=liferaft.SaveOptions(chunk_bytes=64 << 10))
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(stage + 1.0)
+        liferaft.save(path, st, options=liferaft.SaveOptions(
+            chunk_bytes=64 << 10, incremental_base=None if base is None else base.rsplit("/", 1)[-1]))
+    except liferaft.LiferaftError as e:
+        return f"{type(e).__name__}: {e}"
+    return "committed"
+
+
+def save_batchnorm(rank: int, world: int, path: str) -> str:
+    """FSDP2 over 4 ranks with BatchNorm (its running statistics differ per rank) and a key per rank (the ranks then
+    describe different tensors): saves, its buffers taken on trust as replicas."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    model(torch.randn(16, 8, generator=torch.Generator().manual_seed(rank)))       # (statistics per rank)
+    try:
+        liferaft.save(path, {"model": model, "data": {f"dp_rank_{rank}": torch.full((2,), float(rank))}})
     except liferaft.LiferaftError as e:
         return f"{type(e).__name__}: {e}"
     return "committed"

@@ -144,3 +144,22 @@ def test_stages_that_name_their_layers_alike_are_refused_and_tied_weights_in_syn
     got = torch.nn.Sequential(torch.nn.Linear(64, 64))
     liferaft.load(tied, {"model": got, "stage0": torch.zeros(2), "stage1": torch.zeros(2)}, strict=own_key)
     assert all(torch.equal(a, b) for a, b in zip(want.state_dict().values(), got.state_dict().values()))
+
+
+@pytest.mark.parametrize("how", ["incremental", "swapped halves"])
+def test_stages_named_alike_are_refused_when_planned_gathered_and_when_their_rows_are_permuted(tmp_path, how):
+    """An incremental save (planned gathered) compares the copies too; and a stage holding the same rows in another
+    order differs (each box's sample is hashed with its offsets: sums over the boxes cannot cancel)."""
+    from multiproc._stages_ranks import save_alike_names
+
+    path = tmp_path / "c"
+    args = (False, False, str(tmp_path / "base"), False) if how == "incremental" else (False, True, None, True)
+    for got in run_ranks(save_alike_names, 4, str(path), *args):
+        assert got.startswith("InvalidStateError") and "'model.0.weight'" in got and "as replicas" in got, got
+    assert not (path / "COMMIT").exists()
+
+
+def test_batchnorm_statistics_differing_per_rank_are_not_compared(tmp_path):
+    from multiproc._stages_ranks import save_batchnorm
+
+    assert run_ranks(save_batchnorm, 4, str(tmp_path / "c")) == ["committed"] * 4

@@ -9,12 +9,11 @@ import threading
 from collections import OrderedDict
 from typing import Any, Generic, TypeVar
 
-from liferaft.planning.save_plan import SavePlan
-
 PlanKey = tuple[str, int, int, int, int]
 #: (every tensor's metadata on this rank, or ``("layouts", digest)`` for a plan made from compact layouts; the
-#: plan; the id of the save it was made for)
-Planned = tuple[Any, SavePlan, str]
+#: plan; the id of the save it was made for[; (gathered) the ranks holding each of this rank's boxes of the
+#: tensors replicated by a sub-mesh alone, ``core.replicas``])
+Planned = tuple[Any, ...]
 
 
 K = TypeVar("K")

@@ -35,14 +35,15 @@ from liferaft.core.described import (
     tensor_digest,
 )
 from liferaft.core.policy import chunk_policy, open_base
-from liferaft.core.stages import known_stages, plan_stages, same_replicas, stage_digest, staged_before
+from liferaft.core.replicas import same_replicas
+from liferaft.core.stages import known_stages, plan_stages, stage_digest, staged_before
 from liferaft.core.tabled import build_index, replicated, write_table
 from liferaft.dist import Coordinator
 from liferaft.errors import CheckpointExistsError, InvalidStateError, StorageError
 from liferaft.format.layout import COMMIT_MARKER, table_file_name
 from liferaft.options import SaveOptions, SaveResult
 from liferaft.planning.geometry import Box, check_chunks_tile
-from liferaft.planning.layouts import Layout, plan_own, probe_ranks
+from liferaft.planning.layouts import Layout, layout_holders, plan_own, probe_ranks
 from liferaft.planning.save_plan import (
     RankMeta,
     SavePlan,
@@ -186,7 +187,8 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
         reuse = cached[2] if cached is not None and cached[0] == meta.tensors else None
         base = open_base(storage, opts.incremental_base) if coord.rank == 0 and opts.incremental_base else None
         return (replace(meta, tensors=()) if reuse else meta, uuid.uuid4().hex[:16] if coord.rank == 0 else None,
-                reuse, base, (opts.chunk_tables, opts.alignment, opts.chunk_bytes))
+                reuse, base, (opts.chunk_tables, opts.alignment, opts.chunk_bytes),
+                tuple(t.key for t in flat.tensors if t.implied))
 
     plan: SavePlan | None = None
     agreed = 0
@@ -258,8 +260,12 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
                     high = layout_digest(meta, layouts, opts.alignment, opts.chunk_bytes, opts.chunk_tables,
                                          implied=implied_of(flat))
             if layouts is not None:
-                # (replicas by a sub-mesh alone: compared, so that stages naming their layers alike are refused)
-                same_replicas(coord, flat, meta.tensors, cast("tuple[Layout, ...]", layouts), implied_of(flat))
+                implied = implied_of(flat)      # (the same on every rank: in the digest)
+                if implied:     # (replicas by a sub-mesh alone: compared; stages naming their layers alike refused)
+                    chosen_layouts = cast("tuple[Layout, ...]", layouts)
+                    at = {meta.tensors[i].key: i for i in implied}
+                    same_replicas(coord, flat, list(at), lambda key: layout_holders(chosen_layouts[at[key]],
+                                                                                    coord.rank))
                 plan = _own_plan(meta, cast("tuple[Layout, ...]", layouts), coord, save_id, opts, cached, high)
                 agreed = high
             else:
@@ -279,15 +285,20 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
             raise InvalidStateError(f"the ranks passed different SaveOptions.{which[0]} (rank 0: {gathered[0][4][i]}, "
                                     + ", ".join(shown) + "); pass the same options on every rank")
         # (every rank sends its digests, also with a reused plan: which plain tensors are stored per rank may change)
+        implied = sorted({k for g in gathered for k in g[5]})
         if cached is not None and all(g[2] == cached[2] for g in gathered) and \
                 per_rank_keys([g[0] for g in gathered]) == cached[1].per_rank:
             plan = replan(cached[1], [g[0] for g in gathered], save_id)
+            holders = cached[3]
         else:
             if any(g[2] for g in gathered):     # some rank sent no tensor metadata: gather it all again
                 gathered = coord.exchange((meta, None, None, None, (opts.chunk_tables, opts.alignment,
-                                                                    opts.chunk_bytes)), None, "save (planning)")
+                                                                    opts.chunk_bytes), ()), None, "save (planning)")
             plan = plan_save([g[0] for g in gathered], save_id, opts.alignment, opts.chunk_bytes)
-            PLANS.put(cache_key, (meta.tensors, plan, save_id))
+            holders = _box_holders([g[0] for g in gathered], flat, set(implied))
+            PLANS.put(cache_key, (meta.tensors, plan, save_id, holders))
+        # (replicas by a sub-mesh alone: compared, so that stages naming their layers alike are refused)
+        same_replicas(coord, flat, implied, holders.get)
     else:
         base = None
     sources = _per_rank_sources(plan, flat, coord.rank)
@@ -308,6 +319,19 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
                             layouts=chosen, tables=tables)
     prepared.timings["plan"] = time.perf_counter() - t_start
     return prepared
+
+
+def _box_holders(metas: list[RankMeta], flat: FlatState, keys: set[str]) -> dict[str, tuple[int, ...]]:
+    """For each tensor of ``keys`` this rank holds one box of, the ranks of ``metas`` holding that box."""
+    if not keys:
+        return {}
+    mine = {t.key: t.parts[0][0] for t in flat.tensors if t.key in keys and len(t.parts) == 1}
+    out: dict[str, list[int]] = {k: [] for k in mine}
+    for m in metas:
+        for t in m.tensors:
+            if t.key in mine and mine[t.key] in t.boxes:
+                out[t.key].append(m.rank)
+    return {k: tuple(r) for k, r in out.items()}
 
 
 def _sharded(plan: SavePlan) -> bool:

@@ -15,7 +15,8 @@ import numpy as np
 
 from liferaft.codecs.checksum import digest
 from liferaft.core.caches import STAGED
-from liferaft.core.described import layout_digest, tensor_digest
+from liferaft.core.described import layout_digest
+from liferaft.core.replicas import same_replicas
 from liferaft.dist import Coordinator
 from liferaft.errors import InvalidStateError
 from liferaft.planning.layouts import Layout, holds, layout_holders
@@ -67,7 +68,7 @@ def plan_stages(coord: Coordinator, flat: FlatState, meta: RankMeta, layouts: tu
         head = coord.broadcast_from_zero(head, None, "save (planning)")
         if not _same_copies(coord, meta, found[1], found[2], None):
             return None
-        same_replicas(coord, flat, found[1], found[2], found[3])
+        _compare_shared(coord, flat, found[1], found[2], found[3])
         return found[1], found[2], found[0], head
     sigs = coord.gather_int_to_zero(sig, "save (planning): the ranks' descriptions")
     numbered = None
@@ -83,7 +84,8 @@ def plan_stages(coord: Coordinator, flat: FlatState, meta: RankMeta, layouts: tu
     merged: Staged | str | None = None
     error: BaseException | None = None
     try:
-        mine = (meta.tensors, layouts, meta.containers, options, tuple((v.key, v.path) for v in meta.values))
+        mine = (meta.tensors, layouts, meta.containers, options, tuple((v.key, v.path) for v in meta.values),
+                tuple(t.key for t in flat.tensors if t.implied))
         descs = coord.gather_some(tuple(firsts), mine if coord.rank in firsts else None, DESCRIBE_TAGS,
                                   "save (planning): the stages' descriptions", limit=1 << 28)
         if descs is not None:
@@ -100,46 +102,26 @@ def plan_stages(coord: Coordinator, flat: FlatState, meta: RankMeta, layouts: tu
     problem = next((f"key {t.key!r}: the stages' plan gives rank {coord.rank} a tensor it "
                     f"{'lacks' if t.key not in mine else 'holds but is not planned to write'}"
                     for t, la in zip(merged.tensors, scoped) if holds(la, coord.rank) != (t.key in mine)), None)
-    shared = tuple(i for i, cs in enumerate(merged.classes) if len(cs) > 1)
+    # (the tensors several classes hold as replicas of a DTensor's sub-mesh: pipeline stages naming layers alike)
+    shared = tuple(i for i, (t, cs) in enumerate(zip(merged.tensors, merged.classes))
+                   if len(cs) > 1 and t.key in merged.implied)
     if problem is None:         # (each rank holds exactly its own tensors, in their scope: kept for the next save)
         STAGED.put(key, (whole, merged.tensors, scoped, shared))
     if not _same_copies(coord, meta, merged.tensors, scoped, problem):
         return None
-    same_replicas(coord, flat, merged.tensors, scoped, shared)
+    _compare_shared(coord, flat, merged.tensors, scoped, shared)
     return merged.tensors, scoped, whole, head
 
 
-def same_replicas(coord: Coordinator, flat: FlatState, tensors: tuple[TensorMeta, ...],
-                   layouts: tuple[Layout, ...], shared: tuple[int, ...]) -> None:
-    """(Collective) Refuse, on every rank, a save in which a tensor held by ranks of several classes (``shared``:
-    positions in ``tensors``) differs between ranks holding the same box of it: pipeline stages that name
-    their layers alike (each stage's first layer ``layers.0``), whose boxes would otherwise be written as
-    replicas, one piece from each stage. A tied weight kept in sync passes. One all-reduce (a sum) of two
-    numbers per such tensor: each rank adds two 20-bit hashes of its box's bytes, times the number of holders
-    of its box on the box's first holder, minus once on every holder; equal copies sum to 0 (the sums stay
-    below 2**62 at any world size). Nothing when no tensor is shared."""
-    if not shared:
-        return
-    local = {t.key: t.parts[0][1] for t in flat.tensors if t.parts}
-    votes = []
-    for i in shared:
-        t, la = tensors[i], layouts[i]
-        if t.key not in local or not holds(la, coord.rank):
-            votes += [0, 0]
-            continue
-        h = int(tensor_digest(local[t.key]), 16)
-        holders = layout_holders(la, coord.rank)
-        for u in (h & 0xFFFFF, (h >> 20) & 0xFFFFF):
-            votes.append((len(holders) * u if holders[0] == coord.rank else 0) - u)
-    sums = coord.all_sum(votes, "save (planning): the copies of the tensors several stages hold")
-    bad = [tensors[i].key for n, i in enumerate(shared) if sums[2 * n] or sums[2 * n + 1]]
-    if bad:
-        raise InvalidStateError(
-            f"key(s) {bad[:5]} differ between ranks holding the same box of them as replicas (ranks of several "
-            "pipeline stages, or of the root mesh outside a DTensor's sub-mesh): stages that name their layers alike "
-            "(each stage's first layer 'layers.0') would be saved as one tensor pieced from every stage. Name "
-            "each stage's parameters distinctly (as torchtitan's pipeline split keeps the model's names), or "
-            "keep tied weights in sync; nothing was written")
+def _compare_shared(coord: Coordinator, flat: FlatState, tensors: tuple[TensorMeta, ...],
+                    layouts: tuple[Layout, ...], shared: tuple[int, ...]) -> None:
+    """``core.replicas.same_replicas`` of the tensors at ``shared`` (the same positions on every rank), each
+    rank's box held by the ranks its scoped layout gives."""
+    def holders_of(key: str) -> tuple[int, ...] | None:
+        la = layouts[pos[key]]
+        return layout_holders(la, coord.rank) if holds(la, coord.rank) else None
+    pos = {tensors[i].key: i for i in shared}
+    same_replicas(coord, flat, [tensors[i].key for i in shared], holders_of)
 
 
 #: what a rank that does not hold a compared plain tensor votes for it (below every holder's digest and negation)

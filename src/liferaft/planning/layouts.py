@@ -165,6 +165,8 @@ def _own_jobs(tensors: Sequence[tuple[TensorMeta, Layout]], rank: int, chunk_byt
     apart: dict[tuple[int, ...], list[_Job]] = {}
     holders: dict[Layout, list[_Job]] = {}      # (a model has a few layouts)
     for pos, (t, layout) in enumerate(tensors):
+        if (layout.at is not None or layout.group is not None) and not holds(layout, rank):
+            continue            # (not its stage's: a 0-dim tensor's empty box would still hold one element)
         boxes = (layout_box(layout, t.shape, rank),) if layout.regular else t.boxes
         isz = DTYPE_ITEMSIZE[t.dtype]
         for held in boxes:

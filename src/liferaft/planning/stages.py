@@ -58,12 +58,15 @@ class Staged:
     tensors: tuple[TensorMeta, ...]
     layouts: tuple[Layout, ...]
     classes: tuple[tuple[int, ...], ...]
+    #: the keys some class holds as a DTensor on a sub-mesh (replicas by that sub-mesh alone: compared)
+    implied: frozenset[str] = frozenset()
 
 
 def merge_stages(descs: Sequence[Any], class_of: np.ndarray) -> Staged | str:
     """(On rank 0) the merged description of the classes' ``descs`` (class ``c``'s: ``(tensors, layouts,
-    containers, options[, values])`` of its first rank: its ``TensorMeta``, their layouts, its containers, the
-    options the plan depends on, and its values' ``(key, path)``), or why the save must be planned gathered (where
+    containers, options[, values, implied])`` of its first rank: its ``TensorMeta``, their layouts, its
+    containers, the options the plan depends on, its values' ``(key, path)`` and the keys of its DTensors on a
+    sub-mesh), or why the save must be planned gathered (where
     a conflict is refused, before anything is written: keys or paths used twice across the stages among them)."""
     world = len(class_of)
     index: dict[str, int] = {}
@@ -103,7 +106,8 @@ def merge_stages(descs: Sequence[Any], class_of: np.ndarray) -> Staged | str:
     problem = tree_problem(tensors, values.values(), containers)    # (a tensor on one stage, a value on another)
     if problem:
         return problem
-    staged = Staged(tuple(tensors), tuple(layouts), tuple(tuple(c) for c in classes))
+    staged = Staged(tuple(tensors), tuple(layouts), tuple(tuple(c) for c in classes),
+                    frozenset(k for d in descs for k in (d[5] if len(d) > 5 else ())))
     members = _members(staged, class_of)
     first = {(la, cs): t for t, la, cs in zip(staged.tensors, staged.layouts, staged.classes)}
     for (la, cs), t in first.items():           # (each pair of a layout and its classes once)
