@@ -31,16 +31,18 @@ SAMPLE_BYTES = 16 << 10
 
 
 def sample_digest(t: torch.Tensor, offsets: Sequence[int]) -> int:
-    """A 64-bit digest of a sample of the box ``t`` (at ``offsets`` in its tensor): its first, middle and last
-    rows along dimension 0, at most :data:`SAMPLE_BYTES` of them, with its shape and offsets."""
+    """A 64-bit digest of a sample of the box ``t`` (at ``offsets`` in its tensor): a leading corner of its first,
+    middle and last rows along dimension 0, at most :data:`SAMPLE_BYTES` of them, with its shape and offsets."""
     x = t.detach()
+    keep = max(1, SAMPLE_BYTES // max(1, x.element_size()))
     if x.dim() and x.shape[0] > 3:
         rows = sorted({0, x.shape[0] // 2, x.shape[0] - 1})
         x = x.index_select(0, torch.tensor(rows, device=x.device))
-    x = x.reshape(-1)
-    keep = max(1, SAMPLE_BYTES // max(1, x.element_size()))
-    if x.numel() > keep:
-        x = x[:keep]
+    budget = max(1, keep // x.shape[0]) if x.dim() else keep
+    for d in range(1, x.dim()):         # (a leading corner of each row: no copy of a large strided box)
+        x = x.narrow(d, 0, min(x.shape[d], max(1, budget)))
+        budget = max(1, budget // max(1, x.shape[d]))
+    x = x.reshape(-1)[:keep]
     return int(digest(repr((tuple(offsets), tuple(t.shape), tensor_digest(x))).encode()), 16)
 
 
