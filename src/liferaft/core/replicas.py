@@ -38,7 +38,7 @@ def sample_digest(t: torch.Tensor, offsets: Sequence[int]) -> int:
     if x.dim() and x.shape[0] > 3:
         rows = sorted({0, x.shape[0] // 2, x.shape[0] - 1})
         x = x.index_select(0, torch.tensor(rows, device=x.device))
-    budget = max(1, keep // x.shape[0]) if x.dim() else keep
+    budget = max(1, keep // max(1, x.shape[0])) if x.dim() else keep
     for d in range(1, x.dim()):         # (a leading corner of each row: no copy of a large strided box)
         x = x.narrow(d, 0, min(x.shape[d], max(1, budget)))
         budget = max(1, budget // max(1, x.shape[d]))
