@@ -236,3 +236,40 @@ def save_batchnorm(rank: int, world: int, path: str) -> str:
     except liferaft.LiferaftError as e:
         return f"{type(e).__name__}: {e}"
     return "committed"
+
+
+def save_strided_or_switched(rank: int, world: int, root: str, how: str) -> list[str]:
+    """Stages that name a tensor ``w`` alike with different values, saved after a legitimate save:
+    ``"strided"``: a ``_StridedShard(0, 2)`` DTensor on the stage's sub-mesh (each rank's shard holds two boxes);
+    ``"switched"``: first a DTensor on the root mesh replicated along the stages with equal values (trusted), then
+    on the stage's sub-mesh with the stages' own values (the repeated save must not reuse the first's
+    agreement). Each save's error, or "committed"."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    stage, d = rank // 2, rank % 2
+    same = torch.arange(32.0).reshape(8, 4)
+    own = same + 100 * stage
+    out = []
+
+    def attempt(path: str, st: dict[str, Any]) -> None:
+        try:
+            liferaft.save(path, st)
+            out.append("committed")
+        except liferaft.LiferaftError as e:
+            out.append(f"{type(e).__name__}: {e}")
+    if how == "strided":            # (rank d holds rows 2d, 2d+1 and 4+2d, 4+2d+1)
+        def strided(full: torch.Tensor) -> Any:
+            local = torch.cat([full[2 * d:2 * d + 2], full[4 + 2 * d:6 + 2 * d]]).clone()
+            return DTensor.from_local(local, mesh["dp"], [_StridedShard(0, split_factor=2)], run_check=False)
+        attempt(f"{root}/a", {"w": strided(same), f"own{stage}": torch.ones(2)})
+        attempt(f"{root}/b", {"w": strided(own), f"own{stage}": torch.ones(2)})
+    else:
+        rows = slice(4 * d, 4 * d + 4)
+        attempt(f"{root}/a", {"w": DTensor.from_local(same[rows].clone(), mesh, [Replicate(), Shard(0)],
+                                                      run_check=False), f"own{stage}": torch.ones(2)})
+        attempt(f"{root}/b", {"w": DTensor.from_local(own[rows].clone(), mesh["dp"], [Shard(0)], run_check=False),
+                              f"own{stage}": torch.ones(2)})
+    return out

@@ -163,3 +163,13 @@ def test_batchnorm_statistics_differing_per_rank_are_not_compared(tmp_path):
     from multiproc._stages_ranks import save_batchnorm
 
     assert run_ranks(save_batchnorm, 4, str(tmp_path / "c")) == ["committed"] * 4
+
+
+@pytest.mark.parametrize("how", ["strided", "switched"])
+def test_stages_named_alike_are_refused_with_strided_shards_and_after_a_trusted_save(tmp_path, how):
+    from multiproc._stages_ranks import save_strided_or_switched
+
+    for first, second in run_ranks(save_strided_or_switched, 4, str(tmp_path), how):
+        assert first == "committed"
+        assert second.startswith("InvalidStateError") and "['w']" in second and "as replicas" in second, second
+    assert not (tmp_path / "b" / "COMMIT").exists()

@@ -5,6 +5,7 @@ tensors apart, pipeline stages naming their layers alike, not bit-level divergen
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from liferaft.core.replicas import SAMPLE_BYTES, sample_digest
@@ -31,3 +32,14 @@ def test_a_difference_in_a_sampled_row_is_seen_and_elsewhere_not():
     changed = wide.clone()
     changed[1, 0] += 1
     assert sample_digest(wide, (0, 0)) != sample_digest(changed, (0, 0))
+
+
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64, torch.bool, torch.complex64,
+                                   torch.float8_e4m3fn, torch.bfloat16])
+def test_every_dtype_is_sampled_and_a_1d_box_in_three_windows(dtype):
+    x = torch.arange(40).to(dtype)
+    assert sample_digest(x, (0,)) == sample_digest(x.clone(), (0,))
+    y = torch.arange(100_000, dtype=torch.float32)
+    z = y.clone()
+    z[50_000] += 1                                          # (in the middle window)
+    assert sample_digest(y, (0,)) != sample_digest(z, (0,))

@@ -215,7 +215,7 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
             # (ranks that hold different tensors, each with a regular layout: pipeline stages, ``core.stages``)
             stageable = layouts is not None and all(la is not None and la.regular for la in layouts)
             if stageable and staged_before(coord):      # (else computed only if the stages are planned)
-                sig = stage_digest(meta, cast("tuple[Layout, ...]", layouts), stage_opts)
+                sig = stage_digest(meta, cast("tuple[Layout, ...]", layouts), stage_opts, implied_of(flat))
             staged = known_stages(coord, sig) if sig else 0
             return payload, [h, -h, need, known, -known, int(not stageable), staged, -staged]
 
@@ -223,7 +223,7 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
             vote, 8, "save (planning)")
         assert meta is not None and flat is not None
         if high != -neg_low and not unstageable:    # the ranks hold different tensors: planned by stages
-            sig = sig or stage_digest(meta, cast("tuple[Layout, ...]", layouts), stage_opts)
+            sig = sig or stage_digest(meta, cast("tuple[Layout, ...]", layouts), stage_opts, implied_of(flat))
             found = plan_stages(coord, flat, meta, cast("tuple[Layout, ...]", layouts), sig, staged == -neg_staged != 0,
                                 (payload[1], {v.key: v.digest for v in meta.values}), stage_opts)
             if found is not None:
@@ -287,7 +287,7 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
         # (every rank sends its digests, also with a reused plan: which plain tensors are stored per rank may change)
         implied = sorted({k for g in gathered for k in g[5]})
         if cached is not None and all(g[2] == cached[2] for g in gathered) and \
-                per_rank_keys([g[0] for g in gathered]) == cached[1].per_rank:
+                per_rank_keys([g[0] for g in gathered]) == cached[1].per_rank and cached[4:5] == (implied,):
             plan = replan(cached[1], [g[0] for g in gathered], save_id)
             holders = cached[3]
         else:
@@ -296,7 +296,7 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
                                                                     opts.chunk_bytes), ()), None, "save (planning)")
             plan = plan_save([g[0] for g in gathered], save_id, opts.alignment, opts.chunk_bytes)
             holders = _box_holders([g[0] for g in gathered], flat, set(implied))
-            PLANS.put(cache_key, (meta.tensors, plan, save_id, holders))
+            PLANS.put(cache_key, (meta.tensors, plan, save_id, holders, implied))
         # (replicas by a sub-mesh alone: compared, so that stages naming their layers alike are refused)
         same_replicas(coord, flat, implied, holders.get)
     else:
@@ -322,14 +322,14 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
 
 
 def _box_holders(metas: list[RankMeta], flat: FlatState, keys: set[str]) -> dict[str, tuple[int, ...]]:
-    """For each tensor of ``keys`` this rank holds one box of, the ranks of ``metas`` holding that box."""
+    """For each tensor of ``keys`` this rank holds, the ranks of ``metas`` holding the same boxes of it."""
     if not keys:
         return {}
-    mine = {t.key: t.parts[0][0] for t in flat.tensors if t.key in keys and len(t.parts) == 1}
+    mine = {t.key: tuple(box for box, _ in t.parts) for t in flat.tensors if t.key in keys}
     out: dict[str, list[int]] = {k: [] for k in mine}
     for m in metas:
         for t in m.tensors:
-            if t.key in mine and mine[t.key] in t.boxes:
+            if t.key in mine and tuple(t.boxes) == mine[t.key]:     # (the same boxes: replicas)
                 out[t.key].append(m.rank)
     return {k: tuple(r) for k, r in out.items()}
 

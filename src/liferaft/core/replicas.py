@@ -4,8 +4,9 @@ A DTensor on a sub-mesh (FSDP2 on ``mesh["dp"]`` of a (pp, dp) mesh) is describe
 along the root's dimensions the sub-mesh lacks: the DTensor contract says the ranks there hold the same tensor,
 so a save writes each chunk from one of them. Pipeline stages that name their layers alike (each stage's first
 layer ``layers.0``) break that contract silently: their boxes look like replicas, and the checkpoint would hold one
-tensor pieced from every stage. So these copies are compared (:func:`same_replicas`): by a sample of each rank's
-box (three rows along its first dimension, at most 16 KiB of them, with the box's offsets), which tells different
+tensor pieced from every stage. So these copies are compared (:func:`same_replicas`): by a sample of each of a
+rank's boxes (three rows along the first dimension, or three windows of a 1-D box, at most 16 KiB, with the box's
+offsets), which tells different
 tensors apart at a cost that does not grow with the model, not bit-level divergence of true replicas (which the
 contract takes on trust, as PyTorch DCP does). Tensors replicated by a ``Replicate`` placement or held whole by
 modules (DDP, HSDP, BatchNorm's statistics) are not compared.
@@ -31,19 +32,26 @@ SAMPLE_BYTES = 16 << 10
 
 
 def sample_digest(t: torch.Tensor, offsets: Sequence[int]) -> int:
-    """A 64-bit digest of a sample of the box ``t`` (at ``offsets`` in its tensor): a leading corner of its first,
-    middle and last rows along dimension 0, at most :data:`SAMPLE_BYTES` of them, with its shape and offsets."""
+    """A 64-bit digest of a sample of the box ``t`` (at ``offsets`` in its tensor), with its shape and offsets: of
+    a 1-D box, three windows (its start, middle and end); else a leading corner of its first, middle and last rows
+    along dimension 0; at most :data:`SAMPLE_BYTES` in all, read by narrowing (no copy of the box, any dtype)."""
     x = t.detach()
     keep = max(1, SAMPLE_BYTES // max(1, x.element_size()))
-    if x.dim() and x.shape[0] > 3:
+    if x.dim() == 0 or x.numel() == 0:
+        pieces = [x]
+    elif x.dim() == 1:
+        w = min(x.shape[0], max(1, keep // 3))
+        pieces = [x.narrow(0, s, w) for s in sorted({0, (x.shape[0] - w) // 2, x.shape[0] - w})]
+    else:
         rows = sorted({0, x.shape[0] // 2, x.shape[0] - 1})
-        x = x.index_select(0, torch.tensor(rows, device=x.device))
-    budget = max(1, keep // max(1, x.shape[0])) if x.dim() else keep
-    for d in range(1, x.dim()):         # (a leading corner of each row: no copy of a large strided box)
-        x = x.narrow(d, 0, min(x.shape[d], max(1, budget)))
-        budget = max(1, budget // max(1, x.shape[d]))
-    x = x.reshape(-1)[:keep]
-    return int(digest(repr((tuple(offsets), tuple(t.shape), tensor_digest(x))).encode()), 16)
+        pieces = []
+        for r in rows:
+            p, budget = x.narrow(0, r, 1), max(1, keep // len(rows))
+            for d in range(1, p.dim()):
+                p = p.narrow(d, 0, min(p.shape[d], budget))
+                budget = max(1, budget // max(1, p.shape[d]))
+            pieces.append(p)
+    return int(digest(repr((tuple(offsets), tuple(t.shape), [tensor_digest(p) for p in pieces])).encode()), 16)
 
 
 def same_replicas(coord: Coordinator, flat: FlatState, keys: Sequence[str],
@@ -57,17 +65,17 @@ def same_replicas(coord: Coordinator, flat: FlatState, keys: Sequence[str],
     when ``keys`` is empty."""
     if not keys:
         return
-    boxes = {t.key: t.parts[0] for t in flat.tensors if len(t.parts) == 1}
+    parts = {t.key: t.parts for t in flat.tensors}
     votes, error = [0], None
     mask = (1 << _BITS) - 1
     try:
         for key in keys:
-            holders = holders_of(key) if key in boxes else None
+            holders = holders_of(key) if key in parts else None
             if not holders:
                 votes += [0, 0]
                 continue
-            (offsets, _), local = boxes[key]
-            h = sample_digest(local, offsets)
+            # (every box of this rank's shard: a _StridedShard's local tensor holds several)
+            h = int(digest(repr([sample_digest(local, box[0]) for box, local in parts[key]]).encode()), 16)
             for u in (h & mask, (h >> _BITS) & mask):
                 votes.append((len(holders) * u if holders[0] == coord.rank else 0) - u)
     except Exception as e:  # noqa: BLE001 - said on the all-reduce, then raised here

@@ -28,13 +28,15 @@ from liferaft.state.flatten import FlatState
 DESCRIBE_TAGS = (0x4C46_0006, 0x4C46_0007)
 
 
-def stage_digest(meta: RankMeta, layouts: tuple[Layout, ...], options: tuple[Any, ...]) -> int:
+def stage_digest(meta: RankMeta, layouts: tuple[Layout, ...], options: tuple[Any, ...],
+                 implied: tuple[int, ...] = ()) -> int:
     """What ranks of one class share (62 bits, never 0): their tensors with their layouts (``layout_digest``
     without the values), their containers and ``options``; not the values of the plain tensors compared across
     ranks (an optimizer's step counts change at every save: their copies are compared by
-    :func:`_same_copies`)."""
+    :func:`_same_copies`). ``implied``: the positions of the DTensors replicated by a sub-mesh alone (what a
+    repeated save compares: ``core.replicas``)."""
     alignment, chunk_bytes, tables = options
-    described = layout_digest(meta, layouts, alignment, chunk_bytes, tables, values=False)
+    described = layout_digest(meta, layouts, alignment, chunk_bytes, tables, values=False, implied=implied)
     return (int(digest(repr((described, meta.containers)).encode()), 16) >> 2) | 1
 
 
