@@ -98,6 +98,11 @@ def infer_unknown(shapes: Sequence[tuple[int, ...]], probed: Mapping[int, Any] |
     return tuple(out)
 
 
+def digest62(data: bytes) -> int:
+    """A 62-bit digest of ``data``, never 0 (0 votes "none" in the ranks' all-reduces): what the ranks compare."""
+    return (int(digest(data), 16) >> 2) | 1
+
+
 def layout_digest(meta: RankMeta, layouts: tuple[Layout | None, ...], alignment: int, chunk_bytes: int,
                   chunk_tables: bool = True, *, values: bool = True, implied: tuple[int, ...] = ()) -> int:
     """A 62-bit digest (never 0) of what every rank must agree on to plan on its own: every tensor's key, path,
@@ -110,8 +115,7 @@ def layout_digest(meta: RankMeta, layouts: tuple[Layout | None, ...], alignment:
     described = [(t.key, t.path, t.kind, t.dtype, t.shape) + ((la.mesh, la.shards, la.order) if la else ("?",))
                  for t, la in zip(meta.tensors, layouts)]
     extra = (meta.digests, meta.containers) if values else ()
-    return (int(digest(repr((described, alignment, chunk_bytes, chunk_tables, extra, implied)).encode()),
-                16) >> 2) | 1
+    return digest62(repr((described, alignment, chunk_bytes, chunk_tables, extra, implied)).encode())
 
 
 def tensor_digest(t: torch.Tensor) -> str:

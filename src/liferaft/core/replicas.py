@@ -6,9 +6,8 @@ so a save writes each chunk from one of them. Pipeline stages that name their la
 layer ``layers.0``) break that contract silently: their boxes look like replicas, and the checkpoint would hold one
 tensor pieced from every stage. So these copies are compared (:func:`same_replicas`): by a sample of each of a
 rank's boxes (three rows along the first dimension, or three windows of a 1-D box, at most 16 KiB, with the box's
-offsets), which tells different
-tensors apart at a cost that does not grow with the model, not bit-level divergence of true replicas (which the
-contract takes on trust, as PyTorch DCP does). Tensors replicated by a ``Replicate`` placement or held whole by
+offsets), which tells different tensors apart at a cost that does not grow with the model, not bit-level
+divergence of true replicas (which the contract takes on trust, as PyTorch DCP does). Tensors replicated by a ``Replicate`` placement or held whole by
 modules (DDP, HSDP, BatchNorm's statistics) are not compared.
 """
 

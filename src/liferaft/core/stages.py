@@ -4,8 +4,9 @@ Each rank's digest of what it describes is gathered to rank 0 (8 bytes a rank), 
 that describe alike and broadcasts them run-length encoded (a run per stage); the first rank of each class sends
 rank 0 its tensors and layouts, point to point; rank 0 merges them and broadcasts the result with the save's id.
 What a rank other than 0 receives grows with the tensors of every stage (the index's size) and the runs, not with
-the ranks times the tensors; rank 0 receives 8 bytes a rank and one description a class. A repeated save whose ranks all kept the
-same agreement votes it in the save's first all-reduce and skips all of this (``caches.STAGED``)."""
+the ranks times the tensors; rank 0 receives 8 bytes a rank and one description a class. A repeated save whose
+ranks all kept the same agreement votes it in the save's first all-reduce and skips all of this
+(``caches.STAGED``)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from liferaft.codecs.checksum import digest
 from liferaft.core.caches import STAGED
-from liferaft.core.described import layout_digest
+from liferaft.core.described import digest62, layout_digest
 from liferaft.core.replicas import same_replicas
 from liferaft.dist import Coordinator
 from liferaft.errors import InvalidStateError
@@ -37,7 +37,7 @@ def stage_digest(meta: RankMeta, layouts: tuple[Layout, ...], options: tuple[Any
     repeated save compares: ``core.replicas``)."""
     alignment, chunk_bytes, tables = options
     described = layout_digest(meta, layouts, alignment, chunk_bytes, tables, values=False, implied=implied)
-    return (int(digest(repr((described, meta.containers)).encode()), 16) >> 2) | 1
+    return digest62(repr((described, meta.containers)).encode())
 
 
 def staged_before(coord: Coordinator) -> bool:
@@ -77,7 +77,7 @@ def plan_stages(coord: Coordinator, flat: FlatState, meta: RankMeta, layouts: tu
     if sigs is not None:                    # (rank 0: the classes, sent to every rank run-length encoded)
         class_of, firsts = classes_of(sigs)
         if len(firsts) <= MAX_CLASSES:
-            numbered = (*runs(class_of), firsts, (int(digest(np.asarray(sigs, dtype=np.int64).tobytes()), 16) >> 2) | 1)
+            numbered = (*runs(class_of), firsts, digest62(np.asarray(sigs, dtype=np.int64).tobytes()))
     numbered = coord.broadcast_from_zero(numbered, None, "save (planning): the classes of ranks")
     if numbered is None:                    # (so many classes: every rank plans gathered)
         return None
