@@ -220,7 +220,7 @@ def _stages(ranks: int, tensors: int, rows: int) -> tuple[float, int, float, int
     from liferaft.planning.stages import classes_of, merge_stages, runs, stage_layouts
     from liferaft.testing.scale import STAGES, stage_tensors
 
-    dp, opts = ranks // STAGES, (64, 16 << 20, True)
+    dp, opts = ranks // STAGES, (64, 16 << 20, True, False)
 
     def described(rank: int) -> tuple[Any, tuple[Any, ...]]:
         metas = stage_tensors(ranks, tensors, rows, rank)

@@ -42,10 +42,10 @@ import hashlib
 import pickle
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from liferaft.errors import DistributedError
+from liferaft.errors import DistributedError, InvalidStateError
 
 T = TypeVar("T")
 
@@ -306,6 +306,8 @@ def _agree_incarnation(store: Any, rank: int, world: int, timeout: float) -> str
 #: the tag of ``Coordinator.gather_to_zero``'s sends (a channel runs one collective at a time; the tags of a
 #: load's shared spans count up from 0)
 GATHER_TAG = 0x4C46_0001
+#: the tag of ``Coordinator.scatter_from_zero``'s sends (``core.stages``'s are 0x4C46_0006/7)
+SCATTER_TAG = 0x4C46_0008
 
 
 class _Work:
@@ -512,6 +514,52 @@ class Coordinator:
         for w in [self.irecv(buf, r, GATHER_TAG) for r, buf in bufs.items()]:
             w.wait()
         return [payload] + [pickle.loads(bufs[r].numpy().tobytes()) for r in range(1, self.world)]  # our ranks'
+
+    def scatter_from_zero(self, payloads: Sequence[Any] | None, error: BaseException | None = None,
+                          what: str = "") -> Any:
+        """``payloads[r]`` (given on rank 0, one per rank) on each rank ``r``: one scatter of the messages' sizes,
+        then one send from rank 0 to each other rank, so that what a rank receives is its own message only. If
+        rank 0 passed an ``error`` (or a payload cannot be pickled), every rank raises (rank 0 its error, the
+        others a DistributedError naming it). For what rank 0 knows and each rank needs its own part of (a rank's
+        chunk table of an incremental save's base)."""
+        data: list[bytes] = []
+        if self.rank == 0 and error is None:
+            try:
+                if payloads is None or len(payloads) != self.world:
+                    raise InvalidStateError(f"{what}: {0 if payloads is None else len(payloads)} payloads for "
+                                            f"{self.world} ranks")
+                data = [pickle.dumps(p, protocol=pickle.HIGHEST_PROTOCOL) for p in payloads]
+            except Exception as e:  # noqa: BLE001 - reported to every rank below
+                error = e
+        if self.world == 1 or self.group is None:
+            if error is not None:
+                raise error
+            return payloads[0] if payloads is not None else None
+        import torch
+        import torch._C._distributed_c10d as c10d
+
+        opts = c10d.ScatterOptions()
+        opts.rootRank = 0
+        opts.timeout = datetime.timedelta(seconds=self.timeout)
+        size = torch.zeros(1, dtype=torch.int64)
+        sizes = [torch.tensor([-1 if error is not None else len(d)], dtype=torch.int64)
+                 for d in (data or [b""] * self.world)] if self.rank == 0 else []
+        try:
+            self.group.backend.scatter([size], [sizes] if self.rank == 0 else [], opts).wait()
+        except Exception as e:  # noqa: BLE001 - gloo reports timeouts and lost peers as RuntimeError
+            raise self._fail(e, what, error) from None
+        if int(size.item()) < 0:        # rank 0 failed: its error to every rank
+            self.broadcast_from_zero(None, error, what)
+            raise DistributedError(f"{what or 'operation'} failed on rank 0")
+        if self.rank == 0:
+            bufs = [torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in data[1:]]  # (alive until sent)
+            for w in [self.isend(b, r, SCATTER_TAG) for r, b in enumerate(bufs, 1) if b.numel()]:
+                w.wait()
+            return payloads[0]      # type: ignore[index]  (checked above)
+        buf = torch.empty(int(size.item()), dtype=torch.uint8)
+        if buf.numel():
+            self.irecv(buf, 0, SCATTER_TAG).wait()
+        return pickle.loads(buf.numpy().tobytes())     # rank 0's message (one of our own ranks)
 
     def gather_some(self, ranks: tuple[int, ...], payload: Any, tags: tuple[int, int], what: str,
                     limit: int = 1 << 30) -> dict[int, Any] | None:

@@ -47,3 +47,22 @@ def p2p_after_a_peer_died(rank: int, world: int, out: str) -> None:
         seen = f"{type(e).__name__}: {e}"
     with open(out, "w") as f:
         json.dump({"seen": seen, "broken": bool(coord.group is not None and coord.group.broken)}, f)
+
+
+def scatter(rank: int, world: int, fail: bool) -> list[str]:
+    """Two scatters from rank 0 (each rank a message of its own size, one empty), then one where rank 0 fails
+    (``fail``), then a last one: what each rank received, or the error it raised."""
+    from liferaft.dist import Coordinator
+
+    coord = Coordinator(timeout=30)
+    out = []
+    for i in range(2):
+        msgs = [("x" * (r * 1000 + i) if r != 1 else "") for r in range(world)] if rank == 0 else None
+        out.append(str(len(coord.scatter_from_zero(msgs, None, "scatter"))))
+    try:
+        err = ValueError("no base here") if fail and rank == 0 else None
+        out.append(str(coord.scatter_from_zero([rank] * world if rank == 0 else None, err, "scatter")))
+    except Exception as e:  # noqa: BLE001 - reported
+        out.append(f"{type(e).__name__}: {e}")
+    out.append(str(coord.scatter_from_zero(list(range(world)) if rank == 0 else None, None, "scatter")))
+    return out

@@ -192,7 +192,7 @@ def save_alike_names(rank: int, world: int, path: str, tied: bool, own_key: bool
     stage gives): with ``tied``, both stages hold the same values (a tied weight kept in sync: seed 0), else
     their own (seed = stage); ``own_key``: each stage also holds a key of its own (the ranks then describe
     different tensors), else every rank describes the same; ``base``: first save to ``base``, then save
-    incrementally on it (planned gathered); ``swap``: both stages hold the same rows, the second stage's in the
+    incrementally on it; ``swap``: both stages hold the same rows, the second stage's in the
     other order (its two halves swapped). The save's error, or "committed"."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard

@@ -42,3 +42,15 @@ def test_sending_to_a_dead_peer_is_a_distributed_error_and_breaks_the_group(tmp_
         assert set(e.errors) == {1}, e
     got = json.loads(out.read_text())
     assert got["seen"].startswith("DistributedError") and got["broken"], got
+
+
+def test_scatter_from_zero_sends_each_rank_its_own_message_and_rank_zeros_error_to_all(tmp_path):
+    from multiproc._dist_ranks import scatter
+
+    out = run_ranks(scatter, 3, False, timeout=120)
+    assert out == [["0", "1", "0", "0"], ["0", "0", "0", "1"], ["2000", "2001", "0", "2"]], out
+    out = run_ranks(scatter, 3, True, timeout=120)
+    assert out[0][2] == "ValueError: no base here", out
+    assert all(o[2].startswith("DistributedError") and "no base here" in o[2] for o in out[1:]), out
+    assert [o[3] for o in out] == ["0", "1", "2"], out     # (the group still works)
+    assert Coordinator().scatter_from_zero(["only"]) == "only"

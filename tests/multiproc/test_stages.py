@@ -148,7 +148,7 @@ def test_stages_that_name_their_layers_alike_are_refused_and_tied_weights_in_syn
 
 @pytest.mark.parametrize("how", ["incremental", "swapped halves"])
 def test_stages_named_alike_are_refused_when_planned_gathered_and_when_their_rows_are_permuted(tmp_path, how):
-    """An incremental save (planned gathered) compares the copies too; and a stage holding the same rows in another
+    """An incremental save (planned on each rank, on a base) compares the copies too; and a stage holding the same rows in another
     order differs (each box's sample is hashed with its offsets: sums over the boxes cannot cancel)."""
     from multiproc._stages_ranks import save_alike_names
 

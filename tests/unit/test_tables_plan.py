@@ -195,3 +195,71 @@ def test_fsdp2_over_tp_split_evenly_is_a_nested_split_tp_first_equal_to_dtensors
         assert found == {layout_box(ordered, shape, r) for r in range(numel(mesh))
                          if numel(layout_box(ordered, shape, r)[1]) and intersect(layout_box(ordered, shape, r), box)}
     assert converted > 100
+
+
+def test_a_version_6_table_may_name_its_ranks_copies_and_listed_files_of_other_checkpoints_only():
+    from dataclasses import replace
+
+    from liferaft.format.layout import copies_file_name
+
+    la = Layout((2,), (0,))
+    base = _index(2, [("a", (4, 3), la)], 1 << 20)
+    files = {data_file_name("s", 0): 1024, copies_file_name("s", 0): 1024, copies_file_name("s", 1): 1024,
+             "../old/data/x/r00000.bin": 1024, table_file_name("s", 0): 10}
+    ref = TableRef(file=table_file_name("s", 0), rank=0, hash="0" * 16, chunks=1)
+
+    def table(file: str) -> bytes:
+        return encode_table("s", 0, [(0, replace(_chunk((0, 0), (2, 3)), file=file))])
+
+    v6 = replace(base, files=files, version=6)
+    for ok in (copies_file_name("s", 0), "../old/data/x/r00000.bin", data_file_name("s", 0)):
+        assert decode_table(table(ok), ref, v6)[0][1].file == ok
+    refused = {
+        "another rank's copies": (v6, copies_file_name("s", 1)),
+        "an unlisted file of another checkpoint": (v6, "../old/data/x/r00001.bin"),
+        "a reference in version 5": (replace(v6, version=5), "../old/data/x/r00000.bin"),
+        "copies in version 5": (replace(v6, version=5), copies_file_name("s", 0)),
+    }
+    for what, (index, file) in refused.items():
+        with pytest.raises(CorruptCheckpointError, match="r00000-chunks.json"):
+            decode_table(table(file), ref, index)
+        assert what
+
+
+def test_an_index_of_version_5_listing_another_checkpoints_file_is_refused():
+    import json
+    from dataclasses import replace
+
+    from liferaft.format.manifest import decode_manifest
+
+    la = Layout((2,), (0,))
+    index = _index(2, [("a", (4, 3), la)], 1 << 20)
+    index = Manifest(**{**index.__dict__, "tables": (), "files": {"../old/data/x/r00000.bin": 64}, "version": 6,
+                        "tensors": tuple(replace(t, layout=(*t.layout, None, None)) for t in index.tensors)})
+    doc = json.loads(index.to_json_bytes())
+    assert doc["version"] == 6
+    decode_manifest(json.dumps(doc).encode())
+    doc["version"] = 5
+    with pytest.raises(CorruptCheckpointError, match="need format version 6"):
+        decode_manifest(json.dumps(doc).encode())
+
+
+def test_each_rank_is_sent_its_table_and_the_files_bearing_its_number():
+    from dataclasses import replace
+
+    from liferaft.core.base import shared_base, split_base
+
+    la = Layout((4,), (0,))
+    index = _index(4, [("a", (8, 3), la)], 1 << 20)
+    files = {table_file_name("s", r): 10 for r in range(4)}
+    files.update({data_file_name("s", r): 100 + r for r in range(4)})
+    files.update({"../old/data/x/r00002.bin": 7, "../old/data/x/r00002-copies.bin": 8,
+                  "../old/data/x/r100001.bin": 9})
+    index = replace(index, files=files)
+    parts = split_base(("b", index), 3)
+    assert [p[0].rank if p[0] else None for p in parts] == [0, 1, 2]
+    assert parts[2][1] == {table_file_name("s", 2): 10, data_file_name("s", 2): 102,
+                           "../old/data/x/r00002.bin": 7, "../old/data/x/r00002-copies.bin": 8}
+    assert all("r100001" not in f for p in parts for f in p[1])
+    shared = shared_base(("b", index))
+    assert shared is not None and shared.siblings == ("b", "old") and shared.index.files == {}

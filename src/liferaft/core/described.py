@@ -104,18 +104,22 @@ def digest62(data: bytes) -> int:
 
 
 def layout_digest(meta: RankMeta, layouts: tuple[Layout | None, ...], alignment: int, chunk_bytes: int,
-                  chunk_tables: bool = True, *, values: bool = True, implied: tuple[int, ...] = ()) -> int:
+                  chunk_tables: bool = True, *, values: bool = True, implied: tuple[int, ...] = (),
+                  incremental: bool = False) -> int:
     """A 62-bit digest (never 0) of what every rank must agree on to plan on its own: every tensor's key, path,
     kind, dtype, global shape and layout (None: to be inferred), in order, the options the plan and the commit
     depend on, and (``values``) the digests of the plain tensors that are compared and the containers (ranks
     whose containers differ plan gathered, where a conflict is refused before anything is written). Without
     ``values``: what the inferred layouts are kept by (``caches.INFERRED``), unchanged when a compared plain
     tensor's value changes between saves. ``implied``: the positions of the tensors replicated by their
-    sub-mesh alone (``TensorLeaf.implied``), whose copies a save then compares."""
+    sub-mesh alone (``TensorLeaf.implied``), whose copies a save then compares. ``incremental``: the save
+    references an incremental base from each rank's plan (``core.base``: every rank then takes part in its
+    exchanges)."""
     described = [(t.key, t.path, t.kind, t.dtype, t.shape) + ((la.mesh, la.shards, la.order) if la else ("?",))
                  for t, la in zip(meta.tensors, layouts)]
     extra = (meta.digests, meta.containers) if values else ()
-    return digest62(repr((described, alignment, chunk_bytes, chunk_tables, extra, implied)).encode())
+    return digest62(repr((described, alignment, chunk_bytes, chunk_tables, extra, implied)
+                         + ((True,) if incremental else ())).encode())
 
 
 def tensor_digest(t: torch.Tensor) -> str:

@@ -23,6 +23,16 @@ from typing import Any, cast
 
 import torch
 
+from liferaft.core.base import (
+    SharedBase,
+    copy_gathered_crumbs,
+    copy_own_crumbs,
+    full_base,
+    open_base,
+    rank_base,
+    shared_base,
+    split_base,
+)
 from liferaft.core.caches import INFERRED, PLANS, TILED, Planned
 from liferaft.core.chunks.writer import ChunkPolicy, WriteOutcome
 from liferaft.core.commit import abandon, is_committed, remove_stale, write_commit
@@ -34,7 +44,7 @@ from liferaft.core.described import (
     layouts_of,
     tensor_digest,
 )
-from liferaft.core.policy import chunk_policy, open_base
+from liferaft.core.policy import chunk_policy
 from liferaft.core.replicas import same_replicas
 from liferaft.core.stages import known_stages, plan_stages, stage_digest, staged_before
 from liferaft.core.tabled import build_index, replicated, write_table
@@ -128,6 +138,8 @@ class PreparedSave:
     #: rank, nothing lossy, no incremental base: the index lists every chunk's box and rank (explicit boxes)
     layouts: tuple[Layout, ...] | None = None
     tables: bool = False
+    #: (planned on its own, with an incremental base) the base as every rank received it
+    base: SharedBase | None = None
 
     @property
     def explicit(self) -> bool:
@@ -167,10 +179,14 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
     cached = PLANS.get(cache_key)
     # (every rank of a group votes, whatever its options, so that all run the same collectives)
     compact = coord.world > 1 and coord.global_order
+    # (an incremental save is planned on each rank too, unless an XOR delta or a selective save reads the base's
+    # bytes: those are planned gathered)
+    own_base = bool(opts.incremental_base) and not opts.delta and opts.selective is None
+    base: tuple[str, Any] | None = None
 
     def describe() -> tuple[Any, ...]:
         """This rank's metadata to share (flattening ``state``, which is kept here)."""
-        nonlocal flat, meta, layouts
+        nonlocal flat, meta, layouts, base
         if sys.byteorder != "little":
             raise StorageError("liferaft stores little-endian bytes; big-endian hosts are not supported")
         if storage.process_local and coord.world > 1:
@@ -178,14 +194,17 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
                                "backend (a local path, file:// or an object store)")
         flat = flatten(state, world=coord.world)
         meta = _rank_meta(coord.rank, flat, opts.allow_pickle, coord.world)
-        if compact and not opts.incremental_base:   # (an incremental save's references are planned gathered)
+        if compact and (own_base or not opts.incremental_base):
             layouts = layouts_of(flat, coord.rank, coord.world)
         if coord.rank == 0 and not opts.overwrite and storage.exists(COMMIT_MARKER):
             raise CheckpointExistsError(f"{storage.url} already holds a committed checkpoint; pass "
                                         "SaveOptions(overwrite=True) to replace it, or save to a new path")
         # tensors unchanged since the last save planned here: send only the values and the id of that plan
         reuse = cached[2] if cached is not None and cached[0] == meta.tensors else None
-        base = open_base(storage, opts.incremental_base) if coord.rank == 0 and opts.incremental_base else None
+        if coord.rank == 0 and opts.incremental_base:   # (the index only, unless the plan is gathered)
+            base = open_base(storage, opts.incremental_base, tables=False)
+            if not compact:
+                base = full_base(storage, base)
         return (replace(meta, tensors=()) if reuse else meta, uuid.uuid4().hex[:16] if coord.rank == 0 else None,
                 reuse, base, (opts.chunk_tables, opts.alignment, opts.chunk_bytes),
                 tuple(t.key for t in flat.tensors if t.implied))
@@ -196,7 +215,11 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
     if compact:
         cached_inferred: tuple[Layout, ...] | None = None
         sig = 0
-        stage_opts = (opts.alignment, opts.chunk_bytes, opts.chunk_tables)
+        stage_opts = (opts.alignment, opts.chunk_bytes, opts.chunk_tables, own_base)
+
+        def gathered_payload() -> tuple[Any, ...]:
+            """``payload`` with rank 0's base whole (its chunk tables read), for a plan gathered after all."""
+            return payload if base is None else (*payload[:3], full_base(storage, base), *payload[4:])
 
         def vote() -> tuple[tuple[Any, ...], list[int]]:
             nonlocal cached_inferred
@@ -204,7 +227,7 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
             assert meta is not None and flat is not None
             nonlocal sig
             h = layout_digest(meta, layouts, opts.alignment, opts.chunk_bytes, opts.chunk_tables,
-                              implied=implied_of(flat)) if layouts is not None else 0
+                              implied=implied_of(flat), incremental=own_base) if layouts is not None else 0
             need, known = 0, 0
             if layouts is not None and None in layouts:     # hand-made shards: their layouts are inferred
                 shape_key = layout_digest(meta, layouts, opts.alignment, opts.chunk_bytes, values=False)
@@ -230,7 +253,7 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
                 tensors, layouts, agreed, (save_id, zero_values) = found
                 plan = _own_plan(meta, layouts, coord, save_id, opts, cached, agreed, tensors)
             else:
-                gathered = coord.exchange(payload, None, "save (planning)")
+                gathered = coord.exchange(gathered_payload(), None, "save (planning)")
         elif high == -neg_low != 0:                 # every rank sent the same digest of compact layouts
             assert layouts is not None
             unknown = [i for i, la in enumerate(layouts) if la is None]
@@ -258,7 +281,7 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
                                  tuple(filled[i] for i in unknown))
                     layouts = filled
                     high = layout_digest(meta, layouts, opts.alignment, opts.chunk_bytes, opts.chunk_tables,
-                                         implied=implied_of(flat))
+                                         implied=implied_of(flat), incremental=own_base)
             if layouts is not None:
                 implied = implied_of(flat)      # (the same on every rank: in the digest)
                 if implied:     # (replicas by a sub-mesh alone: compared; stages naming their layers alike refused)
@@ -269,9 +292,9 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
                 plan = _own_plan(meta, cast("tuple[Layout, ...]", layouts), coord, save_id, opts, cached, high)
                 agreed = high
             else:
-                gathered = coord.exchange(payload, None, "save (planning)")
+                gathered = coord.exchange(gathered_payload(), None, "save (planning)")
         else:
-            gathered = coord.exchange(payload, None, "save (planning)")
+            gathered = coord.exchange(gathered_payload(), None, "save (planning)")
     else:
         gathered = coord.run(describe, "save (planning)")
     assert flat is not None and meta is not None
@@ -299,7 +322,14 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
             PLANS.put(cache_key, (meta.tensors, plan, save_id, holders, implied))
         # (replicas by a sub-mesh alone: compared, so that stages naming their layers alike are refused)
         same_replicas(coord, flat, implied, holders.get)
-    else:
+    shared = None
+    if plan.own and own_base:       # (every rank knows: planned on its own, with a base it may reference)
+        shared = coord.broadcast_from_zero(shared_base(base), None, "save (incremental base)")
+        if shared is not None:
+            mine = coord.scatter_from_zero(split_base(base, coord.world) if coord.rank == 0 else None, None,
+                                           "save (incremental base)")
+            base = rank_base(storage, shared, mine, coord.rank)
+    elif plan.own:
         base = None
     sources = _per_rank_sources(plan, flat, coord.rank)
     for w in plan.writes[coord.rank]:
@@ -316,7 +346,7 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
     prepared = PreparedSave(storage=storage, plan=plan, save_id=save_id, rank=coord.rank, world=coord.world,
                             sources=sources, policy=policy, t_start=t_start, lossy=lossy,
                             own=meta if own or tables else None, own_digest=agreed, zero_values=zero_values,
-                            layouts=chosen, tables=tables)
+                            layouts=chosen, tables=tables, base=shared)
     prepared.timings["plan"] = time.perf_counter() - t_start
     return prepared
 
@@ -396,7 +426,7 @@ def finish_save(coord: Coordinator, prep: PreparedSave, write: Callable[[], Writ
     if prep.own is not None:
         return _finish_own(coord, prep, write, opts)
     outcomes = coord.run(write, "save (write)", cleanup=prep.abandon)
-    stored, copied = _copy_crumbs(coord, prep, [(o.chunks, o.file_size) for o in outcomes], opts)
+    stored, copied = copy_gathered_crumbs(coord, prep, [(o.chunks, o.file_size) for o in outcomes], opts)
     outcome = outcomes[coord.rank]
     timings = prep.timings
     timings.setdefault("stage", outcome.stage_s)
@@ -435,14 +465,20 @@ def _finish_own(coord: Coordinator, prep: PreparedSave, write: Callable[[], Writ
     """``finish_save`` of a plan each rank made on its own: each rank's writes, what it stored, its values (those
     equal to rank 0's by digest as their key only) and containers go to rank 0 only
     (``Coordinator.gather_to_zero``), which writes the manifest and commits; the other ranks learn the outcome
-    from one broadcast. (No references to sibling checkpoints: such a save has no
-    incremental base.)"""
+    from one broadcast. With an incremental base (``prep.base``), one all-reduce after the writes decides which
+    older checkpoints are referenced and which crumbs are copied (``core.base.crumbs``)."""
     storage, save_id, plan, meta = prep.storage, prep.save_id, prep.plan, prep.own
     assert meta is not None
     result, error, table = None, None, None
+    copied = raw = 0
     try:
         result = write()
-        if prep.tables and prep.writes:
+    except BaseException as e:  # noqa: BLE001 - reported to every rank, then raised here too
+        error = e
+    if prep.base is not None:       # (every rank takes part, also one whose write failed)
+        result, error, copied, raw = copy_own_crumbs(coord, prep, result, error, opts)
+    try:
+        if error is None and result is not None and prep.tables and prep.writes:
             table = write_table(storage, save_id, prep.rank, plan, None if prep.explicit else prep.layouts,
                                 prep.writes, result.chunks)
     except BaseException as e:  # noqa: BLE001 - reported to every rank, then raised here too
@@ -453,8 +489,10 @@ def _finish_own(coord: Coordinator, prep: PreparedSave, write: Callable[[], Writ
         ref, size, inline = table or (None, 0, [])
         # (explicit boxes of a plan made on each rank: this rank's boxes, which rank 0 does not know)
         boxes = [(w.key, w.offsets, w.sizes) for w in prep.writes] if prep.explicit and prep.layouts else None
-        row = None if result is None else ((ref, size, result.file_size, wrote, inline, boxes), (), 0, values,
-                                           meta.containers)
+        # (the files of older checkpoints its chunks lie in, and its file of copied chunks, with their sizes)
+        others = {} if result is None else {f: n for sc in result.chunks for f, n in (sc.ref_files or {}).items()}
+        row = None if result is None else ((ref, size, result.file_size, wrote, inline, boxes, others), (), 0,
+                                           values, meta.containers)
     else:
         row = None if result is None else (prep.writes, result.chunks, result.file_size, values, meta.containers)
     try:
@@ -481,7 +519,7 @@ def _finish_own(coord: Coordinator, prep: PreparedSave, write: Callable[[], Writ
                                        created_unix=time.time(), liferaft_version=_version(),
                                        torch_version=torch.__version__, extra=dict(opts.metadata),
                                        alignment=opts.alignment, chunk_bytes=opts.chunk_bytes, **merged)
-                sizes = [w[2] for w, *_ in rows]
+                sizes = [w[2] + sum(n for f, n in w[6].items() if not f.startswith("../")) for w, *_ in rows]
             else:
                 full = replace(plan, writes=tuple(w for w, *_ in rows), **merged)
                 if TILED.get((coord.key, prep.own_digest)) is None:
@@ -490,7 +528,8 @@ def _finish_own(coord: Coordinator, prep: PreparedSave, write: Callable[[], Writ
                 manifest = build_manifest(full, [s for _, s, *_ in rows], [n for _, _, n, *_ in rows],
                                           save_id=save_id, created_unix=time.time(), liferaft_version=_version(),
                                           torch_version=torch.__version__, extra=opts.metadata, lossy=prep.lossy)
-                sizes = [n for _, _, n, *_ in rows]
+                sizes = [n + sum(n for sc in s for f, n in (sc.ref_files or {}).items() if f.endswith("-copies.bin"))
+                         for _, s, n, *_ in rows]
             write_commit(storage, save_id, manifest)
             summary = (sum(sizes), sum(1 for n in sizes if n))
         except OSError as e:
@@ -505,8 +544,8 @@ def _finish_own(coord: Coordinator, prep: PreparedSave, write: Callable[[], Writ
         raise
     _after_commit(coord, prep, t0)
     return SaveResult(path=storage.url, save_id=save_id, world_size=coord.world, rank=coord.rank,
-                      bytes_written=result.bytes_written, total_bytes=total, files=files, timings=timings,
-                      bytes_reused=result.bytes_reused, bytes_encoded=result.bytes_encoded)
+                      bytes_written=result.bytes_written + copied, total_bytes=total, files=files, timings=timings,
+                      bytes_reused=result.bytes_reused - raw, bytes_encoded=result.bytes_encoded)
 
 
 def _after_commit(coord: Coordinator, prep: PreparedSave, t0: float) -> None:
@@ -537,37 +576,6 @@ def _check_tiles(plan: SavePlan) -> None:
         if problem:
             raise InvalidStateError(f"key {t.key!r}: {problem}; the ranks' own plans do not tile the tensor (its "
                                     "DTensor placements give the ranks overlapping or missing parts)")
-
-
-def _copy_crumbs(coord: Coordinator, prep: PreparedSave, stored: list[Any], opts: SaveOptions
-                 ) -> tuple[list[Any], list[tuple[int, int]]]:
-    """After every rank wrote: the chunks referenced from a sibling checkpoint that provides less than
-    ``opts.reference_min_share`` of the save's bytes are copied into it instead (each rank its own, then one
-    exchange), so that the save does not keep that checkpoint alive for crumbs (``planning.references``). Every
-    rank decides from the same exchanged records, so all agree on whether this runs. Returns the stored chunks
-    and, per rank, (stored bytes copied, raw bytes no longer referenced)."""
-    from liferaft.core.chunks.rehome import copy_references
-    from liferaft.format.layout import copies_file_name
-    from liferaft.planning.references import crumb_sources
-
-    none = [(0, 0)] * coord.world
-    if opts.reference_min_share <= 0 or not any(sc.file.startswith("../") for s in stored for sc in s[0]):
-        return stored, none
-    sources = crumb_sources(prep.plan.writes, [s[0] for s in stored], opts.reference_min_share)
-    if not sources:
-        return stored, none
-    t0 = time.perf_counter()
-
-    def copy() -> tuple[Any, ...]:
-        chunks, copied, raw = copy_references(prep.storage, prep.save_id, prep.rank, prep.writes,
-                                              stored[prep.rank][0], sources, prep.policy.dtypes, opts.alignment)
-        if copied:
-            prep.copies = copies_file_name(prep.save_id, prep.rank)
-        return chunks, stored[prep.rank][1], copied, raw
-
-    gathered = coord.run(copy, "save (copy referenced chunks)", cleanup=prep.abandon)
-    prep.timings["copy"] = time.perf_counter() - t0
-    return [(g[0], g[1]) for g in gathered], [(g[2], g[3]) for g in gathered]
 
 
 def sub_view(local: torch.Tensor, held: Box, box: Box) -> torch.Tensor:

@@ -1,34 +1,19 @@
 """How a save's writers store each chunk (``core.chunks.writer.ChunkPolicy``): compression, the keys stored
 lossily, and the chunks of an incremental save's base they may reference instead of writing. A pure function of
-the plan, the options and the storage's kind (the same on every rank), with the base's manifest opened by rank 0."""
+the plan, the options and the storage's kind (the same on every rank), with the base as ``core.base`` gives it."""
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
 from liferaft.core.chunks.writer import ChunkPolicy
-from liferaft.core.commit import open_checkpoint
-from liferaft.errors import LiferaftError
 from liferaft.format.manifest import ChunkRecord, Manifest
 from liferaft.options import SaveOptions
 from liferaft.planning.save_plan import SavePlan
 from liferaft.storage import Storage
 from liferaft.storage.refs import with_references
-
-
-def open_base(storage: Storage, name: str) -> tuple[str, Manifest] | None:
-    """The committed manifest of the incremental save's base ``name`` (a sibling of ``storage``); None (with a
-    warning: the save is then a full one) when it cannot be opened."""
-
-    try:
-        return name, open_checkpoint(storage.sibling(name))
-    except (LiferaftError, OSError, NotImplementedError) as e:
-        warnings.warn(f"{storage.url}: incremental base {name!r} cannot be used ({e}); saving every chunk",
-                      stacklevel=3)
-        return None
 
 
 def chunk_policy(plan: SavePlan, storage: Storage, opts: SaveOptions, base: tuple[str, Manifest] | None

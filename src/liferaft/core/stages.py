@@ -35,8 +35,9 @@ def stage_digest(meta: RankMeta, layouts: tuple[Layout, ...], options: tuple[Any
     ranks (an optimizer's step counts change at every save: their copies are compared by
     :func:`_same_copies`). ``implied``: the positions of the DTensors replicated by a sub-mesh alone (what a
     repeated save compares: ``core.replicas``)."""
-    alignment, chunk_bytes, tables = options
-    described = layout_digest(meta, layouts, alignment, chunk_bytes, tables, values=False, implied=implied)
+    alignment, chunk_bytes, tables, incremental = options
+    described = layout_digest(meta, layouts, alignment, chunk_bytes, tables, values=False, implied=implied,
+                              incremental=incremental)
     return digest62(repr((described, meta.containers)).encode())
 
 

@@ -75,7 +75,8 @@ def build_index(plan: SavePlan, layouts: Sequence[Layout] | None,
                 ) -> Manifest:
     """The version 4 index of a save planned from ``layouts`` (``planning.layouts.plan_own``), from each rank's
     row: (its table or None, the table's size, its data file's size, the raw bytes it wrote, its records of the
-    tensors every rank holds whole[, its writes' boxes as (key, offsets, sizes)]). Refused (InvalidStateError)
+    tensors every rank holds whole[, its writes' boxes as (key, offsets, sizes) or None[, the sizes of the other
+    files its chunks lie in: an incremental save's references and its file of copied chunks]]). Refused (InvalidStateError)
     unless the ranks wrote exactly the tensors' bytes, once: the tables' chunks are the ranks' own plans, which
     tile every tensor by construction; this cheap sum catches plans that disagree. ``layouts`` None: explicit
     boxes, each rank's from its row (a plan made on each rank) or from ``plan.writes`` (a gathered plan), their
@@ -89,9 +90,14 @@ def build_index(plan: SavePlan, layouts: Sequence[Layout] | None,
     refs = []
     inline: list[list[ChunkRecord]] = [[] for _ in plan.tensors]
     written: list[Sequence[Any]] = []
-    for rank, (ref, table_size, file_size, _, listed, *boxes) in enumerate(rows):
-        written.append(boxes[0] if boxes and boxes[0] is not None else
+    for rank, (ref, table_size, file_size, _, listed, *more) in enumerate(rows):
+        boxes = more[0] if more else None
+        written.append(boxes if boxes is not None else
                        [(w.key, w.offsets, w.sizes) for w in plan.writes[rank]] if rank < len(plan.writes) else [])
+        for f, size in (more[1] if len(more) > 1 else {}).items():      # (an incremental save's other files)
+            if files.setdefault(f, size) != size:
+                raise InvalidStateError(f"ranks disagree on the size of {f!r} ({files[f]} and {size} bytes); "
+                                        "nothing was committed")
         if file_size:
             files[data_file_name(save_id, rank)] = file_size
         if ref is not None:

@@ -54,6 +54,7 @@ from liferaft.format.records import (  # the manifest's data (re-exported: its h
     TableRef,
     TensorEntry,
     ValueEntry,
+    incremental_file,
 )
 
 
@@ -478,6 +479,9 @@ def _tables(doc: Mapping[str, Any], name: str, version: int, save_id: str, world
         raise _fail(name, f"chunk tables need format version 4, the manifest says {version}")
     if version < 5 and any(t.layout is not None and t.layout[3] is not None for t in tensors):
         raise _fail(name, f"a layout's at needs format version 5, the manifest says {version}")
+    if version < 6 and any(incremental_file(f) for f in files):
+        raise _fail(name, f"chunk tables of an incremental save (files of another checkpoint, or copied from one) "
+                          f"need format version 6, the manifest says {version}")
     if not isinstance(raw, list):
         raise _fail(name, "tables must be a list of objects")
     if not isinstance(planned, dict) or set(planned) != {"alignment", "chunk_bytes"}:

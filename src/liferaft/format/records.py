@@ -14,8 +14,14 @@ from typing import Any
 import numpy as np
 
 FORMAT_NAME = "liferaft"
-FORMAT_VERSION = 5          # the newest version this code reads; a save uses 2, 3, 4 or 5 only when it needs it
-#: (§4.1 encoded chunks, §4.5 tensors per rank, §4.6 chunk tables)
+
+
+def incremental_file(name: str) -> bool:
+    """Whether ``name`` (of a manifest's ``files``) is a file an incremental save adds: another checkpoint's
+    (``../<sibling>/...``, §4.2) or one of chunks copied from another (``...-copies.bin``)."""
+    return name.startswith("../") or name.endswith("-copies.bin")
+FORMAT_VERSION = 6          # the newest version this code reads; a save uses 2 to 6 only when it needs it
+#: (§4.1 encoded chunks, §4.5 tensors per rank, §4.6 chunk tables; 6: chunk tables of an incremental save)
 
 #: The block checksum a save records for the chunks it writes (CRC-32C: hardware-computed and hashed without the
 #: GIL, so a background save does not stall a Python training loop; docs/FORMAT.md §3.1).
@@ -271,11 +277,15 @@ class Manifest:
         return self.planned is not None
 
     def needs_version(self) -> int:
-        """The lowest format version that describes this manifest: 5 when its chunks live in chunk tables and a
+        """The lowest format version that describes this manifest: 6 when its chunks live in chunk tables and some
+        lie in another checkpoint or in a file of chunks copied from one (an incremental save, §4.2); 5 when its
+        chunks live in chunk tables and a
         layout is scoped to a slice of the ranks (``at``: pipeline stages); 4 when its chunks live in chunk
         tables; 3 when a tensor is stored per rank; 2 when a chunk is encoded or lives in another checkpoint, or
         an entry is lossy; else 1 (readable by liferaft versions that predate them)."""
         if self.tabled:
+            if any(incremental_file(f) for f in self.files):
+                return 6
             return 5 if any(t.layout is not None and len(t.layout) > 3 and t.layout[3] is not None
                             for t in self.tensors) else 4
         if any(t.per_rank is not None for t in self.tensors):

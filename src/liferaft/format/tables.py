@@ -10,10 +10,10 @@ file). Pure: no I/O, no torch; ``core.tabled`` reads tables and checks their chu
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 
 from liferaft.format import jsonsafe
-from liferaft.format.layout import data_file_name
+from liferaft.format.layout import copies_file_name, data_file_name
 from liferaft.format.limits import MAX_MANIFEST_BYTES
 from liferaft.format.manifest import _chunk_fast, _decode_chunk, _fail
 from liferaft.format.records import CHECKSUM_ALGO, LEGACY_CHECKSUM, ChunkRecord, Manifest, TableRef
@@ -33,8 +33,10 @@ def encode_table(save_id: str, rank: int, chunks: Sequence[tuple[int, ChunkRecor
 def decode_table(data: bytes, ref: TableRef, index: Manifest, codecs: Collection[str] | None = None
                  ) -> list[tuple[int, ChunkRecord]]:
     """The chunks of the table ``ref`` of ``index`` from its bytes ``data``, whose digest the caller compared
-    with ``ref.hash``. Every chunk is checked as a manifest's chunk is (§9), lies in rank ``ref.rank``'s data
-    file and names a tensor of the index; the count must be ``ref.chunks``. Raises CorruptCheckpointError."""
+    with ``ref.hash``. Every chunk is checked as a manifest's chunk is (§9), is no delta, names a tensor of the
+    index and lies in rank ``ref.rank``'s data file, or (version 6: an incremental save) in that rank's file of
+    copied chunks or in a file of another checkpoint that the index lists; the count must be ``ref.chunks``.
+    Raises CorruptCheckpointError."""
     where = f"chunk table {ref.file!r}"
     doc = jsonsafe.loads(data, where, MAX_MANIFEST_BYTES)
     if not isinstance(doc, dict) or doc.get("format") != TABLE_FORMAT or doc.get("version") != TABLE_VERSION:
@@ -49,8 +51,7 @@ def decode_table(data: bytes, ref: TableRef, index: Manifest, codecs: Collection
     if not isinstance(raw, list) or len(raw) != ref.chunks:
         raise _fail(where, f"holds {len(raw) if isinstance(raw, list) else 'no list of'} chunks, the manifest "
                            f"says {ref.chunks}")
-    own = data_file_name(index.save_id, ref.rank)
-    files = {own: index.files[own]} if own in index.files else {}
+    files = _TableFiles(index, ref.rank)
     out = []
     tensors = index.tensors
     for item in raw:
@@ -65,8 +66,32 @@ def decode_table(data: bytes, ref: TableRef, index: Manifest, codecs: Collection
         rec = _chunk_fast(item[1], len(t.shape), files, t.itemsize, algo)
         if rec is None:
             rec = _decode_chunk(item[1], f"{where} tensor {t.key!r}", len(t.shape), files, t.itemsize, codecs, algo)
-        if rec.file != own or rec.delta is not None:
-            raise _fail(where, f"tensor {t.key!r}: a chunk in {rec.file!r} (a table lists only the chunks of its "
-                               f"rank's data file {own!r}, none a delta)")
+        if rec.delta is not None:
+            raise _fail(where, f"tensor {t.key!r}: the chunk at {list(rec.offsets)} is a delta (a table lists "
+                               "none)")
         out.append((item[0], rec))
     return out
+
+
+class _TableFiles(Mapping[str, int]):
+    """The files a chunk of rank ``rank``'s table may lie in, with their sizes from the index: that rank's data
+    file, and in version 6 its file of chunks copied from another checkpoint and the other checkpoints' files the
+    index lists (``../<sibling>/...``, §4.2). A view: the index's files are not copied per table."""
+
+    def __init__(self, index: Manifest, rank: int) -> None:
+        self.files = index.files
+        self.own = {data_file_name(index.save_id, rank)}
+        if index.version >= 6:
+            self.own.add(copies_file_name(index.save_id, rank))
+        self.references = index.version >= 6
+
+    def __getitem__(self, name: str) -> int:
+        if name in self.own or (self.references and name.startswith("../")):
+            return self.files[name]
+        raise KeyError(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return (f for f in self.files if f in self.own or (self.references and f.startswith("../")))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
