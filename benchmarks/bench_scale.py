@@ -251,15 +251,18 @@ def _stages(ranks: int, tensors: int, rows: int) -> tuple[float, int, float, int
     return t_merge, to_zero + 8 * ranks, dt, received
 
 
-def _tabled(layout: str, ranks: int, tensors: int, rows: int, tmp: str, to_tp: bool = False
-            ) -> tuple[int, int, int, float, int, float]:
+def _tabled(layout: str, ranks: int, tensors: int, rows: int, tmp: str, to_tp: bool = False,
+            incremental: dict[str, float] | None = None) -> tuple[int, int, int, float, int, float]:
     """A save with chunk tables (format version 4) of these tensors: the bytes of the middle rank's row of the
     commit's gather to rank 0, of the index (the manifest), of the middle rank's chunk table; then the middle rank
     of a load onto ¾ of the ranks (``fsdp``, ``fsdp×tp8``: its row block of every tensor; ``ddp``: every tensor
     whole; ``to_tp``: the middle rank of the same ranks as FSDP × TP 8, its row block of its column block)
     planned for real: decode the index, find the tables it needs (``core.tabled.TableSource``), read,
     check and decode them from files, check coverage, plan its reads. Returns (row, index, table, load plan s,
-    tables read, of which index decode s)."""
+    tables read, of which index decode s). ``incremental``: filled with what an incremental save on this
+    checkpoint as its base costs (``core.base``): rank 0 decodes the index and splits it (s), the bytes every rank
+    receives (the broadcast tensors, and the middle rank's own part), the middle rank's read of its own table of
+    the base (s), and the bytes a reference adds to the index per rank."""
     import os
 
     from liferaft.codecs.checksum import digest
@@ -356,7 +359,28 @@ def _tabled(layout: str, ranks: int, tensors: int, rows: int, tmp: str, to_tp: b
         entry = src.entry(src.pos[key])
         src.check_covered(entry, box)
         plan_reads(entry, [(0, box)])
-    return row, len(raw), len(data), time.perf_counter() - t0, len(got), t_index
+    t_load = time.perf_counter() - t0
+    if incremental is not None:
+        from liferaft.core.base import rank_base, shared_base, split_base
+
+        os.makedirs(os.path.dirname(os.path.join(tmp, "base", table_file_name(sid, mid))), exist_ok=True)
+        with open(os.path.join(tmp, "base", table_file_name(sid, mid)), "wb") as f:
+            f.write(data)
+        actual[mid] = (data, fsize)
+        raw = index_bytes()
+        t0 = time.perf_counter()
+        base = decode_manifest(raw)
+        shared, parts = shared_base(("base", base)), split_base(("base", base), ranks)
+        incremental["zero_s"] = time.perf_counter() - t0
+        sent = pickle.dumps(shared, protocol=pickle.HIGHEST_PROTOCOL)
+        part = pickle.dumps(parts[mid], protocol=pickle.HIGHEST_PROTOCOL)
+        t0 = time.perf_counter()
+        name, view = rank_base(resolve(os.path.join(tmp, "new")), pickle.loads(sent), pickle.loads(part), mid)
+        incremental["rank_s"] = time.perf_counter() - t0
+        incremental["received"] = len(sent) + len(part)
+        incremental["chunks"] = sum(len(t.chunks) for t in view.tensors)
+        incremental["per_rank_index"] = len(f'"../{name}/{data_file_name(sid, mid)}":{fsize},')
+    return row, len(raw), len(data), t_load, len(got), t_index
 
 
 #: ranks per host in the model of a load's planning exchange
@@ -413,6 +437,8 @@ def _own_table(sizes: list[int], counts: list[int], layouts: list[str], rows: in
                 print(f"| {layout} | {ranks} | {tensors} | {dt:.3f} | {received} | {trow} | "
                       f"{trow * ranks / 1e6:.1f} | {index / 1e6:.1f} | {table / 1e3:.0f} | {t_load:.2f} | {read} | "
                       f"{tp} | {loading} |", flush=True)
+    if "fsdp" in layouts:
+        _incremental_table(sizes, counts, rows)
     if "pp16" in layouts:
         print()
         print("Pipeline stages (pp16: 16 stages, each holding a sixteenth of the tensors, Shard(0) over its ranks, "
@@ -438,6 +464,25 @@ def _own_table(sizes: list[int], counts: list[int], layouts: list[str], rows: in
                 print(f"| {ranks} | {tensors} | {probes} | {dt:.3f} | {received / 1e3:.1f} |", flush=True)
 
 
+def _incremental_table(sizes: list[int], counts: list[int], rows: int) -> None:
+    import tempfile
+
+    print()
+    print("Incremental saves on such a checkpoint (fsdp): rank 0 decodes the base's index, broadcasts its "
+          "tensors and sends each rank its own table's reference and files; one rank reads its own table of the "
+          "base (`core.base`):")
+    print("| ranks | tensors | rank 0: decode + split (s) | received, one rank (kB) | one rank reads its "
+          "table (s) | base chunks it may reference | index grows per rank (B) |")
+    print("|---|---|---|---|---|---|---|")
+    for ranks in sizes:
+        for tensors in counts:
+            got: dict[str, float] = {}
+            with tempfile.TemporaryDirectory() as tmp:
+                _tabled("fsdp", ranks, tensors, rows, tmp, incremental=got)
+            print(f"| {ranks} | {tensors} | {got['zero_s']:.2f} | {got['received'] / 1e3:.1f} | "
+                  f"{got['rank_s']:.3f} | {got['chunks']:.0f} | {got['per_rank_index']:.0f} |", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", default="256,1024,4096")
@@ -450,11 +495,16 @@ def main() -> int:
                     help="rank counts for the table of plans each rank makes on its own")
     ap.add_argument("--own-tensors", default="100,1000")
     ap.add_argument("--skip-gathered", action="store_true", help="only the table of plans made on their own")
+    ap.add_argument("--incremental-only", action="store_true",
+                    help="only the table of incremental saves on a base with chunk tables (--own-ranks, --own-tensors)")
     args = ap.parse_args()
     sizes = [int(x) for x in args.ranks.split(",")]
     print(f"# {datetime.date.today()} {machine()}")
     print(f"# {args.tensors} tensors of max({args.rows}, ranks) × {COLS} fp32; one process; median of {args.reps}")
     own = ([int(x) for x in args.own_ranks.split(",")], [int(x) for x in args.own_tensors.split(",")])
+    if args.incremental_only:
+        _incremental_table(*own, args.rows)
+        return 0
     if args.skip_gathered:
         _own_table(*own, args.layouts.split(","), args.rows)
         return 0
