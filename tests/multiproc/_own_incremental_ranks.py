@@ -173,3 +173,37 @@ def save_stages_async(rank: int, world: int, root: str) -> dict[str, Any]:
     index = _index(path)
     files = sorted({c["file"] for tb in _tables(path, index) for _, c in tb["chunks"]})
     return {"staged": len(STAGED) > 0, "version": index["version"], "reused": res.bytes_reused, "files": files}
+
+
+def committed_index_is_decoded_index(rank: int, world: int, root: str) -> list[str]:
+    """Rank 0 keeps the index it commits (``core.commit.INDEXES``) so that the next incremental save need not
+    decode it: save FSDP-style (version 4), incrementally on it (6), explicit boxes (hand-made shards split 7 / 3,
+    planned gathered) and, on 4 ranks, pipeline stages (5); on rank 0, the paths whose kept index differs from
+    what its bytes decode to (field by field)."""
+    from liferaft.codecs import registry
+    from liferaft.codecs.checksum import digest
+    from liferaft.core.commit import INDEXES, read_verified
+    from liferaft.format.manifest import decode_manifest
+    from liferaft.storage import resolve
+
+    save_two(rank, world, root, 256)
+    paths = [os.path.join(root, "a"), os.path.join(root, "b"), os.path.join(root, "boxes")]
+    lo, n = ((0, 7), (7, 3))[rank % 2]
+    rows = torch.arange(20, dtype=torch.float32).reshape(10, 2)
+    liferaft.save(paths[2], {"r": liferaft.Sharded(rows[lo:lo + n].clone(), (10, 2), (lo, 0)), "step": 1})
+    if world == 4:
+        paths.append(os.path.join(root, "stages"))
+        liferaft.save(paths[-1], stage_state(rank, 0), options=liferaft.SaveOptions(chunk_bytes=CHUNK))
+    if rank != 0:
+        return []
+    out = []
+    for path in paths:
+        storage = resolve(path)
+        data, _ = read_verified(storage)
+        kept = INDEXES.get((storage.url, digest(data), len(data), registry.names()))
+        decoded = decode_manifest(data, codecs=registry.names())
+        if kept is None:
+            out.append(f"{path}: not kept")
+            continue
+        out += [f"{path}: {f}" for f in decoded.__dataclass_fields__ if getattr(kept, f) != getattr(decoded, f)]
+    return out

@@ -121,3 +121,9 @@ def test_pipeline_stages_save_asynchronously_on_a_base_planned_by_stages(tmp_pat
     got = {k: torch.zeros_like(v) for k, v in want.items()} | {"step": -1}
     liferaft.load(str(tmp_path / "b"), got)
     assert all(torch.equal(got[k], want[k]) for k in want) and got["step"] == 1
+
+
+def test_the_index_rank_0_keeps_at_a_commit_is_what_its_bytes_decode_to(tmp_path):
+    from multiproc._own_incremental_ranks import committed_index_is_decoded_index
+
+    assert run_ranks(committed_index_is_decoded_index, 4, str(tmp_path), timeout=240)[0] == []

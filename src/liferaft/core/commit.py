@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 from liferaft.codecs import registry as codec_registry
 from liferaft.codecs.checksum import digest
+from liferaft.core.caches import PlanCache
 from liferaft.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -64,6 +65,9 @@ def write_commit(storage: Storage, save_id: str, manifest: Manifest) -> CommitRe
                           version=manifest.needs_version())
     record = CommitRecord(marker.to_json_bytes(), name, data)
     publish_commit(storage, record)
+    if manifest.tabled:     # (what ``decode_manifest`` makes of these bytes: tests/multiproc/test_own_incremental.py)
+        INDEXES.put((storage.url, marker.manifest_hash, len(data), codec_registry.names()),
+                    replace(manifest, version=marker.version))
     return record
 
 
@@ -114,9 +118,19 @@ def read_commit(storage: Storage) -> CommitRecord:
 _OPENED: list[tuple[str, tuple[str, ...], bytes, Manifest]] = []
 
 
+#: The indexes (version 4+ manifests whose chunk tables were not read) this process committed or opened with
+#: ``tables=False`` last, by (storage URL, the hash and size of the manifest's bytes as the commit marker pins them,
+#: the codecs registered): an incremental save opens its base, and the siblings the base references, at every save
+#: of a manager, and the index of a job of 100,000 ranks takes a second to decode. An open still reads ``COMMIT``
+#: and the manifest and checks them against each other; finding their hash here, it returns what those bytes
+#: decode to without decoding them again.
+INDEXES: PlanCache[tuple[str, str, int, tuple[str, ...]], Manifest] = PlanCache(limit=4)
+
+
 def forget_opened() -> None:
-    """Drop the manifest ``open_checkpoint`` keeps for reuse (the next open decodes again)."""
+    """Drop the manifest ``open_checkpoint`` keeps for reuse and the indexes kept (the next open decodes again)."""
     _OPENED.clear()
+    INDEXES.clear()
 
 
 def open_checkpoint(storage: Storage, *, reuse: bool = False, tables: bool = True) -> Manifest:
@@ -148,7 +162,13 @@ def open_checkpoint(storage: Storage, *, reuse: bool = False, tables: bool = Tru
 def _open(storage: Storage, reuse: bool = False, tables: bool = True) -> Manifest:
     """``open_checkpoint`` without the check of references."""
     data, name = read_verified(storage)
-    return decode_verified(storage, data, name, reuse, tables)
+    key = (storage.url, digest(data), len(data), codec_registry.names())
+    if not tables and (found := INDEXES.get(key)) is not None:
+        return found
+    manifest = decode_verified(storage, data, name, reuse, tables)
+    if not tables and manifest.tabled:
+        INDEXES.put(key, manifest)
+    return manifest
 
 
 def read_verified(storage: Storage) -> tuple[bytes, str]:
