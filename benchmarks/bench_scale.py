@@ -393,11 +393,13 @@ def _load_exchange(ranks: int, tensors: int) -> int:
     """The bytes each rank receives in a load's planning exchange (``core.load``, the default "host" sharing mode)
     when every rank loads its own row shard of ``tensors`` tensors saved FSDP-style (one span per tensor): one
     all-reduce of a number per key and four more (the keys some rank loads, the sharing mode, whether any rank
-    misses or skips keys; a ring all-reduce receives about twice the vector), the all-gather of each rank's host id
-    (a length, then the message, padded to the longest: all alike here), and the read spans of the other
-    ``HOST_RANKS - 1`` ranks of its host, exchanged among them."""
+    misses or skips keys; a ring all-reduce receives about twice the vector), its host's ranks
+    (``Coordinator.peers_alike``: each rank's host id gathered to rank 0, 8 bytes, then each rank sent its host's
+    ranks: the scatter's size, then the pickled group), and the read spans of the other ``HOST_RANKS - 1`` ranks of
+    its host, exchanged among them."""
     vote = 2 * (1 + tensors + 4) * 8
-    host = (8 + len(pickle.dumps((None, (1 << 61) + ranks), protocol=pickle.HIGHEST_PROTOCOL))) * ranks
+    first = ranks // 2 // HOST_RANKS * HOST_RANKS
+    host = 8 + len(pickle.dumps(tuple(range(first, first + HOST_RANKS)), protocol=pickle.HIGHEST_PROTOCOL))
     spans = ([(f"data/{'0' * 16}/r{ranks // 2:05d}.bin", i << 20, 1 << 20) for i in range(tensors)], ("x" * 64, {}))
     return vote + host + len(pickle.dumps(spans, protocol=pickle.HIGHEST_PROTOCOL)) * (HOST_RANKS - 1)
 

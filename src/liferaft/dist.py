@@ -561,6 +561,20 @@ class Coordinator:
             self.irecv(buf, 0, SCATTER_TAG).wait()
         return pickle.loads(buf.numpy().tobytes())     # rank 0's message (one of our own ranks)
 
+    def peers_alike(self, value: int, what: str) -> tuple[int, ...]:
+        """The ranks (this one included, in order) that passed the same 64-bit ``value`` (a host's id, say): each
+        rank's value gathered to rank 0 (8 bytes each), which groups them and sends each rank its own group
+        (``scatter_from_zero``), so that what a rank receives grows with its group, not with the world."""
+        values = self.gather_int_to_zero(value, what)
+        groups: list[tuple[int, ...]] | None = None
+        if values is not None:
+            members: dict[int, list[int]] = {}
+            for r, v in enumerate(values):
+                members.setdefault(v, []).append(r)
+            frozen = {v: tuple(rs) for v, rs in members.items()}
+            groups = [frozen[v] for v in values]
+        return tuple(self.scatter_from_zero(groups, None, what))
+
     def gather_some(self, ranks: tuple[int, ...], payload: Any, tags: tuple[int, int], what: str,
                     limit: int = 1 << 30) -> dict[int, Any] | None:
         """On rank 0, ``{r: payload of rank r}`` for rank 0 and each of ``ranks`` (the others' sent point to point:

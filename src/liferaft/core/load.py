@@ -100,7 +100,6 @@ def _load(reader: Reader, state: Any, coord: Coordinator, opts: LoadOptions, str
     timings: dict[str, float] = {}
     plans: list[_LoadPlan] = []
     mode = "peers" if holders is not None else _share_mode(reader, coord, opts)
-    hosts: list[int] = []                   # host id per rank (mode "host")
     all_keys = reader.keys
     width = len(all_keys) + 4
     mine: list[Any] = []        # this rank's spans and decoded sizes, and its host key (mode "host")
@@ -136,15 +135,14 @@ def _load(reader: Reader, state: Any, coord: Coordinator, opts: LoadOptions, str
         skipped = tuple(sorted({k for _, s in lists for k in s}))
     shares = False                  # (mode "host": whether the ranks of any host share, the same on every rank)
     if mode == "host":
-        hosts = coord.exchange(_host_id(mine[0][1][0]), None, "load (planning)")
-        spans_of = _mates_spans(coord, hosts, mine[0])
-        sharing = _host_sharing(spans_of, hosts, hosts[coord.rank], opts)
+        mates = coord.peers_alike(_host_id(mine[0][1][0]), "load (planning)")     # (the ranks of this host)
+        spans_of = _mates_spans(coord, mates, mine[0])
+        sharing = _host_sharing(spans_of, mates, coord.world, opts)
         shares = bool(coord.all_max([int(bool(sharing))], "load (planning)")[0])
     elif mode and holders is None:
         # (spans shared over the process group, within a host: a span another host needs too is read there as
         # well, which costs its network what sending it would; what a rank receives grows with its host's ranks)
-        hosts = coord.exchange(_host_id(shm.host_key()), None, "load (planning)")
-        spans_of = _mates_spans(coord, hosts, mine[0])
+        spans_of = _mates_spans(coord, coord.peers_alike(_host_id(shm.host_key()), "load (planning)"), mine[0])
         sharing = plan_sharing([spans_of[r][0] if r in spans_of else [] for r in range(coord.world)], min_bytes=0)
     elif mode:              # (a memory tier's node-local files: every rank's spans, the holders read for others)
         every = coord.exchange(mine[0][0], None, "load (planning)")
@@ -208,11 +206,12 @@ def _share_mode(reader: Reader, coord: Coordinator, opts: LoadOptions) -> str | 
     return "peers" if opts.share_reads else None    # (over loopback: measured slower than each rank reading)
 
 
-def _mates_spans(coord: Coordinator, hosts: list[int], mine: tuple[Any, Any]) -> dict[int, Any]:
-    """The spans and decoded sizes (``mine``: this rank's) of this rank and of the other ranks of its host (same
-    ``hosts`` id), exchanged among those ranks only (a length, then the pickled spans, sent to each): what a rank
-    receives grows with its host's ranks and their reads, not with the job's (collective over each host's ranks)."""
-    mates = [r for r, h in enumerate(hosts) if h == hosts[coord.rank] and r != coord.rank]
+def _mates_spans(coord: Coordinator, host: Sequence[int], mine: tuple[Any, Any]) -> dict[int, Any]:
+    """The spans and decoded sizes (``mine``: this rank's) of this rank and of the other ranks of its ``host``
+    (the ranks of this host, ``Coordinator.peers_alike``), exchanged among those ranks only (a length, then the
+    pickled spans, sent to each): what a rank receives grows with its host's ranks and their reads, not with the
+    job's (collective over each host's ranks)."""
+    mates = [r for r in host if r != coord.rank]
     out = {coord.rank: mine}
     if not mates:
         return out
@@ -247,11 +246,10 @@ def _host_id(key: str) -> int:
 SPAN_SIZE_TAG, SPAN_TAG = 0x4C46_0002, 0x4C46_0003
 
 
-def _host_sharing(spans_of: Mapping[int, Any], hosts: list[int], host: int, opts: LoadOptions) -> Any:
-    """The sharing plan of the ranks of ``host`` (``spans_of``: their spans and decoded sizes by rank, ``hosts``:
-    every rank's host id): their spans, runs up to ``max_read_bytes``, short spans when linked to long ones."""
-    mates = [r for r, h in enumerate(hosts) if h == host]
-    return plan_sharing([spans_of[r][0] if r in mates else [] for r in range(len(hosts))],
+def _host_sharing(spans_of: Mapping[int, Any], mates: Sequence[int], world: int, opts: LoadOptions) -> Any:
+    """The sharing plan of the ranks ``mates`` of one host (``spans_of``: their spans and decoded sizes by rank;
+    ``world`` ranks in all): their spans, runs up to ``max_read_bytes``, short spans when linked to long ones."""
+    return plan_sharing([spans_of[r][0] if r in spans_of else [] for r in range(world)],
                         min_bytes=min(MIN_SHARED_BYTES, opts.max_read_bytes // 4),
                         run_bytes=opts.max_read_bytes,          # a reader's runs: one read per slot
                         decoded={s: n for r in mates for s, n in spans_of[r][1][1].items()})
