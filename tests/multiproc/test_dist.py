@@ -54,3 +54,10 @@ def test_scatter_from_zero_sends_each_rank_its_own_message_and_rank_zeros_error_
     assert all(o[2].startswith("DistributedError") and "no base here" in o[2] for o in out[1:]), out
     assert [o[3] for o in out] == ["0", "1", "2"], out     # (the group still works)
     assert Coordinator().scatter_from_zero(["only"]) == "only"
+
+
+def test_peers_alike_sends_each_rank_the_ranks_of_its_value_only():
+    from multiproc._dist_ranks import alike
+
+    assert run_ranks(alike, 4, timeout=120) == [(0, 3), (1, 2), (1, 2), (0, 3)]
+    assert Coordinator().peers_alike(5, "alone") == (0,)
