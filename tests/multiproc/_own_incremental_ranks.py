@@ -207,3 +207,27 @@ def committed_index_is_decoded_index(rank: int, world: int, root: str) -> list[s
             continue
         out += [f"{path}: {f}" for f in decoded.__dataclass_fields__ if getattr(kept, f) != getattr(decoded, f)]
     return out
+
+
+def delta_then_plain(rank: int, world: int, root: str) -> dict[str, Any]:
+    """``a`` full; ``b`` on ``a`` with ``w`` stored as XOR deltas (planned gathered); ``c`` on ``b`` without
+    deltas, ``w`` unchanged since ``b`` (planned on each rank): does ``c`` load exactly? Its version."""
+    opts = dict(chunk_bytes=CHUNK, timeout=60)
+    liferaft.save(os.path.join(root, "a"), state_at(world, 0, 256), options=liferaft.SaveOptions(**opts))
+    liferaft.save(os.path.join(root, "b"), state_at(world, 1, 256),
+                  options=liferaft.SaveOptions(incremental_base="a", delta=["w"], **opts))
+    liferaft.save(os.path.join(root, "c"), state_at(world, 1, 256),
+                  options=liferaft.SaveOptions(incremental_base="b", **opts))
+    return {"version": _index(os.path.join(root, "c"))["version"]}
+
+
+def overwrite_on_a_base_referencing_it(rank: int, world: int, root: str) -> int:
+    """``b`` full, ``a`` on ``b`` (referencing ``b``'s files), then ``b`` saved again over itself with ``a`` as
+    its base: the new ``b`` must not reference the files its own commit removes. The new ``b``'s version."""
+    opts = dict(chunk_bytes=CHUNK, timeout=60)
+    liferaft.save(os.path.join(root, "b"), state_at(world, 0, 256), options=liferaft.SaveOptions(**opts))
+    liferaft.save(os.path.join(root, "a"), state_at(world, 1, 256),
+                  options=liferaft.SaveOptions(incremental_base="b", **opts))
+    liferaft.save(os.path.join(root, "b"), state_at(world, 1, 256),
+                  options=liferaft.SaveOptions(incremental_base="a", overwrite=True, **opts))
+    return int(_index(os.path.join(root, "b"))["version"])

@@ -127,3 +127,80 @@ def test_the_index_rank_0_keeps_at_a_commit_is_what_its_bytes_decode_to(tmp_path
     from multiproc._own_incremental_ranks import committed_index_is_decoded_index
 
     assert run_ranks(committed_index_is_decoded_index, 4, str(tmp_path), timeout=240)[0] == []
+
+
+def test_a_base_holding_xor_deltas_is_written_again_not_listed_in_a_chunk_table(tmp_path):
+    from multiproc._own_incremental_ranks import delta_then_plain
+
+    assert all(r["version"] == 6 for r in run_ranks(delta_then_plain, 2, str(tmp_path)))
+    assert run_ranks(load_check, 2, str(tmp_path / "c"), 1, 256) == [True, True]
+    assert liferaft.verify(str(tmp_path / "c")).chunks > 0
+
+
+def test_a_save_over_a_checkpoint_its_base_references_does_not_reference_itself(tmp_path):
+    from multiproc._own_incremental_ranks import overwrite_on_a_base_referencing_it
+
+    run_ranks(overwrite_on_a_base_referencing_it, 2, str(tmp_path))
+    index = json.loads((tmp_path / "b" / json.loads((tmp_path / "b" / "COMMIT").read_text())["manifest"]).read_text())
+    assert not any(f.startswith("../b/") for f in index["files"]), index["files"]
+    assert run_ranks(load_check, 2, str(tmp_path / "b"), 1, 256) == [True, True]
+
+
+def _reseal(path, edit) -> None:
+    """Edit the index of checkpoint ``path`` (its JSON) and make its marker pin it again."""
+    from liferaft.codecs.checksum import digest
+
+    marker = json.loads((path / "COMMIT").read_text())
+    doc = json.loads((path / marker["manifest"]).read_text())
+    edit(doc)
+    data = json.dumps(doc, separators=(",", ":")).encode()
+    (path / marker["manifest"]).write_bytes(data)
+    marker.update(manifest_size=len(data), manifest_hash=digest(data))
+    (path / "COMMIT").write_text(json.dumps(marker))
+
+
+def _retable(path, doc, rank, edit) -> None:
+    from liferaft.codecs.checksum import digest
+
+    ref = next(t for t in doc["tables"] if t["rank"] == rank)
+    table = json.loads((path / ref["file"]).read_text())
+    edit(table)
+    data = json.dumps(table, separators=(",", ":")).encode()
+    (path / ref["file"]).write_bytes(data)
+    ref["hash"], ref["chunks"] = digest(data), len(table["chunks"])
+    doc["files"][ref["file"]] = len(data)
+
+
+def test_a_base_table_listing_a_chunk_twice_is_not_used_and_its_rank_writes_again(tmp_path):
+    run_ranks(save_full, 2, str(tmp_path / "a"), 0, 256)
+
+    def twice(table):
+        first = next(c for c in table["chunks"] if c[1]["offsets"][0] == 128)   # (frozen's rows of rank 1)
+        table["chunks"].append([first[0], {**first[1], "byte_offset": 0}])
+    _reseal(tmp_path / "a", lambda doc: _retable(tmp_path / "a", doc, 1, twice))
+    out = run_ranks(save_on, 2, str(tmp_path), "a", 1, 256)
+    assert not out[0]["warnings"] and out[0]["reused"] >= 128 << 10, out
+    assert any("listed twice" in w for w in out[1]["warnings"]) and out[1]["reused"] < 64 << 10, out
+    assert run_ranks(load_check, 2, str(tmp_path / "b"), 1, 256) == [True, True]
+
+
+def test_a_table_naming_its_own_checkpoint_as_a_sibling_is_refused(tmp_path):
+    import shutil
+
+    from golden.make_golden_v6 import GOLDEN_DIR
+
+    shutil.copytree(GOLDEN_DIR, tmp_path / "v6")
+    path = tmp_path / "v6" / "s2"
+
+    def through_itself(doc):        # rank 1's frozen chunk named as rank 0's file, through "../s2/"
+        own = next(f for f in doc["files"] if f.endswith("r00000.bin") and not f.startswith("../"))
+        doc["files"][f"../s2/{own}"] = doc["files"][own]
+        _retable(path, doc, 1, lambda t: t["chunks"][1][1].update(file=f"../s2/{own}"))
+    _reseal(path, through_itself)
+    for op in (liferaft.verify, liferaft.read, liferaft.inspect):
+        try:
+            op(str(path))
+        except liferaft.UnsafePathError as e:
+            assert "this checkpoint itself" in str(e)
+        else:
+            raise AssertionError(f"{op.__name__} accepted a table naming its own checkpoint as a sibling")

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from liferaft.codecs import registry as codec_registry
-from liferaft.core.commit import open_checkpoint, read_table, read_tables
+from liferaft.core.commit import open_checkpoint, read_tables
 from liferaft.dist import Coordinator
 from liferaft.errors import LiferaftError
 from liferaft.format.manifest import Manifest, TableRef
@@ -61,8 +61,9 @@ def full_base(storage: Storage, base: tuple[str, Manifest] | None) -> tuple[str,
 @dataclass(frozen=True)
 class SharedBase:
     """What every rank of a save planned on each rank needs of the base: its name, its index without the
-    files, tables, values and containers (the tensors, with the chunks it lists inline, and the files those lie
-    in), and the checkpoints its chunks lie in (``siblings``: the base and the ones it references)."""
+    files, tables, values and containers (the tensors, with the chunks it lists inline but for XOR deltas, and
+    the files those lie in), and the checkpoints its chunks lie in (``siblings``: the base and the ones it
+    references)."""
 
     name: str
     index: Manifest
@@ -74,10 +75,13 @@ def shared_base(base: tuple[str, Manifest] | None) -> SharedBase | None:
     if base is None:
         return None
     name, index = base
-    inline = {c.file for t in index.tensors for c in t.chunks} | \
-        {c.delta.file for t in index.tensors for c in t.chunks if c.delta is not None}
+    # (a chunk stored as an XOR delta is not offered: a chunk table lists none, so a save planned on each rank
+    # writes it again)
+    tensors = tuple(replace(t, chunks=tuple(c for c in t.chunks if c.delta is None)) for t in index.tensors)
+    inline = {c.file for t in tensors for c in t.chunks}
     siblings = {name} | {s for f in index.files if (s := sibling_of(f)) is not None}
-    slim = replace(index, files={f: index.files[f] for f in inline}, tables=(), values=(), containers=())
+    slim = replace(index, files={f: index.files[f] for f in inline}, tensors=tensors, tables=(), values=(),
+                   containers=())
     return SharedBase(name=name, index=slim, siblings=tuple(sorted(siblings)))
 
 
@@ -102,16 +106,19 @@ def split_base(base: tuple[str, Manifest] | None, world: int) -> list[tuple[Tabl
 def rank_base(storage: Storage, shared: SharedBase, mine: tuple[TableRef | None, dict[str, int]], rank: int
               ) -> tuple[str, Manifest]:
     """This rank's view of the base: the index's tensors with the chunks it lists inline and those of this
-    rank's chunk table (read from the base and checked against the index's digest and its file sizes), and the
-    files they lie in. A table that cannot be read or names a file this rank was not given (the base was saved
-    on another layout) is left out with a warning: this rank then writes its chunks of sharded tensors again
-    (never wrong, only larger)."""
+    rank's chunk table, and the files they lie in. The table is read and checked as a load checks it
+    (``core.tabled.TableSource.check_table``: its size and digest against the index's, every chunk within its
+    file, one that rank was planned to write, listed once). A table that cannot be read, fails a check or names
+    a file this rank was not given (the base was saved on another layout) is left out with a warning: this rank
+    then writes its chunks of sharded tensors again (never wrong, only larger)."""
     ref, files = mine
     index = replace(shared.index, files={**shared.index.files, **files}, tables=(ref,) if ref is not None else ())
     if ref is None:
         return shared.name, index
     try:
-        records = read_table(storage.sibling(shared.name), index, ref, codec_registry.names())
+        from liferaft.core.tabled import TableSource
+
+        records = TableSource(storage.sibling(shared.name), index, codec_registry.names()).check_table(ref.rank)
     except (LiferaftError, OSError, KeyError) as e:     # (KeyError: a file the index lists but not to this rank)
         warnings.warn(f"{storage.url}: rank {rank}: the chunk table {ref.file!r} of incremental base "
                       f"{shared.name!r} cannot be used ({e}); this rank writes its chunks of sharded tensors "

@@ -301,6 +301,9 @@ def check_references(storage: Storage, manifest: Manifest) -> None:
             sibling, _, rest = name[3:].partition("/")
             wanted.setdefault(sibling, []).append(rest)
     for sibling, names in sorted(wanted.items()):
+        if same_place(storage, sibling):
+            raise UnsafePathError(f"{storage.url}: the manifest references {sibling!r}, which is this checkpoint "
+                                  "itself: a checkpoint's own files are named without '../'; it is damaged")
         try:
             opened = _open(storage.sibling(sibling), tables=False)
             theirs = {f: n for f, n in opened.files.items() if f not in {r.file for r in opened.tables}}
@@ -313,6 +316,14 @@ def check_references(storage: Storage, manifest: Manifest) -> None:
                 raise UnsafePathError(f"{storage.url}: the manifest references {f'../{sibling}/{rest}'!r}, which is "
                                       f"not a data file of the committed checkpoint {sibling!r}; liferaft reads "
                                       "nothing else outside the checkpoint")
+
+
+def same_place(storage: Storage, sibling: str) -> bool:
+    """Whether the sibling ``sibling`` of ``storage`` is ``storage`` itself (its own name under its parent)."""
+    try:
+        return storage.sibling(sibling).url.rstrip("/") == storage.url.rstrip("/")
+    except (LiferaftError, OSError, NotImplementedError, ValueError):
+        return False
 
 
 def check_files(storage: Storage, manifest: Manifest, names: Iterable[str]) -> None:

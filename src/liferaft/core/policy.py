@@ -9,8 +9,10 @@ from dataclasses import replace
 from typing import Any
 
 from liferaft.core.chunks.writer import ChunkPolicy
+from liferaft.core.commit import same_place
 from liferaft.format.manifest import ChunkRecord, Manifest
 from liferaft.options import SaveOptions
+from liferaft.planning.references import sibling_of
 from liferaft.planning.save_plan import SavePlan
 from liferaft.storage import Storage
 from liferaft.storage.refs import with_references
@@ -32,15 +34,27 @@ def chunk_policy(plan: SavePlan, storage: Storage, opts: SaveOptions, base: tupl
     reuse, delta = {}, {}
     if base is not None:
         name, manifest = base
+        here: dict[str, bool] = {}      # (a checkpoint the base names that is the one being saved: its files go)
+
+        def elsewhere(rebased: tuple[ChunkRecord, dict[str, int]]) -> bool:
+            for f in rebased[1]:
+                s = sibling_of(f) or ""
+                if s not in here:
+                    here[s] = same_place(storage, s)
+                if here[s]:
+                    return False
+            return True
         for t in manifest.tensors:
             if dtypes.get(t.key) != t.dtype:
                 continue
             xor = t.kind == "tensor" and any(fnmatchcase(t.key, p) for p in opts.delta)
             for c in t.chunks:
                 box = (t.key, c.offsets, c.sizes)
-                reuse[box] = _rebased(c, name, manifest.files)
-                if xor and t.lossy is None:
-                    delta[box] = _rebased(c.delta or c, name, manifest.files)
+                found = _rebased(c, name, manifest.files)
+                if elsewhere(found):
+                    reuse[box] = found
+                if xor and t.lossy is None and elsewhere(found := _rebased(c.delta or c, name, manifest.files)):
+                    delta[box] = found
     if opts.compression == "auto":       # a pure function of the options and the storage's kind
         compress = advisor.should_compress(storage.remote, opts.storage_write_bps, frames.threads())
     else:

@@ -61,6 +61,10 @@ def write_table(storage: Storage, save_id: str, rank: int, plan: SavePlan, layou
     mine = [(i, rec) for i, rec in records if layouts is None or not replicated(layouts[i])]
     if not mine:
         return None, 0, inline
+    for i, rec in mine:         # (what every reader refuses is never committed: the save fails instead)
+        if rec.delta is not None:
+            raise InvalidStateError(f"rank {rank}: key {plan.tensors[i].key!r}: the chunk at {list(rec.offsets)} is "
+                                    "an XOR delta, which a chunk table cannot list; nothing was committed")
     data = encode_table(save_id, rank, mine)
     name = table_file_name(save_id, rank)
     storage.put_atomic(name, data)
