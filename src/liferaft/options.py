@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar, get_args
 
 from liferaft.errors import OptionsError
-from liferaft.format.limits import MIN_CHUNK_BYTES
+from liferaft.format.limits import MAX_NESTING, MIN_CHUNK_BYTES
 from liferaft.planning.load_plan import DEFAULT_MAX_READ
 from liferaft.planning.references import DEFAULT_MIN_SHARE
 from liferaft.planning.save_plan import DEFAULT_CHUNK_BYTES
@@ -252,6 +252,8 @@ class SaveOptions:
             raise OptionsError(f"SaveOptions.block_size must be a positive multiple of 16, got {self.block_size}")
         if self.alignment < 1 or self.alignment & (self.alignment - 1):
             raise OptionsError(f"SaveOptions.alignment must be a power of two, got {self.alignment}")
+        if _depth(self.metadata) > MAX_NESTING:     # (a manifest a reader would refuse is never written)
+            raise OptionsError(f"SaveOptions.metadata nests more than {MAX_NESTING} levels of lists and dicts")
         try:
             json.dumps(dict(self.metadata), allow_nan=False)
         except (TypeError, ValueError) as e:
@@ -364,3 +366,20 @@ class LoadResult:
     #: chunk tables this rank read (format version 4, docs/FORMAT.md §4.6: those of the ranks that wrote the
     #: boxes it loads; None: the checkpoint has none)
     tables_read: int | None = None
+
+
+def _depth(v: Any) -> int:
+    """How many levels of lists, tuples and dicts ``v`` nests (0 for a scalar), without recursion."""
+    deepest, todo = 0, [(v, 1)]
+    while todo:
+        x, d = todo.pop()
+        if isinstance(x, Mapping):
+            items: Any = x.values()
+        elif isinstance(x, (list, tuple)):
+            items = x
+        else:
+            continue
+        deepest = max(deepest, d)
+        if d <= MAX_NESTING:
+            todo.extend((y, d + 1) for y in items)
+    return deepest

@@ -190,7 +190,8 @@ def committed_index_is_decoded_index(rank: int, world: int, root: str) -> list[s
     paths = [os.path.join(root, "a"), os.path.join(root, "b"), os.path.join(root, "boxes")]
     lo, n = ((0, 7), (7, 3))[rank % 2]
     rows = torch.arange(20, dtype=torch.float32).reshape(10, 2)
-    liferaft.save(paths[2], {"r": liferaft.Sharded(rows[lo:lo + n].clone(), (10, 2), (lo, 0)), "step": 1})
+    liferaft.save(paths[2], {"r": liferaft.Sharded(rows[lo:lo + n].clone(), (10, 2), (lo, 0)), "step": 1},
+                  options=liferaft.SaveOptions(metadata={"cfg": {"lr": 0.1}, "dims": (1, 2)}))
     if world == 4:
         paths.append(os.path.join(root, "stages"))
         liferaft.save(paths[-1], stage_state(rank, 0), options=liferaft.SaveOptions(chunk_bytes=CHUNK))

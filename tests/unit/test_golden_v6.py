@@ -61,3 +61,9 @@ def test_golden_v6_loads_resharded_on_ranks_and_in_one_process():
     state = {k: torch.zeros(s) for k, s in SHAPES.items()} | {"step": 0}
     liferaft.load(NEWEST, state)
     assert all(torch.equal(state[k], full(k, 2)) for k in SHAPES) and state["step"] == 2
+
+
+def test_an_edit_of_its_metadata_by_a_caller_is_not_seen_by_the_next_open():
+    first = liferaft.inspect(NEWEST)
+    first.metadata["golden"] = "edited"         # (the index the process keeps must not carry it)
+    assert dict(liferaft.inspect(NEWEST).metadata) == {"golden": "v6", "step": 2}

@@ -335,3 +335,32 @@ def test_selective_save_skips_chunks_that_barely_changed_and_composes_the_state(
     r = liferaft.save(str(tmp_path / "c"), state, options=SaveOptions(incremental_base="b", selective=1e-3))
     m = {t["key"]: t for t in manifest(str(tmp_path / "c"))["tensors"]}
     assert "lossy" not in m["model.layer1"] and r.bytes_written == 4 << 20
+
+
+@pytest.mark.parametrize("spelled", ["alias", "b", "x/../b"])
+def test_a_save_over_its_own_base_through_a_link_or_another_spelling_writes_its_chunks_again(tmp_path, spelled):
+    """Saving to a link to ``b`` (or ``b`` spelled otherwise) with ``b`` as the incremental base: the base's
+    chunks lie in the checkpoint being replaced, whose old files the commit removes, so none is referenced."""
+    state = {"w": torch.arange(4096, dtype=torch.float32), "step": 0}
+    liferaft.save(str(tmp_path / "b"), state)
+    os.symlink("b", tmp_path / "alias")
+    (tmp_path / "x").mkdir()
+    state["step"] = 1
+    res = liferaft.save(str(tmp_path / spelled), state,
+                        options=liferaft.SaveOptions(incremental_base="b", overwrite=True))
+    assert res.bytes_reused == 0
+    for path in (tmp_path / spelled, tmp_path / "b"):
+        got = {"w": torch.zeros(4096), "step": -1}
+        liferaft.load(str(path), got)
+        assert torch.equal(got["w"], state["w"]) and got["step"] == 1
+
+
+def test_metadata_nested_deeper_than_a_reader_reads_is_refused_before_anything_is_written(tmp_path):
+    deep: dict = {}
+    inner = deep
+    for _ in range(150):
+        inner["a"] = {}
+        inner = inner["a"]
+    with pytest.raises(liferaft.OptionsError, match="nests more than 100"):
+        liferaft.save(str(tmp_path / "c"), {"w": torch.ones(2)}, options=SaveOptions(metadata=deep))
+    assert not (tmp_path / "c").exists()

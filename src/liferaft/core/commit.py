@@ -9,6 +9,8 @@ path, the memory tier, the manager and the tools all go through these functions 
 
 from __future__ import annotations
 
+import copy
+import json
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, replace
 
@@ -59,6 +61,10 @@ def write_commit(storage: Storage, save_id: str, manifest: Manifest) -> CommitRe
     problem = tree_problem(manifest.tensors, manifest.values, manifest.containers)
     if problem:
         raise InvalidStateError(f"{storage.url}: the ranks' states conflict: {problem}; nothing was committed")
+    for sibling in sorted({f[3:].partition("/")[0] for f in manifest.files if f.startswith("../")}):
+        if same_place(storage, sibling):    # (its old files go with this commit: never reference them)
+            raise InvalidStateError(f"{storage.url}: the save would reference files of {sibling!r}, which is this "
+                                    "checkpoint itself; nothing was committed")
     data = manifest.to_json_bytes()
     name = manifest_name(save_id)
     marker = CommitMarker(manifest=name, manifest_size=len(data), manifest_hash=digest(data),
@@ -67,7 +73,8 @@ def write_commit(storage: Storage, save_id: str, manifest: Manifest) -> CommitRe
     publish_commit(storage, record)
     if manifest.tabled:     # (what ``decode_manifest`` makes of these bytes: tests/multiproc/test_own_incremental.py)
         INDEXES.put((storage.url, marker.manifest_hash, len(data), codec_registry.names()),
-                    replace(manifest, version=marker.version))
+                    replace(manifest, version=max(manifest.version, manifest.needs_version()),
+                            extra=json.loads(json.dumps(manifest.extra))))
     return record
 
 
@@ -164,7 +171,7 @@ def _open(storage: Storage, reuse: bool = False, tables: bool = True) -> Manifes
     data, name = read_verified(storage)
     key = (storage.url, digest(data), len(data), codec_registry.names())
     if not tables and (found := INDEXES.get(key)) is not None:
-        return found
+        return replace(found, extra=copy.deepcopy(found.extra))     # (a caller's edit stays its own)
     manifest = decode_verified(storage, data, name, reuse, tables)
     if not tables and manifest.tabled:
         INDEXES.put(key, manifest)
@@ -319,9 +326,10 @@ def check_references(storage: Storage, manifest: Manifest) -> None:
 
 
 def same_place(storage: Storage, sibling: str) -> bool:
-    """Whether the sibling ``sibling`` of ``storage`` is ``storage`` itself (its own name under its parent)."""
+    """Whether the sibling ``sibling`` of ``storage`` is ``storage`` itself (its own name under its parent, or a
+    link to it: ``Storage.place``)."""
     try:
-        return storage.sibling(sibling).url.rstrip("/") == storage.url.rstrip("/")
+        return storage.sibling(sibling).place.rstrip("/") == storage.place.rstrip("/")
     except (LiferaftError, OSError, NotImplementedError, ValueError):
         return False
 

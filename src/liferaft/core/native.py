@@ -52,6 +52,10 @@ def _spec(e: TensorEntry) -> TensorSpec:
                       nbytes=e.nbytes)
 
 
+#: Chunk records a reader with a ``read_order`` keeps at a time (``NativeReader.read_order``): a record of a 16 MiB
+#: chunk with 128 KiB blocks takes a few kB in memory.
+WINDOW_CHUNKS = 1 << 18
+
 #: The data files of a save are ``data/<save id>/r<rank>.bin``: the rank that wrote a chunk, from its file name.
 _WRITER = re.compile(r"/r(\d+)\.bin$")
 
@@ -74,6 +78,12 @@ class NativeReader(Reader):
         self._tables = tables
         self._values = {v.key: v for v in manifest.values}
         self._checked: set[str] = set()             # data files found present and long enough
+        #: (``read_order``) the tools' order of the keys, the most chunk records kept at a time, the keys whose
+        #: chunks are held (one window) and the windows read so far
+        self._order: dict[str, int] | None = None
+        self._window_chunks = WINDOW_CHUNKS
+        self._held: set[str] = set()
+        self.windows = 0
         m = manifest
         super().__init__(
             url=storage.url, fmt="liferaft", verified=True, world_size=m.world_size,
@@ -91,14 +101,45 @@ class NativeReader(Reader):
         """Chunk tables read so far (None: the manifest lists every chunk, or was opened whole)."""
         return None if self._tables is None else len(self._tables.done)
 
+    def read_order(self, keys: Sequence[str], window_chunks: int | None = None) -> bool:
+        """(``Reader.read_order``) With chunk tables not read yet: the tensors ``keys`` will be read in this order,
+        each whole or in slabs. Their chunks are then read in windows of consecutive keys holding about
+        ``window_chunks`` chunk records (default ``WINDOW_CHUNKS``), each window's tables read once and only its
+        keys' records kept, the previous window's dropped: memory holds one window, whatever the checkpoint's
+        size, for one read of the tables per window (a key read out of order costs its window's reads again)."""
+        if self._tables is None or self._tables.done:
+            return False
+        self._order = {k: i for i, k in enumerate(dict.fromkeys(keys)) if k in self.entries}
+        if window_chunks is not None:
+            self._window_chunks = max(1, window_chunks)
+        return True
+
+    def _window(self, first: str) -> list[str]:
+        """The keys of the window starting at ``first`` in ``read_order``: as many as fit ``_window_chunks`` by
+        their estimated chunk counts (at least one)."""
+        assert self._order is not None and self._tables is not None
+        keys = sorted(self._order, key=self._order.__getitem__)[self._order[first]:]
+        out, held = [], 0
+        for k in keys:
+            n = self._tables.estimate(self._tables.pos[k])
+            if out and held + n > self._window_chunks:
+                break
+            out.append(k)
+            held += n
+        return out
+
     def _resolve(self, wanted: Iterable[tuple[str, Box | None]]) -> None:
         """(Chunk tables) Read the tables holding the chunks of the ``(key, box)`` wanted (None: the whole
-        tensor), fill ``entries`` with them and check each box covered."""
+        tensor), fill ``entries`` with them and check each box covered. With a ``read_order``, whole windows of
+        keys, dropping the chunks of the window before."""
         src = self._tables
         if src is None:
             return
         wanted = [(k, b if b is not None else (tuple(0 for _ in self.entries[k].shape), self.entries[k].shape))
                   for k, b in wanted]
+        if self._order is not None and any(k in self._order for k, _ in wanted):
+            self._resolve_windows(wanted)
+            return
         ranks: set[int] = set()
         for key, box in wanted:
             ranks |= src.writers(key, box)
@@ -108,6 +149,39 @@ class NativeReader(Reader):
         for key, box in wanted:
             if numel(box[1]):
                 src.check_covered(self.entries[key], box)
+
+    def _resolve_windows(self, wanted: list[tuple[str, Box]]) -> None:
+        """``_resolve`` in ``read_order``'s windows: a key not held starts a window (a fresh ``TableSource``:
+        every table its keys need read once, only their records kept); the keys of the window before go back to
+        the index's entries (no chunks of tables)."""
+        assert self._tables is not None
+        for key, _ in wanted:
+            if key in self._held or key not in self._order:     # type: ignore[operator]
+                continue
+            keys = self._window(key)
+            for k in self._held:
+                self.entries[k] = self.manifest.tensors[self._tables.pos[k]]
+            src = TableSource(self._tables.storage, self.manifest, self._tables.codecs)
+            positions = {src.pos[k] for k in keys}
+            ranks: set[int] = set()
+            for k in keys:
+                e = self.entries[k]
+                ranks |= src.writers(k, (tuple(0 for _ in e.shape), e.shape))
+            src.fetch(ranks, keep=positions)
+            for k in keys:
+                self.entries[k] = src.entry(src.pos[k])
+            self._held = set(keys)
+            self.windows += 1
+        for key, box in wanted:
+            if key in self._held and numel(box[1]):
+                self._tables.check_covered(self.entries[key], box)
+        rest = [(k, b) for k, b in wanted if k not in self._held]
+        if rest:
+            order, self._order = self._order, None
+            try:
+                self._resolve(rest)
+            finally:
+                self._order = order
 
     def value(self, key: str) -> Any:
         return decode_entry_value(self._values[key], self.options.allow_pickle)
@@ -167,6 +241,9 @@ class NativeReader(Reader):
 
     def check_present(self, keys: Iterable[str]) -> None:
         keys = list(keys)
+        if self._order is not None:     # (the tables streamed once, nothing kept: the reads resolve by windows)
+            self._check({c.file for _, c in self.stream_chunks(keys)})
+            return
         self._resolve([(k, None) for k in keys])
         self._check({c.file for k in keys for c in self.entries[k].chunks})
 

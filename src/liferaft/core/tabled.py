@@ -220,11 +220,15 @@ class TableSource:
                     out.add(self._writer(pos, layout, member, c))
         return out
 
-    def fetch(self, ranks: set[int]) -> set[int]:
-        """Read the tables of ``ranks`` not read yet; the positions of the tensors that gained chunks."""
+    def fetch(self, ranks: set[int], keep: set[int] | None = None) -> set[int]:
+        """Read the tables of ``ranks`` not read yet; the positions of the tensors that gained chunks. ``keep``:
+        only the chunks of these tensors are kept (the others' are checked and dropped; reading their tables
+        again is then a new ``TableSource``'s)."""
         touched: set[int] = set()
         for rank in sorted(ranks - self.done):
             for pos, rec in self.check_table(rank):
+                if keep is not None and pos not in keep:
+                    continue
                 if (pos, rec.offsets) in self.seen:
                     raise CorruptCheckpointError(f"{self.storage.url}: chunk table {self.refs[rank].file!r}: tensor "
                                                  f"{self.index.tensors[pos].key!r}: the chunk at {list(rec.offsets)} "
@@ -234,6 +238,15 @@ class TableSource:
                 touched.add(pos)
             self.done.add(rank)
         return touched
+
+    def estimate(self, pos: int) -> int:
+        """About how many chunks tensor ``pos`` has (for windows of reads): those the index lists, its explicit
+        boxes, or its bytes in chunks of ``chunk_bytes`` plus one per box of its layout."""
+        t, layout = self.index.tensors[pos], self.layouts[pos]
+        if t.chunks or layout is None or replicated(layout):
+            return max(1, len(t.chunks), len(t.boxes or ()))
+        boxes = math.prod(n for n, d in zip(layout.mesh, layout.shards) if d is not None)
+        return boxes + -(-t.nbytes // self.chunk_bytes)
 
     def check_table(self, rank: int) -> list[tuple[int, ChunkRecord]]:
         """The chunks of ``rank``'s table, each checked to be one that rank was planned to write, listed once in

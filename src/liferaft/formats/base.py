@@ -193,6 +193,13 @@ class Reader(ABC):
         return tuple(ChunkInfo(offsets=tuple(o), sizes=tuple(s), file=self.url, stored_bytes=math.prod(s) * itemsize)
                      for o, s in boxes)
 
+    def read_order(self, keys: Sequence[str], window_chunks: int | None = None) -> bool:
+        """The tools will read the tensors ``keys`` in this order (each whole or in slabs): a reader that holds
+        per-chunk records it reads on demand (liferaft's chunk tables) may then keep those of a window of keys at
+        a time (about ``window_chunks`` records). Returns whether it does: reads in another order then cost more.
+        This default holds nothing per chunk: False."""
+        return False
+
     def check_present(self, keys: Iterable[str]) -> None:
         """Raise CorruptCheckpointError when data that reading the tensors ``keys`` needs is missing or shorter
         than recorded — the checks ``plan`` makes before copying, made up front (an export calls it once, before

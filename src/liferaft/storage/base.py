@@ -92,6 +92,13 @@ class Storage(ABC):
     def sync(self) -> None:
         """Make every file created or renamed so far durable as directory entries (fsync of folders)."""
 
+    @property
+    def place(self) -> str:
+        """Where this storage's files are, resolved so that two storages with the same files have the same place
+        (a local folder reached through a link, an alias of an object-store prefix): what tells a checkpoint's
+        sibling from the checkpoint itself. This default: the URL."""
+        return self.url
+
     def sibling(self, name: str) -> Storage:
         """A Storage rooted at ``name`` next to this one (same parent folder or prefix): where an incremental
         checkpoint's referenced chunks live (``../<name>/...`` in its manifest)."""

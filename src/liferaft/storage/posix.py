@@ -273,6 +273,11 @@ class PosixStorage(Storage):
         return self._derived(os.path.join(self.root, *name.split("/")), self._base,
                              (*self._sub, *files.parts_of(name, self.root)))
 
+    @property
+    def place(self) -> str:
+        """The folder's real path (links resolved; for one not made yet, its parent's real path and its name)."""
+        return os.path.realpath(self.root)
+
     def sibling(self, name: str) -> PosixStorage:
         if not files.plain_component(name):
             raise UnsafePathError(f"{self.root}: sibling {name!r} is not the name of a folder next to it")

@@ -68,6 +68,10 @@ class ReferencingStorage(Storage):
     def sync(self) -> None:
         self.inner.sync()
 
+    @property
+    def place(self) -> str:
+        return self.inner.place
+
     def sibling(self, name: str) -> Storage:
         return self.inner.sibling(name)
 

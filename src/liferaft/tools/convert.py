@@ -168,7 +168,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], to: Conver
     src_fmt = source or detect_format(src)
     src_fmt = "safetensors" if src_fmt == "hf" else src_fmt
     if check_patterns(keys):                 # every pattern must select something (a typo is not "nothing to do")
-        reader = open_reader(src)
+        reader = open_reader(src, lazy=True)     # (its keys only: no chunk table read)
         try:
             select(reader.keys, keys, url=reader.url)
         finally:

@@ -203,9 +203,9 @@ def diff(a: str | os.PathLike[str], b: str | os.PathLike[str], *, keys: Sequence
     opts = check_options(options, LoadOptions, "diff")
     check_number("diff", "tolerance", tolerance, 0)
     check_int("diff", "slab_bytes", slab_bytes, 1)
-    ra = open_reader(a, opts)
+    ra = open_reader(a, opts, lazy=True)       # (chunk tables read by windows of keys: ``Reader.read_order``)
     try:
-        rb = open_reader(b, opts)
+        rb = open_reader(b, opts, lazy=True)
     except BaseException:
         ra.close()
         raise
@@ -227,9 +227,11 @@ def _diff(ra: Reader, rb: Reader, keys: Sequence[str] | None, tolerance: float, 
     _select((sa, sb), keys, parts)
     lenient = not (ra.fmt == rb.fmt == "liferaft")     # other formats do not record container types
     ta, tb, va, vb = sa.tensors, sb.tensors, sa.values, sb.values
+    every = list(dict.fromkeys([*ta, *va, *tb, *vb]))
+    both = [k for k in every if k in ta and k in tb]
+    windowed = ra.read_order([ta[k] for k in both]) | rb.read_order([tb[k] for k in both])
     ra.check_present([ta[k] for k in ta if k in tb])    # the sizes the manifests claim hold, before any slab
     rb.check_present([tb[k] for k in tb if k in ta])
-    every = list(dict.fromkeys([*ta, *va, *tb, *vb]))
     out: list[KeyDiff] = []
     batch: list[tuple[int, str, tuple[int, ...], torch.dtype]] = []     # small tensors not compared yet
     batch_bytes = 0
@@ -281,6 +283,8 @@ def _diff(ra: Reader, rb: Reader, keys: Sequence[str] | None, tolerance: float, 
             if batch_bytes >= slab_bytes or len(batch) >= BATCH_KEYS:
                 settle()
             continue
+        if windowed:        # (the keys read in order: small ones before this one first)
+            settle()
         max_abs = max_rel = 0.0
         equal = True
         for box in slabs(sha, itemsize(da), slab_bytes):

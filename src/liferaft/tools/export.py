@@ -80,8 +80,10 @@ def renamer(rename: Sequence[tuple[str, str]] | None) -> Callable[[str], str]:
 
 def open_liferaft(src: str | os.PathLike[str]) -> Reader:
     """Liferaft checkpoint ``src`` opened for an export (``open_reader`` of its storage: references to sibling
-    checkpoints resolved, the manifest verified; anything else raises as a liferaft load would)."""
-    return open_reader(resolve(src))
+    checkpoints resolved, the manifest verified; anything else raises as a liferaft load would). Its chunk tables
+    are read as the export reads (``lazy``), by windows of keys once the export gives its order
+    (``Reader.read_order``): memory holds one window's chunk records, not the whole checkpoint's."""
+    return open_reader(resolve(src), lazy=True)
 
 
 def manifest_of(reader: Reader) -> Any:
@@ -144,6 +146,7 @@ def _write_safetensors(reader: Reader, pairs: list[tuple[str, str]], dst: str | 
     names = [p[1] for p in picked]
     if len(set(names)) != len(names):
         raise OptionsError("the renaming maps two keys to one name")
+    reader.read_order([p[0] for p in picked])
     reader.check_present([p[0] for p in picked])
     shards: list[list[Any]] = [[]]
     filled = 0                                  # bytes of the last shard (a running sum: linear in the keys)
@@ -276,6 +279,7 @@ def _export_source(src: str | os.PathLike[str], keys: Sequence[str] | None) -> t
     values = [k for k in reader.values if matches(k, keys)]
     if keys and not tensors and not values:
         raise OptionsError(f"no key of the checkpoint matches {list(keys)}")
+    reader.read_order(tensors)
     reader.check_present(tensors)
     refuse_per_rank([reader.tensors[k] for k in tensors])
     return reader, tensors, values
