@@ -252,7 +252,8 @@ def _stages(ranks: int, tensors: int, rows: int) -> tuple[float, int, float, int
 
 
 def _tabled(layout: str, ranks: int, tensors: int, rows: int, tmp: str, to_tp: bool = False,
-            incremental: dict[str, float] | None = None) -> tuple[int, int, int, float, int, float]:
+            incremental: dict[str, float] | None = None, windows: dict[str, float] | None = None
+            ) -> tuple[int, int, int, float, int, float]:
     """A save with chunk tables (format version 4) of these tensors: the bytes of the middle rank's row of the
     commit's gather to rank 0, of the index (the manifest), of the middle rank's chunk table; then the middle rank
     of a load onto ¾ of the ranks (``fsdp``, ``fsdp×tp8``: its row block of every tensor; ``ddp``: every tensor
@@ -262,7 +263,10 @@ def _tabled(layout: str, ranks: int, tensors: int, rows: int, tmp: str, to_tp: b
     tables read, of which index decode s). ``incremental``: filled with what an incremental save on this
     checkpoint as its base costs (``core.base``): rank 0 decodes the index and splits it (s), the bytes every rank
     receives (the broadcast tensors, and the middle rank's own part), the middle rank's read of its own table of
-    the base (s), and the bytes a reference adds to the index per rank."""
+    the base (s), and the bytes a reference adds to the index per rank. ``windows``: every table written, then
+    filled with what the tools' reads of every chunk record cost (``NativeReader.read_order``): with every table
+    read into memory at once, and by windows of keys (``windows["chunks"]`` records each): seconds and peak
+    Python memory (tracemalloc, in a second run: tracing slows it)."""
     import os
 
     from liferaft.codecs.checksum import digest
@@ -340,6 +344,8 @@ def _tabled(layout: str, ranks: int, tensors: int, rows: int, tmp: str, to_tp: b
     need: set[int] = set()
     for key, box in wanted_boxes:
         need |= probe.writers(key, box)
+    if windows is not None:
+        need = set(range(ranks))
     for w in need:                          # write the tables the load reads, with the index pinning them
         d, fs, _, _ = table(w)
         os.makedirs(os.path.dirname(os.path.join(tmp, table_file_name(sid, w))), exist_ok=True)
@@ -360,6 +366,8 @@ def _tabled(layout: str, ranks: int, tensors: int, rows: int, tmp: str, to_tp: b
         src.check_covered(entry, box)
         plan_reads(entry, [(0, box)])
     t_load = time.perf_counter() - t0
+    if windows is not None:
+        _tool_windows(storage, index, windows)
     if incremental is not None:
         from liferaft.core.base import rank_base, shared_base, split_base
 
@@ -383,6 +391,52 @@ def _tabled(layout: str, ranks: int, tensors: int, rows: int, tmp: str, to_tp: b
         incremental["chunks"] = sum(len(t.chunks) for t in view.tensors)
         incremental["per_rank_index"] = len(f'"../{name}/{data_file_name(sid, mid)}":{fsize},')
     return row, len(raw), len(data), t_load, len(got), t_index
+
+
+def _tool_windows(storage: Any, index: Any, out: dict[str, float]) -> None:
+    """Every chunk record of ``index``'s tables read as a tool reads them: all at once (``TableSource.fetch`` of
+    every table), then by windows of consecutive tensors of about ``out["chunks"]`` records (a fresh
+    ``TableSource`` per window, keeping its tensors' records only). Each in a forked process: its seconds and
+    how much its peak resident memory grew (``ru_maxrss``). Fills them and the windows."""
+    import multiprocessing
+    import resource
+
+    from liferaft.core.tabled import TableSource
+
+    def run(window: int | None, q: Any) -> None:
+        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        t0 = time.perf_counter()
+        n = len(index.tensors)
+        start, count, kept = 0, 0, []
+        while start < n:
+            src = TableSource(storage, index, None)
+            keep, held = [], 0
+            for pos in range(start, n):
+                est = src.estimate(pos)
+                if window is not None and keep and held + est > window:
+                    break
+                keep.append(pos)
+                held += est
+            ranks: set[int] = set()
+            for pos in keep:
+                t = index.tensors[pos]
+                ranks |= src.writers(t.key, ((0,) * len(t.shape), t.shape))
+            src.fetch(ranks, keep=set(keep))
+            kept = [src.entry(p) for p in keep]         # (what a tool holds while it reads the window's keys)
+            start, count = keep[-1] + 1, count + 1
+            del src
+        del kept
+        q.put((time.perf_counter() - t0, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024, count))
+
+    ctx = multiprocessing.get_context("fork")
+    for name, window in (("all", None), ("win", int(out["chunks"]))):
+        q = ctx.Queue()
+        proc = ctx.Process(target=run, args=(window, q))
+        proc.start()
+        out[f"{name}_s"], out[f"{name}_peak"], count = q.get()
+        proc.join()
+        if window is not None:
+            out["windows"] = count
 
 
 #: ranks per host in the model of a load's planning exchange
@@ -468,6 +522,24 @@ def _own_table(sizes: list[int], counts: list[int], layouts: list[str], rows: in
                 print(f"| {ranks} | {tensors} | {probes} | {dt:.3f} | {received / 1e3:.1f} |", flush=True)
 
 
+def _windows_table(sizes: list[int], counts: list[int], rows: int, chunks: int) -> None:
+    import tempfile
+
+    print()
+    print("The tools' reads of every chunk record (`diff`, the exports; fsdp), all tables at once vs by windows of "
+          f"consecutive keys of about {chunks} records (`Reader.read_order`):")
+    print("| ranks | tensors | chunk records | all at once: s, peak RSS growth MB | by windows: s, peak RSS growth MB "
+          "| windows |")
+    print("|---|---|---|---|---|---|")
+    for ranks in sizes:
+        for tensors in counts:
+            got: dict[str, float] = {"chunks": chunks}
+            with tempfile.TemporaryDirectory() as tmp:
+                _tabled("fsdp", ranks, tensors, rows, tmp, windows=got)
+            print(f"| {ranks} | {tensors} | {ranks * tensors} | {got['all_s']:.1f}, {got['all_peak'] / 1e6:.0f} | "
+                  f"{got['win_s']:.1f}, {got['win_peak'] / 1e6:.0f} | {got['windows']:.0f} |", flush=True)
+
+
 def _incremental_table(sizes: list[int], counts: list[int], rows: int) -> None:
     import tempfile
 
@@ -499,6 +571,9 @@ def main() -> int:
                     help="rank counts for the table of plans each rank makes on its own")
     ap.add_argument("--own-tensors", default="100,1000")
     ap.add_argument("--skip-gathered", action="store_true", help="only the table of plans made on their own")
+    ap.add_argument("--windows", type=int, default=0, metavar="CHUNKS",
+                    help="only the table of the tools' reads of every chunk record, by windows of CHUNKS records "
+                         "(--own-ranks, --own-tensors)")
     ap.add_argument("--incremental-only", action="store_true",
                     help="only the table of incremental saves on a base with chunk tables (--own-ranks, --own-tensors)")
     args = ap.parse_args()
@@ -508,6 +583,9 @@ def main() -> int:
     own = ([int(x) for x in args.own_ranks.split(",")], [int(x) for x in args.own_tensors.split(",")])
     if args.incremental_only:
         _incremental_table(*own, args.rows)
+        return 0
+    if args.windows:
+        _windows_table(*own, args.rows, args.windows)
         return 0
     if args.skip_gathered:
         _own_table(*own, args.layouts.split(","), args.rows)

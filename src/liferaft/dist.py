@@ -520,8 +520,9 @@ class Coordinator:
         """``payloads[r]`` (given on rank 0, one per rank) on each rank ``r``: one scatter of the messages' sizes,
         then one send from rank 0 to each other rank, so that what a rank receives is its own message only. If
         rank 0 passed an ``error`` (or a payload cannot be pickled), every rank raises (rank 0 its error, the
-        others a DistributedError naming it). For what rank 0 knows and each rank needs its own part of (a rank's
-        chunk table of an incremental save's base)."""
+        others a DistributedError naming it; an ``error`` on another rank is not seen: such a rank must not call
+        this). For what rank 0 knows and each rank needs its own part of (a rank's chunk table of an incremental
+        save's base)."""
         data: list[bytes] = []
         if self.rank == 0 and error is None:
             try:
@@ -562,7 +563,8 @@ class Coordinator:
         return pickle.loads(buf.numpy().tobytes())     # rank 0's message (one of our own ranks)
 
     def peers_alike(self, value: int, what: str) -> tuple[int, ...]:
-        """The ranks (this one included, in order) that passed the same 64-bit ``value`` (a host's id, say): each
+        """The ranks (this one included, in order) that passed the same ``value`` (a host's id, say; a signed
+        64-bit number, as ``gather_int_to_zero`` sends it): each
         rank's value gathered to rank 0 (8 bytes each), which groups them and sends each rank its own group
         (``scatter_from_zero``), so that what a rank receives grows with its group, not with the world."""
         values = self.gather_int_to_zero(value, what)

@@ -256,11 +256,11 @@ def read_tables(storage: Storage, index: Manifest, codecs: Collection[str] | Non
     return replace(index, tensors=tuple(src.entry(i) for i in range(len(index.tensors))))
 
 
-def read_table(storage: Storage, index: Manifest, ref: TableRef, codecs: Collection[str] | None
-               ) -> list[tuple[int, ChunkRecord]]:
+def read_table(storage: Storage, index: Manifest, ref: TableRef, codecs: Collection[str] | None,
+               keep: Collection[int] | None = None) -> list[tuple[int, ChunkRecord]]:
     """The decoded chunks of table ``ref`` of ``index``: read at most at the size the index lists (no link
     followed), its size and digest compared with the index's before it is decoded
-    (``format.tables.decode_table``)."""
+    (``format.tables.decode_table``; ``keep``: only the chunks of these tensors)."""
     size = index.files[ref.file]
     if size > MANIFEST_LIMIT:
         raise CorruptCheckpointError(f"{storage.url}: chunk table {ref.file!r} is listed with {size} bytes "
@@ -277,7 +277,7 @@ def read_table(storage: Storage, index: Manifest, ref: TableRef, codecs: Collect
         raise CorruptCheckpointError(f"{storage.url}: chunk table {ref.file!r} does not match the size/checksum "
                                      "the manifest records; the checkpoint is damaged")
     try:
-        return decode_table(data, ref, index, codecs)
+        return decode_table(data, ref, index, codecs, keep)
     except CorruptCheckpointError as e:
         raise CorruptCheckpointError(f"{storage.url}: {e}") from None
 

@@ -11,7 +11,7 @@ ranks and the replicated tensors, not with the chunks of sharded ones.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -226,9 +226,7 @@ class TableSource:
         again is then a new ``TableSource``'s)."""
         touched: set[int] = set()
         for rank in sorted(ranks - self.done):
-            for pos, rec in self.check_table(rank):
-                if keep is not None and pos not in keep:
-                    continue
+            for pos, rec in self.check_table(rank, keep):
                 if (pos, rec.offsets) in self.seen:
                     raise CorruptCheckpointError(f"{self.storage.url}: chunk table {self.refs[rank].file!r}: tensor "
                                                  f"{self.index.tensors[pos].key!r}: the chunk at {list(rec.offsets)} "
@@ -246,9 +244,10 @@ class TableSource:
         if t.chunks or layout is None or replicated(layout):
             return max(1, len(t.chunks), len(t.boxes or ()))
         boxes = math.prod(n for n, d in zip(layout.mesh, layout.shards) if d is not None)
-        return boxes + -(-t.nbytes // self.chunk_bytes)
+        per_box = -(-t.nbytes // boxes)         # (each box cut into chunks of at most ``chunk_bytes``)
+        return boxes * max(1, -(-per_box // self.chunk_bytes))
 
-    def check_table(self, rank: int) -> list[tuple[int, ChunkRecord]]:
+    def check_table(self, rank: int, keep: Collection[int] | None = None) -> list[tuple[int, ChunkRecord]]:
         """The chunks of ``rank``'s table, each checked to be one that rank was planned to write, listed once in
         it, its frames able to hold its blocks; nothing kept here (``fetch`` keeps them; ``verify`` streams).
         CorruptCheckpointError naming the table when it is missing, damaged or not the plan."""
@@ -258,7 +257,7 @@ class TableSource:
                                          "needs, but the manifest lists no chunk table of it; the checkpoint is "
                                          "damaged")
         out, mine = [], set()
-        for pos, rec in read_table(self.storage, self.index, ref, self.codecs):
+        for pos, rec in read_table(self.storage, self.index, ref, self.codecs, keep):
             problem = self._unplanned(pos, rec, rank)
             if problem is None and (pos, rec.offsets) in mine:
                 problem = "is listed twice"

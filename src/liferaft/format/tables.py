@@ -30,13 +30,15 @@ def encode_table(save_id: str, rank: int, chunks: Sequence[tuple[int, ChunkRecor
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 
 
-def decode_table(data: bytes, ref: TableRef, index: Manifest, codecs: Collection[str] | None = None
-                 ) -> list[tuple[int, ChunkRecord]]:
+def decode_table(data: bytes, ref: TableRef, index: Manifest, codecs: Collection[str] | None = None,
+                 keep: Collection[int] | None = None) -> list[tuple[int, ChunkRecord]]:
     """The chunks of the table ``ref`` of ``index`` from its bytes ``data``, whose digest the caller compared
     with ``ref.hash``. Every chunk is checked as a manifest's chunk is (§9), is no delta, names a tensor of the
     index and lies in rank ``ref.rank``'s data file, or (version 6: an incremental save) in that rank's file of
     copied chunks or in a file of another checkpoint that the index lists; the count must be ``ref.chunks``.
-    Raises CorruptCheckpointError."""
+    Raises CorruptCheckpointError. ``keep``: only the chunks of these tensors are decoded and checked (the
+    others' are counted and their tensor index checked: a reader keeping some tensors checks the rest when it
+    keeps them)."""
     where = f"chunk table {ref.file!r}"
     doc = jsonsafe.loads(data, where, MAX_MANIFEST_BYTES)
     if not isinstance(doc, dict) or doc.get("format") != TABLE_FORMAT or doc.get("version") != TABLE_VERSION:
@@ -59,6 +61,8 @@ def decode_table(data: bytes, ref: TableRef, index: Manifest, codecs: Collection
                 and 0 <= item[0] < len(tensors)):
             raise _fail(where, f"a chunk must be [tensor index, record] naming one of the {len(tensors)} "
                                f"tensors, got {item!r:.80}")
+        if keep is not None and item[0] not in keep:
+            continue
         t = tensors[item[0]]
         if (t.layout is None and t.boxes is None) or t.held_whole:
             raise _fail(where, f"tensor {t.key!r}: a chunk of a tensor every rank held whole (the index lists "
