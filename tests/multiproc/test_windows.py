@@ -58,3 +58,37 @@ def test_diff_and_exports_by_windows_answer_as_with_every_table_read(saved, tmp_
     assert a.keys() == b.keys() == set(NAMES) and all(torch.equal(b[k], want[k]) for k in NAMES)
     pt = torch.load(str(tmp_path / "b.pt"), weights_only=True)
     assert all(torch.equal(pt[k], want[k]) for k in NAMES)
+
+
+def test_reads_across_windows_and_from_two_threads_are_exact(saved):
+    """One read job holding keys of two windows keeps both; two threads reading keys of different windows (as
+    the exports' prefetching does) each plan from the records they resolved."""
+    import threading
+
+    want = tensors(1)
+    reader = open_reader(str(saved / "a"), lazy=True)
+    try:
+        assert reader.read_order(NAMES, window_chunks=2)
+        boxes = [(k, ((0,) * want[k].dim(), tuple(want[k].shape))) for k in (NAMES[0], NAMES[-1])]
+        outs = [torch.zeros_like(want[k]) for k, _ in boxes]
+        reader.plan([(k, b, o) for (k, b), o in zip(boxes, outs)]).run()
+        assert all(torch.equal(o, want[k]) for (k, _), o in zip(boxes, outs))
+        errors: list[BaseException] = []
+
+        def read(keys: list[str]) -> None:
+            try:
+                for _ in range(3):
+                    for k in keys:
+                        got = read_box(reader, k, ((0,) * want[k].dim(), tuple(want[k].shape)))
+                        assert torch.equal(got, want[k]), k
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+        threads = [threading.Thread(target=read, args=(NAMES[i::2],)) for i in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        assert reader.windows > 4
+    finally:
+        reader.close()

@@ -10,6 +10,7 @@ verified ``format.manifest.Manifest``, read-only) and ``storage`` (where it lies
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -84,6 +85,7 @@ class NativeReader(Reader):
         self._window_chunks = WINDOW_CHUNKS
         self._held: set[str] = set()
         self.windows = 0
+        self._resolving = threading.RLock()     # (the tools read the next slab in a thread of their own)
         m = manifest
         super().__init__(
             url=storage.url, fmt="liferaft", verified=True, world_size=m.world_size,
@@ -128,13 +130,20 @@ class NativeReader(Reader):
             held += n
         return out
 
-    def _resolve(self, wanted: Iterable[tuple[str, Box | None]]) -> None:
+    def _resolve(self, wanted: Iterable[tuple[str, Box | None]]) -> dict[str, TensorEntry]:
         """(Chunk tables) Read the tables holding the chunks of the ``(key, box)`` wanted (None: the whole
         tensor), fill ``entries`` with them and check each box covered. With a ``read_order``, whole windows of
-        keys, dropping the chunks of the window before."""
+        keys, dropping the chunks of the window before. Returns the entries of the keys wanted, as resolved (a read
+        plans from these: another thread's next window may drop them from ``entries`` meanwhile)."""
+        wanted = list(wanted)
         src = self._tables
         if src is None:
-            return
+            return {k: self.entries[k] for k, _ in wanted}
+        with self._resolving:
+            self._resolve_locked(src, wanted)
+            return {k: self.entries[k] for k, _ in wanted}
+
+    def _resolve_locked(self, src: TableSource, wanted: Iterable[tuple[str, Box | None]]) -> None:
         wanted = [(k, b if b is not None else (tuple(0 for _ in self.entries[k].shape), self.entries[k].shape))
                   for k, b in wanted]
         if self._order is not None and any(k in self._order for k, _ in wanted):
@@ -154,11 +163,12 @@ class NativeReader(Reader):
         """``_resolve`` in ``read_order``'s windows: a key not held starts a window (a fresh ``TableSource``:
         every table its keys need read once, only their records kept); the keys of the window before go back to
         the index's entries (no chunks of tables)."""
-        assert self._tables is not None
-        for key, _ in wanted:
-            if key in self._held or key not in self._order:     # type: ignore[operator]
-                continue
-            keys = self._window(key)
+        assert self._tables is not None and self._order is not None
+        order = self._order
+        missing = sorted({k for k, _ in wanted if k in order and k not in self._held}, key=order.__getitem__)
+        if missing:         # (one window from the first key missing, holding every key wanted: none dropped here)
+            keys = self._window(missing[0])
+            keys += [k for k in missing if k not in set(keys)]
             for k in self._held:
                 self.entries[k] = self.manifest.tensors[self._tables.pos[k]]
             src = TableSource(self._tables.storage, self.manifest, self._tables.codecs)
@@ -175,11 +185,11 @@ class NativeReader(Reader):
         for key, box in wanted:
             if key in self._held and numel(box[1]):
                 self._tables.check_covered(self.entries[key], box)
-        rest = [(k, b) for k, b in wanted if k not in self._held]
+        rest = [(k, b) for k, b in wanted if k not in self._held]     # (keys the tool did not announce)
         if rest:
-            order, self._order = self._order, None
+            self._order = None
             try:
-                self._resolve(rest)
+                self._resolve_locked(self._tables, rest)
             finally:
                 self._order = order
 
@@ -196,8 +206,7 @@ class NativeReader(Reader):
         """Each chunk of ``key`` as saved: its codec (``"raw"`` for none) and ``"xor-delta"`` when it is stored
         as a delta, its file (relative to the checkpoint; ``../<sibling>/...`` for a reference), the bytes it
         takes there, the rank whose file holds it."""
-        self._resolve([(key, None)])
-        return tuple(chunk_info(c) for c in self.entries[key].chunks)
+        return tuple(chunk_info(c) for c in self._resolve([(key, None)])[key].chunks)
 
     def chunk_infos(self, keys: Iterable[str]) -> Iterator[tuple[str, ChunkInfo]]:
         """(``Reader.chunk_infos``) With chunk tables not read yet, streamed by ``stream_chunks``."""
@@ -244,8 +253,8 @@ class NativeReader(Reader):
         if self._order is not None:     # (the tables streamed once, nothing kept: the reads resolve by windows)
             self._check({c.file for _, c in self.stream_chunks(keys)})
             return
-        self._resolve([(k, None) for k in keys])
-        self._check({c.file for k in keys for c in self.entries[k].chunks})
+        entries = self._resolve([(k, None) for k in keys])
+        self._check({c.file for e in entries.values() for c in e.chunks})
 
     def held_elsewhere(self, files: Iterable[str]) -> None:
         """Files this rank cannot read but receives from the ranks that hold them (``core.load.load_held``): not
@@ -361,10 +370,10 @@ class _NativeJob(ReadJob):
         self.units: list[Any] = []
         files: set[str] = set()
         max_read = reader.options.max_read_bytes
-        reader._resolve((key, box) for key, box, _ in self.requests)
+        entries = reader._resolve((key, box) for key, box, _ in self.requests)
         for key, box, dest in self.requests:
             self.targets.append(dest)
-            units = plan_reads(reader.entries[key], [(len(self.targets) - 1, box)], max_read)
+            units = plan_reads(entries[key], [(len(self.targets) - 1, box)], max_read)
             self.units.extend((u, dest.dtype) for u in units)
             files.update(u.file for u in units)
         reader._check(files)
