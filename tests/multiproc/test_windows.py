@@ -73,6 +73,7 @@ def test_reads_across_windows_and_from_two_threads_are_exact(saved):
         outs = [torch.zeros_like(want[k]) for k, _ in boxes]
         reader.plan([(k, b, o) for (k, b), o in zip(boxes, outs)]).run()
         assert all(torch.equal(o, want[k]) for (k, _), o in zip(boxes, outs))
+        assert reader.windows == 1          # (one window holding both keys: neither dropped for the other)
         errors: list[BaseException] = []
 
         def read(keys: list[str]) -> None:
