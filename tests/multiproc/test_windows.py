@@ -9,7 +9,7 @@ import torch
 from multiproc._windows_ranks import NAMES, save, tensors
 
 import liferaft
-import liferaft.core.native as native
+from liferaft.core import native
 from liferaft.core.open import open_reader
 from liferaft.testing import run_ranks
 from liferaft.tools._slabs import read_box
