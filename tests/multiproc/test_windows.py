@@ -93,3 +93,42 @@ def test_reads_across_windows_and_from_two_threads_are_exact(saved):
         assert reader.windows > 4
     finally:
         reader.close()
+
+
+def test_keys_not_announced_a_failed_window_and_unknown_keys_leave_every_read_exact(saved):
+    """A read job of an announced key and one not announced holds both whole; a window whose table cannot be read
+    leaves the window before as it was; unknown keys in the order do not shift the windows."""
+    import json
+    import os
+
+    want = tensors(1)
+
+    def whole(k):
+        return ((0,) * want[k].dim(), tuple(want[k].shape))
+    reader = open_reader(str(saved / "a"), lazy=True)
+    try:
+        assert reader.read_order(["nonesuch", *NAMES[:-1]], window_chunks=4)
+        outs = [torch.full_like(want[k], -7.0) for k in (NAMES[0], NAMES[-1])]
+        reader.plan([(k, whole(k), o) for k, o in zip((NAMES[0], NAMES[-1]), outs)]).run()
+        assert torch.equal(outs[0], want[NAMES[0]]) and torch.equal(outs[1], want[NAMES[-1]])
+        assert torch.equal(read_box(reader, NAMES[0], whole(NAMES[0])), want[NAMES[0]])
+        index = json.loads(next((saved / "a").glob("manifest-*.json")).read_text())
+        table = saved / "a" / index["tables"][1]["file"]
+        os.rename(table, f"{table}.away")
+        try:
+            with pytest.raises(liferaft.CorruptCheckpointError, match="missing"):
+                read_box(reader, NAMES[8], whole(NAMES[8]))
+        finally:
+            os.rename(f"{table}.away", table)
+        assert torch.equal(read_box(reader, NAMES[1], whole(NAMES[1])), want[NAMES[1]])     # (still held)
+        assert torch.equal(read_box(reader, NAMES[8], whole(NAMES[8])), want[NAMES[8]])
+    finally:
+        reader.close()
+    reader = open_reader(str(saved / "a"), lazy=True)
+    try:
+        assert reader.read_order(["nonesuch", "other", *NAMES])     # (default window: one holds every key)
+        for k in NAMES:
+            assert torch.equal(read_box(reader, k, whole(k)), want[k]), k
+        assert reader.windows == 1
+    finally:
+        reader.close()

@@ -85,6 +85,7 @@ class NativeReader(Reader):
         self._window_chunks = WINDOW_CHUNKS
         self._held: set[str] = set()
         self.windows = 0
+        self._window_reads = 0
         self._resolving = threading.RLock()     # (the tools read the next slab in a thread of their own)
         m = manifest
         super().__init__(
@@ -101,7 +102,7 @@ class NativeReader(Reader):
     @property
     def tables_read(self) -> int | None:
         """Chunk tables read so far (None: the manifest lists every chunk, or was opened whole)."""
-        return None if self._tables is None else len(self._tables.done)
+        return None if self._tables is None else len(self._tables.done) + self._window_reads
 
     def read_order(self, keys: Sequence[str], window_chunks: int | None = None) -> bool:
         """(``Reader.read_order``) With chunk tables not read yet: the tensors ``keys`` will be read in this order,
@@ -111,7 +112,7 @@ class NativeReader(Reader):
         size, for one read of the tables per window (a key read out of order costs its window's reads again)."""
         if self._tables is None or self._tables.done:
             return False
-        self._order = {k: i for i, k in enumerate(dict.fromkeys(keys)) if k in self.entries}
+        self._order = {k: i for i, k in enumerate(k for k in dict.fromkeys(keys) if k in self.entries)}
         if window_chunks is not None:
             self._window_chunks = max(1, window_chunks)
         return True
@@ -146,7 +147,7 @@ class NativeReader(Reader):
     def _resolve_locked(self, src: TableSource, wanted: Iterable[tuple[str, Box | None]]) -> None:
         wanted = [(k, b if b is not None else (tuple(0 for _ in self.entries[k].shape), self.entries[k].shape))
                   for k, b in wanted]
-        if self._order is not None and any(k in self._order for k, _ in wanted):
+        if self._order is not None:
             self._resolve_windows(wanted)
             return
         ranks: set[int] = set()
@@ -160,38 +161,34 @@ class NativeReader(Reader):
                 src.check_covered(self.entries[key], box)
 
     def _resolve_windows(self, wanted: list[tuple[str, Box]]) -> None:
-        """``_resolve`` in ``read_order``'s windows: a key not held starts a window (a fresh ``TableSource``:
-        every table its keys need read once, only their records kept); the keys of the window before go back to
-        the index's entries (no chunks of tables)."""
+        """``_resolve`` in ``read_order``'s windows: wanted keys not held start a window from the first of them
+        in the order, holding every key wanted (one the tool did not announce too): every table its keys need
+        read once by a ``TableSource`` of its own (sharing the plan's replay: ``TableSource.fresh``), only their
+        records kept. Once it is read, the keys of the window before go back to the index's entries."""
         assert self._tables is not None and self._order is not None
         order = self._order
-        missing = sorted({k for k, _ in wanted if k in order and k not in self._held}, key=order.__getitem__)
-        if missing:         # (one window from the first key missing, holding every key wanted: none dropped here)
-            keys = self._window(missing[0])
+        missing = list(dict.fromkeys(k for k, _ in wanted if k not in self._held))
+        if missing:
+            announced = sorted((k for k in missing if k in order), key=order.__getitem__)
+            keys = self._window(announced[0]) if announced else []
             keys += [k for k in missing if k not in set(keys)]
-            for k in self._held:
-                self.entries[k] = self.manifest.tensors[self._tables.pos[k]]
-            src = TableSource(self._tables.storage, self.manifest, self._tables.codecs)
+            src = self._tables.fresh()
             positions = {src.pos[k] for k in keys}
             ranks: set[int] = set()
             for k in keys:
-                e = self.entries[k]
+                e = self.manifest.tensors[src.pos[k]]
                 ranks |= src.writers(k, (tuple(0 for _ in e.shape), e.shape))
-            src.fetch(ranks, keep=positions)
+            src.fetch(ranks, keep=positions)        # (a failure here leaves the window before as it was)
+            for k in self._held - set(keys):
+                self.entries[k] = self.manifest.tensors[src.pos[k]]
             for k in keys:
                 self.entries[k] = src.entry(src.pos[k])
             self._held = set(keys)
             self.windows += 1
+            self._window_reads += len(src.done)
         for key, box in wanted:
-            if key in self._held and numel(box[1]):
+            if numel(box[1]):
                 self._tables.check_covered(self.entries[key], box)
-        rest = [(k, b) for k, b in wanted if k not in self._held]     # (keys the tool did not announce)
-        if rest:
-            self._order = None
-            try:
-                self._resolve_locked(self._tables, rest)
-            finally:
-                self._order = order
 
     def value(self, key: str) -> Any:
         return decode_entry_value(self._values[key], self.options.allow_pickle)

@@ -164,6 +164,16 @@ class TableSource:
         self._pieces: dict[tuple[int, Box], frozenset[Box]] = {}
         self._listed: dict[int, tuple[dict[tuple[int, ...], tuple[tuple[int, ...], int]], Any, Any, list[int]]] = {}
 
+    def fresh(self) -> TableSource:
+        """A ``TableSource`` of the same index with no table read, sharing this one's replay of the plan's groups
+        of replicas (which member wrote each chunk, computed for all their tensors at once, and each rank's
+        members): one per window of keys a tool reads (``NativeReader.read_order``), that replay made once. (Its
+        size is the replicated groups' chunk count; what is per box, the pieces and explicit boxes, stays with
+        each window.)"""
+        other = TableSource(self.storage, self.index, self.codecs)
+        other._groups, other._holders = self._groups, self._holders
+        return other
+
     def _boxes(self, pos: int) -> tuple[dict[tuple[int, ...], tuple[tuple[int, ...], int]], Any, Any, list[int]]:
         """Tensor ``pos``'s explicit boxes: by offsets (sizes, rank), and as arrays of their first and end indices
         and their ranks (for overlap queries), made once."""
