@@ -13,7 +13,7 @@ from liferaft.core.load import load
 from liferaft.core.open import format_of
 from liferaft.core.read import CheckpointInfo, ContainerInfo, TensorInfo, VerifyReport, inspect, read, verify
 from liferaft.core.save import AsyncSaveHandle, async_save, release, save
-from liferaft.dist import init_process_group, release_groups
+from liferaft.dist import release_groups
 from liferaft.errors import (
                              CheckpointBusyError,
                              CheckpointExistsError,
@@ -37,6 +37,7 @@ from liferaft.manager.manager import CheckpointManager, StepInfo
 from liferaft.manager.options import JobOptions, PreemptionOptions, StepLogOptions, TierOptions
 from liferaft.manager.policies import RetentionPolicy, SavePolicy
 from liferaft.options import LoadOptions, LoadResult, SaveOptions, SaveResult
+from liferaft.rendezvous import init_process_group
 from liferaft.state.rng import RNGState
 from liferaft.state.sharded import Sharded
 from liferaft.state.values import PerRank
