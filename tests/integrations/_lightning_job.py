@@ -90,6 +90,8 @@ def main() -> None:
                         logger=False, enable_progress_bar=False, enable_model_summary=False, deterministic=True)
     trainer.fit(Model(), DataLoader(data, batch_size=8, shuffle=True),
                 ckpt_path="last" if resume == "last" else None)
+    if torch.distributed.is_initialized():   # (as a job should: gloo's threads left to the interpreter's
+        torch.distributed.destroy_process_group()    # teardown may abort the process, "terminate called ...")
 
 
 if __name__ == "__main__":

@@ -94,6 +94,8 @@ def main() -> None:
     if mode == "resume":
         resume = sys.argv[4] if len(sys.argv) > 4 else last_checkpoint(run)
     trainer.train(resume_from_checkpoint=resume)
+    if torch.distributed.is_initialized():   # (as a job should: gloo's threads left to the interpreter's
+        torch.distributed.destroy_process_group()    # teardown may abort the process, "terminate called ...")
 
 
 if __name__ == "__main__":
