@@ -10,13 +10,14 @@ import sys
 
 import pytest
 import torch
+from clirun import liferaft_cli
 
 import liferaft
 from liferaft import CheckpointManager, JobOptions, diff, gc, ls
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "liferaft", *args], capture_output=True, text=True, timeout=120)
+    return liferaft_cli(*args, timeout=120)
 
 
 @pytest.fixture
@@ -66,7 +67,8 @@ def test_gc_keeps_what_is_referenced_and_dry_run_deletes_nothing(root):
 
 def test_gc_refuses_while_a_job_holds_the_root(tmp_path):
     path = str(tmp_path / "run")
-    with CheckpointManager(path, every_steps=1, async_save=False) as mgr:
+    # (a lease of 5 s: gc watches a live holder's lease for its ttl before refusing, 30 s by default)
+    with CheckpointManager(path, every_steps=1, async_save=False, job=JobOptions(lease_ttl=5.0)) as mgr:
         mgr.maybe_save(0, {"w": torch.ones(3)})
         out = run("gc", path, "--keep-last", "1")
         assert out.returncode == 1 and "error" in out.stderr and len(out.stderr.strip().splitlines()) == 1

@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from clirun import liferaft_cli
 
 import liferaft
 from liferaft.tools.convert import from_dcp, from_safetensors, from_torch, to_dcp, to_safetensors, to_torch
@@ -96,15 +97,12 @@ def test_packaged_pretrained_minilm_imports_and_loads_into_a_matching_module(tmp
 
 
 def test_convert_command_round_trip(tmp_path):
-    import subprocess
-    import sys
 
     src = str(tmp_path / "ck")
     liferaft.save(src, state())
 
     def run(*a):
-        out = subprocess.run([sys.executable, "-m", "liferaft", "convert", *a], capture_output=True, text=True,
-                             timeout=120)
+        out = liferaft_cli("convert", *a, timeout=120)
         assert out.returncode == 0, out.stderr
         return out.stdout
 
@@ -112,8 +110,8 @@ def test_convert_command_round_trip(tmp_path):
     assert json.loads(run(str(tmp_path / "hf"), str(tmp_path / "back"), "--to", "liferaft", "--json"))["from"] == \
         "safetensors"
     assert diff(src, str(tmp_path / "back")).identical
-    bad = subprocess.run([sys.executable, "-m", "liferaft", "convert", str(tmp_path / "nope"), str(tmp_path / "x"),
-                          "--to", "liferaft"], capture_output=True, text=True, timeout=120)
+    bad = liferaft_cli("convert", str(tmp_path / "nope"), str(tmp_path / "x"),
+                          "--to", "liferaft", timeout=120)
     assert bad.returncode == 1 and len(bad.stderr.strip().splitlines()) == 1
 
 

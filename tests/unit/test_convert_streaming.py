@@ -12,6 +12,7 @@ import zipfile
 import numpy as np
 import pytest
 import torch
+from clirun import liferaft_cli
 
 import liferaft
 from liferaft.formats.dcp import DcpCheckpoint
@@ -215,13 +216,11 @@ def test_numpy_arrays_and_large_bytes_are_exported_loadable_without_pickle(tmp_p
 
 def test_convert_command_dcp_and_torch_directions(tmp_path):
     import json
-    import subprocess
-    import sys
 
     src = _save(str(tmp_path / "ck"))
 
     def run(*a, code=0):
-        out = subprocess.run([sys.executable, "-m", "liferaft", *a], capture_output=True, text=True, timeout=120)
+        out = liferaft_cli(*a, timeout=120)
         assert out.returncode == code, out.stderr
         return out
 

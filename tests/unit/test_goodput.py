@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
+from clirun import liferaft_cli
 
 import liferaft
 from liferaft import CheckpointManager, SavePolicy
@@ -73,8 +72,7 @@ def test_plan_command_prints_the_three_plans_at_each_scale(tmp_path):
     costs = tmp_path / "c.json"
     costs.write_text(json.dumps({"stall": {"memory": 0.2, "remote": 0.2}, "persist": {"remote": 300},
                                  "restore": {"memory": 1, "peer": 3, "remote": 300}, "restart": 60}))
-    out = subprocess.run([sys.executable, "-m", "liferaft", "plan", "--costs", str(costs), "--gpus", "1000,100000"],
-                         capture_output=True, text=True, timeout=60)
+    out = liferaft_cli("plan", "--costs", str(costs), "--gpus", "1000,100000", timeout=60)
     assert out.returncode == 0, out.stderr
     rows = [line for line in out.stdout.splitlines() if line.startswith("| 1")]
     assert len(rows) == 6 and sum("liferaft tiers" in r for r in rows) == 2
@@ -105,8 +103,7 @@ def test_plan_command_shows_the_per_step_plan_from_a_costs_file(tmp_path):
     costs = tmp_path / "c.json"
     costs.write_text(json.dumps({"stall": {"memory": 0.2, "remote": 0.2}, "restore": {"memory": 1, "peer": 3,
                                  "remote": 300}, "per_step": PER_STEP}))
-    out = subprocess.run([sys.executable, "-m", "liferaft", "plan", "--costs", str(costs), "--gpus", "1000,100000"],
-                         capture_output=True, text=True, timeout=60)
+    out = liferaft_cli("plan", "--costs", str(costs), "--gpus", "1000,100000", timeout=60)
     assert out.returncode == 0, out.stderr
     rows = [line for line in out.stdout.splitlines() if line.startswith("| 1")]
     assert len(rows) == 8 and sum("per-step log" in r for r in rows) == 2
@@ -158,8 +155,7 @@ def test_plan_refuses_huge_numbers_and_duplicate_keys_naming_the_field(tmp_path,
     with pytest.raises(OptionsError, match=r"c\.json") as e:
         load_costs(str(costs))
     assert field in str(e.value) and len(str(e.value)) < 500 and "\n" not in str(e.value)
-    out = subprocess.run([sys.executable, "-m", "liferaft", "plan", "--costs", str(costs)], capture_output=True,
-                         text=True, timeout=120)
+    out = liferaft_cli("plan", "--costs", str(costs), timeout=120)
     assert out.returncode == 1 and "Traceback" not in out.stderr and field in out.stderr
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
+from clirun import liferaft_cli
 
 from liferaft.manager.goodput import GIB, Cluster, Costs, Machine, compare, costs_at, evaluate
 from liferaft.manager.goodsim import simulate
@@ -147,8 +147,7 @@ def test_recoveries_longer_than_the_time_between_failures_give_zero_not_an_error
 
 
 def _plan(*args: str, ok: int = 0) -> subprocess.CompletedProcess:
-    out = subprocess.run([sys.executable, "-m", "liferaft", "plan", *args], capture_output=True, text=True,
-                         timeout=120)
+    out = liferaft_cli("plan", *args, timeout=120)
     assert out.returncode == ok, out.stderr
     if ok:                                            # one line (a usage error: argparse's usage, then one line)
         lines = out.stderr.strip().splitlines()

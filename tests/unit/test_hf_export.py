@@ -8,10 +8,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
+from clirun import liferaft_cli
 
 import liferaft
 from liferaft.tools.convert import to_hf
@@ -20,7 +20,7 @@ safetensors = pytest.importorskip("safetensors.torch")
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "liferaft", *args], capture_output=True, text=True, timeout=300)
+    return liferaft_cli(*args, timeout=300)
 
 
 def _minilm_folder() -> str:

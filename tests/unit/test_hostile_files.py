@@ -10,13 +10,13 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import threading
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+from clirun import liferaft_cli
 
 import liferaft
 from liferaft.codecs.checksum import digest
@@ -29,7 +29,7 @@ from liferaft.storage.files import create_exclusive, open_read, read_capped
 
 def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     """The CLI in a subprocess: a hang fails the test (TimeoutExpired) instead of hanging the suite."""
-    return subprocess.run([sys.executable, "-m", "liferaft", *args], capture_output=True, text=True, timeout=timeout)
+    return liferaft_cli(*args, timeout=timeout)
 
 
 def one_error(r: subprocess.CompletedProcess) -> str:

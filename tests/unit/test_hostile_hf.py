@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+from clirun import liferaft_cli
 
 import liferaft
 from liferaft.cli import main
@@ -24,8 +25,7 @@ safetensors = pytest.importorskip("safetensors.torch")
 
 def cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
     """The CLI in a subprocess: a hang fails the test (TimeoutExpired) instead of hanging the suite."""
-    return subprocess.run([sys.executable, "-m", "liferaft", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return liferaft_cli(*args, timeout=timeout)
 
 
 def one_error(r: subprocess.CompletedProcess, *words: str) -> str:

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
+from clirun import liferaft_cli
 
 import liferaft
 from liferaft import CheckpointExistsError, CorruptCheckpointError, InvalidStateError, OptionsError
@@ -20,7 +20,7 @@ from liferaft.testing import tamper
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "liferaft", *args], capture_output=True, text=True, timeout=120)
+    return liferaft_cli(*args, timeout=120)
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ import zipfile
 
 import pytest
 import torch
+from clirun import liferaft_cli
 
 import liferaft
 from liferaft import CorruptCheckpointError
@@ -23,7 +24,7 @@ BOMB_BYTES = 768 << 20                              # what the compressed record
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "liferaft", *args], capture_output=True, text=True, timeout=300)
+    return liferaft_cli(*args, timeout=300)
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,8 @@ import torch
 pytest.importorskip("obstore")
 pytest.importorskip("moto")
 
+from clirun import liferaft_cli
+
 import liferaft
 from liferaft import JobOptions
 from liferaft.errors import CheckpointNotFoundError, IncompleteCheckpointError, StorageError
@@ -264,7 +266,7 @@ def test_command_line_on_an_s3_root(s3, tmp_path):
             mgr.maybe_save(step, {"w": torch.arange(12.0).reshape(3, 4) * step, "step": step})
 
     def run(*a, code=0):
-        out = subprocess.run([sys.executable, "-m", "liferaft", *a], capture_output=True, text=True, timeout=120)
+        out = liferaft_cli(*a, timeout=120)
         assert out.returncode == code, out.stderr
         return out.stdout
 
