@@ -160,6 +160,23 @@ def test_the_decision_is_per_source_step_on_all_ranks_chunks_and_spares_delta_ba
     assert crumb_sources(writes, stored, 0.5) == {"s0", "s1"}
 
 
+def test_one_crumbs_rule_for_gathered_records_and_for_all_reduced_sums():
+    """``crumbs_of`` is the rule both paths apply (gathered records; sums over the ranks in ``core.base``): a
+    sibling referenced only by empty chunks is copied too (nothing of it is worth keeping it alive for)."""
+    from types import SimpleNamespace as C
+
+    from liferaft.planning.references import crumb_sources, crumbs_of
+    from liferaft.planning.save_plan import WriteItem
+
+    assert crumbs_of({"s0": 0, "s1": 9, "s2": 10}, 100, 0.1) == {"s0", "s1"}
+    assert crumbs_of({"s0": 0, "s1": 9}, 100, 0.1, delta_bases={"s1"}) == {"s0"}
+    assert crumbs_of({"s0": 1}, 0, 0.5) == set() and crumbs_of({"s0": 1}, 100, 0.0) == set()
+    empty = WriteItem(key="e", offsets=(0,), sizes=(0,), file="data/x/r00000.bin", byte_offset=0, length=0)
+    full = WriteItem(key="k", offsets=(0,), sizes=(8,), file="data/x/r00000.bin", byte_offset=0, length=8)
+    stored = [[C(file="../s0/data/a/r00000.bin", delta=None), C(file="data/x/r00000.bin", delta=None)]]
+    assert crumb_sources([[empty, full]], stored, 0.1) == {"s0"}
+
+
 def test_selective_chunks_copied_still_say_which_step_they_come_from(tmp_path):
     layers = {f"layer{i}": torch.randn(256, 1024, generator=torch.Generator().manual_seed(i)) for i in range(20)}
     state = {"model": layers}

@@ -28,7 +28,7 @@ from liferaft.dist import Coordinator
 from liferaft.errors import LiferaftError
 from liferaft.format.manifest import Manifest, TableRef
 from liferaft.options import SaveOptions
-from liferaft.planning.references import sibling_of
+from liferaft.planning.references import crumbs_of, sibling_of
 from liferaft.storage import Storage
 
 #: a file of rank N, as a file of the base names it (``data/<id>/rN.bin``, ``...-copies.bin``, ``...-chunks.json``),
@@ -136,18 +136,21 @@ def crumbs(coord: Coordinator, shared: SharedBase, wrote: int, stored: Sequence[
     """(Every rank, after writing) one all-reduce of the bytes each rank wrote and took from each checkpoint of
     ``shared.siblings`` (``stored``: this rank's ``StoredChunk``s, None when its write failed): whether some
     rank failed, and the checkpoints whose chunks amount to less than ``min_share`` of the save's tensor bytes,
-    to be copied instead of referenced (``planning.references.crumb_sources``: the same rule, from the sums)."""
+    to be copied instead of referenced (``planning.references.crumbs_of``, the rule ``crumb_sources`` applies
+    to gathered records, here on the sums)."""
     pos = {s: i for i, s in enumerate(shared.siblings)}
-    taken = [0] * len(pos)
+    taken = [0] * (2 * len(pos))                # bytes taken from each sibling, then how many chunks
     for sc, n in stored or ():
         i = pos.get(sibling_of(sc.file) or "")
         if i is not None:
             taken[i] += n
+            taken[len(pos) + i] += 1
     sums = coord.all_sum([int(failed), wrote, *taken], "save (incremental references)")
-    total = sums[1]
-    if sums[0] or total == 0 or min_share <= 0:
-        return bool(sums[0]), frozenset()
-    return False, frozenset(s for s, n in zip(shared.siblings, sums[2:]) if 0 < n < min_share * total)
+    if sums[0]:
+        return True, frozenset()
+    n = len(pos)
+    referenced = {s: sums[2 + i] for i, s in enumerate(shared.siblings) if sums[2 + n + i]}
+    return False, crumbs_of(referenced, sums[1], min_share)
 
 
 def copy_gathered_crumbs(coord: Coordinator, prep: Any, stored: list[Any], opts: SaveOptions

@@ -10,7 +10,7 @@ ranks exchanged after writing, so all take the same decision without another col
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from liferaft.planning.save_plan import WriteItem
@@ -35,8 +35,6 @@ def crumb_sources(writes: Sequence[Sequence[WriteItem]], stored: Sequence[Sequen
     the base of an XOR delta (``SaveOptions.delta``) stays referenced: the delta needs its bytes by design.
     """
     total = sum(w.length for items in writes for w in items)
-    if total == 0 or min_share <= 0:
-        return frozenset()
     taken: dict[str, int] = {}
     delta_bases: set[str] = set()
     for items, chunks in zip(writes, stored):
@@ -46,7 +44,18 @@ def crumb_sources(writes: Sequence[Sequence[WriteItem]], stored: Sequence[Sequen
                 taken[src] = taken.get(src, 0) + w.length
             if sc.delta is not None and (base := sibling_of(sc.delta.file)) is not None:
                 delta_bases.add(base)
+    return crumbs_of(taken, total, min_share, delta_bases)
+
+
+def crumbs_of(taken: Mapping[str, int], total: int, min_share: float,
+              delta_bases: Collection[str] = ()) -> frozenset[str]:
+    """The rule itself, on totals: the siblings that gave less than ``min_share`` of ``total`` bytes (``taken``:
+    bytes taken from each sibling the save references, zero-length chunks included), except those holding the
+    base of an XOR delta. Nothing when ``total`` is 0 or the share is off. ``crumb_sources`` applies it to gathered records; ``core.base.crumbs`` to
+    sums all-reduced over the ranks."""
+    if total == 0 or min_share <= 0:
+        return frozenset()
     return frozenset(s for s, n in taken.items() if n < min_share * total and s not in delta_bases)
 
 
-__all__ = ["DEFAULT_MIN_SHARE", "crumb_sources", "sibling_of"]
+__all__ = ["DEFAULT_MIN_SHARE", "crumb_sources", "crumbs_of", "sibling_of"]
