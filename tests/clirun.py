@@ -5,7 +5,7 @@ text=True, timeout=...)``: a child process of its own (a hang is killed at ``tim
 ``subprocess.TimeoutExpired``; a crash is the child's, never the test's), stdout and stderr captured, the caller's
 environment and working directory, the exit status ``liferaft.cli.main`` returns (or minus the signal that ended
 it). The child is forked from a server process that imported ``liferaft.cli`` once (multiprocessing's forkserver,
-one per test worker), so a call costs a fork instead of ~1.7 s of imports. Each child runs ``main(args)`` then
+one per test worker, the one ``liferaft.testing.run_ranks`` forks ranks from), so a call costs a fork instead of ~1.7 s of imports. Each child runs ``main(args)`` then
 the atexit hooks, as ``python -m liferaft`` does. ``tests/unit/test_clirun.py`` checks it against the real
 ``python -m liferaft``.
 """
@@ -27,8 +27,10 @@ _CTX: Any = None
 def _context() -> Any:
     global _CTX
     if _CTX is None:
-        ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["liferaft.cli"])
+        from liferaft.testing.launcher import PRELOAD
+
+        ctx = multiprocessing.get_context("forkserver")       # (one per process, shared with run_ranks' ranks:
+        ctx.set_forkserver_preload([*PRELOAD, "liferaft.cli"])  # what they need preloaded too, whoever starts it)
         _CTX = ctx
     return _CTX
 

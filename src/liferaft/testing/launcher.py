@@ -36,9 +36,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+#: What the forkserver the ranks are forked from imports once. A process has one forkserver: whatever else
+#: starts it (a test's helper) should preload these too, or every rank imports them again.
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "numpy", "liferaft")
+
+
 def _context() -> Any:
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor", "numpy", "liferaft"])
+    ctx.set_forkserver_preload(list(PRELOAD))
     return ctx
 
 
