@@ -59,3 +59,19 @@ def test_page_aligned_regions_for_direct_io():
     pool.acquire(100)
     start, view = pool.acquire(70000, align=4096)
     assert start == 4096 and view.data_ptr() % 4096 == 0
+
+
+def test_try_acquire_never_waits_and_takes_what_acquire_would():
+    pool = BufferPool(8192)
+    a = pool.try_acquire(4000)
+    assert a is not None and a[0] == 0
+    assert pool.try_acquire(5000) is None and pool.waiting == 0        # no room now: None at once, not a waiter
+    b = pool.try_acquire(3000)
+    assert b is not None and b[0] == 4032
+    pool.release(0)
+    c = pool.try_acquire(4000)
+    assert c is not None and c[0] == 0                                  # wrapped around, as acquire would
+    gen = pool.generation
+    pool.reset()
+    with pytest.raises(PoolClosedError):
+        pool.try_acquire(10, generation=gen)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import os
-import queue
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -34,7 +33,7 @@ from liferaft.core.process import CALLS, PROCESS, AsyncSaveHandle, finish_at_exi
 from liferaft.dist import Coordinator, release_groups
 from liferaft.options import SaveOptions, SaveResult, check_options, check_path
 from liferaft.staging.pool import BufferPool
-from liferaft.staging.stager import PIECE_LIMIT, stage, staged_size
+from liferaft.staging.stager import PIECE_LIMIT, PieceQueue, stage, staged_size
 from liferaft.storage import resolve
 
 if TYPE_CHECKING:
@@ -105,7 +104,7 @@ def async_save(path: PathLike, state: Any, *, process_group: ProcessGroup | None
     nbytes = staged_size(items, prep.sources, PIECE_LIMIT)
     pool = PROCESS.pool_for(nbytes, opts.memory_budget, pin)
     handle = AsyncSaveHandle(prep.storage.url)
-    pieces: queue.Queue[Any] = queue.Queue()
+    pieces = PieceQueue()
     limit = PIECE_LIMIT if nbytes <= pool.capacity else max(1 << 20, min(PIECE_LIMIT, pool.capacity // 4))
 
     def run_stage() -> None:
@@ -137,7 +136,7 @@ def async_save(path: PathLike, state: Any, *, process_group: ProcessGroup | None
     return handle
 
 
-def _write_and_commit(coord: Coordinator, prep: PreparedSave, pieces: queue.Queue[Any], pool: BufferPool,
+def _write_and_commit(coord: Coordinator, prep: PreparedSave, pieces: PieceQueue, pool: BufferPool,
                       opts: SaveOptions, handle: AsyncSaveHandle, hold: threading.Event | None) -> None:
     def write() -> WriteOutcome:
         try:

@@ -95,11 +95,29 @@ class BufferPool:
                         raise TimeoutError(f"no room for {nbytes} bytes in the buffer pool within {timeout}s")
                 finally:
                     self.waiting -= 1
-            size = min(size, self.capacity - start)
-            self._live.append((start, size))
-            self._head = start + size
-            self.high_water = max(self.high_water, self._used())
+            self._take(start, size)
         return start, self.buffer[start:start + nbytes]
+
+    def try_acquire(self, nbytes: int, align: int = ALIGN, generation: int | None = None
+                    ) -> tuple[int, torch.Tensor] | None:
+        """As ``acquire``, but None at once when there is no room now (never waits, never counts as waiting)."""
+        if nbytes > self.capacity:
+            raise ValueError(f"request of {nbytes} bytes exceeds the pool capacity {self.capacity}")
+        size = -(-max(nbytes, 1) // ALIGN) * ALIGN
+        with self._cond:
+            if generation is not None and self._generation != generation:
+                raise PoolClosedError("the buffer pool was reset")
+            start = self._fit(min(size, self.capacity), align)
+            if start is None:
+                return None
+            self._take(start, size)
+        return start, self.buffer[start:start + nbytes]
+
+    def _take(self, start: int, size: int) -> None:
+        size = min(size, self.capacity - start)
+        self._live.append((start, size))
+        self._head = start + size
+        self.high_water = max(self.high_water, self._used())
 
     def release(self, start: int) -> None:
         """Give back the oldest region (which must start at ``start``)."""

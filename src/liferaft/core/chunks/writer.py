@@ -23,7 +23,6 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -37,7 +36,7 @@ from liferaft.format.manifest import CHECKSUM_ALGO, ChunkRecord
 from liferaft.planning.geometry import Box
 from liferaft.planning.save_plan import PAGE, PAGE_ALIGN_MIN, WriteItem
 from liferaft.staging.pool import BufferPool
-from liferaft.staging.stager import PIECE_LIMIT, Piece, StageFailed, stage
+from liferaft.staging.stager import PIECE_LIMIT, Piece, PieceQueue, StageFailed, stage
 from liferaft.storage.base import FileWriter, Storage
 
 ReuseKey = tuple[str, tuple[int, ...], tuple[int, ...]]       # (tensor key, offsets, sizes)
@@ -118,7 +117,7 @@ def write_streamed(storage: Storage, items: Sequence[WriteItem], sources: Mappin
     previous ones, so memory stays within the pool however large the state. On error the partial file is
     removed and the error re-raised.
     """
-    pieces: queue.Queue[Any] = queue.Queue()
+    pieces = PieceQueue()
     limit = max(1 << 20, min(PIECE_LIMIT, pool.capacity // 4))
     copy_s = [0.0]
 
@@ -190,7 +189,7 @@ class _File:
         self.w.pwrite(data, offset)
 
 
-def write_staged(storage: Storage, items: Sequence[WriteItem], pieces: queue.Queue[Any], pool: BufferPool,
+def write_staged(storage: Storage, items: Sequence[WriteItem], pieces: PieceQueue, pool: BufferPool,
                  policy: ChunkPolicy) -> WriteOutcome:
     """Write staged pieces (see ``staging.stager``) as they arrive; durable on return.
 
@@ -302,7 +301,7 @@ def _still_there(storage: Storage, name: str | None, size: int) -> None:
                            "folder while the save ran; the save is not committed")
 
 
-def _next(pieces: queue.Queue[Any], pool: BufferPool, waiting_ok: bool, encoding: EncodeQueue,
+def _next(pieces: PieceQueue, pool: BufferPool, waiting_ok: bool, encoding: EncodeQueue,
           behind: WriteBehind) -> Piece | None:
     """The next staged piece; None when the stager waits for room that only this writer can free (while a
     chunk is being held: ``waiting_ok`` False, and no chunk is encoding and no write is pending whose
