@@ -78,3 +78,12 @@ def test_bench_readpath_small_runs_and_verifies():
                   "DCP"):
         assert f"| {label} |" in out.stdout         # printed only after every load was checked bit-exact
     assert out.stdout.count("rank ") == 2
+
+
+def test_bench_many_small_runs_and_verifies(tmp_path):
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_many.py"), "--keys", "300",
+                          "--reps", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "BENCH_TMP": str(tmp_path)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    for label in ("liferaft", "DCP", "torch.save / torch.load"):     # printed only after every load was checked
+        assert f"| {label} |" in out.stdout
