@@ -62,3 +62,31 @@ def test_many_chunks_take_the_index():
     wanted = [(0, ((1000, 0), (10, 8)))]
     assert [c.offsets for c in load_plan._candidates(entry, wanted)] == [(1000, 0), (1004, 0), (1008, 0)]
     assert plan_reads(entry, wanted) == _reference(entry, wanted)
+
+
+@pytest.mark.parametrize("codec", [None, "zstd"])
+def test_a_chunk_wanted_whole_is_planned_as_the_general_path_plans_it(codec):
+    """``load_plan._whole_chunk`` (the shortcut of a load into the saved layout) gives the very read units the
+    general path gives, for shapes of 0 to 3 dimensions, block sizes below and above the chunk, and reads limited
+    below the chunk's size (the shortcut then steps aside)."""
+    import itertools
+
+    from liferaft.planning import load_plan as lp
+
+    shortcuts = 0
+    for shape, offsets in [((), ()), ((1,), (0,)), ((37,), (5,)), ((8, 3), (16, 0)), ((4, 5, 6), (0, 5, 12)),
+                           ((0, 3), (0, 0))]:
+        n = 1
+        for d in shape:
+            n *= d
+        for itemsize, bs, max_read in itertools.product((1, 4), (64, 256, 4096), (128, 1 << 20)):
+            nblocks = max(1, -(-n * itemsize // bs))
+            chunk = ChunkRecord(offsets=offsets, sizes=shape, file="../s0/f", byte_offset=128, length=n * itemsize,
+                                block_size=bs, hashes=tuple(f"h{i}" for i in range(nblocks)), codec=codec,
+                                frames=None if codec is None else tuple(10 + i for i in range(nblocks)))
+            general = lp._units_general("k", chunk, itemsize, [(3, (offsets, shape))], max_read)
+            assert lp._units_for_chunk("k", chunk, itemsize, [(3, (offsets, shape))], max_read) == general
+            whole = lp._whole_chunk("k", chunk, itemsize, 3, max_read)
+            assert whole is None or [whole] == general, (shape, itemsize, bs, max_read)
+            shortcuts += whole is not None
+    assert shortcuts >= 40                      # (most cases take the shortcut: the comparison is not vacuous)

@@ -58,8 +58,41 @@ class ReadUnit:
         return self.length if self.raw_length < 0 else self.raw_length
 
 
+def _whole_chunk(key: str, chunk: ChunkRecord, itemsize: int, target: int, max_read: int) -> ReadUnit | None:
+    """The one read of a chunk wanted whole by one target (a load into the layout it was saved in: the common
+    case), as the general path below plans it, without its geometry; None when the chunk is empty or must be
+    read in parts."""
+    bs = chunk.block_size
+    n = 1
+    for d in chunk.sizes:
+        n *= d
+    hi = n * itemsize
+    if n == 0 or hi > max(max_read - 2 * bs, bs):
+        return None
+    b_hi = -(-hi // bs)
+    end = min(b_hi * bs, chunk.length)
+    copy = CopySpec(target=target, dest_offsets=(0,) * len(chunk.sizes), sizes=tuple(chunk.sizes), src_offset=0,
+                    src_strides=strides(chunk.sizes))
+    file_offset, length = chunk.frame_span(0, b_hi)
+    return ReadUnit(key=key, file=chunk.file, file_offset=file_offset, length=length, block_size=bs,
+                    hashes=chunk.hashes[:b_hi], copies=(copy,), codec=chunk.codec,
+                    frames=None if chunk.frames is None else chunk.frames[:b_hi],
+                    raw_length=-1 if chunk.codec is None else end, first_block=0, delta=chunk.delta,
+                    checksum=chunk.checksum)
+
+
 def _units_for_chunk(key: str, chunk: ChunkRecord, itemsize: int, wanted: Sequence[tuple[int, Box]],
                      max_read: int) -> list[ReadUnit]:
+    if len(wanted) == 1 and tuple(wanted[0][1][0]) == tuple(chunk.offsets) and \
+            tuple(wanted[0][1][1]) == tuple(chunk.sizes):
+        unit = _whole_chunk(key, chunk, itemsize, wanted[0][0], max_read)
+        if unit is not None:
+            return [unit]
+    return _units_general(key, chunk, itemsize, wanted, max_read)
+
+
+def _units_general(key: str, chunk: ChunkRecord, itemsize: int, wanted: Sequence[tuple[int, Box]],
+                   max_read: int) -> list[ReadUnit]:
     bs = chunk.block_size
     cstr = strides(chunk.sizes)
     pieces: list[tuple[int, int, int, Box, Box]] = []   # (block_lo, block_hi, target, piece_local_box, dest_box)
