@@ -308,7 +308,10 @@ class _Walker:
                     _too_deep(path)
                 seen.add(id(x))
                 items = x.values() if isinstance(x, dict) else x
-                if not _PLAIN.issuperset(map(type, items)):     # (only plain scalars: nothing to look into)
+                types = set(map(type, items))
+                if any(issubclass(t, torch.Tensor) for t in types):
+                    return True                                 # (a tensor right here: no need to queue the rest)
+                if not _PLAIN.issuperset(types):                # (only plain scalars: nothing to look into)
                     todo.extend((y, depth + 1) for y in items)
         return False
 
