@@ -131,6 +131,30 @@ def test_many_small_tensors_in_batches_through_a_pool_smaller_than_the_state(tmp
     assert out.returncode == 0 and "exact" in out.stdout, out.stderr[-3000:]
 
 
+def test_a_snapshot_failure_raised_by_wait_staged_is_not_reported_again_by_the_next_save(tmp_path, monkeypatch):
+    """``wait_staged()`` raising the snapshot's error tells the caller the save failed: the next save runs (it
+    used to fail with "the previous async save ... failed and nobody waited for it")."""
+    from liferaft.staging import stager
+
+    real, calls = stager._copy, []
+
+    def failing(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected copy failure")
+        return real(*a, **k)
+
+    monkeypatch.setattr(stager, "_copy", failing)
+    state = {f"k{i}": torch.full((10,), float(i)) for i in range(8)}
+    handle = liferaft.async_save(str(tmp_path / "a"), state, options=liferaft.SaveOptions(staging="overlapped"))
+    with pytest.raises(RuntimeError, match="injected"):
+        handle.wait_staged()
+    monkeypatch.setattr(stager, "_copy", real)
+    liferaft.save(str(tmp_path / "b"), state)
+    assert torch.equal(liferaft.read(str(tmp_path / "b"))["k7"], state["k7"])
+    assert not os.path.exists(tmp_path / "a" / "COMMIT")
+
+
 register_scheme("slowtest", GatedStorage)
 register_scheme("failtest", FailingStorage)
 

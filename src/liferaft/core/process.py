@@ -116,10 +116,13 @@ class AsyncSaveHandle:
         return self._done.is_set()
 
     def wait_staged(self, timeout: float | None = None) -> None:
-        """Block until this rank's snapshot is complete (immediate for blocking staging)."""
+        """Block until this rank's snapshot is complete (immediate for blocking staging). Raises the snapshot's
+        error, if it failed: the save failed, and the caller has been told (a later save does not report it again
+        as a failure nobody waited for)."""
         if not self._staged.wait(timeout):
             raise TimeoutError(f"snapshot for {self.path} not complete within {timeout}s")
         if self._stage_error is not None and not isinstance(self._stage_error, PoolClosedError):
+            self._observed = True
             raise self._stage_error
         if self._stage_error is not None:   # the writer failed first; its error is the real one
             self.wait()
