@@ -51,8 +51,8 @@ def crumbs_of(taken: Mapping[str, int], total: int, min_share: float,
               delta_bases: Collection[str] = ()) -> frozenset[str]:
     """The rule itself, on totals: the siblings that gave less than ``min_share`` of ``total`` bytes (``taken``:
     bytes taken from each sibling the save references, zero-length chunks included), except those holding the
-    base of an XOR delta. Nothing when ``total`` is 0 or the share is off. ``crumb_sources`` applies it to gathered records; ``core.base.crumbs`` to
-    sums all-reduced over the ranks."""
+    base of an XOR delta. Nothing when ``total`` is 0 or the share is off. ``crumb_sources`` applies it to
+    gathered records; ``core.base.crumbs`` to sums all-reduced over the ranks."""
     if total == 0 or min_share <= 0:
         return frozenset()
     return frozenset(s for s, n in taken.items() if n < min_share * total and s not in delta_bases)

@@ -77,9 +77,7 @@ class BufferPool:
         """A region of ``nbytes`` (≤ capacity) starting at a multiple of ``align`` (64 or 4096) as
         ``(start, uint8 tensor view)``; waits for room. Raises PoolClosedError if the pool was reset since
         ``generation`` (or while waiting)."""
-        if nbytes > self.capacity:
-            raise ValueError(f"request of {nbytes} bytes exceeds the pool capacity {self.capacity}")
-        size = -(-max(nbytes, 1) // ALIGN) * ALIGN
+        size = self._size(nbytes)
         with self._cond:
             if generation is None:
                 generation = self._generation
@@ -101,9 +99,7 @@ class BufferPool:
     def try_acquire(self, nbytes: int, align: int = ALIGN, generation: int | None = None
                     ) -> tuple[int, torch.Tensor] | None:
         """As ``acquire``, but None at once when there is no room now (never waits, never counts as waiting)."""
-        if nbytes > self.capacity:
-            raise ValueError(f"request of {nbytes} bytes exceeds the pool capacity {self.capacity}")
-        size = -(-max(nbytes, 1) // ALIGN) * ALIGN
+        size = self._size(nbytes)
         with self._cond:
             if generation is not None and self._generation != generation:
                 raise PoolClosedError("the buffer pool was reset")
@@ -112,6 +108,12 @@ class BufferPool:
                 return None
             self._take(start, size)
         return start, self.buffer[start:start + nbytes]
+
+    def _size(self, nbytes: int) -> int:
+        """The bytes a request of ``nbytes`` takes (ValueError past the capacity)."""
+        if nbytes > self.capacity:
+            raise ValueError(f"request of {nbytes} bytes exceeds the pool capacity {self.capacity}")
+        return -(-max(nbytes, 1) // ALIGN) * ALIGN
 
     def _take(self, start: int, size: int) -> None:
         size = min(size, self.capacity - start)
