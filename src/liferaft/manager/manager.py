@@ -15,7 +15,7 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, Self, TypeVar
@@ -51,6 +51,7 @@ from liferaft.manager.policies import (
 from liferaft.manager.preemption import preemption_handlers
 from liferaft.manager.startup import RootStart
 from liferaft.manager.tiering import Tiers, first_that_loads
+from liferaft.manager.voting import Views, agree
 from liferaft.options import LoadOptions, LoadResult, SaveOptions, SaveResult, check_path
 from liferaft.storage import Storage, resolve
 from liferaft.tiers.steplog import StepLog
@@ -65,6 +66,18 @@ def _with(policy: _P, name: str, value: int | None) -> _P:
     if getattr(policy, name) is not None:
         raise OptionsError(f"{name} is given twice: as {name}={value} and in {type(policy).__name__}; give it once")
     return replace(policy, **{name: value})
+
+
+def _run_all(calls: list[Callable[[], object] | None]) -> BaseException | None:
+    """Run every call of ``calls`` (None: none) whatever the others raise; return the first error."""
+    err: BaseException | None = None
+    for call in calls:
+        try:
+            if call is not None:
+                call()
+        except BaseException as e:  # noqa: BLE001 - the caller raises it once every call has run
+            err = err or e
+    return err
 
 
 class CheckpointManager:
@@ -349,54 +362,42 @@ class CheckpointManager:
             self._steplog.record(step, state)   # this step's record (the gradients were captured in step())
         reason = "force" if force else self.save_policy.due(step, time.monotonic(), self._last_step,
                                                             self._last_time, self.interval_s)
-        preempt = self._signalled.is_set()
-        mem_due = self._tiers is not None and self._tiers.due(step)
+        log = self._steplog
+        local = Views(reason == "every_seconds", self._signalled.is_set(),
+                      self._tiers is not None and self._tiers.due(step))
         voting = self._voting()
-        voted = None                    # what the ranks voted at the end of the previous call (None: first call)
-        if voting and self._vote is not None:
-            vote, self._vote = self._vote, None
-            voted = vote.result()
+        vote, self._vote = (self._vote, None) if voting else (None, self._vote)
+        voted = Views.of(vote.result()) if vote is not None else None   # (cast at the end of the previous call)
+        taken = voted is not None       # a vote taken (or reduced) in this call: one is cast, whatever raises
         try:
             self._settle()              # (this rank's view of the saves in flight; the votes make it common)
+            local = local._replace(log_full=log is not None and log.full, log_half=log is not None and log.save_due
+                                   and self._inflight is None and self._draining is None)
+            self._last_call = step
+            if voting:
+                auto_memory = self._tiers is not None and self._tiers.auto is not None
+                if voted is None:       # (the first call: no vote cast yet, this call's reduced now)
+                    voted = Views.of(self.coord.all_max(local.ints(), "maybe_save (agree)"))
+                    taken = True
+                reason, local = agree(reason, local, voted, auto_memory)
+            started = self._decide(step, state, metrics, force, reason, local)
         except BaseException:
-            if voted is not None:       # (one vote taken and one cast per call on every rank, whatever raised)
+            if taken:                   # (one vote taken and one cast per call on every rank, whatever raised)
                 with contextlib.suppress(LiferaftError):
-                    self._vote = self.coord.all_max_start(self._votes(step), "maybe_save (agree)")
-            raise
-        log_full = self._steplog is not None and self._steplog.full
-        log_half = self._steplog is not None and self._steplog.save_due and self._inflight is None \
-            and self._draining is None
-        self._last_call = step
-        if voting and voted is None:            # the first call: no votes cast yet, agree now
-            reason, preempt, mem_due, log_full, log_half = self._agree(reason, preempt, mem_due, log_full, log_half)
-        elif voting:
-            assert voted is not None
-            t, p, m, full, half = voted
-            if reason == "every_seconds":       # (this rank's clock: only the vote decides for all)
-                reason = None
-            reason = reason or ("every_seconds" if t else None)
-            preempt, log_full, log_half = bool(p), bool(full), bool(half)
-            if self._tiers is not None and self._tiers.auto is not None:
-                mem_due = bool(m)               # (a step-based memory_every is the same on every rank: local)
-        try:
-            started = self._decide(step, state, metrics, force, reason, preempt, mem_due, log_full, log_half)
-        except BaseException:
-            if voting:                          # (every rank casts one vote per call, as every rank calls)
-                with contextlib.suppress(LiferaftError):
-                    self._vote = self.coord.all_max_start(self._votes(step), "maybe_save (agree)")
+                    self._vote = self.coord.all_max_start(self._votes(step).ints(), "maybe_save (agree)")
             raise
         if voting:
-            self._vote = self.coord.all_max_start(self._votes(step), "maybe_save (agree)")
+            self._vote = self.coord.all_max_start(self._votes(step).ints(), "maybe_save (agree)")
         return started
 
     def _voting(self) -> bool:
-        """Whether the ranks vote at each ``maybe_save``: with more than one rank, when a decision rests on each
-        rank's clock or view (a time interval, a preemption signal, the memory tier's time interval, the per-step
-        log's ring)."""
+        """Whether the ranks vote at each ``maybe_save`` (``voting``): with more than one rank, when a decision
+        rests on each rank's clock or view (a time interval, a preemption signal, the memory tier's time interval,
+        the per-step log's ring)."""
         return self.coord.world > 1 and (self.save_policy.every_seconds is not None or self._handlers_wanted
                                          or self.memory_interval_s is not None or self._steplog is not None)
 
-    def _votes(self, step: int) -> list[int]:
+    def _votes(self, step: int) -> Views:
         """This rank's votes for the next ``maybe_save``, cast once this one's saves have started: the time
         interval elapsed, a preemption signal, the memory tier's time interval elapsed (a step-based
         ``memory_every`` is decided by each rank alone), the per-step log's ring full once the next step is
@@ -408,17 +409,18 @@ class CheckpointManager:
             done = self._inflight[0]
         elif self._draining is not None and self._tiers is not None and not self._tiers.busy:
             done = self._draining[0]
-        return [int(self.save_policy.time_due(time.monotonic(), self._last_time, self.interval_s)),
-                int(self._signalled.is_set()),
-                int(self._tiers is not None and self._tiers.auto is not None and self._tiers.due(step)),
-                int(log is not None and log.full_after_next(done)),
-                int(log is not None and log.save_due and self._inflight is None and self._draining is None)]
+        return Views(self.save_policy.time_due(time.monotonic(), self._last_time, self.interval_s),
+                     self._signalled.is_set(),
+                     self._tiers is not None and self._tiers.auto is not None and self._tiers.due(step),
+                     log is not None and log.full_after_next(done),
+                     log is not None and log.save_due and self._inflight is None and self._draining is None)
 
     def _decide(self, step: int, state: Any, metrics: Mapping[str, float] | None, force: bool, reason: str | None,
-                preempt: bool, mem_due: bool, log_full: bool, log_half: bool) -> bool:
+                views: Views) -> bool:
+        preempt, log_full = views.preempt, views.log_full
         if preempt:
             reason = reason or "preemption"
-        if mem_due and reason is None and self._tiers is not None:
+        if views.memory and reason is None and self._tiers is not None:
             # (skipped on every rank while the previous memory save or a save to the root is still running)
             with self._quiet():
                 self._tiers.save(step, state, self.save_options)
@@ -432,7 +434,7 @@ class CheckpointManager:
             full_log = self._steplog is not None and self._steplog.full
         if full_log and self._last_step != step:
             reason = reason or "step log full"
-        elif log_half:
+        elif views.log_half:
             reason = reason or "step log filling"       # (asynchronous: frees the ring before it fills)
         if self._steplog is not None and not self._has_base:
             # no full checkpoint to replay the records onto yet: take one now (async with async_save), so that a
@@ -456,20 +458,6 @@ class CheckpointManager:
         else:
             self._save(step, state, metrics, reason, wait=not self.async_save)
         return True
-
-    def _agree(self, reason: str | None, preempt: bool, mem_due: bool, log_full: bool, log_half: bool
-               ) -> tuple[str | None, bool, bool, bool, bool]:
-        """What every rank does now: step-based reasons as they are (the same on every rank); the rest as any rank
-        voted — the time interval (each rank's clock), a preemption signal, the memory tier's time interval, and
-        the per-step log's ring (full; a save due to free it, with no save in flight), which each rank judges from the saves
-        it has seen finish: one all-reduce (max) of five integers, waited for now. Only at a manager's first
-        ``maybe_save``: later ones act on the votes the previous call cast (``_votes``), reduced during the step."""
-        t, p, m, full, half = self.coord.all_max(
-            [int(reason == "every_seconds"), int(preempt), int(mem_due), int(log_full), int(log_half)],
-            "maybe_save (agree)")
-        if reason is None and t:
-            reason = "every_seconds"
-        return reason, bool(p), bool(m), bool(full), bool(half)
 
     def save(self, step: int, state: Any, metrics: Mapping[str, float] | None = None) -> None:
         """Save now, whatever the policies say (same waiting rules as ``maybe_save``)."""
@@ -627,42 +615,32 @@ class CheckpointManager:
             self.coord.run(self._shut_down, "manager (close)")   # every rank returns after the deletions
 
     def _shut_down(self) -> None:
-        err: BaseException | None = None
-        try:
-            if self._vote is not None:          # (cast by every rank's last maybe_save)
-                vote, self._vote = self._vote, None
-                if vote.result()[1] and not self.preempted:
-                    warnings.warn("liferaft: a preemption signal reached a rank at the last maybe_save before "
-                                  f"close() (step {self._last_call}); with several ranks a signal is acted on at "
-                                  "the maybe_save after the one that saw it, so it was not saved: save the last "
-                                  "step explicitly (SavePolicy(last_step=...) or mgr.save) (docs/MANAGER.md)",
-                                  stacklevel=4)
-            self.wait()
-        except BaseException as e:  # noqa: BLE001 - raised below, after the clean-up
-            err = e
-        if self._tiers is not None:
-            try:
-                self._tiers.wait()
-            except BaseException as e:  # noqa: BLE001
-                err = err or e
-        if self._steplog is not None:
-            try:
-                self._steplog.close()
-            except BaseException as e:  # noqa: BLE001
-                err = err or e
+        err = _run_all([self._finish_saves, self._tiers.wait if self._tiers is not None else None,
+                        self._steplog.close if self._steplog is not None else None,
+                        # (its warnings: an error when warnings are errors, raised below)
+                        self._root_start.wait if self._deleter is not None else None])
         if self._installed:
             preemption_handlers.remove(self._signalled)
             self._installed = False
         if self._deleter is not None:
-            try:
-                self._root_start.wait()          # (its warnings: an error when warnings are errors, raised below)
-            except BaseException as e:  # noqa: BLE001
-                err = err or e
             self._deleter.shutdown(wait=True)
         if self._lease is not None:
             self._lease.release()
         if err is not None:
             raise err
+
+    def _finish_saves(self) -> None:
+        """Take the vote the last ``maybe_save`` cast (every rank cast one; a preemption signal in it is only
+        warned of), then wait for the save in flight."""
+        if self._vote is not None:
+            vote, self._vote = self._vote, None
+            if vote.result()[1] and not self.preempted:
+                warnings.warn("liferaft: a preemption signal reached a rank at the last maybe_save before "
+                              f"close() (step {self._last_call}); with several ranks a signal is acted on at "
+                              "the maybe_save after the one that saw it, so it was not saved: save the last "
+                              "step explicitly (SavePolicy(last_step=...) or mgr.save) (docs/MANAGER.md)",
+                              stacklevel=7)         # (the caller of close())
+        self.wait()
 
     def __enter__(self) -> Self:
         return self
