@@ -33,7 +33,7 @@ from liferaft.core.process import CALLS, PROCESS, AsyncSaveHandle, finish_at_exi
 from liferaft.dist import Coordinator, release_groups
 from liferaft.options import SaveOptions, SaveResult, check_options, check_path
 from liferaft.staging.pool import BufferPool
-from liferaft.staging.stager import PIECE_LIMIT, PieceQueue, stage, staged_size
+from liferaft.staging.stager import PIECE_LIMIT, PieceQueue, stage, staged_size, streamed_piece_limit
 from liferaft.storage import resolve
 
 if TYPE_CHECKING:
@@ -105,7 +105,7 @@ def async_save(path: PathLike, state: Any, *, process_group: ProcessGroup | None
     pool = PROCESS.pool_for(nbytes, opts.memory_budget, pin)
     handle = AsyncSaveHandle(prep.storage.url)
     pieces = PieceQueue()
-    limit = PIECE_LIMIT if nbytes <= pool.capacity else max(1 << 20, min(PIECE_LIMIT, pool.capacity // 4))
+    limit = PIECE_LIMIT if nbytes <= pool.capacity else streamed_piece_limit(pool.capacity)
 
     def run_stage() -> None:
         t0 = time.perf_counter()

@@ -32,6 +32,14 @@ PIECE_LIMIT = 64 << 20      # largest piece: bounds the latency from copy to wri
 BATCH = 256                 # most pieces handed over at once
 
 
+def streamed_piece_limit(capacity: int) -> int:
+    """The largest piece when a save streams through a pool of ``capacity`` bytes: a quarter of it (so that the
+    stager copies while the writer writes), at least 1 MiB, at most ``PIECE_LIMIT``, and a whole number of pages
+    (a large piece starts on a page: a size that is not a multiple of one would leave a gap after every piece,
+    and a chunk as large as the pool could then never be held whole, as an incremental save must to reference it)."""
+    return max(1 << 20, min(PIECE_LIMIT, capacity // 4 // PAGE * PAGE))
+
+
 @dataclass
 class Piece:
     item: int                   # index into this rank's write items

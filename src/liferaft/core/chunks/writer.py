@@ -36,7 +36,7 @@ from liferaft.format.manifest import CHECKSUM_ALGO, ChunkRecord
 from liferaft.planning.geometry import Box
 from liferaft.planning.save_plan import PAGE, PAGE_ALIGN_MIN, WriteItem
 from liferaft.staging.pool import BufferPool
-from liferaft.staging.stager import PIECE_LIMIT, Piece, PieceQueue, StageFailed, stage
+from liferaft.staging.stager import Piece, PieceQueue, StageFailed, stage, streamed_piece_limit
 from liferaft.storage.base import FileWriter, Storage
 
 ReuseKey = tuple[str, tuple[int, ...], tuple[int, ...]]       # (tensor key, offsets, sizes)
@@ -118,7 +118,7 @@ def write_streamed(storage: Storage, items: Sequence[WriteItem], sources: Mappin
     removed and the error re-raised.
     """
     pieces = PieceQueue()
-    limit = max(1 << 20, min(PIECE_LIMIT, pool.capacity // 4))
+    limit = streamed_piece_limit(pool.capacity)
     copy_s = [0.0]
 
     def run_stage() -> None:
