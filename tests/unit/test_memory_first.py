@@ -125,17 +125,24 @@ def test_an_intent_that_does_not_hold_makes_the_restore_list(tmp_path, shm, plan
         assert mgr.restore(got) == 4 and torch.equal(got["w"], _state(4.0)["w"])
 
 
-def test_the_intent_never_goes_down(tmp_path, shm):
-    """A restore of an older step that then saves leaves the newer steps under the root: INTENT keeps the newest, so
-    a later restore lists them (and picks what it picked before)."""
+def test_a_rollback_removes_the_newer_steps_everywhere_and_rewinds_the_intent(tmp_path, shm):
+    """restore(step=2) then a save: the run goes on from 2, so the newer steps go from the root and the memory tier
+    before anything is saved (left there, the next restore would resume on the abandoned future), and INTENT holds
+    the new step; a later restore takes it."""
     root = str(tmp_path / "root")
     _run(root, shm, range(7), memory_every=1)                          # root: 0 2 4 6 (drained), memory: 6
     with CheckpointManager(root, preemption=NO_SIGNALS, async_save=False,
                            tiers=TierOptions(_tier(shm))) as mgr:
         got = _state(-1.0)
         assert mgr.restore(got, step=2) == 2
+        assert [i.step for i in mgr.steps()] == [0, 2, 4, 6]            # (nothing removed until the run goes on)
         mgr.save(3, _state(3.0))
-        assert read_intent(mgr.storage) == 6
+        assert read_intent(mgr.storage) == 3
+        assert [i.step for i in mgr.steps() if i.status == "committed"] == [0, 2, 3]
+        assert all(s <= 3 for s in mgr._tiers.local_steps())
+    with CheckpointManager(root, preemption=NO_SIGNALS, tiers=TierOptions(_tier(shm))) as mgr:
+        got = _state(-1.0)
+        assert mgr.restore(got) == 3 and torch.equal(got["w"], _state(3.0)["w"])
 
 
 def test_an_intent_that_cannot_be_written_stops_the_save_on_every_rank(tmp_path, shm):

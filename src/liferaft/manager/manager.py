@@ -49,6 +49,7 @@ from liferaft.manager.policies import (
     mtbf_from_starts,
 )
 from liferaft.manager.preemption import preemption_handlers
+from liferaft.manager.rollback import check_order, check_step, forget_after
 from liferaft.manager.startup import RootStart
 from liferaft.manager.tiering import Tiers, first_that_loads
 from liferaft.manager.voting import Views, agree
@@ -141,10 +142,13 @@ class CheckpointManager:
         self._handlers_wanted = False           # installed (or asked for) on every rank: maybe_save agrees
         self._vote: MaxVote | None = None      # the votes cast at the end of the last maybe_save, under way
         self._last_call: int | None = None     # the step of the last maybe_save
-        self._inflight: tuple[int, AsyncSaveHandle, Mapping[str, float], int] | None = None
+        # (step, handle, metrics, saves since a full one, the step it references or None)
+        self._inflight: tuple[int, AsyncSaveHandle, Mapping[str, float], int, int | None] | None = None
         self._draining: tuple[int, Mapping[str, float]] | None = None
         self._base: tuple[int, int] | None = None       # (newest committed step, its saves since a full one)
         self._last_step: int | None = None
+        self._rolled_back: int | None = None    # restore(state, step=K): the steps after K go at the next save
+        self._newest: int | None = None         # rank 0: the root's newest committed step, as this manager knows
         # a full save was started by this manager or restored: with a step log, its records have a base to replay
         # onto (the same on every rank: saves start collectively)
         self._has_base = False
@@ -272,6 +276,7 @@ class CheckpointManager:
         replays the steps after the newest full checkpoint and returns the newest recoverable step;
         ``restore(state, step=K)`` restores exactly K and replays nothing (the newer records stay until the first
         step recorded after it, docs/STEPLOG.md)."""
+        step = None if step is None else check_step(step, "restore")
         self.last_load = None
         if self._inflight is not None or self._draining is not None:
             try:
@@ -321,6 +326,8 @@ class CheckpointManager:
         # save to the root is a full one)
         since = next((i.since_full for i in listing or () if i.status == "committed" and i.step == done), None)
         self._base = (done, since) if since is not None else None      # None: the next save is a full one
+        self._newest = done                     # (newer ones: damaged, or the future a rollback leaves)
+        self._rolled_back = done if step is not None else None
         if self._steplog is not None and step is not None:
             self._steplog.resume_at(state, done)    # exactly the step asked for: nothing replayed
         elif self._steplog is not None:         # the steps after it, replayed from the per-step log
@@ -358,6 +365,8 @@ class CheckpointManager:
                 self.handle_preemption()
             else:                   # (handlers only from the main thread; still agree with the ranks that have)
                 self._handlers_wanted = True
+        step = check_step(step, "maybe_save")
+        self._go_on()
         if self._steplog is not None:
             self._steplog.record(step, state)   # this step's record (the gradients were captured in step())
         reason = "force" if force else self.save_policy.due(step, time.monotonic(), self._last_step,
@@ -459,8 +468,30 @@ class CheckpointManager:
             self._save(step, state, metrics, reason, wait=not self.async_save)
         return True
 
+    def _go_on(self) -> None:
+        """The first ``maybe_save`` or ``save`` after ``restore(state, step=K)``: the run goes on from K, so the steps
+        after K go from the root, every node's memory tier and the remote tier (``rollback``), before anything is
+        saved. Collective; a pinned step after K raises on every rank and nothing is removed."""
+        after = self._rolled_back
+        if after is None:
+            return
+
+        def forget() -> None:
+            if self.coord.rank == 0 and not self.read_only:
+                self._root_start.wait()
+                forget_after(self.storage, after, self._list())
+                self._root_start.rewind(after)
+                self._newest = after
+            if self._tiers is not None:
+                self._tiers.forget_after(after, self.coord.rank == 0)
+
+        self.coord.run(forget, "rollback (remove the steps after the restored one)")
+        self._rolled_back = None
+
     def save(self, step: int, state: Any, metrics: Mapping[str, float] | None = None) -> None:
         """Save now, whatever the policies say (same waiting rules as ``maybe_save``)."""
+        step = check_step(step, "save")
+        self._go_on()
         self._settle()
         self._save(step, state, metrics, "explicit", wait=not self.async_save)
 
@@ -474,7 +505,13 @@ class CheckpointManager:
         def check() -> None:                    # (rank 0: the start's clean-up is done before the root changes)
             if lease is not None:
                 lease.check()
+            if self._newest is None:
+                listing = self._root_start.wait()
+                self._newest = max((i.step for i in (self._list() if listing is None else listing)
+                                    if i.status == "committed"), default=-1)
+            check_order(step, self._newest, self.storage.url)
             self._root_start.intend(step)
+            self._newest = step
 
         self.coord.run(check if self.coord.rank == 0 else lambda: None, "save (lease)")
 
@@ -530,7 +567,7 @@ class CheckpointManager:
         handle = async_save(target, state, process_group=self.process_group, options=opts)
         assert handle is not None
         self._stall = time.perf_counter() - t0
-        self._inflight = (step, handle, dict(metrics or {}), since)
+        self._inflight = (step, handle, dict(metrics or {}), since, base[0] if base is not None and since else None)
 
     def _drain_save(self, step: int, state: Any, metrics: Mapping[str, float] | None, reason: str) -> None:
         """Save into the memory tier and drain that copy to the root in the background (a full step)."""
@@ -562,7 +599,7 @@ class CheckpointManager:
             self._committed(step, metrics, 0, None)
         if self._inflight is None:
             return
-        step, handle, metrics, since = self._inflight
+        step, handle, metrics, since, _ = self._inflight
         self._inflight = None
         res = handle.wait()
         self._committed(step, metrics, since, res)
@@ -586,7 +623,9 @@ class CheckpointManager:
         """Rank 0, background: delete committed steps the retention policy does not keep."""
         try:
             listing = self._list()
-            busy = {self._inflight[0]} if self._inflight is not None else set()
+            inflight = self._inflight
+            busy = {inflight[0]} | ({inflight[4]} if inflight[4] is not None else set()) if inflight is not None \
+                else set()     # (the step being saved, and the base it references: its manifest is not there yet)
             keep = kept_steps(listing, self.retention, self._pins(), self._metrics, busy | self._reading)
             for info in listing:
                 if info.status == "committed" and info.step not in keep:
@@ -598,11 +637,13 @@ class CheckpointManager:
 
     def pin(self, step: int) -> None:
         """Keep ``step`` whatever the retention policy says (recorded under the root; rank 0 writes it)."""
+        step = check_step(step, "pin")
         self._check_writable()
         if self.coord.rank == 0:
             write_pins(self.storage, self._pins() | {step})
 
     def unpin(self, step: int) -> None:
+        step = check_step(step, "unpin")
         self._check_writable()
         if self.coord.rank == 0:
             write_pins(self.storage, self._pins() - {step})

@@ -15,6 +15,7 @@ from __future__ import annotations
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from liferaft.errors import CorruptCheckpointError
 from liferaft.manager.listing import StepInfo, list_steps, read_intent, read_pins, remove_leftovers, write_intent
 from liferaft.storage import Storage
 
@@ -33,7 +34,14 @@ class RootStart:
         self._intent: int | None = None  # the step INTENT holds, once read or written
 
     def _list(self) -> list[StepInfo]:
-        return list_steps(self.storage, read_pins(self.storage))
+        """The root's steps (a damaged ``PINS`` does not stop a restore: listed unpinned, with a warning; retention
+        and a rollback read it again and refuse to delete)."""
+        try:
+            pins = read_pins(self.storage)
+        except CorruptCheckpointError as e:
+            warnings.warn(f"liferaft: {e}; restoring as if no step were pinned", stacklevel=5)
+            pins = frozenset()
+        return list_steps(self.storage, pins)
 
     def begin(self, deleter: ThreadPoolExecutor) -> None:
         self._pass = deleter.submit(self._clean_up)
@@ -69,6 +77,13 @@ class RootStart:
                                     intent <= max((i.step for i in listing if i.status == "committed"), default=-1)):
             return listing
         return self._list()
+
+    def rewind(self, step: int) -> None:
+        """A rollback removed every step after ``step`` (``rollback.forget_after``): ``INTENT`` holds ``step`` again."""
+        self.wait()
+        self._changed = True
+        write_intent(self.storage, step)
+        self._intent = step
 
     def intend(self, step: int) -> None:
         """Before a save of ``step`` starts (after the lease check): the clean-up done, then ``step`` recorded in the

@@ -19,8 +19,10 @@ from liferaft.core.load import load
 from liferaft.dist import Coordinator
 from liferaft.errors import CorruptCheckpointError, FileAccessError, IncompleteCheckpointError, LiferaftError
 from liferaft.format.layout import COMMIT_MARKER, parse_step, step_name
+from liferaft.manager.listing import StepInfo
 from liferaft.manager.options import TierOptions
 from liferaft.manager.policies import AutoInterval
+from liferaft.manager.rollback import forget_after
 from liferaft.options import LoadOptions, LoadResult, SaveOptions
 from liferaft.storage import Storage, resolve
 
@@ -136,6 +138,13 @@ class Tiers:
         self._drains += 1
         self.memory.save(step, state, options=replace(options, if_busy="wait"), drain_to=targets, wait=wait)
 
+    def forget_after(self, step: int, on_zero: bool) -> None:
+        """A rollback: remove the steps newer than ``step`` from this node's memory tier, and (``on_zero``: rank 0)
+        from the remote tier. Every rank calls it."""
+        self.memory.forget_after(step)
+        if on_zero and self.remote is not None:
+            forget_after(self.remote, step, self._remote_listing())
+
     # ------------------------------------------------------------------ restoring
 
     def restore(self, state: Any, intent: int | None, root_newest: Callable[[], int | None],
@@ -202,7 +211,15 @@ class Tiers:
         assert remote is not None
 
         def listing() -> list[int]:
-            names = {n.split("/", 1)[0] for n in remote.list() if n.endswith("/" + COMMIT_MARKER)}
-            return sorted((s for s in map(parse_step, names) if s is not None), reverse=True)
+            return sorted((i.step for i in self._remote_listing() if i.status == "committed"), reverse=True)
 
         return self._coord.run_on_zero(listing, "restore (remote listing)")
+
+    def _remote_listing(self) -> list[StepInfo]:
+        """Every step folder on the remote tier: committed when it holds a commit marker (rank 0)."""
+        assert self.remote is not None
+        names = self.remote.list()
+        done = {n.split("/", 1)[0] for n in names if n.endswith("/" + COMMIT_MARKER)}
+        steps = {s: n.split("/", 1)[0] for n in names if (s := parse_step(n)) is not None}
+        return [StepInfo(s, f"{self.remote.url}/{d}", "committed" if d in done else "incomplete")
+                for s, d in sorted(steps.items())]

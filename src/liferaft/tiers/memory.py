@@ -242,6 +242,19 @@ class MemoryTier:
             shutil.rmtree(os.path.join(self.root, step_name(s)), ignore_errors=True)
         parity.drop(self.root, steps[-self.keep:])
 
+    def forget_after(self, step: int) -> None:
+        """Remove every step newer than ``step`` from this node (committed or not; its commit marker first, its
+        parity too): a rollback, the run going on from ``step`` (rank-local: one rank per node removes)."""
+        if not self._leader() or not os.path.isdir(self.root):
+            return
+        newer = [s for s in (parse_step(d) for d in os.listdir(self.root)) if s is not None and s > step]
+        for s in sorted(newer, reverse=True):
+            folder = os.path.join(self.root, step_name(s))
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(folder, COMMIT_MARKER))
+            shutil.rmtree(folder, ignore_errors=True)
+        parity.drop(self.root, [s for s in self.local_steps() if s <= step])
+
     # ------------------------------------------------------------------ restore
 
     def restore(self, state: Any, *, options: LoadOptions | None = None, newer_than: int | None = None,
