@@ -23,9 +23,9 @@ def add_parsers(sub: Any) -> None:
 
     p = sub.add_parser("gc", help="delete steps the retention policy does not keep (never referenced ones)")
     p.add_argument("root", metavar="ROOT")
-    p.add_argument("--keep-last", type=integer(0))
-    p.add_argument("--keep-every", type=integer(0))
-    p.add_argument("--keep-best", type=integer(0))
+    p.add_argument("--keep-last", type=integer(1))
+    p.add_argument("--keep-every", type=integer(1))
+    p.add_argument("--keep-best", type=integer(1))
     p.add_argument("--metric")
     p.add_argument("--mode", choices=["min", "max"], default="min")
     p.add_argument("--incomplete", action="store_true", help="also remove steps without a commit marker")

@@ -46,6 +46,9 @@ def _root(root: str | os.PathLike[str] | Storage) -> Storage:
 
             raise CheckpointNotFoundError(f"{os.fspath(root)}: no such folder; ls and gc take the folder holding "
                                           "step-N folders (a CheckpointManager root)")
+        if not os.path.isdir(os.fspath(root)) and not os.path.isfile(os.fspath(root)):
+            raise OptionsError(f"{os.fspath(root)}: not a folder (a FIFO, a device or a link to one); ls and gc "
+                               "take the folder holding step-N folders (a CheckpointManager root)")
         fmt = sniff(root)
         if fmt is not None and fmt != "liferaft" or os.path.isfile(os.fspath(root)):
             raise OptionsError(f"{os.fspath(root)}: a {NAMES[fmt or 'torch']}, not a CheckpointManager root (ls "
