@@ -34,6 +34,7 @@ from liferaft.errors import (
     StateMismatchError,
     UnsafePathError,
 )
+from liferaft.format.limits import MAX_NESTING
 from liferaft.formats.base import BoxRead, CheckReport, Reader, ReadJob, ReadOutcome, TensorSpec, ValueSpec
 from liferaft.formats.torch_checks import scan
 from liferaft.formats.zipfiles import View, check_zip
@@ -41,6 +42,11 @@ from liferaft.planning.geometry import check_chunks_tile
 from liferaft.state.dtypes import dtype_name
 from liferaft.state.tree import nest
 from liferaft.storage import files
+
+#: Most bytes a chunk stored through a DCP extension (zstd, ...) may decode to per byte of its blob: more than any
+#: codec's best ratio on real data (a zstd RLE block: 128 KiB from 4 bytes), so a crafted ``.metadata`` cannot
+#: make a reader allocate more than this times what lies on disk.
+MAX_EXPANSION = 1 << 15
 
 _DCP = "torch.distributed.checkpoint.metadata"
 _ALLOWED = {(_DCP, n) for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
@@ -164,6 +170,13 @@ class DcpCheckpoint:
                         raise CorruptCheckpointError(f"{path}: key {key!r}: chunk at {list(offsets)} has no "
                                                      "storage entry")
                     start, length = ints((info.offset, info.length), f"key {key!r}: blob offset and length", 2)
+                    transforms = tuple(getattr(info, "transform_descriptors", None) or ())
+                    need = math.prod(sizes) * dtype.itemsize
+                    if need > (MAX_EXPANSION * length + (1 << 20) if transforms else length):
+                        raise CorruptCheckpointError(
+                            f"{path}: key {key!r}: chunk at {list(offsets)} holds {need} bytes ({list(sizes)} x "
+                            f"{dtype}), more than its {length}-byte blob {'can decode to' if transforms else 'holds'}; "
+                            "the DCP metadata is damaged or crafted")
                     chunks.append(DcpChunk(offsets, sizes, self._inside(info.relative_path, key), start, length,
                                            tuple(str(t) for t in getattr(info, "transform_descriptors", None) or ())))
                 boxes = [(c.offsets, c.sizes) for c in chunks]
@@ -187,6 +200,10 @@ class DcpCheckpoint:
         at: dict[tuple[Any, ...], str] = {}
         for key in [*self.tensors, *self.values]:   # two keys at one path: a tree would keep one of them
             p = self.paths.get(key, tuple(key.split(".")))
+            if len(p) > MAX_NESTING:
+                raise CorruptCheckpointError(f"{path}: key {key:.100}...: its path has {len(p)} parts "
+                                             f"(planner_data, else the key's dots), more than the {MAX_NESTING} "
+                                             "liferaft nests; the DCP metadata is damaged or crafted")
             if p in at:
                 raise CorruptCheckpointError(f"{path}: keys {at[p]!r} and {key!r} are both at path {list(p)!r:.200} "
                                              "(planner_data); the DCP metadata is damaged")
