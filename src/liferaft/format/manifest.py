@@ -44,6 +44,7 @@ from liferaft.format.records import (  # the manifest's data (re-exported: its h
     DTYPE_ITEMSIZE,
     FORMAT_NAME,
     FORMAT_VERSION,
+    KIND_HOLDS,
     LEGACY_CHECKSUM,
     TENSOR_KINDS,
     ChunkRecord,
@@ -315,7 +316,7 @@ def _tensor_fast(t: dict[str, Any], files: Mapping[str, int], codecs: Collection
     key, path, kind, dtype, shape, chunks = (t.get("key"), t.get("path"), t.get("kind"), t.get("dtype"),
                                              t.get("shape"), t.get("chunks"))
     itemsize = DTYPE_ITEMSIZE.get(dtype) if type(dtype) is str else None
-    if not (itemsize and type(key) is str and type(kind) is str and kind in TENSOR_KINDS
+    if not (itemsize and type(key) is str and kind == "tensor"
             and type(path) is list and len(path) <= MAX_NESTING and type(chunks) is list
             and type(shape) is list and len(shape) <= MAX_NDIM):
         return None
@@ -336,6 +337,33 @@ def _tensor_fast(t: dict[str, Any], files: Mapping[str, int], codecs: Collection
     return _plain_tensor(key, tuple(path), kind, dtype, tuple(shape), tuple(records))
 
 
+#: The fields of a tensor's ``lossy`` record (docs/FORMAT.md) and the JSON types each may hold.
+_LOSSY_FIELDS: dict[str, tuple[type, ...]] = {
+    "method": (str,), "max_abs_error": (int, float), "mean_abs_error": (int, float), "max_change": (int, float),
+    "chunks": (int,), "of_chunks": (int,), "from": (list,)}
+
+
+def _lossy(lossy: Any, where: str) -> dict[str, Any] | None:
+    """A tensor's ``lossy`` record, checked: an object with a ``method``; each field it shares with
+    ``_LOSSY_FIELDS`` of its type (numbers finite, ``from`` a list of checkpoint names); other fields plain JSON
+    scalars (shown as they are)."""
+    if lossy is None:
+        return None
+
+    def fits(k: str, x: Any) -> bool:
+        kinds = _LOSSY_FIELDS.get(k)
+        if kinds is None:
+            return x is None or type(x) in (str, int, bool) or (type(x) is float and math.isfinite(x))
+        if type(x) is bool or not isinstance(x, kinds) or (type(x) is float and not math.isfinite(x)):
+            return False
+        return k != "from" or all(type(n) is str for n in x)
+
+    if not (isinstance(lossy, dict) and isinstance(lossy.get("method"), str)
+            and all(type(k) is str and fits(k, x) for k, x in lossy.items())):
+        raise _fail(where, f"lossy must be an object with a method and fields of their types, got {lossy!r:.80}")
+    return lossy
+
+
 def _decode_tensor(t: dict[str, Any], name: str, files: Mapping[str, int], codecs: Collection[str] | None,
                    algo: str = LEGACY_CHECKSUM) -> TensorEntry:
     """The entry of tensor object ``t`` of manifest ``name``, every field checked (``_tensor_fast`` first);
@@ -352,20 +380,19 @@ def _decode_tensor(t: dict[str, Any], name: str, files: Mapping[str, int], codec
     if kind not in TENSOR_KINDS:
         raise _fail(where, f"unknown kind {kind!r}")
     shape = _ints(t.get("shape"), where, max_len=MAX_NDIM)
+    if kind in KIND_HOLDS and (dtype not in KIND_HOLDS[kind][0] or KIND_HOLDS[kind][1] not in (None, len(shape))):
+        raise _fail(where, f"a value of kind {kind!r} cannot be a {len(shape)}-d {dtype} tensor")
     _product(shape, DTYPE_ITEMSIZE[dtype], where)
     raw_chunks = t.get("chunks", [])
     if type(raw_chunks) is not list:
         raise _fail(where, f"chunks must be a list, got {type(raw_chunks).__name__}")
     chunks = tuple(_decode_chunk(c, where, len(shape), files, DTYPE_ITEMSIZE[dtype], codecs, algo)
                    for c in raw_chunks)
-    lossy = t.get("lossy")
-    if lossy is not None and not (isinstance(lossy, dict) and isinstance(lossy.get("method"), str)
-                                  and all(type(x) is not float or math.isfinite(x) for x in lossy.values())):
-        raise _fail(where, f"lossy must be an object with a method, got {lossy!r:.80}")
+    lossy = _lossy(t.get("lossy"), where)
     per_rank = t.get("per_rank")
     if per_rank is not None:
         per_rank = _ints(per_rank, where)
-        if not shape or shape[0] != len(per_rank) or len(set(per_rank)) != len(per_rank):
+        if not per_rank or not shape or shape[0] != len(per_rank) or len(set(per_rank)) != len(per_rank):
             raise _fail(where, f"per_rank {list(per_rank)} must name distinct ranks, one per index of the "
                                f"first dimension of shape {list(shape)}")
     return TensorEntry(key=key, path=_path(t.get("path"), where), kind=kind, dtype=dtype, shape=shape, chunks=chunks,

@@ -48,6 +48,13 @@ DTYPE_ITEMSIZE: dict[str, int] = {
 }
 
 TENSOR_KINDS = ("tensor", "numpy", "bytes")
+#: What a tensor of a kind other than "tensor" may be: a numpy array, of a dtype numpy has (what the save took
+#: through ``torch.from_numpy``); bytes, as a 1-d uint8 tensor. (dtype names, number of dimensions or None: any)
+KIND_HOLDS: dict[str, tuple[frozenset[str], int | None]] = {
+    "numpy": (frozenset({"float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint8", "uint16",
+                         "uint32", "uint64", "bool", "complex64", "complex128"}), None),
+    "bytes": (frozenset({"uint8"}), 1),
+}
 CONTAINER_KINDS = ("dict", "list", "tuple", "stateful")
 
 

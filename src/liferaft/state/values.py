@@ -218,11 +218,16 @@ def _decode_checked(tag: str, body: Any, key: str, allow_pickle: bool) -> Any:
         return tuple(decode_value(x, key, allow_pickle) for x in _items(body))
     if tag in ("$set", "$frozenset"):
         items = [decode_value(x, key, allow_pickle) for x in _items(body)]
-        return set(items) if tag == "$set" else frozenset(items)
+        out = set(items) if tag == "$set" else frozenset(items)
+        # (a saved set never holds an item twice: two readers could keep different ones, as with a JSON object)
+        _need(len(out) == len(items), f"a {tag[1:]} holds an item twice")
+        return out
     if tag == "$dict":
         pairs = _items(body)
         _need(all(isinstance(p, list) and len(p) == 2 for p in pairs), "an item is not a [key, value] pair")
-        return {decode_value(k, key, allow_pickle): decode_value(x, key, allow_pickle) for k, x in pairs}
+        got = {decode_value(k, key, allow_pickle): decode_value(x, key, allow_pickle) for k, x in pairs}
+        _need(len(got) == len(pairs), "a dict holds a key twice")
+        return got
     if tag == "$torch_dtype":
         import torch
 
