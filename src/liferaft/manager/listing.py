@@ -5,6 +5,7 @@ committed, incomplete or corrupt; the pins. No collective; only ``delete_step``,
 from __future__ import annotations
 
 import json
+import math
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -98,7 +99,9 @@ def list_steps(storage: Storage, pins: frozenset[int] = frozenset(), deep: bool 
         except (LiferaftError, OSError) as e:            # (one bad step never hides the others)
             out.append(StepInfo(step, path, "corrupt", str(e) or type(e).__name__, pinned=pinned))
             continue
-        metrics = m.extra.get("metrics") if isinstance(m.extra.get("metrics"), dict) else {}
+        raw = m.extra.get("metrics") if isinstance(m.extra.get("metrics"), dict) else {}
+        # (what a manager writes: finite numbers by name; anything else in a manifest is no metric to rank by)
+        metrics = {k: v for k, v in raw.items() if type(k) is str and type(v) in (int, float) and math.isfinite(v)}
         since = m.extra.get("since_full")
         out.append(StepInfo(step, path, "committed", nbytes=sum(v for k, v in m.files.items() if k[:3] != "../"),
                             created_unix=m.created_unix, world_size=m.world_size, metrics=dict(metrics),

@@ -8,6 +8,7 @@ directly.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -158,10 +159,17 @@ class RetentionPolicy:
         if self.keep_every is not None:
             kept.update(s for s in steps if s % self.keep_every == 0)
         if self.keep_best is not None and self.metric:
-            scored = [(m[self.metric], s) for s in steps if (m := metrics.get(s)) and self.metric in m]
+            scored = [(v, s) for s in steps if (m := metrics.get(s)) and (v := _score(m.get(self.metric))) is not None]
             scored.sort(key=lambda x: (x[0] if self.mode == "min" else -x[0], -x[1]))
             kept.update(s for _, s in scored[:self.keep_best])
         return kept
+
+
+def _score(value: object) -> float | None:
+    """A metric to rank by: a finite real number (a bool, NaN, a string or a missing one ranks nothing)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        return None
+    return float(value)
 
 
 def referenced_closure(keep: Iterable[int], depends_on: Mapping[int, Iterable[int]]) -> set[int]:
