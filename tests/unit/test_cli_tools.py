@@ -185,3 +185,25 @@ def test_plan_refuses_a_failure_rate_that_makes_the_interval_infinite(capsys):
 
     assert cli_main(["plan", "--failures-per-gpu-hour", "1e-320"]) == 2
     assert "1e-12" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_ls_and_gc_of_a_root_that_is_not_a_folder_name_it(tmp_path, kind):
+    path = str(tmp_path / "fifo")
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        os.symlink("/dev/null", path)
+    for call in (lambda: ls(path), lambda: gc(path, keep_last=1, dry_run=True)):
+        with pytest.raises(liferaft.errors.OptionsError, match="not a folder"):
+            call()
+    for args in (("ls", path), ("gc", path, "--keep-last", "1", "--dry-run")):
+        r = run(*args)
+        assert r.returncode == 1 and "not a folder" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("flag", ["--keep-last", "--keep-every", "--keep-best"])
+def test_gc_with_a_count_of_zero_is_a_usage_error(root, flag):
+    r = run("gc", root, flag, "0")
+    assert r.returncode == 2 and "must be at least 1" in r.stderr, r.stderr
+    assert len(ls(root)) == 5

@@ -24,7 +24,8 @@ marked where it is imported (``# not public:``) and listed in docs/API.md:
 
 ``inspect``, ``verify`` and ``read`` take every format through ``liferaft.inspect`` / ``verify`` / ``read``.
 
-``--json`` (every command) prints one JSON document for scripts. The command never prints a traceback (unless
+``--json`` (every command) prints one JSON document for scripts. Everything printed goes through
+``output.printable``: a key, path or message from a checkpoint cannot send a terminal escape sequence. The command never prints a traceback (unless
 ``--debug``): errors are printed to stderr as one line naming the file or argument and give exit status 1 (any
 other exception too, as an "internal error" line with its type); usage errors, and argument values argparse's
 ``type=`` validators refuse (``liferaft.cli.args``: numbers, counts, regexes), give exit status 2; ``diff`` exits 1
@@ -35,12 +36,14 @@ Output is linear in the number of keys.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from collections.abc import Sequence
 
 import liferaft
 from liferaft.cli import checkpoint, compare, plan, root
+from liferaft.cli.output import PrintableOutput, printable
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,7 +66,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:  # usage errors (2), --help / --version (0)
         return e.code if isinstance(e.code, int) else 1
     try:
-        status: int = args.run(args)
+        with contextlib.redirect_stdout(PrintableOutput(sys.stdout)):
+            status: int = args.run(args)
         return status
     except BrokenPipeError:                     # the reader went away (``liferaft inspect X | head``): quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -87,7 +91,7 @@ def _report(args: argparse.Namespace, line: str) -> None:
         import traceback
 
         traceback.print_exc()
-    print(f"liferaft {args.command}: error: {line}", file=sys.stderr)
+    print(f"liferaft {args.command}: error: {printable(line)}", file=sys.stderr)
 
 
 __all__ = ["build_parser", "main"]

@@ -64,3 +64,4 @@ def regex(text: str) -> str:
     except (re.error, RecursionError, OverflowError) as e:
         raise argparse.ArgumentTypeError(f"not a valid regular expression {text!r}: {e}") from None
     return text
+
