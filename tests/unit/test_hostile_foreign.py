@@ -307,6 +307,15 @@ def test_an_expansion_bomb_is_refused_before_allocating_or_writing(tmp_path):
 
 # --------------------------------------------------------------------------- DCP
 
+def _rename(meta, key, new):
+    """Key ``key`` renamed ``new`` in the metadata and its storage entries."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    meta.state_dict_metadata[new] = meta.state_dict_metadata.pop(key)
+    meta.storage_data = {MetadataIndex(new, ix.offset, ix.index) if ix.fqn == key else ix: info
+                         for ix, info in meta.storage_data.items()}
+
+
 def _storage(meta, key):
     return next(info for ix, info in meta.storage_data.items() if ix.fqn == key)
 
@@ -372,7 +381,28 @@ def _blob_deflated(d):
     ff.rewrite_dcp_metadata(d, edit)
 
 
+def _claims(n: int):
+    """Tensor "a" (2 x 3 float32, one chunk) claimed to hold ``n`` x 3 elements: its blob holds 24 bytes of them."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    def edit(meta):
+        md = meta.state_dict_metadata["a"]
+        md.size = torch.Size([n, 3])
+        md.chunks = [ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=torch.Size([n, 3]))]
+    return _dcp_edit(edit)
+
+
+def _long_path(meta):
+    """planner_data giving "a" a path of 5,000 parts (the cost of nesting it grew with the square of its length)."""
+    meta.planner_data = {**(meta.planner_data or {}), "a": tuple(["x"] * 5000)}
+
+
 DCP_CASES = {
+    "claims_1_tib": (_claims(2**38 // 3), "more than its .*-byte blob holds"),
+    "claims_more_than_stored": (_claims(1000), "more than its .*-byte blob holds"),
+    "long_path": (_dcp_edit(_long_path), "5000 parts"),
+    "long_dotted_key": (_dcp_edit(lambda m: setattr(m, "planner_data", None) or _rename(m, "a", ".".join(["a"] * 5000))),
+                        "5000 parts"),
     "overlapping_blobs": (_dcp_edit(_overlap), "overlapping bytes|overlap"),
     "past_end": (_dcp_edit(lambda m: object.__setattr__(_storage(m, "a"), "length", 10**9)), "truncated"),
     "negative_length": (_dcp_edit(lambda m: object.__setattr__(_storage(m, "a"), "length", -1)), "non-negative"),

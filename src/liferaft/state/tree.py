@@ -14,8 +14,9 @@ PathPart = str | int
 def build_tree(kinds: Mapping[tuple[PathPart, ...], str], leaves: Mapping[tuple[PathPart, ...], Any],
                orders: Mapping[tuple[PathPart, ...], Sequence[PathPart]] | None = None) -> Any:
     """Nested dict/list/tuple from container kinds and leaf values keyed by path, children in saved order. Built
-    deepest level first, without recursion: however long a path a (foreign) checkpoint's keys make. A node on the
-    way to a leaf or container that has no kind of its own is a dict (nothing below it is dropped)."""
+    deepest level first, without recursion. Its cost grows with the square of a path's length (every prefix is a
+    node): the readers refuse paths of more than ``MAX_NESTING`` parts before they get here. A node on the way to a
+    leaf or container that has no kind of its own is a dict (nothing below it is dropped)."""
     children: dict[tuple[PathPart, ...], list[PathPart]] = {p: [] for p in kinds}
     seen: set[tuple[PathPart, ...]] = set()
     for p in list(kinds) + list(leaves):
