@@ -68,19 +68,19 @@ def unused(*_: Any) -> None:
 
 
 def managed(rank: int, world: int, base: str, root: str, per_node: int, last: int,
-            drain: bool = True, remote: str | None = None) -> tuple[int | None, bool, dict]:
+            drain: bool = True, remote: str | None = None, back_to: int | None = None) -> tuple[int | None, bool, dict]:
     """CheckpointManager with a memory tier: every step to memory, every 4 steps drained to the root (or saved to
-    it directly); restore, go on. Each step waits for the memory tier (a step of a real loop takes longer than
-    this tiny save), so that no memory save is skipped as busy."""
+    it directly); restore (``back_to``: exactly that step, a rollback), go on. Each step waits for the memory tier
+    (a step of a real loop takes longer than this tiny save), so that no memory save is skipped as busy."""
     from liferaft import CheckpointManager
 
     tier = MemoryTier("tier-test", node=node_of(rank, per_node), base=base)
     st = state_at(rank, world, -1)
     with CheckpointManager(root, every_steps=4, tiers=TierOptions(tier, drain=drain, remote=remote, remote_every=2),
                            job=JobOptions(job_id="tier-job", lease_ttl=5.0)) as mgr:
-        start = mgr.restore(st)
+        start = mgr.restore(st, step=back_to)
         exact = start is None or _equal(st, state_at(rank, world, start))
-        info = dict(tier.last_restore)
+        info = dict(tier.last_restore or {})
         for step in range(0 if start is None else start + 1, last + 1):
             mgr.maybe_save(step, state_at(rank, world, step))
             tier.wait()

@@ -209,3 +209,26 @@ def test_a_sender_whose_file_shrank_says_so_and_its_peers_time_out_bounded(tmp_p
     assert out[1][0].startswith("CorruptCheckpointError") and "shorter than" in out[1][0], out[1]
     assert all(o[0].startswith("DistributedError") for o in (out[0], out[2])), out
     assert all(o[1] < 30 for o in out) and all(not left for *_, left in out), out
+
+
+def test_a_rollback_removes_the_newer_steps_from_every_node_the_root_and_the_remote_tier(base, tmp_path):
+    """Run to step 9 (memory: 9 on every node; root: 0 4 8; remote: 0 8), then roll back to 4 and go on to 6: the
+    steps after 4 go from every tier before the first save, so a restart resumes the new run (6, from memory),
+    and with every node lost the root's 4, never the remote tier's abandoned 8."""
+    from multiproc._tier_ranks import managed
+
+    root, remote = str(tmp_path / "root"), str(tmp_path / "remote")
+    steps = lambda d: sorted(x for x in os.listdir(d) if x.startswith("step-"))
+    run_ranks(managed, 4, base, root, 2, 9, True, remote, timeout=120)
+    assert steps(remote) == ["step-0000000000", "step-0000000008"]
+    out = run_ranks(managed, 4, base, root, 2, 6, True, remote, 4, timeout=120)
+    assert [o[:2] for o in out] == [(4, True)] * 4
+    assert steps(root) == ["step-0000000000", "step-0000000004"] and steps(remote) == ["step-0000000000"]
+    for node in ("n0", "n1"):
+        held = steps(os.path.join(base, "tier-test", node))
+        assert "step-0000000006" in held and all(int(d[5:]) <= 6 for d in held), (node, held)
+    out = run_ranks(managed, 4, base, root, 2, 6, True, remote, timeout=120)
+    assert [o[:2] for o in out] == [(6, True)] * 4
+    shutil.rmtree(os.path.join(base, "tier-test"))
+    out = run_ranks(managed, 4, base, root, 2, 6, True, remote, timeout=120)
+    assert [o[:2] for o in out] == [(4, True)] * 4
