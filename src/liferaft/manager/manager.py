@@ -274,8 +274,9 @@ class CheckpointManager:
         and buffers a module does not persist, are no mismatch: see ``liferaft.load``.) With tiers, a newer step
         in memory or on the remote tier is taken first (docs/TIERS.md). With a per-step log, ``restore(state)``
         replays the steps after the newest full checkpoint and returns the newest recoverable step;
-        ``restore(state, step=K)`` restores exactly K and replays nothing (the newer records stay until the first
-        step recorded after it, docs/STEPLOG.md)."""
+        ``restore(state, step=K)`` restores exactly K and replays nothing. That is a rollback: the steps (and
+        records) after K stay until the next ``maybe_save``/``save``, which removes them from every tier first
+        (``manager.rollback``; docs/MANAGER.md, "Going back")."""
         step = None if step is None else check_step(step, "restore")
         self.last_load = None
         if self._inflight is not None or self._draining is not None:
