@@ -264,6 +264,31 @@ def kept_steps(listing: list[StepInfo], policy: RetentionPolicy, pins: frozenset
     return referenced_closure(keep, {i.step: i.depends_on for i in listing})
 
 
+def apply_retention(storage: Storage, policy: RetentionPolicy, metrics: Mapping[int, Mapping[str, float]],
+                    protect: Iterable[int]) -> list[int]:
+    """Rank 0, holding the lease: delete the committed steps under the root ``storage`` that ``policy`` does not
+    keep (``kept_steps``: the pinned ones, ``protect`` and what a kept step references stay); return them."""
+    pins = read_pins(storage)
+    listing = list_steps(storage, pins)
+    keep = kept_steps(listing, policy, pins, metrics, protect)
+    gone = [i.step for i in listing if i.status == "committed" and i.step not in keep]
+    for step in gone:
+        delete_step(storage, step)
+    return gone
+
+
+def lossy_state_of(copies: Iterable[Storage]) -> str | None:
+    """The ``lossy_state`` a step recorded (``CheckpointManager.mark_lossy``), from the first of its ``copies``
+    that opens; None if none records one."""
+    for st in copies:
+        try:
+            found = open_checkpoint(st).extra.get("lossy_state")
+        except (LiferaftError, OSError):
+            continue
+        return found if isinstance(found, str) else None
+    return None
+
+
 def restore_candidates(listing: list[StepInfo], step: int | None, url: str) -> list[StepInfo]:
     """The committed steps to try to restore, newest first: every one (corrupt ones are skipped with a warning),
     or exactly ``step`` (CheckpointNotFoundError, IncompleteCheckpointError or CorruptCheckpointError if it
@@ -287,9 +312,11 @@ __all__ = [
     "PINS",
     "STEP_PREFIX",
     "StepInfo",
+    "apply_retention",
     "delete_step",
     "kept_steps",
     "list_steps",
+    "lossy_state_of",
     "read_intent",
     "read_pins",
     "remove_leftovers",

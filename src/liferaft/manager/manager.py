@@ -20,7 +20,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, Self, TypeVar
 
-from liferaft.core.commit import open_checkpoint
 from liferaft.core.load import load
 from liferaft.core.save import AsyncSaveHandle, async_save, save
 from liferaft.dist import Coordinator, MaxVote
@@ -31,9 +30,9 @@ from liferaft.manager.listing import (  # noqa: F401 - PINS, _parse_step: re-exp
     PINS,
     StepInfo,
     _parse_step,
-    delete_step,
-    kept_steps,
+    apply_retention,
     list_steps,
+    lossy_state_of,
     read_intent,
     read_pins,
     restore_candidates,
@@ -49,7 +48,7 @@ from liferaft.manager.policies import (
     mtbf_from_starts,
 )
 from liferaft.manager.preemption import preemption_handlers
-from liferaft.manager.rollback import check_order, check_step, forget_after
+from liferaft.manager.rollback import check_step
 from liferaft.manager.startup import RootStart
 from liferaft.manager.tiering import Tiers, first_that_loads
 from liferaft.manager.voting import Views, agree
@@ -148,7 +147,6 @@ class CheckpointManager:
         self._base: tuple[int, int] | None = None       # (newest committed step, its saves since a full one)
         self._last_step: int | None = None
         self._rolled_back: int | None = None    # restore(state, step=K): the steps after K go at the next save
-        self._newest: int | None = None         # rank 0: the root's newest committed step, as this manager knows
         # a full save was started by this manager or restored: with a step log, its records have a base to replay
         # onto (the same on every rank: saves start collectively)
         self._has_base = False
@@ -327,7 +325,7 @@ class CheckpointManager:
         # save to the root is a full one)
         since = next((i.since_full for i in listing or () if i.status == "committed" and i.step == done), None)
         self._base = (done, since) if since is not None else None      # None: the next save is a full one
-        self._newest = done                     # (newer ones: damaged, or the future a rollback leaves)
+        self._root_start.restored(done)
         self._rolled_back = done if step is not None else None
         if self._steplog is not None and step is not None:
             self._steplog.resume_at(state, done)    # exactly the step asked for: nothing replayed
@@ -479,10 +477,7 @@ class CheckpointManager:
 
         def forget() -> None:
             if self.coord.rank == 0 and not self.read_only:
-                self._root_start.wait()
-                forget_after(self.storage, after, self._list())
-                self._root_start.rewind(after)
-                self._newest = after
+                self._root_start.go_back(after, self._list())
             if self._tiers is not None:
                 self._tiers.forget_after(after, self.coord.rank == 0)
 
@@ -506,13 +501,7 @@ class CheckpointManager:
         def check() -> None:                    # (rank 0: the start's clean-up is done before the root changes)
             if lease is not None:
                 lease.check()
-            if self._newest is None:
-                listing = self._root_start.wait()
-                self._newest = max((i.step for i in (self._list() if listing is None else listing)
-                                    if i.status == "committed"), default=-1)
-            check_order(step, self._newest, self.storage.url)
-            self._root_start.intend(step)
-            self._newest = step
+            self._root_start.begin_save(step)
 
         self.coord.run(check if self.coord.rank == 0 else lambda: None, "save (lease)")
 
@@ -525,11 +514,8 @@ class CheckpointManager:
 
     def _lossy_of(self, step: int) -> str | None:
         """The ``lossy_state`` the restored ``step`` recorded (its memory copy, else the root's), if any."""
-        for st in ([self._tiers.memory.step_storage(step)] if self._tiers else []) + [self._step_storage(step)]:
-            with contextlib.suppress(LiferaftError, OSError):
-                found = open_checkpoint(st).extra.get("lossy_state")
-                return found if isinstance(found, str) else None
-        return None
+        return lossy_state_of(([self._tiers.memory.step_storage(step)] if self._tiers else [])
+                              + [self._step_storage(step)])
 
     def mark_lossy(self, reason: str) -> None:
         """The live state is an approximation from now on (e.g. a stage rebuilt by ``liferaft.rebuild_stage``): every
@@ -621,16 +607,12 @@ class CheckpointManager:
             self._deleter.submit(self._apply_retention)     # one worker: passes run one after the other
 
     def _apply_retention(self) -> None:
-        """Rank 0, background: delete committed steps the retention policy does not keep."""
+        """Rank 0, background: delete committed steps the retention policy does not keep (never the step being
+        saved, nor the base it references: its manifest is not there yet, nor a step being read)."""
+        inflight = self._inflight
+        busy = {inflight[0], inflight[4]} - {None} if inflight is not None else set()
         try:
-            listing = self._list()
-            inflight = self._inflight
-            busy = {inflight[0]} | ({inflight[4]} if inflight[4] is not None else set()) if inflight is not None \
-                else set()     # (the step being saved, and the base it references: its manifest is not there yet)
-            keep = kept_steps(listing, self.retention, self._pins(), self._metrics, busy | self._reading)
-            for info in listing:
-                if info.status == "committed" and info.step not in keep:
-                    delete_step(self.storage, info.step)
+            apply_retention(self.storage, self.retention, self._metrics, busy | self._reading)
         except Exception as e:  # noqa: BLE001 - retention must not stop training; it runs again after the next save
             warnings.warn(f"liferaft: removing old checkpoints under {self.storage.url} failed: {e}", stacklevel=2)
 

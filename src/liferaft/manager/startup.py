@@ -5,8 +5,9 @@ At its start a manager (rank 0, holding the lease) lists the root and removes wh
 (``listing.remove_leftovers``). That runs on the manager's deleter thread (``RootStart``), so a restart does not wait
 for a listing of the root (a LIST of every key on an object store) before the memory tier answers: the first save,
 ``steps()`` and ``close()`` wait for it, its warnings are given on the thread that waits, and the first restore uses
-its listing while the root is as it was listed. Before a save of a step starts, ``RootStart.intend`` records it in
-the root's ``INTENT`` (never lowered): a restore that finds memory holding a step at least that new lists nothing.
+its listing while the root is as it was listed. Before a save of a step starts, ``RootStart.begin_save`` refuses it
+behind the root's newest step (``rollback``) and records it in the root's ``INTENT`` (lowered only by a rollback,
+``go_back``): a restore that finds memory holding a step at least that new lists nothing.
 The manager holds one; it never imports the manager.
 """
 
@@ -17,6 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from liferaft.errors import CorruptCheckpointError
 from liferaft.manager.listing import StepInfo, list_steps, read_intent, read_pins, remove_leftovers, write_intent
+from liferaft.manager.rollback import check_order, forget_after
 from liferaft.storage import Storage
 
 
@@ -32,6 +34,7 @@ class RootStart:
         self._listing: list[StepInfo] | None = None
         self._changed = False           # a save started: the start's listing is out of date
         self._intent: int | None = None  # the step INTENT holds, once read or written
+        self._newest: int | None = None  # the newest committed step a save must not go behind, once known
 
     def _list(self) -> list[StepInfo]:
         """The root's steps (a damaged ``PINS`` does not stop a restore: listed unpinned, with a warning; retention
@@ -78,12 +81,30 @@ class RootStart:
             return listing
         return self._list()
 
-    def rewind(self, step: int) -> None:
-        """A rollback removed every step after ``step`` (``rollback.forget_after``): ``INTENT`` holds ``step`` again."""
+    def restored(self, step: int) -> None:
+        """A restore loaded ``step``: the newest step saves are ordered against (the newer ones under the root are
+        damaged, or the future a rollback leaves)."""
+        self._newest = step
+
+    def go_back(self, step: int, listing: list[StepInfo]) -> None:
+        """A rollback to ``step``: remove the steps after it (``rollback.forget_after``: a pinned one raises,
+        nothing removed), then ``INTENT`` holds ``step`` again."""
         self.wait()
+        forget_after(self.storage, step, listing)
         self._changed = True
         write_intent(self.storage, step)
-        self._intent = step
+        self._intent = self._newest = step
+
+    def begin_save(self, step: int) -> None:
+        """Before a save of ``step`` starts (after the lease check): refused when the root holds a newer committed
+        step (``rollback.check_order``); then ``step`` recorded in ``INTENT`` (``intend``)."""
+        if self._newest is None:
+            listing = self.wait()
+            self._newest = max((i.step for i in (self._list() if listing is None else listing)
+                                if i.status == "committed"), default=-1)
+        check_order(step, self._newest, self.storage.url)
+        self.intend(step)
+        self._newest = step
 
     def intend(self, step: int) -> None:
         """Before a save of ``step`` starts (after the lease check): the clean-up done, then ``step`` recorded in the
