@@ -232,3 +232,27 @@ def test_a_rollback_removes_the_newer_steps_from_every_node_the_root_and_the_rem
     shutil.rmtree(os.path.join(base, "tier-test"))
     out = run_ranks(managed, 4, base, root, 2, 6, True, remote, timeout=120)
     assert [o[:2] for o in out] == [(4, True)] * 4
+
+
+def test_a_node_that_missed_a_rollback_never_brings_the_abandoned_run_back(base, tmp_path):
+    """Run 1 on nodes a and b to step 25 (memory: 25 on both); node b is out while the job, on node a alone, rolls
+    back to 10 and goes on to 22; node b rejoins with its memory: the restore takes run 2's 22, never run 1's 25
+    (the rollback is recorded in the root's BRANCHES, and every copy says which epoch saved it)."""
+    from multiproc._rollback_ranks import run
+
+    root = str(tmp_path / "root")
+    assert [o["memory"] for o in run_ranks(run, 2, base, root, ["a", "b"], 1, None, 25, timeout=150)] == [[25]] * 2
+    out = run_ranks(run, 1, base, root, ["a"], 2, 10, 22, timeout=150)
+    assert out == [{"restored": 10, "run": 1, "memory": [22]}]
+    out = run_ranks(run, 2, base, root, ["a", "b"], 3, None, -1, timeout=150)
+    assert [(o["restored"], o["run"]) for o in out] == [(22, 2)] * 2, out
+
+
+def test_a_rollback_refused_for_a_pinned_step_changes_nothing_on_any_node(base, tmp_path):
+    from multiproc._rollback_ranks import pinned
+
+    out = run_ranks(pinned, 2, base, str(tmp_path / "root"), ["a", "b"], timeout=150)
+    for o in out:
+        assert "step(s) [20] are pinned" in o["raised"], o
+        assert o["memory_before"] == o["memory_after"] == [25] and o["root_after"] == [0, 10, 20], o
+        assert o["again"] == 25

@@ -137,3 +137,82 @@ def test_a_step_that_is_not_an_integer_in_range_is_an_options_error(tmp_path, ba
         assert mgr.steps() == []
         mgr.save(np.int64(3), {"w": torch.ones(2)})            # a numpy integer is a step
         assert [i.step for i in mgr.steps()] == [3]
+
+
+def test_a_damaged_newest_step_a_restore_skipped_is_never_ranked_the_newest(tmp_path):
+    """restore(state) falls back past step 20, whose data is damaged (a shallow listing still calls it committed);
+    training goes on under keep_last=1: retention must not keep 20 as the newest and delete the new run's 15 and
+    its base (a restart then found nothing that loads). The damaged step stays for a person to look at."""
+    import glob
+    import os
+    import warnings
+
+    root = str(tmp_path / "run")
+    st = lambda v: {"w": torch.full((256, 256), float(v))}     # noqa: E731
+    with CheckpointManager(root, every_steps=10, async_save=False) as mgr:
+        for n in range(21):
+            mgr.maybe_save(n, st(n))                            # 0, 10, 20
+    data = sorted(p for p in glob.glob(f"{root}/step-0000000020/**", recursive=True)
+                  if os.path.isfile(p) and os.path.getsize(p) > 100_000)[0]
+    with open(data, "r+b") as f:                                # bit rot in step 20's data
+        f.seek(100)
+        b = f.read(1)
+        f.seek(100)
+        f.write(bytes([b[0] ^ 0xFF]))
+    with CheckpointManager(root, every_steps=5, keep_last=1, async_save=False) as mgr:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert mgr.restore(st(-1)) == 10
+        mgr.maybe_save(15, st(15))
+        mgr._deleter.submit(lambda: None).result()              # (the retention pass after the save has run)
+        assert [i.step for i in mgr.steps()] == [15, 20]        # 15 the newest kept, the damaged 20 left alone
+    got = st(-1)
+    with CheckpointManager(root) as mgr, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert mgr.restore(got) == 15
+    assert torch.equal(got["w"], st(15)["w"])
+
+
+def test_a_rollback_whose_first_call_is_save_drops_the_step_logs_newer_records(tmp_path, shm):
+    """With the per-step log, records 1..20 of run 1 follow the full checkpoint 0; run 2 rolls back to 0, trains
+    step 1 on other data and saves it with save() (not maybe_save): the old records go then, so a restart resumes
+    run 2's step 1, never run 1's records replayed onto it."""
+    import os
+
+    from torch import nn
+
+    from liferaft import MemoryTier, StepLogOptions, TierOptions
+
+    def state():
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        return {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.1)}
+
+    def step(st, n, run):
+        g = torch.Generator().manual_seed(n + 1000 * run)
+        st["model"](torch.randn(5, 4, generator=g)).pow(2).mean().backward()
+        st["optim"].step()
+        st["optim"].zero_grad()
+
+    def manager():
+        tier = MemoryTier("rollback-unit", node="n0", base=os.path.join(shm, "tier"))
+        return CheckpointManager(str(tmp_path / "root"), every_steps=100, async_save=False,
+                                 tiers=TierOptions(memory=tier, memory_every=10**6, drain=False),
+                                 step_log=StepLogOptions(replicas=1, max_steps=64))
+
+    st = state()
+    with manager() as mgr:
+        mgr.restore(st)
+        for n in range(21):
+            step(st, n, 1)
+            mgr.maybe_save(n, st)
+    st = state()
+    with manager() as mgr:
+        assert mgr.restore(st, step=0) == 0
+        step(st, 1, 2)
+        mgr.save(1, st)
+        want = {k: v.clone() for k, v in st["model"].state_dict().items()}
+    got = state()
+    with manager() as mgr:
+        assert mgr.restore(got) == 1
+    assert all(torch.equal(got["model"].state_dict()[k], v) for k, v in want.items())

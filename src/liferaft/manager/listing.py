@@ -38,6 +38,10 @@ PINS = "PINS"                  # the steps the user pinned (a JSON list) under t
 #: the newest step a manager of the root began to save (JSON, rank 0 writes it before the save starts): a restore
 #: that finds the memory tier holding a step at least that new needs no listing of the root or the remote tier
 INTENT = "INTENT"
+#: the rollbacks of the root, in order (JSON ``[[epoch, step], ...]``, rank 0 writes it before a rollback removes
+#: anything): the run of epoch e went back to ``step``, so the steps after it saved in earlier epochs are abandoned
+#: (``rollback.live``), wherever a copy of them is left (a node that missed the rollback, an interrupted removal)
+BRANCHES = "BRANCHES"
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,7 @@ class StepInfo:
     tiers: tuple[str, ...] = ()            # where a committed copy is: "root", "memory" (this node's namespace)
     job_id: str | None = None              # the job that wrote it
     since_full: int | None = None          # saves since the last full (self-contained) one; 0: this is one
+    epoch: int = 0                         # the root's rollbacks before its save (``BRANCHES``; 0 before any)
 
 
 
@@ -106,7 +111,7 @@ def list_steps(storage: Storage, pins: frozenset[int] = frozenset(), deep: bool 
         out.append(StepInfo(step, path, "committed", nbytes=sum(v for k, v in m.files.items() if k[:3] != "../"),
                             created_unix=m.created_unix, world_size=m.world_size, metrics=dict(metrics),
                             pinned=pinned, depends_on=_references(m.files),
-                            since_full=since if type(since) is int else None,
+                            since_full=since if type(since) is int else None, epoch=epoch_of(m.extra),
                             job_id=str(m.extra["job_id"]) if "job_id" in m.extra else None, tiers=("root",)))
     return out
 
@@ -204,6 +209,37 @@ def write_intent(storage: Storage, step: int) -> None:
     storage.put_atomic(INTENT, json.dumps({"format": 1, "step": int(step)}).encode())
 
 
+def epoch_of(extra: Mapping[str, object]) -> int:
+    """The epoch a manifest's ``extra`` records (0: none, or not an integer in range: a save before rollbacks)."""
+    e = extra.get("epoch")
+    return e if type(e) is int and 0 <= e <= MAX_INT else 0
+
+
+def read_branches(storage: Storage) -> tuple[tuple[int, int], ...]:
+    """The root's rollbacks (``BRANCHES``): ((epoch, step), ...), epochs 1, 2, ... in order; () when there is none.
+    CorruptCheckpointError naming the file when it is anything else (a save or restore must not guess which steps
+    are abandoned)."""
+    where = f"{storage.url}/{BRANCHES}"
+    try:
+        raw = storage.read_all(BRANCHES, MAX_ROOT_FILE_BYTES)
+    except FileNotFoundError:
+        return ()
+    doc = jsonsafe.loads(raw, where, MAX_ROOT_FILE_BYTES)
+    ok = isinstance(doc, list) and all(isinstance(b, list) and len(b) == 2 and type(b[0]) is int
+                                       and type(b[1]) is int and b[0] == i + 1 and 0 <= b[1] <= MAX_INT
+                                       for i, b in enumerate(doc))
+    if not ok:
+        raise CorruptCheckpointError(f"{where}: not the root's list of rollbacks ([[1, step], [2, step], ...]); it "
+                                     "is damaged: restore it from a copy, or delete it only if no run of this root "
+                                     "was ever rolled back (restore(state, step=K))")
+    return tuple((e, k) for e, k in doc)
+
+
+def write_branches(storage: Storage, branches: Iterable[tuple[int, int]]) -> None:
+    """Rank 0, holding the lease, before a rollback removes anything: record ``branches`` (atomically replaced)."""
+    storage.put_atomic(BRANCHES, json.dumps([list(b) for b in branches]).encode())
+
+
 def write_pins(storage: Storage, pins: Iterable[int]) -> None:
     storage.put_atomic(PINS, json.dumps(sorted(pins)).encode())
 
@@ -265,12 +301,16 @@ def kept_steps(listing: list[StepInfo], policy: RetentionPolicy, pins: frozenset
 
 
 def apply_retention(storage: Storage, policy: RetentionPolicy, metrics: Mapping[int, Mapping[str, float]],
-                    protect: Iterable[int]) -> list[int]:
+                    protect: Iterable[int], ranked: Callable[[StepInfo], bool] = lambda _: True,
+                    spare: Iterable[int] = ()) -> list[int]:
     """Rank 0, holding the lease: delete the committed steps under the root ``storage`` that ``policy`` does not
-    keep (``kept_steps``: the pinned ones, ``protect`` and what a kept step references stay); return them."""
+    keep (``kept_steps``: the pinned ones, ``protect`` and what a kept step references stay); return them. Only the
+    steps ``ranked`` says are the run's take part in the policy (an abandoned step is deleted, never kept as the
+    newest); ``spare``: steps neither ranked nor deleted (damaged ones a restore skipped: removed by hand)."""
     pins = read_pins(storage)
-    listing = list_steps(storage, pins)
-    keep = kept_steps(listing, policy, pins, metrics, protect)
+    spared = set(spare)
+    listing = [i for i in list_steps(storage, pins) if i.step not in spared]
+    keep = kept_steps([i for i in listing if ranked(i)], policy, pins, metrics, protect)
     gone = [i.step for i in listing if i.status == "committed" and i.step not in keep]
     for step in gone:
         delete_step(storage, step)
@@ -289,15 +329,22 @@ def lossy_state_of(copies: Iterable[Storage]) -> str | None:
     return None
 
 
-def restore_candidates(listing: list[StepInfo], step: int | None, url: str) -> list[StepInfo]:
+def restore_candidates(listing: list[StepInfo], step: int | None, url: str,
+                       ranked: Callable[[StepInfo], bool] = lambda _: True) -> list[StepInfo]:
     """The committed steps to try to restore, newest first: every one (corrupt ones are skipped with a warning),
     or exactly ``step`` (CheckpointNotFoundError, IncompleteCheckpointError or CorruptCheckpointError if it
-    cannot be)."""
+    cannot be). Only the steps ``ranked`` says are the run's (``rollback.live``): an abandoned one is skipped, or
+    refused when asked for by number (CheckpointNotFoundError)."""
+    gone = [i for i in listing if not ranked(i)]
+    listing = [i for i in listing if ranked(i)]
     if step is None:
         for info in reversed(listing):
             if info.status == "corrupt":
                 warnings.warn(f"liferaft: skipping step {info.step} ({info.path}): {info.reason}", stacklevel=3)
         return [i for i in reversed(listing) if i.status == "committed"]
+    if any(i.step == step for i in gone):
+        raise CheckpointNotFoundError(f"{url}: step {step} belongs to a run the root rolled back from (its "
+                                      "BRANCHES): it is abandoned, not restored")
     match = [i for i in listing if i.step == step]
     if not match:
         raise CheckpointNotFoundError(f"{url}: there is no step {step}; steps: {[i.step for i in listing]}")
@@ -308,20 +355,24 @@ def restore_candidates(listing: list[StepInfo], step: int | None, url: str) -> l
 
 
 __all__ = [
+    "BRANCHES",
     "INTENT",
     "PINS",
     "STEP_PREFIX",
     "StepInfo",
     "apply_retention",
     "delete_step",
+    "epoch_of",
     "kept_steps",
     "list_steps",
     "lossy_state_of",
+    "read_branches",
     "read_intent",
     "read_pins",
     "remove_leftovers",
     "restore_candidates",
     "step_name",
+    "write_branches",
     "write_intent",
     "write_pins",
 ]

@@ -48,7 +48,7 @@ from liferaft.manager.policies import (
     mtbf_from_starts,
 )
 from liferaft.manager.preemption import preemption_handlers
-from liferaft.manager.rollback import check_step
+from liferaft.manager.rollback import Branches, check_pins, check_step, forget_after, live, pinned_after
 from liferaft.manager.startup import RootStart
 from liferaft.manager.tiering import Tiers, first_that_loads
 from liferaft.manager.voting import Views, agree
@@ -147,6 +147,8 @@ class CheckpointManager:
         self._base: tuple[int, int] | None = None       # (newest committed step, its saves since a full one)
         self._last_step: int | None = None
         self._rolled_back: int | None = None    # restore(state, step=K): the steps after K go at the next save
+        self._damaged: set[int] = set()         # committed steps the last restore skipped as damaged
+        self._gone_back: int | None = None      # rank 0: the rollback recorded in BRANCHES, its removal unfinished
         # a full save was started by this manager or restored: with a step log, its records have a base to replay
         # onto (the same on every rank: saves start collectively)
         self._has_base = False
@@ -169,7 +171,8 @@ class CheckpointManager:
         if step_log is not None and tiers is None:
             raise OptionsError("CheckpointManager(step_log=...) keeps its records in the memory tier: give "
                                "tiers=TierOptions(memory=MemoryTier(...)) too")
-        starts, self._read_only_why = self.coord.run_on_zero(lambda: self._start(learn), "manager (start)")
+        starts, self._read_only_why, self._branches = self.coord.run_on_zero(lambda: self._start(learn),
+                                                                              "manager (start)")
         try:
             hours = self.save_policy.mtbf_hours
             mtbf_s = hours * 3600.0 if hours is not None else \
@@ -197,18 +200,19 @@ class CheckpointManager:
             with contextlib.suppress(Exception):
                 self._lease.release()
 
-    def _start(self, learn: bool) -> tuple[list[float], str | None]:
+    def _start(self, learn: bool) -> tuple[list[float], str | None, Branches]:
         """Rank 0: take the lease, record this start (``learn``), start the clean-up of leftovers in the background
-        (``startup.RootStart``); (starts, why read-only)."""
+        (``startup.RootStart``); (starts, why read-only, the root's rollbacks)."""
         assert self._lease is not None
         try:
             self._lease.acquire()
         except ReadOnlyRootError as e:          # restore only: no lease, no clean-up, no start record
-            return [], str(e)
+            return [], str(e), self._root_start.read_branches()
+        branches = self._root_start.read_branches()
         starts = record_start(self.storage) if learn else []
         assert self._deleter is not None        # (rank 0's: the start's pass runs before any retention pass)
         self._root_start.begin(self._deleter)
-        return starts, None
+        return starts, None, branches
 
     @property
     def read_only(self) -> bool:
@@ -243,6 +247,10 @@ class CheckpointManager:
     def _list(self, deep: bool = False) -> list[StepInfo]:
         """Every step under the root, oldest first (this process; no collective)."""
         return list_steps(self.storage, self._pins(), deep)
+
+    def _live(self, info: StepInfo) -> bool:
+        """Whether a listed step belongs to the root's run: no rollback abandoned it (``rollback.live``)."""
+        return live(info.step, info.epoch, self._branches)
 
     def steps(self, verify: bool = False) -> list[StepInfo]:
         """Every step under the root, and in this node's memory tier, with its status and the tiers holding a
@@ -301,9 +309,11 @@ class CheckpointManager:
         got: tuple[int, LoadResult] | None = None
         if step is None and self._tiers is not None:
             got = self._tiers.restore(state, intent, lambda: max(
-                (i.step for i in root_listing() if i.status == "committed"), default=None), self.load_options, strict)
+                (i.step for i in root_listing() if i.status == "committed" and self._live(i)), default=None),
+                self.load_options, strict, lambda s, e: live(s, e, self._branches))
         if got is None:
-            candidates = [(i.step, i.path) for i in restore_candidates(root_listing(), step, self.storage.url)]
+            candidates = [(i.step, i.path) for i in restore_candidates(root_listing(), step, self.storage.url,
+                                                                       self._live)]
 
             def load_one(s: int) -> LoadResult:
                 self._reading.add(s)            # retention passes leave it alone meanwhile
@@ -319,6 +329,7 @@ class CheckpointManager:
                 self._steplog.start_fresh(state)
             return None
         done, self.last_load = got
+        self._damaged = {i.step for i in listing or () if i.step > done and i.status == "committed"}
         self.lossy_state = self.coord.run_on_zero(lambda: self._lossy_of(done), "restore (lossy state)")
         self._has_base = True
         # (the saves since a full one: known from the root's listing; restored from memory unlisted, the next
@@ -431,7 +442,8 @@ class CheckpointManager:
         if views.memory and reason is None and self._tiers is not None:
             # (skipped on every rank while the previous memory save or a save to the root is still running)
             with self._quiet():
-                self._tiers.save(step, state, self.save_options)
+                self._tiers.save(step, state, replace(self.save_options, metadata={
+                    **dict(self.save_options.metadata), "step": step, "epoch": len(self._branches)}))
         full_log = log_full
         if full_log:
             # a save in flight frees the ring once durable: wait for it rather than start another; then every rank
@@ -468,21 +480,33 @@ class CheckpointManager:
         return True
 
     def _go_on(self) -> None:
-        """The first ``maybe_save`` or ``save`` after ``restore(state, step=K)``: the run goes on from K, so the steps
-        after K go from the root, every node's memory tier and the remote tier (``rollback``), before anything is
-        saved. Collective; a pinned step after K raises on every rank and nothing is removed."""
+        """The first ``maybe_save`` or ``save`` after ``restore(state, step=K)``: the run goes on from K, a new epoch
+        of the root (``rollback``). Collective: a pinned step after K raises on every rank before anything changes;
+        then rank 0 records the rollback in ``BRANCHES`` and removes the steps after K from the root and the remote
+        tier, every node from its memory tier, every rank its per-step log's records. A read-only root: nothing."""
         after = self._rolled_back
-        if after is None:
+        if after is None or self.read_only:
             return
+        self.wait()                             # (no save in flight writes a step the removal would miss)
+        if self._tiers is not None:
+            self._tiers.wait()
+        pinned = self.coord.run_on_zero(lambda: pinned_after(self._list(), after), "rollback (pins)")
+        check_pins([], after, self.storage.url, pinned)      # (on every rank, before anything changes)
 
-        def forget() -> None:
-            if self.coord.rank == 0 and not self.read_only:
-                self._root_start.go_back(after, self._list())
+        def forget() -> Branches:
+            if self.coord.rank == 0 and self._gone_back != after:
+                self._root_start.go_back(after, self._list())   # (BRANCHES first, then the root's steps)
+                self._gone_back = after         # (a retry after a failure records no second rollback)
+            elif self.coord.rank == 0:
+                forget_after(self.storage, after, self._list())
             if self._tiers is not None:
                 self._tiers.forget_after(after, self.coord.rank == 0)
+            return self._root_start.branches if self.coord.rank == 0 else ()
 
-        self.coord.run(forget, "rollback (remove the steps after the restored one)")
-        self._rolled_back = None
+        self._branches = self.coord.run(forget, "rollback (remove the steps after the restored one)")[0]
+        if self._steplog is not None:
+            self._steplog.go_on()
+        self._rolled_back = self._gone_back = None
 
     def save(self, step: int, state: Any, metrics: Mapping[str, float] | None = None) -> None:
         """Save now, whatever the policies say (same waiting rules as ``maybe_save``)."""
@@ -507,7 +531,7 @@ class CheckpointManager:
 
     def _options(self, step: int, reason: str, metrics: Mapping[str, float] | None, since_full: int) -> SaveOptions:
         """The save options of a save by this manager (its manifest ``extra`` says why and by whom)."""
-        meta = {**dict(self.save_options.metadata), "step": step, "reason": reason,
+        meta = {**dict(self.save_options.metadata), "step": step, "reason": reason, "epoch": len(self._branches),
                 "metrics": {k: float(v) for k, v in (metrics or {}).items()}, "job_id": self.job_id,
                 "since_full": since_full, **({"lossy_state": self.lossy_state} if self.lossy_state else {})}
         return replace(self.save_options, metadata=meta)
@@ -612,7 +636,8 @@ class CheckpointManager:
         inflight = self._inflight
         busy = {inflight[0], inflight[4]} - {None} if inflight is not None else set()
         try:
-            apply_retention(self.storage, self.retention, self._metrics, busy | self._reading)
+            apply_retention(self.storage, self.retention, self._metrics, busy | self._reading, self._live,
+                            self._damaged)
         except Exception as e:  # noqa: BLE001 - retention must not stop training; it runs again after the next save
             warnings.warn(f"liferaft: removing old checkpoints under {self.storage.url} failed: {e}", stacklevel=2)
 

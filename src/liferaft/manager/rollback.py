@@ -1,16 +1,20 @@
 """Going back: a run that goes on from an older step than the root's newest, and what it must not break.
 
 ``restore(state, step=K)`` loads step K. The steps newer than K stay (a later ``restore(state)`` may still take
-them) until the run goes on: the first ``maybe_save`` or ``save`` after it starts another future, and before it
-saves anything the manager removes the steps newer than K from the root, every node's memory tier and the remote
-tier (``forget_after``). Left there, they would be the newest at the next restart (a resume on the abandoned
-future), retention would keep them as the newest and delete the new run's saves, and a save of the new run at a
-step they have would overwrite files they reference. A pinned step newer than K is never removed: the rollback
-then raises (unpin it or copy it elsewhere first) before anything is removed.
+them) until the run goes on: the first ``maybe_save`` or ``save`` after it starts another run, an epoch of the root.
+Before it saves anything the manager records the rollback in the root's ``BRANCHES`` ((epoch, K), appended), then
+removes the steps newer than K from the root, every node's memory tier, the remote tier and the per-step log. Every
+save records its epoch (``extra.epoch``); a step saved in an earlier epoch than a rollback to before it is
+abandoned (``live``), wherever a copy of it is left — a node that missed the rollback and comes back with its
+memory, a removal a crash interrupted — and no restore, retention pass or order check takes it. Left there,
+abandoned steps would be the newest at the next restart (a resume on the abandoned run), retention would keep them
+as the newest and delete the new run's saves, and a save of the new run at a step they have would overwrite files
+they reference. A pinned step newer than K is never removed: the rollback then raises on every rank (unpin it or
+copy it elsewhere first) before anything is recorded or removed.
 
-A run that saves a step older than the root's newest without such a rollback (a loop that restarts at 0 on a
-root holding later steps, a ``restore`` whose step the loop ignored) is refused (``check_order``): its saves
-would overwrite what the newer steps reference. As the step log does with its records (docs/STEPLOG.md).
+A run that saves a step older than the root's newest live step without such a rollback (a loop that restarts at
+0 on a root holding later steps, a ``restore`` whose step the loop ignored) is refused (``check_order``): its saves
+would overwrite what the newer steps reference.
 """
 
 from __future__ import annotations
@@ -23,20 +27,39 @@ from liferaft.format.limits import MAX_INT
 from liferaft.manager.listing import StepInfo, delete_step
 from liferaft.storage import Storage
 
+Branches = tuple[tuple[int, int], ...]   # the root's rollbacks: (epoch, the step the run went back to), in order
+
+
+def live(step: int, epoch: int, branches: Branches) -> bool:
+    """Whether step ``step``, saved in ``epoch`` (the number of rollbacks of the root before its save), belongs to
+    the root's current run: no later rollback went back to before it (pure)."""
+    return all(step <= k for e, k in branches if e > epoch)
+
+
+def pinned_after(listing: Sequence[StepInfo], step: int) -> list[int]:
+    """The pinned steps of ``listing`` after ``step``, in order (pure)."""
+    return sorted(i.step for i in listing if i.step > step and i.pinned)
+
+
+def check_pins(listing: Sequence[StepInfo], step: int, url: str, pinned: Sequence[int] | None = None) -> None:
+    """Before a rollback to ``step`` removes anything: CheckpointExistsError when a step after it is pinned
+    (``pinned``: those steps, already found; else found in ``listing``)."""
+    pinned = pinned_after(listing, step) if pinned is None else list(pinned)
+    if pinned:
+        raise CheckpointExistsError(
+            f"{url}: the run goes on from step {step} (restore(state, step={step})), which removes the steps after "
+            f"it, but step(s) {pinned} are pinned; unpin them (mgr.unpin) or copy them elsewhere first")
+
 
 def forget_after(storage: Storage, step: int, listing: Sequence[StepInfo]) -> list[int]:
     """Delete every step of ``listing`` (the steps under the root or tier ``storage``) newer than ``step``, of any
     status, newest first (a step before the ones it references); return them. A pinned one among them raises
     CheckpointExistsError first, deleting nothing."""
-    newer = sorted((i for i in listing if i.step > step), key=lambda i: i.step, reverse=True)
-    pinned = [i.step for i in newer if i.pinned]
-    if pinned:
-        raise CheckpointExistsError(
-            f"{storage.url}: the run goes on from step {step} (restore(state, step={step})), which removes the "
-            f"steps after it, but step(s) {pinned} are pinned; unpin them (mgr.unpin) or copy them elsewhere first")
-    for info in newer:
-        delete_step(storage, info.step)
-    return [i.step for i in newer]
+    check_pins(listing, step, storage.url)
+    newer = sorted((i.step for i in listing if i.step > step), reverse=True)
+    for s in newer:
+        delete_step(storage, s)
+    return newer
 
 
 def check_step(step: object, where: str) -> int:
@@ -57,4 +80,4 @@ def check_order(step: int, newest: int | None, url: str) -> None:
             "at the next save), or use another root")
 
 
-__all__ = ["check_order", "check_step", "forget_after"]
+__all__ = ["Branches", "check_order", "check_pins", "check_step", "forget_after", "live", "pinned_after"]

@@ -6,8 +6,9 @@ At its start a manager (rank 0, holding the lease) lists the root and removes wh
 for a listing of the root (a LIST of every key on an object store) before the memory tier answers: the first save,
 ``steps()`` and ``close()`` wait for it, its warnings are given on the thread that waits, and the first restore uses
 its listing while the root is as it was listed. Before a save of a step starts, ``RootStart.begin_save`` refuses it
-behind the root's newest step (``rollback``) and records it in the root's ``INTENT`` (lowered only by a rollback,
-``go_back``): a restore that finds memory holding a step at least that new lists nothing.
+behind the root's newest step (``rollback``) and records it in the root's ``INTENT`` (never lowered): a restore that
+finds memory holding a step of the run at least that new lists nothing. A rollback (``go_back``) is recorded in
+the root's ``BRANCHES`` before the steps after it are removed.
 The manager holds one; it never imports the manager.
 """
 
@@ -17,8 +18,17 @@ import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from liferaft.errors import CorruptCheckpointError
-from liferaft.manager.listing import StepInfo, list_steps, read_intent, read_pins, remove_leftovers, write_intent
-from liferaft.manager.rollback import check_order, forget_after
+from liferaft.manager.listing import (
+    StepInfo,
+    list_steps,
+    read_branches,
+    read_intent,
+    read_pins,
+    remove_leftovers,
+    write_branches,
+    write_intent,
+)
+from liferaft.manager.rollback import Branches, check_order, check_pins, forget_after, live
 from liferaft.storage import Storage
 
 
@@ -35,6 +45,7 @@ class RootStart:
         self._changed = False           # a save started: the start's listing is out of date
         self._intent: int | None = None  # the step INTENT holds, once read or written
         self._newest: int | None = None  # the newest committed step a save must not go behind, once known
+        self.branches: Branches = ()     # the root's rollbacks (``BRANCHES``), read by ``read_branches``
 
     def _list(self) -> list[StepInfo]:
         """The root's steps (a damaged ``PINS`` does not stop a restore: listed unpinned, with a warning; retention
@@ -81,27 +92,40 @@ class RootStart:
             return listing
         return self._list()
 
+    def read_branches(self) -> Branches:
+        """Read the root's ``BRANCHES`` (at the start: CorruptCheckpointError if damaged); return them."""
+        self.branches = read_branches(self.storage)
+        return self.branches
+
     def restored(self, step: int) -> None:
         """A restore loaded ``step``: the newest step saves are ordered against (the newer ones under the root are
         damaged, or the future a rollback leaves)."""
         self._newest = step
 
     def go_back(self, step: int, listing: list[StepInfo]) -> None:
-        """A rollback to ``step``: remove the steps after it (``rollback.forget_after``: a pinned one raises,
-        nothing removed), then ``INTENT`` holds ``step`` again."""
+        """A rollback to ``step`` (a pinned step after it raises first, nothing recorded or removed): recorded in
+        ``BRANCHES`` (the new epoch), then the steps after it removed, newest first (``rollback.forget_after``).
+        ``INTENT`` is never lowered: a copy at least that new that a restore finds in memory is taken only if it is
+        the run's (``rollback.live``)."""
         self.wait()
-        forget_after(self.storage, step, listing)
+        check_pins(listing, step, self.storage.url)
+        self.branches = self.branches + ((len(self.branches) + 1, step),)
+        write_branches(self.storage, self.branches)
         self._changed = True
-        write_intent(self.storage, step)
-        self._intent = self._newest = step
+        forget_after(self.storage, step, listing)
+        self._newest = step
+
+    def live(self, info: StepInfo) -> bool:
+        """Whether a listed step belongs to the root's run (``rollback.live``)."""
+        return live(info.step, info.epoch, self.branches)
 
     def begin_save(self, step: int) -> None:
         """Before a save of ``step`` starts (after the lease check): refused when the root holds a newer committed
-        step (``rollback.check_order``); then ``step`` recorded in ``INTENT`` (``intend``)."""
+        step of its run (``rollback.check_order``); then ``step`` recorded in ``INTENT`` (``intend``)."""
         if self._newest is None:
             listing = self.wait()
             self._newest = max((i.step for i in (self._list() if listing is None else listing)
-                                if i.status == "committed"), default=-1)
+                                if i.status == "committed" and self.live(i)), default=-1)
         check_order(step, self._newest, self.storage.url)
         self.intend(step)
         self._newest = step

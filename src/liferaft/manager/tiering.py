@@ -19,7 +19,7 @@ from liferaft.core.load import load
 from liferaft.dist import Coordinator
 from liferaft.errors import CorruptCheckpointError, FileAccessError, IncompleteCheckpointError, LiferaftError
 from liferaft.format.layout import COMMIT_MARKER, parse_step, step_name
-from liferaft.manager.listing import StepInfo
+from liferaft.manager.listing import StepInfo, epoch_of
 from liferaft.manager.options import TierOptions
 from liferaft.manager.policies import AutoInterval
 from liferaft.manager.rollback import forget_after
@@ -148,7 +148,8 @@ class Tiers:
     # ------------------------------------------------------------------ restoring
 
     def restore(self, state: Any, intent: int | None, root_newest: Callable[[], int | None],
-                load_options: LoadOptions, strict: bool) -> tuple[int, LoadResult] | None:
+                load_options: LoadOptions, strict: bool,
+                live: Callable[[int, int], bool] = lambda s, e: True) -> tuple[int, LoadResult] | None:
         """Load the newest step the tiers hold that is at least as new as the root's newest committed one: from
         memory (files no live node holds taken from the root's or the remote's copy of the same save), else —
         newer than the root's — from the remote tier. None if the tiers hold none. Collective.
@@ -157,7 +158,9 @@ class Tiers:
         ``INTENT``: the newest step a manager of this root began to save to the root or drain to the remote tier),
         it is loaded and neither the root nor the remote tier is listed. Otherwise (no intent recorded, or memory
         holds nothing that new) ``root_newest()`` (collective: the root's newest committed step) and the remote
-        tier are listed first, as they must be."""
+        tier are listed first, as they must be. ``live(step, epoch)``: whether a copy belongs to the root's run
+        (``rollback.live``); a copy of a step a rollback abandoned is never taken, from any tier."""
+        self._live = live
         failed = False
         if intent is not None:
             got, failed = self._from_memory(state, intent, load_options, strict)
@@ -190,7 +193,7 @@ class Tiers:
         try:
             step = self.memory.restore(state, options=load_options, strict=strict,
                                        newer_than=None if at_least is None else at_least - 1,
-                                       fallback=self._slower_copy)
+                                       fallback=self._slower_copy, accept=lambda s, x: self._live(s, epoch_of(x)))
         except LiferaftError as e:
             warnings.warn(f"liferaft: the memory tier could not be restored ({type(e).__name__}: {e}); "
                           "restoring from the root", stacklevel=4)
@@ -211,9 +214,12 @@ class Tiers:
         assert remote is not None
 
         def listing() -> list[int]:
-            return sorted((i.step for i in self._remote_listing() if i.status == "committed"), reverse=True)
+            return [i.step for i in sorted(self._remote_listing(), key=lambda i: i.step, reverse=True)
+                    if i.status == "committed" and self._live(i.step, _epoch_there(remote, i.step))]
 
         return self._coord.run_on_zero(listing, "restore (remote listing)")
+
+    _live: Callable[[int, int], bool] = staticmethod(lambda s, e: True)     # (set by each restore)
 
     def _remote_listing(self) -> list[StepInfo]:
         """Every step folder on the remote tier: committed when it holds a commit marker (rank 0)."""
@@ -223,3 +229,14 @@ class Tiers:
         steps = {s: n.split("/", 1)[0] for n in names if (s := parse_step(n)) is not None}
         return [StepInfo(s, f"{self.remote.url}/{d}", "committed" if d in done else "incomplete")
                 for s, d in sorted(steps.items())]
+
+
+def _epoch_there(storage: Storage, step: int) -> int:
+    """The epoch the manifest of ``step`` on ``storage`` records (0 if it records none or cannot be read: then its
+    load fails and the restore falls back anyway)."""
+    from liferaft.core.commit import open_checkpoint
+
+    try:
+        return epoch_of(open_checkpoint(storage.child(step_name(step))).extra)
+    except (LiferaftError, OSError):
+        return 0

@@ -22,7 +22,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -258,7 +258,8 @@ class MemoryTier:
     # ------------------------------------------------------------------ restore
 
     def restore(self, state: Any, *, options: LoadOptions | None = None, newer_than: int | None = None,
-                fallback: Callable[[int], Storage] | None = None, strict: bool = True) -> int | None:
+                fallback: Callable[[int], Storage] | None = None, strict: bool = True,
+                accept: Callable[[int, Mapping[str, Any]], bool] | None = None) -> int | None:
         """Load the newest step that the live nodes hold completely into ``state`` (collective); None if there is
         none (or none newer than ``newer_than``). Returns the step loaded; ``last_restore`` and ``last_load`` (its
         LoadResult) say how.
@@ -271,12 +272,14 @@ class MemoryTier:
         files no live node holds are copied from there into each node's memory first: tiers mix when replicas
         were lost. Any layout and world size. Every byte is verified against the manifest's checksums as it is
         copied into the state: a damaged copy raises CorruptCheckpointError on every rank (nothing falls back to
-        another copy), a peer that dies during the transfer raises DistributedError within ``timeout``."""
+        another copy), a peer that dies during the transfer raises DistributedError within ``timeout``.
+        ``accept(step, its manifest's extra)``: a node's copy it refuses is not listed (a step of a run a manager
+        rolled back from, ``manager.rollback``)."""
         from liferaft.core.load import load_held
 
         self.wait()
         def listing() -> dict[int, Any]:
-            return {s: v for s, v in ((s, self._listing(s)) for s in self.local_steps()) if v is not None}
+            return {s: v for s, v in ((s, self._listing(s, accept)) for s in self.local_steps()) if v is not None}
 
         everyone = self.coord.run(listing, "memory tier (listing)")
         step, holder = newest_complete(everyone, _rebuildable if self.parity else None)
@@ -339,10 +342,12 @@ class MemoryTier:
     def _leader(self) -> bool:
         return min(r for r, m in enumerate(self.nodes) if m == self.node) == self.rank
 
-    def _listing(self, step: int) -> tuple[tuple[str, ...], dict[str, int], str, dict[str, Any] | None] | None:
+    def _listing(self, step: int, accept: Callable[[int, Mapping[str, Any]], bool] | None = None
+                 ) -> tuple[tuple[str, ...], dict[str, int], str, dict[str, Any] | None] | None:
         """(data files the step's manifest names, those this node holds at the size the manifest records with their
-        sizes, manifest name, this rank's parity header of the step or None); None if unreadable. Only ``step-N`` folders are steps (``local_steps``): other
-        folders of the node (a ``steplog``) are never listed."""
+        sizes, manifest name, this rank's parity header of the step or None); None if unreadable or refused by
+        ``accept``. Only ``step-N`` folders are steps (``local_steps``): other folders of the node (a ``steplog``)
+        are never listed."""
         st = self.step_storage(step)
         try:
             m = open_checkpoint(st)
@@ -351,6 +356,8 @@ class MemoryTier:
         recorded = m.extra.get("step")
         if type(recorded) is int and recorded != step:
             return None                 # a step folder renamed or copied into place: not this step's copy
+        if accept is not None and not accept(step, m.extra):
+            return None
         held = {}
         for name in st.list():
             if name.startswith(DATA_DIR + "/") and name in m.files:

@@ -244,9 +244,7 @@ class StepLog:
         if self._cur is None and step == self._recorded:
             return                          # maybe_save called again for the same step: recorded already
         self.wait()                         # the previous record is on its replicas (≤ 1 step lost with a node)
-        if self._diverged_at is not None:   # the first step after restore(step=K): the old future goes now
-            at, self._diverged_at = self._diverged_at, None
-            self._forget_collectively(at, "step log (forget the future)")
+        self.go_on()
         if self._expect is not None and step > self._expect:
             gap = f"{self._expect}" if step == self._expect + 1 else f"{self._expect}..{step - 1}"
             warnings.warn(f"liferaft: maybe_save was not called for step {gap}: the per-step log's record of step "
@@ -527,6 +525,13 @@ class StepLog:
         self._held.clear()
         self._diverged_at = step
         self._expect = step + 1
+
+    def go_on(self) -> None:
+        """The run goes on after ``resume_at(K)`` (its first record, or the manager's first save): the records newer
+        than K go now, collectively (every rank calls it). Nothing after any other restore."""
+        if self._diverged_at is not None:
+            self._forget_collectively(self._diverged_at, "step log (forget the future)")
+            self._diverged_at = None
 
     def _forget_collectively(self, step: int, what: str) -> None:
         """``_forget_after(step)`` on one rank per node, every rank waiting until every node's is done (no rank
