@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -50,6 +51,9 @@ from liferaft.errors import OptionsError, StorageError
 from liferaft.storage.base import FileWriter, Storage
 
 MiB = 1 << 20
+#: What a bucket name may be (S3's rules, with the legacy upper case and '_'): nothing a URL path would resolve
+#: or end (``..``, ``?``, ``#``, ``@``, ``:``), so that a request goes to the bucket named and no other.
+_BUCKET = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{1,253})[A-Za-z0-9]")
 _MIN_PART = 5 * MiB          # S3's minimum size of every part but the last
 
 
@@ -74,6 +78,11 @@ def _bad_key(url: str, e: BaseException) -> S3StorageError:
     return S3StorageError(f"{url}: the object {key!r} is not a name liferaft writes (a '..', '.' or empty path "
                           "segment, put there by another client) and the listing cannot go past it: delete that "
                           "object (aws s3 rm)")
+
+
+def _redacted(url: str | None) -> str | None:
+    """``url`` without the credentials of its authority (``http://user:secret@host`` → ``http://***@host``)."""
+    return None if url is None else re.sub(r"(?<=://)[^/@]*@", "***@", url)
 
 
 def _brief(e: BaseException) -> str:
@@ -102,6 +111,12 @@ class S3Storage(Storage):
         bucket, _, prefix = spec.partition("/")
         if not bucket:
             raise StorageError(f"{url_or_bucket_prefix!r}: no bucket named; use s3://bucket/prefix")
+        if "@" in bucket:                               # (never echoed: it would hold a secret)
+            raise StorageError("an s3:// URL must not hold credentials (user:secret@): give them in the "
+                               "environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) or the client's config")
+        if not _BUCKET.fullmatch(bucket) or ".." in bucket:
+            raise StorageError(f"{bucket!r:.80}: not a bucket name (3 to 255 letters, digits, '.', '-', '_', "
+                               "starting and ending with a letter or digit, no '..'); use s3://bucket/prefix")
         if part_size < _MIN_PART:
             raise OptionsError(f"S3Storage part_size={part_size}: S3 needs parts of at least {_MIN_PART} bytes")
         if max_concurrency < 1 or retries < 0 or timeout <= 0 or total_timeout < timeout:
@@ -161,7 +176,7 @@ class S3Storage(Storage):
         return c
 
     def __repr__(self) -> str:
-        return f"S3Storage({self.url!r}, endpoint_url={self.endpoint_url!r})"
+        return f"S3Storage({self.url!r}, endpoint_url={_redacted(self.endpoint_url)!r})"
 
     # -- one request with error mapping ------------------------------------------------------------------------
     def _call(self, name: str, what: str, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
@@ -195,20 +210,55 @@ class S3Storage(Storage):
         return total
 
     def _get_into(self, name: str, offset: int, mv: memoryview) -> int:
-        import obstore
-
         if not len(mv):
             return 0
+        return self._ranged(name, offset, len(mv), mv)[1]
+
+    def _ranged(self, name: str, start: int, length: int, out: memoryview | None = None) -> tuple[bytes, int]:
+        """One ranged GET of bytes ``start..start+length`` (fewer at the end of the object): the body streamed into
+        ``out`` (or returned), never more kept than asked, and checked against the range the server says it sent
+        and the object's size (a hostile or broken server: a short or long body, another range, a 416 inside the
+        object are S3StorageError naming the object, never bytes taken as data). (data, bytes read)."""
+        import obstore
+
+        where = self._where(name)
         try:
-            data = self._call(name, "ranged GET", obstore.get_range, start=offset, length=len(mv))
+            res = self._call(name, "ranged GET", lambda st, k: obstore.get(st, k, options={
+                "range": (start, start + length)}))
         except S3StorageError as e:
-            cause = str(e.__cause__)
-            if "status code: 416" in cause or "<Code>InvalidRange</Code>" in cause:   # starts at or past the end
-                return 0
+            if "status code: 416" not in str(e.__cause__):
+                raise
+            size = self.size(name)                      # (416: the range starts at or past the end — or a lie)
+            if start < size:
+                raise S3StorageError(f"{where}: the server refused bytes {start}.. of an object of {size} bytes "
+                                     "(416)") from None
+            return b"", 0
+        size = int(res.meta["size"])
+        want = max(0, min(length, size - start))
+        lo, hi = res.range
+        if (lo, hi) != (start, start + want):
+            raise S3StorageError(f"{where}: asked for bytes {start}..{start + length} of an object of {size} bytes, "
+                                 f"the server answered with bytes {lo}..{hi}")
+        got, parts = 0, []
+        try:
+            for chunk in res.stream(min_chunk_size=min(want, 8 * MiB) or 1):
+                piece = memoryview(chunk).cast("B")
+                if got + len(piece) > want:
+                    raise S3StorageError(f"{where}: the server sent more than the {want} bytes {start}..{start + want}"
+                                         " its answer announced")
+                if out is not None:
+                    out[got:got + len(piece)] = piece
+                else:
+                    parts.append(bytes(piece))
+                got += len(piece)
+        except S3StorageError:
             raise
-        n = len(data)
-        mv[:n] = memoryview(data)
-        return n
+        except Exception as e:
+            raise S3StorageError(f"{where}: reading bytes {start}..{start + want} failed: {_brief(e)}") from e
+        if got != want:
+            raise S3StorageError(f"{where}: the server sent {got} of the {want} bytes {start}..{start + want} its "
+                                 "answer announced (truncated)")
+        return b"".join(parts), got
 
     def _pool(self) -> ThreadPoolExecutor:
         with self._pool_lock:
@@ -220,26 +270,16 @@ class S3Storage(Storage):
         """The whole object; with ``limit``, one ranged GET of its first ``limit + 1`` bytes at most, so that an
         object larger than ``limit`` (even one replaced by a larger one meanwhile) is refused having fetched no
         more than that."""
-        import obstore
-
         if limit is not None:
-            def first(st: Any, k: str) -> Any:
-                return obstore.get(st, k, options={"range": (0, limit + 1)}).bytes()
-
-            try:
-                data = bytes(self._call(name, "ranged GET", first))
-            except S3StorageError as e:
-                cause = str(e.__cause__)
-                if "status code: 416" not in cause and "<Code>InvalidRange</Code>" not in cause:
-                    raise
-                data = b""                                  # (an empty object has no byte 0 to range over)
+            data = self._ranged(name, 0, limit + 1)[0]
             if len(data) > limit:                           # (its size unknown: only that it is larger)
                 from liferaft.errors import CorruptCheckpointError
 
                 raise CorruptCheckpointError(f"{self._where(name)} holds more than the {limit} bytes liferaft "
                                              "reads of such a file; it is damaged or not what its name says")
             return data
-        return bytes(self._call(name, "GET", lambda st, k: obstore.get(st, k).bytes()))
+        size = self.size(name)
+        return self._ranged(name, 0, size)[0] if size else b""
 
     def size(self, name: str) -> int:
         import obstore
@@ -263,12 +303,33 @@ class S3Storage(Storage):
 
         p = self.prefix
         try:
-            keys = [m["path"] for batch in obstore.list(self._store, prefix=p or None) for m in batch]
+            keys = self._names(m["path"] for batch in obstore.list(self._store, prefix=p or None) for m in batch)
         except InvalidPathError as e:
             raise _bad_key(self.url, e) from e
+        except S3StorageError:
+            raise
         except Exception as e:
             raise S3StorageError(f"{self.url}: LIST failed after retries: {_brief(e)}") from e
-        return sorted(k[len(p) + 1:] if p else k for k in keys)
+        return sorted(keys)
+
+    def _names(self, keys: Iterator[str]) -> list[str]:
+        """The names under the prefix of a listing's ``keys``, as the server sends them: a key outside the prefix,
+        a key sent twice (a listing that repeats its pages never ends) or a listing still going after four times
+        ``total_timeout`` is an S3StorageError naming it (a partial listing must never drive a clean-up)."""
+        p = self.prefix
+        deadline = time.monotonic() + 4 * self.total_timeout
+        seen: set[str] = set()
+        for k in keys:
+            name = k[len(p) + 1:] if p and k.startswith(p + "/") else k if not p else None
+            if not name or name in seen:
+                why = "lies outside the prefix" if name is None or not name else "is listed twice"
+                raise S3StorageError(f"{self.url}: the listing's key {k!r:.200} {why}: the server's answer is "
+                                     "broken or hostile; nothing is listed")
+            if time.monotonic() > deadline:
+                raise S3StorageError(f"{self.url}: the listing was still going after {4 * self.total_timeout:.0f} s "
+                                     f"({len(seen)} keys): stopped")
+            seen.add(name)
+        return list(seen)
 
     def folders(self) -> list[str]:
         """The folder names directly under the prefix (one delimited LIST): where ``list`` fails on a bad key
@@ -283,7 +344,7 @@ class S3Storage(Storage):
             raise _bad_key(self.url, e) from e
         except Exception as e:
             raise S3StorageError(f"{self.url}: LIST failed after retries: {_brief(e)}") from e
-        return sorted(k[len(p) + 1:] if p else k for k in found)
+        return sorted(self._names(iter(found)))
 
     def delete(self, name: str) -> None:
         import obstore
