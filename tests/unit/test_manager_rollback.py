@@ -216,3 +216,22 @@ def test_a_rollback_whose_first_call_is_save_drops_the_step_logs_newer_records(t
     with manager() as mgr:
         assert mgr.restore(got) == 1
     assert all(torch.equal(got["model"].state_dict()[k], v) for k, v in want.items())
+
+
+def test_gc_from_the_command_line_never_keeps_an_abandoned_step_as_the_newest(tmp_path):
+    """A rollback whose removal was interrupted (here: step 30 put back by hand, as a crash between recording the
+    rollback and removing it leaves it) must not make `gc --keep-last 1` keep 30 and delete the live run."""
+    import shutil
+
+    root = str(tmp_path / "run")
+    _first_run(root)                                            # 0 10 20 30, epoch 0
+    shutil.copytree(f"{root}/step-0000000030", str(tmp_path / "s30"))
+    s = _state(1)
+    with CheckpointManager(root, every_steps=5, async_save=False, save_policy=SavePolicy(full_every=1)) as mgr:
+        mgr.restore(s, step=10)
+        mgr.save(15, s)                                         # epoch 1: 20 and 30 removed
+    shutil.copytree(str(tmp_path / "s30"), f"{root}/step-0000000030")
+    report = liferaft.gc(root, keep_last=1)
+    assert 15 in report.kept and 30 in report.deleted
+    with CheckpointManager(root) as mgr:
+        assert mgr.restore(_state(2)) == 15

@@ -290,13 +290,15 @@ def remove_leftovers(storage: Storage, listing: list[StepInfo], warn: Callable[[
 
 
 def kept_steps(listing: list[StepInfo], policy: RetentionPolicy, pins: frozenset[int],
-               metrics: Mapping[int, Mapping[str, float]] | None = None, protect: Iterable[int] = ()) -> set[int]:
-    """The steps retention keeps: what ``policy`` keeps of the committed steps (by the metrics their manifests
-    record, overridden by ``metrics``), the pinned ones, ``protect`` (being written or read), and every step a kept
-    one references (pure)."""
-    committed = [i.step for i in listing if i.status == "committed"]
+               metrics: Mapping[int, Mapping[str, float]] | None = None, protect: Iterable[int] = (),
+               ranked: Callable[[StepInfo], bool] = lambda _: True) -> set[int]:
+    """The steps retention keeps: what ``policy`` keeps of the committed steps ``ranked`` says are the run's (by
+    the metrics their manifests record, overridden by ``metrics``; a step a rollback abandoned is never the
+    newest), the pinned ones, ``protect`` (being written or read), and every step a kept one references (pure)."""
+    committed = [i.step for i in listing if i.status == "committed" and ranked(i)]
     recorded = {i.step: i.metrics for i in listing if i.metrics}
-    keep = set(policy.keep(committed, {**recorded, **(metrics or {})}, pins)) | set(protect)
+    pinned = pins & {i.step for i in listing}
+    keep = set(policy.keep(committed, {**recorded, **(metrics or {})}, pins)) | pinned | set(protect)
     return referenced_closure(keep, {i.step: i.depends_on for i in listing})
 
 
@@ -310,7 +312,7 @@ def apply_retention(storage: Storage, policy: RetentionPolicy, metrics: Mapping[
     pins = read_pins(storage)
     spared = set(spare)
     listing = [i for i in list_steps(storage, pins) if i.step not in spared]
-    keep = kept_steps([i for i in listing if ranked(i)], policy, pins, metrics, protect)
+    keep = kept_steps(listing, policy, pins, metrics, protect, ranked)
     gone = [i.step for i in listing if i.status == "committed" and i.step not in keep]
     for step in gone:
         delete_step(storage, step)

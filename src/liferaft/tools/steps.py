@@ -14,12 +14,14 @@ from liferaft.manager.listing import (
     delete_step,
     kept_steps,
     list_steps,
+    read_branches,
     read_pins,
     root_names,
     step_like,
     step_name,
 )
 from liferaft.manager.policies import RetentionPolicy
+from liferaft.manager.rollback import live
 from liferaft.options import MetricMode
 from liferaft.storage import Storage, resolve
 
@@ -141,7 +143,8 @@ def gc(root: str | os.PathLike[str] | Storage, *, keep_last: int | None = None, 
        keep_best: int | None = None, metric: str | None = None, mode: MetricMode = "min", dry_run: bool = False,
        incomplete: bool = False) -> GcReport:
     """The manager's retention from outside a job: delete committed steps the policy does not keep, never the
-    newest committed one, a pinned one or one a kept step references (and, with ``incomplete``, steps without a
+    newest committed one of the root's run (a step a rollback abandoned, ``BRANCHES``, is never ranked: it goes), a
+    pinned one or one a kept step references (and, with ``incomplete``, steps without a
     commit marker that nothing references; never a step folder holding another format's checkpoint). Takes the
     root's lease first, so it refuses
     (CheckpointBusyError) while a training job writes there. Deletion is marker-first, as the manager's."""
@@ -153,9 +156,10 @@ def gc(root: str | os.PathLike[str] | Storage, *, keep_last: int | None = None, 
         lease.acquire()
     try:
         pins = read_pins(storage)                               # (a damaged PINS refuses: nothing deleted)
+        branches = read_branches(storage)                       # (a damaged BRANCHES too)
         listing = _listing(storage, pins)                       # (steps of other formats: never deleted)
         committed = [i.step for i in listing if i.status == "committed"]
-        keep = kept_steps(listing, policy, pins)
+        keep = kept_steps(listing, policy, pins, ranked=lambda i: live(i.step, i.epoch, branches))
         doomed = [i for i in listing if i.status == "committed" and i.step not in keep]
         if incomplete:
             doomed += [i for i in listing if i.status == "incomplete" and i.step not in keep]
