@@ -19,7 +19,8 @@ class IncompleteCheckpointError(LiferaftError):
 
 
 class CheckpointExistsError(LiferaftError):
-    """A save targets a path that already holds a committed checkpoint (pass overwrite=True)."""
+    """A save targets a path that already holds a committed checkpoint (pass overwrite=True); or a manager's save
+    would go behind the root's newest step without a rollback, or its rollback would remove a pinned step."""
 
 
 class CorruptCheckpointError(LiferaftError):
