@@ -235,3 +235,74 @@ def test_gc_from_the_command_line_never_keeps_an_abandoned_step_as_the_newest(tm
     assert 15 in report.kept and 30 in report.deleted
     with CheckpointManager(root) as mgr:
         assert mgr.restore(_state(2)) == 15
+
+
+def test_a_rollback_recorded_but_not_carried_out_replays_no_abandoned_record(tmp_path, shm):
+    """A crash after the rollback to 0 was recorded in BRANCHES, before run 1's per-step records were dropped (here:
+    BRANCHES written by hand): the records say which epoch wrote them, and a restart replays none of run 1's."""
+    import os
+
+    from torch import nn
+
+    from liferaft import MemoryTier, StepLogOptions, TierOptions
+    from liferaft.manager.listing import write_branches
+
+    def state():
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        return {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.1)}
+
+    def manager():
+        tier = MemoryTier("rollback-unit2", node="n0", base=os.path.join(shm, "tier"))
+        return CheckpointManager(str(tmp_path / "root"), every_steps=100, async_save=False,
+                                 tiers=TierOptions(memory=tier, memory_every=10**6, drain=False),
+                                 step_log=StepLogOptions(replicas=1, max_steps=64))
+
+    st = state()
+    with manager() as mgr:
+        mgr.restore(st)
+        for n in range(21):
+            st["model"](torch.randn(5, 4, generator=torch.Generator().manual_seed(n))).pow(2).mean().backward()
+            st["optim"].step()
+            st["optim"].zero_grad()
+            mgr.maybe_save(n, st)
+        want = {k: v.clone() for k, v in st["model"].state_dict().items()}
+    got = state()
+    with manager() as mgr:
+        assert mgr.restore(got) == 20                           # (the records replay: run 1 as it was)
+    assert all(torch.equal(got["model"].state_dict()[k], v) for k, v in want.items())
+    write_branches(liferaft.storage.resolve(str(tmp_path / "root")), [(1, 0)])
+    with manager() as mgr:
+        assert mgr.restore(state()) == 0
+
+
+def test_a_users_epoch_in_the_metadata_is_kept_and_never_read_as_a_rollback(tmp_path):
+    root = str(tmp_path / "run")
+    s = _state()
+    opts = liferaft.SaveOptions(metadata={"epoch": 7})
+    with CheckpointManager(root, every_steps=1, async_save=False, save_options=opts) as mgr:
+        for step in range(3):
+            mgr.maybe_save(step, s)
+        mgr.restore(s, step=1)
+        mgr.save(2, s)
+    meta = liferaft.inspect(f"{root}/step-0000000002").metadata
+    assert meta["epoch"] == 7 and meta["liferaft_rollbacks"] == 1
+    with CheckpointManager(root, save_options=opts) as mgr:
+        assert mgr.restore(_state()) == 2
+
+
+def test_retention_after_a_rollback_spares_nothing_of_the_new_run(tmp_path):
+    """An explicit restore(step=K) skips no damaged step: the new run's steps that reuse the old run's numbers are
+    ranked and deleted by keep_last like any other."""
+    root = str(tmp_path / "run")
+    with CheckpointManager(root, every_steps=1, async_save=False, save_policy=SavePolicy(full_every=1)) as mgr:
+        for step in range(6):
+            mgr.maybe_save(step, {"w": torch.full((64,), float(step))})
+    with CheckpointManager(root, every_steps=1, keep_last=2, async_save=False,
+                           save_policy=SavePolicy(full_every=1)) as mgr:
+        mgr.restore({"w": torch.zeros(64)}, step=1)
+        for step in range(2, 12):
+            mgr.maybe_save(step, {"w": torch.full((64,), 100.0 + step)})
+        mgr.wait()
+        mgr._deleter.submit(lambda: None).result()
+        assert [i.step for i in mgr.steps()] == [10, 11]

@@ -84,7 +84,7 @@ def _ranged(cut: int = 0, extra: bytes = b"", claim: tuple[int, int] | None = No
 def test_a_body_that_is_not_the_range_announced_is_refused(server, answer, match):
     st = server(answer)
     for call in (lambda: st.read_all("COMMIT", 50), lambda: st.read_into("data/r0.bin", 10, memoryview(bytearray(100))),
-                 lambda: st.read_all("data/r0.bin")):
+                 lambda: st.read_into("data/r0.bin", 0, memoryview(bytearray(8 << 20)))):
         with pytest.raises(S3StorageError, match=f"s3://bkt/ck/.*: the server {match}"):
             call()
 
@@ -119,7 +119,7 @@ def _listing(pages: Callable[[int], tuple[list[str], bool]]):
 
 @pytest.mark.parametrize("pages,match", [
     (lambda n: (["ck/step-1/COMMIT", "other/step-1/COMMIT"], False), "'other/step-1/COMMIT' lies outside"),
-    (lambda n: (["ck"], False), "'ck' lies outside"),
+    (lambda n: (["ck/step-1/COMMIT", "ckx/step-1/COMMIT"], False), "'ckx/step-1/COMMIT' lies outside"),
     (lambda n: (["ck/step-1/COMMIT"], True), "is listed twice"),          # the same page forever
 ])
 def test_a_listing_outside_the_prefix_or_that_repeats_itself_is_refused(server, pages, match):
@@ -147,3 +147,10 @@ def test_credentials_are_never_echoed(monkeypatch):
     monkeypatch.setenv("AWS_REGION", "us-east-1")
     st = S3Storage("s3://bkt/ck", endpoint_url="http://user:SECRET@127.0.0.1:9")
     assert "SECRET" not in repr(st) and "***@127.0.0.1:9" in repr(st)
+
+
+def test_folder_markers_are_no_objects_of_the_listing(server):
+    """The prefix's folder marker ("ck/": "Create folder" in the console, rclone, s3fs) is skipped, not taken for a
+    key outside the prefix (which stopped every listing of such a root); markers inside it list as before."""
+    st = server(_listing(lambda n: (["ck/", "ck/step-0000000001/", "ck/step-0000000001/COMMIT"], False)))
+    assert "step-0000000001/COMMIT" in st.list()

@@ -209,9 +209,14 @@ def write_intent(storage: Storage, step: int) -> None:
     storage.put_atomic(INTENT, json.dumps({"format": 1, "step": int(step)}).encode())
 
 
+#: the key of a manifest's ``extra`` under which the manager records the root's rollbacks before the save (its
+#: own: a user's ``SaveOptions.metadata`` may well say ``epoch``)
+EPOCH_KEY = "liferaft_rollbacks"
+
+
 def epoch_of(extra: Mapping[str, object]) -> int:
     """The epoch a manifest's ``extra`` records (0: none, or not an integer in range: a save before rollbacks)."""
-    e = extra.get("epoch")
+    e = extra.get(EPOCH_KEY)
     return e if type(e) is int and 0 <= e <= MAX_INT else 0
 
 
@@ -358,6 +363,7 @@ def restore_candidates(listing: list[StepInfo], step: int | None, url: str,
 
 __all__ = [
     "BRANCHES",
+    "EPOCH_KEY",
     "INTENT",
     "PINS",
     "STEP_PREFIX",

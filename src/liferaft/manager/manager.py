@@ -27,6 +27,7 @@ from liferaft.errors import LiferaftError, OptionsError, ReadOnlyRootError
 from liferaft.manager.identity import this_job
 from liferaft.manager.lease import LEASE, Lease, record_start
 from liferaft.manager.listing import (  # noqa: F401 - PINS, _parse_step: re-exported for tools.steps
+    EPOCH_KEY,
     PINS,
     StepInfo,
     _parse_step,
@@ -48,7 +49,7 @@ from liferaft.manager.policies import (
     mtbf_from_starts,
 )
 from liferaft.manager.preemption import preemption_handlers
-from liferaft.manager.rollback import Branches, check_pins, check_step, forget_after, live, pinned_after
+from liferaft.manager.rollback import Branches, check_pins, check_step, live, pinned_after
 from liferaft.manager.startup import RootStart
 from liferaft.manager.tiering import Tiers, first_that_loads
 from liferaft.manager.voting import Views, agree
@@ -148,7 +149,6 @@ class CheckpointManager:
         self._last_step: int | None = None
         self._rolled_back: int | None = None    # restore(state, step=K): the steps after K go at the next save
         self._damaged: set[int] = set()         # committed steps the last restore skipped as damaged
-        self._gone_back: int | None = None      # rank 0: the rollback recorded in BRANCHES, its removal unfinished
         # a full save was started by this manager or restored: with a step log, its records have a base to replay
         # onto (the same on every rank: saves start collectively)
         self._has_base = False
@@ -184,6 +184,8 @@ class CheckpointManager:
                 self._steplog = StepLog(tiers.memory, replicas=step_log.replicas, max_steps=step_log.max_steps,
                                         process_group=process_group, timeout=self.save_options.timeout,
                                         allow_pickle=self.save_options.allow_pickle, owner=self.storage.url)
+                self._steplog.epoch = len(self._branches)
+                self._steplog.live = lambda s, e: live(s, e, self._branches)
         except BaseException:
             self._abandon()                 # (no manager: its start's clean-up and lease must not outlive it)
             raise
@@ -329,7 +331,9 @@ class CheckpointManager:
                 self._steplog.start_fresh(state)
             return None
         done, self.last_load = got
-        self._damaged = {i.step for i in listing or () if i.step > done and i.status == "committed"}
+        # (restoring the newest: the newer committed steps were skipped as damaged; not after a rollback)
+        self._damaged = {i.step for i in listing or () if i.step > done and i.status == "committed"} \
+            if step is None else set()
         self.lossy_state = self.coord.run_on_zero(lambda: self._lossy_of(done), "restore (lossy state)")
         self._has_base = True
         # (the saves since a full one: known from the root's listing; restored from memory unlisted, the next
@@ -443,7 +447,7 @@ class CheckpointManager:
             # (skipped on every rank while the previous memory save or a save to the root is still running)
             with self._quiet():
                 self._tiers.save(step, state, replace(self.save_options, metadata={
-                    **dict(self.save_options.metadata), "step": step, "epoch": len(self._branches)}))
+                    **dict(self.save_options.metadata), "step": step, EPOCH_KEY: len(self._branches)}))
         full_log = log_full
         if full_log:
             # a save in flight frees the ring once durable: wait for it rather than start another; then every rank
@@ -493,20 +497,21 @@ class CheckpointManager:
         pinned = self.coord.run_on_zero(lambda: pinned_after(self._list(), after), "rollback (pins)")
         check_pins([], after, self.storage.url, pinned)      # (on every rank, before anything changes)
 
+        if self._steplog is not None:
+            self._steplog.go_on()               # (first: a crash after BRANCHES must find no record to replay)
+
         def forget() -> Branches:
-            if self.coord.rank == 0 and self._gone_back != after:
-                self._root_start.go_back(after, self._list())   # (BRANCHES first, then the root's steps)
-                self._gone_back = after         # (a retry after a failure records no second rollback)
-            elif self.coord.rank == 0:
-                forget_after(self.storage, after, self._list())
+            if self.coord.rank == 0:            # (BRANCHES first, then the root's steps; a retry records no second)
+                self._root_start.go_back(after, self._list())
             if self._tiers is not None:
                 self._tiers.forget_after(after, self.coord.rank == 0)
             return self._root_start.branches if self.coord.rank == 0 else ()
 
         self._branches = self.coord.run(forget, "rollback (remove the steps after the restored one)")[0]
+        self._root_start.gone_back()
         if self._steplog is not None:
-            self._steplog.go_on()
-        self._rolled_back = self._gone_back = None
+            self._steplog.epoch = len(self._branches)
+        self._rolled_back, self._damaged = None, set()
 
     def save(self, step: int, state: Any, metrics: Mapping[str, float] | None = None) -> None:
         """Save now, whatever the policies say (same waiting rules as ``maybe_save``)."""
@@ -531,7 +536,7 @@ class CheckpointManager:
 
     def _options(self, step: int, reason: str, metrics: Mapping[str, float] | None, since_full: int) -> SaveOptions:
         """The save options of a save by this manager (its manifest ``extra`` says why and by whom)."""
-        meta = {**dict(self.save_options.metadata), "step": step, "reason": reason, "epoch": len(self._branches),
+        meta = {**dict(self.save_options.metadata), "step": step, "reason": reason, EPOCH_KEY: len(self._branches),
                 "metrics": {k: float(v) for k, v in (metrics or {}).items()}, "job_id": self.job_id,
                 "since_full": since_full, **({"lossy_state": self.lossy_state} if self.lossy_state else {})}
         return replace(self.save_options, metadata=meta)
@@ -618,6 +623,7 @@ class CheckpointManager:
     def _committed(self, step: int, metrics: Mapping[str, float] | None, since_full: int,
                    result: SaveResult | None) -> None:
         self._base = (step, since_full)
+        self._damaged.discard(step)             # (saved again: no longer the damaged copy)
         if self._steplog is not None:
             self._steplog.mark_durable(step)
         if self._auto is not None:

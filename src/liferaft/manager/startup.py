@@ -46,6 +46,7 @@ class RootStart:
         self._intent: int | None = None  # the step INTENT holds, once read or written
         self._newest: int | None = None  # the newest committed step a save must not go behind, once known
         self.branches: Branches = ()     # the root's rollbacks (``BRANCHES``), read by ``read_branches``
+        self._going_back: int | None = None  # the rollback recorded in BRANCHES whose removal is not done yet
 
     def _list(self) -> list[StepInfo]:
         """The root's steps (a damaged ``PINS`` does not stop a restore: listed unpinned, with a warning; retention
@@ -109,11 +110,17 @@ class RootStart:
         the run's (``rollback.live``)."""
         self.wait()
         check_pins(listing, step, self.storage.url)
-        self.branches = self.branches + ((len(self.branches) + 1, step),)
-        write_branches(self.storage, self.branches)
+        if self._going_back != step:            # (a retry after a failed removal records no second rollback)
+            self.branches = self.branches + ((len(self.branches) + 1, step),)
+            write_branches(self.storage, self.branches)
+            self._going_back = step
         self._changed = True
         forget_after(self.storage, step, listing)
         self._newest = step
+
+    def gone_back(self) -> None:
+        """The rollback ``go_back`` recorded is done on every rank: the next one is another."""
+        self._going_back = None
 
     def live(self, info: StepInfo) -> bool:
         """Whether a listed step belongs to the root's run (``rollback.live``)."""

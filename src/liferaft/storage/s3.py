@@ -214,17 +214,20 @@ class S3Storage(Storage):
             return 0
         return self._ranged(name, offset, len(mv), mv)[1]
 
-    def _ranged(self, name: str, start: int, length: int, out: memoryview | None = None) -> tuple[bytes, int]:
-        """One ranged GET of bytes ``start..start+length`` (fewer at the end of the object): the body streamed into
-        ``out`` (or returned), never more kept than asked, and checked against the range the server says it sent
-        and the object's size (a hostile or broken server: a short or long body, another range, a 416 inside the
-        object are S3StorageError naming the object, never bytes taken as data). (data, bytes read)."""
+    def _ranged(self, name: str, start: int, length: int | None, out: memoryview | None = None
+                ) -> tuple[bytes, int]:
+        """One ranged GET of bytes ``start..start+length`` (fewer at the end of the object; ``length`` None: one
+        GET of the whole object, ``start`` 0): the body streamed into ``out`` (or returned), never more kept than
+        asked, and checked against the range the server says it sent and the object's size (a hostile or broken
+        server: a short or long body, another range, a 416 inside the object are S3StorageError naming the
+        object, never bytes taken as data). (data, bytes read)."""
         import obstore
 
         where = self._where(name)
+        options = {} if length is None else {"range": (start, start + length)}
         try:
-            res = self._call(name, "ranged GET", lambda st, k: obstore.get(st, k, options={
-                "range": (start, start + length)}))
+            res = self._call(name, "GET" if length is None else "ranged GET",
+                             lambda st, k: obstore.get(st, k, options=options))
         except S3StorageError as e:
             if "status code: 416" not in str(e.__cause__):
                 raise
@@ -234,10 +237,10 @@ class S3Storage(Storage):
                                      "(416)") from None
             return b"", 0
         size = int(res.meta["size"])
-        want = max(0, min(length, size - start))
+        want = size if length is None else max(0, min(length, size - start))
         lo, hi = res.range
         if (lo, hi) != (start, start + want):
-            raise S3StorageError(f"{where}: asked for bytes {start}..{start + length} of an object of {size} bytes, "
+            raise S3StorageError(f"{where}: asked for bytes {start}..{start + want} of an object of {size} bytes, "
                                  f"the server answered with bytes {lo}..{hi}")
         got, parts = 0, []
         try:
@@ -278,8 +281,7 @@ class S3Storage(Storage):
                 raise CorruptCheckpointError(f"{self._where(name)} holds more than the {limit} bytes liferaft "
                                              "reads of such a file; it is damaged or not what its name says")
             return data
-        size = self.size(name)
-        return self._ranged(name, 0, size)[0] if size else b""
+        return self._ranged(name, 0, None)[0]
 
     def size(self, name: str) -> int:
         import obstore
@@ -320,9 +322,13 @@ class S3Storage(Storage):
         deadline = time.monotonic() + 4 * self.total_timeout
         seen: set[str] = set()
         for k in keys:
+            if p and k in (p, p + "/"):
+                continue                    # the prefix's folder marker ("Create folder", rclone, s3fs)
             name = k[len(p) + 1:] if p and k.startswith(p + "/") else k if not p else None
-            if not name or name in seen:
-                why = "lies outside the prefix" if name is None or not name else "is listed twice"
+            if name is not None and (name == "" or name.endswith("/")):
+                continue                    # a folder marker: no object of ours
+            if name is None or name in seen:
+                why = "lies outside the prefix" if name is None else "is listed twice"
                 raise S3StorageError(f"{self.url}: the listing's key {k!r:.200} {why}: the server's answer is "
                                      "broken or hostile; nothing is listed")
             if time.monotonic() > deadline:

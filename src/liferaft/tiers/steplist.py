@@ -12,6 +12,7 @@ this rank's own folder, filled and verified here. Nothing here talks to other ra
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from liferaft.errors import LiferaftError
@@ -40,7 +41,8 @@ class Listing:
     thin: dict[str, Held] = field(default_factory=dict)
 
 
-def list_node(root: str, nodes: list[str], rank: int, world: int, owner: str, full: int, kept: Kept) -> Listing:
+def list_node(root: str, nodes: list[str], rank: int, world: int, owner: str, full: int, kept: Kept,
+              live: Callable[[int, int], bool] = lambda step, epoch: True) -> Listing:
     """The records newer than ``full`` under ``root`` that ``rank`` lists (its own, and the replicas of ranks on
     other nodes; other ranks of this node list their own): see ``Listing``. ``rank``'s own records are read whole
     and verified, their bytes set aside in ``kept[step]`` for the replay."""
@@ -74,15 +76,16 @@ def list_node(root: str, nodes: list[str], rank: int, world: int, owner: str, fu
             except (LiferaftError, OSError) as e:
                 out.records[(-1, len(out.records))] = (f"refused: {e}", 0, -1)      # reported with the outcome
                 continue
-            if foreign(h, owner, out.records):
-                continue
+            if foreign(h, owner, out.records) or not live(h.step, record_epoch(h)):
+                continue                    # (not live: a record of a run the root rolled back from)
             out.records[(h.doc["rank"], h.step)] = (rel, h.length, h.doc["world"])
             if own and h.doc["rank"] == rank:
                 out.slots[int(name.split("-")[1])] = h.step
                 kept[h.step] = (h, data, os.path.join(root, rel))
     for h, rel, held, own in thin:
         try:
-            if foreign(h, owner, out.records) or held.step != h.step or held.source != h.doc["rank"]:
+            if foreign(h, owner, out.records) or held.step != h.step or held.source != h.doc["rank"] \
+                    or not live(h.step, record_epoch(h)):
                 continue
             home = home_of(root, rank, held, kept)     # (checked: the runs inside it; None: not on this node)
             if home is None:
@@ -99,6 +102,12 @@ def list_node(root: str, nodes: list[str], rank: int, world: int, owner: str, fu
         except (LiferaftError, OSError) as e:
             out.records[(-1, len(out.records))] = (f"refused: {os.path.join(root, rel)} (a replica): {e}", 0, -1)
     return out
+
+
+def record_epoch(h: Header) -> int:
+    """The manager's rollbacks before the record was written (its header's ``epoch``; 0: none recorded)."""
+    e = h.doc.get("epoch")
+    return e if type(e) is int and e >= 0 else 0
 
 
 def foreign(h: Header, owner: str, records: dict[tuple[int, int], tuple[str, int, int]]) -> bool:

@@ -23,7 +23,7 @@ import shutil
 import threading
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -95,6 +95,10 @@ class StepLog:
         self._recorded: int | None = None           # the step of the last record published
         self._lag: int | None = None                # records published while the last full checkpoint became durable
         self._diverged_at: int | None = None        # restore(step=K): records > K dropped at the next record
+        #: the manager's rollbacks so far (every record says how many: ``epoch``), and whether a record of ``step``
+        #: written at ``epoch`` belongs to its run (``manager.rollback.live``; set by the manager)
+        self.epoch = 0
+        self.live: Callable[[int, int], bool] = lambda step, epoch: True
         self._expect: int | None = None             # the step the next record should be of (None: unknown)
         self._cuda: list[tuple[torch.Tensor, Any, int, dict[str, Any], torch.device]] = []
         self._streams: dict[torch.device, Any] = {}        # a side stream per CUDA device (copies of its tensors)
@@ -256,7 +260,7 @@ class StepLog:
         live = optsteps.LiveIds(self.optimizers or [])      # (found only if the walk meets a tensor: most steps do not)
         rest = self._rest.capture(state, live, self._put, self.allow_pickle)
         self._drain_cuda(cur["file"])       # (after the rest: its CUDA tensors, e.g. buffers, are copied there too)
-        header = encode_header({"format": FORMAT, "checksum": RECORD_CHECKSUM, "step": step, "rank": self.rank, "world": self.world, "owner": self.owner,
+        header = encode_header({"format": FORMAT, "checksum": RECORD_CHECKSUM, "step": step, "rank": self.rank, "world": self.world, "owner": self.owner, "epoch": self.epoch,
                                 "layout": self.layout[0], "calls": cur["calls"], "rest": rest})
         off = cur["pos"]
         f: _Slot = cur["file"]
@@ -432,7 +436,7 @@ class StepLog:
     def _list(self, full: int, kept: dict[int, tuple[Header, bytearray, str]]) -> dict[tuple[int, int],
                                                                                       tuple[str, int, int]]:
         """``steplist.list_node`` for this rank; notes the slots of its own records and the held replicas."""
-        got = list_node(self.root, self.nodes, self.rank, self.world, self.owner, full, kept)
+        got = list_node(self.root, self.nodes, self.rank, self.world, self.owner, full, kept, self.live)
         self._thin = got.thin
         self._held.update(got.slots)
         return got.records
