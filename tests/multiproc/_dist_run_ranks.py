@@ -89,7 +89,7 @@ def tier_listing_fails_on_one_rank(rank: int, world: int, base: str) -> tuple[st
     from liferaft.tiers.memory import MemoryTier
 
     class ListingFails(MemoryTier):
-        def _listing(self, step: int):  # type: ignore[no-untyped-def]
+        def _listing(self, step: int, accept=None):  # type: ignore[no-untyped-def]
             raise FileNotFoundError(f"{self.root}: the node's copy of step {step} vanished while listing")
 
     tier = (ListingFails if rank == 1 else MemoryTier)("listing-test", node=f"n{rank}", base=base, replicas=0,

@@ -148,12 +148,12 @@ def test_a_damaged_newest_step_a_restore_skipped_is_never_ranked_the_newest(tmp_
     import warnings
 
     root = str(tmp_path / "run")
-    st = lambda v: {"w": torch.full((256, 256), float(v))}     # noqa: E731
+    st = lambda v: {"w": torch.full((256, 256), float(v))}
     with CheckpointManager(root, every_steps=10, async_save=False) as mgr:
         for n in range(21):
             mgr.maybe_save(n, st(n))                            # 0, 10, 20
-    data = sorted(p for p in glob.glob(f"{root}/step-0000000020/**", recursive=True)
-                  if os.path.isfile(p) and os.path.getsize(p) > 100_000)[0]
+    data = min(p for p in glob.glob(f"{root}/step-0000000020/**", recursive=True)
+                  if os.path.isfile(p) and os.path.getsize(p) > 100_000)
     with open(data, "r+b") as f:                                # bit rot in step 20's data
         f.seek(100)
         b = f.read(1)

@@ -380,8 +380,9 @@ def _decode_tensor(t: dict[str, Any], name: str, files: Mapping[str, int], codec
     if kind not in TENSOR_KINDS:
         raise _fail(where, f"unknown kind {kind!r}")
     shape = _ints(t.get("shape"), where, max_len=MAX_NDIM)
-    if kind in KIND_HOLDS and (dtype not in KIND_HOLDS[kind][0] or KIND_HOLDS[kind][1] not in (None, len(shape))):
-        raise _fail(where, f"a value of kind {kind!r} cannot be a {len(shape)}-d {dtype} tensor")
+    ndim = len(shape) - (t.get("per_rank") is not None)        # (values stored per rank: one row per rank)
+    if kind in KIND_HOLDS and (dtype not in KIND_HOLDS[kind][0] or KIND_HOLDS[kind][1] not in (None, ndim)):
+        raise _fail(where, f"a value of kind {kind!r} cannot be a {ndim}-d {dtype} tensor")
     _product(shape, DTYPE_ITEMSIZE[dtype], where)
     raw_chunks = t.get("chunks", [])
     if type(raw_chunks) is not list:
