@@ -4,7 +4,7 @@
 them) until the run goes on: the first ``maybe_save`` or ``save`` after it starts another run, an epoch of the root.
 Before it saves anything the manager records the rollback in the root's ``BRANCHES`` ((epoch, K), appended), then
 removes the steps newer than K from the root, every node's memory tier, the remote tier and the per-step log. Every
-save records its epoch (``extra.epoch``); a step saved in an earlier epoch than a rollback to before it is
+save records its epoch (``extra.liferaft_rollbacks``; the per-step log's records too); a step saved in an earlier epoch than a rollback to before it is
 abandoned (``live``), wherever a copy of it is left — a node that missed the rollback and comes back with its
 memory, a removal a crash interrupted — and no restore, retention pass or order check takes it. Left there,
 abandoned steps would be the newest at the next restart (a resume on the abandoned run), retention would keep them
