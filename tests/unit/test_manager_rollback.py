@@ -173,32 +173,36 @@ def test_a_damaged_newest_step_a_restore_skipped_is_never_ranked_the_newest(tmp_
     assert torch.equal(got["w"], st(15)["w"])
 
 
+def _logged_state() -> dict:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    return {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.1)}
+
+
+def _logged_step(st: dict, n: int, run: int) -> None:
+    g = torch.Generator().manual_seed(n + 1000 * run)
+    st["model"](torch.randn(5, 4, generator=g)).pow(2).mean().backward()
+    st["optim"].step()
+    st["optim"].zero_grad()
+
+
+def _logged_manager(tmp_path, shm: str, job: str) -> CheckpointManager:
+    """A manager with the per-step log (full checkpoints only every 100 steps: the records carry the run)."""
+    import os
+
+    from liferaft import MemoryTier, StepLogOptions, TierOptions
+
+    tier = MemoryTier(job, node="n0", base=os.path.join(shm, "tier"))
+    return CheckpointManager(str(tmp_path / "root"), every_steps=100, async_save=False,
+                             tiers=TierOptions(memory=tier, memory_every=10**6, drain=False),
+                             step_log=StepLogOptions(replicas=1, max_steps=64))
+
+
 def test_a_rollback_whose_first_call_is_save_drops_the_step_logs_newer_records(tmp_path, shm):
     """With the per-step log, records 1..20 of run 1 follow the full checkpoint 0; run 2 rolls back to 0, trains
     step 1 on other data and saves it with save() (not maybe_save): the old records go then, so a restart resumes
     run 2's step 1, never run 1's records replayed onto it."""
-    import os
-
-    from torch import nn
-
-    from liferaft import MemoryTier, StepLogOptions, TierOptions
-
-    def state():
-        torch.manual_seed(0)
-        model = nn.Linear(4, 2)
-        return {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.1)}
-
-    def step(st, n, run):
-        g = torch.Generator().manual_seed(n + 1000 * run)
-        st["model"](torch.randn(5, 4, generator=g)).pow(2).mean().backward()
-        st["optim"].step()
-        st["optim"].zero_grad()
-
-    def manager():
-        tier = MemoryTier("rollback-unit", node="n0", base=os.path.join(shm, "tier"))
-        return CheckpointManager(str(tmp_path / "root"), every_steps=100, async_save=False,
-                                 tiers=TierOptions(memory=tier, memory_every=10**6, drain=False),
-                                 step_log=StepLogOptions(replicas=1, max_steps=64))
+    state, step, manager = _logged_state, _logged_step, lambda: _logged_manager(tmp_path, shm, "rollback-unit")
 
     st = state()
     with manager() as mgr:
@@ -240,31 +244,15 @@ def test_gc_from_the_command_line_never_keeps_an_abandoned_step_as_the_newest(tm
 def test_a_rollback_recorded_but_not_carried_out_replays_no_abandoned_record(tmp_path, shm):
     """A crash after the rollback to 0 was recorded in BRANCHES, before run 1's per-step records were dropped (here:
     BRANCHES written by hand): the records say which epoch wrote them, and a restart replays none of run 1's."""
-    import os
-
-    from torch import nn
-
-    from liferaft import MemoryTier, StepLogOptions, TierOptions
     from liferaft.manager.listing import write_branches
 
-    def state():
-        torch.manual_seed(0)
-        model = nn.Linear(4, 2)
-        return {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.1)}
-
-    def manager():
-        tier = MemoryTier("rollback-unit2", node="n0", base=os.path.join(shm, "tier"))
-        return CheckpointManager(str(tmp_path / "root"), every_steps=100, async_save=False,
-                                 tiers=TierOptions(memory=tier, memory_every=10**6, drain=False),
-                                 step_log=StepLogOptions(replicas=1, max_steps=64))
+    state, manager = _logged_state, lambda: _logged_manager(tmp_path, shm, "rollback-unit2")
 
     st = state()
     with manager() as mgr:
         mgr.restore(st)
         for n in range(21):
-            st["model"](torch.randn(5, 4, generator=torch.Generator().manual_seed(n))).pow(2).mean().backward()
-            st["optim"].step()
-            st["optim"].zero_grad()
+            _logged_step(st, n, 0)
             mgr.maybe_save(n, st)
         want = {k: v.clone() for k, v in st["model"].state_dict().items()}
     got = state()
