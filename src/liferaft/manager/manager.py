@@ -12,19 +12,18 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import Any, Self, TypeVar
+from typing import Any, Self
 
 from liferaft.core.load import load
-from liferaft.core.save import AsyncSaveHandle, async_save, save
 from liferaft.dist import Coordinator, MaxVote
 from liferaft.errors import LiferaftError, OptionsError, ReadOnlyRootError
 from liferaft.manager.identity import this_job
+from liferaft.manager.inflight import Finished, SavesInFlight
 from liferaft.manager.lease import LEASE, Lease, record_start
 from liferaft.manager.listing import (  # noqa: F401 - PINS, _parse_step: re-exported for tools.steps
     EPOCH_KEY,
@@ -40,33 +39,23 @@ from liferaft.manager.listing import (  # noqa: F401 - PINS, _parse_step: re-exp
     step_name,
     write_pins,
 )
-from liferaft.manager.options import JobOptions, PreemptionOptions, StepLogOptions, TierOptions
+from liferaft.manager.options import JobOptions, PreemptionOptions, StepLogOptions, TierOptions, check_kinds
 from liferaft.manager.policies import (
     PRIOR_MTBF_HOURS,
     AutoInterval,
     RetentionPolicy,
     SavePolicy,
     mtbf_from_starts,
+    with_shorthand,
 )
-from liferaft.manager.preemption import preemption_handlers
+from liferaft.manager.preemption import Preemption
 from liferaft.manager.rollback import Branches, check_pins, check_step, live, pinned_after
 from liferaft.manager.startup import RootStart
 from liferaft.manager.tiering import Tiers, first_that_loads
 from liferaft.manager.voting import Views, agree
-from liferaft.options import LoadOptions, LoadResult, SaveOptions, SaveResult, check_path
+from liferaft.options import LoadOptions, LoadResult, SaveOptions, check_path
 from liferaft.storage import Storage, resolve
 from liferaft.tiers.steplog import StepLog
-
-_P = TypeVar("_P", SavePolicy, RetentionPolicy)
-
-
-def _with(policy: _P, name: str, value: int | None) -> _P:
-    """``policy`` with the shorthand ``name=value`` of the constructor applied (given once, not twice)."""
-    if value is None:
-        return policy
-    if getattr(policy, name) is not None:
-        raise OptionsError(f"{name} is given twice: as {name}={value} and in {type(policy).__name__}; give it once")
-    return replace(policy, **{name: value})
 
 
 def _run_all(calls: list[Callable[[], object] | None]) -> BaseException | None:
@@ -113,18 +102,14 @@ class CheckpointManager:
                  save_options: SaveOptions | None = None, load_options: LoadOptions | None = None,
                  step_log: StepLogOptions | None = None, process_group: Any = None) -> None:
         check_path(root, "CheckpointManager(root=...)")
-        for name, value, kind in (("save_policy", save_policy, SavePolicy), ("retention", retention, RetentionPolicy),
-                                  ("tiers", tiers, TierOptions), ("preemption", preemption, PreemptionOptions),
-                                  ("job", job, JobOptions), ("save_options", save_options, SaveOptions),
-                                  ("load_options", load_options, LoadOptions),
-                                  ("step_log", step_log, StepLogOptions)):
-            if value is not None and not isinstance(value, kind):
-                raise OptionsError(f"CheckpointManager({name}=...) must be a {kind.__name__} (or None), got "
-                                   f"{type(value).__name__}")
+        check_kinds("CheckpointManager", save_policy=(save_policy, SavePolicy), retention=(retention, RetentionPolicy),
+                    tiers=(tiers, TierOptions), preemption=(preemption, PreemptionOptions), job=(job, JobOptions),
+                    save_options=(save_options, SaveOptions), load_options=(load_options, LoadOptions),
+                    step_log=(step_log, StepLogOptions))
         if not isinstance(async_save, bool):
             raise OptionsError(f"CheckpointManager(async_save=...) must be True or False, got {async_save!r}")
-        self.save_policy = _with(save_policy or SavePolicy(), "every_steps", every_steps)
-        self.retention = _with(retention or RetentionPolicy(), "keep_last", keep_last)
+        self.save_policy = with_shorthand(save_policy or SavePolicy(), "every_steps", every_steps)
+        self.retention = with_shorthand(retention or RetentionPolicy(), "keep_last", keep_last)
         self.preemption = preemption or PreemptionOptions()
         job = job or JobOptions()
         self.async_save = async_save
@@ -137,15 +122,9 @@ class CheckpointManager:
         self.storage = resolve(root)
         self.coord = Coordinator(process_group, self.save_options.timeout)
         self.preempted = False
-        self._signalled = threading.Event()
-        self._installed = False                 # this manager is in the handler chain of its signals
-        self._handlers_wanted = False           # installed (or asked for) on every rank: maybe_save agrees
+        self._preemption = Preemption(self.preemption)
         self._vote: MaxVote | None = None      # the votes cast at the end of the last maybe_save, under way
         self._last_call: int | None = None     # the step of the last maybe_save
-        # (step, handle, metrics, saves since a full one, the step it references or None)
-        self._inflight: tuple[int, AsyncSaveHandle, Mapping[str, float], int, int | None] | None = None
-        self._draining: tuple[int, Mapping[str, float]] | None = None
-        self._base: tuple[int, int] | None = None       # (newest committed step, its saves since a full one)
         self._last_step: int | None = None
         self._rolled_back: int | None = None    # restore(state, step=K): the steps after K go at the next save
         self._damaged: set[int] = set()         # committed steps the last restore skipped as damaged
@@ -158,7 +137,6 @@ class CheckpointManager:
         self._deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="liferaft-retention") \
             if self.coord.rank == 0 else None
         self._closed = False
-        self._stall = 0.0
         self._root_start = RootStart(self.storage)     # (rank 0's: the start's clean-up, INTENT)
 
         def identify() -> tuple[str, str]:      # rank 0's identity is the job's
@@ -179,6 +157,7 @@ class CheckpointManager:
                 mtbf_from_starts(starts, PRIOR_MTBF_HOURS * 3600.0, time.time())
             self._auto = AutoInterval(mtbf_s=mtbf_s) if self.save_policy.auto_interval else None
             self._tiers = Tiers(tiers, self.storage, self.coord, process_group, mtbf_s) if tiers is not None else None
+            self._saves = SavesInFlight(self._tiers, process_group)
             self._steplog: StepLog | None = None
             if step_log is not None and tiers is not None:
                 self._steplog = StepLog(tiers.memory, replicas=step_log.replicas, max_steps=step_log.max_steps,
@@ -261,15 +240,10 @@ class CheckpointManager:
         the nodes); on rank 0 after the start's clean-up of interrupted saves (which runs in the background from
         the start: another rank may still list their steps as incomplete)."""
         self._root_start.wait()
-        out = {i.step: replace(i, tiers=("root",) if i.status == "committed" else ()) for i in self._list(deep=verify)}
-        if self._tiers is not None:
-            for step in self._tiers.local_steps():
-                info = out.get(step)
-                if info is None:
-                    out[step] = StepInfo(step, self._tiers.step_url(step), "committed", tiers=("memory",))
-                else:
-                    out[step] = replace(info, status="committed", tiers=info.tiers + ("memory",))
-        return [out[s] for s in sorted(out)]
+        listing = self._list(deep=verify)
+        if self._tiers is None:
+            return [replace(i, tiers=("root",) if i.status == "committed" else ()) for i in listing]
+        return self._tiers.listed(listing)
 
     # ------------------------------------------------------------------ restore
 
@@ -287,7 +261,7 @@ class CheckpointManager:
         (``manager.rollback``; docs/MANAGER.md, "Going back")."""
         step = None if step is None else check_step(step, "restore")
         self.last_load = None
-        if self._inflight is not None or self._draining is not None:
+        if self._saves.busy:
             try:
                 self.wait()                 # a save still in flight commits first, so that restore sees it
             except LiferaftError as e:
@@ -339,7 +313,7 @@ class CheckpointManager:
         # (the saves since a full one: known from the root's listing; restored from memory unlisted, the next
         # save to the root is a full one)
         since = next((i.since_full for i in listing or () if i.status == "committed" and i.step == done), None)
-        self._base = (done, since) if since is not None else None      # None: the next save is a full one
+        self._saves.base = (done, since) if since is not None else None    # None: the next save is a full one
         self._root_start.restored(done)
         self._rolled_back = done if step is not None else None
         if self._steplog is not None and step is not None:
@@ -356,12 +330,8 @@ class CheckpointManager:
         thread: OptionsError elsewhere). A signal only sets a flag; the next ``maybe_save`` saves. Done by the
         first ``maybe_save`` from the main thread unless ``install="explicit"``; idempotent; ``close()`` puts
         the previous ones back (``preemption.PreemptionHandlers``: any number of managers, closed in any order)."""
-        if self._closed or not self.preemption.signals or self._installed:
-            return
-        if threading.current_thread() is not threading.main_thread():
-            raise OptionsError("handle_preemption() installs signal handlers: call it from the main thread")
-        preemption_handlers.add(self._signalled, self.preemption.signals)
-        self._installed = self._handlers_wanted = True
+        if not self._closed:
+            self._preemption.install()
 
     # ------------------------------------------------------------------ saving
 
@@ -374,11 +344,8 @@ class CheckpointManager:
         interval, the per-step log's ring) is voted at the end of each call and acted on by every rank at the
         next: one step later than the rank that saw it, and no round trip at any step (the vote's all-reduce
         runs during the step)."""
-        if self.preemption.install == "first_save" and not self._installed and self.preemption.signals:
-            if threading.current_thread() is threading.main_thread():
-                self.handle_preemption()
-            else:                   # (handlers only from the main thread; still agree with the ranks that have)
-                self._handlers_wanted = True
+        if not self._closed:
+            self._preemption.at_first_save()
         step = check_step(step, "maybe_save")
         self._go_on()
         if self._steplog is not None:
@@ -386,7 +353,7 @@ class CheckpointManager:
         reason = "force" if force else self.save_policy.due(step, time.monotonic(), self._last_step,
                                                             self._last_time, self.interval_s)
         log = self._steplog
-        local = Views(reason == "every_seconds", self._signalled.is_set(),
+        local = Views(reason == "every_seconds", self._preemption.signalled,
                       self._tiers is not None and self._tiers.due(step))
         voting = self._voting()
         vote, self._vote = (self._vote, None) if voting else (None, self._vote)
@@ -394,8 +361,8 @@ class CheckpointManager:
         taken = voted is not None       # a vote taken (or reduced) in this call: one is cast, whatever raises
         try:
             self._settle()              # (this rank's view of the saves in flight; the votes make it common)
-            local = local._replace(log_full=log is not None and log.full, log_half=log is not None and log.save_due
-                                   and self._inflight is None and self._draining is None)
+            local = local._replace(log_full=log is not None and log.full,
+                                   log_half=log is not None and log.save_due and not self._saves.busy)
             self._last_call = step
             if voting:
                 auto_memory = self._tiers is not None and self._tiers.auto is not None
@@ -417,7 +384,7 @@ class CheckpointManager:
         """Whether the ranks vote at each ``maybe_save`` (``voting``): with more than one rank, when a decision
         rests on each rank's clock or view (a time interval, a preemption signal, the memory tier's time interval,
         the per-step log's ring)."""
-        return self.coord.world > 1 and (self.save_policy.every_seconds is not None or self._handlers_wanted
+        return self.coord.world > 1 and (self.save_policy.every_seconds is not None or self._preemption.wanted
                                          or self.memory_interval_s is not None or self._steplog is not None)
 
     def _votes(self, step: int) -> Views:
@@ -427,16 +394,12 @@ class CheckpointManager:
         recorded (a save seen finished counted as durable: it will be at the next call), a full checkpoint due to
         free it (``StepLog.save_due``) with no save in flight."""
         log = self._steplog
-        done = None                             # a save this rank sees finished since the call began: its step
-        if self._inflight is not None and self._inflight[1].done():
-            done = self._inflight[0]
-        elif self._draining is not None and self._tiers is not None and not self._tiers.busy:
-            done = self._draining[0]
+        done = self._saves.finished()           # a save this rank sees finished since the call began: its step
         return Views(self.save_policy.time_due(time.monotonic(), self._last_time, self.interval_s),
-                     self._signalled.is_set(),
+                     self._preemption.signalled,
                      self._tiers is not None and self._tiers.auto is not None and self._tiers.due(step),
                      log is not None and log.full_after_next(done),
-                     log is not None and log.save_due and self._inflight is None and self._draining is None)
+                     log is not None and log.save_due and not self._saves.busy)
 
     def _decide(self, step: int, state: Any, metrics: Mapping[str, float] | None, force: bool, reason: str | None,
                 views: Views) -> bool:
@@ -453,7 +416,7 @@ class CheckpointManager:
             # a save in flight frees the ring once durable: wait for it rather than start another; then every rank
             # has the same durable step (the newest save, started by all), so the ring's state is the same on
             # every rank, and only a ring still full takes a synchronous save
-            if self._inflight is not None or self._draining is not None:
+            if self._saves.busy:
                 self.wait()
             full_log = self._steplog is not None and self._steplog.full
         if full_log and self._last_step != step:
@@ -564,7 +527,7 @@ class CheckpointManager:
                   timeout: float | None = None) -> None:
         self._begin_save(step)
         self._has_base = True
-        base = self._base if self._base is not None and self._base[0] != step else None
+        base = self._saves.base if self._saves.base is not None and self._saves.base[0] != step else None
         since = base[1] + 1 if base is not None and base[1] + 1 < self.save_policy.full_every else 0
         # if_busy="wait": a save this manager decided on is never skipped (a skipped one would be taken as
         # committed); another save of the process in flight (the memory tier's) is waited for instead
@@ -572,78 +535,51 @@ class CheckpointManager:
                        incremental_base=step_name(base[0]) if base is not None and since else None)
         if timeout is not None:                     # a preemption save: no rank waits past the deadline
             opts = replace(opts, timeout=min(opts.timeout, timeout))
-        target = self._step_storage(step)
         self._last_step, self._last_time = step, time.monotonic()
-        t0 = time.perf_counter()
-        if wait:
-            res = save(target, state, process_group=self.process_group, options=opts)
-            self._stall = time.perf_counter() - t0
-            self._committed(step, metrics, since, res)
-            return
-        handle = async_save(target, state, process_group=self.process_group, options=opts)
-        assert handle is not None
-        self._stall = time.perf_counter() - t0
-        self._inflight = (step, handle, dict(metrics or {}), since, base[0] if base is not None and since else None)
+        self._committed(self._saves.save(step, state, self._step_storage(step), opts, metrics, since,
+                                         base[0] if base is not None and since else None, wait))
 
     def _drain_save(self, step: int, state: Any, metrics: Mapping[str, float] | None, reason: str) -> None:
         """Save into the memory tier and drain that copy to the root in the background (a full step)."""
         assert self._tiers is not None
         self._begin_save(step)
         self._has_base = True
-        opts = self._options(step, reason, metrics, 0)
         self._last_step, self._last_time = step, time.monotonic()
-        t0 = time.perf_counter()
-        self._tiers.drain_save(step, state, opts, wait=not self.async_save)
-        self._stall = time.perf_counter() - t0
-        self._draining = (step, dict(metrics or {}))
-        if not self.async_save:
-            self.wait()
+        self._committed(self._saves.drain_save(step, state, self._options(step, reason, metrics, 0), metrics,
+                                               not self.async_save))
 
     def _settle(self) -> None:
         """If the save in flight has finished, account for it (raises its error)."""
-        if self._inflight is not None and self._inflight[1].done():
-            self.wait()
-        if self._draining is not None and self._tiers is not None and not self._tiers.busy:
-            self.wait()
+        self._committed(self._saves.settle())
 
     def wait(self) -> None:
         """Wait for the save in flight (raises what it raised, on every rank)."""
-        if self._draining is not None and self._tiers is not None:
-            step, metrics = self._draining
-            self._draining = None
-            self._tiers.wait()
-            self._committed(step, metrics, 0, None)
-        if self._inflight is None:
-            return
-        step, handle, metrics, since, _ = self._inflight
-        self._inflight = None
-        res = handle.wait()
-        self._committed(step, metrics, since, res)
+        self._committed(self._saves.wait())
 
-    def _committed(self, step: int, metrics: Mapping[str, float] | None, since_full: int,
-                   result: SaveResult | None) -> None:
-        self._base = (step, since_full)
-        self._damaged.discard(step)             # (saved again: no longer the damaged copy)
-        if self._steplog is not None:
-            self._steplog.mark_durable(step)
-        if self._auto is not None:
-            # per rank (no collective here: ranks see a save finish at different calls); maybe_save agrees on the
-            # time policy's decision anyway
-            persist = float(result.timings.get("total", self._stall)) if result is not None else self._stall
-            self._auto.record(self._stall, persist)
-        if metrics:
-            self._metrics[step] = dict(metrics)
-        if self._deleter is not None and self.retention.deletes_anything:
-            self._deleter.submit(self._apply_retention)     # one worker: passes run one after the other
+    def _committed(self, finished: list[Finished]) -> None:
+        """Account for the saves of this manager that committed (``SavesInFlight``): the per-step log's ring is
+        freed up to them, the auto interval learns their cost, retention runs."""
+        for f in finished:
+            self._damaged.discard(f.step)       # (saved again: no longer the damaged copy)
+            if self._steplog is not None:
+                self._steplog.mark_durable(f.step)
+            if self._auto is not None:
+                # per rank (no collective here: ranks see a save finish at different calls); maybe_save agrees on
+                # the time policy's decision anyway
+                stall = self._saves.stall
+                self._auto.record(stall, float(f.result.timings.get("total", stall)) if f.result is not None
+                                  else stall)
+            if f.metrics:
+                self._metrics[f.step] = dict(f.metrics)
+            if self._deleter is not None and self.retention.deletes_anything:
+                self._deleter.submit(self._apply_retention)     # one worker: passes run one after the other
 
     def _apply_retention(self) -> None:
         """Rank 0, background: delete committed steps the retention policy does not keep (never the step being
         saved, nor the base it references: its manifest is not there yet, nor a step being read)."""
-        inflight = self._inflight
-        busy = {inflight[0], inflight[4]} - {None} if inflight is not None else set()
         try:
-            apply_retention(self.storage, self.retention, self._metrics, busy | self._reading, self._live,
-                            self._damaged)
+            apply_retention(self.storage, self.retention, self._metrics, self._saves.busy_steps() | self._reading,
+                            self._live, self._damaged)
         except Exception as e:  # noqa: BLE001 - retention must not stop training; it runs again after the next save
             warnings.warn(f"liferaft: removing old checkpoints under {self.storage.url} failed: {e}", stacklevel=2)
 
@@ -674,9 +610,7 @@ class CheckpointManager:
                         self._steplog.close if self._steplog is not None else None,
                         # (its warnings: an error when warnings are errors, raised below)
                         self._root_start.wait if self._deleter is not None else None])
-        if self._installed:
-            preemption_handlers.remove(self._signalled)
-            self._installed = False
+        self._preemption.remove()
         if self._deleter is not None:
             self._deleter.shutdown(wait=True)
         if self._lease is not None:

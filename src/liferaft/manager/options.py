@@ -17,6 +17,13 @@ if TYPE_CHECKING:
     from liferaft.storage import Storage
     from liferaft.tiers.memory import MemoryTier
 
+def check_kinds(owner: str, **given: tuple[object, type]) -> None:
+    """Each option ``name=(value, kind)`` of ``owner`` is a ``kind`` or None (OptionsError naming it)."""
+    for name, (value, kind) in given.items():
+        if value is not None and not isinstance(value, kind):
+            raise OptionsError(f"{owner}({name}=...) must be a {kind.__name__} (or None), got {type(value).__name__}")
+
+
 DEFAULT_SIGNALS: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1)
 
 

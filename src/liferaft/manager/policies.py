@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass, field, replace
+from typing import Literal, TypeVar
 
 from liferaft.errors import OptionsError
 from liferaft.options import MetricMode
@@ -210,6 +210,18 @@ class AutoInterval:
         from liferaft.manager.goodput import young_daly
 
         return max(young_daly(self.stall_s, self.mtbf_s), self.persist_s, 1.0)
+
+
+_P = TypeVar("_P", SavePolicy, RetentionPolicy)
+
+
+def with_shorthand(policy: _P, name: str, value: int | None) -> _P:
+    """``policy`` with a constructor's shorthand ``name=value`` applied (given once, not twice: OptionsError)."""
+    if value is None:
+        return policy
+    if getattr(policy, name) is not None:
+        raise OptionsError(f"{name} is given twice: as {name}={value} and in {type(policy).__name__}; give it once")
+    return replace(policy, **{name: value})
 
 
 def mtbf_from_starts(starts: Sequence[float], prior_s: float, now: float) -> float:

@@ -13,6 +13,9 @@ import signal
 import threading
 from typing import Any
 
+from liferaft.errors import OptionsError
+from liferaft.manager.options import PreemptionOptions
+
 
 class PreemptionHandlers:
     def __init__(self) -> None:
@@ -58,4 +61,44 @@ class PreemptionHandlers:
 #: the one registry of the process
 preemption_handlers = PreemptionHandlers()
 
-__all__ = ["PreemptionHandlers", "preemption_handlers"]
+
+class Preemption:
+    """One manager's preemption signals (``PreemptionOptions``): whether one arrived (``signalled``), whether the
+    handlers are installed, or wanted (asked for on a thread that cannot install them: the ranks still vote)."""
+
+    def __init__(self, options: PreemptionOptions) -> None:
+        self.options = options
+        self._event = threading.Event()
+        self.installed = False                  # this manager is in the handler chain of its signals
+        self.wanted = False                     # installed (or asked for) on every rank: maybe_save agrees
+
+    @property
+    def signalled(self) -> bool:
+        return self._event.is_set()
+
+    def install(self) -> None:
+        """Install the handlers now (main thread only: OptionsError elsewhere); idempotent."""
+        if not self.options.signals or self.installed:
+            return
+        if threading.current_thread() is not threading.main_thread():
+            raise OptionsError("handle_preemption() installs signal handlers: call it from the main thread")
+        preemption_handlers.add(self._event, self.options.signals)
+        self.installed = self.wanted = True
+
+    def at_first_save(self) -> None:
+        """At ``maybe_save`` with ``install="first_save"``: install from the main thread; elsewhere only want them."""
+        if self.options.install != "first_save" or self.installed or not self.options.signals:
+            return
+        if threading.current_thread() is threading.main_thread():
+            self.install()
+        else:
+            self.wanted = True
+
+    def remove(self) -> None:
+        """Put the previous handlers back (``PreemptionHandlers``: any number of managers, closed in any order)."""
+        if self.installed:
+            preemption_handlers.remove(self._event)
+            self.installed = False
+
+
+__all__ = ["Preemption", "PreemptionHandlers", "preemption_handlers"]

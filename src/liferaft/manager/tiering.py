@@ -110,8 +110,15 @@ class Tiers:
         """Steps this node's memory tier holds committed (no collective)."""
         return self.memory.local_steps()
 
-    def step_url(self, step: int) -> str:
-        return self.memory.step_storage(step).url
+    def listed(self, listing: Sequence[StepInfo]) -> list[StepInfo]:
+        """The root's ``listing`` with this node's memory-tier steps added (no collective): a committed copy is
+        listed with the tiers that hold one ("root", "memory"), oldest first."""
+        out = {i.step: replace(i, tiers=("root",) if i.status == "committed" else ()) for i in listing}
+        for step in self.local_steps():
+            info = out.get(step)
+            out[step] = StepInfo(step, self.memory.step_storage(step).url, "committed", tiers=("memory",)) \
+                if info is None else replace(info, status="committed", tiers=info.tiers + ("memory",))
+        return [out[s] for s in sorted(out)]
 
     # ------------------------------------------------------------------ saving
 
