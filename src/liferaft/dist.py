@@ -64,11 +64,20 @@ class _Group:
         self.broken = False
         store = dist.PrefixStore(name + "/", c10d._get_default_store())
         try:
-            self.backend = dist.ProcessGroupGloo(store, self.rank, self.size, datetime.timedelta(seconds=timeout))
+            self._backend: Any = dist.ProcessGroupGloo(store, self.rank, self.size,
+                                                       datetime.timedelta(seconds=timeout))
         except Exception as e:  # noqa: BLE001 - gloo reports a peer that never connects as RuntimeError
             raise DistributedError(
                 f"making liferaft's gloo group {name} failed on rank {self.rank} of {self.size} (a peer died "
                 f"or did not arrive within {timeout:.0f}s): {_one_line(e)}") from None
+
+    @property
+    def backend(self) -> Any:
+        """The gloo backend (DistributedError once the group is closed)."""
+        if self._backend is None:
+            raise DistributedError(f"liferaft's gloo group {self.name} was shut down (release_groups, a failure or "
+                                   "the interpreter's exit)")
+        return self._backend
 
     def fail(self) -> None:
         """A collective on this group failed: retire it now (its peers' pending operations fail at once)."""
@@ -86,8 +95,15 @@ class _Group:
             return False
 
     def close(self) -> None:
-        with contextlib.suppress(Exception):    # a group whose peers are gone may fail to shut down cleanly
-            self.backend.shutdown()
+        """Shut the backend down and drop it: its C++ object (and its threads) goes now, not whenever the last
+        holder of this group goes — a coordinator kept until the interpreter's teardown (a module-level manager)
+        destroyed it there, after the exit hooks, and the process aborted ("terminate called without an active
+        exception")."""
+        backend, self._backend = self._backend, None
+        if backend is not None:
+            with contextlib.suppress(Exception):    # a group whose peers are gone may fail to shut down cleanly
+                backend.shutdown()
+        del backend
 
 
 _LOCK = threading.Lock()
