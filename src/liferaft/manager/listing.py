@@ -150,7 +150,7 @@ def _step_names(storage: Storage) -> tuple[dict[int, list[str]], dict[int, str]]
     return names, unlisted
 
 
-def _foreign_steps(names: Iterable[str]) -> dict[int, str]:
+def foreign_steps(names: Iterable[str]) -> dict[int, str]:
     """Steps under a root that hold a file liferaft never writes in a step folder (a DCP or torchtitan folder
     under the same name, a user's file), each with one such name: cleaning up never deletes those."""
     out: dict[int, str] = {}
@@ -282,7 +282,7 @@ def remove_leftovers(storage: Storage, listing: list[StepInfo], warn: Callable[[
     for name in names:
         if is_probe_name(name):            # a killed I/O probe's file (in use by a live probe: it reads and writes
             storage.delete(name)           # through its descriptor, so removing the name harms nothing)
-    foreign = _foreign_steps(names) if names else {}
+    foreign = foreign_steps(names) if names else {}
     for info in listing:
         if info.status == "incomplete" and info.step in needed:
             say(f"liferaft: step {info.step} has no commit marker but committed steps reference its chunks; keeping "

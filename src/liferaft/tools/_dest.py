@@ -4,8 +4,10 @@ A destination is never the source, inside it or around it (compared by real path
 something that already holds data the conversion would destroy: a ``torch.save`` file (``--to torch``) must not
 exist; a folder target (safetensors, hf, dcp, liferaft) must not be anything but a folder (a file, FIFO or device
 node there is refused, never replaced), and an existing folder must be empty — or be what the conversion
-documents writing into: any folder but a checkpoint for ``--to safetensors``/``--to hf`` (an earlier export's
-weights, links and FIFOs at its names are replaced, docs/cli/convert.md), a committed liferaft checkpoint for
+documents writing into: for ``--to safetensors``/``--to hf`` any folder but a checkpoint whose weight files (if any)
+an earlier liferaft export wrote (marked ``written_by: liferaft`` in their headers, ``EXPORT_MARK``): those, and
+links and FIFOs at their names, are replaced (docs/cli/convert.md); weights liferaft did not write (a downloaded
+model) are refused, never overwritten; a committed liferaft checkpoint for
 ``--to liferaft`` (``liferaft.save`` then refuses it unless ``SaveOptions(overwrite=True)``), DCP's own names for
 ``--to dcp`` (an interrupted export's files are replaced; a whole DCP checkpoint ``write_dcp`` refuses).
 The output folder may be a link to a folder (followed once, as documented).
@@ -21,6 +23,36 @@ from liferaft.errors import CheckpointExistsError, OptionsError
 
 #: The names a DCP export writes (its data file, its metadata and their temporaries).
 _DCP_OWN = re.compile(r"__\d+_\d+\.distcp|\.metadata(\.tmp[^/]*)?")
+#: The files a safetensors / hf export writes (and removes, of an earlier export of its own).
+EXPORT_FILES = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
+#: Files of model weights in a folder (any framework's): an export never replaces one it did not write.
+_WEIGHTS = re.compile(r".+\.(safetensors|bin|pt|pth|ckpt|h5|msgpack|gguf|npz)|.+\.(safetensors|bin)\.index\.json",
+                      re.IGNORECASE)
+#: How a liferaft export's files begin: a safetensors header (after its 8-byte length) and the index.
+EXPORT_MARK = {"header": b'{"__metadata__":{"format":"pt","written_by":"liferaft"}',
+               "index": b'{\n  "metadata": {\n    "written_by": "liferaft",'}
+
+
+def _ours(folder: str, name: str) -> bool:
+    """Whether ``folder/name`` is no regular file (a link or FIFO: replaced, never followed or read) or a weight
+    file a liferaft export wrote (its first bytes carry ``EXPORT_MARK``)."""
+    try:
+        st = os.lstat(os.path.join(folder, name))
+    except OSError:
+        return True                             # (gone meanwhile)
+    if not stat.S_ISREG(st.st_mode):
+        return True
+    index = name.endswith(".json")
+    mark = EXPORT_MARK["index" if index else "header"]
+    try:
+        fd = os.open(os.path.join(folder, name), os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return False
+    try:
+        head = os.pread(fd, len(mark) + 8, 0)
+    finally:
+        os.close(fd)
+    return head[0 if index else 8:].startswith(mark)
 
 
 def _inside(a: str, b: str) -> bool:
@@ -55,6 +87,13 @@ def check_destination(src: str | os.PathLike[str], dst: str | os.PathLike[str], 
         return
     held = "COMMIT" in names or ".metadata" in names          # a liferaft or DCP checkpoint
     if to in ("safetensors", "hf") and not held:
+        foreign = sorted(n for n in names if _WEIGHTS.fullmatch(n) and not (EXPORT_FILES.fullmatch(n)
+                                                                             and _ours(dst, n)))
+        if foreign:
+            raise CheckpointExistsError(
+                f"the folder {dst!r} holds model weights liferaft did not export ({len(foreign)} file(s), e.g. "
+                f"{foreign[0][:80]!r}: a downloaded model?); a --to {to} export replaces only the weight files of "
+                "an earlier liferaft export. Choose another destination, or remove those files first")
         return              # documented: an earlier export's weights, links and FIFOs at its names are replaced
     if to == "liferaft" and "COMMIT" in names:
         return                                          # liferaft.save refuses it unless overwrite=True

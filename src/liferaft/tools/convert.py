@@ -31,6 +31,7 @@ from liferaft.tools.export import (  # noqa: F401 - the API of this module too
     INDEX,
     SLAB,
     ConvertReport,
+    check_renamed,
     find_model,
     renamer,
     to_dcp,
@@ -52,7 +53,9 @@ def from_safetensors(src: str | os.PathLike[str], dst: str | os.PathLike[str], *
     import liferaft
 
     rn = renamer(rename)
-    state = {rn(k): t for k, t in safetensors_state(src).items() if matches(k, keys)}
+    chosen = {k: t for k, t in safetensors_state(src).items() if matches(k, keys)}
+    check_renamed((k, rn(k)) for k in chosen)
+    state = {rn(k): t for k, t in chosen.items()}
     if os.path.isdir(src):              # its config (and tokenizer, ...) files, for an export back to HF
         recorded = recorded_files(os.fspath(src))
         if recorded:
@@ -66,7 +69,9 @@ def from_safetensors(src: str | os.PathLike[str], dst: str | os.PathLike[str], *
 
 def _flat_selection(flat_items: Any, keys: Sequence[str] | None, rename: Sequence[tuple[str, str]] | None) -> dict:
     rn = renamer(rename)
-    out = {rn(k): v for k, v in flat_items if matches(k, keys)}
+    chosen = [(k, v) for k, v in flat_items if matches(k, keys)]
+    check_renamed((k, rn(k)) for k, _ in chosen)
+    out = {rn(k): v for k, v in chosen}
     if keys and not out:
         raise OptionsError(f"no key of the source matches {list(keys)}")
     return out

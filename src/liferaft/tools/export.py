@@ -17,8 +17,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +35,7 @@ from liferaft.state.dtypes import torch_dtype
 from liferaft.state.values import as_leaf
 from liferaft.storage import files as files_io
 from liferaft.storage import fsync_dir, resolve
-from liferaft.tools._dest import check_destination, check_dtype
+from liferaft.tools._dest import EXPORT_FILES, check_destination, check_dtype
 from liferaft.tools._slabs import prefetched, ring, slab_values
 
 INDEX = "model.safetensors.index.json"
@@ -76,6 +77,16 @@ def renamer(rename: Sequence[tuple[str, str]] | None) -> Callable[[str], str]:
             key = p.sub(r, key)
         return key
     return apply
+
+
+def check_renamed(pairs: Iterable[tuple[str, str]]) -> None:
+    """``(key, its new name)`` pairs: two keys given one name raise OptionsError naming both (never one dropped)."""
+    seen: dict[str, str] = {}
+    for key, name in pairs:
+        other = seen.setdefault(name, key)
+        if other != key:
+            raise OptionsError(f"the renaming maps two keys to one name: {other!r} and {key!r} both become "
+                               f"{name!r}; change the rename patterns (or select fewer keys)"[:600])
 
 
 def open_liferaft(src: str | os.PathLike[str]) -> Reader:
@@ -143,9 +154,7 @@ def _write_safetensors(reader: Reader, pairs: list[tuple[str, str]], dst: str | 
             raise InvalidStateError(f"key {key!r}: dtype {out_dtype} has no safetensors name")
         size = int(np.prod(spec.shape, dtype=np.int64)) * torch.empty(0, dtype=torch_dtype(out_dtype)).element_size()
         picked.append((key, name, out_dtype, size))
-    names = [p[1] for p in picked]
-    if len(set(names)) != len(names):
-        raise OptionsError("the renaming maps two keys to one name")
+    check_renamed((p[0], p[1]) for p in picked)
     reader.read_order([p[0] for p in picked])
     reader.check_present([p[0] for p in picked])
     shards: list[list[Any]] = [[]]
@@ -161,6 +170,14 @@ def _write_safetensors(reader: Reader, pairs: list[tuple[str, str]], dst: str | 
         [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     for name in [*names, *(n + ".tmp" for n in names), *([INDEX, INDEX + ".tmp"] if len(shards) > 1 else [])]:
         files_io.check_target(os.path.join(dst, name))     # a folder in the way: refused before any byte is written
+    # an earlier export's weights go first, the index first of all: an export interrupted midway leaves no
+    # complete-looking mixture of its shards and the earlier ones (check_destination: they are liferaft's own)
+    old = sorted((n for n in os.listdir(dst) if EXPORT_FILES.fullmatch(n)
+                  and not stat.S_ISDIR(os.lstat(os.path.join(dst, n)).st_mode)), key=lambda n: n != INDEX)
+    for name in old:
+        os.unlink(os.path.join(dst, name))
+    if old:
+        fsync_dir(os.fspath(dst))
     files, total, weight_map = [], 0, {}
     for i, shard in enumerate(shards):
         name = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
@@ -171,12 +188,10 @@ def _write_safetensors(reader: Reader, pairs: list[tuple[str, str]], dst: str | 
             total += size
     if len(shards) > 1:
         with _created(os.path.join(dst, INDEX + ".tmp")) as f:
-            f.write(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2).encode())
+            f.write(json.dumps({"metadata": {"written_by": "liferaft", "total_size": total}, "weight_map": weight_map},
+                               indent=2).encode())
         files_io.put_in_place(os.path.join(dst, INDEX + ".tmp"), os.path.join(dst, INDEX))
         files.append(INDEX)
-    for old in os.listdir(dst):                 # an earlier export's weights would be read instead, or as well
-        if old not in files and (old == INDEX or re.fullmatch(r"model(-\d{5}-of-\d{5})?\.safetensors", old)):
-            os.unlink(os.path.join(dst, old))
     return files, total
 
 
@@ -195,7 +210,7 @@ def _write_shard(reader: Reader, path: str, shard: list[Any], progress: Callable
     of the disk's speed here). Written to ``path + ".tmp"``, fsynced, renamed."""
     from liferaft.formats.torch_file import RecordFiller
 
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", "written_by": "liferaft"}}
     pos = 0
     for key, name, out_dtype, size in shard:
         header[name] = {"dtype": ST_DTYPES[out_dtype], "shape": list(reader.tensors[key].shape),
@@ -388,6 +403,7 @@ def to_torch(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, keys: 
 
     reader, tensors, values = _export_source(src, keys)
     rn, cast, flat = renamer(rename), torch_dtype(dtype) if dtype else None, bool(rename)
+    check_renamed((k, rn(k)) for k in [*tensors, *values])
     leaves: dict[str, Any] = {}
     fills: dict[int, str] = {}
     for k in tensors:
@@ -399,8 +415,6 @@ def to_torch(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, keys: 
         fills[id(t)] = k
     for k, v in _portable_values(reader, values, "torch").items():
         leaves[rn(k)] = v
-    if len(leaves) != len(tensors) + len(values):
-        raise OptionsError("the renaming maps two keys to one name")
     tree = leaves if flat else reader.tree(leaves)
     paths: dict[int, tuple[Any, ...]] = {}
     _ids(tree, (), paths)
@@ -430,6 +444,7 @@ def to_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, keys: Se
 
     reader, tensors, values = _export_source(src, keys)
     rn, cast = renamer(rename), torch_dtype(dtype) if dtype else None
+    check_renamed((k, rn(k)) for k in [*tensors, *values])
     buffers = ring(slab_bytes)
     kinds = {c[0]: c[1] for c in reader.info.get("containers", ())}
 
@@ -451,7 +466,5 @@ def to_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, keys: Se
         items.append(DcpItem(rn(k), dcp_path(k, spec.path), _out_dtype(spec, cast), tuple(spec.shape), produce))
     for k, v in _portable_values(reader, values, "dcp").items():
         items.append(DcpItem(rn(k), dcp_path(k, reader.values[k].path), value=v))
-    if len({i.key for i in items}) != len(items):
-        raise OptionsError("the renaming maps two keys to one name")
     size = write_dcp(dst, items, progress, prefetch=prefetched)
     return ConvertReport(files=(os.fspath(dst),), tensors=len(tensors), bytes=size)

@@ -5,13 +5,14 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from liferaft.errors import LiferaftError
 from liferaft.manager.lease import Lease
 from liferaft.manager.listing import (
     StepInfo,
     delete_step,
+    foreign_steps,
     kept_steps,
     list_steps,
     read_branches,
@@ -75,7 +76,8 @@ def _listing(storage: Storage, pins: frozenset[int], verify: bool = False,
     from liferaft.formats.detect import NAMES, detect_names
 
     by_folder: dict[str, list[str]] = {}
-    for name in root_names(storage)[0]:
+    names = root_names(storage)[0]
+    for name in names:
         head, _, rest = name.partition("/")
         if rest and step_like(head) is not None:
             by_folder.setdefault(head, []).append(rest)
@@ -111,6 +113,11 @@ def _listing(storage: Storage, pins: frozenset[int], verify: bool = False,
                                  f"a {NAMES[fmt]} ({head}), not written by liferaft: inspect, verify, read, diff "
                                  "and convert take it; restore skips it and gc leaves it", pinned=pinned,
                                  nbytes=nbytes)
+    for step, rest in foreign_steps(names).items():
+        info = out.get(step)
+        if info is not None and info.status == "incomplete":
+            out[step] = replace(info, reason=f"no commit marker, and holds files liferaft does not write ({rest[:80]!r}"
+                                             "...): not a leftover of a save; gc leaves it")
     return [out[step] for step in sorted(out)]
 
 
@@ -145,7 +152,8 @@ def gc(root: str | os.PathLike[str] | Storage, *, keep_last: int | None = None, 
     """The manager's retention from outside a job: delete committed steps the policy does not keep, never the
     newest committed one of the root's run (a step a rollback abandoned, ``BRANCHES``, is never ranked: it goes), a
     pinned one or one a kept step references (and, with ``incomplete``, steps without a
-    commit marker that nothing references; never a step folder holding another format's checkpoint). Takes the
+    commit marker that nothing references; never a step folder holding another format's checkpoint, nor one
+    holding any file liferaft never writes there: a ``torch.save`` file, a user's notes). Takes the
     root's lease first, so it refuses
     (CheckpointBusyError) while a training job writes there. Deletion is marker-first, as the manager's."""
     storage = _root(root)
@@ -161,8 +169,9 @@ def gc(root: str | os.PathLike[str] | Storage, *, keep_last: int | None = None, 
         committed = [i.step for i in listing if i.status == "committed"]
         keep = kept_steps(listing, policy, pins, ranked=lambda i: live(i.step, i.epoch, branches))
         doomed = [i for i in listing if i.status == "committed" and i.step not in keep]
-        if incomplete:
-            doomed += [i for i in listing if i.status == "incomplete" and i.step not in keep]
+        if incomplete:              # (never a folder holding files liferaft does not write: as the manager's start)
+            foreign = foreign_steps(root_names(storage)[0])
+            doomed += [i for i in listing if i.status == "incomplete" and i.step not in keep and i.step not in foreign]
         if not dry_run:                                         # (reported: only what was there and removed)
             doomed = [info for info in doomed if delete_step(storage, info.step)]
         freed = sum(i.nbytes for i in doomed)
