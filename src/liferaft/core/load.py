@@ -36,7 +36,14 @@ from liferaft.planning.share_plan import MIN_SHARED_BYTES, plan_sharing
 from liferaft.staging.pool import PAGE
 from liferaft.state.dtypes import torch_dtype
 from liferaft.state.flatten import FlatState, PathPart, flatten, key_of
-from liferaft.state.matching import drop_absent, matches_emptied, not_persisted, param_groups_mismatch, settle_missing
+from liferaft.state.matching import (
+    drop_absent,
+    matches_emptied,
+    not_persisted,
+    param_groups_mismatch,
+    param_groups_regrouped,
+    settle_missing,
+)
 from liferaft.state.values import PerRank, as_leaf, per_rank_leaf
 from liferaft.storage import Storage
 
@@ -548,6 +555,15 @@ def _check_statefuls(plan: _LoadPlan, index: dict[str, int], coord: Coordinator,
     kept = []
     for path, value in plan.assign:
         problem = param_groups_mismatch(flat, path, value)
+        regrouped = param_groups_regrouped(flat, path, value) if problem is None else None
+        if regrouped is not None and strict:
+            raise StateMismatchError(f"{regrouped[0]}; nothing was loaded. Group the live optimizer's parameters "
+                                     "as when it was saved, or pass strict=False: each live group a saved group "
+                                     "matches takes its hyperparameters, the others keep their own")
+        if regrouped is not None:               # (not strict: the groups matched loaded, the others kept)
+            kept.append((path, regrouped[1]))
+            plan.missing.append(key_of(path))
+            continue
         if problem is None:
             kept.append((path, value))
             continue

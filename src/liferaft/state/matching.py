@@ -15,7 +15,11 @@ path (liferaft checkpoints in ``api.load``, safetensors and DCP sources in ``too
    all. An SGD checkpoint loaded into AdamW therefore still misses ``exp_avg``; and a load whose checkpoint
    ``param_groups`` have other keys than the live optimizer's (``momentum`` where AdamW needs ``betas``) is
    a mismatch too (:func:`param_groups_mismatch`; ``api.load`` refuses it when strict and otherwise keeps the
-   live ``param_groups``).
+   live ``param_groups``), and so is one whose groups hold the parameters (their names) otherwise grouped than
+   the live optimizer's (:func:`param_groups_regrouped`: one group's hyperparameters would silently reach
+   another group's parameters, or a new group be left without any): refused when strict; otherwise each live
+   group whose parameters a saved group holds exactly (those of it in the checkpoint) takes that group's
+   hyperparameters, and the others keep their own.
 2. **Buffers a module does not persist.** A checkpoint key naming a buffer registered with ``persistent=False``
    (by its state-dict name, wrapper prefixes removed; e.g. ``embeddings.position_ids`` in Hugging Face's BERT
    files, which ``from_pretrained`` ignores too) is not unexpected: it is skipped, not loaded, and listed in
@@ -116,6 +120,54 @@ def param_groups_mismatch(flat: FlatState, path: tuple[PathPart, ...], saved_gro
         parts.append(f"only the checkpoint's have {sorted(saved - live)}")
     return (f"key {key_of(path)!r}: the param_groups of the checkpoint and of the live optimizer have different "
             f"keys ({'; '.join(parts)}): it was saved by another kind of optimizer")
+
+
+def _partition(groups: Any) -> list[tuple[set[str], dict[str, Any]]] | None:
+    """[(a group's parameter names, the group)], or None for what is no list of groups with name lists."""
+    if not isinstance(groups, (list, tuple)) or not all(isinstance(g, dict) for g in groups):
+        return None
+    out = []
+    for g in groups:
+        params = g.get("params")
+        if not isinstance(params, (list, tuple)) or not all(isinstance(p, str) for p in params):
+            return None
+        out.append((set(params), g))
+    return out
+
+
+def param_groups_regrouped(flat: FlatState, path: tuple[PathPart, ...], saved_groups: Any) -> tuple[str, Any] | None:
+    """Where ``path`` is an optimizer's ``param_groups`` and the checkpoint's ``saved_groups`` group the
+    parameters both hold otherwise than the live optimizer (a live group's parameters spread over several saved
+    groups or none, or a saved group's over several live groups): (what differs, the param_groups to load when
+    not strict: per live group, the saved group holding exactly its parameters — its hyperparameters, the live
+    group's parameter names — else the live group as it is). None: grouped alike (in any order)."""
+    if not path or path[-1] != "param_groups":
+        return None
+    if not any(c.path == path[:-1] and c.role == "optimizer" for c in flat.containers):
+        return None
+    node = flat.nodes.get(path[:-1])
+    live = _partition(node.get("param_groups") if isinstance(node, dict) else None)
+    saved = _partition(saved_groups)
+    if live is None or saved is None:
+        return None
+    common = set().union(*(p for p, _ in live)) & set().union(*(p for p, _ in saved))
+    live_sets = [p & common for p, _ in live]
+    saved_sets = [p & common for p, _ in saved]
+    if sorted(map(sorted, live_sets)) == sorted(map(sorted, saved_sets)):
+        return None
+    merged, odd = [], []
+    for i, ((params, group), mine) in enumerate(zip(live, live_sets, strict=True)):
+        match = next((g for (_, g), theirs in zip(saved, saved_sets, strict=True) if mine and theirs == mine), None)
+        if match is None:
+            merged.append(dict(group))
+            odd.append(i)
+        else:
+            merged.append({**{k: v for k, v in match.items() if k != "params"}, "params": list(group["params"])})
+    shown = "; ".join(f"live group {i}: {sorted(live_sets[i])[:4]}" for i in odd[:3]) or \
+        f"the checkpoint's groups {[sorted(s)[:4] for s in saved_sets][:3]}"
+    return (f"key {key_of(path)!r}: the checkpoint's param_groups group the parameters otherwise than the live "
+            f"optimizer's (no saved group holds exactly the parameters of {shown}): its hyperparameters (lr, "
+            "weight decay, ...) would reach other parameters than they were saved for"), merged
 
 
 def matches_emptied(flat: FlatState, absent: Collection[tuple[PathPart, ...]], path: tuple[PathPart, ...],
