@@ -26,3 +26,12 @@ def test_a_stream_equal_on_all_ranks_next_to_ones_that_differ(tmp_path):
     assert [w for _, w in run_ranks(load_and_draw, 2, path)] == [False, False]
     three = run_ranks(load_and_draw, 3, path)
     assert all(w for _, w in three) and len({tuple(d) for d, _ in three}) == 3
+
+
+def test_a_save_by_one_rank_gives_more_ranks_distinct_streams(tmp_path):
+    # (one saving rank stores nothing per rank: its streams reached every new rank alike, silently)
+    path = str(tmp_path / "ck")
+    expected = run_ranks(save_and_draw, 1, path)
+    assert run_ranks(load_and_draw, 1, path) == [(expected[0], False)]
+    two = run_ranks(load_and_draw, 2, path)
+    assert all(w for _, w in two) and two[0][0] != two[1][0] and expected[0] not in [d for d, _ in two]

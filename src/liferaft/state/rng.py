@@ -57,8 +57,10 @@ class RNGState:
 
         rank, world = _rank_world()
         per_rank = [v for v in sd.values() if isinstance(v, PerRank)]
-        if per_rank:                                      # saved by another number of ranks
-            saved_world = len(per_rank[0])
+        saved = sd.get("world")
+        if per_rank or (type(saved) is int and saved != world):   # saved by another number of ranks
+            # (a save by one rank holds no per-rank values: its streams would reach every rank alike)
+            saved_world = len(per_rank[0]) if per_rank else saved
             warnings.warn(f"liferaft.RNGState: saved by {saved_world} rank(s), loaded on {world}: each rank gets "
                           "fresh random streams derived from the saved ones (a resume with the same layout would "
                           "continue them exactly)", stacklevel=2)
