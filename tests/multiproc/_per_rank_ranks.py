@@ -57,3 +57,20 @@ def change_then_save(rank: int, world: int, path: str) -> None:
     liferaft.save(path + "-1", state)
     state["mine"] -= rank
     liferaft.save(path + "-2", state)
+
+
+def save_held_by_some(rank: int, world: int, path: str) -> None:
+    """Rank 0 alone holds ``only0``; both hold ``none_or_one`` (None on rank 1: a value, not an absence)."""
+    state = {"common": torch.ones(2), "none_or_one": 1 if rank == 0 else None}
+    if rank == 0:
+        state["only0"] = 11
+    liferaft.save(path, state)
+
+
+def load_held_by_some(rank: int, world: int, path: str, strict: bool) -> tuple:
+    state = {"common": torch.zeros(2), "none_or_one": -1, "only0": -1}
+    try:
+        r = liferaft.load(path, state, strict=strict)
+    except liferaft.errors.StateMismatchError as e:
+        return ("refused", "only0" in str(e))
+    return (state["only0"], state["none_or_one"], tuple(r.missing_keys))

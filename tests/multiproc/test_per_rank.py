@@ -62,3 +62,14 @@ def test_the_plan_follows_when_copies_start_or_stop_differing(tmp_path):
     assert shapes == [(5056,), (2, 5056), (5056,)]
     assert [t.tolist() for t in liferaft.read(f"{path}-1")["mine"]] == \
         [(torch.arange(5056, dtype=torch.uint8) + r).tolist() for r in range(2)]
+
+
+def test_a_plain_value_some_saving_ranks_did_not_hold_is_missing_there_never_none(tmp_path):
+    from multiproc._per_rank_ranks import load_held_by_some, save_held_by_some
+
+    path = str(tmp_path / "ck")
+    run_ranks(save_held_by_some, 2, path)
+    assert liferaft.read(path)["only0"] == (11, None)
+    # rank 1 held no only0: missing (the result lists every rank's), never set to None; none_or_one's None is rank 1's
+    assert run_ranks(load_held_by_some, 2, path, False) == [(11, 1, ("only0",)), (-1, None, ("only0",))]
+    assert run_ranks(load_held_by_some, 2, path, True)[1] == ("refused", True)

@@ -86,3 +86,23 @@ def test_groups_in_another_order_or_their_parameters_permuted_still_load_exactly
     o = torch.optim.AdamW([{"params": [m[1].bias, m[1].weight], "lr": 9.0}, {"params": [m[0].bias, m[0].weight]}])
     liferaft.load(ck, {"model": m, "optim": o})
     assert sorted(_groups(m, o)) == [(["0.bias", "0.weight"], 0.1, 0.01), (["1.bias", "1.weight"], 0.2, 0.5)]
+
+
+@pytest.mark.parametrize(("per_rank", "held"), [([5], [1]), ([5], []), ([5], [0, 0]), ([5], "0"), (None, [0])],
+                         ids=["beyond_world", "no_rank", "repeated", "not_a_list", "without_per_rank"])
+def test_a_crafted_held_list_of_a_value_is_refused(tmp_path, per_rank, held):
+    from liferaft.errors import CorruptCheckpointError
+    from liferaft.testing import tamper
+
+    path = str(tmp_path / "ck")
+    liferaft.save(path, {"v": 5})
+
+    def edit(doc):
+        v = next(v for v in doc["values"] if v["key"] == "v")
+        if per_rank is not None:
+            v.pop("value", None)
+            v["per_rank"] = per_rank
+        v["held"] = held
+    tamper.rewrite_manifest(path, edit)
+    with pytest.raises(CorruptCheckpointError, match="'v'"):
+        liferaft.read(path)

@@ -513,6 +513,10 @@ def _plan_value(plan: _LoadPlan, key: str, path: tuple, index: dict[str, int], c
                 return
             if len(value) != coord.world:
                 raise StateMismatchError(_resize_message(plan.flat, key, path, len(value), coord.world))
+            if value.held is not None and coord.rank not in value.held:     # this rank held no such key
+                plan.covered[index[key]] = 1
+                plan.missing.append(key)
+                return
             value = value[coord.rank]
         plan.assign.append((path, value))
     elif spec is not None and (spec.kind in ("numpy", "bytes") or kind is not None):

@@ -44,7 +44,9 @@ def decode_entry_value(v: ValueEntry, allow_pickle: bool) -> Any:
     """A manifest's plain value, decoded; a ``PerRank`` for one that differed between the saving ranks."""
     if v.per_rank is None:
         return decode_value(v.value, v.key, allow_pickle)
-    return PerRank(decode_value(x, v.key, allow_pickle) for x in v.per_rank)
+    out = PerRank(decode_value(x, v.key, allow_pickle) for x in v.per_rank)
+    out.held = v.held
+    return out
 
 
 def _spec(e: TensorEntry) -> TensorSpec:

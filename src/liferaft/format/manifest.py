@@ -594,8 +594,15 @@ def _decode_manifest(data: bytes, name: str, codecs: Collection[str] | None) -> 
         for x in [v.get("value")] if per_rank is None else per_rank:
             if value_depth(x) > MAX_NESTING:
                 raise _fail(f"{name} value {key!r}", f"the value nests more than {MAX_NESTING} levels deep")
+        held = v.get("held")
+        if held is not None:
+            held = _ints(held, f"{name} value {key!r} held")
+            if per_rank is None or list(held) != sorted(set(held)) or \
+                    any(x is not None for r, x in enumerate(per_rank) if r not in held):
+                raise _fail(f"{name} value {key!r}", "held must name the ranks whose per_rank item is not null, in "
+                                                     "increasing order, and comes only with per_rank")
         values.append(ValueEntry(key=key, path=_path(v.get("path"), f"{name} value {key!r}"), value=v.get("value"),
-                                 per_rank=None if per_rank is None else tuple(per_rank)))
+                                 per_rank=None if per_rank is None else tuple(per_rank), held=held))
     containers = []
     for c in doc.get("containers") or []:
         kind = _str(c.get("kind"), f"{name} container")
@@ -618,6 +625,9 @@ def _decode_manifest(data: bytes, name: str, codecs: Collection[str] | None) -> 
         if v.per_rank is not None and len(v.per_rank) != world_size:
             raise _fail(f"{name} value {v.key!r}", f"holds {len(v.per_rank)} per-rank values for a save by "
                                                    f"{world_size} rank(s)")
+        if v.held is not None and (not v.held or v.held[-1] >= world_size):
+            raise _fail(f"{name} value {v.key!r}", f"held {list(v.held)[:8]} names no rank, or one beyond the "
+                                                   f"{world_size} saving rank(s)")
     for t in tensors:
         if t.per_rank is not None and max(t.per_rank) >= world_size:
             raise _fail(f"{name} tensor {t.key!r}", f"per_rank names rank {max(t.per_rank)} of a save by "

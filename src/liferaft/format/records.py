@@ -196,13 +196,15 @@ class ValueEntry:
     """A plain (non-tensor) value, encoded as tagged JSON (see ``liferaft.state.values``).
 
     ``per_rank`` is None when every rank held the same value (stored once in ``value``); otherwise it holds one
-    encoded value per saving rank and ``value`` is None.
+    encoded value per saving rank and ``value`` is None. ``held``: with ``per_rank``, the ranks that held the key
+    when some did not (their items are null; None: every rank held it, or a checkpoint from before the field).
     """
 
     key: str
     path: tuple[PathPart, ...]
     value: Any = None
     per_rank: tuple[Any, ...] | None = None
+    held: tuple[int, ...] | None = None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"key": self.key, "path": list(self.path)}
@@ -210,6 +212,8 @@ class ValueEntry:
             out["value"] = self.value
         else:
             out["per_rank"] = list(self.per_rank)
+            if self.held is not None:
+                out["held"] = list(self.held)
         return out
 
 

@@ -276,7 +276,8 @@ def merge_values(metas: Sequence[RankMeta]) -> list[ValueEntry]:
             out.append(ValueEntry(key=key, path=present[0].path, value=present[0].encoded))
         else:
             out.append(ValueEntry(key=key, path=present[0].path, per_rank=tuple(
-                v.encoded if v is not None else None for v in per)))
+                v.encoded if v is not None else None for v in per),
+                held=tuple(r for r, v in enumerate(per) if v is not None) if None in per else None))
     return out
 
 

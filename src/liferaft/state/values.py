@@ -27,7 +27,10 @@ __all__ = ["MAX_NESTING", "PerRank", "as_leaf", "decode_value", "digest_encoded"
 
 class PerRank(tuple):
     """A plain value or tensor that differed between the saving ranks: one item per saving rank (None for a rank
-    that did not hold it)."""
+    that did not hold it). ``held``: the ranks that held it when the checkpoint says some did not (None: every rank
+    did, or the checkpoint does not say), so a None a rank held is told from a rank that held nothing."""
+
+    held: tuple[int, ...] | None = None
 
 
 def _b64(b: bytes) -> str:
