@@ -106,3 +106,48 @@ def test_a_crafted_held_list_of_a_value_is_refused(tmp_path, per_rank, held):
     tamper.rewrite_manifest(path, edit)
     with pytest.raises(CorruptCheckpointError, match="'v'"):
         liferaft.read(path)
+
+
+class _Tiable(torch.nn.Module):
+    def __init__(self, tie: bool) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 4)
+        self.head = torch.nn.Linear(4, 10, bias=False)
+        if tie:
+            self.head.weight = self.emb.weight
+
+
+@pytest.mark.parametrize("source", ["liferaft", "dcp"])
+def test_keys_tied_in_the_state_but_different_in_the_checkpoint_are_refused(tmp_path, source):
+    torch.manual_seed(0)
+    untied = _Tiable(tie=False)
+    path = str(tmp_path / "ck")
+    if source == "dcp":
+        import torch.distributed.checkpoint as dcp
+        dcp.save({"model": untied.state_dict()}, checkpoint_id=path)
+    else:
+        liferaft.save(path, {"model": untied})
+    tied = _Tiable(tie=True)
+    before = tied.emb.weight.detach().clone()
+    with pytest.raises(StateMismatchError, match="'model.emb.weight' and 'model.head.weight' are one tensor"):
+        liferaft.load(path, {"model": tied})
+    assert torch.equal(tied.emb.weight, before)
+    t = torch.zeros(3)                              # plain tensors tied the same way
+    liferaft.save(str(tmp_path / "p"), {"a": torch.ones(3), "b": torch.full((3,), 2.0)})
+    with pytest.raises(StateMismatchError, match="one tensor in the state"):
+        liferaft.load(str(tmp_path / "p"), {"a": t, "b": t})
+
+
+def test_keys_tied_in_the_state_load_when_the_checkpoint_holds_them_equal(tmp_path):
+    torch.manual_seed(0)
+    saved = _Tiable(tie=True)
+    liferaft.save(str(tmp_path / "tied"), {"model": saved})          # a tied model's save: equal by its hashes
+    again = _Tiable(tie=True)
+    liferaft.load(str(tmp_path / "tied"), {"model": again})
+    assert torch.equal(again.emb.weight, saved.emb.weight) and again.head.weight is again.emb.weight
+    w = torch.randn(5)                              # stored apart, equal values: read and compared
+    liferaft.save(str(tmp_path / "apart"), {"a": w.clone(), "b": w.clone()},
+                  options=liferaft.SaveOptions(compression="on"))
+    t = torch.zeros(5)
+    liferaft.load(str(tmp_path / "apart"), {"a": t, "b": t})
+    assert torch.equal(t, w)

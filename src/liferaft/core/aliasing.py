@@ -2,8 +2,9 @@
 
 Two keys whose destinations partially overlap (``b = base[0:6]``, ``c = base[2:6]``) would each be written in turn,
 the later one over the earlier: the load would succeed with one of them wrong. Tied tensors — the very same view
-under two keys (same storage, offset, shape, strides and dtype: tied embeddings) — are written with the same
-values twice, as before; views that interleave without sharing an element (``base[0::2]``, ``base[1::2]``) are
+under two keys (same storage, offset, shape, strides and dtype: tied embeddings) — are returned by
+``check_disjoint`` and must hold equal values in the checkpoint (``check_tied``: an untied checkpoint loaded into a
+tied model would otherwise leave one key's values silently in both); views that interleave without sharing an element (``base[0::2]``, ``base[1::2]``) are
 fine. Two boxes of one key (a ``Sharded``'s parts) hold different parts of the global tensor: any memory they
 share is refused, even the very same view. Near-linear: destinations grouped by storage, sorted by the byte
 extent they span, and only those whose extents intersect compared, exactly.
@@ -11,11 +12,15 @@ extent they span, and only those whose extents intersect compared, exactly.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
-from liferaft.errors import InvalidStateError
+from liferaft.errors import InvalidStateError, StateMismatchError
+
+#: (key, box number) of two keys whose destinations are the very same view
+Tied = tuple[tuple[str, int], tuple[str, int]]
 
 #: Elements up to which two interleaved destinations are compared element by element; larger ones whose byte
 #: extents intersect (and which are not the same view) are refused rather than guessed.
@@ -48,11 +53,12 @@ def _share(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.isin(_bytes(a), _bytes(b)).any())
 
 
-def check_disjoint(dests: Iterable[tuple[str, int, torch.Tensor]]) -> None:
+def check_disjoint(dests: Iterable[tuple[str, int, torch.Tensor]]) -> list[Tied]:
     """InvalidStateError naming both keys when the destinations of two different keys share memory without being
     the same view, or two boxes of one key (a ``Sharded`` with ``more`` boxes: different parts of the global
     tensor) share any memory (module docstring). ``dests``: (key, box number, local tensor) of every tensor the
-    load fills in place."""
+    load fills in place. Returns the pairs of different keys whose destinations are the very same view (tied)."""
+    tied: list[Tied] = []
     groups: dict[tuple[str, int], list[tuple[int, int, str, int, torch.Tensor]]] = {}
     for key, box, t in dests:
         if t.numel() == 0:
@@ -73,7 +79,9 @@ def check_disjoint(dests: Iterable[tuple[str, int, torch.Tensor]]) -> None:
                         f"(shape {list(u.shape)} at storage offset {u.storage_offset()} and shape {list(t.shape)} at "
                         f"{t.storage_offset()}), so one would overwrite the other; nothing was loaded. Give each box "
                         "its own tensor")
-                if other != key and not _same_view(t, u) and _share(t, u):
+                if other != key and _same_view(t, u):
+                    tied.append(((other, other_box), (key, box)))
+                elif other != key and _share(t, u):
                     raise InvalidStateError(
                         f"keys {other!r} and {key!r}: their destinations share memory (views of one tensor that "
                         f"overlap: shape {list(u.shape)} at storage offset {u.storage_offset()} and shape "
@@ -81,3 +89,47 @@ def check_disjoint(dests: Iterable[tuple[str, int, torch.Tensor]]) -> None:
                         "loaded. Load into separate tensors (e.g. .clone() them into the state), or tie them as "
                         "the very same tensor")
             active.append((lo, hi, key, box, t))
+    return tied
+
+
+def _signature(entry: Any) -> list[tuple[Any, ...]] | None:
+    """A liferaft tensor entry's chunks as (box, block hashes, digest), sorted; None when that cannot prove
+    equality (no chunks listed yet, lossy, not covering the tensor)."""
+    chunks = getattr(entry, "chunks", None)
+    if not chunks or getattr(entry, "lossy", None):
+        return None
+    count = 1
+    for n in entry.shape:
+        count *= n
+    covered = 0
+    for c in chunks:
+        k = 1
+        for n in c.sizes:
+            k *= n
+        covered += k
+    if covered != count:
+        return None
+    return sorted((tuple(c.offsets), tuple(c.sizes), tuple(c.hashes), c.digest) for c in chunks)
+
+
+def check_tied(reader: Any, tied: Sequence[Tied], boxes: Mapping[tuple[str, int], tuple[Sequence[int], Any]]) -> None:
+    """StateMismatchError naming both keys when two keys the state ties (the very same tensor) hold different
+    values in the checkpoint (only one of them could be loaded). Proven equal by a liferaft checkpoint's chunk
+    hashes where both keys are stored alike (a tied model's save), else by reading both boxes (``boxes``:
+    (key, box number) → (global offsets, the local destination)) into temporaries and comparing their bytes."""
+    entries = getattr(reader, "entries", None)
+    for (ka, ia), (kb, ib) in tied:
+        if isinstance(entries, Mapping):
+            sa, sb = _signature(entries.get(ka)), _signature(entries.get(kb))
+            if sa is not None and sa == sb:
+                continue
+        (oa, dest), (ob, _) = boxes[(ka, ia)], boxes[(kb, ib)]
+        a = torch.empty(tuple(dest.shape), dtype=dest.dtype)
+        b = torch.empty(tuple(dest.shape), dtype=dest.dtype)
+        reader.copy_box(ka, oa, a)
+        reader.copy_box(kb, ob, b)
+        if not torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)):
+            raise StateMismatchError(
+                f"keys {ka!r} and {kb!r} are one tensor in the state (tied), but the checkpoint holds different "
+                "values for them: only one could be loaded; nothing was loaded. Load into separate tensors (untie "
+                "them), or load a checkpoint saved from the tied model")

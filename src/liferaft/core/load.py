@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from liferaft.codecs.checksum import digest
-from liferaft.core.aliasing import check_disjoint
+from liferaft.core.aliasing import check_disjoint, check_tied
 from liferaft.core.chunks import shm
 from liferaft.core.native import NativeReader
 from liferaft.core.open import open_reader
@@ -426,8 +426,9 @@ def _plan_load(reader: Reader, flat: FlatState, coord: Coordinator, opts: LoadOp
             plan.want(spec, [(((row,) + full[0], (1,) + full[1]), local.unsqueeze(0)) for _, local in leaf.parts])
         else:
             plan.fresh_per_rank.append((leaf.path, spec, plan.want_whole(spec), reader.world_size or coord.world))
-    check_disjoint((leaf.key, i, local) for leaf in flat.tensors if leaf.kind == "tensor" and leaf.key in tensors
-                   for i, (_, local) in enumerate(leaf.parts))
+    dests = {(leaf.key, i): (box[0], local) for leaf in flat.tensors if leaf.kind == "tensor" and leaf.key in tensors
+             for i, (box, local) in enumerate(leaf.parts)}
+    check_tied(reader, check_disjoint((k, i, local) for (k, i), (_, local) in dests.items()), dests)
     for key, path, _ in flat.values:
         _plan_value(plan, key, path, index, coord, opts)
     _check_statefuls(plan, index, coord, strict)
