@@ -118,3 +118,16 @@ def test_gc_incomplete_leaves_step_folders_holding_files_liferaft_never_writes(t
     assert report.deleted == (7,)
     assert sorted(os.listdir(root)) == ["step-0000000001", "step-0000000002", "step-0000000005", "step-0000000006"]
     assert os.path.exists(root / "step-0000000005" / "model.pt")
+
+
+def test_stats_keep_the_spread_of_values_far_from_zero(tmp_path):
+    from liferaft.tools.stats import describe
+
+    w = (1e8 + torch.tensor([-1.0, 1.0], dtype=torch.float64)).repeat(5000)     # std exactly 1
+    big = torch.full((64,), 1e300, dtype=torch.float64)                         # a sum that overflows
+    liferaft.save(str(tmp_path / "c"), {"w": w, "big": big})
+    st = {i.key: i.stats for i in describe(str(tmp_path / "c"), stats=True, slab_bytes=4096)}   # many slabs
+    assert st["w"]["std"] == pytest.approx(1.0, rel=1e-9) and st["w"]["mean"] == pytest.approx(1e8, rel=1e-15)
+    assert st["big"]["mean"] == pytest.approx(1e300) and st["big"]["std"] == pytest.approx(0.0, abs=1e290)
+    out = liferaft_cli("inspect", str(tmp_path / "c"), "w", "--stats", timeout=120)
+    assert out.returncode == 0 and "min 99999999 " in out.stdout and "max 100000001 " in out.stdout, out.stdout

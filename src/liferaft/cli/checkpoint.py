@@ -170,7 +170,7 @@ def _inspect_keys(args: argparse.Namespace) -> int:
         print(f"{'':<44} saved as: {i.layout}; by rank(s) {_ranges(i.ranks)}")
         if i.stats:
             st = i.stats
-            print(f"{'':<44} min {st['min']:.4g}  max {st['max']:.4g}  mean {st['mean']:.4g}  std {st['std']:.4g}  "
+            print(f"{'':<44} min {st['min']:.10g}  max {st['max']:.10g}  mean {st['mean']:.10g}  std {st['std']:.4g}  "
                   f"NaN {st['nan']}  Inf {st['inf']}")
     return 0
 

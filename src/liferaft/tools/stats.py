@@ -70,9 +70,11 @@ def chunks_of(reader: Reader, key: str) -> tuple[ChunkInfo, ...]:
 
 
 def _stats(read: Callable[[Box], torch.Tensor], boxes: Sequence[Box]) -> dict[str, float]:
-    """min / max / mean / std of the finite values and NaN / Inf counts, over the slabs ``read(box)`` returns."""
+    """min / max / mean / std of the finite values and NaN / Inf counts, over the slabs ``read(box)`` returns. The
+    variance is merged slab by slab from each slab's count, mean and sum of squared deviations (Chan et al.), so
+    values far from zero (1e8 ± 1) keep their spread, which ``E[x²] − E[x]²`` cancels away."""
     n = nan = inf = 0
-    total = sq = 0.0
+    mean = m2 = 0.0
     lo, hi = math.inf, -math.inf
     for box in boxes:
         t = read(box)
@@ -83,14 +85,23 @@ def _stats(read: Callable[[Box], torch.Tensor], boxes: Sequence[Box]) -> dict[st
         nan += int(bad_nan.sum())
         inf += int(bad_inf.sum())
         ok = x[~(bad_nan | bad_inf)]
-        if ok.numel():
+        k = ok.numel()
+        if k:
             lo, hi = min(lo, float(ok.min())), max(hi, float(ok.max()))
-            total += float(ok.sum())
-            sq += float((ok * ok).sum())
-            n += ok.numel()
-    mean = total / n if n else math.nan
-    var = max(0.0, sq / n - mean * mean) if n else math.nan
-    return {"min": lo if n else math.nan, "max": hi if n else math.nan, "mean": mean, "std": math.sqrt(var),
+            m = float(ok.mean())
+            if not math.isfinite(m):            # (finite values whose sum overflows: mean them scaled down)
+                m = float((ok / k).sum())
+            d = ok - m
+            s2 = float((d * d).sum())
+            delta = m - mean
+            total = n + k
+            mean += delta * k / total
+            f = delta * math.sqrt(n * k / total)    # (0 for the first slab: no inf * 0)
+            m2 += s2 + f * f
+            n = total
+    var = m2 / n if n else math.nan
+    return {"min": lo if n else math.nan, "max": hi if n else math.nan, "mean": mean if n else math.nan,
+            "std": math.sqrt(var) if n and math.isfinite(var) else (math.inf if n else math.nan),
             "nan": nan, "inf": inf}
 
 
