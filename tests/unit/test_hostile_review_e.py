@@ -131,3 +131,20 @@ def test_stats_keep_the_spread_of_values_far_from_zero(tmp_path):
     assert st["big"]["mean"] == pytest.approx(1e300) and st["big"]["std"] == pytest.approx(0.0, abs=1e290)
     out = liferaft_cli("inspect", str(tmp_path / "c"), "w", "--stats", timeout=120)
     assert out.returncode == 0 and "min 99999999 " in out.stdout and "max 100000001 " in out.stdout, out.stdout
+
+
+def test_gc_says_why_it_waits_behind_another_jobs_lease(tmp_path):
+    from liferaft.manager.lease import Lease
+    from liferaft.storage import resolve
+
+    root = tmp_path / "root"
+    liferaft.save(str(root / "step-0000000001"), {"w": torch.ones(3)})
+    held = Lease(resolve(str(root)), "job-\x1b]0;x\x07a", ttl=2.0)     # (a job id that is an escape sequence)
+    held.acquire()
+    try:
+        r = liferaft_cli("gc", str(root), "--keep-last", "1", timeout=120)
+    finally:
+        held.release()
+    assert r.returncode == 1 and "in use" in r.stderr, r.stderr
+    first = r.stderr.splitlines()[0]
+    assert first.startswith("liferaft gc: ") and "waiting up to 2 s" in first and "\x1b" not in r.stderr, r.stderr

@@ -10,6 +10,7 @@ from typing import Any
 
 import liferaft
 from liferaft.cli.args import integer
+from liferaft.cli.output import printable
 from liferaft.cli.progress import Progress
 
 
@@ -96,7 +97,8 @@ def _ls_status(args: argparse.Namespace, steps: list[liferaft.StepInfo]) -> int:
 def run_gc(args: argparse.Namespace) -> int:
     """Apply the retention policy of the arguments (or, with --dry-run, say what it would delete)."""
     r = liferaft.gc(args.root, keep_last=args.keep_last, keep_every=args.keep_every, keep_best=args.keep_best,
-                    metric=args.metric, mode=args.mode, dry_run=args.dry_run, incomplete=args.incomplete)
+                    metric=args.metric, mode=args.mode, dry_run=args.dry_run, incomplete=args.incomplete,
+                    on_wait=lambda m: print(f"liferaft gc: {printable(m)}", file=sys.stderr, flush=True))
     if args.json:
         print(json.dumps({"deleted": list(r.deleted), "kept": list(r.kept), "freed_bytes": r.freed_bytes,
                           "dry_run": r.dry_run}))

@@ -32,6 +32,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from liferaft.errors import CheckpointBusyError, LiferaftError, ReadOnlyRootError, StorageError
@@ -228,9 +229,10 @@ class Lease:
 
     # ------------------------------------------------------------------ acquire, check, renew, release
 
-    def acquire(self) -> None:
+    def acquire(self, on_wait: Callable[[str], None] | None = None) -> None:
         """Take the lease, waiting up to the holder's ttl for another job's lease to be released or go stale;
-        raise CheckpointBusyError if it is still held then, ReadOnlyRootError if the root cannot be written."""
+        raise CheckpointBusyError if it is still held then, ReadOnlyRootError if the root cannot be written.
+        ``on_wait(message)`` is called once when the wait begins (a command line says why it seems to hang)."""
         why = read_only_reason(self.storage)
         if why is not None:
             raise self._read_only(why)
@@ -253,6 +255,9 @@ class Lease:
                 probed = True
             if deadline is None:
                 deadline = now + self._wait_of(other) + 1.0
+                if on_wait is not None:
+                    on_wait(f"{self.storage.url} is in use: {busy}; waiting up to {self._wait_of(other):.0f} s for "
+                            "its lease to be released or to go stale")
             if now > deadline:
                 raise CheckpointBusyError(f"{self.storage.url} is in use: {busy}" + self._doubt(other, seen[1], now))
             time.sleep(min(1.0, self._wait_of(other) / 10))

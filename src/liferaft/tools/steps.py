@@ -148,20 +148,21 @@ class GcReport:
 
 def gc(root: str | os.PathLike[str] | Storage, *, keep_last: int | None = None, keep_every: int | None = None,
        keep_best: int | None = None, metric: str | None = None, mode: MetricMode = "min", dry_run: bool = False,
-       incomplete: bool = False) -> GcReport:
+       incomplete: bool = False, on_wait: Callable[[str], None] | None = None) -> GcReport:
     """The manager's retention from outside a job: delete committed steps the policy does not keep, never the
     newest committed one of the root's run (a step a rollback abandoned, ``BRANCHES``, is never ranked: it goes), a
     pinned one or one a kept step references (and, with ``incomplete``, steps without a
     commit marker that nothing references; never a step folder holding another format's checkpoint, nor one
     holding any file liferaft never writes there: a ``torch.save`` file, a user's notes). Takes the
     root's lease first, so it refuses
-    (CheckpointBusyError) while a training job writes there. Deletion is marker-first, as the manager's."""
+    (CheckpointBusyError) while a training job writes there (waiting first up to the holder's ttl, bounded:
+    ``on_wait(message)`` says so when the wait begins). Deletion is marker-first, as the manager's."""
     storage = _root(root)
     policy = RetentionPolicy(keep_last=keep_last, keep_every=keep_every, keep_best=keep_best, metric=metric,
                              mode=mode)
     lease = None if dry_run else Lease(storage, job_id=f"liferaft-gc:{uuid.uuid4().hex}")
     if lease is not None:
-        lease.acquire()
+        lease.acquire(on_wait)
     try:
         pins = read_pins(storage)                               # (a damaged PINS refuses: nothing deleted)
         branches = read_branches(storage)                       # (a damaged BRANCHES too)
