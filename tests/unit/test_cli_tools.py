@@ -71,7 +71,8 @@ def test_gc_refuses_while_a_job_holds_the_root(tmp_path):
     with CheckpointManager(path, every_steps=1, async_save=False, job=JobOptions(lease_ttl=5.0)) as mgr:
         mgr.maybe_save(0, {"w": torch.ones(3)})
         out = run("gc", path, "--keep-last", "1")
-        assert out.returncode == 1 and "error" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+        lines = out.stderr.strip().splitlines()         # why it waits (at once), then the one error line
+        assert out.returncode == 1 and len(lines) == 2 and "waiting up to 5 s" in lines[0] and "error" in lines[1]
 
 
 def test_diff_finds_changed_added_removed_and_accepts_a_tolerance(tmp_path):

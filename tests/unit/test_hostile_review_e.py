@@ -148,3 +148,13 @@ def test_gc_says_why_it_waits_behind_another_jobs_lease(tmp_path):
     assert r.returncode == 1 and "in use" in r.stderr, r.stderr
     first = r.stderr.splitlines()[0]
     assert first.startswith("liferaft gc: ") and "waiting up to 2 s" in first and "\x1b" not in r.stderr, r.stderr
+
+
+def test_diff_of_two_torch_files_compares_container_types_exactly(tmp_path):
+    torch.save({"w": torch.ones(2), "cfg": {"d": {1: "x"}}, "milestones": [10, 20], "names": {0: "a", 1: "b"}},
+               str(tmp_path / "a.pt"))
+    torch.save({"w": torch.ones(2), "cfg": {"d": {"1": "x"}}, "milestones": (10, 20), "names": ["a", "b"]},
+               str(tmp_path / "b.pt"))
+    r = liferaft.diff(str(tmp_path / "a.pt"), str(tmp_path / "b.pt"))
+    assert {k.key: k.status for k in r.keys} == {"w": "equal", "cfg": "changed", "milestones": "changed",
+                                                  "names": "changed"}

@@ -225,7 +225,7 @@ def _diff(ra: Reader, rb: Reader, keys: Sequence[str] | None, tolerance: float, 
         _only(sa, [module, f"{module}.*"])
     parts = _regroup(sa, sb) | _regroup(sb, sa)
     _select((sa, sb), keys, parts)
-    lenient = not (ra.fmt == rb.fmt == "liferaft")     # other formats do not record container types
+    lenient = not (ra.fmt == rb.fmt and ra.fmt in ("liferaft", "torch"))     # others do not record container types
     ta, tb, va, vb = sa.tensors, sb.tensors, sa.values, sb.values
     every = list(dict.fromkeys([*ta, *va, *tb, *vb]))
     both = [k for k in every if k in ta and k in tb]
