@@ -24,3 +24,17 @@ def load_rank1_unwritable(rank: int, world: int, path: str, kind: str) -> tuple[
     except LiferaftError as e:
         return type(e).__name__, str(e), all(torch.equal(state[k], before[k]) for k in state)
     return "no error", "", all(torch.equal(state[k], before[k]) for k in state)
+
+
+def load_with_strict_on_rank0_then_again(rank: int, world: int, path: str) -> list:
+    """A load with strict=(rank == 0) (misuse: the options differ between ranks), then a correct one."""
+    import liferaft as lf
+
+    out = []
+    for state, strict in (({"x": torch.zeros(6)}, rank == 0), ({"x": torch.zeros(6), "y": torch.zeros(4)}, True)):
+        try:
+            lf.load(path, state, strict=strict, options=lf.LoadOptions(timeout=30))
+            out.append(("ok", state["x"].tolist()))
+        except lf.errors.LiferaftError as e:
+            out.append((type(e).__name__, str(e)[:200]))
+    return out

@@ -16,6 +16,7 @@ import os
 import pickle
 import time
 import warnings
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -28,7 +29,7 @@ from liferaft.core.native import NativeReader
 from liferaft.core.open import open_reader
 from liferaft.core.process import in_call
 from liferaft.dist import Coordinator
-from liferaft.errors import DistributedError, InvalidStateError, LossyCheckpointError, StateMismatchError
+from liferaft.errors import DistributedError, InvalidStateError, LossyCheckpointError, OptionsError, StateMismatchError
 from liferaft.formats.base import Box, BoxRead, Reader, TensorSpec
 from liferaft.formats.detect import NAMES
 from liferaft.options import LoadOptions, LoadResult, check_options, check_path
@@ -108,7 +109,11 @@ def _load(reader: Reader, state: Any, coord: Coordinator, opts: LoadOptions, str
     plans: list[_LoadPlan] = []
     mode = "peers" if holders is not None else _share_mode(reader, coord, opts)
     all_keys = reader.keys
-    width = len(all_keys) + 4
+    width = len(all_keys) + 6
+    # what steers the load's collective steps must be the same on every rank (strict=(rank == 0) raised on one
+    # rank after planning and left the others in the next collective, crossing the next call's messages)
+    agreed = zlib.crc32(repr((strict, opts.allow_pickle, opts.exact, opts.atomic, opts.share_reads,
+                              opts.max_read_bytes, tuple(opts.ignore_keys))).encode()) & 0x7FFF_FFFF
     mine: list[Any] = []        # this rank's spans and decoded sizes, and its host key (mode "host")
 
     def planned() -> tuple[None, list[int]]:
@@ -127,9 +132,13 @@ def _load(reader: Reader, state: Any, coord: Coordinator, opts: LoadOptions, str
         code = _MODES.index(mode)
         # (one all-reduce: which keys some rank loads, whether every rank chose the same way of sharing, and
         # whether any rank misses or skips keys: what a rank receives does not grow with the world)
-        return None, [*p.covered, code, -code, int(bool(p.missing)), int(bool(p.skipped))]
+        return None, [*p.covered, code, -code, int(bool(p.missing)), int(bool(p.skipped)), agreed, -agreed]
     _, voted = coord.run_max(planned, width, "load (planning)")
     n = len(all_keys)
+    if voted[n + 4] != -voted[n + 5]:
+        raise OptionsError("load: the ranks called it with different strict= or LoadOptions (allow_pickle, exact, "
+                           "atomic, share_reads, max_read_bytes, ignore_keys); nothing was loaded. Pass the same "
+                           "arguments on every rank")
     if voted[n] != -voted[n + 1]:           # (a rank without /dev/shm): no rank shares, all alike
         mode = None
     plan = plans[0]
