@@ -18,7 +18,7 @@ import torch
 import liferaft
 from liferaft import InvalidStateError, LiferaftError, LoadOptions, OptionsError, SaveOptions
 from liferaft.cli import main
-from liferaft.core.load import has_internal_overlap
+from liferaft.core.aliasing import has_internal_overlap
 from liferaft.format.limits import MAX_NESTING
 from liferaft.state.tree import nest
 

@@ -1,4 +1,5 @@
-"""Load destinations that share memory across keys: refused before any byte is copied.
+"""Load destinations that share memory across keys, or whose own elements do (``check_writable``): refused before
+any byte is copied.
 
 Two keys whose destinations partially overlap (``b = base[0:6]``, ``c = base[2:6]``) would each be written in turn,
 the later one over the earlier: the load would succeed with one of them wrong. Tied tensors — the very same view
@@ -133,3 +134,54 @@ def check_tied(reader: Any, tied: Sequence[Tied], boxes: Mapping[tuple[str, int]
                 f"keys {ka!r} and {kb!r} are one tensor in the state (tied), but the checkpoint holds different "
                 "values for them: only one could be loaded; nothing was loaded. Load into separate tensors (untie "
                 "them), or load a checkpoint saved from the tied model")
+
+
+#: Elements up to which ``has_internal_overlap`` decides an interleaved layout by listing its memory offsets.
+EXACT_OVERLAP_ELEMENTS = 1 << 26
+
+
+def has_internal_overlap(t: torch.Tensor) -> bool:
+    """Whether two elements of the strided tensor ``t`` share a memory location (an ``expand``-ed, stride-0 view,
+    an overlapping ``as_strided``). With the dimensions of size > 1 sorted by stride, ``t`` is overlap-free when
+    each stride is at least the extent the smaller dimensions span (``(size - 1) * stride`` each, plus one): every
+    dense, permuted or sliced tensor, decided at once. A layout that fails that test may still be overlap-free
+    (interleaved: shape (2, 3), strides (3, 2)); it is decided exactly by counting its distinct offsets, up to
+    ``EXACT_OVERLAP_ELEMENTS`` elements (beyond, such a layout counts as overlapping: refused, not guessed)."""
+    if t.numel() <= 1:
+        return False
+    dims = sorted((st, n) for st, n in zip(t.stride(), t.shape) if n > 1)
+    extent = 1
+    for stride, n in dims:
+        if stride == 0:
+            return True
+        if stride < extent:
+            break
+        extent += (n - 1) * stride
+    else:
+        return False
+    if t.numel() > EXACT_OVERLAP_ELEMENTS:
+        return True
+    offsets = torch.zeros((), dtype=torch.int64)
+    for stride, n in dims:
+        offsets = (offsets.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * stride).reshape(-1)
+    return int(torch.unique(offsets).numel()) != t.numel()
+
+
+def check_writable(key: str, t: torch.Tensor) -> None:
+    """InvalidStateError naming ``key`` unless a load can copy into ``t`` in place: a strided tensor with data
+    (not on the meta device), not an inference tensor, no two elements sharing memory. Run for every destination
+    before any byte is copied, so a refusal leaves the whole state unchanged."""
+    fix = "; nothing was loaded. Load into a tensor that owns its memory (e.g. .clone() it into the state)"
+    if t.is_meta:
+        raise InvalidStateError(f"key {key!r}: the destination is on the meta device and has no memory to load "
+                                f"into{fix}")
+    if t.layout != torch.strided:
+        raise InvalidStateError(f"key {key!r}: the destination is a {t.layout} tensor; loads fill dense (strided) "
+                                f"tensors{fix}")
+    if t.is_inference():
+        raise InvalidStateError(f"key {key!r}: the destination is an inference tensor (made under "
+                                f"torch.inference_mode()), which cannot be updated in place{fix}")
+    if has_internal_overlap(t):
+        raise InvalidStateError(f"key {key!r}: the destination has elements sharing memory (an expand()-ed or "
+                                f"overlapping as_strided view: shape {list(t.shape)}, stride {list(t.stride())}), "
+                                f"so it cannot be written in place{fix}")

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from liferaft.codecs.checksum import digest
-from liferaft.core.aliasing import check_disjoint, check_tied
+from liferaft.core.aliasing import check_disjoint, check_tied, check_writable
 from liferaft.core.chunks import shm
 from liferaft.core.native import NativeReader
 from liferaft.core.open import open_reader
@@ -452,57 +452,6 @@ def _plan_load(reader: Reader, flat: FlatState, coord: Coordinator, opts: LoadOp
         plan.covered[index[k]] = 1
     plan.job = reader.plan(plan.requests)           # files present and long enough: checked here
     return plan
-
-
-#: Elements up to which ``has_internal_overlap`` decides an interleaved layout by listing its memory offsets.
-EXACT_OVERLAP_ELEMENTS = 1 << 26
-
-
-def has_internal_overlap(t: torch.Tensor) -> bool:
-    """Whether two elements of the strided tensor ``t`` share a memory location (an ``expand``-ed, stride-0 view,
-    an overlapping ``as_strided``). With the dimensions of size > 1 sorted by stride, ``t`` is overlap-free when
-    each stride is at least the extent the smaller dimensions span (``(size - 1) * stride`` each, plus one): every
-    dense, permuted or sliced tensor, decided at once. A layout that fails that test may still be overlap-free
-    (interleaved: shape (2, 3), strides (3, 2)); it is decided exactly by counting its distinct offsets, up to
-    ``EXACT_OVERLAP_ELEMENTS`` elements (beyond, such a layout counts as overlapping: refused, not guessed)."""
-    if t.numel() <= 1:
-        return False
-    dims = sorted((st, n) for st, n in zip(t.stride(), t.shape) if n > 1)
-    extent = 1
-    for stride, n in dims:
-        if stride == 0:
-            return True
-        if stride < extent:
-            break
-        extent += (n - 1) * stride
-    else:
-        return False
-    if t.numel() > EXACT_OVERLAP_ELEMENTS:
-        return True
-    offsets = torch.zeros((), dtype=torch.int64)
-    for stride, n in dims:
-        offsets = (offsets.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * stride).reshape(-1)
-    return int(torch.unique(offsets).numel()) != t.numel()
-
-
-def check_writable(key: str, t: torch.Tensor) -> None:
-    """InvalidStateError naming ``key`` unless a load can copy into ``t`` in place: a strided tensor with data
-    (not on the meta device), not an inference tensor, no two elements sharing memory. Run for every destination
-    before any byte is copied, so a refusal leaves the whole state unchanged."""
-    fix = "; nothing was loaded. Load into a tensor that owns its memory (e.g. .clone() it into the state)"
-    if t.is_meta:
-        raise InvalidStateError(f"key {key!r}: the destination is on the meta device and has no memory to load "
-                                f"into{fix}")
-    if t.layout != torch.strided:
-        raise InvalidStateError(f"key {key!r}: the destination is a {t.layout} tensor; loads fill dense (strided) "
-                                f"tensors{fix}")
-    if t.is_inference():
-        raise InvalidStateError(f"key {key!r}: the destination is an inference tensor (made under "
-                                f"torch.inference_mode()), which cannot be updated in place{fix}")
-    if has_internal_overlap(t):
-        raise InvalidStateError(f"key {key!r}: the destination has elements sharing memory (an expand()-ed or "
-                                f"overlapping as_strided view: shape {list(t.shape)}, stride {list(t.stride())}), "
-                                f"so it cannot be written in place{fix}")
 
 
 def _plan_value(plan: _LoadPlan, key: str, path: tuple, index: dict[str, int], coord: Coordinator,
