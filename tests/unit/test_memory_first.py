@@ -291,3 +291,23 @@ def test_close_releases_the_lease_when_the_start_clean_up_warning_is_an_error(tm
     with CheckpointManager(root, async_save=False, preemption=NO_SIGNALS,
                            job=JobOptions(job_id="b", lease_ttl=600.0)) as other:
         other.save(1, _state(1.0))
+
+
+def test_a_memory_tier_shared_with_another_roots_manager_never_gives_it_that_roots_steps(tmp_path, shm):
+    """Two experiments on one node with the same MemoryTier job id: a manager restores only memory copies its own
+    root's manager saved (their manifest names the root), never the other experiment's weights — neither a fresh
+    root (no INTENT) nor one whose own newest step is older than the other's memory copy."""
+    _run(str(tmp_path / "a"), shm, range(11))                  # A: root 0..10, memory 10
+    with CheckpointManager(str(tmp_path / "b"), every_steps=2, async_save=False, preemption=NO_SIGNALS,
+                           tiers=TierOptions(_tier(shm))) as mgr:
+        state = _state(-1.0)
+        assert mgr.restore(state) is None and state["step"] == -1         # fresh: nothing of A's
+        for step in range(3):
+            mgr.maybe_save(step, _state(100.0 + step))                    # B: root 0, 2 (and its memory copy)
+            mgr._tiers.wait()
+    _run(str(tmp_path / "a"), shm, range(11, 21))                 # A goes on: its memory copy 20 is newest
+    with CheckpointManager(str(tmp_path / "b"), every_steps=2, async_save=False, preemption=NO_SIGNALS,
+                           tiers=TierOptions(_tier(shm))) as mgr:
+        state = _state(-1.0)
+        assert mgr.restore(state) == 2 and float(state["w"][0]) == 102.0
+        mgr.maybe_save(3, _state(103.0))                              # (no "the root holds step 20")

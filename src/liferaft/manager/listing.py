@@ -212,6 +212,10 @@ def write_intent(storage: Storage, step: int) -> None:
 #: the key of a manifest's ``extra`` under which the manager records the root's rollbacks before the save (its
 #: own: a user's ``SaveOptions.metadata`` may well say ``epoch``)
 EPOCH_KEY = "liferaft_rollbacks"
+#: the manifest ``extra`` key of a manager's memory-tier saves naming the root they belong to (``owner_id`` of the
+#: root's URL, as rank 0 names it): a memory tier shared by two managers (one job id, two experiments on a node)
+#: never gives one the other's steps
+ROOT_KEY = "liferaft_root"
 
 
 def epoch_of(extra: Mapping[str, object]) -> int:
@@ -366,6 +370,7 @@ __all__ = [
     "EPOCH_KEY",
     "INTENT",
     "PINS",
+    "ROOT_KEY",
     "STEP_PREFIX",
     "StepInfo",
     "apply_retention",

@@ -28,6 +28,7 @@ from liferaft.manager.lease import LEASE, Lease, record_start
 from liferaft.manager.listing import (  # noqa: F401 - PINS, _parse_step: re-exported for tools.steps
     EPOCH_KEY,
     PINS,
+    ROOT_KEY,
     StepInfo,
     _parse_step,
     apply_retention,
@@ -55,6 +56,7 @@ from liferaft.manager.tiering import Tiers, first_that_loads
 from liferaft.manager.voting import Views, agree
 from liferaft.options import LoadOptions, LoadResult, SaveOptions, check_path
 from liferaft.storage import Storage, resolve
+from liferaft.tiers.stepcheck import owner_id
 from liferaft.tiers.steplog import StepLog
 
 
@@ -139,11 +141,12 @@ class CheckpointManager:
         self._closed = False
         self._root_start = RootStart(self.storage)     # (rank 0's: the start's clean-up, INTENT)
 
-        def identify() -> tuple[str, str]:      # rank 0's identity is the job's
+        def identify() -> tuple[str, str, str]:      # rank 0's identity is the job's, its name of the root the root's
             who = this_job(job.job_id)
-            return who.job_id, who.source
+            return who.job_id, who.source, self.storage.url
 
-        self.job_id, self.job_source = self.coord.run_on_zero(identify, "manager (job id)")
+        self.job_id, self.job_source, root_url = self.coord.run_on_zero(identify, "manager (job id)")
+        self._owner = owner_id(root_url)         # (the memory tier's copies name their root: ROOT_KEY)
         self._lease = Lease(self.storage, self.job_id, job.lease_ttl) if self.coord.rank == 0 else None
         learn = self.save_policy.auto_interval or (tiers is not None and tiers.memory_every == "auto")
         if step_log is not None and tiers is None:
@@ -156,13 +159,14 @@ class CheckpointManager:
             mtbf_s = hours * 3600.0 if hours is not None else \
                 mtbf_from_starts(starts, PRIOR_MTBF_HOURS * 3600.0, time.time())
             self._auto = AutoInterval(mtbf_s=mtbf_s) if self.save_policy.auto_interval else None
-            self._tiers = Tiers(tiers, self.storage, self.coord, process_group, mtbf_s) if tiers is not None else None
+            self._tiers = Tiers(tiers, self.storage, self.coord, process_group, mtbf_s, self._owner) \
+                if tiers is not None else None
             self._saves = SavesInFlight(self._tiers, process_group)
             self._steplog: StepLog | None = None
             if step_log is not None and tiers is not None:
                 self._steplog = StepLog(tiers.memory, replicas=step_log.replicas, max_steps=step_log.max_steps,
                                         process_group=process_group, timeout=self.save_options.timeout,
-                                        allow_pickle=self.save_options.allow_pickle, owner=self.storage.url)
+                                        allow_pickle=self.save_options.allow_pickle, owner=root_url)
                 self._steplog.epoch = len(self._branches)
                 self._steplog.live = lambda s, e: live(s, e, self._branches)
         except BaseException:
@@ -410,7 +414,8 @@ class CheckpointManager:
             # (skipped on every rank while the previous memory save or a save to the root is still running)
             with self._quiet():
                 self._tiers.save(step, state, replace(self.save_options, metadata={
-                    **dict(self.save_options.metadata), "step": step, EPOCH_KEY: len(self._branches)}))
+                    **dict(self.save_options.metadata), "step": step, EPOCH_KEY: len(self._branches),
+                    ROOT_KEY: self._owner}))
         full_log = log_full
         if full_log:
             # a save in flight frees the ring once durable: wait for it rather than start another; then every rank
@@ -500,6 +505,7 @@ class CheckpointManager:
     def _options(self, step: int, reason: str, metrics: Mapping[str, float] | None, since_full: int) -> SaveOptions:
         """The save options of a save by this manager (its manifest ``extra`` says why and by whom)."""
         meta = {**dict(self.save_options.metadata), "step": step, "reason": reason, EPOCH_KEY: len(self._branches),
+                ROOT_KEY: self._owner,
                 "metrics": {k: float(v) for k, v in (metrics or {}).items()}, "job_id": self.job_id,
                 "since_full": since_full, **({"lossy_state": self.lossy_state} if self.lossy_state else {})}
         return replace(self.save_options, metadata=meta)

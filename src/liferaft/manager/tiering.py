@@ -19,7 +19,7 @@ from liferaft.core.load import load
 from liferaft.dist import Coordinator
 from liferaft.errors import CorruptCheckpointError, FileAccessError, IncompleteCheckpointError, LiferaftError
 from liferaft.format.layout import COMMIT_MARKER, parse_step, step_name
-from liferaft.manager.listing import StepInfo, epoch_of
+from liferaft.manager.listing import ROOT_KEY, StepInfo, epoch_of
 from liferaft.manager.options import TierOptions
 from liferaft.manager.policies import AutoInterval
 from liferaft.manager.rollback import forget_after
@@ -81,7 +81,7 @@ class Tiers:
     coordinator; ``mtbf_s`` the failure rate ``memory_every="auto"`` assumes."""
 
     def __init__(self, options: TierOptions, root: Storage, coord: Coordinator, process_group: Any,
-                 mtbf_s: float) -> None:
+                 mtbf_s: float, owner: str) -> None:
         self.memory: MemoryTier = options.memory
         self.memory_every = options.memory_every
         self.drain = options.drain
@@ -90,6 +90,8 @@ class Tiers:
         #: with ``memory_every="auto"``: the Young/Daly interval of memory saves (seconds)
         self.auto = AutoInterval(mtbf_s=mtbf_s, stall_s=0.1) if options.memory_every == "auto" else None
         self._root, self._coord, self._process_group = root, coord, process_group
+        #: the root's identity (``listing.ROOT_KEY``): a memory copy another root's manager saved is never restored
+        self.owner = owner
         self._last = time.monotonic()
         self._drains = 0
 
@@ -200,7 +202,8 @@ class Tiers:
         try:
             step = self.memory.restore(state, options=load_options, strict=strict,
                                        newer_than=None if at_least is None else at_least - 1,
-                                       fallback=self._slower_copy, accept=lambda s, x: self._live(s, epoch_of(x)))
+                                       fallback=self._slower_copy, accept=lambda s, x: self._live(s, epoch_of(x))
+                                       and x.get(ROOT_KEY) == self.owner)
         except LiferaftError as e:
             warnings.warn(f"liferaft: the memory tier could not be restored ({type(e).__name__}: {e}); "
                           "restoring from the root", stacklevel=4)
