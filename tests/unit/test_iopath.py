@@ -293,7 +293,8 @@ def test_a_process_takes_the_probe_another_shared_instead_of_probing(tmp_path, m
     try:
         first = iopath.choice_for(str(tmp_path))                        # probes, shares
         (dev, (_, figures)), = iopath.probed().items()
-        assert not figures.shared and os.listdir(iopath.HOST_DIR) == [f"liferaft-iopath-{os.getuid()}-{dev}-full.json"]
+        assert not figures.shared and sorted(os.listdir(iopath.HOST_DIR)) == [
+            f"liferaft-iopath-{os.getuid()}-{dev}-full.json", f"liferaft-iopath-{os.getuid()}-{dev}.lock"]
         iopath.forget()                                                 # as another process would start
 
         def no_probe(folder: str) -> Probe:

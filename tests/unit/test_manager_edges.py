@@ -32,7 +32,7 @@ def test_a_foreign_folder_under_a_step_name_is_not_cleaned_up_as_a_leftover(tmp_
     root = tmp_path / "run"
     dcp_step = root / "step-0000000010"
     dcp.save({"w": torch.ones(4)}, checkpoint_id=str(dcp_step))        # a DCP checkpoint named like our steps
-    leftover = root / "step-0000000012" / "data" / "abc"
+    leftover = root / "step-0000000012" / "data" / "0123456789abcdef"        # (a save id: 16 hex digits)
     leftover.mkdir(parents=True)
     (leftover / "r00000.bin").write_bytes(b"x" * 10)                     # an interrupted liferaft save
     with pytest.warns(UserWarning, match="holds files liferaft does not write"):   # (given on this thread)

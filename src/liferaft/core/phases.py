@@ -140,6 +140,14 @@ class PreparedSave:
     tables: bool = False
     #: (planned on its own, with an incremental base) the base as every rank received it
     base: SharedBase | None = None
+    #: rank 0: the release of its hold on the folder (``Storage.lock_writer``), called once the save is over
+    unlock: Callable[[], None] | None = None
+
+    def release(self) -> None:
+        """Let another save to this folder start (rank 0's lock; idempotent, never raises)."""
+        unlock, self.unlock = self.unlock, None
+        if unlock is not None:
+            unlock()
 
     @property
     def explicit(self) -> bool:
@@ -165,7 +173,24 @@ class PreparedSave:
 
 
 def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOptions) -> PreparedSave:
-    """Flatten, exchange metadata and plan (collective). Raises on every rank if any rank fails.
+    """Flatten, exchange metadata and plan (collective). Raises on every rank if any rank fails. Rank 0 holds the
+    folder for this save from before anything is written (``Storage.lock_writer``: a second save to the same path
+    raises CheckpointBusyError on every rank, never both committing over each other's files) until
+    ``PreparedSave.release``, which the caller runs once the save is over."""
+    held: list[Callable[[], None]] = []
+    try:
+        prepared = _prepare_save(state, coord, storage, opts, held)
+    except BaseException:
+        for unlock in held:
+            unlock()
+        raise
+    prepared.unlock = held[0] if held else None
+    return prepared
+
+
+def _prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOptions,
+                  held: list[Callable[[], None]]) -> PreparedSave:
+    """``prepare_save``; rank 0's folder lock appended to ``held``.
 
     When every rank describes the same tensors with the same compact layouts (``planning.layouts``: DTensors
     over a mesh of the ranks in order, plain tensors held whole), which one all-reduce of a digest tells, each
@@ -196,6 +221,10 @@ def prepare_save(state: Any, coord: Coordinator, storage: Storage, opts: SaveOpt
         meta = _rank_meta(coord.rank, flat, opts.allow_pickle, coord.world)
         if compact and (own_base or not opts.incremental_base):
             layouts = layouts_of(flat, coord.rank, coord.world)
+        if coord.rank == 0 and not held:
+            unlock = storage.lock_writer()
+            if unlock is not None:
+                held.append(unlock)
         if coord.rank == 0 and not opts.overwrite and storage.exists(COMMIT_MARKER):
             raise CheckpointExistsError(f"{storage.url} already holds a committed checkpoint; pass "
                                         "SaveOptions(overwrite=True) to replace it, or save to a new path")

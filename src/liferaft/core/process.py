@@ -153,6 +153,24 @@ class ProcessState:
         self.pool: BufferPool | None = None
         self.ring: BufferPool | None = None
         self.inflight: AsyncSaveHandle | None = None
+        self._gate = threading.Lock()
+        self._owner: int | None = None
+
+    @contextmanager
+    def one_save(self) -> Iterator[None]:
+        """One save of this process at a time from here (``settle``, the pools) until it is done (``save``) or in
+        flight (``async_save``: ``inflight`` set, which the next one settles first): two threads saving at once
+        staged into one pool (a committed checkpoint held another save's bytes). A save from inside a save of the
+        same thread (a ``state_dict()`` hook) cannot wait for itself: CheckpointBusyError."""
+        if self._owner == threading.get_ident():
+            raise CheckpointBusyError("save/async_save was called from inside a save of the same thread (a "
+                                      "state_dict() hook?); save after that save returns")
+        with self._gate:
+            self._owner = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._owner = None
 
     def pool_for(self, nbytes: int, budget: int | None, pin: bool) -> BufferPool:
         """The pool for a save of ``nbytes``: one snapshot's worth, or ``budget`` if that is smaller. An

@@ -64,6 +64,11 @@ def save(path: PathLike, state: Any, *, process_group: ProcessGroup | None = Non
     """
     check_path(path, "save(path=...)")
     opts = check_options(options, SaveOptions, "save")
+    with PROCESS.one_save():         # (one save of the process at a time: the pools are the process's)
+        return _save(path, state, process_group, opts)
+
+
+def _save(path: PathLike, state: Any, process_group: ProcessGroup | None, opts: SaveOptions) -> SaveResult | None:
     if not PROCESS.settle(opts, process_group):
         return None  # if_busy="skip"
     coord = Coordinator(process_group, opts.timeout)
@@ -80,7 +85,10 @@ def save(path: PathLike, state: Any, *, process_group: ProcessGroup | None = Non
         prep.storage.sync()   # this rank's new folder entries are durable too, not only its file
         return outcome
 
-    result = finish_save(coord, prep, write, opts)
+    try:
+        result = finish_save(coord, prep, write, opts)
+    finally:
+        prep.release()
     return dataclasses.replace(result, staging_bytes=pool.capacity if pool is not None else 0)
 
 
@@ -93,12 +101,28 @@ def async_save(path: PathLike, state: Any, *, process_group: ProcessGroup | None
     of at most ``memory_budget`` bytes that is reused by later saves."""
     check_path(path, "async_save(path=...)")
     opts = check_options(options, SaveOptions, "async_save")
+    with PROCESS.one_save():         # (until it is in flight: the next save settles it first)
+        return _async_save(path, state, process_group, opts)
+
+
+def _async_save(path: PathLike, state: Any, process_group: ProcessGroup | None,
+                opts: SaveOptions) -> AsyncSaveHandle | None:
     t_call = time.perf_counter()
     if not PROCESS.settle(opts, process_group):
         return None
     coord = Coordinator(process_group, opts.timeout)
     bg = Coordinator(process_group, opts.timeout, channel="bg")     # created here, used by the writer thread
     prep = prepare_save(state, coord, resolve(path), opts)
+    try:
+        return _start(prep, coord, bg, opts, t_call)
+    except BaseException:
+        prep.release()                  # (nothing in flight: the folder is free again)
+        raise
+
+
+def _start(prep: PreparedSave, coord: Coordinator, bg: Coordinator, opts: SaveOptions,
+           t_call: float) -> AsyncSaveHandle:
+    """Start the stager and the writer of a prepared async save (``async_save``)."""
     items = prep.writes
     pin = torch.cuda.is_available() and any(t.is_cuda for t in prep.sources.values())
     nbytes = staged_size(items, prep.sources, PIECE_LIMIT)
@@ -155,6 +179,7 @@ def _write_and_commit(coord: Coordinator, prep: PreparedSave, pieces: PieceQueue
     except BaseException as e:  # noqa: BLE001 - surfaces on wait()
         handle._error = e
     finally:
+        prep.release()                  # (before done: a save waiting for this one finds the folder free)
         handle._done.set()
 
 

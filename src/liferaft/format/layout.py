@@ -7,6 +7,8 @@ memory tier): one checkpoint per step in ``step-<step, 10 digits>/``.
 
 from __future__ import annotations
 
+import re
+
 COMMIT_MARKER = "COMMIT"
 DATA_DIR = "data"
 MANIFEST_PREFIX = "manifest-"
@@ -53,11 +55,10 @@ def data_file_rank(name: str) -> int | None:
 
 
 def is_layout_name(name: str) -> bool:
-    """Whether ``name`` (relative to a checkpoint root) is one of liferaft's own files or folders: data, a
-    manifest, the marker (or its temporary copy)."""
-    first, _, rest = name.partition("/")
-    return (first == DATA_DIR and bool(rest)) or first.startswith(COMMIT_MARKER) or \
-        (first.startswith(MANIFEST_PREFIX) and ".json" in first) or is_probe_name(name)
+    """Whether ``name`` (relative to a checkpoint root) is one of liferaft's own files, by its exact name: a data
+    file, a manifest, the marker, their temporaries, the I/O probe's files (``is_stale``)."""
+    return name == COMMIT_MARKER or is_stale(name, "") or _DATA_FILE.fullmatch(name) is not None or \
+        _MANIFEST_FILE.fullmatch(name) is not None
 
 
 def is_probe_name(name: str) -> bool:
@@ -65,14 +66,24 @@ def is_probe_name(name: str) -> bool:
     return name.rpartition("/")[2].startswith(PROBE_PREFIX)
 
 
+_ID = r"[0-9a-f]{16}"
+_TMP = r"(\.tmp-[0-9a-f]{12})?"
+#: liferaft's own files of one save, exactly (group 1: the save id; group 3 or 2: a temporary file's suffix)
+_DATA_FILE = re.compile(rf"{DATA_DIR}/({_ID})/r\d{{5,}}(?:\.bin|-copies\.bin|-chunks\.json){_TMP}")
+_MANIFEST_FILE = re.compile(rf"{MANIFEST_PREFIX}({_ID})\.json{_TMP}")
+_COMMIT_TMP = re.compile(rf"{COMMIT_MARKER}\.tmp-[0-9a-f]{{12}}")
+
+
 def is_stale(name: str, keep: str) -> bool:
-    """Whether ``name`` is a file of a save other than ``keep`` (or a temporary file) once ``keep`` committed."""
-    base = name.rsplit("/", 1)[-1]
-    if name.startswith(DATA_DIR + "/"):
-        return not name.startswith(data_prefix(keep))
-    if name.startswith(MANIFEST_PREFIX):
-        return name != manifest_name(keep)
-    return ".tmp-" in base or is_probe_name(name)
+    """Whether ``name`` is a file of a save other than ``keep`` (or a temporary file of liferaft's) once ``keep``
+    committed. Only liferaft's exact names (``data/<16 hex>/r<rank>.bin``, ``-copies.bin``, ``-chunks.json``,
+    ``manifest-<16 hex>.json``, their and ``COMMIT``'s ``.tmp-<12 hex>`` temporaries, the I/O probe's files):
+    a user's file in the folder (``data/train.csv``, ``notes.tmp-draft``) is never one, whatever it is called."""
+    for pattern in (_DATA_FILE, _MANIFEST_FILE):
+        m = pattern.fullmatch(name)
+        if m is not None:
+            return m.group(1) != keep or m.group(2) is not None
+    return _COMMIT_TMP.fullmatch(name) is not None or is_probe_name(name)
 
 
 def step_name(step: int) -> str:

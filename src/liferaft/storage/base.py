@@ -8,6 +8,7 @@ the caller has already checked (``format.check_relative_path``). Implementations
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 from liferaft.errors import CorruptCheckpointError
 
@@ -87,6 +88,12 @@ class Storage(ABC):
     @abstractmethod
     def put_atomic(self, name: str, data: bytes) -> None:
         """Write a small file so that readers see either the old content or all of ``data``, durably."""
+
+    def lock_writer(self) -> Callable[[], None] | None:
+        """Hold this folder for one writer (a save) until the returned release is called: CheckpointBusyError when
+        another writer (another process, or another open of it in this one) holds it. None where the backend
+        has no such lock (object stores: two saves to one prefix at once are not detected there)."""
+        return None
 
     @abstractmethod
     def sync(self) -> None:

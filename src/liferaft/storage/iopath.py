@@ -529,18 +529,22 @@ _LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
-def _host_lock(folder: str) -> Iterator[None]:
-    """An exclusive ``flock`` of ``folder`` (the folder itself: nothing is created) while a probe runs, so that
-    the processes of one host probing the same folder (the ranks of a job) take turns instead of skewing each
-    other's figures; where the folder cannot be locked, nothing is held."""
+def _host_lock(dev: int) -> Iterator[None]:
+    """An exclusive ``flock`` of this user's lock file of device ``dev`` in ``HOST_DIR`` while a probe runs, so that
+    the processes of one host probing the same device (the ranks of a job) take turns instead of skewing each
+    other's figures; where it cannot be made or locked, nothing is held. (Not the probed folder itself: a save
+    holds its folder's ``flock`` for its whole run, ``PosixStorage.lock_writer``.)"""
     try:
-        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(os.path.join(HOST_DIR, f"liferaft-iopath-{os.getuid()}-{dev}.lock"),
+                     os.O_RDONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+                     | getattr(os, "O_NONBLOCK", 0), 0o600)
     except OSError:
         yield
         return
     try:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                fcntl.flock(fd, fcntl.LOCK_EX)
         except OSError:
             pass
         yield
@@ -567,7 +571,7 @@ def choice_for(folder: str, reading: Callable[[], tuple[Callable[[bool], int], i
             kept = _CHOICES if reading is None else _READS
             target = None if reading is None else reading()
             try:
-                with _host_lock(folder):
+                with _host_lock(dev):
                     p = _load_shared(dev, "full")           # (taken by a read too: it has the read figures)
                     if p is not None:
                         kept = _CHOICES

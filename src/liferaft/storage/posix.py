@@ -35,6 +35,31 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+class _FolderLock:
+    """A held ``flock`` on a folder's descriptor: ``release`` (idempotent) unlocks and closes it, and removes the
+    folder if it was made for the save and nothing was written; dropped unreleased, the descriptor is closed."""
+
+    def __init__(self, fd: int, made: str | None) -> None:
+        self._fd: int | None = fd
+        self._made = made
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        os.close(fd)                    # (closing the last descriptor drops the flock)
+        if self._made is not None:
+            try:
+                os.rmdir(self._made)
+            except OSError:
+                pass
+
+    def __del__(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+
 class _PosixWriter(FileWriter):
     """Positioned writes; when a buffer lies on the same page boundaries as its file range, its whole pages go
     through O_DIRECT (a second descriptor) and the partial first and last pages through the page cache, which
@@ -285,6 +310,29 @@ class PosixStorage(Storage):
         if self._sub:
             return self._derived(root, self._base, (*self._sub[:-1], name))
         return self._derived(root, os.path.dirname(self._base), (name,))
+
+    def lock_writer(self) -> Callable[[], None] | None:
+        """An exclusive ``flock`` on the folder itself (made if missing; removed again at release if it was made
+        here and is still empty): a second save to the same folder, from any process or thread, is refused while
+        this one runs. The kernel drops it when the process dies."""
+        import fcntl
+
+        from liferaft.errors import CheckpointBusyError
+
+        made = not os.path.lexists(self._top)
+        os.makedirs(self._base, exist_ok=True)
+        fd = files.open_folder(self._base, list(self._sub), self.root, create=True)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise CheckpointBusyError(f"{self.root}: another save to this folder is in progress (another process, "
+                                      "or another thread of this one); two saves to one path must not run at once: "
+                                      "wait for it, or save to another path") from None
+        except OSError:                 # (a file system without flock: no lock, as on an object store)
+            os.close(fd)
+            return None
+        return _FolderLock(fd, self._top if made else None).release
 
     def open_writer(self, name: str) -> FileWriter:
         path = self._p(name)

@@ -7,6 +7,8 @@ listings go to the checkpoint itself.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from liferaft.storage.base import FileWriter, Storage
 
 
@@ -67,6 +69,9 @@ class ReferencingStorage(Storage):
 
     def sync(self) -> None:
         self.inner.sync()
+
+    def lock_writer(self) -> Callable[[], None] | None:
+        return self.inner.lock_writer()
 
     @property
     def place(self) -> str:

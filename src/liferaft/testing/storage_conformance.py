@@ -111,3 +111,23 @@ class StorageConformance:
         b.put_atomic("COMMIT", b"two")
         assert st.list() == ["step-2/COMMIT"] and b.read_all("COMMIT") == b"two"
         assert b.sibling("step-1").list() == [] and b.sibling("step-2").exists("COMMIT")
+
+    def test_lock_writer_holds_the_folder_for_one_writer(self, st: Storage) -> None:
+        from liferaft.errors import CheckpointBusyError
+
+        folder = st.child("locked")
+        release = folder.lock_writer()
+        if release is None:                 # (a backend without a lock says so)
+            return
+        try:
+            with pytest.raises(CheckpointBusyError):
+                folder.lock_writer()
+            other = st.child("other").lock_writer()      # another folder is free
+            assert other is not None
+            other()
+        finally:
+            release()
+        again = folder.lock_writer()                     # free once released; release twice is harmless
+        assert again is not None
+        again()
+        again()
