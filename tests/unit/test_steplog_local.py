@@ -109,6 +109,18 @@ def test_a_step_with_a_closure_is_refused(tmp_path):
     mgr.close()
 
 
+def test_a_sparse_gradient_is_refused_naming_it(tmp_path):
+    torch.manual_seed(0)
+    emb = nn.Embedding(10, 4, sparse=True)
+    st = {"model": emb, "optim": torch.optim.SGD(emb.parameters(), lr=0.1)}
+    mgr = _manager(tmp_path)
+    mgr.restore(st)
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(InvalidStateError, match="sparse"):          # (a raw RuntimeError from .contiguous() before)
+        st["optim"].step()
+    mgr.close()
+
+
 def test_a_full_ring_takes_a_full_checkpoint(tmp_path):
     st = _state()
     mgr = CheckpointManager(str(tmp_path / "root"), every_steps=100,

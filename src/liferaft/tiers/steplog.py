@@ -138,6 +138,10 @@ class StepLog:
             grads = []
             for p in optsteps.params_of(opt):
                 g = p.grad
+                if g is not None and g.layout != torch.strided:
+                    raise InvalidStateError(f"{type(opt).__qualname__}.step(): a gradient is {g.layout} (an "
+                                            "nn.Embedding(sparse=True)?): the per-step log records dense gradients "
+                                            "only (docs/STEPLOG.md); use dense gradients or no step_log")
                 grads.append(None if g is None else self._put(optsteps.local_of(g).detach()))
                 # a plain gradient may be the same bytes on every rank (DDP): the peer may hold it already
                 cur["plain"].append(grads[-1] if g is not None and not optsteps.is_dtensor(g) else None)
