@@ -144,3 +144,22 @@ def test_two_threads_saving_at_once_never_mix_their_bytes(tmp_path):
         for path, value in done:
             liferaft.verify(path)
             assert bool((liferaft.read(path)["t"] == value).all()), path
+
+
+def test_an_incremental_save_whose_base_changed_meanwhile_commits_nothing(tmp_path):
+    from liferaft.core.commit import open_checkpoint, write_commit
+    from liferaft.storage import resolve
+
+    root = tmp_path / "run"
+    liferaft.save(str(root / "A"), {"w": torch.ones(1 << 16)})
+    liferaft.save(str(root / "B"), {"w": torch.ones(1 << 16)}, options=liferaft.SaveOptions(incremental_base="A"))
+    manifest = open_checkpoint(resolve(str(root / "B")))           # what B's commit wrote, referencing A's files
+    assert any(f.startswith("../A/") for f in manifest.files)
+    # the same commit once A was replaced (as by another save while B's ran): refused, nothing committed
+    liferaft.save(str(root / "A"), {"w": torch.zeros(1 << 16)}, options=liferaft.SaveOptions(overwrite=True))
+    (root / "C").mkdir()
+    with pytest.raises(CheckpointBusyError, match="changed while it ran"):
+        write_commit(resolve(str(root / "C")), "0123456789abcdef", manifest)
+    assert os.listdir(root / "C") == []
+    with pytest.raises(liferaft.errors.LiferaftError, match="replaced since this incremental checkpoint was saved"):
+        liferaft.verify(str(root / "B"))

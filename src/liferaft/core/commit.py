@@ -18,6 +18,7 @@ from liferaft.codecs import registry as codec_registry
 from liferaft.codecs.checksum import digest
 from liferaft.core.caches import PlanCache
 from liferaft.errors import (
+    CheckpointBusyError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
@@ -65,6 +66,13 @@ def write_commit(storage: Storage, save_id: str, manifest: Manifest) -> CommitRe
         if same_place(storage, sibling):    # (its old files go with this commit: never reference them)
             raise InvalidStateError(f"{storage.url}: the save would reference files of {sibling!r}, which is this "
                                     "checkpoint itself; nothing was committed")
+    if any(f.startswith("../") for f in manifest.files):
+        try:                        # (the base may have been replaced or removed while this save ran)
+            check_references(storage, manifest)
+        except UnsafePathError as e:
+            raise CheckpointBusyError(f"{storage.url}: the checkpoint this incremental save references changed "
+                                      f"while it ran (replaced or removed): {e}; nothing was committed. Save again "
+                                      "(a full save, or against a base nobody replaces meanwhile)") from None
     data = manifest.to_json_bytes()
     name = manifest_name(save_id)
     marker = CommitMarker(manifest=name, manifest_size=len(data), manifest_hash=digest(data),
@@ -321,8 +329,9 @@ def check_references(storage: Storage, manifest: Manifest) -> None:
         for rest in sorted(names):
             if rest not in theirs or not rest.startswith(DATA_DIR + "/"):
                 raise UnsafePathError(f"{storage.url}: the manifest references {f'../{sibling}/{rest}'!r}, which is "
-                                      f"not a data file of the committed checkpoint {sibling!r}; liferaft reads "
-                                      "nothing else outside the checkpoint")
+                                      f"not a data file of the committed checkpoint {sibling!r} (replaced since "
+                                      "this incremental checkpoint was saved? it needs its base unchanged); "
+                                      "liferaft reads nothing else outside the checkpoint")
 
 
 def same_place(storage: Storage, sibling: str) -> bool:
