@@ -163,3 +163,35 @@ def test_an_incremental_save_whose_base_changed_meanwhile_commits_nothing(tmp_pa
     assert os.listdir(root / "C") == []
     with pytest.raises(liferaft.errors.LiferaftError, match="replaced since this incremental checkpoint was saved"):
         liferaft.verify(str(root / "B"))
+
+
+def test_a_commit_under_a_root_whose_lease_another_job_took_is_refused(tmp_path):
+    """A job frozen past its lease's ttl (SIGSTOP, a stalled host) while its save runs: the job that took the root
+    over meanwhile is not overwritten; the commit checks the lease right before its marker (guard_commits)."""
+    from liferaft.core.commit import guard_commits
+    from liferaft.manager.lease import Lease
+    from liferaft.storage import resolve
+
+    root = str(tmp_path / "run")
+    mgr = liferaft.CheckpointManager(root, every_steps=1, async_save=False,
+                                     job=liferaft.JobOptions(job_id="job-a", lease_ttl=1.0),
+                                     preemption=liferaft.PreemptionOptions(signals=()))
+    try:
+        mgr.save(0, {"w": torch.zeros(4)})
+        lease = mgr._lease
+        assert lease is not None
+        lease._stop.set()                   # frozen: it renews no more
+        lease._thread.join()
+        other = Lease(resolve(root), "job-b", ttl=30.0)
+        other.acquire()                     # (after the frozen job's lease went stale)
+        try:
+            with pytest.raises(CheckpointBusyError, match="job-b"):
+                liferaft.save(os.path.join(root, "step-0000000001"), {"w": torch.ones(4)})
+            assert not os.path.exists(os.path.join(root, "step-0000000001", "COMMIT"))
+        finally:
+            other.release()
+    finally:
+        mgr.close()
+    stop = guard_commits(root, lambda: None)       # a guard removed is no longer run
+    stop()
+    liferaft.save(os.path.join(root, "step-0000000002"), {"w": torch.ones(4)})

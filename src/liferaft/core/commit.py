@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Collection, Iterable
+import threading
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, replace
 
 from liferaft.codecs import registry as codec_registry
@@ -86,11 +87,51 @@ def write_commit(storage: Storage, save_id: str, manifest: Manifest) -> CommitRe
     return record
 
 
+#: Checks run right before a commit marker is put under a folder: (folder URL, check) by a token; one passing is
+#: enough. A ``CheckpointManager`` registers its lease's check for its root (``guard_commits``): a save of a job
+#: that lost the root to another job (frozen longer than its lease's ttl, say) commits nothing there, even one
+#: already running.
+_GUARDS: dict[object, tuple[str, Callable[[], None]]] = {}
+_GUARDS_LOCK = threading.Lock()
+
+
+def guard_commits(folder_url: str, check: Callable[[], None]) -> Callable[[], None]:
+    """Run ``check`` (it raises to refuse) before every commit under ``folder_url`` in this process, until the
+    returned function is called."""
+    token = object()
+    with _GUARDS_LOCK:
+        _GUARDS[token] = (folder_url.rstrip("/") + "/", check)
+
+    def stop() -> None:
+        with _GUARDS_LOCK:
+            _GUARDS.pop(token, None)
+    return stop
+
+
 def publish_commit(storage: Storage, record: CommitRecord) -> None:
-    """Put the manifest, make it durable, then put the marker atomically (every data file must be there)."""
+    """Put the manifest, make it durable, then put the marker atomically (every data file must be there); the
+    guards of the folders above it (``guard_commits``) run first and again right before the marker."""
+    with _GUARDS_LOCK:
+        checks = [c for prefix, c in _GUARDS.values() if storage.url.startswith(prefix)]
+    _guarded(checks)
     storage.put_atomic(record.manifest_name, record.manifest)
     storage.sync()
+    _guarded(checks)
     storage.put_atomic(COMMIT_MARKER, record.marker)
+
+
+def _guarded(checks: list[Callable[[], None]]) -> None:
+    """Pass if there is no check or one passes (two managers of one job in this process: the one holding the
+    lease now vouches); else raise the first one's error."""
+    first: BaseException | None = None
+    for check in checks:
+        try:
+            check()
+            return
+        except LiferaftError as e:
+            first = first or e
+    if first is not None:
+        raise first
 
 
 #: A commit marker is a tiny JSON document: a larger ``COMMIT`` (a sparse file) is refused before it is read.

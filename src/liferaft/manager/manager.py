@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, Self
 
+from liferaft.core.commit import guard_commits
 from liferaft.core.load import load
 from liferaft.dist import Coordinator, MaxVote
 from liferaft.errors import LiferaftError, OptionsError, ReadOnlyRootError
@@ -140,6 +141,7 @@ class CheckpointManager:
             if self.coord.rank == 0 else None
         self._closed = False
         self._root_start = RootStart(self.storage)     # (rank 0's: the start's clean-up, INTENT)
+        self._unguard: Callable[[], None] = lambda: None
 
         def identify() -> tuple[str, str, str]:      # rank 0's identity is the job's, its name of the root the root's
             who = this_job(job.job_id)
@@ -181,6 +183,7 @@ class CheckpointManager:
             with contextlib.suppress(Exception):
                 self._root_start.wait()
             self._deleter.shutdown(wait=True)
+        self._unguard()
         if self._lease is not None:
             with contextlib.suppress(Exception):
                 self._lease.release()
@@ -194,6 +197,9 @@ class CheckpointManager:
         except ReadOnlyRootError as e:          # restore only: no lease, no clean-up, no start record
             return [], str(e), self._root_start.read_branches()
         branches = self._root_start.read_branches()
+        # (every commit under the root checks the lease right before its marker: a save already running when
+        # another job took the root over commits nothing)
+        self._unguard = guard_commits(self.storage.url, self._lease.check)
         starts = record_start(self.storage) if learn else []
         assert self._deleter is not None        # (rank 0's: the start's pass runs before any retention pass)
         self._root_start.begin(self._deleter)
@@ -619,6 +625,7 @@ class CheckpointManager:
         self._preemption.remove()
         if self._deleter is not None:
             self._deleter.shutdown(wait=True)
+        self._unguard()
         if self._lease is not None:
             self._lease.release()
         if err is not None:
