@@ -128,12 +128,16 @@ def test_a_save_after_a_read_only_probe_measures_writes_too(tmp_path):
 def test_processes_probing_one_folder_take_turns(tmp_path):
     import fcntl
 
+    from liferaft.storage import iopath
+
     folder = str(tmp_path)
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    fcntl.flock(fd, fcntl.LOCK_EX)                         # as if another rank of this host were probing
+    lock = os.path.join(iopath.HOST_DIR, f"liferaft-iopath-{os.getuid()}-{os.stat(folder).st_dev}.lock")
+    fd = os.open(lock, os.O_RDONLY | os.O_CREAT, 0o600)     # (the device's lock file: not the folder, which a
+    fcntl.flock(fd, fcntl.LOCK_EX)                         # save holds) as if another rank of this host probed
     try:
-        child = _child("import sys\nfrom liferaft.storage import iopath\nprint('go', flush=True)\n"
-                       "iopath.choice_for(sys.argv[1])\nprint('done', flush=True)\n", folder)
+        child = _child("import sys\nfrom liferaft.storage import iopath\niopath.HOST_DIR = sys.argv[2]\n"
+                       "print('go', flush=True)\niopath.choice_for(sys.argv[1])\nprint('done', flush=True)\n",
+                       folder, iopath.HOST_DIR)
         assert child.stdout is not None and child.stdout.readline() == "go\n"
         time.sleep(1.0)                                    # a free probe ends well within this
         assert child.poll() is None                        # still waiting for its turn
