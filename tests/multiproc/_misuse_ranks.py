@@ -38,3 +38,13 @@ def load_with_strict_on_rank0_then_again(rank: int, world: int, path: str) -> li
         except lf.errors.LiferaftError as e:
             out.append((type(e).__name__, str(e)[:200]))
     return out
+
+
+def load_with_ignore_keys_in_rank_order(rank: int, world: int, path: str) -> str:
+    """The same ignore_keys in another order on each rank (a tuple made from a set): the same options."""
+    import liferaft as lf
+
+    keys = ("y", "z") if rank == 0 else ("z", "y")
+    state = {"x": torch.zeros(6)}
+    lf.load(path, state, options=lf.LoadOptions(ignore_keys=keys, share_reads=rank == 0, timeout=30))
+    return "ok"

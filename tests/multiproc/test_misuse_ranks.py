@@ -26,3 +26,9 @@ def test_a_load_whose_options_differ_between_ranks_is_refused_on_every_rank_and_
     for first, second in run_ranks(R.load_with_strict_on_rank0_then_again, 2, path, timeout=150.0, pg_timeout=60.0):
         assert first[0] == "OptionsError" and "different strict=" in first[1], first
         assert second == ("ok", [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]), second
+
+
+def test_options_that_mean_the_same_on_every_rank_are_agreed(tmp_path):
+    path = str(tmp_path / "ckpt")
+    liferaft.save(path, {"x": torch.arange(6.0), "y": torch.ones(4), "z": torch.ones(2)})
+    assert run_ranks(R.load_with_ignore_keys_in_rank_order, 2, path, timeout=150.0, pg_timeout=60.0) == ["ok", "ok"]

@@ -158,3 +158,29 @@ def test_diff_of_two_torch_files_compares_container_types_exactly(tmp_path):
     r = liferaft.diff(str(tmp_path / "a.pt"), str(tmp_path / "b.pt"))
     assert {k.key: k.status for k in r.keys} == {"w": "equal", "cfg": "changed", "milestones": "changed",
                                                   "names": "changed"}
+
+
+def test_an_export_refuses_a_hub_cache_snapshot_and_ignores_files_that_are_no_weights(tmp_path):
+    src = str(tmp_path / "ck")
+    liferaft.save(src, {"model": torch.nn.Linear(4, 4)})
+    blobs, snap = tmp_path / "blobs", tmp_path / "snapshots" / "abc"
+    blobs.mkdir()
+    snap.mkdir(parents=True)
+    save_file({"w": torch.ones(2)}, str(blobs / "sha"))
+    os.symlink(blobs / "sha", snap / "model.safetensors")          # how the hub cache lays a snapshot out
+    with pytest.raises(CheckpointExistsError, match="did not export"):
+        liferaft.convert(src, str(snap), "hf")
+    assert os.path.islink(snap / "model.safetensors") and load_file(str(blobs / "sha"))["w"].tolist() == [1.0, 1.0]
+    run = tmp_path / "run"                                          # a Trainer's folder: no weights in it
+    run.mkdir()
+    (run / "training_args.bin").write_bytes(b"\x80\x04N.")
+    liferaft.convert(src, str(run), "hf")
+    assert (run / "training_args.bin").read_bytes() == b"\x80\x04N." and (run / "model.safetensors").exists()
+
+
+def test_diff_of_two_torch_files_takes_an_ordered_dict_for_the_dict_it_equals(tmp_path):
+    from collections import OrderedDict
+
+    torch.save({"cfg": {"a": 1, "b": [1]}}, str(tmp_path / "a.pt"))
+    torch.save({"cfg": OrderedDict(a=1, b=[1])}, str(tmp_path / "b.pt"))
+    assert all(k.status == "equal" for k in liferaft.diff(str(tmp_path / "a.pt"), str(tmp_path / "b.pt")).keys)

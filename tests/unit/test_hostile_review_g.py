@@ -195,3 +195,49 @@ def test_a_commit_under_a_root_whose_lease_another_job_took_is_refused(tmp_path)
     stop = guard_commits(root, lambda: None)       # a guard removed is no longer run
     stop()
     liferaft.save(os.path.join(root, "step-0000000002"), {"w": torch.ones(4)})
+
+
+def test_a_lease_renewal_that_failed_once_does_not_stop_later_saves(tmp_path):
+    import time
+
+    from liferaft.manager.lease import Lease
+    from liferaft.testing.faults import FlakyStorage
+
+    lease = Lease(FlakyStorage(str(tmp_path / "run")), "job-a", ttl=1.0)
+    lease.acquire()
+    try:
+        FlakyStorage.match, FlakyStorage.failures = "LEASE", 1         # the next renewal fails, once
+        deadline = time.monotonic() + 30
+        while FlakyStorage.failures and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)                                                # (renewals every ttl / 3 go on)
+        lease.check()                                                  # a later renewal succeeded: no error
+    finally:
+        FlakyStorage.failures = 0
+        lease.release()
+
+
+def test_a_save_with_if_busy_skip_or_raise_does_not_wait_for_another_threads_save(tmp_path):
+    import time
+
+    class Slow:
+        def state_dict(self):
+            time.sleep(1.5)
+            return {"x": 1}
+
+        def load_state_dict(self, sd):
+            pass
+
+    first = threading.Thread(target=liferaft.save, args=(str(tmp_path / "a"), {"slow": Slow()}))
+    first.start()
+    time.sleep(0.3)
+    try:
+        t0 = time.monotonic()
+        assert liferaft.save(str(tmp_path / "b"), {"w": torch.ones(2)},
+                             options=liferaft.SaveOptions(if_busy="skip")) is None
+        with pytest.raises(CheckpointBusyError, match="another thread"):
+            liferaft.save(str(tmp_path / "b"), {"w": torch.ones(2)}, options=liferaft.SaveOptions(if_busy="raise"))
+        assert time.monotonic() - t0 < 1.0 and first.is_alive()
+    finally:
+        first.join(60)
+    liferaft.save(str(tmp_path / "b"), {"w": torch.ones(2)})              # (waits, then saves)

@@ -112,8 +112,10 @@ def _load(reader: Reader, state: Any, coord: Coordinator, opts: LoadOptions, str
     width = len(all_keys) + 6
     # what steers the load's collective steps must be the same on every rank (strict=(rank == 0) raised on one
     # rank after planning and left the others in the next collective, crossing the next call's messages)
-    agreed = zlib.crc32(repr((strict, opts.allow_pickle, opts.exact, opts.atomic, opts.share_reads,
-                              opts.max_read_bytes, tuple(opts.ignore_keys))).encode()) & 0x7FFF_FFFF
+    # (ignore_keys as a set: the same keys in another order are the same option; share_reads may differ, the
+    # sharing mode's own vote settles it)
+    agreed = zlib.crc32(repr((strict, opts.allow_pickle, opts.exact, opts.atomic, opts.max_read_bytes,
+                              sorted(set(opts.ignore_keys)))).encode()) & 0x7FFF_FFFF
     mine: list[Any] = []        # this rank's spans and decoded sizes, and its host key (mode "host")
 
     def planned() -> tuple[None, list[int]]:
@@ -137,8 +139,8 @@ def _load(reader: Reader, state: Any, coord: Coordinator, opts: LoadOptions, str
     n = len(all_keys)
     if voted[n + 4] != -voted[n + 5]:
         raise OptionsError("load: the ranks called it with different strict= or LoadOptions (allow_pickle, exact, "
-                           "atomic, share_reads, max_read_bytes, ignore_keys); nothing was loaded. Pass the same "
-                           "arguments on every rank")
+                           "atomic, max_read_bytes, ignore_keys); nothing was loaded. Pass the same arguments on "
+                           "every rank")
     if voted[n] != -voted[n + 1]:           # (a rank without /dev/shm): no rank shares, all alike
         mode = None
     plan = plans[0]

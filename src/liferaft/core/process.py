@@ -157,20 +157,33 @@ class ProcessState:
         self._owner: int | None = None
 
     @contextmanager
-    def one_save(self) -> Iterator[None]:
+    def one_save(self, opts: SaveOptions, process_group: Any) -> Iterator[bool]:
         """One save of this process at a time from here (``settle``, the pools) until it is done (``save``) or in
         flight (``async_save``: ``inflight`` set, which the next one settles first): two threads saving at once
-        staged into one pool (a committed checkpoint held another save's bytes). A save from inside a save of the
-        same thread (a ``state_dict()`` hook) cannot wait for itself: CheckpointBusyError."""
+        staged into one pool (a committed checkpoint held another save's bytes). Yields whether to go on: a save of
+        one process with ``if_busy="skip"`` skips (False) while another thread's save runs, with "raise" raises
+        CheckpointBusyError; otherwise it waits, at most ``opts.timeout`` (then CheckpointBusyError: a
+        ``state_dict()`` that saves from a helper thread it joins would wait for itself). A save from inside a save
+        of the same thread cannot wait for itself: CheckpointBusyError."""
         if self._owner == threading.get_ident():
             raise CheckpointBusyError("save/async_save was called from inside a save of the same thread (a "
                                       "state_dict() hook?); save after that save returns")
-        with self._gate:
-            self._owner = threading.get_ident()
-            try:
-                yield
-            finally:
-                self._owner = None
+        if opts.if_busy != "wait" and _world(process_group) == 1:
+            got = self._gate.acquire(blocking=False)
+            if not got and opts.if_busy == "skip":
+                yield False
+                return
+        else:
+            got = self._gate.acquire(timeout=opts.timeout)
+        if not got:
+            raise CheckpointBusyError("another thread of this process is saving (if_busy='raise', or it ran past "
+                                      f"the timeout of {opts.timeout:g} s); one save of a process runs at a time")
+        self._owner = threading.get_ident()
+        try:
+            yield True
+        finally:
+            self._owner = None
+            self._gate.release()
 
     def pool_for(self, nbytes: int, budget: int | None, pin: bool) -> BufferPool:
         """The pool for a save of ``nbytes``: one snapshot's worth, or ``budget`` if that is smaller. An
@@ -235,6 +248,15 @@ class ProcessState:
             prev._observed = True
             raise LiferaftError(f"the previous async save to {prev.path} failed and nobody waited for it: "
                                 f"{type(prev._error).__name__}: {prev._error}") from prev._error
+
+
+def _world(process_group: Any) -> int:
+    """The number of ranks of ``process_group`` (1 without torch.distributed): no collective."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return int(dist.get_world_size(process_group))
 
 
 #: The process's one ProcessState.

@@ -64,8 +64,8 @@ def save(path: PathLike, state: Any, *, process_group: ProcessGroup | None = Non
     """
     check_path(path, "save(path=...)")
     opts = check_options(options, SaveOptions, "save")
-    with PROCESS.one_save():         # (one save of the process at a time: the pools are the process's)
-        return _save(path, state, process_group, opts)
+    with PROCESS.one_save(opts, process_group) as go:    # (one save of the process at a time: its pools)
+        return _save(path, state, process_group, opts) if go else None
 
 
 def _save(path: PathLike, state: Any, process_group: ProcessGroup | None, opts: SaveOptions) -> SaveResult | None:
@@ -101,8 +101,8 @@ def async_save(path: PathLike, state: Any, *, process_group: ProcessGroup | None
     of at most ``memory_budget`` bytes that is reused by later saves."""
     check_path(path, "async_save(path=...)")
     opts = check_options(options, SaveOptions, "async_save")
-    with PROCESS.one_save():         # (until it is in flight: the next save settles it first)
-        return _async_save(path, state, process_group, opts)
+    with PROCESS.one_save(opts, process_group) as go:    # (until it is in flight: the next one settles it)
+        return _async_save(path, state, process_group, opts) if go else None
 
 
 def _async_save(path: PathLike, state: Any, process_group: ProcessGroup | None,

@@ -320,7 +320,8 @@ class Lease:
                     self.error = CheckpointBusyError(self._lost_to(other))
                     return
                 self._write()
-            except OSError as e:        # surfaces at the next check() (before the next save)
+                self.error = None       # (renewed: a failed renewal before it, a passing EIO, is over)
+            except OSError as e:        # surfaces at the next check() (before the next save and its commit)
                 self.error = e
 
     def release(self) -> None:

@@ -143,12 +143,13 @@ class CheckpointManager:
         self._root_start = RootStart(self.storage)     # (rank 0's: the start's clean-up, INTENT)
         self._unguard: Callable[[], None] = lambda: None
 
-        def identify() -> tuple[str, str, str]:      # rank 0's identity is the job's, its name of the root the root's
+        def identify() -> tuple[str, str, str, str]:    # rank 0's identity is the job's, its name of the root the root's
             who = this_job(job.job_id)
-            return who.job_id, who.source, self.storage.url
+            return who.job_id, who.source, self.storage.url, self.storage.place
 
-        self.job_id, self.job_source, root_url = self.coord.run_on_zero(identify, "manager (job id)")
-        self._owner = owner_id(root_url)         # (the memory tier's copies name their root: ROOT_KEY)
+        self.job_id, self.job_source, root_url, root_place = self.coord.run_on_zero(identify, "manager (job id)")
+        # (the memory tier's copies name their root, ROOT_KEY: where its files are, links resolved, as rank 0 sees it)
+        self._owner = owner_id(root_place)
         self._lease = Lease(self.storage, self.job_id, job.lease_ttl) if self.coord.rank == 0 else None
         learn = self.save_policy.auto_interval or (tiers is not None and tiers.memory_every == "auto")
         if step_log is not None and tiers is None:

@@ -91,6 +91,7 @@ class Tiers:
         self.auto = AutoInterval(mtbf_s=mtbf_s, stall_s=0.1) if options.memory_every == "auto" else None
         self._root, self._coord, self._process_group = root, coord, process_group
         #: the root's identity (``listing.ROOT_KEY``): a memory copy another root's manager saved is never restored
+        #: (a copy without the key, saved before liferaft recorded it, is taken as the root's own)
         self.owner = owner
         self._last = time.monotonic()
         self._drains = 0
@@ -203,7 +204,7 @@ class Tiers:
             step = self.memory.restore(state, options=load_options, strict=strict,
                                        newer_than=None if at_least is None else at_least - 1,
                                        fallback=self._slower_copy, accept=lambda s, x: self._live(s, epoch_of(x))
-                                       and x.get(ROOT_KEY) == self.owner)
+                                       and x.get(ROOT_KEY, self.owner) == self.owner)
         except LiferaftError as e:
             warnings.warn(f"liferaft: the memory tier could not be restored ({type(e).__name__}: {e}); "
                           "restoring from the root", stacklevel=4)

@@ -17,9 +17,11 @@ import os
 import stat
 import threading
 import uuid
+import weakref
 from collections.abc import Callable
+from typing import ClassVar
 
-from liferaft.errors import CorruptCheckpointError, OptionsError, UnsafePathError
+from liferaft.errors import CorruptCheckpointError, OptionsError, StorageError, UnsafePathError
 from liferaft.storage import files, iopath, memfs
 from liferaft.storage.base import FileWriter, Storage
 
@@ -37,11 +39,33 @@ def fsync_dir(path: str) -> None:
 
 class _FolderLock:
     """A held ``flock`` on a folder's descriptor: ``release`` (idempotent) unlocks and closes it, and removes the
-    folder if it was made for the save and nothing was written; dropped unreleased, the descriptor is closed."""
+    folder if it was made for the save and nothing was written; dropped unreleased, the descriptor is closed. A
+    forked child (a DataLoader worker started during an async save) closes its copies of the held descriptors at
+    once: an ``flock`` lasts while any copy is open, and the child's would hold the folder for its whole life."""
+
+    _held: ClassVar[weakref.WeakSet[_FolderLock]] = weakref.WeakSet()
+    _hooked: ClassVar[bool] = False
 
     def __init__(self, fd: int, made: str | None) -> None:
         self._fd: int | None = fd
         self._made = made
+
+    @classmethod
+    def track(cls, lock: _FolderLock) -> None:
+        cls._held.add(lock)
+        if not cls._hooked and hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=cls._in_child)
+            cls._hooked = True
+
+    @classmethod
+    def _in_child(cls) -> None:
+        for lock in list(cls._held):
+            fd, lock._fd, lock._made = lock._fd, None, None
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
 
     def release(self) -> None:
         fd, self._fd = self._fd, None
@@ -320,8 +344,12 @@ class PosixStorage(Storage):
         from liferaft.errors import CheckpointBusyError
 
         made = not os.path.lexists(self._top)
-        os.makedirs(self._base, exist_ok=True)
-        fd = files.open_folder(self._base, list(self._sub), self.root, create=True)
+        try:
+            os.makedirs(self._base, exist_ok=True)
+            fd = files.open_folder(self._base, list(self._sub), self.root, create=True, error=StorageError)
+        except OSError as e:            # (a file there, a read-only parent, /proc: as a first write would fail)
+            raise StorageError(f"{self.root}: cannot be used as a checkpoint folder ({e.strerror or e}); choose "
+                               "a folder that can be created and written") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -332,7 +360,9 @@ class PosixStorage(Storage):
         except OSError:                 # (a file system without flock: no lock, as on an object store)
             os.close(fd)
             return None
-        return _FolderLock(fd, self._top if made else None).release
+        held = _FolderLock(fd, self._top if made else None)
+        _FolderLock.track(held)
+        return held.release
 
     def open_writer(self, name: str) -> FileWriter:
         path = self._p(name)

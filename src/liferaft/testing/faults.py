@@ -62,6 +62,21 @@ class GatedStorage(PosixStorage):
         return _GatedWriter(path, self.gate)
 
 
+class FlakyStorage(PosixStorage):
+    """POSIX storage whose next ``FlakyStorage.failures`` atomic puts of a name containing ``FlakyStorage.match``
+    fail with EIO (class-wide, per process), as a passing fault of the file system would. Child storages too."""
+
+    match: ClassVar[str] = ""
+    failures: ClassVar[int] = 0
+
+    def put_atomic(self, name: str, data: bytes) -> None:
+        cls = type(self)
+        if cls.failures > 0 and cls.match in name:
+            cls.failures -= 1
+            raise OSError(errno.EIO, f"injected I/O error writing {name}")
+        super().put_atomic(name, data)
+
+
 @dataclass(frozen=True)
 class CrashPlan:
     """Kill this process with SIGKILL at the ``nth`` (1-based) storage operation ``op`` ("pwrite", "put",

@@ -5,9 +5,9 @@ something that already holds data the conversion would destroy: a ``torch.save``
 exist; a folder target (safetensors, hf, dcp, liferaft) must not be anything but a folder (a file, FIFO or device
 node there is refused, never replaced), and an existing folder must be empty — or be what the conversion
 documents writing into: for ``--to safetensors``/``--to hf`` any folder but a checkpoint whose weight files (if any)
-an earlier liferaft export wrote (marked ``written_by: liferaft`` in their headers, ``EXPORT_MARK``): those, and
-links and FIFOs at their names, are replaced (docs/cli/convert.md); weights liferaft did not write (a downloaded
-model) are refused, never overwritten; a committed liferaft checkpoint for
+an earlier liferaft export wrote (marked ``written_by: liferaft`` in their headers, ``EXPORT_MARK``): those are
+replaced (docs/cli/convert.md); weights liferaft did not write (a downloaded model, a link or FIFO at a weight
+file's name: a hub cache's snapshot links its weights) are refused, never overwritten; a committed liferaft checkpoint for
 ``--to liferaft`` (``liferaft.save`` then refuses it unless ``SaveOptions(overwrite=True)``), DCP's own names for
 ``--to dcp`` (an interrupted export's files are replaced; a whole DCP checkpoint ``write_dcp`` refuses).
 The output folder may be a link to a folder (followed once, as documented).
@@ -25,23 +25,25 @@ from liferaft.errors import CheckpointExistsError, OptionsError
 _DCP_OWN = re.compile(r"__\d+_\d+\.distcp|\.metadata(\.tmp[^/]*)?")
 #: The files a safetensors / hf export writes (and removes, of an earlier export of its own).
 EXPORT_FILES = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
-#: Files of model weights in a folder (any framework's): an export never replaces one it did not write.
-_WEIGHTS = re.compile(r".+\.(safetensors|bin|pt|pth|ckpt|h5|msgpack|gguf|npz)|.+\.(safetensors|bin)\.index\.json",
-                      re.IGNORECASE)
+#: Files of model weights in a folder (any framework's): an export never replaces one it did not write. (A ``.bin``
+#: only when named as weights: ``pytorch_model*.bin``, ``adapter_model.bin``; Trainer's ``training_args.bin`` is none.)
+_WEIGHTS = re.compile(r".+\.(safetensors|pt|pth|ckpt|h5|msgpack|gguf)|.*model.*\.bin|.+\.safetensors\.index\.json"
+                      r"|.*model.*\.bin\.index\.json", re.IGNORECASE)
 #: How a liferaft export's files begin: a safetensors header (after its 8-byte length) and the index.
 EXPORT_MARK = {"header": b'{"__metadata__":{"format":"pt","written_by":"liferaft"}',
                "index": b'{\n  "metadata": {\n    "written_by": "liferaft",'}
 
 
 def _ours(folder: str, name: str) -> bool:
-    """Whether ``folder/name`` is no regular file (a link or FIFO: replaced, never followed or read) or a weight
-    file a liferaft export wrote (its first bytes carry ``EXPORT_MARK``)."""
+    """Whether ``folder/name`` is a weight file a liferaft export wrote (a regular file whose first bytes carry
+    ``EXPORT_MARK``). A link there is not (a Hugging Face cache snapshot links its weights into its blobs), nor a
+    FIFO or anything else: the export refuses the folder rather than replace them."""
     try:
         st = os.lstat(os.path.join(folder, name))
     except OSError:
         return True                             # (gone meanwhile)
     if not stat.S_ISREG(st.st_mode):
-        return True
+        return False
     index = name.endswith(".json")
     mark = EXPORT_MARK["index" if index else "header"]
     try:
@@ -92,9 +94,10 @@ def check_destination(src: str | os.PathLike[str], dst: str | os.PathLike[str], 
         if foreign:
             raise CheckpointExistsError(
                 f"the folder {dst!r} holds model weights liferaft did not export ({len(foreign)} file(s), e.g. "
-                f"{foreign[0][:80]!r}: a downloaded model?); a --to {to} export replaces only the weight files of "
-                "an earlier liferaft export. Choose another destination, or remove those files first")
-        return              # documented: an earlier export's weights, links and FIFOs at its names are replaced
+                f"{foreign[0][:80]!r}: a downloaded model, a link into a hub cache?); a --to {to} export replaces only "
+                "the weight files of an earlier liferaft export (marked in their headers since 2026-12-06: an older "
+                "export's are not). Choose another destination, or remove those files first")
+        return              # documented: an earlier export's weights are replaced
     if to == "liferaft" and "COMMIT" in names:
         return                                          # liferaft.save refuses it unless overwrite=True
     if to == "dcp" and all(_DCP_OWN.fullmatch(n) for n in names):

@@ -289,7 +289,8 @@ def _difference(x: Any, y: Any, where: str, depth: int, lenient: bool) -> str | 
         return _tensor_difference(x, y, at)
     if isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
         return _array_difference(x, y, where, depth, lenient)
-    if not lenient and isinstance(x, (list, tuple, dict)) and type(x) is not type(y):
+    if not lenient and isinstance(x, (list, tuple, dict)) and type(x) is not type(y) and \
+            not (isinstance(x, dict) and isinstance(y, dict)):     # (an OrderedDict equals a dict, as in Python)
         return f"{at}: {type(x).__name__} vs {type(y).__name__} ({_pair(x, y)})"
     sx, sy = (_sequence(x), _sequence(y)) if lenient else (
         (list(x), list(y)) if isinstance(x, (list, tuple)) else (None, None))
