@@ -101,15 +101,20 @@ def _group_keys(groups: Any) -> set[str] | None:
     return {str(k) for g in groups for k in g}
 
 
-def param_groups_mismatch(flat: FlatState, path: tuple[PathPart, ...], saved_groups: Any) -> str | None:
-    """Where ``path`` is the ``param_groups`` of an optimizer in the state: a description of how the key set of
-    the checkpoint's ``saved_groups`` differs from the live optimizer's (None: same keys, or not an optimizer's)."""
+def _live_groups(flat: FlatState, path: tuple[PathPart, ...]) -> Any:
+    """The live ``param_groups`` where ``path`` is an optimizer's ``param_groups`` in the state, else None."""
     if not path or path[-1] != "param_groups":
         return None
     if not any(c.path == path[:-1] and c.role == "optimizer" for c in flat.containers):
         return None
     node = flat.nodes.get(path[:-1])
-    live = _group_keys(node.get("param_groups") if isinstance(node, dict) else None)
+    return node.get("param_groups") if isinstance(node, dict) else None
+
+
+def param_groups_mismatch(flat: FlatState, path: tuple[PathPart, ...], saved_groups: Any) -> str | None:
+    """Where ``path`` is the ``param_groups`` of an optimizer in the state: a description of how the key set of
+    the checkpoint's ``saved_groups`` differs from the live optimizer's (None: same keys, or not an optimizer's)."""
+    live = _group_keys(_live_groups(flat, path))
     saved = _group_keys(saved_groups)
     if live is None or saved is None or live == saved:
         return None
@@ -141,12 +146,7 @@ def param_groups_regrouped(flat: FlatState, path: tuple[PathPart, ...], saved_gr
     groups or none, or a saved group's over several live groups): (what differs, the param_groups to load when
     not strict: per live group, the saved group holding exactly its parameters — its hyperparameters, the live
     group's parameter names — else the live group as it is). None: grouped alike (in any order)."""
-    if not path or path[-1] != "param_groups":
-        return None
-    if not any(c.path == path[:-1] and c.role == "optimizer" for c in flat.containers):
-        return None
-    node = flat.nodes.get(path[:-1])
-    live = _partition(node.get("param_groups") if isinstance(node, dict) else None)
+    live = _partition(_live_groups(flat, path))
     saved = _partition(saved_groups)
     if live is None or saved is None:
         return None
