@@ -42,6 +42,8 @@ def _ours(folder: str, name: str) -> bool:
         st = os.lstat(os.path.join(folder, name))
     except OSError:
         return True                             # (gone meanwhile)
+    if stat.S_ISDIR(st.st_mode):
+        return True                             # (no weights: the export names the folder in its way and refuses)
     if not stat.S_ISREG(st.st_mode):
         return False
     index = name.endswith(".json")
