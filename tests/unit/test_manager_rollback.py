@@ -198,18 +198,24 @@ def _logged_manager(tmp_path, shm: str, job: str) -> CheckpointManager:
                              step_log=StepLogOptions(replicas=1, max_steps=64))
 
 
+def _logged_first_run(manager, data: int) -> dict:
+    """Run 1: a full checkpoint at 0, then steps 1..20 in the per-step log (on data ``data``); its state."""
+    st = _logged_state()
+    with manager() as mgr:
+        mgr.restore(st)
+        for n in range(21):
+            _logged_step(st, n, data)
+            mgr.maybe_save(n, st)
+    return st
+
+
 def test_a_rollback_whose_first_call_is_save_drops_the_step_logs_newer_records(tmp_path, shm):
     """With the per-step log, records 1..20 of run 1 follow the full checkpoint 0; run 2 rolls back to 0, trains
     step 1 on other data and saves it with save() (not maybe_save): the old records go then, so a restart resumes
     run 2's step 1, never run 1's records replayed onto it."""
     state, step, manager = _logged_state, _logged_step, lambda: _logged_manager(tmp_path, shm, "rollback-unit")
 
-    st = state()
-    with manager() as mgr:
-        mgr.restore(st)
-        for n in range(21):
-            step(st, n, 1)
-            mgr.maybe_save(n, st)
+    _logged_first_run(manager, 1)
     st = state()
     with manager() as mgr:
         assert mgr.restore(st, step=0) == 0
@@ -248,13 +254,8 @@ def test_a_rollback_recorded_but_not_carried_out_replays_no_abandoned_record(tmp
 
     state, manager = _logged_state, lambda: _logged_manager(tmp_path, shm, "rollback-unit2")
 
-    st = state()
-    with manager() as mgr:
-        mgr.restore(st)
-        for n in range(21):
-            _logged_step(st, n, 0)
-            mgr.maybe_save(n, st)
-        want = {k: v.clone() for k, v in st["model"].state_dict().items()}
+    st = _logged_first_run(manager, 0)
+    want = {k: v.clone() for k, v in st["model"].state_dict().items()}
     got = state()
     with manager() as mgr:
         assert mgr.restore(got) == 20                           # (the records replay: run 1 as it was)
