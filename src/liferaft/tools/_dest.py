@@ -54,6 +54,8 @@ def _ours(folder: str, name: str) -> bool:
         return False
     try:
         head = os.pread(fd, len(mark) + 8, 0)
+    except OSError:                             # (swapped for a FIFO or a device since the lstat)
+        return False
     finally:
         os.close(fd)
     return head[0 if index else 8:].startswith(mark)
