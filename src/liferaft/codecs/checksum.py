@@ -6,8 +6,9 @@ Blocks let a resharding load verify exactly the bytes it reads without reading w
 - ``crc32c`` (what saves write): CRC-32C (Castagnoli) from the ``crc32c`` package, hardware-computed (SSE4.2 /
   ARMv8 CRC; a software table elsewhere) and computed **without the GIL** for blocks of 32 KiB and more (every
   block but a chunk's short tail): a background save hashing 1 GB does not stall a Python training loop.
-- ``xxh3_64`` (checkpoints written before ``crc32c``, and the commit marker's pin of the manifest): XXH3-64
-  from python-xxhash, which holds the GIL while it hashes.
+- ``xxh3_64`` (checkpoints written before ``crc32c``, the commit marker's pin of the manifest, the per-step
+  log's records): XXH3-64 from python-xxhash, which releases the GIL while it hashes (since python-xxhash 3.0,
+  the oldest this package accepts).
 
 Every function takes the algorithm by name; an unknown name raises CorruptCheckpointError (the manifest decoder
 refuses one first, so a reader never gets here with it).
@@ -109,6 +110,13 @@ class _Crc32cStream:
 
 
 _STREAMS: dict[str, Callable[[], _Crc32cStream | xxhash.xxh3_64]] = {"crc32c": _Crc32cStream, "xxh3_64": xxhash.xxh3_64}
+
+
+def stream(algo: str) -> _Crc32cStream | xxhash.xxh3_64:
+    """A streaming hasher of ``algo``: ``update`` with pieces in order, then ``hexdigest`` equals :func:`digest` of
+    their concatenation (CorruptCheckpointError for an unknown ``algo``)."""
+    _digest_fn(algo)
+    return _STREAMS[algo]()
 
 
 def chunk_digest(data: bytes | memoryview) -> str:

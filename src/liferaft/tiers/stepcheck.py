@@ -9,8 +9,9 @@ attributes as torch sets them; and the rest of the state has every key of the li
 rebuild, with the live shapes and dtypes, and values that decode. Anything else raises CorruptCheckpointError
 naming the file: the recovery treats the record as damaged and stops at the step before it.
 
-Also whose a log is: ``owner_id`` (the namespace folder and the ``owner`` every record names) and ``lock_writer``
-(one live writer per namespace and rank).
+Also a recovery's check of its own records and their replay (``check_own``, ``replay_record``), and whose a log
+is: ``owner_id`` (the namespace folder and the ``owner`` every record names) and ``lock_writer`` (one live writer
+per namespace and rank).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from liferaft.state import optsteps
 from liferaft.state.dtypes import dtype_name
 from liferaft.state.flatten import flatten
 from liferaft.state.values import decode_value
+from liferaft.tiers.stepplan import verify_record
+from liferaft.tiers.steprecord import Header, parse_record, tensor_at, tensor_view
 
 
 def _bad(path: str, what: str) -> CorruptCheckpointError:
@@ -203,4 +206,47 @@ def lock_writer(root: str, name: str) -> int:
     return fd
 
 
-__all__ = ["check_record", "check_records", "check_rest", "lock_writer", "owner_id"]
+def check_own(raw: dict[int, Any], full: int, n: int, rank: int, owner: str, world: int,
+              layout: tuple[str, str]) -> tuple[Any, ...]:
+    """Decode and check rank ``rank``'s records ``full+1..n`` in ``raw`` (step -> (header or None if not yet
+    verified, bytes, where)): each must be whole, of its step, rank and ``owner``, and written by this ``world``
+    and ``layout`` (fingerprint, description); keeps them as ``raw[step] = (header, bytes)``. ("ok",),
+    ("layout", why) or ("bad", why, step)."""
+    for step in range(full + 1, n + 1):
+        h, data, where = raw[step]
+        try:
+            if h is None:
+                h = parse_record(data, where)
+                if h is not None:
+                    verify_record(h, data)                    # every tensor's checksum, before any replay
+            if h is None or h.step != step or h.doc["rank"] != rank or h.doc.get("owner") != owner:
+                raise LiferaftError(f"{where}: not the record of step {step} of rank {rank}")
+            if h.doc["layout"] != layout[0] or h.doc["world"] != world:
+                return ("layout", f"{where}: written by world size {h.doc['world']}, replaying into {layout[1]}")
+            raw[step] = (h, data)
+        except (LiferaftError, KeyError, TypeError) as e:
+            return ("bad", f"{type(e).__name__}: {e}", step)
+    return ("ok",)
+
+
+def replay_record(header: Header, data: Any, opts: list[torch.optim.Optimizer], allow_pickle: bool) -> None:
+    """Run the optimizer steps of the record ``header`` / ``data`` (checked by ``check_own`` and
+    ``check_records``) through ``opts``, its gradients as views into ``data``."""
+    payload = memoryview(data)[:header.header_off]
+
+    def value(v: Any, key: str) -> Any:
+        if isinstance(v, dict) and set(v) == {"$t"}:
+            return tensor_at(v["$t"], payload, header.path, header.algo)
+        return decode_value(v, key, allow_pickle)
+
+    for call in header.doc["calls"]:
+        i = call["opt"]
+        if type(i) is not int or not 0 <= i < len(opts):
+            raise LiferaftError(f"{header.path}: the record names optimizer {i}; the state has {len(opts)}")
+        grads = [None if e is None else tensor_view(e, payload, header.path) for e in call["grads"]]
+        groups = [{k: value(v, k) for k, v in g.items()} for g in call["groups"]]
+        optsteps.replay_call(opts[i], grads, groups, {k: value(v, k) for k, v in call["kwargs"].items()},
+                             {k: value(v, k) for k, v in call.get("attrs", {}).items()})
+
+
+__all__ = ["check_own", "check_record", "check_records", "check_rest", "lock_writer", "owner_id", "replay_record"]

@@ -33,11 +33,12 @@ from liferaft.codecs.checksum import digest
 from liferaft.dist import Coordinator
 from liferaft.errors import CorruptCheckpointError, InvalidStateError, LiferaftError
 from liferaft.state import optsteps
-from liferaft.state.values import decode_value, encode_value
+from liferaft.state.values import encode_value
 from liferaft.tiers.memory import MemoryTier
-from liferaft.tiers.stepcheck import check_records, lock_writer, owner_id
+from liferaft.tiers.stepcheck import check_own, check_records, lock_writer, owner_id, replay_record
+from liferaft.tiers.stepcuda import Copy, CudaCopies
 from liferaft.tiers.steplist import home_of, list_node, rank_dir, slot_name
-from liferaft.tiers.stepplan import bytearray_np, fetch_plan, newest_chain, targets, verify_record
+from liferaft.tiers.stepplan import bytearray_np, fetch_plan, newest_chain, targets
 from liferaft.tiers.steprecord import (
     FORMAT,
     HELD,
@@ -48,13 +49,10 @@ from liferaft.tiers.steprecord import (
     as_bytes,
     encode_header,
     fill_held,
-    parse_record,
     prologue,
     read_header,
     read_record,
-    tensor_at,
     tensor_entry,
-    tensor_view,
 )
 from liferaft.tiers.steprest import RestCapture, restore_rest
 from liferaft.tiers.stepsend import Sender
@@ -100,13 +98,16 @@ class StepLog:
         self.epoch = 0
         self.live: Callable[[int, int], bool] = lambda step, epoch: True
         self._expect: int | None = None             # the step the next record should be of (None: unknown)
-        self._cuda: list[tuple[torch.Tensor, Any, int, dict[str, Any], torch.device]] = []
-        self._streams: dict[torch.device, Any] = {}        # a side stream per CUDA device (copies of its tensors)
-        self._pinned: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._cuda = CudaCopies()                # the CUDA tensors' copies (tiers.stepcuda)
+        self._gen = 0                            # the pinned generation of the next record (records alternate)
+        #: the record the background is publishing (cur, doc, copies, replicate): published again by ``wait``
+        #: if that fails
+        self._publishing: tuple[dict[str, Any], dict[str, Any], list[Copy], bool] | None = None
+        self._lost: int | None = None            # the step of a record that could not be published
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="liferaft-steplog")
         self._pending: Future[None] | None = None
         self._lock = threading.Lock()
-        self._busy = -1                          # the own slot the replication is reading
+        self._busy = -1                          # the own slot the background is reading or writing
         self._rest = RestCapture()
         self._thin: dict[str, Held] = {}        # (a recovery's listing) replica slot -> its held trailer
         self._sender = Sender(self.root, self.bg, self.rank, self.targets, self.sources, slot_name, self._slot)
@@ -133,7 +134,7 @@ class StepLog:
             raise InvalidStateError(f"{type(opt).__qualname__}.step() was given positional arguments (a closure?): "
                                     "the per-step log replays steps without closures (docs/STEPLOG.md)")
         cur = self._begin()
-        pos, n_plain, n_cuda = cur["pos"], len(cur["plain"]), len(self._cuda)
+        pos, n_plain, n_cuda = cur["pos"], len(cur["plain"]), len(self._cuda.pending)
         try:
             grads = []
             for p in optsteps.params_of(opt):
@@ -153,21 +154,13 @@ class StepLog:
                 call["attrs"] = {k: self._value(v, k) for k, v in attrs.items()}
         except BaseException:
             # (this step() does not run: nothing of it stays in the record, whose space is asked for again next time)
-            self._fence(n_cuda)
+            self._cuda.fence(n_cuda)
             cur["pos"] = pos
             del cur["plain"][n_plain:]
-            del self._cuda[n_cuda:]
+            self._cuda.drop(n_cuda)
             raise
-        self._fence(n_cuda)
+        self._cuda.fence(n_cuda)       # (the optimizer's kernels, or one changing its gradients, wait for the copies)
         cur["calls"].append(call)
-
-    def _fence(self, since: int) -> None:
-        """Order the training stream after the side-stream copies enqueued since ``self._cuda[since]``: what runs
-        after the hook — the optimizer's kernels, ``zero_grad(set_to_none=False)``, an optimizer that changes its
-        gradients in place — must not touch a gradient before its copy has read it (the copies of one device run
-        in order on its side stream: waiting for the stream covers them all)."""
-        for dev in {c[4] for c in self._cuda[since:]}:
-            torch.cuda.current_stream(dev).wait_stream(self._streams[dev])
 
     @contextlib.contextmanager
     def suspended(self) -> Iterator[None]:
@@ -193,7 +186,8 @@ class StepLog:
             f.reserve(PROLOGUE)
             f.write(0, bytes(PROLOGUE))                  # no record in this slot until the new prologue
             self._held.pop(slot, None)
-            self._cur = {"slot": slot, "file": f, "pos": PROLOGUE, "calls": [], "plain": []}
+            self._cur = {"slot": slot, "file": f, "pos": PROLOGUE, "calls": [], "plain": [], "gen": self._gen}
+            self._gen ^= 1
         return self._cur
 
     def _file(self, rel: str) -> _Slot:
@@ -214,7 +208,7 @@ class StepLog:
 
     def _put(self, t: torch.Tensor) -> dict[str, Any]:
         """Store tensor ``t`` at the record's next offset; its header entry (CUDA: copied to pinned memory on a side
-        stream now, written and hashed when the record is published)."""
+        stream now, written and hashed when the record is published, in the background)."""
         cur = self._cur
         assert cur is not None
         off = cur["pos"]
@@ -223,22 +217,7 @@ class StepLog:
         cur["file"].reserve(end)                # (first: a reservation that fails takes no room)
         cur["pos"] = end
         if t.is_cuda:
-            stream = self._streams.get(t.device)
-            if stream is None:
-                stream = self._streams[t.device] = torch.cuda.Stream(device=t.device)
-            key = (off, tuple(t.shape), t.dtype)
-            pinned = self._pinned.get(key)      # reused: every copy is waited for before the next record
-            if pinned is None:
-                pinned = self._pinned[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            stream.wait_stream(torch.cuda.current_stream(t.device))
-            with torch.cuda.stream(stream):
-                pinned.copy_(t, non_blocking=True)
-                t.record_stream(stream)
-                done = torch.cuda.Event()
-                done.record(stream)
-            entry: dict[str, Any] = {}
-            self._cuda.append((pinned, done, off, entry, t.device))
-            return entry
+            return self._cuda.enqueue(t, off, cur["gen"])
         src = t if t.is_contiguous() else t.contiguous()
         data = as_bytes(src.cpu())
         cur["file"].write(off, data)
@@ -246,7 +225,13 @@ class StepLog:
 
     def record(self, step: int, state: Any) -> None:
         """Publish the record of ``step`` (after the step; the manager's ``maybe_save``): the captured calls plus
-        the rest of ``state``, then replicate it in the background once the previous record is replicated."""
+        the rest of ``state``, then replicate it in the background once the previous record is replicated.
+
+        A record with CUDA tensors is published in the background too: the training thread only enqueues their
+        copies (on a side stream, into pinned memory) and returns; the replication thread waits for the copies,
+        writes and hashes them, then writes the header and the prologue. The next ``record`` waits for both, as
+        for the replication, so a killed process loses at most the step it had just recorded (its slot's
+        prologue is written last: a record cut short is no record)."""
         if self.attach(state):
             return                          # hooked just now: this step's calls were not seen
         if self._cur is None and step == self._recorded:
@@ -262,35 +247,51 @@ class StepLog:
         self._expect = step + 1
         cur = self._begin()
         live = optsteps.LiveIds(self.optimizers or [])      # (found only if the walk meets a tensor: most steps do not)
+        n_cuda = len(self._cuda.pending)
         rest = self._rest.capture(state, live, self._put, self.allow_pickle)
-        self._drain_cuda(cur["file"])       # (after the rest: its CUDA tensors, e.g. buffers, are copied there too)
-        header = encode_header({"format": FORMAT, "checksum": RECORD_CHECKSUM, "step": step, "rank": self.rank, "world": self.world, "owner": self.owner, "epoch": self.epoch,
-                                "layout": self.layout[0], "calls": cur["calls"], "rest": rest})
-        off = cur["pos"]
+        self._cuda.fence(n_cuda)    # the rest's CUDA tensors (buffers) are read before the next forward changes them
+        cuda = self._cuda.take()
+        doc = {"format": FORMAT, "checksum": RECORD_CHECKSUM, "step": step, "rank": self.rank, "world": self.world,
+               "owner": self.owner, "epoch": self.epoch, "layout": self.layout[0], "calls": cur["calls"],
+               "rest": rest}
+        replicate = bool(self.targets or self.sources)
+        length = 0 if cuda else self._publish(cur, doc, cuda)     # (CPU: published before anything is noted)
+        self._held[cur["slot"]] = step
+        self._cur, self._recorded = None, step
+        if replicate or cuda:
+            self._busy = cur["slot"]        # (read or written in the background: not reused until it is done)
+        if not cuda:
+            if replicate:
+                self._pending = self._pool.submit(self._replicate, cur["slot"], step, length, cur["plain"])
+            return
+        self._publishing = (cur, doc, cuda, replicate)
+        self._pending = self._pool.submit(self._publish_then_replicate, cur, doc, cuda, replicate)
+
+    def _publish(self, cur: dict[str, Any], doc: dict[str, Any], cuda: list[Copy]) -> int:
+        """Write the record ``cur``: its CUDA tensors' copies, the header ``doc``, the prologue last. Its length."""
         f: _Slot = cur["file"]
+        self._cuda.drain(f, cuda, cur["gen"])   # (before the header: it fills their entries)
+        header = encode_header(doc)
+        off = cur["pos"]
         f.reserve(off + len(header))
         f.write(off, header)
         f.write(0, prologue(off + len(header), off, len(header), digest(header)))
-        self._held[cur["slot"]] = step
-        self._cur, self._recorded = None, step
-        if self.targets or self.sources:
-            self._busy = cur["slot"]        # (read by the replication: not reused until it is done)
-            self._pending = self._pool.submit(self._replicate, cur["slot"], step, off + len(header), cur["plain"])
+        return off + len(header)
 
-    def _drain_cuda(self, f: _Slot) -> None:
-        """Write the CUDA tensors of the record being published from their pinned copies (each copy waited for),
-        filling their header entries; pinned buffers this record did not use are dropped (a layout that moved
-        the tensors' offsets does not leave its buffers pinned for the life of the process)."""
-        used = set()
-        for pinned, done, off, entry, _ in self._cuda:
-            done.synchronize()
-            data = as_bytes(pinned)
-            f.write(off, data)
-            entry.update(tensor_entry(off, pinned, data))
-            used.add(id(pinned))
-        self._cuda.clear()
-        if len(used) < len(self._pinned):
-            self._pinned = {k: v for k, v in self._pinned.items() if id(v) in used}
+    def _publish_then_replicate(self, cur: dict[str, Any], doc: dict[str, Any], cuda: list[Copy],
+                                replicate: bool) -> None:
+        """Background (a record with CUDA tensors): publish it, then replicate it. A failure is raised by the next
+        ``wait``, which then forgets the record if it was not published."""
+        try:
+            length = self._publish(cur, doc, cuda)
+        except BaseException:
+            self._busy = -1
+            raise
+        self._publishing = None
+        if replicate:
+            self._replicate(cur["slot"], doc["step"], length, cur["plain"])     # (frees _busy when done)
+        else:
+            self._busy = -1
 
     @property
     def full(self) -> bool:
@@ -311,6 +312,8 @@ class StepLog:
         the records published while the last full checkpoint became durable (measured by ``mark_durable``; the
         3: the vote's step, the record it starts at, one spare) — never before half the ring holds such records,
         and at half the ring until a full checkpoint has been measured."""
+        if self._lost is not None and self._lost > self.durable:
+            return True                     # a record is missing: only a full checkpoint makes later steps count
         newer = sum(s > self.durable for s in self._held.values())
         half = max(1, self.max_steps // 2)
         if self._lag is None:
@@ -329,10 +332,45 @@ class StepLog:
         return sorted(s for s in self._held.values() if s > self.durable)
 
     def wait(self) -> None:
-        """Wait for the replication in flight; raise what it raised."""
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
+        """Wait for the replication (and a background publish) in flight; raise what it raised. A record whose
+        background publish failed is published again here (its pinned copies are still whole: the next record
+        uses the other generation); if that fails too, the record is forgotten and the error says which step a
+        recovery now stops before (until the next full checkpoint, which ``save_due`` then asks for at once).
+        Interrupted while waiting (Ctrl-C), the work stays in flight and is waited for by the next call."""
+        pending = self._pending
+        if pending is None:
+            return
+        try:
             pending.result()
+        except BaseException as e:
+            if not pending.done():
+                raise                       # interrupted: still running, waited for again (close waits too)
+            self._pending = None
+            publishing, self._publishing = self._publishing, None
+            if publishing is None or pending.exception() is None:
+                raise                       # (a failed replication; or an interruption just as it finished)
+            self._publish_again(publishing, e)
+            return
+        self._pending, self._publishing = None, None
+
+    def _publish_again(self, publishing: tuple[dict[str, Any], dict[str, Any], list[Copy], bool],
+                       first: BaseException) -> None:
+        """The background publish of a record failed with ``first``: publish (and replicate) it here, or forget
+        it and raise ``first`` naming the step lost."""
+        cur, doc, cuda, replicate = publishing
+        try:
+            length = self._publish(cur, doc, cuda)
+        except BaseException as e:      # (interrupted too: the record is not whole)
+            self._held.pop(cur["slot"], None)
+            self._lost = doc["step"]
+            if not isinstance(e, Exception):
+                raise
+            first.add_note(f"liferaft: the per-step record of step {doc['step']} was not published ({e}); until "
+                           f"the next full checkpoint, a recovery resumes at step {doc['step'] - 1} at the latest")
+            raise first from None
+        if replicate:
+            self._busy = cur["slot"]
+            self._replicate(cur["slot"], doc["step"], length, cur["plain"])     # (frees _busy)
 
     # ------------------------------------------------------------------ replication
 
@@ -388,13 +426,14 @@ class StepLog:
         if not why and newest > n:          # a gap: never silent
             lacking = [r for r in range(self.world) if not any((r, n + 1) in held for held in listing)]
             why = f"no node holds the record of step {n + 1} of rank(s) {lacking} (records up to step {newest} " \
-                  "are held; a step without maybe_save, or a lost node and its replica)"
+                  "are held; a step without maybe_save, a lost node and its replica, or a process killed while its " \
+                  "record was written: on a GPU, in the background after maybe_save)"
         plan = [] if n <= full else fetch_plan(listing, self.nodes, full, n)
         clock.append(time.perf_counter())
         records: dict[int, Any] = {}        # (kept on this rank: only the outcome is exchanged, not the bytes)
         self.coord.run(lambda: records.update(self._gather(kept, plan, full, n)), "step log (fetch)")
         clock.append(time.perf_counter())
-        outcome = self._check(records, full, n)
+        outcome = check_own(records, full, n, self.rank, self.owner, self.world, self.layout)
         if outcome == ("ok",):
             outcome = check_records(records, state, self.optimizers or [], self.allow_pickle, full, n)
         clock.append(time.perf_counter())
@@ -417,7 +456,7 @@ class StepLog:
         self._replaying = True
         try:
             for j in range(full + 1, n + 1):
-                self._replay(*records[j])
+                replay_record(*records[j], self.optimizers or [], self.allow_pickle)
             clock.append(time.perf_counter())
             if n > full:
                 header, data = records[n]
@@ -485,49 +524,12 @@ class StepLog:
                 out[step] = kept[step]
         return out
 
-    def _check(self, raw: dict[int, Any], full: int, n: int) -> tuple[Any, ...]:
-        """Decode and check this rank's records (those not verified by ``_list``: whole); keeps them as
-        ``raw[step] = (header, bytes)``. ("ok",), ("layout", why) or ("bad", why, step)."""
-        for step in range(full + 1, n + 1):
-            h, data, where = raw[step]
-            try:
-                if h is None:
-                    h = parse_record(data, where)
-                    if h is not None:
-                        verify_record(h, data)                    # every tensor's checksum, before any replay
-                if h is None or h.step != step or h.doc["rank"] != self.rank or h.doc.get("owner") != self.owner:
-                    raise LiferaftError(f"{where}: not the record of step {step} of rank {self.rank}")
-                if h.doc["layout"] != self.layout[0] or h.doc["world"] != self.world:
-                    return ("layout", (f"{where}: written by world size {h.doc['world']}, replaying into "
-                                      f"{self.layout[1]}"))
-                raw[step] = (h, data)
-            except (LiferaftError, KeyError, TypeError) as e:
-                return ("bad", f"{type(e).__name__}: {e}", step)
-        return ("ok",)
-
-    def _replay(self, header: Header, data: Any) -> None:
-        payload = memoryview(data)[:header.header_off]
-        opts = self.optimizers or []
-
-        def value(v: Any, key: str) -> Any:
-            if isinstance(v, dict) and set(v) == {"$t"}:
-                return tensor_at(v["$t"], payload, header.path, header.algo)
-            return decode_value(v, key, self.allow_pickle)
-
-        for call in header.doc["calls"]:
-            i = call["opt"]
-            if type(i) is not int or not 0 <= i < len(opts):
-                raise LiferaftError(f"{header.path}: the record names optimizer {i}; the state has {len(opts)}")
-            grads = [None if e is None else tensor_view(e, payload, header.path) for e in call["grads"]]
-            groups = [{k: value(v, k) for k, v in g.items()} for g in call["groups"]]
-            optsteps.replay_call(opts[i], grads, groups, {k: value(v, k) for k, v in call["kwargs"].items()},
-                                 {k: value(v, k) for k, v in call.get("attrs", {}).items()})
-
     def resume_at(self, state: Any, step: int) -> None:
         """The state was restored to the full checkpoint ``step`` on request (``restore(state, step=K)``): hook the
         optimizers and replay nothing. The records newer than ``step`` stay (a later ``restore()`` may still
         replay them) until this run records its first step: that step starts another future, so the first
         ``record`` drops them then (collectively). Collective."""
+        self.wait()
         self.attach(state)
         self.mark_durable(step)
         self._held.clear()
@@ -576,6 +578,7 @@ class StepLog:
     def start_fresh(self, state: Any) -> None:
         """No full checkpoint to resume from: hook ``state``'s optimizers and drop this node's records of an
         earlier run (they replay onto nothing). Collective."""
+        self.wait()
         self.attach(state)
         self._forget_collectively(-1, "step log (fresh start)")
 
@@ -584,6 +587,7 @@ class StepLog:
         try:
             self.wait()
         finally:
+            self._pool.shutdown(wait=True)  # (first, even if interrupted: nothing writes a slot once it is closed)
             for h in self._hooks:
                 h.remove()
             self._hooks = []
@@ -593,7 +597,6 @@ class StepLog:
             if self._writer >= 0:
                 os.close(self._writer)
                 self._writer = -1
-            self._pool.shutdown(wait=True)
 
     def release(self) -> None:
         """Free this node's records (a clean exit of the job). Not collective."""

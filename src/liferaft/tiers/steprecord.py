@@ -76,8 +76,13 @@ def encode_header(header: dict[str, Any]) -> bytes:
 def tensor_entry(off: int, t: torch.Tensor, data: memoryview) -> dict[str, Any]:
     """The header entry of tensor ``t`` stored at ``off`` as ``data`` (its bytes; checksum ``RECORD_CHECKSUM``,
     which the header names as ``checksum``)."""
-    return {"off": off, "len": len(data), "dtype": dtype_name(t.dtype), "shape": list(t.shape),
-            "digest": digest(data, RECORD_CHECKSUM)}
+    return entry_of(off, t, len(data), digest(data, RECORD_CHECKSUM))
+
+
+def entry_of(off: int, t: torch.Tensor, n: int, hexdigest: str) -> dict[str, Any]:
+    """The header entry of tensor ``t`` stored at ``off`` as ``n`` bytes whose ``RECORD_CHECKSUM`` is
+    ``hexdigest``."""
+    return {"off": off, "len": n, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "digest": hexdigest}
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,232 @@
+"""The per-step log's background publish (what a record with CUDA tensors takes: ``tiers.stepcuda``), run on the
+CPU. This machine has no GPU, so the ``deferred`` fixture stands in for the CUDA layer only: every tensor of a
+record goes through ``CudaCopies`` as a CUDA tensor does — copied into its generation's buffer at capture, the
+copy's "event" a slow one (a D2H copy still running), written, hashed and published by the background thread —
+with real slot files, a real manager, real restores. ``benchmarks/gpu_check.sh`` runs the real CUDA path.
+
+Found by a review of the change (2026-12-06): a failed background publish lost its step for good (the CPU path's
+retry of ``maybe_save`` too), and an interrupted wait let ``close`` unmap a slot under the background copy."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import errno
+import threading
+import time
+import warnings
+
+import pytest
+import torch
+from test_steplog_local import _manager, _run, _state, _step, _tensors
+
+from liferaft.errors import FileAccessError
+from liferaft.tiers import stepcuda, steplog, stepslot
+
+
+class _SlowCopy:
+    """A copy's event whose copy is still running for ``delay`` seconds."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+
+    def synchronize(self) -> None:
+        time.sleep(self.delay)
+
+
+@pytest.fixture
+def deferred(monkeypatch):
+    """Every record's tensors through the background publish; returns the generations written while drained."""
+    draining, races = [0, 0], []
+
+    def enqueue(self, t, off, gen):
+        if draining[gen]:
+            races.append((off, gen))
+        key = (off, tuple(t.shape), t.dtype)
+        pinned = self._pinned[gen].get(key)
+        if pinned is None:
+            pinned = self._pinned[gen][key] = torch.empty(t.shape, dtype=t.dtype)
+        pinned.copy_(t)
+        entry: dict = {}
+        self.pending.append((pinned, _SlowCopy(0.01), off, entry, torch.device("cpu")))
+        return entry
+
+    drain = stepcuda.CudaCopies.drain
+
+    def draining_drain(self, f, copies, gen):
+        draining[gen] += 1
+        try:
+            return drain(self, f, copies, gen)
+        finally:
+            draining[gen] -= 1
+
+    def put_deferred(self, t):                  # (StepLog._put, its CUDA branch for every tensor)
+        cur = self._cur
+        off = cur["pos"]
+        n = t.numel() * t.element_size()
+        cur["pos"] = off + (n + steplog.ALIGN - 1) // steplog.ALIGN * steplog.ALIGN
+        cur["file"].reserve(cur["pos"])
+        return self._cuda.enqueue(t, off, cur["gen"])
+
+    monkeypatch.setattr(stepcuda.CudaCopies, "enqueue", enqueue)
+    monkeypatch.setattr(stepcuda.CudaCopies, "fence", lambda self, since: None)
+    monkeypatch.setattr(stepcuda.CudaCopies, "drain", draining_drain)
+    monkeypatch.setattr(steplog.StepLog, "_put", put_deferred)
+    return races
+
+
+@pytest.fixture
+def fail_header(monkeypatch):
+    """``fail_header(step, n)``: the next ``n`` reservations of the header of step ``step``'s record fail as a
+    full /dev/shm does."""
+    left, target = [0], [-1]
+    armed = threading.local()
+    encode = steplog.encode_header
+
+    def arming_encode(doc):
+        armed.on = left[0] > 0 and doc["step"] == target[0]    # (its reservation follows on the same thread)
+        return encode(doc)
+
+    reserve = stepslot.Slot.reserve
+
+    def failing_reserve(self, size, *a, **k):
+        if getattr(armed, "on", False):
+            armed.on = False
+            left[0] -= 1
+            raise FileAccessError(errno.ENOSPC, f"{self.path}: cannot reserve {size} bytes (injected)")
+        return reserve(self, size, *a, **k)
+
+    monkeypatch.setattr(steplog, "encode_header", arming_encode)
+    monkeypatch.setattr(stepslot.Slot, "reserve", failing_reserve)
+
+    def arm(step: int, n: int) -> None:
+        target[0], left[0] = step, n
+    return arm
+
+
+def _same(st: dict, ref: dict) -> bool:
+    want = _tensors(ref)
+    return all(torch.equal(v, _tensors(st)[k]) for k, v in want.items())
+
+
+def _started(tmp_path) -> tuple[dict, object]:
+    st = _state()
+    mgr = _manager(tmp_path / "run", every=100)
+    mgr.restore(st)
+    return st, mgr
+
+
+def _resumes_at(tmp_path, step: int, ref: dict) -> None:
+    """A fresh state restored from the run in ``tmp_path`` resumes at ``step``, with no gap warned about, and
+    equals ``ref``."""
+    st = _state()
+    mgr = _manager(tmp_path / "run", every=100)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")          # (no gap: every step's record is there)
+        assert mgr.restore(st) == step
+    mgr.close()
+    assert _same(st, ref)
+
+
+def test_records_published_in_the_background_resume_bitwise(tmp_path, deferred):
+    ref = _run(tmp_path / "ref", 9)
+    for last in (5, 7):
+        _run(tmp_path / f"run{last}", last)
+        st = _state()
+        mgr = _manager(tmp_path / f"run{last}")
+        assert mgr.restore(st) == last
+        assert mgr._steplog.last_recovery["replayed"] >= 1
+        for s in range(last + 1, 10):
+            _step(st, s)
+            mgr.maybe_save(s, st)
+        mgr.close()
+        assert _same(st, ref), last
+    assert deferred == []                       # no generation written while the background drained it
+
+
+def test_a_background_publish_that_fails_is_published_again_by_the_next_step(tmp_path, deferred, fail_header):
+    ref = _run(tmp_path / "ref", 8)
+    st, mgr = _started(tmp_path)
+    for s in range(9):
+        _step(st, s)
+        if s == 4:
+            fail_header(4, 1)                   # the background's header reservation of step 4 fails, once
+        mgr.maybe_save(s, st)                   # step 5's waits for it, publishes it again: nothing raised
+    mgr.close()
+    _resumes_at(tmp_path, 8, ref)
+
+
+def test_a_record_that_cannot_be_published_names_its_step_and_a_full_checkpoint_follows(tmp_path, deferred,
+                                                                                        fail_header):
+    ref = _run(tmp_path / "ref", 8)
+    st, mgr = _started(tmp_path)
+    for s in range(4):
+        _step(st, s)
+        mgr.maybe_save(s, st)
+    _step(st, 4)
+    fail_header(4, 2)                           # in the background, and again when the next step retries it
+    mgr.maybe_save(4, st)
+    _step(st, 5)
+    with pytest.raises(FileAccessError, match="injected") as e:
+        mgr.maybe_save(5, st)
+    assert "record of step 4 was not published" in str(e.value.__notes__)
+    assert mgr._steplog.save_due                # only a full checkpoint makes the steps after it count again
+    assert mgr.maybe_save(5, st)                # step 5 again: recorded, and a full checkpoint of it taken
+    assert not mgr._steplog.save_due
+    for s in range(6, 9):
+        _step(st, s)
+        mgr.maybe_save(s, st)
+    mgr.close()
+    _resumes_at(tmp_path, 8, ref)
+
+
+def test_on_the_cpu_a_record_whose_header_cannot_be_reserved_is_recorded_by_a_retry(tmp_path, fail_header):
+    ref = _run(tmp_path / "ref", 8)
+    st, mgr = _started(tmp_path)
+    for s in range(9):
+        _step(st, s)
+        if s == 4:
+            fail_header(4, 1)
+            with pytest.raises(FileAccessError, match="injected"):
+                mgr.maybe_save(s, st)
+        mgr.maybe_save(s, st)                   # (step 4: the retry records it; its calls were kept)
+    mgr.close()
+    _resumes_at(tmp_path, 8, ref)
+
+
+def _big() -> dict:
+    st = _state()
+    st["model"].register_buffer("big", torch.ones(16 << 20))     # 64 MiB of the rest of the state: a long drain
+    return st
+
+
+def test_an_interrupted_wait_leaves_the_publish_running_and_close_waits_for_it(tmp_path, deferred, monkeypatch):
+    ref = _big()
+    for s in range(3):
+        _step(ref, s)
+    st = _big()
+    mgr = _manager(tmp_path / "run", every=100)
+    mgr.restore(st)
+    armed = [False]
+    result = concurrent.futures.Future.result
+
+    def interrupted(self, timeout=None):
+        if armed[0] and not self.done():
+            armed[0] = False
+            raise KeyboardInterrupt         # what a SIGINT raises from inside the wait
+        return result(self, timeout)
+
+    monkeypatch.setattr(concurrent.futures.Future, "result", interrupted)
+    for s in range(3):
+        _step(st, s)
+        mgr.maybe_save(s, st)
+    _step(st, 3)
+    armed[0] = True
+    with pytest.raises(KeyboardInterrupt):
+        mgr.maybe_save(3, st)                   # waits for step 2's publish: interrupted
+    assert armed == [False] and mgr._steplog._pending is not None      # still in flight, not forgotten
+    mgr.close()                                 # waits for it before any slot is closed
+    st = _big()
+    mgr = _manager(tmp_path / "run", every=100)
+    assert mgr.restore(st) == 2
+    mgr.close()
+    assert _same(st, ref)
