@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from liferaft import CheckpointManager, MemoryTier, StepLogOptions, TierOptions
+from liferaft import CheckpointManager, JobOptions, MemoryTier, StepLogOptions, TierOptions
 
 
 def _manager(path, job: str = "unit", every: int = 4) -> CheckpointManager:
@@ -235,7 +235,8 @@ def test_two_managers_sharing_a_memory_tier_namespace_keep_their_logs_apart(tmp_
         tier = MemoryTier("unit", node="n0", base=str(tmp_path / "shm"))
         return CheckpointManager(str(tmp_path / name), every_steps=4,
                                  tiers=TierOptions(memory=tier, memory_every=10 ** 6, drain=False),
-                                 step_log=StepLogOptions(replicas=1, max_steps=16), async_save=False)
+                                 step_log=StepLogOptions(replicas=1, max_steps=16), async_save=False,
+                                 job=JobOptions(lease_ttl=2.0))     # (the refused one waits 2 s, not 30)
 
     refs = {"a": _plain(), "b": _plain()}
     for step in range(7):
