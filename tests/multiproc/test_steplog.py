@@ -24,15 +24,40 @@ def _equal(a: dict, b: dict) -> list[str]:
     return [k for k in a if k not in b or a[k] != b[k]] + [k for k in b if k not in a]
 
 
+_RUNS: dict = {}            # the uninterrupted and the killed runs, each run once per module (below)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _runs_dir(tmp_path_factory):
+    _RUNS.clear()
+    _RUNS["dir"] = tmp_path_factory.mktemp("steplog-runs")
+    yield
+    _RUNS.clear()
+
+
 def _reference(tmp_path, kind, opt):
-    return run_ranks(job, 2, str(tmp_path / "ref"), str(tmp_path / "ref-shm"), kind, opt, LAST, None, timeout=180)
+    """The uninterrupted run of ``kind`` / ``opt`` (once per module: what it returns does not depend on where)."""
+    key = ("ref", kind, opt)
+    if key not in _RUNS:
+        d = _RUNS["dir"] / f"ref-{kind}-{opt}"
+        _RUNS[key] = run_ranks(job, 2, str(d / "ref"), str(d / "ref-shm"), kind, opt, LAST, None, timeout=180)
+    return _RUNS[key]
 
 
 def _crash(tmp_path, kind, opt, kill=KILL):
-    root, base = str(tmp_path / "run"), str(tmp_path / "shm")
-    with pytest.raises(RankFailure):
-        run_ranks(job, 2, root, base, kind, opt, LAST, kill, timeout=180)
-    return root, base
+    """The root and memory tier of the run of ``kind`` / ``opt`` killed after step ``kill``, as the kill left them:
+    run once per module and copied back before each use, to the same paths (the per-step log's namespace is named
+    after the root's path)."""
+    d = _RUNS["dir"] / f"crash-{kind}-{opt}-{kill}"
+    work, pristine = d / "work", d / "pristine"
+    if pristine.exists():
+        shutil.rmtree(work)
+        shutil.copytree(pristine, work, symlinks=True)
+    else:
+        with pytest.raises(RankFailure):
+            run_ranks(job, 2, str(work / "run"), str(work / "shm"), kind, opt, LAST, kill, timeout=180)
+        shutil.copytree(work, pristine, symlinks=True)
+    return str(work / "run"), str(work / "shm")
 
 
 def _check_resumed(out, ref, start):
