@@ -170,6 +170,15 @@ def test_progress_bar_only_on_a_terminal(tmp_path):
         sys.stderr = old
     bar = term.getvalue()
     assert "verify" in bar and "B/s" in bar                          # tqdm: bytes and rate
+    sizes = []                                  # a bar's total, when it costs a pass over the manifest: only shown
+    for enabled in (False, True):
+        sys.stderr = Terminal()
+        try:
+            with Progress(lambda: sizes.append(enabled) or 100, "x", enabled=enabled) as tick:
+                tick(10)
+        finally:
+            sys.stderr = old
+    assert sizes == [True]
 
 
 def test_read_and_plan_have_json_output(tmp_path):

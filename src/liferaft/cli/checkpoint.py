@@ -183,9 +183,12 @@ def run_verify(args: argparse.Namespace) -> int:
     """Re-hash every stored byte (another format: the checks it allows); exit status 1 listing every fault."""
     p = args.path
     fmt = liferaft.format_of(p)
-    total = sum(t.nbytes for t in liferaft.inspect(p).tensors) if fmt == "liferaft" else \
-        os.path.getsize(p) if os.path.isfile(p) else \
-        sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(p) for f in fs)
+
+    def total() -> int:
+        return sum(t.nbytes for t in liferaft.inspect(p).tensors) if fmt == "liferaft" else \
+            os.path.getsize(p) if os.path.isfile(p) else \
+            sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(p) for f in fs)
+
     try:
         with Progress(total, "verify", None if not args.json else False) as tick:
             r = liferaft.verify(p, progress=tick)

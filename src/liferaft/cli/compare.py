@@ -110,8 +110,10 @@ def _renames(pairs: list[list[str]] | None) -> list[tuple[str, str]]:
 def run_diff(args: argparse.Namespace) -> int:
     """Print the keys that differ and a summary line (or JSON); exit status 1 when the checkpoints differ."""
     rename = _renames(args.rename)
-    total = sum(t.nbytes for t in liferaft.inspect(args.a).tensors if not args.module or
-                t.key.startswith(args.module + ".")) if liferaft.format_of(args.a) == "liferaft" else 0
+    def total() -> int:
+        return sum(t.nbytes for t in liferaft.inspect(args.a).tensors if not args.module or
+                   t.key.startswith(args.module + ".")) if liferaft.format_of(args.a) == "liferaft" else 0
+
     with Progress(total, "diff", None if not args.json else False) as tick:
         r = liferaft.diff(args.a, args.b, keys=args.keys, tolerance=args.tolerance, progress=tick,
                           rename=rename, module=args.module)

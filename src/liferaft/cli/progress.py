@@ -10,9 +10,11 @@ from typing import Any, Self
 
 
 class Progress:
-    """``with Progress(total, "verify") as tick: ... tick(nbytes)``; silent unless stderr is a terminal."""
+    """``with Progress(total, "verify") as tick: ... tick(nbytes)``; silent unless stderr is a terminal. ``total``
+    may be a function, called only when the bar shows (what it costs — reading a manifest of 100k keys takes
+    seconds — is not paid for a bar nobody sees)."""
 
-    def __init__(self, total: int, desc: str, enabled: bool | None = None) -> None:
+    def __init__(self, total: int | Callable[[], int], desc: str, enabled: bool | None = None) -> None:
         self.enabled = sys.stderr.isatty() if enabled is None else enabled
         self.total, self.desc = total, desc
         self._bar: Any = None
@@ -21,7 +23,8 @@ class Progress:
         if self.enabled:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=self.total or None, desc=self.desc, unit="B", unit_scale=True, unit_divisor=1024,
+            total = self.total() if callable(self.total) else self.total
+            self._bar = tqdm(total=total or None, desc=self.desc, unit="B", unit_scale=True, unit_divisor=1024,
                              file=sys.stderr, leave=False)
             return self._bar.update
         return lambda n: None
