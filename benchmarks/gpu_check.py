@@ -226,6 +226,7 @@ def step_overhead(device: str, warmup: int, steps: int, reps: int) -> None:
     model = (["--dim", "768", "--layers", "6", "--seq", "256", "--batch", "32"] if device == "cuda" else
              ["--dim", "128", "--layers", "2", "--seq", "32", "--batch", "12"])
     means: dict[str, list[float]] = {"none": [], "per-step": []}
+    saves: list[float] = []             # per-step mode: the mean wall time inside maybe_save (the training thread's)
     with tempfile.TemporaryDirectory(prefix="gpu-steps-") as tmp:
         for rep in range(reps):
             for mode in ("none", "per-step") if rep % 2 == 0 else ("per-step", "none"):
@@ -243,11 +244,16 @@ def step_overhead(device: str, warmup: int, steps: int, reps: int) -> None:
                 with open(timing) as f:
                     rows = [json.loads(line) for line in f if '"step"' in line]
                 means[mode].append(statistics.fmean(r["s"] for r in rows if r["step"] >= warmup))
-                print(f"  {mode:8s} rep {rep}: mean step {means[mode][-1] * 1e3:.1f} ms", flush=True)
+                inside = statistics.fmean(r.get("save_s", 0.0) for r in rows if r["step"] >= warmup)
+                if mode == "per-step":
+                    saves.append(inside)
+                print(f"  {mode:8s} rep {rep}: mean step {means[mode][-1] * 1e3:.1f} ms, of it in maybe_save "
+                      f"{inside * 1e3:.2f} ms", flush=True)
     none, per = statistics.median(means["none"]), statistics.median(means["per-step"])
     print(f"per-step overhead on {device} (train_gpt.py {' '.join(model)}, DDP, 1 rank, steps {warmup}.."
           f"{warmup + steps - 1}, {reps} reps): {none * 1e3:.1f} ms -> {per * 1e3:.1f} ms per step "
-          f"({(per / none - 1) * 100:+.1f} %)", flush=True)
+          f"({(per / none - 1) * 100:+.1f} %; inside maybe_save {statistics.median(saves) * 1e3:.2f} ms per step)",
+          flush=True)
 
 
 def main() -> int:

@@ -12,7 +12,8 @@ default; ``--device cuda`` uses NCCL and one GPU per rank.
 ``--per-step`` makes every optimizer step recoverable (a per-step gradient log in node memory with a peer replica,
 docs/STEPLOG.md); ``--every auto`` saves at the Young/Daly interval for ``--mtbf-hours``. For comparison:
 ``--dcp-async N|auto`` (PyTorch DCP ``async_save`` instead), ``--no-ckpt``. ``--timing F`` appends one JSON line
-per step (rank 0: wall and process CPU seconds, all threads); benchmarks/bench_steps.py drives all of these.
+per step (rank 0: wall and process CPU seconds, all threads, and the wall seconds inside ``maybe_save``);
+benchmarks/bench_steps.py drives all of these.
 """
 
 from __future__ import annotations
@@ -239,16 +240,19 @@ def main(argv: list[str] | None = None) -> int:
     for step in range(state["step"], args.steps):
         t, cpu = time.perf_counter(), time.process_time()
         loss = train_step(state, batches, args.device, args.seq)
+        value = float(loss)
+        saving = time.perf_counter()
         if isinstance(mgr, liferaft.CheckpointManager):
-            mgr.maybe_save(step, state, metrics={"loss": float(loss)})
+            mgr.maybe_save(step, state, metrics={"loss": value})
         elif mgr is not None:
             mgr.maybe_save(step, state)
         if timing:
-            timing.write(json.dumps({"step": step, "s": time.perf_counter() - t, "cpu": time.process_time() - cpu,
-                                     "t": time.time()}) + "\n")
+            now = time.perf_counter()
+            timing.write(json.dumps({"step": step, "s": now - t, "cpu": time.process_time() - cpu,
+                                     "save_s": now - saving, "t": time.time()}) + "\n")
             timing.flush()
         if rank == 0 and step % 10 == 0:
-            print(f"step {step:5d}  loss {float(loss):.4f}", flush=True)
+            print(f"step {step:5d}  loss {value:.4f}", flush=True)
         if isinstance(mgr, liferaft.CheckpointManager) and mgr.preempted:
             if rank == 0:
                 print(f"preempted: step {step} saved, stopping", flush=True)
