@@ -6,7 +6,7 @@ so far (the gradient is computed), and ``fence`` orders the training stream afte
 optimizer's kernels, ``zero_grad(set_to_none=False)``, the next forward changing a buffer — must not touch a
 tensor before its copy has read it). ``drain`` (the replication thread) waits for each copy's event and writes
 the pinned bytes into the slot with numpy's copy and hashes each 16 MiB piece right after its copy (XXH3-64 from
-python-xxhash 4), both without the GIL: a Python training loop is not stalled by them. The background thread
+python-xxhash), both without the GIL: a Python training loop is not stalled by them. The background thread
 sets each copy's device before waiting for its event (a thread's CUDA device is 0 until set: waiting there would
 make a context on GPU 0 in every rank).
 
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from liferaft.codecs.checksum import stream
+from liferaft.codecs.checksum import stream as hasher
 from liferaft.tiers.steprecord import RECORD_CHECKSUM, entry_of
 from liferaft.tiers.stepslot import Slot
 
@@ -82,7 +82,7 @@ class CudaCopies:
         for pinned, done, off, entry, dev in copies:
             with _on(dev):                  # (this thread's device is 0 until set: no context made on GPU 0)
                 done.synchronize()
-            h = stream(RECORD_CHECKSUM)
+            h = hasher(RECORD_CHECKSUM)
             f.copy_in(off, pinned, h.update)     # (without the GIL: the training thread runs meanwhile)
             entry.update(entry_of(off, pinned, pinned.numel() * pinned.element_size(), h.hexdigest()))
             used.add(id(pinned))
