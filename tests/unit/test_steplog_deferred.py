@@ -206,8 +206,9 @@ def test_an_interrupted_wait_leaves_the_publish_running_and_close_waits_for_it(t
     st = _big()
     mgr = _manager(tmp_path / "run", every=100)
     mgr.restore(st)
-    armed = [False]
+    armed, gate = [False], threading.Event()
     result = concurrent.futures.Future.result
+    publish = steplog.StepLog._publish
 
     def interrupted(self, timeout=None):
         if armed[0] and not self.done():
@@ -215,7 +216,13 @@ def test_an_interrupted_wait_leaves_the_publish_running_and_close_waits_for_it(t
             raise KeyboardInterrupt         # what a SIGINT raises from inside the wait
         return result(self, timeout)
 
+    def held_back(self, cur, doc, cuda):        # step 2's copies still running until the gate opens
+        if doc["step"] == 2:
+            gate.wait(120)
+        return publish(self, cur, doc, cuda)
+
     monkeypatch.setattr(concurrent.futures.Future, "result", interrupted)
+    monkeypatch.setattr(steplog.StepLog, "_publish", held_back)
     for s in range(3):
         _step(st, s)
         mgr.maybe_save(s, st)
@@ -224,7 +231,8 @@ def test_an_interrupted_wait_leaves_the_publish_running_and_close_waits_for_it(t
     with pytest.raises(KeyboardInterrupt):
         mgr.maybe_save(3, st)                   # waits for step 2's publish: interrupted
     assert armed == [False] and mgr._steplog._pending is not None      # still in flight, not forgotten
-    mgr.close()                                 # waits for it before any slot is closed
+    gate.set()
+    mgr.close()                                 # waits for it (copying the 64 MiB) before any slot is closed
     st = _big()
     mgr = _manager(tmp_path / "run", every=100)
     assert mgr.restore(st) == 2

@@ -236,7 +236,8 @@ def test_two_managers_sharing_a_memory_tier_namespace_keep_their_logs_apart(tmp_
         return CheckpointManager(str(tmp_path / name), every_steps=4,
                                  tiers=TierOptions(memory=tier, memory_every=10 ** 6, drain=False),
                                  step_log=StepLogOptions(replicas=1, max_steps=16), async_save=False,
-                                 job=JobOptions(lease_ttl=2.0))     # (the refused one waits 2 s, not 30)
+                                 job=JobOptions(lease_ttl=5.0))     # (the refused one waits 5 s, not 30; a
+                                                                    # shorter lease can go stale on a loaded machine)
 
     refs = {"a": _plain(), "b": _plain()}
     for step in range(7):
