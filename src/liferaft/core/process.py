@@ -16,7 +16,6 @@ drops both pools; otherwise they live until the process exits.
 from __future__ import annotations
 
 import functools
-import gc
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -25,6 +24,7 @@ from typing import Any, TypeVar
 
 from liferaft.dist import Coordinator
 from liferaft.errors import CheckpointBusyError, LiferaftError
+from liferaft.format.jsonsafe import GC_PAUSE
 from liferaft.options import SaveOptions, SaveResult
 from liferaft.staging.pool import BufferPool, PoolClosedError
 
@@ -35,22 +35,21 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 class CallGate:
     """Keeps ``liferaft.release()`` out of the way of liferaft calls running in other threads, and Python's cyclic
-    garbage collector out of the calls.
+    garbage collector out of the calls of the main thread.
 
     Every public call that uses what ``release`` frees (the pools, the codec threads, the gloo groups) runs inside
     :meth:`call` (the decorator :func:`in_call`); :meth:`exclusive` (``release``) waits until no call runs and holds
     new calls back until it is done. ``release`` from inside a call of its own thread (a ``state_dict()`` hook
     calling it) cannot wait for itself: CheckpointBusyError.
 
-    While any call runs, the cyclic collector is paused (``gc.disable``) and it is enabled again when the last one
-    returns, however it returns — if it was enabled when the first began: a caller that disabled it (Megatron's
-    ``--manual-gc``, torchtitan's ``gc_freq``) keeps it disabled. A call allocates several objects per key and
-    keeps them to its end (the flattened state, the plan, the manifest's records), which set off full
-    collections that traverse every object of the process (~0.1 s each with torch loaded) and free nothing: a
-    save of 20,000 small tensors ran 8 of them. The objects a call leaves are freed by reference counting; what
-    cyclic garbage the caller's hooks made waits for the collector's next pass after the call. A child forked
-    during a call (a worker started by a hook) starts with the collector as it was before the call. Not paused
-    in the background threads of an asynchronous save, which run alongside the caller's code.
+    While a call of the main thread runs (where a training loop waits for it), the cyclic collector is paused
+    (``format.jsonsafe.GC_PAUSE``: disabled if it was enabled, enabled again once no holder is left, however the
+    call returns; a collector the caller disabled — Megatron's ``--manual-gc``, torchtitan's ``gc_freq`` — stays
+    disabled). A call keeps several objects per key to its end (the flattened state, the plan, the manifest's
+    records), which set off full collections that traverse every object of the process (~0.1 s each with torch
+    loaded) and free nothing: a save of 20,000 small tensors ran 6–8 of them. Calls of other threads do not pause
+    it (the training loop may run meanwhile). A forked child starts with no call running and the collector as it
+    was before the calls.
     """
 
     def __init__(self) -> None:
@@ -58,7 +57,6 @@ class CallGate:
         self._active = 0
         self._releasing = False
         self._local = threading.local()
-        self._paused = False            # this gate disabled the collector (and enables it again)
         self._forks = False             # the at-fork hook is registered
 
     @contextmanager
@@ -67,31 +65,32 @@ class CallGate:
         with self._cond:
             while self._releasing and depth == 0:
                 self._cond.wait()
-            if self._active == 0 and gc.isenabled():
-                if not self._forks and hasattr(os, "register_at_fork"):
-                    os.register_at_fork(after_in_child=self._in_child)
-                    self._forks = True
-                gc.disable()
-                self._paused = True
+            if not self._forks and hasattr(os, "register_at_fork"):
+                os.register_at_fork(after_in_child=self._in_child)
+                self._forks = True
             self._active += 1
+        pid = os.getpid()
         self._local.depth = depth + 1
+        pause = depth == 0 and threading.current_thread() is threading.main_thread()
         try:
+            if pause:
+                GC_PAUSE.hold()
             yield
         finally:
             self._local.depth = depth
-            with self._cond:
-                self._active -= 1
-                if self._active == 0 and self._paused:
-                    self._paused = False
-                    gc.enable()
-                self._cond.notify_all()
+            if os.getpid() == pid:      # (a child forked in the call starts with none running)
+                if pause:
+                    GC_PAUSE.drop()
+                with self._cond:
+                    self._active -= 1
+                    self._cond.notify_all()
 
     def _in_child(self) -> None:
-        """After a fork: the collector as the process had it before the calls (the child never returns from the
-        parent's other threads' calls; no lock taken: a thread that held it is not in the child)."""
-        if self._paused:
-            self._paused = False
-            gc.enable()
+        """After a fork: no call runs in the child (the parent's other threads are not there; the lock they may
+        have held is replaced)."""
+        self._cond = threading.Condition()
+        self._active = 0
+        self._releasing = False
 
     @contextmanager
     def exclusive(self) -> Iterator[None]:

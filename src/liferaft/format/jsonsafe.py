@@ -24,7 +24,9 @@ from __future__ import annotations
 import gc
 import json
 import math
+import os
 import re
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from itertools import accumulate
@@ -33,7 +35,7 @@ from typing import Any
 from liferaft.errors import CorruptCheckpointError
 from liferaft.format.limits import MAX_JSON_DEPTH
 
-__all__ = ["json_depth", "loads", "paused_gc"]
+__all__ = ["GC_PAUSE", "GcPause", "json_depth", "loads", "paused_gc"]
 
 _ESCAPE = re.compile(rb"\\.", re.DOTALL)            # an escape pair: never a quote or a bracket of the structure
 _STRING = re.compile(rb'"[^"]*"')                   # once escapes are gone, a string runs to the next quote
@@ -57,18 +59,60 @@ def json_depth(data: bytes) -> int:
     return max(accumulate(map(_STEP.__getitem__, marks)), default=0)
 
 
+class GcPause:
+    """The process's one pause of the cyclic garbage collector: every holder, nested or in any thread, counts in
+    one count under one lock. The first hold disables the collector if it is enabled; the last drop enables it
+    again if the first hold disabled it. (Holders that each saved and restored ``gc.isenabled()`` could
+    interleave, one reading the state another had set, and leave the collector disabled for good.) A forked child
+    starts with no holder and the collector as it was before the holds."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holders = 0
+        self._paused = False
+        self._forks = False
+
+    def hold(self) -> None:
+        with self._lock:
+            if not self._forks and hasattr(os, "register_at_fork"):
+                os.register_at_fork(after_in_child=self._in_child)
+                self._forks = True
+            if self._holders == 0 and gc.isenabled():
+                gc.disable()
+                self._paused = True
+            self._holders += 1
+
+    def drop(self) -> None:
+        with self._lock:
+            if self._holders:                   # (none: a hold made before a fork dropped in the child, or a
+                self._holders -= 1              # hold cut short by a signal, its disable done: enabled here)
+            if self._holders == 0 and self._paused:
+                self._paused = False
+                gc.enable()
+
+    def _in_child(self) -> None:
+        self._lock = threading.Lock()           # (a thread that held it is not in the child)
+        self._holders = 0
+        if self._paused:
+            self._paused = False
+            gc.enable()
+
+
+#: the process's one ``GcPause`` (``paused_gc`` here, ``core.process.CallGate`` for the calls of the main thread)
+GC_PAUSE = GcPause()
+
+
 @contextmanager
 def paused_gc() -> Iterator[None]:
-    """Hold off the cyclic garbage collector in the block (nothing is freed late: reference counting still frees
-    every acyclic object at once); the collector is enabled again after it only if it was enabled before, so
-    nested blocks and a program that disabled it are respected."""
-    was_enabled = gc.isenabled()
-    gc.disable()
+    """Hold off the cyclic garbage collector in the block (``GC_PAUSE``; nothing is freed late: reference counting
+    still frees every acyclic object at once)."""
+    pid = os.getpid()
+    GC_PAUSE.hold()
     try:
         yield
     finally:
-        if was_enabled:
-            gc.enable()
+        if os.getpid() == pid:                  # (a child forked in the block starts with no holder)
+            GC_PAUSE.drop()
 
 
 def _constant(name: str) -> Any:
