@@ -29,9 +29,9 @@ def _probe(write: dict, read: dict | None = None) -> Probe:
     return Probe(write=write, read=read if read is not None else write)
 
 
-def test_choice_keeps_direct_one_in_flight_for_writes_and_the_page_cache_for_reads_when_nothing_beats_them():
+def test_choice_keeps_direct_one_in_flight_when_nothing_beats_it_by_the_margins():
     p = _probe({(True, 1): 1.0 * GB, (True, 4): 1.1 * GB, (False, 1): 0.9 * GB, (False, 4): 1.05 * GB})
-    assert choose(p) == Choice(True, 1, False, 4)
+    assert choose(p) == Choice(True, 1, True, 1)
 
 
 def test_choice_on_a_slow_hour_takes_more_requests_in_flight_before_the_page_cache():
@@ -41,25 +41,32 @@ def test_choice_on_a_slow_hour_takes_more_requests_in_flight_before_the_page_cac
     assert choose(p) == Choice(write_direct=True, write_inflight=4, read_direct=True, read_inflight=1)
 
 
-def test_choice_takes_buffered_writes_only_when_they_win_by_the_cache_margin():
-    m = iopath.CACHE_WRITE_MARGIN
+@pytest.mark.parametrize("side", ["write", "read"])
+def test_choice_takes_the_page_cache_only_when_it_wins_by_the_cache_margin(side):
+    m = iopath.CACHE_MARGIN
     direct = {(True, 1): 0.5 * GB, (True, 4): 0.52 * GB}
-    assert choose(_probe({**direct, (False, 1): 0.5 * GB, (False, 4): 0.52 * m * 0.99 * GB})).write_direct
-    got = choose(_probe({**direct, (False, 1): 0.5 * GB, (False, 4): 0.52 * m * 1.01 * GB}))
-    assert (got.write_direct, got.write_inflight) == (False, 4)
-    # reads: the page cache wins by MARGIN alone
-    got = choose(_probe(write=direct, read={(True, 1): 1.0 * GB, (True, 4): 1.0 * GB, (False, 1): 1.2 * GB}))
-    assert (got.read_direct, got.read_inflight) == (False, 1)
+
+    def got(cached: float) -> tuple[bool, int]:
+        rates = {**direct, (False, 1): 0.5 * GB, (False, 4): cached}
+        c = choose(_probe(write=rates if side == "write" else direct, read=rates if side == "read" else direct))
+        return (c.write_direct, c.write_inflight) if side == "write" else (c.read_direct, c.read_inflight)
+
+    assert got(0.52 * m * 0.99 * GB)[0]               # 1.49x the best O_DIRECT path: still O_DIRECT
+    assert got(0.52 * m * 1.01 * GB) == (False, 4)
+    # 2026-12-06's probe on this VM: the cache read 1.36x O_DIRECT, whole loads by O_DIRECT ran 1.4x faster
+    p = _probe(write=direct, read={(False, 1): 2.71 * GB, (False, 4): 1.98 * GB, (True, 1): 1.99 * GB,
+                                   (True, 4): 2.03 * GB})
+    assert (choose(p).read_direct, choose(p).read_inflight) == (True, 1)
 
 
-def test_choice_of_near_equals_writes_direct_first_reads_cache_first_then_fewer_in_flight():
+def test_choice_of_near_equals_is_direct_first_then_fewer_in_flight():
     p = _probe({(True, 1): 1.0 * GB, (True, 4): 2.0 * GB, (False, 1): 2.1 * GB, (False, 4): 1.9 * GB})
-    assert (choose(p).read_direct, choose(p).read_inflight) == (False, 1)
+    assert (choose(p).read_direct, choose(p).read_inflight) == (True, 4)
     assert (choose(p).write_direct, choose(p).write_inflight) == (True, 4)
     p = _probe({(True, 1): 1.0 * GB, (True, 4): 1.2 * GB, (False, 1): 1.0 * GB})
-    assert (choose(p).read_direct, choose(p).read_inflight) == (True, 4)   # O_DIRECT faster by MARGIN: taken
+    assert (choose(p).read_direct, choose(p).read_inflight) == (True, 4)   # faster by MARGIN: more in flight
     p = _probe({(True, 1): 1.0 * GB, (True, 4): 1.0 * GB, (False, 1): 2.0 * GB, (False, 4): 1.95 * GB})
-    assert (choose(p).read_direct, choose(p).read_inflight) == (False, 1)
+    assert (choose(p).read_direct, choose(p).read_inflight) == (False, 1)  # the cache 2x faster: taken
     p = _probe({(True, 1): 1.0 * GB, (True, 4): 1.1 * GB, (False, 1): 0.9 * GB})
     assert choose(p) == Choice(True, 1, True, 1)
 
@@ -75,9 +82,11 @@ def test_choice_without_direct_figures_is_buffered():
 def test_choice_is_never_much_slower_than_the_best_measured_path(a, b, c, d):
     rates = {(True, 1): a, (True, 4): b, (False, 1): c, (False, 4): d}
     got = choose(_probe(rates))
-    assert rates[(got.read_direct, got.read_inflight)] * iopath.MARGIN >= max(rates.values())
-    w = rates[(got.write_direct, got.write_inflight)]
-    assert w * iopath.MARGIN >= max(a, b) if got.write_direct else w * iopath.MARGIN >= max(rates.values())
+    for direct, inflight in ((got.read_direct, got.read_inflight), (got.write_direct, got.write_inflight)):
+        r = rates[(direct, inflight)]
+        # O_DIRECT: within MARGIN of the best O_DIRECT path, and the cache not ahead by CACHE_MARGIN
+        assert r * iopath.MARGIN >= max(a, b) and max(c, d) < iopath.CACHE_MARGIN * max(a, b) if direct \
+            else r * iopath.MARGIN >= max(rates.values()) and max(c, d) >= iopath.CACHE_MARGIN * max(a, b)
     assert choose(_probe(dict(rates))) == got                 # pure: same figures, same choice
 
 

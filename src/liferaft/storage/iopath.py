@@ -7,8 +7,8 @@ never pay for it), for the ``Choice`` of its device: ``probe`` writes (with fsyn
 (cold: O_DIRECT, or buffered after ``POSIX_FADV_DONTNEED``) a longer one, timed past the read-ahead's ramp
 (``steady_rate``), on the storage's file system on every path — O_DIRECT and buffered, 1 and ``MANY`` requests
 in flight — and ``choose``, a pure function of those figures, keeps among
-the paths within ``MARGIN`` of the fastest O_DIRECT for writes and the page cache for reads (``choose`` says
-why). The choice is kept per device (``st_dev``) for the life of the process; ``forget`` drops it.
+the paths within ``MARGIN`` of the fastest O_DIRECT first, for writes and reads alike; a page-cache path only
+where it beats every O_DIRECT path by ``CACHE_MARGIN`` (``choose`` says why). The choice is kept per device (``st_dev``) for the life of the process; ``forget`` drops it.
 
 Side effects: the probe's file is unnamed (``O_TMPFILE``) where the file system allows, so a kill -9 during the
 probe leaves nothing; elsewhere it is ``PROBE_PREFIX``... in the folder, which no reader takes for data and
@@ -62,8 +62,8 @@ READ_BYTES = 48 << 20        # read on every path, in every round, by the probe 
 READ_RAMP = 16 << 20         # a probe read is timed past its first this many bytes (the steady state; see ``_read``)
 MANY = 4                     # "several requests in flight" of the probe and the most ``choose`` picks
 SPLIT_MIN = 1 << 20          # a request is split across threads in parts of at least this many bytes
-MARGIN = 1.15                # paths this close to the fastest count as equal (writes: O_DIRECT first, reads: cache)
-CACHE_WRITE_MARGIN = 1.5     # a buffered write must beat every O_DIRECT write by this much in the probe
+MARGIN = 1.15                # paths this close to the fastest count as equal (O_DIRECT first)
+CACHE_MARGIN = 1.5           # a page-cache path must beat every O_DIRECT path by this much in the probe
 ROUNDS = 2                   # the probe times every path this many times, interleaved, and keeps its best
 HOST_DIR = "/dev/shm"        # where the processes of a host share their probes (a seam: tests point it elsewhere)
 HOST_TTL = 600.0             # seconds a shared probe is taken by the host's other processes (the disk's hour moves)
@@ -174,15 +174,13 @@ def _store_shared(dev: int, kind: str, p: Probe) -> None:
             os.unlink(tmp)
 
 
-def _pick(rates: Mapping[Path, float], cache_first: bool = False) -> Path:
+def _pick(rates: Mapping[Path, float]) -> Path:
     """Among the paths within ``MARGIN`` of the fastest (a short probe is noisy): O_DIRECT before the page cache
-    (no copy through it, no CPU paid for it), or with ``cache_first`` the page cache before O_DIRECT; then the
-    fewest requests in flight."""
+    (no copy through it, no CPU paid for it), then the fewest requests in flight."""
     if not rates:
         return (False, 1)
     best = max(rates.values())
-    return min((p for p, r in rates.items() if r * MARGIN >= best),
-               key=lambda p: (p[0] if cache_first else not p[0], p[1]))
+    return min((p for p, r in rates.items() if r * MARGIN >= best), key=lambda p: (not p[0], p[1]))
 
 
 def _direct_unless_cache_wins(rates: Mapping[Path, float], by: float) -> Mapping[Path, float]:
@@ -195,16 +193,18 @@ def _direct_unless_cache_wins(rates: Mapping[Path, float], by: float) -> Mapping
 
 
 def choose(probe: Probe) -> Choice:
-    """The ``Choice`` for the figures of ``probe`` (pure: the same figures, the same choice). A buffered write
-    must beat O_DIRECT by ``CACHE_WRITE_MARGIN`` in the probe: a short probe flatters it (its fsync flushes
-    16 MiB of page cache; a save of GBs first touches every page-cache page, ~1 GB/s on these VMs). Reads (the
-    large ones that ask for the choice) take the page cache unless O_DIRECT is faster by ``MARGIN``: a load
-    verifies each buffer as it lands, which a read through the cache leaves in the CPU's cache and an O_DIRECT
-    read (DMA) does not, and DCP reads through the cache too. The read figures are steady-state rates
-    (``steady_rate``): timed from the first byte, a 16 MiB probe ranked O_DIRECT 1.16x faster on 2026-12-05
-    while whole 2-rank loads through the cache ran 1.3x faster (``bench_readpath.py``, 256 MiB)."""
-    wd, wk = _pick(_direct_unless_cache_wins(probe.write, CACHE_WRITE_MARGIN))
-    rd, rk = _pick(probe.read, cache_first=True)
+    """The ``Choice`` for the figures of ``probe`` (pure: the same figures, the same choice). A page-cache path,
+    for writes and for reads alike, must beat every O_DIRECT path by ``CACHE_MARGIN`` in the probe: a short
+    probe flatters it. Its few MiB go through page-cache pages the kernel has just freed and hands back warm,
+    while a save or load of GBs first touches one fresh page-cache page per byte (~1 GB/s on these VMs, whose
+    free memory goes back to the host) and copies every byte once more; O_DIRECT does neither (it moves the
+    bytes between the device and liferaft's own buffers, already touched). Measured 2026-12-06 on this VM
+    (``bench_readpath.py``, 2 ranks, cold): the probe read 2.7 GB/s through the cache and 2.0 by O_DIRECT (1.36×),
+    while whole loads by O_DIRECT ran 0.26 s for 512 MiB (0.28 CPU s/GB) against 0.37 s (0.72) through the
+    cache; on 2026-12-05 the probe's cache was 2× O_DIRECT's rate and whole loads through it 1.2× faster. The
+    read figures are steady-state rates (``steady_rate``). Among the paths left, ``_pick``."""
+    wd, wk = _pick(_direct_unless_cache_wins(probe.write, CACHE_MARGIN))
+    rd, rk = _pick(_direct_unless_cache_wins(probe.read, CACHE_MARGIN))
     return Choice(write_direct=wd, write_inflight=wk, read_direct=rd, read_inflight=rk,
                   cache_floor=cache_floor(probe.read))
 
