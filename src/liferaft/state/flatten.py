@@ -202,7 +202,8 @@ def _spec(dt: Any) -> tuple[tuple[int, ...], tuple[Any, ...]] | None:
     over_root = _over_root(mesh, tuple(shards))        # (a sub-mesh is described over its root, in order or not)
     if over_root is not None or _has_root(mesh):
         return over_root
-    return (tuple(mesh.mesh.shape), tuple(shards)) if _mesh_in_order(mesh) else None
+    shape, in_order = _mesh_ranks(mesh)
+    return (shape, tuple(shards)) if in_order else None
 
 
 def _has_root(mesh: Any) -> bool:
@@ -224,13 +225,13 @@ def _over_root(mesh: Any, shards: tuple[Any, ...]) -> tuple[tuple[int, ...], tup
     except Exception:  # noqa: BLE001 - a private DeviceMesh API: without it, the save gathers its metadata
         return None
     if root is mesh or not names or not root_names or not set(names) <= set(root_names) or \
-            len(set(names)) != len(names) or not _mesh_in_order(root):
+            len(set(names)) != len(names) or not _mesh_ranks(root)[1]:
         return None
     by_name = dict(zip(names, shards))
     order = [root_names.index(n) for n in names]
     if order != sorted(order):
         return None
-    return tuple(root.mesh.shape), tuple(by_name.get(n) for n in root_names)
+    return _mesh_ranks(root)[0], tuple(by_name.get(n) for n in root_names)
 
 
 @functools.lru_cache(maxsize=256)
@@ -244,10 +245,14 @@ def _mesh_dims_ascending(mesh: Any, sharding: tuple[bool, ...]) -> bool:
 
 
 @functools.lru_cache(maxsize=256)
-def _mesh_in_order(mesh: Any) -> bool:
-    """Whether ``mesh`` holds the ranks ``0..n-1`` in row-major order."""
-    ranks = mesh.mesh.reshape(-1)
-    return bool(torch.equal(ranks, torch.arange(ranks.numel(), dtype=ranks.dtype)))
+@functools.lru_cache(maxsize=256)
+def _mesh_ranks(mesh: Any) -> tuple[tuple[int, ...], bool]:
+    """The shape of ``mesh``'s rank tensor, and whether it holds the ranks ``0..n-1`` in row-major order. Cached
+    per mesh (a DeviceMesh's ranks never change, and its ``mesh`` property builds a new tensor on every call:
+    ~20 µs, twice per DTensor, was 18 of a 2-rank flatten's 21 ms for 444 DTensors)."""
+    ranks = mesh.mesh
+    flat = ranks.reshape(-1)
+    return tuple(ranks.shape), bool(torch.equal(flat, torch.arange(flat.numel(), dtype=flat.dtype)))
 
 
 def is_model_or_optimizer_state_dict(v: Any) -> bool:
