@@ -1,11 +1,12 @@
 """Cold loads by liferaft's default read path, against each path forced and against PyTorch DCP, on 2 ranks.
 
 Two ranks (gloo, 127.0.0.1) save the same row-sharded fp32 state (``--size-mib`` in all, Adam-like: params + 2
-moments) once with liferaft and once with DCP on the local disk, then load it ``--reps`` times, interleaved, each
-load after dropping the page cache of both checkpoints (fsync + ``POSIX_FADV_DONTNEED``), into zeroed tensors:
+moments) once with liferaft and once with DCP on the local disk, then load it ``--reps`` times, interleaved (the
+order rotated each rep), each load after dropping the page cache of both checkpoints (fsync +
+``POSIX_FADV_DONTNEED``), into zeroed tensors:
 
-- liferaft.load, default: the path the device's probe picks (``storage/iopath.choose``: the page cache unless
-  O_DIRECT was faster by 15 %);
+- liferaft.load, default: the path the device's probe picks (``storage/iopath.choose``: O_DIRECT unless the
+  page cache was faster by ``CACHE_MARGIN``, 1.5x);
 - liferaft.load with ``PosixStorage(direct_io=True, inflight=1)`` (O_DIRECT, one request in flight) and with
   ``direct_io=False`` (the page cache): each path forced, no probe;
 - ``torch.distributed.checkpoint.load`` (buffered reads, as DCP does).
