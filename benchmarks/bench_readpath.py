@@ -1,9 +1,9 @@
 """Cold loads by liferaft's default read path, against each path forced and against PyTorch DCP, on 2 ranks.
 
 Two ranks (gloo, 127.0.0.1) save the same row-sharded fp32 state (``--size-mib`` in all, Adam-like: params + 2
-moments) once with liferaft and once with DCP on the local disk, then load it ``--reps`` times, interleaved (the
-order rotated each rep), each load after dropping the page cache of both checkpoints (fsync +
-``POSIX_FADV_DONTNEED``), into zeroed tensors:
+moments) once with liferaft and once with DCP on the local disk, then load it ``--reps`` times, interleaved (in a
+balanced order: over every 4 reps each method follows each other once), each load after dropping the page cache
+of both checkpoints (fsync + ``POSIX_FADV_DONTNEED``), into zeroed tensors:
 
 - liferaft.load, default: the path the device's probe picks (``storage/iopath.choose``: O_DIRECT unless the
   page cache was faster by ``CACHE_MARGIN``, 1.5x);
@@ -56,9 +56,10 @@ def worker(rank: int, world: int, disk: str, nbytes: int, reps: int) -> dict[str
     }
     out: dict[str, Any] = {m: [] for m in METHODS}
     for rep in range(reps):
-        # rotated each rep: a method that follows a page-cache load gets the pages that load's drop just freed,
-        # warm, while one after an O_DIRECT load touches fresh page-cache memory (~1 GB/s on these VMs)
-        for method in METHODS[rep % len(METHODS):] + METHODS[:rep % len(METHODS)]:
+        # a method that follows a page-cache load gets the pages that load's drop just freed, warm, while one after
+        # an O_DIRECT load may touch fresh page-cache memory (~1 GB/s on these VMs): over every 4 reps each method
+        # follows each other method once (``balanced_order``)
+        for method in (METHODS[i] for i in balanced_order(len(METHODS), rep)):
             fn = loads[method]
             target = {k: liferaft.Sharded(torch.zeros_like(v.local), v.global_shape, v.offsets) for k, v in st.items()}
             if rank == 0:
@@ -78,6 +79,16 @@ def worker(rank: int, world: int, disk: str, nbytes: int, reps: int) -> dict[str
     return out
 
 
+def balanced_order(n: int, rep: int) -> list[int]:
+    """Rep ``rep``'s order of ``n`` (even) methods, a row of a Williams design: over ``n`` consecutive reps every
+    method runs once at each position and follows every other method exactly once (a plain rotation keeps who
+    follows whom)."""
+    first = [0]
+    for k in range(1, n):
+        first.append((k + 1) // 2 if k % 2 else n - k // 2)
+    return [(i + rep) % n for i in first]
+
+
 def main(argv: list[str] | None = None) -> int:
     from liferaft.testing import run_ranks
 
@@ -93,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(disk, ignore_errors=True)
     total = sum(o["bytes"] for o in outs)
     print(f"### Cold loads by read path, {datetime.date.today().isoformat()}: {machine()}\n")
-    print(f"State: {total / 2**20:.0f} MiB fp32 over 2 ranks, {args.reps} interleaved reps (order rotated each rep), "
+    print(f"State: {total / 2**20:.0f} MiB fp32 over 2 ranks, {args.reps} interleaved reps (balanced order), "
           "median [min–max] seconds "
           "of the slower rank; page cache dropped before every load; every liferaft load verified bit-exact.\n")
     print("| load | seconds | GB/s | CPU s per GB | ÷ DCP |")

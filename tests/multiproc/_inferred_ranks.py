@@ -51,6 +51,17 @@ def _permuted_dtensor(ranks: list[list[int]], replicate_last: bool = False) -> A
                              [Shard(0), Replicate() if replicate_last else Shard(1)])
 
 
+def _sub_of_permuted() -> Any:
+    """A DTensor row-sharded over the "dp" sub-mesh of a 2 × 2 (dp, tp) mesh that holds the ranks transposed
+    (rank 1 at dp 1, tp 0): replicated over tp. Its spec over the root would take the root's ranks in row-major
+    order (rank 1 at dp 0): no layout is claimed, the save is gathered."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    root = DeviceMesh("cpu", torch.tensor([[0, 2], [1, 3]]), mesh_dim_names=("dp", "tp"))
+    return distribute_tensor(torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6), root["dp"], [Shard(0)])
+
+
 def state(rank: int, names: tuple[str, ...]) -> dict[str, Any]:
     out: dict[str, Any] = {n: _shard(n, rank, HANDMADE) for n in names if n in HANDMADE}
     out.update({n: _shard(n, rank, IRREGULAR) for n in names if n in IRREGULAR})
@@ -58,6 +69,8 @@ def state(rank: int, names: tuple[str, ...]) -> dict[str, Any]:
         out["permuted"] = _permuted_dtensor([[0, 2], [1, 3]])
     if "rotated" in names:          # (rank 1 at the origin: no layout over the ranks in order describes it)
         out["rotated"] = _permuted_dtensor([[1, 0], [3, 2]])
+    if "sub_of_permuted" in names:
+        out["sub_of_permuted"] = _sub_of_permuted()
     if "replicated_down" in names:  # (ranks decreasing along a dimension that only replicates: its boxes hold)
         out["replicated_down"] = _permuted_dtensor([[0, 1], [3, 2]], replicate_last=True)
     out["plain"] = full("plain")

@@ -20,7 +20,7 @@ PERMUTED = torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6)
 
 
 def _expect(name: str) -> torch.Tensor:
-    return PERMUTED if name in ("permuted", "rotated", "replicated_down") else full(name)
+    return PERMUTED if name in ("permuted", "rotated", "replicated_down", "sub_of_permuted") else full(name)
 
 
 def _check_exact(path: str, names: tuple[str, ...]) -> None:
@@ -65,6 +65,15 @@ def test_hand_made_shards_that_follow_no_layout_are_planned_gathered_and_indexed
         assert {(o, z) for _, o, z in boxes} == {((r0, c0), (nr, nc)) for r0, nr, c0, nc in IRREGULAR[name][1]}
         _check_exact(path, (name, "tp_rows"))
         liferaft.verify(path)
+
+
+def test_a_dtensor_on_a_sub_mesh_of_a_root_holding_the_ranks_out_of_order_loads_exactly(tmp_path):
+    """A spec over the root mesh takes its ranks in row-major order; a root that holds them otherwise (rank 1 at
+    dp 1) must not be described so (rank 1's rows would be stored as dp 0's): its boxes are inferred or gathered."""
+    path = str(tmp_path / "sub")
+    run_ranks(save, 4, [path], ("sub_of_permuted",))
+    _check_exact(path, ("sub_of_permuted",))
+    liferaft.verify(path)
 
 
 def test_a_dtensor_on_a_mesh_whose_ranks_decrease_along_a_dimension_is_refused(tmp_path):

@@ -245,11 +245,10 @@ def _mesh_dims_ascending(mesh: Any, sharding: tuple[bool, ...]) -> bool:
 
 
 @functools.lru_cache(maxsize=256)
-@functools.lru_cache(maxsize=256)
 def _mesh_ranks(mesh: Any) -> tuple[tuple[int, ...], bool]:
     """The shape of ``mesh``'s rank tensor, and whether it holds the ranks ``0..n-1`` in row-major order. Cached
-    per mesh (a DeviceMesh's ranks never change, and its ``mesh`` property builds a new tensor on every call:
-    ~20 µs, twice per DTensor, was 18 of a 2-rank flatten's 21 ms for 444 DTensors)."""
+    per mesh (a DeviceMesh's ranks never change, and its ``mesh`` property builds a new tensor on every call,
+    ~20 µs: with the order check, once per DTensor, it was 14 of a 2-rank flatten's 21 ms for 444 DTensors)."""
     ranks = mesh.mesh
     flat = ranks.reshape(-1)
     return tuple(ranks.shape), bool(torch.equal(flat, torch.arange(flat.numel(), dtype=flat.dtype)))

@@ -28,7 +28,12 @@ path: ``resident_share`` (``mincore`` on a private mapping of the request's rang
 in, tens of microseconds) tells the share ``r`` of its pages in the cache, and the request reads through the
 cache when ``cache_read_wins(r, Choice.cache_floor)``: ``r`` at least ``cache_floor = max(MIN_RESIDENT,
 1 - b/d)``, where b and d are the probe's best cold buffered and O_DIRECT read rates (cached pages taken as
-free: through the cache the request costs (1 - r)/b, by O_DIRECT 1/d). Cold data keeps the probed path.
+free: through the cache the request costs (1 - r)/b, by O_DIRECT 1/d). Cold data keeps the probed path. A
+load by O_DIRECT leaves nothing in the page cache: a second load of the same checkpoint reads the device again
+(at its rate, not memory's), and ranks of one host that each read the same bytes for themselves (replicated
+tensors with ``LoadOptions(share_reads=False)``, or no shared-memory folder: ``core.load``) each read them from
+the device. Where that is the common case (a checkpoint loaded again and again, many readers of one file),
+``PosixStorage(path, direct_io=False)`` forces the page cache.
 
 ``Choice`` is also what a caller forces: ``PosixStorage(root, direct_io=False, inflight=4)`` never probes.
 """
@@ -196,13 +201,17 @@ def choose(probe: Probe) -> Choice:
     """The ``Choice`` for the figures of ``probe`` (pure: the same figures, the same choice). A page-cache path,
     for writes and for reads alike, must beat every O_DIRECT path by ``CACHE_MARGIN`` in the probe: a short
     probe flatters it. Its few MiB go through page-cache pages the kernel has just freed and hands back warm,
-    while a save or load of GBs first touches one fresh page-cache page per byte (~1 GB/s on these VMs, whose
-    free memory goes back to the host) and copies every byte once more; O_DIRECT does neither (it moves the
-    bytes between the device and liferaft's own buffers, already touched). Measured 2026-12-06 on this VM
-    (``bench_readpath.py``, 2 ranks, cold): the probe read 2.7 GB/s through the cache and 2.0 by O_DIRECT (1.36×),
-    while whole loads by O_DIRECT ran 0.26 s for 512 MiB (0.28 CPU s/GB) against 0.37 s (0.72) through the
-    cache; on 2026-12-05 the probe's cache was 2× O_DIRECT's rate and whole loads through it 1.2× faster. The
-    read figures are steady-state rates (``steady_rate``). Among the paths left, ``_pick``."""
+    while a save or load of GBs first touches one fresh page-cache page per byte (~1 GB/s on these VMs while
+    their memory is fresh) and copies every byte once more; O_DIRECT does neither (it moves the bytes between the
+    device and liferaft's own buffers, already touched), so its CPU cost stays low and it evicts nothing of the
+    job's page cache. Measured on this VM on 2026-12-06 (fresh VM, 15:45 UTC): the probe read 2.71 GB/s through
+    the cache and 2.03 by O_DIRECT (1.33x), while 2-rank loads of 512 MiB ran 0.26 s by O_DIRECT (0.28 CPU s/GB)
+    against 0.37 s through the cache (0.72), and a 1-process load of 0.54 GB 0.28-0.30 s against 0.55-1.22 s
+    (0.33 against 1.0-1.9 CPU s/GB). Which path wins whole loads moves with the VM's hour more than a 48 MiB
+    probe sees: half an hour later both ran 0.30-0.32 s in one process, and a review timed the cache 1.3x faster
+    once (0.40 against 0.50-0.56 s, other loads running); on 2026-12-05 the probe's cache was 2x O_DIRECT's rate
+    and whole loads through it 1.2x faster (taken here: 2x is past the margin). The read figures are
+    steady-state rates (``steady_rate``). Among the paths left, ``_pick``."""
     wd, wk = _pick(_direct_unless_cache_wins(probe.write, CACHE_MARGIN))
     rd, rk = _pick(_direct_unless_cache_wins(probe.read, CACHE_MARGIN))
     return Choice(write_direct=wd, write_inflight=wk, read_direct=rd, read_inflight=rk,
