@@ -49,6 +49,27 @@ from liferaft.errors import DistributedError, InvalidStateError
 
 T = TypeVar("T")
 
+HEAD = 4096         # bytes a rank sends in a collective's first round (its message's length, then its first bytes) ...
+HEAD_TOTAL = 1 << 20    # ... fewer in a large world: all of them at most this many (``head_size``)
+_LEN = 8
+
+
+def head_size(world: int) -> int:
+    """The first round's bytes per rank in a group of ``world`` ranks (the same on every rank): ``HEAD``, or less
+    where ``world`` of them would pass ``HEAD_TOTAL`` (at least 256)."""
+    return max(256, min(HEAD, HEAD_TOTAL // max(1, world) // 8 * 8))
+
+
+def _head(data: bytes, size: int) -> Any:
+    """The first round's tensor of ``data``: ``size`` bytes, its length (8 bytes, little-endian), then as much
+    of it as fits."""
+    import torch
+
+    head = torch.zeros(size, dtype=torch.uint8)
+    first = len(data).to_bytes(_LEN, "little") + data[:size - _LEN]
+    head[:len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
+    return head
+
 
 class _Group:
     """One gloo backend of liferaft's: ``rank``/``size`` within it, ``ranks`` the global ranks of its members.
@@ -279,24 +300,37 @@ class Coordinator:
                                 f"did not arrive within {self.timeout:.0f}s): {_one_line(e)}")
 
     def _allgather_bytes(self, data: bytes) -> list[bytes]:
+        """Every rank's ``data``, in rank order: one all-gather of ``head_size(world)`` bytes per rank (the length,
+        then the first bytes), and a second one of the rest only when some rank's ``data`` does not fit (most of
+        a collective phase's messages do: one round trip instead of two)."""
         import torch
         import torch._C._distributed_c10d as c10d
 
         assert self.group is not None
         opts = c10d.AllgatherOptions()
         opts.timeout = datetime.timedelta(seconds=self.timeout)
-        size = torch.tensor([len(data)], dtype=torch.int64)
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
-        self.group.backend.allgather([sizes], [size], opts).wait()
-        longest = max(int(s.item()) for s in sizes)
-        mine = torch.zeros(longest, dtype=torch.uint8)
-        if data:
-            mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        outs = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world)]
-        self.group.backend.allgather([outs], [mine], opts).wait()
-        return [out[:int(s.item())].numpy().tobytes() for out, s in zip(outs, sizes)]
+        size = head_size(self.world)
+        room = size - _LEN
+        head = _head(data, size)
+        heads = [torch.empty(size, dtype=torch.uint8) for _ in range(self.world)]
+        self.group.backend.allgather([heads], [head], opts).wait()
+        raw = [h.numpy().tobytes() for h in heads]
+        sizes = [int.from_bytes(r[:_LEN], "little") for r in raw]
+        longest = max(sizes)
+        if longest <= room:
+            return [r[_LEN:_LEN + n] for r, n in zip(raw, sizes)]
+        tail = torch.zeros(longest - room, dtype=torch.uint8)
+        if len(data) > room:
+            tail[:len(data) - room] = torch.frombuffer(bytearray(data[room:]), dtype=torch.uint8)
+        tails = [torch.empty(longest - room, dtype=torch.uint8) for _ in range(self.world)]
+        self.group.backend.allgather([tails], [tail], opts).wait()
+        return [r[_LEN:_LEN + min(n, room)] + (t[:n - room].numpy().tobytes() if n > room else b"")
+                for r, t, n in zip(raw, tails, sizes)]
 
     def _broadcast_bytes(self, data: bytes) -> bytes:
+        """Rank 0's ``data`` on every rank: one broadcast of ``HEAD`` bytes (the length, then the first bytes),
+        and a second one of the rest only when it does not fit (one message: its size need not shrink with the
+        world)."""
         import torch
         import torch._C._distributed_c10d as c10d
 
@@ -304,14 +338,18 @@ class Coordinator:
         opts = c10d.BroadcastOptions()
         opts.rootRank, opts.rootTensor = 0, 0
         opts.timeout = datetime.timedelta(seconds=self.timeout)
-        size = torch.tensor([len(data)], dtype=torch.int64)
-        self.group.backend.broadcast([size], opts).wait()
-        buf = torch.zeros(int(size.item()), dtype=torch.uint8)
-        if self.rank == 0 and data:
-            buf[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        if buf.numel():
-            self.group.backend.broadcast([buf], opts).wait()
-        return buf.numpy().tobytes()
+        room = HEAD - _LEN
+        head = _head(data if self.rank == 0 else b"", HEAD)
+        self.group.backend.broadcast([head], opts).wait()
+        raw = head.numpy().tobytes()
+        size = int.from_bytes(raw[:_LEN], "little")
+        if size <= room:
+            return raw[_LEN:_LEN + size]
+        tail = torch.zeros(size - room, dtype=torch.uint8)
+        if self.rank == 0:
+            tail[:] = torch.frombuffer(bytearray(data[room:]), dtype=torch.uint8)
+        self.group.backend.broadcast([tail], opts).wait()
+        return raw[_LEN:] + tail.numpy().tobytes()
 
     def exchange(self, payload: Any, error: BaseException | None = None, what: str = "") -> list[Any]:
         """All-gather ``payload`` from every rank; raise on every rank if any rank passed an ``error``."""

@@ -73,3 +73,27 @@ def alike(rank: int, world: int) -> tuple[int, ...]:
     from liferaft.dist import Coordinator
 
     return Coordinator(timeout=30).peers_alike(0 if rank in (0, 3) else (1 << 61) + 7, "alike")
+
+
+def sizes_across_the_first_round(rank: int, world: int) -> list[tuple[int, str, bool]]:
+    """Exchange and broadcast payloads of every length around what the first round carries (``dist.HEAD``), the
+    ranks' lengths alike, each its own, or only rank 0's large: (length, kind, whether every rank's bytes arrived
+    exactly) for each."""
+    import random
+
+    from liferaft.dist import _LEN, Coordinator, head_size
+
+    def payload(n: int, kind: str, r: int) -> bytes:
+        length = {"alike": n, "own": n + 17 * r, "zero": n if r == 0 else 0}[kind]
+        return random.Random(f"{n}/{kind}/{r}").randbytes(length)
+
+    c = Coordinator()
+    room = head_size(world) - _LEN        # (a broadcast's first round carries as much: one message, HEAD bytes)
+    out = []
+    for n in (0, 1, room - 17, room - 1, room, room + 1, 2 * room, 3 << 20):
+        for kind in ("alike", "own", "zero"):
+            got = c._allgather_bytes(payload(n, kind, rank))
+            out.append((n, f"allgather {kind}", got == [payload(n, kind, r) for r in range(world)]))
+            sent = c._broadcast_bytes(payload(n, kind, 0) if rank == 0 else b"")
+            out.append((n, f"broadcast {kind}", sent == payload(n, kind, 0)))
+    return out

@@ -61,3 +61,15 @@ def test_peers_alike_sends_each_rank_the_ranks_of_its_value_only():
 
     assert run_ranks(alike, 4, timeout=120) == [(0, 3), (1, 2), (1, 2), (0, 3)]
     assert Coordinator().peers_alike(5, "alone") == (0,)
+
+
+def test_messages_of_every_length_around_the_first_round_arrive_whole_on_every_rank():
+    """A collective's message goes in one round when it fits ``dist.HEAD`` bytes (with its length), in two
+    otherwise: lengths at the boundary, empty ones, ranks with different lengths, a large one beside small ones."""
+    from multiproc._dist_ranks import sizes_across_the_first_round
+
+    from liferaft.dist import HEAD, HEAD_TOTAL, head_size
+
+    assert head_size(3) == HEAD and head_size(1024) == HEAD_TOTAL // 1024 and head_size(10**6) == 256
+    for rank, seen in enumerate(run_ranks(sizes_across_the_first_round, 3, timeout=180)):
+        assert len(seen) == 48 and all(ok for _, _, ok in seen), (rank, [s for s in seen if not s[2]])
