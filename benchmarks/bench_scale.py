@@ -176,7 +176,7 @@ def _own(layout: str, ranks: int, tensors: int, rows: int) -> tuple[float, int, 
     mine = plan_own(described, rank, "0" * 16, 64, 16 << 20)
     dt = time.perf_counter() - t0
     inferred = tuple(la for _, la in described) if layout == "pairs" else None
-    received = 8 * 9 + 8 + len(pickle.dumps((None, "0" * 16, {}, inferred)))    # all-reduce of 9 int64; the broadcast
+    received = 8 * 9 + _broadcast(len(pickle.dumps((None, "0" * 16, {}, inferred))))   # all-reduce of 9 int64; the broadcast
     if layout == "pairs":
         received += 8
     block = 4 << 20
@@ -246,8 +246,9 @@ def _stages(ranks: int, tensors: int, rows: int) -> tuple[float, int, float, int
     whole = sum(1 for la in scoped if all(d is None for d in la.shards))
     numbered = pickle.dumps((None, (*runs(class_of), list(range(0, ranks, dp)), 1 << 61)),
                             protocol=pickle.HIGHEST_PROTOCOL)
-    received = 2 * 9 * 8 + 2 * 8 + len(numbered) + len(pickle.dumps((None, (("0" * 16, {}), merged)),
-                                                                    protocol=pickle.HIGHEST_PROTOCOL)) + 2 * 8 * (2 * whole + 1)
+    received = 2 * 9 * 8 + _broadcast(len(numbered)) + _broadcast(len(pickle.dumps((None, (("0" * 16, {}), merged)),
+                                                                                   protocol=pickle.HIGHEST_PROTOCOL))) \
+        + 2 * 8 * (2 * whole + 1)
     return t_merge, to_zero + 8 * ranks, dt, received
 
 
@@ -437,6 +438,14 @@ def _tool_windows(storage: Any, index: Any, out: dict[str, float]) -> None:
         proc.join()
         if window is not None:
             out["windows"] = count
+
+
+def _broadcast(n: int) -> int:
+    """Bytes a rank receives in a broadcast of an ``n``-byte message (``Coordinator._broadcast_bytes``): a first
+    round of ``BROADCAST_HEAD`` bytes (the length, then the message's first bytes), the rest in a second."""
+    from liferaft.dist import _LEN, BROADCAST_HEAD
+
+    return max(BROADCAST_HEAD, _LEN + n)
 
 
 #: ranks per host in the model of a load's planning exchange

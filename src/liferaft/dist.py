@@ -45,30 +45,60 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+import numpy as np
+
 from liferaft.errors import DistributedError, InvalidStateError
 
 T = TypeVar("T")
 
-HEAD = 4096         # bytes a rank sends in a collective's first round (its message's length, then its first bytes) ...
-HEAD_TOTAL = 1 << 20    # ... fewer in a large world: all of them at most this many (``head_size``)
+HEAD = 4096         # bytes a rank sends in an all-gather's first round (its message's length, then its first bytes)
+HEAD_TOTAL = 1 << 20    # ... fewer in a large world: all the first round's heads at most this many (``head_size``)
+BROADCAST_HEAD = 256    # bytes of a broadcast's first round (rank 0's message's length, then its first bytes)
 _LEN = 8
 
 
 def head_size(world: int) -> int:
-    """The first round's bytes per rank in a group of ``world`` ranks (the same on every rank): ``HEAD``, or less
-    where ``world`` of them would pass ``HEAD_TOTAL`` (at least 256)."""
-    return max(256, min(HEAD, HEAD_TOTAL // max(1, world) // 8 * 8))
+    """An all-gather's first-round bytes per rank in a group of ``world`` ranks (the same on every rank):
+    ``HEAD``, or less where ``world`` of them would pass ``HEAD_TOTAL``, down to the length alone (8 bytes: then
+    every message takes the second round, as all did before). A message longer than its head sends its length
+    and the rest once: ``8 + len`` bytes per rank in all, as before; a short one at most ``head_size`` bytes."""
+    return max(_LEN, min(HEAD, HEAD_TOTAL // max(1, world) // _LEN * _LEN))
 
 
-def _head(data: bytes, size: int) -> Any:
+def _head(data: bytes | bytearray, size: int) -> Any:
     """The first round's tensor of ``data``: ``size`` bytes, its length (8 bytes, little-endian), then as much
     of it as fits."""
     import torch
 
     head = torch.zeros(size, dtype=torch.uint8)
-    first = len(data).to_bytes(_LEN, "little") + data[:size - _LEN]
-    head[:len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
+    view = head.numpy()
+    view[:_LEN] = np.frombuffer(len(data).to_bytes(_LEN, "little"), dtype=np.uint8)
+    n = min(len(data), size - _LEN)
+    if n:
+        view[_LEN:_LEN + n] = np.frombuffer(data, dtype=np.uint8, count=n)
     return head
+
+
+def _tail(data: bytes | bytearray, room: int, length: int) -> Any:
+    """The second round's tensor of ``data``: ``length`` bytes, what follows its first ``room`` bytes (then
+    zeros); copied once from ``data``, no slice of it made."""
+    import torch
+
+    tail = torch.zeros(length, dtype=torch.uint8)
+    if len(data) > room:
+        tail.numpy()[:len(data) - room] = np.frombuffer(data, dtype=np.uint8, offset=room)
+    return tail
+
+
+def _received(head: bytes, room: int, length: int) -> tuple[bytearray, Any]:
+    """A message of ``length`` bytes whose first round brought ``head`` (length first): a buffer holding its first
+    ``room`` bytes, and the tensor over the rest of that buffer into which the second round receives (no copy
+    after it)."""
+    import torch
+
+    out = bytearray(length)
+    out[:room] = head[_LEN:_LEN + room]
+    return out, torch.frombuffer(out, dtype=torch.uint8, offset=room)
 
 
 class _Group:
@@ -299,7 +329,7 @@ class Coordinator:
         return DistributedError(f"{what or 'collective'} failed on rank {self.rank} of {self.world} (a peer died or "
                                 f"did not arrive within {self.timeout:.0f}s): {_one_line(e)}")
 
-    def _allgather_bytes(self, data: bytes) -> list[bytes]:
+    def _allgather_bytes(self, data: bytes) -> list[bytes | memoryview]:
         """Every rank's ``data``, in rank order: one all-gather of ``head_size(world)`` bytes per rank (the length,
         then the first bytes), and a second one of the rest only when some rank's ``data`` does not fit (most of
         a collective phase's messages do: one round trip instead of two)."""
@@ -311,45 +341,40 @@ class Coordinator:
         opts.timeout = datetime.timedelta(seconds=self.timeout)
         size = head_size(self.world)
         room = size - _LEN
-        head = _head(data, size)
         heads = [torch.empty(size, dtype=torch.uint8) for _ in range(self.world)]
-        self.group.backend.allgather([heads], [head], opts).wait()
+        self.group.backend.allgather([heads], [_head(data, size)], opts).wait()
         raw = [h.numpy().tobytes() for h in heads]
         sizes = [int.from_bytes(r[:_LEN], "little") for r in raw]
         longest = max(sizes)
         if longest <= room:
             return [r[_LEN:_LEN + n] for r, n in zip(raw, sizes)]
-        tail = torch.zeros(longest - room, dtype=torch.uint8)
-        if len(data) > room:
-            tail[:len(data) - room] = torch.frombuffer(bytearray(data[room:]), dtype=torch.uint8)
-        tails = [torch.empty(longest - room, dtype=torch.uint8) for _ in range(self.world)]
-        self.group.backend.allgather([tails], [tail], opts).wait()
-        return [r[_LEN:_LEN + min(n, room)] + (t[:n - room].numpy().tobytes() if n > room else b"")
-                for r, t, n in zip(raw, tails, sizes)]
+        # (every rank receives ``longest`` bytes per rank: a buffer each, its tail received in place)
+        bufs, tails = zip(*(_received(r, room, longest) for r in raw))
+        self.group.backend.allgather([list(tails)], [_tail(data, room, longest - room)], opts).wait()
+        return [data if i == self.rank else memoryview(b)[:n] for i, (b, n) in enumerate(zip(bufs, sizes))]
 
-    def _broadcast_bytes(self, data: bytes) -> bytes:
-        """Rank 0's ``data`` on every rank: one broadcast of ``HEAD`` bytes (the length, then the first bytes),
-        and a second one of the rest only when it does not fit (one message: its size need not shrink with the
-        world)."""
-        import torch
+    def _broadcast_bytes(self, data: bytes) -> bytes | bytearray:
+        """Rank 0's ``data`` on every rank: one broadcast of ``BROADCAST_HEAD`` bytes (the length, then the first
+        bytes), and a second one of the rest only when it does not fit."""
         import torch._C._distributed_c10d as c10d
 
         assert self.group is not None
         opts = c10d.BroadcastOptions()
         opts.rootRank, opts.rootTensor = 0, 0
         opts.timeout = datetime.timedelta(seconds=self.timeout)
-        room = HEAD - _LEN
-        head = _head(data if self.rank == 0 else b"", HEAD)
+        room = BROADCAST_HEAD - _LEN
+        head = _head(data if self.rank == 0 else b"", BROADCAST_HEAD)
         self.group.backend.broadcast([head], opts).wait()
         raw = head.numpy().tobytes()
         size = int.from_bytes(raw[:_LEN], "little")
         if size <= room:
             return raw[_LEN:_LEN + size]
-        tail = torch.zeros(size - room, dtype=torch.uint8)
         if self.rank == 0:
-            tail[:] = torch.frombuffer(bytearray(data[room:]), dtype=torch.uint8)
+            self.group.backend.broadcast([_tail(data, room, size - room)], opts).wait()
+            return data
+        out, tail = _received(raw, room, size)
         self.group.backend.broadcast([tail], opts).wait()
-        return raw[_LEN:] + tail.numpy().tobytes()
+        return out
 
     def exchange(self, payload: Any, error: BaseException | None = None, what: str = "") -> list[Any]:
         """All-gather ``payload`` from every rank; raise on every rank if any rank passed an ``error``."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 
@@ -75,25 +76,51 @@ def alike(rank: int, world: int) -> tuple[int, ...]:
     return Coordinator(timeout=30).peers_alike(0 if rank in (0, 3) else (1 << 61) + 7, "alike")
 
 
-def sizes_across_the_first_round(rank: int, world: int) -> list[tuple[int, str, bool]]:
-    """Exchange and broadcast payloads of every length around what the first round carries (``dist.HEAD``), the
-    ranks' lengths alike, each its own, or only rank 0's large: (length, kind, whether every rank's bytes arrived
-    exactly) for each."""
+def sizes_across_the_first_round(rank: int, world: int) -> list[tuple[str, int, str, int, bool]]:
+    """All-gather and broadcast messages of every length around what the first round carries, with the default
+    head and with a small one (``HEAD_TOTAL`` as a large world has it), the ranks' lengths alike, each its own,
+    or only rank 0's large: (head, length, kind, rounds taken, whether every rank's bytes arrived exactly)."""
     import random
 
-    from liferaft.dist import _LEN, Coordinator, head_size
+    import liferaft.dist as D
 
     def payload(n: int, kind: str, r: int) -> bytes:
         length = {"alike": n, "own": n + 17 * r, "zero": n if r == 0 else 0}[kind]
         return random.Random(f"{n}/{kind}/{r}").randbytes(length)
 
-    c = Coordinator()
-    room = head_size(world) - _LEN        # (a broadcast's first round carries as much: one message, HEAD bytes)
+    c = D.Coordinator()
+    assert c.group is not None
+    real = c.group._backend
+    rounds = [0]
+
+    class Counting:         # (the real gloo backend, its collectives counted)
+        def allgather(self, *a: Any) -> Any:
+            rounds[0] += 1
+            return real.allgather(*a)
+
+        def broadcast(self, *a: Any) -> Any:
+            rounds[0] += 1
+            return real.broadcast(*a)
+
     out = []
-    for n in (0, 1, room - 17, room - 1, room, room + 1, 2 * room, 3 << 20):
-        for kind in ("alike", "own", "zero"):
-            got = c._allgather_bytes(payload(n, kind, rank))
-            out.append((n, f"allgather {kind}", got == [payload(n, kind, r) for r in range(world)]))
-            sent = c._broadcast_bytes(payload(n, kind, 0) if rank == 0 else b"")
-            out.append((n, f"broadcast {kind}", sent == payload(n, kind, 0)))
+    total = D.HEAD_TOTAL
+    try:
+        c.group._backend = Counting()
+        for head_total in (total, 256 * world):
+            D.HEAD_TOTAL = head_total
+            room = D.head_size(world) - D._LEN
+            for n in (0, 1, room - 17, room - 1, room, room + 1, 2 * room, 3 << 20):
+                for kind in ("alike", "own", "zero"):
+                    rounds[0] = 0
+                    got = c._allgather_bytes(payload(n, kind, rank))
+                    out.append((f"allgather head {room + D._LEN}", n, kind, rounds[0],
+                                got == [payload(n, kind, r) for r in range(world)]))
+        room = D.BROADCAST_HEAD - D._LEN
+        for n in (0, 1, room - 1, room, room + 1, 2 * room, 3 << 20):
+            rounds[0] = 0
+            sent = c._broadcast_bytes(payload(n, "zero", 0) if rank == 0 else b"")
+            out.append(("broadcast", n, "zero", rounds[0], sent == payload(n, "zero", 0)))
+    finally:
+        D.HEAD_TOTAL = total
+        c.group._backend = real
     return out
