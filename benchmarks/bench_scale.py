@@ -443,9 +443,9 @@ def _tool_windows(storage: Any, index: Any, out: dict[str, float]) -> None:
 def _broadcast(n: int) -> int:
     """Bytes a rank receives in a broadcast of an ``n``-byte message (``Coordinator._broadcast_bytes``): a first
     round of ``BROADCAST_HEAD`` bytes (the length, then the message's first bytes), the rest in a second."""
-    from liferaft.dist import _LEN, BROADCAST_HEAD
+    from liferaft.dist.wire import BROADCAST_HEAD, LEN
 
-    return max(BROADCAST_HEAD, _LEN + n)
+    return max(BROADCAST_HEAD, LEN + n)
 
 
 #: ranks per host in the model of a load's planning exchange

@@ -82,13 +82,14 @@ def sizes_across_the_first_round(rank: int, world: int) -> list[tuple[str, int, 
     or only rank 0's large: (head, length, kind, rounds taken, whether every rank's bytes arrived exactly)."""
     import random
 
-    import liferaft.dist as D
+    import liferaft.dist.wire as W
+    from liferaft.dist import Coordinator
 
     def payload(n: int, kind: str, r: int) -> bytes:
         length = {"alike": n, "own": n + 17 * r, "zero": n if r == 0 else 0}[kind]
         return random.Random(f"{n}/{kind}/{r}").randbytes(length)
 
-    c = D.Coordinator()
+    c = Coordinator()
     assert c.group is not None
     real = c.group._backend
     rounds = [0]
@@ -103,24 +104,24 @@ def sizes_across_the_first_round(rank: int, world: int) -> list[tuple[str, int, 
             return real.broadcast(*a)
 
     out = []
-    total = D.HEAD_TOTAL
+    total = W.HEAD_TOTAL
     try:
         c.group._backend = Counting()
         for head_total in (total, 256 * world):
-            D.HEAD_TOTAL = head_total
-            room = D.head_size(world) - D._LEN
+            W.HEAD_TOTAL = head_total
+            room = W.head_size(world) - W.LEN
             for n in (0, 1, room - 17, room - 1, room, room + 1, 2 * room, 3 << 20):
                 for kind in ("alike", "own", "zero"):
                     rounds[0] = 0
                     got = c._allgather_bytes(payload(n, kind, rank))
-                    out.append((f"allgather head {room + D._LEN}", n, kind, rounds[0],
+                    out.append((f"allgather head {room + W.LEN}", n, kind, rounds[0],
                                 got == [payload(n, kind, r) for r in range(world)]))
-        room = D.BROADCAST_HEAD - D._LEN
+        room = W.BROADCAST_HEAD - W.LEN
         for n in (0, 1, room - 1, room, room + 1, 2 * room, 3 << 20):
             rounds[0] = 0
             sent = c._broadcast_bytes(payload(n, "zero", 0) if rank == 0 else b"")
             out.append(("broadcast", n, "zero", rounds[0], sent == payload(n, "zero", 0)))
     finally:
-        D.HEAD_TOTAL = total
+        W.HEAD_TOTAL = total
         c.group._backend = real
     return out

@@ -69,13 +69,13 @@ def test_messages_of_every_length_around_the_first_round_arrive_whole_on_every_r
     ones, ranks with different lengths, a large one beside empty ones, a large world's small head."""
     from multiproc._dist_ranks import sizes_across_the_first_round
 
-    from liferaft.dist import _LEN, HEAD, HEAD_TOTAL, head_size
+    from liferaft.dist.wire import HEAD, HEAD_TOTAL, LEN, head_size
 
-    assert head_size(3) == HEAD and head_size(1024) == HEAD_TOTAL // 1024 and head_size(10**6) == _LEN
+    assert head_size(3) == HEAD and head_size(1024) == HEAD_TOTAL // 1024 and head_size(10**6) == LEN
     for rank, seen in enumerate(run_ranks(sizes_across_the_first_round, 3, timeout=180)):
         assert len(seen) == 2 * 8 * 3 + 7
         assert all(ok for *_, ok in seen), (rank, [s for s in seen if not s[-1]])
         for what, n, kind, rounds, _ in seen:
-            room = (int(what.split()[-1]) if what.startswith("allgather") else 256) - _LEN
+            room = (int(what.split()[-1]) if what.startswith("allgather") else 256) - LEN
             longest = n + 17 * 2 if kind == "own" else n
             assert rounds == (1 if longest <= room else 2), (rank, what, n, kind, rounds)

@@ -8,7 +8,8 @@ never pay for it), for the ``Choice`` of its device: ``probe`` writes (with fsyn
 (``steady_rate``), on the storage's file system on every path — O_DIRECT and buffered, 1 and ``MANY`` requests
 in flight — and ``choose``, a pure function of those figures, keeps among
 the paths within ``MARGIN`` of the fastest O_DIRECT first, for writes and reads alike; a page-cache path only
-where it beats every O_DIRECT path by ``CACHE_MARGIN`` (``choose`` says why). The choice is kept per device (``st_dev``) for the life of the process; ``forget`` drops it.
+where it beats every O_DIRECT path by ``CACHE_MARGIN`` (``choose`` says why). The choice is kept per device
+(``st_dev``) for the life of the process; ``forget`` drops it.
 
 Side effects: the probe's file is unnamed (``O_TMPFILE``) where the file system allows, so a kill -9 during the
 probe leaves nothing; elsewhere it is ``PROBE_PREFIX``... in the folder, which no reader takes for data and

@@ -45,61 +45,10 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-import numpy as np
-
+from liferaft.dist.wire import BROADCAST_HEAD, LEN, head_size, head_tensor, receive_buffer, tail_tensor
 from liferaft.errors import DistributedError, InvalidStateError
 
 T = TypeVar("T")
-
-HEAD = 4096         # bytes a rank sends in an all-gather's first round (its message's length, then its first bytes)
-HEAD_TOTAL = 1 << 20    # ... fewer in a large world: all the first round's heads at most this many (``head_size``)
-BROADCAST_HEAD = 256    # bytes of a broadcast's first round (rank 0's message's length, then its first bytes)
-_LEN = 8
-
-
-def head_size(world: int) -> int:
-    """An all-gather's first-round bytes per rank in a group of ``world`` ranks (the same on every rank):
-    ``HEAD``, or less where ``world`` of them would pass ``HEAD_TOTAL``, down to the length alone (8 bytes: then
-    every message takes the second round, as all did before). A message longer than its head sends its length
-    and the rest once: ``8 + len`` bytes per rank in all, as before; a short one at most ``head_size`` bytes."""
-    return max(_LEN, min(HEAD, HEAD_TOTAL // max(1, world) // _LEN * _LEN))
-
-
-def _head(data: bytes | bytearray, size: int) -> Any:
-    """The first round's tensor of ``data``: ``size`` bytes, its length (8 bytes, little-endian), then as much
-    of it as fits."""
-    import torch
-
-    head = torch.zeros(size, dtype=torch.uint8)
-    view = head.numpy()
-    view[:_LEN] = np.frombuffer(len(data).to_bytes(_LEN, "little"), dtype=np.uint8)
-    n = min(len(data), size - _LEN)
-    if n:
-        view[_LEN:_LEN + n] = np.frombuffer(data, dtype=np.uint8, count=n)
-    return head
-
-
-def _tail(data: bytes | bytearray, room: int, length: int) -> Any:
-    """The second round's tensor of ``data``: ``length`` bytes, what follows its first ``room`` bytes (then
-    zeros); copied once from ``data``, no slice of it made."""
-    import torch
-
-    tail = torch.zeros(length, dtype=torch.uint8)
-    if len(data) > room:
-        tail.numpy()[:len(data) - room] = np.frombuffer(data, dtype=np.uint8, offset=room)
-    return tail
-
-
-def _received(head: bytes, room: int, length: int) -> tuple[bytearray, Any]:
-    """A message of ``length`` bytes whose first round brought ``head`` (length first): a buffer holding its first
-    ``room`` bytes, and the tensor over the rest of that buffer into which the second round receives (no copy
-    after it)."""
-    import torch
-
-    out = bytearray(length)
-    out[:room] = head[_LEN:_LEN + room]
-    return out, torch.frombuffer(out, dtype=torch.uint8, offset=room)
-
 
 class _Group:
     """One gloo backend of liferaft's: ``rank``/``size`` within it, ``ranks`` the global ranks of its members.
@@ -340,17 +289,17 @@ class Coordinator:
         opts = c10d.AllgatherOptions()
         opts.timeout = datetime.timedelta(seconds=self.timeout)
         size = head_size(self.world)
-        room = size - _LEN
+        room = size - LEN
         heads = [torch.empty(size, dtype=torch.uint8) for _ in range(self.world)]
-        self.group.backend.allgather([heads], [_head(data, size)], opts).wait()
+        self.group.backend.allgather([heads], [head_tensor(data, size)], opts).wait()
         raw = [h.numpy().tobytes() for h in heads]
-        sizes = [int.from_bytes(r[:_LEN], "little") for r in raw]
+        sizes = [int.from_bytes(r[:LEN], "little") for r in raw]
         longest = max(sizes)
         if longest <= room:
-            return [r[_LEN:_LEN + n] for r, n in zip(raw, sizes)]
+            return [r[LEN:LEN + n] for r, n in zip(raw, sizes)]
         # (every rank receives ``longest`` bytes per rank: a buffer each, its tail received in place)
-        bufs, tails = zip(*(_received(r, room, longest) for r in raw))
-        self.group.backend.allgather([list(tails)], [_tail(data, room, longest - room)], opts).wait()
+        bufs, tails = zip(*(receive_buffer(r, room, longest) for r in raw))
+        self.group.backend.allgather([list(tails)], [tail_tensor(data, room, longest - room)], opts).wait()
         return [data if i == self.rank else memoryview(b)[:n] for i, (b, n) in enumerate(zip(bufs, sizes))]
 
     def _broadcast_bytes(self, data: bytes) -> bytes | bytearray:
@@ -362,17 +311,17 @@ class Coordinator:
         opts = c10d.BroadcastOptions()
         opts.rootRank, opts.rootTensor = 0, 0
         opts.timeout = datetime.timedelta(seconds=self.timeout)
-        room = BROADCAST_HEAD - _LEN
-        head = _head(data if self.rank == 0 else b"", BROADCAST_HEAD)
+        room = BROADCAST_HEAD - LEN
+        head = head_tensor(data if self.rank == 0 else b"", BROADCAST_HEAD)
         self.group.backend.broadcast([head], opts).wait()
         raw = head.numpy().tobytes()
-        size = int.from_bytes(raw[:_LEN], "little")
+        size = int.from_bytes(raw[:LEN], "little")
         if size <= room:
-            return raw[_LEN:_LEN + size]
+            return raw[LEN:LEN + size]
         if self.rank == 0:
-            self.group.backend.broadcast([_tail(data, room, size - room)], opts).wait()
+            self.group.backend.broadcast([tail_tensor(data, room, size - room)], opts).wait()
             return data
-        out, tail = _received(raw, room, size)
+        out, tail = receive_buffer(raw, room, size)
         self.group.backend.broadcast([tail], opts).wait()
         return out
 

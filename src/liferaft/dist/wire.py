@@ -1,0 +1,60 @@
+"""The framing of a collective's byte messages (``Coordinator``'s all-gathers and broadcasts): a first round of a
+fixed size per rank carries each message's length (8 bytes, little-endian) and its first bytes, so that a short
+message takes one round trip; a second round carries the rest of the long ones. Every rank decides from what the
+first round brought, so every rank takes the same rounds. A long message moves ``8 + len`` bytes per rank in all.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+HEAD = 4096             # bytes a rank sends in an all-gather's first round (its message's length, then its first bytes)
+HEAD_TOTAL = 1 << 20    # ... fewer in a large world: all the first round's heads at most this many (``head_size``)
+BROADCAST_HEAD = 256    # bytes of a broadcast's first round (rank 0's message's length, then its first bytes)
+LEN = 8                 # bytes of a message's length, first in its head
+
+
+def head_size(world: int) -> int:
+    """An all-gather's first-round bytes per rank in a group of ``world`` ranks (the same on every rank):
+    ``HEAD``, or less where ``world`` of them would pass ``HEAD_TOTAL``, down to the length alone (8 bytes: then
+    every message takes the second round, as all did before). A message longer than its head sends its length
+    and the rest once: ``8 + len`` bytes per rank in all, as before; a short one at most ``head_size`` bytes."""
+    return max(LEN, min(HEAD, HEAD_TOTAL // max(1, world) // LEN * LEN))
+
+
+def head_tensor(data: bytes | bytearray, size: int) -> Any:
+    """The first round's tensor of ``data``: ``size`` bytes, its length (8 bytes, little-endian), then as much
+    of it as fits."""
+    import torch
+
+    head = torch.zeros(size, dtype=torch.uint8)
+    view = head.numpy()
+    view[:LEN] = np.frombuffer(len(data).to_bytes(LEN, "little"), dtype=np.uint8)
+    n = min(len(data), size - LEN)
+    if n:
+        view[LEN:LEN + n] = np.frombuffer(data, dtype=np.uint8, count=n)
+    return head
+
+
+def tail_tensor(data: bytes | bytearray, room: int, length: int) -> Any:
+    """The second round's tensor of ``data``: ``length`` bytes, what follows its first ``room`` bytes (then
+    zeros); copied once from ``data``, no slice of it made."""
+    import torch
+
+    tail = torch.zeros(length, dtype=torch.uint8)
+    if len(data) > room:
+        tail.numpy()[:len(data) - room] = np.frombuffer(data, dtype=np.uint8, offset=room)
+    return tail
+
+
+def receive_buffer(head: bytes, room: int, length: int) -> tuple[bytearray, Any]:
+    """A message of ``length`` bytes whose first round brought ``head`` (length first): a buffer holding its first
+    ``room`` bytes, and the tensor over the rest of that buffer into which the second round receives (no copy
+    after it)."""
+    import torch
+
+    out = bytearray(length)
+    out[:room] = head[LEN:LEN + room]
+    return out, torch.frombuffer(out, dtype=torch.uint8, offset=room)
