@@ -343,12 +343,12 @@ def test_a_gradient_with_the_same_crc_but_other_bytes_is_sent_not_taken_from_hom
         records[name] = Slot(str(tmp_path), name)
         records[name].reserve(length)
         records[name].write(PROLOGUE, as_bytes(t))
-    theirs = _rows([e_s], memoryview(records["snd"].map)[:length], "crc32c")
-    rows = _rows([e_r], memoryview(records["rcv"].map)[:length], "crc32c")
+    theirs = _rows([e_s], memoryview(records["snd"].map)[:length], "crc32c").tolist()
+    rows = _rows([e_r], memoryview(records["rcv"].map)[:length], "crc32c").tolist()
     snd = Sender(str(tmp_path), None, 1, [], [0], lambda r, s: f"rep-{r}-{s}", lambda rel, size: records["rcv"])
-    assert snd._mask(0, 5, length, theirs, 5, rows).tolist() == [0]                   # sent, not taken from home
+    assert snd._mask(0, 5, length, theirs, 5, rows) == [0]                   # sent, not taken from home
     fresh = Sender(str(tmp_path), None, 1, [], [0], lambda r, s: f"rep-{r}-{s}", lambda rel, size: records["snd"])
-    assert fresh._mask(0, 5, length, theirs, 5, theirs).tolist() == [1]              # the same bytes: kept home
+    assert fresh._mask(0, 5, length, theirs, 5, theirs) == [1]              # the same bytes: kept home
 
 
 def test_a_slot_never_shrinks_when_two_threads_reserve_it(tmp_path):

@@ -81,9 +81,10 @@ def _runs(pairs: list[tuple[int, int, int]], gap: int = 4096) -> list[tuple[int,
     return out
 
 
-def _ranges(length: int, rows: torch.Tensor, mask: torch.Tensor) -> list[tuple[int, int]]:
-    """(offset, length) of the record's bytes outside the gradients ``mask`` marks (the receiver holds them)."""
-    skip = sorted((int(r[0]), int(r[1])) for r, m in zip(rows, mask, strict=True) if m)
+def _ranges(length: int, rows: list[list[int]], mask: list[int]) -> list[tuple[int, int]]:
+    """(offset, length) of the record's bytes outside the gradients ``mask`` marks (the receiver holds them);
+    ``rows`` and ``mask`` as lists (``tolist`` once: indexing a tensor element by element costs microseconds)."""
+    skip = sorted((r[0], r[1]) for r, m in zip(rows, mask, strict=True) if m)
     out, pos = [], 0
     for off, n in skip:
         if off > pos:
@@ -94,15 +95,15 @@ def _ranges(length: int, rows: torch.Tensor, mask: torch.Tensor) -> list[tuple[i
     return out
 
 
-def _valid(rows: torch.Tensor, length: int) -> bool:
-    """The rows name disjoint byte ranges past the prologue inside a record of ``length`` bytes."""
-    spans = sorted((int(r[0]), int(r[1])) for r in rows if int(r[1]) > 0)
+def _valid(rows: list[list[int]], length: int) -> bool:
+    """The rows (as lists) name disjoint byte ranges past the prologue inside a record of ``length`` bytes."""
+    spans = sorted((r[0], r[1]) for r in rows if r[1] > 0)
     pos = PROLOGUE
     for off, n in spans:
         if off < pos or off + n > length:
             return False
         pos = off + n
-    return all(int(r[1]) >= 0 or int(r[0]) == -1 for r in rows)
+    return all(r[1] >= 0 or r[0] == -1 for r in rows)
 
 
 def _announced(src: int, head: torch.Tensor) -> int:
@@ -155,25 +156,28 @@ class Sender:
                    list(head.items()), 0)
         theirs = {s: torch.zeros((_announced(s, h), 4), dtype=torch.int64) for s, h in head.items()}
         self._swap([(t, rows) for t in self.targets], list(theirs.items()), 1)
-        masks = {s: self._mask(s, int(head[s][1]), int(head[s][2]), theirs[s], step, rows) for s in self.sources}
+        mine = rows.tolist()        # (lists from here: a tensor's elements one by one cost microseconds each)
+        heads = {s: h.tolist() for s, h in head.items()}
+        listed = {s: t.tolist() for s, t in theirs.items()}
+        masks = {s: self._mask(s, heads[s][1], heads[s][2], listed[s], step, mine) for s in self.sources}
         got = {t: torch.zeros(len(entries), dtype=torch.uint8) for t in self.targets}
-        self._swap(list(masks.items()), list(got.items()), 2)
+        self._swap([(s, torch.tensor(m, dtype=torch.uint8)) for s, m in masks.items()], list(got.items()), 2)
         sends, recvs = [], []
         for t in self.targets:
-            spans = _ranges(length, rows, got[t].bool())
+            spans = _ranges(length, mine, got[t].tolist())
             buf = self._buffer("send", t, sum(n for _, n in spans))
             view, pos = memoryview(buf.numpy()), 0
             for off, n in spans:
                 view[pos:pos + n] = own[off:off + n]
                 pos += n
             sends.append((t, buf))
-        spans_of = {s: _ranges(int(head[s][2]), theirs[s], masks[s].bool()) for s in self.sources}
+        spans_of = {s: _ranges(heads[s][2], listed[s], masks[s]) for s in self.sources}
         for s in self.sources:
             recvs.append((s, self._buffer("recv", s, sum(n for _, n in spans_of[s]))))
         self._swap(sends, recvs, 3)
-        self.saved_bytes = sum(int(r[1]) for t in self.targets for r, m in zip(rows, got[t], strict=True) if m)
+        self.saved_bytes = sum(r[1] for t in self.targets for r, m in zip(mine, got[t].tolist(), strict=True) if m)
         for s, buf in recvs:
-            self._store(s, head[s], theirs[s], masks[s], spans_of[s], buf, slot, step, rows, own)
+            self._store(s, heads[s], listed[s], masks[s], spans_of[s], buf, slot, step, mine, own)
 
     def _swap(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]], tag: int) -> None:
         works = [self.coord.isend(t, r, tag) for r, t in sends if t.numel()]
@@ -181,14 +185,15 @@ class Sender:
         for w in works:
             w.wait()
 
-    def _mask(self, src: int, step: int, length: int, theirs: torch.Tensor, own_step: int,
-              rows: torch.Tensor) -> torch.Tensor:
-        """Which of ``src``'s gradients this rank's own record of the same step holds (1: not to be sent)."""
-        mask = torch.zeros(len(theirs), dtype=torch.uint8)
+    def _mask(self, src: int, step: int, length: int, theirs: list[list[int]], own_step: int,
+              rows: list[list[int]]) -> list[int]:
+        """Which of ``src``'s gradients (its rows ``theirs``) this rank's own record of the same step (its rows
+        ``rows``) holds: 1 (not to be sent) or 0, one per row of ``theirs``."""
+        mask = [0] * len(theirs)
         if step != own_step or len(theirs) != len(rows) or not _valid(theirs, length):
             return mask
         differs = []
-        for i, (a, b) in enumerate(zip(theirs.tolist(), rows.tolist(), strict=True)):
+        for i, (a, b) in enumerate(zip(theirs, rows, strict=True)):
             if a[1] <= 0 or (src, i) in self.diverged:
                 continue
             if a[1:] == b[1:]:
@@ -197,7 +202,7 @@ class Sender:
             elif a[1] == b[1]:
                 differs.append(i)
                 self.diverged.add((src, i))
-        if differs and not self.warned and (mask.any() or any((src, i) in self.matched for i in differs)):
+        if differs and not self.warned and (any(mask) or any((src, i) in self.matched for i in differs)):
             self.warned = True
             warnings.warn(f"liferaft: the gradients #{differs[:8]} of rank {src} at step {step} differ from this "
                           f"rank's (rank {self.rank}) although others are the same: the per-step log sends them "
@@ -205,20 +210,19 @@ class Sender:
                           stacklevel=2)
         return mask
 
-    def _store(self, src: int, head: torch.Tensor, theirs: torch.Tensor, mask: torch.Tensor,
+    def _store(self, src: int, head: list[int], theirs: list[list[int]], mask: list[int],
                spans: list[tuple[int, int]], buf: torch.Tensor, own_slot: int, own_step: int,
-               rows: torch.Tensor, own: memoryview) -> None:
+               rows: list[list[int]], own: memoryview) -> None:
         """Write ``src``'s record into its replica slot: the prologue zeroed, the held trailer (or its magic
         zeroed: no gradient held), the received spans (everything but the held gradients), the prologue last.
         (More runs than a trailer may name: they are copied from ``own`` instead, and the replica is whole.)"""
-        length = int(head[2])
-        held = [(int(rows[i][0]), a[0], a[1]) for i, (a, m) in
-                enumerate(zip(theirs.tolist(), mask.tolist(), strict=True)) if m]
+        length = head[2]
+        held = [(rows[i][0], a[0], a[1]) for i, (a, m) in enumerate(zip(theirs, mask, strict=True)) if m]
         runs = _runs(held, gap=0)               # exact: the padding between gradients is the sender's, received
         copy = len(runs) > MAX_HELD_RUNS
         trailer = held_trailer(own_step, src, self.rank, own_slot, runs) if runs and not copy else bytes(len(HELD))
         holes = [] if copy else [(d_off, n) for _, d_off, n in runs]      # (never written: no memory kept)
-        dst_slot = self.slot(self.name(src, int(head[0])), length + len(trailer), holes)
+        dst_slot = self.slot(self.name(src, head[0]), length + len(trailer), holes)
         dst = memoryview(dst_slot.map)
         try:
             dst[:PROLOGUE] = bytes(PROLOGUE)
