@@ -1,15 +1,5 @@
 """Collectives for metadata: work with no process group, raise every rank's error on every rank, time out.
 
-Metadata goes over gloo groups of liferaft's own (never the job's NCCL group). Their lifetime is boring on
-purpose: one group per (process group, channel), made the first time it is used and reused after that. Each is a
-``ProcessGroupGloo`` built directly on the job's store under a prefix that is never used twice in a job (the
-group's ranks, its channel and a generation that only grows), so a group made after another was released or
-broke can never meet the keys of an earlier one — the race that made ``new_group(..., use_local_synchronization=
-True)`` after ``destroy_process_group`` hang in gloo's connectFullMesh. The groups are not registered with
-torch.distributed (nothing of the job's own changes) and are shut down by :func:`release_groups`, by
-``CheckpointManager.close()``, or at interpreter exit (an ``atexit`` hook set when the first group is made) —
-never left to the interpreter's teardown.
-
 Every collective takes its timeout from the caller (the options' ``timeout``), whatever timeout the group was
 made with, and fails as :class:`DistributedError` naming the phase. A group whose collective failed is retired:
 the next caller gets a fresh one (every rank that saw the failure does the same, so the generations stay in
@@ -18,187 +8,23 @@ its own exception, the others a DistributedError naming the failed ranks and the
 :meth:`Coordinator.run` / :meth:`Coordinator.run_on_zero` are how a phase is written: "run this step (here, or on
 rank 0); if any rank failed, raise on all".
 
-Process-wide state (all behind ``_LOCK``):
-
-- ``_GROUPS``: (id of the parent process group, channel) → its live gloo group. Kept from first use until
-  :func:`release_groups` (all, or one parent's), the group's failure (it is retired and replaced on next use),
-  its parent's destruction (noticed on next use), or interpreter exit. A cached group holds its parent, so the
-  id in the key cannot be reused by another group while the entry lives.
-- ``_EPOCHS``: (ranks, channel) → the last epoch this process used. Never freed (a few bytes per group ever
-  made): it is what keeps a name from ever being used twice in the job.
-- ``_RETIRED``: groups replaced after a failure or a parent's destruction, closed by :func:`release_groups`
-  (without argument) or at exit.
-
-Caches above this module that are keyed by a group use :attr:`Coordinator.key` (the group's name, new for every
-group made), never ``id()`` of a group, so they cannot match a group made later.
+The groups themselves (made once per process group and channel, retired after a failure, released at exit):
+``dist.groups``.
 """
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import datetime
-import hashlib
 import pickle
-import threading
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from liferaft.dist.groups import Group, attempt, group_for, one_line
 from liferaft.dist.wire import BROADCAST_HEAD, LEN, head_size, head_tensor, receive_buffer, tail_tensor
 from liferaft.errors import DistributedError, InvalidStateError
 
 T = TypeVar("T")
-
-class _Group:
-    """One gloo backend of liferaft's: ``rank``/``size`` within it, ``ranks`` the global ranks of its members.
-
-    ``name`` ends in the epoch from :func:`_next_epoch`."""
-
-    def __init__(self, parent: Any, ranks: tuple[int, ...], name: str, timeout: float) -> None:
-        import torch.distributed as dist
-        from torch.distributed import distributed_c10d as c10d
-
-        self.parent, self.ranks, self.size, self.name = parent, ranks, len(ranks), name
-        self.rank = ranks.index(dist.get_rank())
-        self.broken = False
-        store = dist.PrefixStore(name + "/", c10d._get_default_store())
-        try:
-            self._backend: Any = dist.ProcessGroupGloo(store, self.rank, self.size,
-                                                       datetime.timedelta(seconds=timeout))
-        except Exception as e:  # noqa: BLE001 - gloo reports a peer that never connects as RuntimeError
-            raise DistributedError(
-                f"making liferaft's gloo group {name} failed on rank {self.rank} of {self.size} (a peer died "
-                f"or did not arrive within {timeout:.0f}s): {_one_line(e)}") from None
-
-    @property
-    def backend(self) -> Any:
-        """The gloo backend (DistributedError once the group is closed)."""
-        if self._backend is None:
-            raise DistributedError(f"liferaft's gloo group {self.name} was shut down (release_groups, a failure or "
-                                   "the interpreter's exit)")
-        return self._backend
-
-    def fail(self) -> None:
-        """A collective on this group failed: retire it now (its peers' pending operations fail at once)."""
-        if not self.broken:
-            self.broken = True
-            self.close()
-
-    def parent_alive(self) -> bool:
-        import torch.distributed as dist
-
-        try:
-            dist.get_rank(self.parent)
-            return True
-        except (ValueError, RuntimeError):
-            return False
-
-    def close(self) -> None:
-        """Shut the backend down and drop it: its C++ object (and its threads) goes now, not whenever the last
-        holder of this group goes — a coordinator kept until the interpreter's teardown (a module-level manager)
-        destroyed it there, after the exit hooks, and the process aborted ("terminate called without an active
-        exception")."""
-        backend, self._backend = self._backend, None
-        if backend is not None:
-            with contextlib.suppress(Exception):    # a group whose peers are gone may fail to shut down cleanly
-                backend.shutdown()
-        del backend
-
-
-_LOCK = threading.Lock()
-_GROUPS: dict[tuple[int, str], _Group] = {}              # (id of the parent group, channel) → group
-_EPOCHS: dict[tuple[tuple[int, ...], str], int] = {}     # (ranks, channel) → the last epoch used
-_RETIRED: list[_Group] = []
-_HOOKED = False
-
-
-def _attempt(step: Callable[[], T]) -> tuple[T | None, BaseException | None]:
-    """``(step(), None)``, or ``(None, the exception)`` if it raised (anything: it is reported to every rank)."""
-    try:
-        return step(), None
-    except BaseException as e:  # noqa: BLE001 - reported to every rank by the caller, then raised here too
-        return None, e
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split())[:500]
-
-
-def _group(pg: Any, timeout: float, channel: str) -> _Group:
-    """The group of ``channel`` over ``pg``'s ranks: the cached one, or a new one (collective over ``pg``)."""
-    global _HOOKED
-    import torch.distributed as dist
-
-    ranks = tuple(dist.get_process_group_ranks(pg))
-    key = (id(pg), channel)         # the group holds its parent, so the id is not reused while cached
-    with _LOCK:
-        group = _GROUPS.get(key)
-        if group is not None and (group.broken or not group.parent_alive()):
-            _retire(key)
-            group = None
-        if group is not None:
-            return group
-        if not _HOOKED:
-            atexit.register(_release_all)
-            _HOOKED = True
-        base = f"liferaft/{hashlib.sha1(','.join(map(str, ranks)).encode()).hexdigest()[:16]}/{channel}"
-        epoch = _next_epoch(base, _EPOCHS.get((ranks, channel), -1))
-        _EPOCHS[(ranks, channel)] = epoch          # never used again, even if making the group fails
-    group = _Group(pg, ranks, f"{base}/{epoch}", timeout)
-    with _LOCK:
-        _GROUPS[key] = group
-    return group
-
-
-def _next_epoch(base: str, last: int) -> int:
-    """The epoch of the next group named ``base``: one past ``last`` (the last this rank used), or the newer one
-    another rank moved it to already. Agreed through the job's store (``compare_set``), so ranks that fell out of
-    step after a failure meet again in the newest epoch, and no name is ever used twice in a job."""
-    from torch.distributed import distributed_c10d as c10d
-
-    store = c10d._get_default_store()
-    try:
-        epoch = int(store.compare_set(f"{base}/epoch", "" if last < 0 else str(last), str(last + 1)))
-        if epoch <= last:           # no such key (a new store after the job's group was made again): start it
-            epoch = int(store.compare_set(f"{base}/epoch", "", str(last + 1)))
-        return epoch
-    except Exception as e:  # noqa: BLE001 - the store's server is gone: the job's rendezvous is lost
-        raise DistributedError(f"the job's store did not answer while making liferaft's gloo group {base}: "
-                               f"{_one_line(e)}") from None
-
-
-def _retire(key: tuple[int, str]) -> None:
-    group = _GROUPS.pop(key, None)
-    if group is not None:
-        _RETIRED.append(group)
-
-
-def _release_all() -> None:
-    with _LOCK:
-        groups = list(_GROUPS.values()) + _RETIRED
-        _GROUPS.clear()
-        _RETIRED.clear()
-    for group in groups:
-        group.close()
-
-
-def release_groups(process_group: Any = None) -> None:
-    """Shut down the gloo groups liferaft made for ``process_group`` (default: every group it made). Optional:
-    groups are also shut down at interpreter exit, and a later liferaft call simply makes new ones (under names
-    never used before, so this is safe at any point between liferaft calls). Call it before
-    ``destroy_process_group`` if you want the groups' sockets closed at that point."""
-    import torch.distributed as dist
-
-    if process_group is None or not (dist.is_available() and dist.is_initialized()):
-        _release_all()
-        return
-    with _LOCK:
-        doomed = [k for k in _GROUPS if k[0] == id(process_group)]
-        groups = [_GROUPS.pop(k) for k in doomed]
-    for group in groups:
-        group.close()
-
 
 #: the tag of ``Coordinator.gather_to_zero``'s sends (a channel runs one collective at a time; the tags of a
 #: load's shared spans count up from 0)
@@ -210,7 +36,7 @@ SCATTER_TAG = 0x4C46_0008
 class _Work:
     """A send or receive under way; ``wait()`` is bounded by the coordinator's timeout."""
 
-    def __init__(self, work: Any, group: _Group, timeout: float, what: str) -> None:
+    def __init__(self, work: Any, group: Group, timeout: float, what: str) -> None:
         self._work, self._group, self._timeout, self._what = work, group, timeout, what
 
     def wait(self) -> None:
@@ -219,7 +45,7 @@ class _Work:
         except Exception as e:  # noqa: BLE001 - gloo reports timeouts and lost peers as RuntimeError
             self._group.fail()
             raise DistributedError(f"{self._what} failed (a peer died or did not answer within "
-                                   f"{self._timeout:.0f}s): {_one_line(e)}") from None
+                                   f"{self._timeout:.0f}s): {one_line(e)}") from None
 
 
 class MaxVote:
@@ -252,7 +78,7 @@ class Coordinator:
         import torch.distributed as dist
 
         self.timeout = timeout
-        self.group: _Group | None = None
+        self.group: Group | None = None
         self.key = "local"
         #: whether this coordinator's rank ``i`` is the job's global rank ``i`` for every ``i`` (a DeviceMesh
         #: names global ranks)
@@ -267,7 +93,7 @@ class Coordinator:
         self.world = dist.get_world_size(pg)
         self.global_order = pg is dist.group.WORLD or dist.get_process_group_ranks(pg) == list(range(self.world))
         if self.world > 1:
-            self.group = _group(pg, timeout, channel)
+            self.group = group_for(pg, timeout, channel)
             self.key = self.group.name
 
     def _fail(self, e: BaseException, what: str, error: BaseException | None) -> BaseException:
@@ -276,7 +102,7 @@ class Coordinator:
         if error is not None:
             return error
         return DistributedError(f"{what or 'collective'} failed on rank {self.rank} of {self.world} (a peer died or "
-                                f"did not arrive within {self.timeout:.0f}s): {_one_line(e)}")
+                                f"did not arrive within {self.timeout:.0f}s): {one_line(e)}")
 
     def _allgather_bytes(self, data: bytes) -> list[bytes | memoryview]:
         """Every rank's ``data``, in rank order: one all-gather of ``head_size(world)`` bytes per rank (the length,
@@ -376,7 +202,7 @@ class Coordinator:
         to remove files of a save that will not commit (it should not raise: what it raises replaces the
         error). The one way a collective phase that can fail on one rank is written; a step that must keep more
         than it shares sets it aside itself (a ``nonlocal``)."""
-        result, error = _attempt(step)
+        result, error = attempt(step)
         try:
             return self.exchange(result, error, what)
         except BaseException:
@@ -537,7 +363,7 @@ class Coordinator:
         """Run ``step`` on this rank (it returns a result kept here and ``width`` numbers to vote on), then one
         all-reduce: the element-wise maximum of every rank's numbers. If any rank's step failed, every rank
         raises as in :meth:`run` (``cleanup`` first). What a rank receives does not grow with the world."""
-        result, error = _attempt(step)
+        result, error = attempt(step)
         numbers = list(result[1]) if result is not None else [0] * width
         if len(numbers) != width:           # (reported like a failed step, so that no rank waits for this one)
             result, error, numbers = None, ValueError(f"run_max: the step gave {len(numbers)} numbers, not "
@@ -558,7 +384,7 @@ class Coordinator:
         """Run ``step`` on rank 0 only and give its result to every rank; if it fails, every rank raises (rank 0
         its own exception, the others a DistributedError naming rank 0's). For what one rank reads for all (a
         manifest, a listing): one broadcast, so a large result is not gathered ``world`` times."""
-        result, error = _attempt(step) if self.rank == 0 else (None, None)
+        result, error = attempt(step) if self.rank == 0 else (None, None)
         return self.broadcast_from_zero(result, error, what)
 
     def all_max(self, values: list[int], what: str) -> list[int]:
@@ -618,7 +444,7 @@ class Coordinator:
         return _Work(self._post(lambda g: g.backend.recv([tensor], rank, tag), what), self._live(), self.timeout,
                      what)
 
-    def _live(self) -> _Group:
+    def _live(self) -> Group:
         assert self.group is not None
         return self.group
 
@@ -628,4 +454,4 @@ class Coordinator:
             return start(group)
         except Exception as e:  # noqa: BLE001 - gloo reports a closed peer connection as RuntimeError
             group.fail()
-            raise DistributedError(f"{what} failed (a peer died or closed its connection): {_one_line(e)}") from None
+            raise DistributedError(f"{what} failed (a peer died or closed its connection): {one_line(e)}") from None
