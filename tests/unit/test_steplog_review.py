@@ -460,3 +460,14 @@ def test_large_gradients_are_recorded_exactly_and_verified(tmp_path, damage):
         assert mgr.restore(st) == 7
     assert _same(st, ref)
     mgr.close()
+
+
+def test_the_spans_sent_ignore_a_held_mark_on_a_row_without_a_gradient():
+    """A peer's mask marking a row that has no gradient (-1s: the parameter had none) as held must not shift the
+    spans sent: every byte of the record outside the truly held gradients is still sent, from offset 0."""
+    from liferaft.tiers.stepsend import _ranges
+
+    rows = [[-1, -1, -1, -1], [128, 64, 1, 2], [192, 64, 3, 4]]
+    assert _ranges(320, rows, [1, 1, 0]) == [(0, 128), (192, 128)]
+    assert _ranges(320, rows, [1, 0, 0]) == [(0, 320)]
+    assert _ranges(320, rows, [0, 0, 1]) == [(0, 192), (256, 64)]

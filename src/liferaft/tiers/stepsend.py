@@ -83,8 +83,9 @@ def _runs(pairs: list[tuple[int, int, int]], gap: int = 4096) -> list[tuple[int,
 
 def _ranges(length: int, rows: list[list[int]], mask: list[int]) -> list[tuple[int, int]]:
     """(offset, length) of the record's bytes outside the gradients ``mask`` marks (the receiver holds them);
-    ``rows`` and ``mask`` as lists (``tolist`` once: indexing a tensor element by element costs microseconds)."""
-    skip = sorted((r[0], r[1]) for r, m in zip(rows, mask, strict=True) if m)
+    ``rows`` and ``mask`` as lists (``tolist`` once: indexing a tensor element by element costs microseconds). A
+    mark on a row without bytes (no gradient: -1s) is ignored."""
+    skip = sorted((r[0], r[1]) for r, m in zip(rows, mask, strict=True) if m and r[1] > 0)
     out, pos = [], 0
     for off, n in skip:
         if off > pos:
@@ -175,7 +176,8 @@ class Sender:
         for s in self.sources:
             recvs.append((s, self._buffer("recv", s, sum(n for _, n in spans_of[s]))))
         self._swap(sends, recvs, 3)
-        self.saved_bytes = sum(r[1] for t in self.targets for r, m in zip(mine, got[t].tolist(), strict=True) if m)
+        self.saved_bytes = sum(r[1] for t in self.targets for r, m in zip(mine, got[t].tolist(), strict=True)
+                               if m)
         for s, buf in recvs:
             self._store(s, heads[s], listed[s], masks[s], spans_of[s], buf, slot, step, mine, own)
 
