@@ -177,7 +177,7 @@ class Sender:
             recvs.append((s, self._buffer("recv", s, sum(n for _, n in spans_of[s]))))
         self._swap(sends, recvs, 3)
         self.saved_bytes = sum(r[1] for t in self.targets for r, m in zip(mine, got[t].tolist(), strict=True)
-                               if m)
+                               if m and r[1] > 0)
         for s, buf in recvs:
             self._store(s, heads[s], listed[s], masks[s], spans_of[s], buf, slot, step, mine, own)
 
