@@ -125,3 +125,43 @@ def sizes_across_the_first_round(rank: int, world: int) -> list[tuple[str, int, 
         W.HEAD_TOTAL = total
         c.group._backend = real
     return out
+
+
+def forged_lengths(rank: int, world: int) -> list[str]:
+    """Rank 1 (rank 0 for a broadcast) announces a length past the limits in a collective's first round (its
+    head forged after the real framing made it): every rank refuses it alike, before allocating, and the group
+    still works after."""
+    import numpy as np
+
+    import liferaft.dist.coordinator as C
+    import liferaft.dist.wire as W
+    from liferaft.dist import Coordinator
+    from liferaft.errors import DistributedError
+
+    c = Coordinator(timeout=30)
+    real = C.head_tensor
+    out = []
+    cases = [("allgather", 1, 1 << 62), ("allgather", 1, W.MAX_MESSAGE + 1),
+             ("allgather", 1, W.MAX_RECEIVED // world + 1), ("broadcast", 0, 1 << 40)]
+    for kind, liar, n in cases:
+        def forged(data: Any, size: int, _n: int = n) -> Any:
+            t = real(data, size)
+            t.numpy()[:W.LEN] = np.frombuffer(_n.to_bytes(W.LEN, "little"), dtype=np.uint8)
+            return t
+
+        if rank == liar:
+            C.head_tensor = forged
+        try:
+            if kind == "allgather":
+                c._allgather_bytes(b"abc")
+            else:
+                c._broadcast_bytes(b"abc")
+            out.append("accepted")
+        except DistributedError as e:
+            out.append(str(e))
+        finally:
+            C.head_tensor = real
+    ok = c._allgather_bytes(bytes([rank])) == [bytes([r]) for r in range(world)] and \
+        c._broadcast_bytes(b"zero" if rank == 0 else b"") == b"zero"
+    out.append(f"still works: {ok}")
+    return out

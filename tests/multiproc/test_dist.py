@@ -79,3 +79,20 @@ def test_messages_of_every_length_around_the_first_round_arrive_whole_on_every_r
             room = (int(what.split()[-1]) if what.startswith("allgather") else 256) - LEN
             longest = n + 17 * 2 if kind == "own" else n
             assert rounds == (1 if longest <= room else 2), (rank, what, n, kind, rounds)
+
+
+def test_a_length_past_the_limits_is_refused_on_every_rank_before_anything_is_allocated():
+    """A rank announcing an absurd message length in a collective's first round (2**62 bytes; one past
+    MAX_MESSAGE; one that would make every rank receive more than MAX_RECEIVED) makes every rank raise a
+    DistributedError naming that rank — none allocates it, none waits in a second round — and the group works
+    after."""
+    from multiproc._dist_ranks import forged_lengths
+
+    results = run_ranks(forged_lengths, 3, timeout=120)
+    for rank, out in enumerate(results):
+        assert out[-1] == "still works: True", (rank, out)
+        assert "rank 1 announced a message of 4611686018427387904 bytes" in out[0], (rank, out)
+        assert "rank 1 announced a message of" in out[1], (rank, out)
+        assert "rank 1's message of" in out[2] and "would make every one of 3 ranks receive" in out[2], (rank, out)
+        assert "rank 0 announced a message of 1099511627776 bytes" in out[3], (rank, out)
+    assert results[0] == results[1] == results[2]

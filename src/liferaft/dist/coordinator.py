@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from liferaft.dist.groups import Group, attempt, group_for, one_line
-from liferaft.dist.wire import BROADCAST_HEAD, LEN, head_size, head_tensor, receive_buffer, tail_tensor
+from liferaft.dist.wire import BROADCAST_HEAD, LEN, check_lengths, head_size, head_tensor, receive_buffer, tail_tensor
 from liferaft.errors import DistributedError, InvalidStateError
 
 T = TypeVar("T")
@@ -123,6 +123,7 @@ class Coordinator:
         longest = max(sizes)
         if longest <= room:
             return [r[LEN:LEN + n] for r, n in zip(raw, sizes)]
+        check_lengths(sizes, self.world, "an all-gather of liferaft's metadata")
         # (every rank receives ``longest`` bytes per rank: a buffer each, its tail received in place)
         bufs, tails = zip(*(receive_buffer(r, room, longest) for r in raw))
         self.group.backend.allgather([list(tails)], [tail_tensor(data, room, longest - room)], opts).wait()
@@ -144,6 +145,7 @@ class Coordinator:
         size = int.from_bytes(raw[:LEN], "little")
         if size <= room:
             return raw[LEN:LEN + size]
+        check_lengths([size], self.world, "a broadcast of liferaft's metadata")
         if self.rank == 0:
             self.group.backend.broadcast([tail_tensor(data, room, size - room)], opts).wait()
             return data

@@ -14,6 +14,11 @@ HEAD = 4096             # bytes a rank sends in an all-gather's first round (its
 HEAD_TOTAL = 1 << 20    # ... fewer in a large world: all the first round's heads at most this many (``head_size``)
 BROADCAST_HEAD = 256    # bytes of a broadcast's first round (rank 0's message's length, then its first bytes)
 LEN = 8                 # bytes of a message's length, first in its head
+#: the longest message a rank may announce, and the most bytes an all-gather's second round may make a rank
+#: receive (its longest message times the ranks): metadata, never tensors; a length beyond them is refused on
+#: every rank alike before anything is allocated (``check_lengths``)
+MAX_MESSAGE = 1 << 33
+MAX_RECEIVED = 1 << 34
 
 
 def head_size(world: int) -> int:
@@ -22,6 +27,24 @@ def head_size(world: int) -> int:
     every message takes the second round, as all did before). A message longer than its head sends its length
     and the rest once: ``8 + len`` bytes per rank in all, as before; a short one at most ``head_size`` bytes."""
     return max(LEN, min(HEAD, HEAD_TOTAL // max(1, world) // LEN * LEN))
+
+
+def check_lengths(sizes: list[int], world: int, what: str) -> None:
+    """Refuse the lengths the first round announced (``sizes``, per rank) before anything is allocated for them:
+    one over ``MAX_MESSAGE``, or a second round that would make each of ``world`` ranks receive more than
+    ``MAX_RECEIVED`` bytes. Every rank sees the same ``sizes``, so every rank raises alike (DistributedError
+    naming the rank and the length) and none waits in a second round."""
+    from liferaft.errors import DistributedError
+
+    for rank, n in enumerate(sizes):
+        if n > MAX_MESSAGE:
+            raise DistributedError(f"{what}: rank {rank} announced a message of {n} bytes (at most {MAX_MESSAGE}): "
+                                   "not a liferaft peer of this version, or its memory is damaged; restart the job")
+    if len(sizes) > 1 and max(sizes) * world > MAX_RECEIVED:
+        rank = max(range(len(sizes)), key=sizes.__getitem__)
+        raise DistributedError(f"{what}: rank {rank}'s message of {sizes[rank]} bytes would make every one of {world} "
+                               f"ranks receive {sizes[rank] * world} bytes (at most {MAX_RECEIVED}): send less "
+                               "metadata per rank, or gather it to rank 0")
 
 
 def head_tensor(data: bytes | bytearray, size: int) -> Any:
