@@ -166,3 +166,67 @@ def test_plan_accepts_integers_in_range(tmp_path):
     costs.write_text('{"stall":{"memory":0,"remote":1},"restore":{"memory":1,"peer":1,"remote":1000000000},'
                      '"restart":60,"per_step":{"overhead":0,"step":1,"restore":1,"lost_steps":1000000}}')
     assert load_costs(str(costs))["restore"]["remote"] == 10 ** 9
+
+
+def test_auto_interval_for_failures_that_cost_only_a_replay_is_longer():
+    """A failure that costs a share ``loss`` of the work since the last save (the per-step log: its replay) moves
+    Young/Daly's optimum to that of failures 1 / loss times rarer; the share is clamped (0, negative, NaN, > 1)."""
+    import math
+
+    from liferaft.manager.policies import MIN_LOSS
+
+    auto = AutoInterval(mtbf_s=3600.0)
+    auto.record(stall_s=0.05, persist_s=0.2)
+    full = auto.interval_s
+    auto.loss = 0.01
+    assert auto.interval_s == pytest.approx(young_daly(0.05, 360000.0)) and auto.interval_s > 9 * full
+    for odd, same in ((0.0, MIN_LOSS), (-1.0, MIN_LOSS), (5.0, 1.0), (math.nan, 1.0)):
+        auto.loss = odd
+        assert auto.interval_s == pytest.approx(young_daly(0.05, 3600.0 / same)), odd
+
+
+def test_replay_share_measures_the_step_against_the_time_between_records():
+    from liferaft.tiers.stepshare import ReplayShare
+
+    share = ReplayShare(smoothing=0.5)
+    share.record(0.0)                       # the first record: nothing to compare with
+    share.step(0.8)
+    share.step(0.9)                         # (a second optimizer step of the same record: the first counts)
+    share.record(1.0)
+    assert share.value == pytest.approx(0.2)
+    share.record(2.0)                       # a record without an optimizer step (a skipped step): no sample
+    assert share.value == pytest.approx(0.2)
+    share.step(2.5)
+    share.record(3.0)
+    assert share.value == pytest.approx(0.5 * 0.2 + 0.5 * 0.5)
+    share.step(2.0)                         # a clock before the last record: no sample
+    share.record(4.0)
+    assert share.value == pytest.approx(0.35)
+
+
+def test_the_per_step_log_stretches_the_memory_tiers_auto_interval(tmp_path):
+    """With the per-step log on, a failure the memory tier covers costs the records' replay, not the work: the
+    manager hands the log's measured replay share to the memory tier's Young/Daly interval, which grows."""
+    from liferaft import MemoryTier, StepLogOptions, TierOptions
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    state = {"model": model, "optim": opt}
+    tier = MemoryTier("share", node="n0", base=str(tmp_path / "shm"))
+    with CheckpointManager(str(tmp_path / "root"), every_steps=10 ** 6, async_save=False,
+                           tiers=TierOptions(memory=tier, memory_every="auto", drain=False),
+                           step_log=StepLogOptions(replicas=1, max_steps=16)) as mgr:
+        mgr.restore(state)
+        assert mgr._tiers is not None and mgr._tiers.auto is not None
+        plain = AutoInterval(mtbf_s=mgr._tiers.auto.mtbf_s)
+        for step in range(6):
+            for _ in range(20):             # a forward and backward the replay does not redo
+                model(torch.randn(32, 64)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            mgr.maybe_save(step, state)
+        share = mgr._steplog.replay_share
+        assert share is not None and 0 < share < 1 and mgr._tiers.auto.loss == share
+        plain.stall_s, plain.persist_s = mgr._tiers.auto.stall_s, mgr._tiers.auto.persist_s
+        assert mgr._tiers.auto.interval_s > plain.interval_s

@@ -361,6 +361,11 @@ class CheckpointManager:
         self._go_on()
         if self._steplog is not None:
             self._steplog.record(step, state)   # this step's record (the gradients were captured in step())
+            share = self._steplog.replay_share
+            if share is not None and self._tiers is not None and self._tiers.auto is not None:
+                # a failure the memory tier covers, the log covers too: it costs the replay since the last full
+                # checkpoint, not the work (the memory tier's Young/Daly interval is stretched accordingly)
+                self._tiers.auto.loss = share
         reason = "force" if force else self.save_policy.due(step, time.monotonic(), self._last_step,
                                                             self._last_time, self.interval_s)
         log = self._steplog

@@ -190,7 +190,10 @@ class AutoInterval:
 
     ``mtbf_s``: the mean time between failures (given, or learned from restarts, ``mtbf_from_starts``). Costs are
     smoothed over saves (``record``): ``stall_s`` is what a save cost the training loop, ``persist_s`` the time
-    until it was committed. Pure state, no I/O.
+    until it was committed. ``loss``: the share of the time since the last save that a failure costs (1: all of
+    it, the work is done again; with the per-step log, the replay of its records: a few percent of it, so the
+    saves that protect against the failures the log covers can be rarer: the interval is Young/Daly's for failures
+    ``1 / loss`` times rarer, ``loss`` taken in [``MIN_LOSS``, 1]). Pure state, no I/O.
     """
 
     mtbf_s: float
@@ -198,6 +201,7 @@ class AutoInterval:
     persist_s: float = 0.0
     saves: int = 0
     smoothing: float = 0.5
+    loss: float = 1.0
 
     def record(self, stall_s: float, persist_s: float) -> None:
         a = 1.0 if self.saves == 0 else self.smoothing
@@ -209,7 +213,13 @@ class AutoInterval:
     def interval_s(self) -> float:
         from liferaft.manager.goodput import young_daly
 
-        return max(young_daly(self.stall_s, self.mtbf_s), self.persist_s, 1.0)
+        loss = min(1.0, max(self.loss, MIN_LOSS)) if self.loss == self.loss else 1.0     # (NaN: all of it)
+        return max(young_daly(self.stall_s, self.mtbf_s / loss), self.persist_s, 1.0)
+
+
+#: the least share of the work since the last save that ``AutoInterval`` takes a failure to cost (a log's replay
+#: measured at less stretches the interval no further than 1 / MIN_LOSS times the failures' spacing)
+MIN_LOSS = 1e-3
 
 
 _P = TypeVar("_P", SavePolicy, RetentionPolicy)

@@ -57,6 +57,7 @@ from liferaft.tiers.steprecord import (
 )
 from liferaft.tiers.steprest import RestCapture, restore_rest
 from liferaft.tiers.stepsend import Sender
+from liferaft.tiers.stepshare import ReplayShare
 from liferaft.tiers.stepslot import Slot as _Slot
 
 ALIGN = 64
@@ -114,6 +115,7 @@ class StepLog:
         self._rest = RestCapture()
         self._thin: dict[str, Held] = {}        # (a recovery's listing) replica slot -> its held trailer
         self._sender = Sender(self.root, self.bg, self.rank, self.targets, self.sources, slot_name, self._slot)
+        self._share = ReplayShare()             # what a replay costs, as a share of the training time (measured)
         #: what the last recovery did (docs/STEPLOG.md): {"full", "replayed_to", "replayed", "fetched",
         #: "rest_loads", "why", "timings" (seconds per phase)} (for logs and tests)
         self.last_recovery: dict[str, Any] = {}
@@ -136,6 +138,7 @@ class StepLog:
         if any(a is not None for a in args[1:]) or kwargs.get("closure") is not None:   # (args[0]: the optimizer)
             raise InvalidStateError(f"{type(opt).__qualname__}.step() was given positional arguments (a closure?): "
                                     "the per-step log replays steps without closures (docs/STEPLOG.md)")
+        self._share.step(time.perf_counter())
         cur = self._begin()
         pos, n_plain, n_cuda = cur["pos"], len(cur["plain"]), len(self._cuda.pending)
         try:
@@ -251,6 +254,7 @@ class StepLog:
             return                          # hooked just now: this step's calls were not seen
         if self._cur is None and step == self._recorded:
             return                          # maybe_save called again for the same step: recorded already
+        self._share.record(time.perf_counter())
         self.wait()                         # the previous record is on its replicas (≤ 1 step lost with a node)
         self.go_on()
         if self._expect is not None and step > self._expect:
@@ -281,6 +285,15 @@ class StepLog:
             return
         self._publishing = (cur, doc, cuda, replicate)
         self._pending = self._pool.submit(self._publish_then_replicate, cur, doc, cuda, replicate)
+
+    @property
+    def replay_share(self) -> float | None:
+        """About what replaying a record costs, as a share of the time training took to make it (measured on the
+        live steps: from the first optimizer step's capture to ``maybe_save``, against the time between records;
+        smoothed; None before two records): the part of the work since the last full checkpoint that a failure
+        the log covers still costs (``tiers.stepshare``). The manager's memory-tier interval
+        (``memory_every="auto"``) uses it."""
+        return self._share.value
 
     def _publish(self, cur: dict[str, Any], doc: dict[str, Any], cuda: list[Copy]) -> int:
         """Write the record ``cur``: its CUDA tensors' copies, the header ``doc``, the prologue last. Its length."""
