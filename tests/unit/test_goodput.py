@@ -4,6 +4,7 @@ manager on local files; no timing assertions)."""
 from __future__ import annotations
 
 import json
+import time
 import math
 
 import pytest
@@ -230,3 +231,57 @@ def test_the_per_step_log_stretches_the_memory_tiers_auto_interval(tmp_path):
         assert share is not None and 0 < share < 1 and mgr._tiers.auto.loss == share
         plain.stall_s, plain.persist_s = mgr._tiers.auto.stall_s, mgr._tiers.auto.persist_s
         assert mgr._tiers.auto.interval_s > plain.interval_s
+
+
+def test_loop_cost_counts_what_the_steps_lost_while_a_save_ran():
+    """A save's cost for Young/Daly is the time the loop lost while it ran (its stall included), against quiet
+    steps: at least its stall, at most stall + its time to durability; intervals with another save in flight
+    (the memory tier's) count for neither, nor does the interval in which a save was accounted for."""
+    from liferaft.manager.policies import LoopCost
+
+    loop = LoopCost(smoothing=0.5)
+    t = 0.0
+    for _ in range(6):                      # quiet steps of 100 ms
+        loop.call(t, busy=False)
+        t += 0.1
+    assert loop.quiet == pytest.approx(0.1)
+    loop.call(t, busy=False)                # (the call that starts the save)
+    for dt in (0.14, 0.13, 0.12):           # the stall's step, then two steps slowed by the background
+        t += dt
+        loop.call(t, busy=True)
+    assert loop.cost(stall_s=0.02, persist_s=1.0) == pytest.approx(0.09)
+    t += 0.5                                # the interval in which it was accounted for: not a quiet step
+    loop.call(t, busy=False)
+    assert loop.quiet == pytest.approx(0.1)
+    for dt in (0.3, 0.3):                   # another save in flight (the memory tier's): neither quiet nor lost
+        t += dt
+        loop.call(t, busy=False, other=True)
+    assert loop.quiet == pytest.approx(0.1)
+    t += 0.1
+    loop.call(t, busy=True)                 # (a save that cost nothing beyond noise): its stall at least
+    assert loop.cost(stall_s=0.03, persist_s=1.0) == pytest.approx(0.03)
+    t += 0.1
+    loop.call(t, busy=False)
+    t += 30.0                               # an evaluation while a save ran: not the save's
+    loop.call(t, busy=True)
+    assert loop.cost(stall_s=0.03, persist_s=0.5) == pytest.approx(0.53)
+
+
+def test_the_auto_interval_learns_the_loops_loss_not_only_the_stall(tmp_path):
+    """With every_seconds="auto" and async saves, the cost the interval is computed from is what the loop lost
+    while the save ran, which is at least the stall (a slow step in flight makes it larger)."""
+    model = torch.nn.Linear(256, 256)
+    state = {"model": model}
+    liferaft.save(str(tmp_path / "warm-up"), state)      # (the first save of a process imports torch.dcp)
+    with CheckpointManager(str(tmp_path / "run"), async_save=True,
+                           save_policy=SavePolicy(every_seconds="auto", mtbf_hours=1.0)) as mgr:
+        assert mgr._auto is not None
+        for step in range(8):
+            if step == 4:
+                time.sleep(0.5)             # a step slower than the quiet ones while the save of step 3 runs
+            mgr.maybe_save(step, state, force=step == 3)
+        mgr.wait()
+        assert mgr._auto.saves == 1         # (the one forced: the first auto interval is a minute or more)
+        # the slow step ran while the save was in flight: its loss is counted, up to the save's own time (its
+        # stall and its time to durability); the stall alone was the cost before
+        assert mgr._saves.stall < mgr._auto.stall_s <= mgr._saves.stall + mgr._auto.persist_s + 1e-9

@@ -50,6 +50,9 @@ class SavesInFlight:
         #: (newest committed step, its saves since a full one); None: the next save to the root is a full one
         self.base: tuple[int, int] | None = None
         self.stall = 0.0
+        #: when the last save began (``time.perf_counter``): a drained step's time until committed is at most now
+        #: minus this once it is seen committed
+        self.began = 0.0
 
     @property
     def busy(self) -> bool:
@@ -74,7 +77,7 @@ class SavesInFlight:
         """Save ``state`` to ``target`` (a step under the root): committed before returning when ``wait`` (and
         returned), else in flight once the snapshot is taken. Nothing may be under way (the manager waited)."""
         assert not self.busy
-        t0 = time.perf_counter()
+        t0 = self.began = time.perf_counter()
         if wait:
             res = save(target, state, process_group=self._group, options=opts)
             self.stall = time.perf_counter() - t0
@@ -90,7 +93,7 @@ class SavesInFlight:
         """Save into the memory tier and drain that copy to the root in the background (a full step; committed
         and returned when ``wait``)."""
         assert self._tiers is not None and not self.busy
-        t0 = time.perf_counter()
+        t0 = self.began = time.perf_counter()
         self._tiers.drain_save(step, state, opts, wait=wait)
         self.stall = time.perf_counter() - t0
         self._draining = (step, dict(metrics or {}))

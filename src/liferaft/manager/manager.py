@@ -45,6 +45,7 @@ from liferaft.manager.options import JobOptions, PreemptionOptions, StepLogOptio
 from liferaft.manager.policies import (
     PRIOR_MTBF_HOURS,
     AutoInterval,
+    LoopCost,
     RetentionPolicy,
     SavePolicy,
     mtbf_from_starts,
@@ -128,6 +129,7 @@ class CheckpointManager:
         self._preemption = Preemption(self.preemption)
         self._vote: MaxVote | None = None      # the votes cast at the end of the last maybe_save, under way
         self._last_call: int | None = None     # the step of the last maybe_save
+        self._loop = LoopCost()                 # what the saves in flight cost the loop (the auto interval's cost)
         self._last_step: int | None = None
         self._rolled_back: int | None = None    # restore(state, step=K): the steps after K go at the next save
         self._damaged: set[int] = set()         # committed steps the last restore skipped as damaged
@@ -358,6 +360,8 @@ class CheckpointManager:
         if not self._closed:
             self._preemption.at_first_save()
         step = check_step(step, "maybe_save")
+        self._loop.call(time.perf_counter(), self._saves.busy,     # (what a save in flight costs the loop)
+                        self._tiers is not None and self._tiers.busy)
         self._go_on()
         if self._steplog is not None:
             self._steplog.record(step, state)   # this step's record (the gradients were captured in step())
@@ -583,10 +587,12 @@ class CheckpointManager:
                 self._steplog.mark_durable(f.step)
             if self._auto is not None:
                 # per rank (no collective here: ranks see a save finish at different calls); maybe_save agrees on
-                # the time policy's decision anyway
+                # the time policy's decision anyway. The cost: what the loop lost while the save ran (its stall,
+                # and on a host whose cores all train, the background's share of them: policies.LoopCost)
                 stall = self._saves.stall
-                self._auto.record(stall, float(f.result.timings.get("total", stall)) if f.result is not None
-                                  else stall)
+                persist = float(f.result.timings.get("total", stall)) if f.result is not None else \
+                    time.perf_counter() - self._saves.began         # (a drained step: seen committed by now)
+                self._auto.record(self._loop.cost(stall, persist), persist)
             if f.metrics:
                 self._metrics[f.step] = dict(f.metrics)
             if self._deleter is not None and self.retention.deletes_anything:

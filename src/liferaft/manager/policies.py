@@ -217,6 +217,48 @@ class AutoInterval:
         return max(young_daly(self.stall_s, self.mtbf_s / loss), self.persist_s, 1.0)
 
 
+class LoopCost:
+    """What a save running in the background costs the training loop: the time its steps took beyond a quiet
+    step's while it ran (its snapshot's stall included), from the time between ``maybe_save`` calls.
+
+    On a host whose cores all train (CPU training, 2 ranks on 2 cores) the save's encoding, writing and replication
+    take the loop's CPU, so a save costs far more than its stall, and Young/Daly's interval taken from the stall
+    alone is too short; on a GPU host with idle cores the two agree. ``call(now, busy, other)`` at each
+    ``maybe_save`` (``busy``: the save measured was in flight since the previous call; ``other``: another save
+    was, such as the memory tier's: that time is neither quiet nor this save's); ``cost(stall, persist)`` once
+    that save committed (the interval in which it is accounted for is then not counted: a synchronous save ran
+    in it, whole, as its stall):
+    the lost time summed over its calls, at least ``stall`` (noise, or a step made shorter), at most ``stall +
+    persist`` (a save cannot take more of the loop than the time it ran: an evaluation run meanwhile is not its
+    cost). A quiet step is the smoothed time between calls with no save in flight. Pure state, no I/O.
+    """
+
+    def __init__(self, smoothing: float = 0.2) -> None:
+        self.quiet: float | None = None
+        self._smoothing = smoothing
+        self._last: float | None = None
+        self._lost = 0.0
+        self._skip = False
+
+    def call(self, now: float, busy: bool, other: bool = False) -> None:
+        last, self._last = self._last, now
+        skip, self._skip = self._skip, False
+        if skip or last is None or now < last or (other and not busy):
+            return
+        dt = now - last
+        if busy:
+            if self.quiet is not None:
+                self._lost += dt - self.quiet
+        else:
+            a = self._smoothing
+            self.quiet = dt if self.quiet is None else (1 - a) * self.quiet + a * dt
+
+    def cost(self, stall_s: float, persist_s: float) -> float:
+        """The cost of the save that just committed (and a fresh count for the next)."""
+        lost, self._lost, self._skip = self._lost, 0.0, True
+        return min(max(lost, stall_s), stall_s + max(persist_s, 0.0))
+
+
 #: the least share of the work since the last save that ``AutoInterval`` takes a failure to cost (a log's replay
 #: measured at less stretches the interval no further than 1 / MIN_LOSS times the failures' spacing)
 MIN_LOSS = 1e-3
