@@ -471,3 +471,30 @@ def test_the_spans_sent_ignore_a_held_mark_on_a_row_without_a_gradient():
     assert _ranges(320, rows, [1, 1, 0]) == [(0, 128), (192, 128)]
     assert _ranges(320, rows, [1, 0, 0]) == [(0, 320)]
     assert _ranges(320, rows, [0, 0, 1]) == [(0, 192), (256, 64)]
+
+
+def test_a_stateless_optimizers_record_holds_its_own_step_only(tmp_path):
+    """Walking the rest of the state with torch's helpers runs a placeholder step (lr 0, zero gradients) on an
+    optimizer without state (plain SGD); the hooks are off for it: each record holds the training's one call, not
+    a second one with twice the gradient bytes."""
+    from liferaft.tiers.steprecord import read_header
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    st = {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.01)}
+    mgr = _manager(tmp_path)
+    mgr.restore(st)
+    for step in range(4):
+        model(torch.randn(5, 16)).pow(2).mean().backward()
+        st["optim"].step()
+        st["optim"].zero_grad()
+        mgr.maybe_save(step, st)
+    mgr.close()
+    folder = glob.glob(str(tmp_path / "shm" / "unit" / "n0" / "steplog" / "*"))[0]
+    calls = {}
+    for rel in (f"{d}/{f}" for d in os.listdir(folder) if os.path.isdir(os.path.join(folder, d))
+                for f in os.listdir(os.path.join(folder, d))):
+        h = read_header(folder, rel)
+        if h is not None:
+            calls[h.step] = [c["groups"][0]["lr"] for c in h.doc["calls"]]
+    assert calls and all(v == [0.01] for v in calls.values()), calls

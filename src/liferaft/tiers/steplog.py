@@ -208,6 +208,7 @@ class StepLog:
             if s != self._busy and (s not in self._held or self._held[s] <= self.durable):
                 return s
         oldest = min(self._held, key=self._held.__getitem__)
+        self._share.spoil(max(self._held.values()))
         warnings.warn(f"liferaft: the per-step log's ring ({self.max_steps} steps) is full; dropping the record of "
                       f"step {self._held[oldest]} (a recovery now resumes from the full checkpoint)", stacklevel=4)
         return oldest
@@ -223,6 +224,7 @@ class StepLog:
         cur["file"].reserve(end)                # (first: a reservation that fails takes no room)
         cur["pos"] = end
         if t.is_cuda:
+            self._share.blind = True
             return self._cuda.enqueue(t, off, cur["gen"])
         src = t.cpu()
         src = src if src.is_contiguous() else src.contiguous()
@@ -258,6 +260,7 @@ class StepLog:
         self.wait()                         # the previous record is on its replicas (≤ 1 step lost with a node)
         self.go_on()
         if self._expect is not None and step > self._expect:
+            self._share.spoil(step)
             gap = f"{self._expect}" if step == self._expect + 1 else f"{self._expect}..{step - 1}"
             warnings.warn(f"liferaft: maybe_save was not called for step {gap}: the per-step log's record of step "
                           f"{step} holds those optimizer steps too, and a recovery stops at the gap (step "
@@ -267,7 +270,9 @@ class StepLog:
         cur = self._begin()
         live = optsteps.LiveIds(self.optimizers or [])      # (found only if the walk meets a tensor: most steps do not)
         n_cuda = len(self._cuda.pending)
-        rest = self._rest.capture(state, live, self._put, self.allow_pickle)
+        with self.suspended():      # (the full walk's get_optimizer_state_dict runs a placeholder step on an
+            #                           optimizer without state, e.g. plain SGD: no call of this record)
+            rest = self._rest.capture(state, live, self._put, self.allow_pickle)
         self._cuda.fence(n_cuda)    # the rest's CUDA tensors (buffers) are read before the next forward changes them
         cuda = self._cuda.take()
         doc = {"format": FORMAT, "checksum": RECORD_CHECKSUM, "step": step, "rank": self.rank, "world": self.world,
@@ -290,8 +295,9 @@ class StepLog:
     def replay_share(self) -> float | None:
         """About what replaying a record costs, as a share of the time training took to make it (measured on the
         live steps: from the first optimizer step's capture to ``maybe_save``, against the time between records;
-        smoothed; None before two records): the part of the work since the last full checkpoint that a failure
-        the log covers still costs (``tiers.stepshare``). The manager's memory-tier interval
+        smoothed; None before two records, while the chain since the last full checkpoint has a hole, and with
+        CUDA records): the part of the work since the last full checkpoint that a failure the log covers still
+        costs (``tiers.stepshare``). The manager's memory-tier interval
         (``memory_every="auto"``) uses it."""
         return self._share.value
 
@@ -354,6 +360,7 @@ class StepLog:
         if step > self.durable and self._recorded is not None and self._recorded >= step:
             self._lag = self._recorded - step
         self.durable = max(self.durable, step)
+        self._share.durable(step)
 
     def held_steps(self) -> list[int]:
         """Steps of this rank's records that a recovery could still need (newer than the durable checkpoint)."""
@@ -391,6 +398,7 @@ class StepLog:
         except BaseException as e:      # (interrupted too: the record is not whole)
             self._held.pop(cur["slot"], None)
             self._lost = doc["step"]
+            self._share.spoil(doc["step"])
             if not isinstance(e, Exception):
                 raise
             first.add_note(f"liferaft: the per-step record of step {doc['step']} was not published ({e}); until "
