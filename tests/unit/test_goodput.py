@@ -4,8 +4,8 @@ manager on local files; no timing assertions)."""
 from __future__ import annotations
 
 import json
-import time
 import math
+import time
 
 import pytest
 import torch
@@ -212,25 +212,65 @@ def test_the_per_step_log_stretches_the_memory_tiers_auto_interval(tmp_path):
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     state = {"model": model, "optim": opt}
-    tier = MemoryTier("share", node="n0", base=str(tmp_path / "shm"))
-    with CheckpointManager(str(tmp_path / "root"), every_steps=10 ** 6, async_save=False,
-                           tiers=TierOptions(memory=tier, memory_every="auto", drain=False),
-                           step_log=StepLogOptions(replicas=1, max_steps=16)) as mgr:
-        mgr.restore(state)
-        assert mgr._tiers is not None and mgr._tiers.auto is not None
-        plain = AutoInterval(mtbf_s=mgr._tiers.auto.mtbf_s)
-        for step in range(6):
+
+    def train(mgr: CheckpointManager, steps: range, every: int = 1) -> None:
+        for step in steps:
             for _ in range(20):             # a forward and backward the replay does not redo
                 model(torch.randn(32, 64)).pow(2).mean().backward()
             opt.step()
             opt.zero_grad()
-            mgr.maybe_save(step, state)
+            if step % every == 0:
+                mgr.maybe_save(step, state)
+
+    def manager(name: str, log_replicas: int, memory_replicas: int = 1) -> CheckpointManager:
+        tier = MemoryTier(name, node="n0", base=str(tmp_path / "shm"), replicas=memory_replicas)
+        return CheckpointManager(str(tmp_path / name), every_steps=10 ** 6, async_save=False,
+                                 save_policy=SavePolicy(every_seconds="auto", mtbf_hours=1.0),
+                                 tiers=TierOptions(memory=tier, memory_every="auto", drain=False),
+                                 step_log=StepLogOptions(replicas=log_replicas, max_steps=16))
+
+    with manager("covered", 1) as mgr:
+        mgr.restore(state)
+        assert mgr._tiers is not None and mgr._tiers.auto is not None and mgr._auto is not None
+        plain = AutoInterval(mtbf_s=mgr._tiers.auto.mtbf_s)
+        train(mgr, range(6))
         share = mgr._steplog.replay_share
-        assert share is not None and 0 < share < 1 and mgr._tiers.auto.loss == share
+        assert share is not None and 0 < share < 0.5 and mgr._tiers.auto.loss == share
         plain.stall_s, plain.persist_s = mgr._tiers.auto.stall_s, mgr._tiers.auto.persist_s
         assert mgr._tiers.auto.interval_s > plain.interval_s
+        assert mgr._auto.loss == 1.0        # the root's interval: not stretched (it is for what memory loses)
+        with pytest.warns(UserWarning, match="maybe_save was not called"):
+            train(mgr, range(6, 10), every=2)           # a hole in the chain: the work is lost, not replayed
+        assert mgr._steplog.replay_share is None and mgr._tiers.auto.loss == 1.0
+        train(mgr, range(10, 15))
+        assert mgr._tiers.auto.loss == 1.0
+        mgr.save(14, state)                 # a full checkpoint past the hole: replayable again
+        train(mgr, range(15, 18))
+        assert mgr._steplog.replay_share is not None and mgr._tiers.auto.loss == mgr._steplog.replay_share < 1
+    with manager("uncovered", 0) as mgr:    # no replica of the records, one of the memory tier's copies
+        mgr.restore(state)
+        train(mgr, range(6))
+        assert mgr._steplog.replay_share is not None and mgr._tiers.auto.loss == 1.0
+
+
+def test_replay_share_is_none_while_the_chain_has_a_hole_and_for_cuda_records():
+    from liferaft.tiers.stepshare import ReplayShare
+
+    share = ReplayShare(smoothing=1.0)
+    share.record(0.0)
+    share.step(0.5)
+    share.record(1.0)
+    assert share.value == pytest.approx(0.5)
+    share.spoil(7)
+    assert share.value is None
+    share.durable(6)
+    assert share.value is None              # a full checkpoint before the hole does not mend it
+    share.durable(7)
+    assert share.value == pytest.approx(0.5)
+    share.blind = True
+    assert share.value is None
 
 
 def test_loop_cost_counts_what_the_steps_lost_while_a_save_ran():

@@ -365,11 +365,14 @@ class CheckpointManager:
         self._go_on()
         if self._steplog is not None:
             self._steplog.record(step, state)   # this step's record (the gradients were captured in step())
-            share = self._steplog.replay_share
-            if share is not None and self._tiers is not None and self._tiers.auto is not None:
-                # a failure the memory tier covers, the log covers too: it costs the replay since the last full
-                # checkpoint, not the work (the memory tier's Young/Daly interval is stretched accordingly)
-                self._tiers.auto.loss = share
+            if self._tiers is not None and self._tiers.auto is not None:
+                # where the log covers what the memory tier covers (as many replicas, no parity), such a failure
+                # costs the replay since the last full checkpoint, not the work: the memory tier's Young/Daly
+                # interval is stretched accordingly (not while the chain has a hole, nor for CUDA records)
+                share = self._steplog.replay_share
+                mem = self._tiers.memory
+                covers = self._steplog.replicas >= mem.replicas and not mem.parity
+                self._tiers.auto.loss = share if share is not None and covers else 1.0
         reason = "force" if force else self.save_policy.due(step, time.monotonic(), self._last_step,
                                                             self._last_time, self.interval_s)
         log = self._steplog

@@ -260,8 +260,8 @@ class LoopCost:
 
 
 #: the least share of the work since the last save that ``AutoInterval`` takes a failure to cost (a log's replay
-#: measured at less stretches the interval no further than 1 / MIN_LOSS times the failures' spacing)
-MIN_LOSS = 1e-3
+#: measured at less stretches the interval no further: at most sqrt(1 / MIN_LOSS) = 10 times Young/Daly's)
+MIN_LOSS = 0.01
 
 
 _P = TypeVar("_P", SavePolicy, RetentionPolicy)
