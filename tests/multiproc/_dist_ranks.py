@@ -161,7 +161,17 @@ def forged_lengths(rank: int, world: int) -> list[str]:
             out.append(str(e))
         finally:
             C.head_tensor = real
+    if rank == 1:                           # through the public exchange: refused alike, the group kept
+        C.head_tensor = forged
+    try:
+        c.exchange(rank, None, "forged exchange")
+        out.append("accepted")
+    except DistributedError as e:
+        out.append(f"{type(e).__name__}: {e}")
+    finally:
+        C.head_tensor = real
     ok = c._allgather_bytes(bytes([rank])) == [bytes([r]) for r in range(world)] and \
-        c._broadcast_bytes(b"zero" if rank == 0 else b"") == b"zero"
+        c._broadcast_bytes(b"zero" if rank == 0 else b"") == b"zero" and \
+        c.exchange(rank, None, "after") == list(range(world)) and c.broadcast_from_zero(rank) == 0
     out.append(f"still works: {ok}")
     return out

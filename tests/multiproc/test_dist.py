@@ -85,7 +85,7 @@ def test_a_length_past_the_limits_is_refused_on_every_rank_before_anything_is_al
     """A rank announcing an absurd message length in a collective's first round (2**62 bytes; one past
     MAX_MESSAGE; one that would make every rank receive more than MAX_RECEIVED) makes every rank raise a
     DistributedError naming that rank — none allocates it, none waits in a second round — and the group works
-    after."""
+    after, also when the refusal came through the public exchange (it is not retired as a lost peer's is)."""
     from multiproc._dist_ranks import forged_lengths
 
     results = run_ranks(forged_lengths, 3, timeout=120)
@@ -95,4 +95,6 @@ def test_a_length_past_the_limits_is_refused_on_every_rank_before_anything_is_al
         assert "rank 1 announced a message of" in out[1], (rank, out)
         assert "rank 1's message of" in out[2] and "would make every one of 3 ranks receive" in out[2], (rank, out)
         assert "rank 0 announced a message of 1099511627776 bytes" in out[3], (rank, out)
+        assert out[4].startswith("DistributedError: forged exchange: ") and "announced" in out[4], (rank, out)
+        assert "did not arrive" not in out[4], (rank, out)
     assert results[0] == results[1] == results[2]

@@ -20,8 +20,17 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from liferaft.dist.groups import Group, attempt, group_for, one_line
-from liferaft.dist.wire import BROADCAST_HEAD, LEN, check_lengths, head_size, head_tensor, receive_buffer, tail_tensor
+from liferaft.dist.groups import Group, attempt, group_for, one_line, release_groups
+from liferaft.dist.wire import (
+    BROADCAST_HEAD,
+    LEN,
+    RefusedLength,
+    check_lengths,
+    head_size,
+    head_tensor,
+    receive_buffer,
+    tail_tensor,
+)
 from liferaft.errors import DistributedError, InvalidStateError
 
 T = TypeVar("T")
@@ -167,6 +176,8 @@ class Coordinator:
         data = pickle.dumps((msg, None if error is not None else payload), protocol=pickle.HIGHEST_PROTOCOL)
         try:
             gathered = [pickle.loads(b) for b in self._allgather_bytes(data)]  # our own ranks' messages
+        except RefusedLength as e:      # (every rank refused alike, nothing pending: the group stays)
+            raise error if error is not None else DistributedError(f"{what or 'collective'}: {e}") from None
         except Exception as e:  # noqa: BLE001 - gloo reports timeouts and lost peers as RuntimeError
             raise self._fail(e, what, error) from None
         failed = [(r, m) for r, (m, _) in enumerate(gathered) if m is not None]
@@ -188,6 +199,8 @@ class Coordinator:
             if self.rank == 0 else b""
         try:
             m, p = pickle.loads(self._broadcast_bytes(data))
+        except RefusedLength as e:      # (every rank refused alike, nothing pending: the group stays)
+            raise error if error is not None else DistributedError(f"{what or 'broadcast'}: {e}") from None
         except Exception as e:  # noqa: BLE001
             raise self._fail(e, what or "broadcast", error) from None
         if m is not None:
@@ -457,3 +470,6 @@ class Coordinator:
         except Exception as e:  # noqa: BLE001 - gloo reports a closed peer connection as RuntimeError
             group.fail()
             raise DistributedError(f"{what} failed (a peer died or closed its connection): {one_line(e)}") from None
+
+
+__all__ = ["Coordinator", "MaxVote", "release_groups"]

@@ -6,9 +6,9 @@ purpose: one group per (process group, channel), made the first time it is used 
 group's ranks, its channel and a generation that only grows), so a group made after another was released or
 broke can never meet the keys of an earlier one — the race that made ``new_group(..., use_local_synchronization=
 True)`` after ``destroy_process_group`` hang in gloo's connectFullMesh. The groups are not registered with
-torch.distributed (nothing of the job's own changes) and are shut down by :func:`release_groups`, by
-``CheckpointManager.close()``, or at interpreter exit (an ``atexit`` hook set when the first group is made) —
-never left to the interpreter's teardown.
+torch.distributed (nothing of the job's own changes) and are shut down by :func:`release_groups` (which
+``liferaft.release`` calls), or at interpreter exit (an ``atexit`` hook set when the first group is made) — never
+left to the interpreter's teardown; ``CheckpointManager.close()`` leaves them for the next manager.
 
 Process-wide state (all behind ``_LOCK``):
 

@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from liferaft.errors import DistributedError
+
 HEAD = 4096             # bytes a rank sends in an all-gather's first round (its message's length, then its first bytes)
 HEAD_TOTAL = 1 << 20    # ... fewer in a large world: all the first round's heads at most this many (``head_size``)
 BROADCAST_HEAD = 256    # bytes of a broadcast's first round (rank 0's message's length, then its first bytes)
@@ -29,20 +31,23 @@ def head_size(world: int) -> int:
     return max(LEN, min(HEAD, HEAD_TOTAL // max(1, world) // LEN * LEN))
 
 
+class RefusedLength(DistributedError):
+    """A collective's announced length was refused (``check_lengths``): every rank raised it alike, nothing is
+    pending, and the group stays usable."""
+
+
 def check_lengths(sizes: list[int], world: int, what: str) -> None:
     """Refuse the lengths the first round announced (``sizes``, per rank) before anything is allocated for them:
     one over ``MAX_MESSAGE``, or a second round that would make each of ``world`` ranks receive more than
     ``MAX_RECEIVED`` bytes. Every rank sees the same ``sizes``, so every rank raises alike (DistributedError
-    naming the rank and the length) and none waits in a second round."""
-    from liferaft.errors import DistributedError
-
+    naming the rank and the length: ``RefusedLength``) and none waits in a second round."""
     for rank, n in enumerate(sizes):
         if n > MAX_MESSAGE:
-            raise DistributedError(f"{what}: rank {rank} announced a message of {n} bytes (at most {MAX_MESSAGE}): "
+            raise RefusedLength(f"{what}: rank {rank} announced a message of {n} bytes (at most {MAX_MESSAGE}): "
                                    "not a liferaft peer of this version, or its memory is damaged; restart the job")
     if len(sizes) > 1 and max(sizes) * world > MAX_RECEIVED:
         rank = max(range(len(sizes)), key=sizes.__getitem__)
-        raise DistributedError(f"{what}: rank {rank}'s message of {sizes[rank]} bytes would make every one of {world} "
+        raise RefusedLength(f"{what}: rank {rank}'s message of {sizes[rank]} bytes would make every one of {world} "
                                f"ranks receive {sizes[rank] * world} bytes (at most {MAX_RECEIVED}): send less "
                                "metadata per rank, or gather it to rank 0")
 
