@@ -275,8 +275,9 @@ def test_replay_share_is_none_while_the_chain_has_a_hole_and_for_cuda_records():
 
 def test_loop_cost_counts_what_the_steps_lost_while_a_save_ran():
     """A save's cost for Young/Daly is the time the loop lost while it ran (its stall included), against quiet
-    steps: at least its stall, at most stall + its time to durability; intervals with another save in flight
-    (the memory tier's) count for neither, nor does the interval in which a save was accounted for."""
+    steps: at least its stall, at most stall + its time to durability, an interval at most its stall and one quiet
+    step (an evaluation meanwhile is not the save's); intervals with another save in flight (the memory tier's)
+    count for neither, nor does the interval in which a save was accounted for; a new save starts from zero."""
     from liferaft.manager.policies import LoopCost
 
     loop = LoopCost(smoothing=0.5)
@@ -286,9 +287,10 @@ def test_loop_cost_counts_what_the_steps_lost_while_a_save_ran():
         t += 0.1
     assert loop.quiet == pytest.approx(0.1)
     loop.call(t, busy=False)                # (the call that starts the save)
+    loop.started()
     for dt in (0.14, 0.13, 0.12):           # the stall's step, then two steps slowed by the background
         t += dt
-        loop.call(t, busy=True)
+        loop.call(t, busy=True, stall=0.02)
     assert loop.cost(stall_s=0.02, persist_s=1.0) == pytest.approx(0.09)
     t += 0.5                                # the interval in which it was accounted for: not a quiet step
     loop.call(t, busy=False)
@@ -297,14 +299,25 @@ def test_loop_cost_counts_what_the_steps_lost_while_a_save_ran():
         t += dt
         loop.call(t, busy=False, other=True)
     assert loop.quiet == pytest.approx(0.1)
+    loop.started()
     t += 0.1
-    loop.call(t, busy=True)                 # (a save that cost nothing beyond noise): its stall at least
+    loop.call(t, busy=True, stall=0.03)     # (a save that cost nothing beyond noise): its stall at least
     assert loop.cost(stall_s=0.03, persist_s=1.0) == pytest.approx(0.03)
     t += 0.1
     loop.call(t, busy=False)
-    t += 30.0                               # an evaluation while a save ran: not the save's
-    loop.call(t, busy=True)
-    assert loop.cost(stall_s=0.03, persist_s=0.5) == pytest.approx(0.53)
+    loop.started()
+    t += 30.0                               # an evaluation while a save ran: at most its stall and one step
+    loop.call(t, busy=True, stall=0.03)
+    t += 0.25
+    loop.call(t, busy=True, stall=0.03)     # (and a step it slowed)
+    assert loop.cost(stall_s=0.03, persist_s=5.0) == pytest.approx(0.13 + 0.13)
+    t += 0.1
+    loop.call(t, busy=False)
+    loop.started()
+    t += 0.3                                # a save that failed: its loss is not the next one's
+    loop.call(t, busy=True, stall=0.2)
+    loop.started()
+    assert loop.cost(stall_s=0.01, persist_s=1.0) == pytest.approx(0.01)
 
 
 def test_the_auto_interval_learns_the_loops_loss_not_only_the_stall(tmp_path):

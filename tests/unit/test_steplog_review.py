@@ -498,3 +498,32 @@ def test_a_stateless_optimizers_record_holds_its_own_step_only(tmp_path):
         if h is not None:
             calls[h.step] = [c["groups"][0]["lr"] for c in h.doc["calls"]]
     assert calls and all(v == [0.01] for v in calls.values()), calls
+
+
+def test_records_after_a_rollback_below_the_newest_full_checkpoint_are_kept_until_a_newer_one(tmp_path):
+    """restore(step=K) below the newest durable full checkpoint D (which the rollback removes): the records this
+    run then makes (K+1 ... past D) are not covered by D, so none may take another's slot; a restart replays them
+    all (their slots were once reused as if D still stood, and a restart resumed at K)."""
+    st, mgr = _plain(), _manager(tmp_path, every=10 ** 6)     # (full checkpoints only where saved below)
+    mgr.restore(st)
+    for step in range(6):
+        _plain_step(st, step)
+        mgr.maybe_save(step, st)
+    mgr.save(5, st)
+    for step in range(6, 11):
+        _plain_step(st, step)
+        mgr.maybe_save(step, st)
+    mgr.save(10, st)
+    assert mgr.restore(st, step=5) == 5
+    for step in range(6, 12):
+        _plain_step(st, step)
+        mgr.maybe_save(step, st)
+    ref = {k: v.clone() for k, v in st["model"].state_dict().items()}
+    log = mgr._steplog
+    assert log is not None and log.held_steps() == list(range(6, 12))
+    mgr.close()
+    st = _plain()
+    mgr = _manager(tmp_path, every=10 ** 6)
+    assert mgr.restore(st) == 11
+    assert all(torch.equal(v, ref[k]) for k, v in st["model"].state_dict().items())
+    mgr.close()

@@ -99,6 +99,13 @@ class SavesInFlight:
         self._draining = (step, dict(metrics or {}))
         return self.wait() if wait else []
 
+    def drained_in(self) -> float:
+        """The last drained step's time from its start to its commit on the root (the memory tier's record of when
+        its background work ended; else until now: it was seen committed by now)."""
+        done = self._tiers.memory.done_at if self._tiers is not None else None
+        end = done if done is not None and done >= self.began else time.perf_counter()
+        return end - self.began
+
     def settle(self) -> list[Finished]:
         """The save under way if it has finished (raises its error), else nothing."""
         return self.wait() if self.finished() is not None else []

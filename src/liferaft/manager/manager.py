@@ -361,7 +361,7 @@ class CheckpointManager:
             self._preemption.at_first_save()
         step = check_step(step, "maybe_save")
         self._loop.call(time.perf_counter(), self._saves.busy,     # (what a save in flight costs the loop)
-                        self._tiers is not None and self._tiers.busy)
+                        self._tiers is not None and self._tiers.busy, self._saves.stall)
         self._go_on()
         if self._steplog is not None:
             self._steplog.record(step, state)   # this step's record (the gradients were captured in step())
@@ -551,6 +551,7 @@ class CheckpointManager:
     def _save_now(self, step: int, state: Any, metrics: Mapping[str, float] | None, reason: str, wait: bool,
                   timeout: float | None = None) -> None:
         self._begin_save(step)
+        self._loop.started()
         self._has_base = True
         base = self._saves.base if self._saves.base is not None and self._saves.base[0] != step else None
         since = base[1] + 1 if base is not None and base[1] + 1 < self.save_policy.full_every else 0
@@ -568,6 +569,7 @@ class CheckpointManager:
         """Save into the memory tier and drain that copy to the root in the background (a full step)."""
         assert self._tiers is not None
         self._begin_save(step)
+        self._loop.started()
         self._has_base = True
         self._last_step, self._last_time = step, time.monotonic()
         self._committed(self._saves.drain_save(step, state, self._options(step, reason, metrics, 0), metrics,
@@ -594,7 +596,7 @@ class CheckpointManager:
                 # and on a host whose cores all train, the background's share of them: policies.LoopCost)
                 stall = self._saves.stall
                 persist = float(f.result.timings.get("total", stall)) if f.result is not None else \
-                    time.perf_counter() - self._saves.began         # (a drained step: seen committed by now)
+                    self._saves.drained_in()
                 self._auto.record(self._loop.cost(stall, persist), persist)
             if f.metrics:
                 self._metrics[f.step] = dict(f.metrics)

@@ -224,10 +224,12 @@ class LoopCost:
     On a host whose cores all train (CPU training, 2 ranks on 2 cores) the save's encoding, writing and replication
     take the loop's CPU, so a save costs far more than its stall, and Young/Daly's interval taken from the stall
     alone is too short; on a GPU host with idle cores the two agree. ``call(now, busy, other)`` at each
-    ``maybe_save`` (``busy``: the save measured was in flight since the previous call; ``other``: another save
-    was, such as the memory tier's: that time is neither quiet nor this save's); ``cost(stall, persist)`` once
-    that save committed (the interval in which it is accounted for is then not counted: a synchronous save ran
-    in it, whole, as its stall):
+    ``maybe_save`` (``busy``: the save measured was in flight since the previous call, ``stall`` its stall;
+    ``other``: another save was, such as the memory tier's: that time is neither quiet nor this save's); an
+    interval counts at most ``stall`` plus one quiet step (a save in the background can slow a step, not stop it:
+    an evaluation run meanwhile is not its cost); ``started`` when a save begins (what a failed one left is not
+    its cost); ``cost(stall, persist)`` once that save committed (the interval in which it is accounted for is then
+    not counted: a synchronous save ran in it, whole, as its stall):
     the lost time summed over its calls, at least ``stall`` (noise, or a step made shorter), at most ``stall +
     persist`` (a save cannot take more of the loop than the time it ran: an evaluation run meanwhile is not its
     cost). A quiet step is the smoothed time between calls with no save in flight. Pure state, no I/O.
@@ -240,7 +242,10 @@ class LoopCost:
         self._lost = 0.0
         self._skip = False
 
-    def call(self, now: float, busy: bool, other: bool = False) -> None:
+    def started(self) -> None:
+        self._lost = 0.0
+
+    def call(self, now: float, busy: bool, other: bool = False, stall: float = 0.0) -> None:
         last, self._last = self._last, now
         skip, self._skip = self._skip, False
         if skip or last is None or now < last or (other and not busy):
@@ -248,7 +253,7 @@ class LoopCost:
         dt = now - last
         if busy:
             if self.quiet is not None:
-                self._lost += dt - self.quiet
+                self._lost += min(dt - self.quiet, max(stall, 0.0) + self.quiet)
         else:
             a = self._smoothing
             self.quiet = dt if self.quiet is None else (1 - a) * self.quiet + a * dt

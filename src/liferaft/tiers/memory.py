@@ -96,6 +96,8 @@ class MemoryTier:
         self.last_restore: dict[str, Any] = {}
         self.last_load: Any = None          # the LoadResult of the last restore
         self._handle: Any = None
+        #: when the last save's background work (commit, replicas, drains) ended (``time.perf_counter``); None before
+        self.done_at: float | None = None
         self._buffers = Buffers()           # the copies' buffers, kept between saves (tier threads only)
 
     # ------------------------------------------------------------------ layout
@@ -193,6 +195,7 @@ class MemoryTier:
             targets = [] if drain_to is None else [drain_to] if isinstance(drain_to, Storage) else list(drain_to)
             for target in targets:
                 self._drain(step, target, record)
+            self.done_at = time.perf_counter()
             self._drop_old(step)
         except BaseException as e:  # noqa: BLE001 - raised on the next save/wait
             self._error = e

@@ -362,6 +362,14 @@ class StepLog:
         self.durable = max(self.durable, step)
         self._share.durable(step)
 
+    def _rebase(self, step: int) -> None:
+        """The state now stands on the full checkpoint ``step`` (restored): it is the newest base of this run's
+        records, even where a newer one was durable before (a rollback removed it, or it did not load): records
+        after ``step`` are kept until a newer full checkpoint is durable, never reused as if covered by the old
+        one. The replay share is measured afresh."""
+        self.durable = step
+        self._share = ReplayShare()
+
     def held_steps(self) -> list[int]:
         """Steps of this rank's records that a recovery could still need (newer than the durable checkpoint)."""
         return sorted(s for s in self._held.values() if s > self.durable)
@@ -452,7 +460,7 @@ class StepLog:
         clock = [time.perf_counter()]
         self.wait()
         self.attach(state)
-        self.mark_durable(full)
+        self._rebase(full)
         kept: dict[int, tuple[Header, bytearray, str]] = {}     # this rank's own records, read and verified
         listing = self.coord.run(lambda: self._list(full, kept), "step log (listing)")
         refused = sorted({v[0] for held in listing for k, v in held.items() if k[0] < 0})
@@ -567,7 +575,7 @@ class StepLog:
         ``record`` drops them then (collectively). Collective."""
         self.wait()
         self.attach(state)
-        self.mark_durable(step)
+        self._rebase(step)
         self._held.clear()
         self._diverged_at = step
         self._expect = step + 1
