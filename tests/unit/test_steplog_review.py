@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import os
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -76,6 +77,20 @@ def _same(a: dict, b: dict) -> bool:
     tb = {**b["model"].state_dict(), **{f"o{i}{k}": v for i, s in b["optim"].state_dict()["state"].items()
                                       for k, v in s.items()}}
     return ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+
+
+def _records(path) -> list[tuple[str, Any]]:
+    """(file, header) of every step record of the unit tests' memory tier under ``path`` (read and checked)."""
+    from liferaft.tiers.steprecord import read_header
+
+    folder = glob.glob(str(path / "shm" / "unit" / "n0" / "steplog" / "*"))[0]      # steplog/<owner>
+    out = []
+    for d in sorted(x for x in os.listdir(folder) if os.path.isdir(os.path.join(folder, x))):
+        for f in sorted(os.listdir(os.path.join(folder, d))):
+            h = read_header(folder, f"{d}/{f}")
+            if h is not None:
+                out.append((os.path.join(folder, d, f), h))
+    return out
 
 
 @pytest.mark.parametrize("inf_steps", [True, False], ids=["skipped-inf-steps", "scaled-grads"])
@@ -169,27 +184,24 @@ def _forge(doc: dict, how: str) -> None:
                                  "rest-shape"])
 def test_a_record_that_does_not_fit_stops_the_replay_before_it(tmp_path, how):
     from liferaft.codecs.checksum import digest
-    from liferaft.tiers.steprecord import encode_header, prologue, read_header
+    from liferaft.tiers.steprecord import encode_header, prologue
 
     ref, m = _train(tmp_path / "ref", _plain, _plain_step, 5)
     m.close()
     _, m = _train(tmp_path / "run", _plain, _plain_step, 7)          # full 4, records 5, 6, 7
     m.close()
-    folder = glob.glob(str(tmp_path / "run" / "shm" / "unit" / "n0" / "steplog" / "*"))[0]      # steplog/<owner>
     forged = None
-    for rel in (f"{d}/{f}" for d in os.listdir(folder) if os.path.isdir(os.path.join(folder, d))
-                for f in os.listdir(os.path.join(folder, d))):
-        h = read_header(folder, rel)
-        if h is None or h.step != 6:
+    for path, h in _records(tmp_path / "run"):
+        if h.step != 6:
             continue
         _forge(h.doc, how)                  # valid checksums, contents that do not fit the live state
         raw = encode_header(h.doc)
-        with open(os.path.join(folder, rel), "r+b") as f:
+        with open(path, "r+b") as f:
             f.seek(h.header_off)
             f.write(raw)
             f.seek(0)
             f.write(prologue(h.header_off + len(raw), h.header_off, len(raw), digest(raw)))
-        forged = os.path.join(folder, rel)
+        forged = path
     assert forged is not None
     st = _plain()
     mgr = _manager(tmp_path / "run")
@@ -428,28 +440,23 @@ def _large_step(st: dict, step: int) -> None:
 def test_large_gradients_are_recorded_exactly_and_verified(tmp_path, damage):
     """Gradients of 1 MiB and more are copied into the slot and hashed piece by piece: a resume replays them
     bitwise; one byte changed inside such a gradient is caught by its checksum (the replay stops before it)."""
-    from liferaft.tiers.steprecord import read_header
-
     ref, m = _train(tmp_path / "ref", _large, _large_step, 5 if damage else 7)
     m.close()
     _, m = _train(tmp_path / "run", _large, _large_step, 7)          # full 4, records 5, 6, 7
     m.close()
     if damage:
-        folder = glob.glob(str(tmp_path / "run" / "shm" / "unit" / "n0" / "steplog" / "*"))[0]
         hit = None
-        for rel in (f"{d}/{f}" for d in os.listdir(folder) if os.path.isdir(os.path.join(folder, d))
-                    for f in os.listdir(os.path.join(folder, d))):
-            h = read_header(folder, rel)
-            if h is None or h.step != 6:
+        for path, h in _records(tmp_path / "run"):
+            if h.step != 6:
                 continue
             big = max((g for c in h.doc["calls"] for g in c["grads"] if g), key=lambda g: g["len"])
             assert big["len"] >= 1 << 20
-            with open(os.path.join(folder, rel), "r+b") as f:
+            with open(path, "r+b") as f:
                 f.seek(big["off"] + big["len"] - 3)         # in the last piece
                 b = f.read(1)
                 f.seek(-1, os.SEEK_CUR)
                 f.write(bytes([b[0] ^ 0x10]))
-            hit = os.path.join(folder, rel)
+            hit = path
         assert hit is not None
     st = _large()
     mgr = _manager(tmp_path / "run")
@@ -477,8 +484,6 @@ def test_a_stateless_optimizers_record_holds_its_own_step_only(tmp_path):
     """Walking the rest of the state with torch's helpers runs a placeholder step (lr 0, zero gradients) on an
     optimizer without state (plain SGD); the hooks are off for it: each record holds the training's one call, not
     a second one with twice the gradient bytes."""
-    from liferaft.tiers.steprecord import read_header
-
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     st = {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.01)}
@@ -490,13 +495,7 @@ def test_a_stateless_optimizers_record_holds_its_own_step_only(tmp_path):
         st["optim"].zero_grad()
         mgr.maybe_save(step, st)
     mgr.close()
-    folder = glob.glob(str(tmp_path / "shm" / "unit" / "n0" / "steplog" / "*"))[0]
-    calls = {}
-    for rel in (f"{d}/{f}" for d in os.listdir(folder) if os.path.isdir(os.path.join(folder, d))
-                for f in os.listdir(os.path.join(folder, d))):
-        h = read_header(folder, rel)
-        if h is not None:
-            calls[h.step] = [c["groups"][0]["lr"] for c in h.doc["calls"]]
+    calls = {h.step: [c["groups"][0]["lr"] for c in h.doc["calls"]] for _, h in _records(tmp_path)}
     assert calls and all(v == [0.01] for v in calls.values()), calls
 
 
