@@ -41,8 +41,8 @@ class TierOptions:
     memory: a ``MemoryTier``: every ``memory_every`` steps (or "auto": by Young/Daly for the failures memory
       covers; with a ``step_log`` that covers them as well, up to 10× rarer: such a failure then costs the
       records' replay, docs/TIERS.md) the state is also saved into node-local shared memory with replicas on
-      other nodes (skipped while the previous one still runs). ``restore`` loads from memory when it holds a step at least as new as the
-      root's newest.
+      other nodes (skipped while the previous one still runs). ``restore`` loads from memory when it holds a
+      step at least as new as the root's newest.
     drain: a save to the root is a memory save drained to the root in the background (the same checkpoint,
       copied from memory, not re-staged; always a full one).
     remote: a third tier (path, URL or ``Storage``): every ``remote_every``-th drained root save is drained there

@@ -229,10 +229,10 @@ class LoopCost:
     interval counts at most ``stall`` plus one quiet step (a save in the background can slow a step, not stop it:
     an evaluation run meanwhile is not its cost); ``started`` when a save begins (what a failed one left is not
     its cost); ``cost(stall, persist)`` once that save committed (the interval in which it is accounted for is then
-    not counted: a synchronous save ran in it, whole, as its stall):
-    the lost time summed over its calls, at least ``stall`` (noise, or a step made shorter), at most ``stall +
-    persist`` (a save cannot take more of the loop than the time it ran: an evaluation run meanwhile is not its
-    cost). A quiet step is the smoothed time between calls with no save in flight. Pure state, no I/O.
+    not counted: a synchronous save ran in it, whole, as its stall): the lost time summed over its calls, at least
+    ``stall`` (noise, or a step made shorter), at most ``stall + persist`` (a save cannot take more of the loop
+    than the time it ran). A quiet step is the smoothed time between calls with no save in flight. Pure state, no
+    I/O.
     """
 
     def __init__(self, smoothing: float = 0.2) -> None:

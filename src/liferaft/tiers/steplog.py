@@ -232,8 +232,9 @@ class StepLog:
         if n >= _STREAMED:
             # copied and hashed piece by piece: each piece is hashed while it is still in the CPU's cache (one
             # pass over memory, not two: 13 MiB of DDP gradients 1.41 -> 1.19 ms here). Both hold the GIL, on
-            # purpose: a copy that let it go per piece (numpy's, Slot.copy_in) waited to get it back behind the
-            # background threads' Python, up to a switch interval per piece (+11 ms per DDP step measured)
+            # purpose: a copy that let it go per piece (numpy's, Slot.copy_in) could wait to get it back behind a
+            # background thread's Python, up to a switch interval per piece (suspected from one noisy run, not
+            # confirmed: holding it costs nothing on the training thread)
             h, f = stream(RECORD_CHECKSUM), cur["file"]
             for i in range(0, n, _PIECE):
                 part = data[i:i + _PIECE]
