@@ -90,6 +90,19 @@ def _batches(units: Sequence[tuple[ReadUnit, torch.dtype]], max_read: int) -> li
     return out
 
 
+MIN_BATCH = 4 << 20     # the smallest physical read a load is cut into (a request's own cost stays small)
+DEPTH = 8               # a load of fewer than DEPTH × max_read bytes is cut into about DEPTH reads
+
+
+def batch_bytes(total: int, max_read: int) -> int:
+    """The physical read size for a load of ``total`` bytes: ``max_read``, or less for a small load, so that it
+    still takes about ``DEPTH`` reads (at least ``MIN_BATCH`` each). The caller's thread verifies and copies one
+    read while the next is in flight, so only the last read's verify and copy follow the device; one read of a
+    whole small load leaves all of them after it (a 2-rank load of 64 MiB: ~15 ms of ~75), and its buffer is as
+    large as the load (fresh memory: ~1 GB/s to touch here)."""
+    return max(PAGE, min(max_read, max(MIN_BATCH, -(-total // DEPTH) // PAGE * PAGE)))
+
+
 def _jobs(units: Sequence[tuple[ReadUnit, torch.dtype]], max_read: int, rank: int,
           sharing: Mapping[Span, SharedSpan]) -> list[_Batch]:
     """Local reads coalesced as in ``_batches``; one job per shared span. Shared spans first (a peer waits for
@@ -195,8 +208,8 @@ def _pipelined(storage: Storage, units: Sequence[tuple[ReadUnit, torch.dtype]], 
     stats = ReadStats()
     if not units and not any(s.reader == rank for s in sharing.values()):
         return stats
-    jobs = _jobs(units, max([max_read] + [-(-(u.length + 2 * PAGE) // PAGE) * PAGE for u, _ in units]), rank,
-                 sharing)
+    jobs = _jobs(units, max([batch_bytes(sum(u.length for u, _ in units), max_read)] +
+                            [-(-(u.length + 2 * PAGE) // PAGE) * PAGE for u, _ in units]), rank, sharing)
     size = max(b.length for b in jobs)
     free: queue.Queue[torch.Tensor] = queue.Queue()
     for _ in range(min(len(jobs), 3 if sharing else 2)):
