@@ -469,6 +469,11 @@ def flatten(state: Any, *, template: bool = False, world: int | None = None,
     w = _Walker(template, world)
     objs: list[Any] = []
     _collect_statefuls(state, objs, set())
-    w.adapters = {**make_adapters(objs, world), **(adapters or {})}
+    given = adapters or {}
+    # (an optimizer's adapter pairs it with the module owning its parameters: that walk needs every module, the
+    # others only the objects without a replacement — the per-step walk makes none, or only the modules')
+    todo = objs if any(isinstance(o, torch.optim.Optimizer) and id(o) not in given for o in objs) else \
+        [o for o in objs if id(o) not in given]
+    w.adapters = {**make_adapters(todo, world), **given}
     w.walk(state, ())
     return w.flat
