@@ -10,9 +10,9 @@ import torch
 import liferaft
 from liferaft.core.chunks.reader import DEPTH, MIN_BATCH, batch_bytes
 from liferaft.errors import CorruptCheckpointError
-from liferaft.testing.tamper import read_manifest
 from liferaft.staging.pool import PAGE
 from liferaft.storage.posix import PosixStorage
+from liferaft.testing.tamper import read_manifest
 
 
 @pytest.mark.parametrize("total", [0, 1, PAGE, MIN_BATCH - 1, 5 * MIN_BATCH + 17, 33_423_360, 200 << 20, 1 << 40])
