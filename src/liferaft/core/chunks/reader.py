@@ -99,8 +99,9 @@ def batch_bytes(total: int, max_read: int) -> int:
     still takes about ``DEPTH`` reads (at least ``MIN_BATCH`` each). The caller's thread verifies and copies one
     read while the next is in flight, so only the last read's verify and copy follow the device; one read of a
     whole small load leaves all of them after it (a 2-rank load of 64 MiB: ~15 ms of ~75), and its buffer is as
-    large as the load (fresh memory: ~1 GB/s to touch here)."""
-    return max(PAGE, min(max_read, max(MIN_BATCH, -(-total // DEPTH) // PAGE * PAGE)))
+    large as the load (fresh memory: ~1 GB/s to touch here). Never more than ``max_read`` (a unit larger than
+    the result still takes one read of its own, as before)."""
+    return min(max_read, max(MIN_BATCH, -(-total // DEPTH) // PAGE * PAGE))
 
 
 def _jobs(units: Sequence[tuple[ReadUnit, torch.dtype]], max_read: int, rank: int,
