@@ -134,10 +134,17 @@ def snapshot(st: dict[str, Any]) -> dict[str, Any]:
 
 
 def job(rank: int, world: int, root: str, base: str, kind: str, opt_name: str, last: int, kill_at: int | None,
-        max_steps: int = 64, split_nodes: bool | list[str] = True, every: int | None = EVERY) -> dict[str, Any]:
+        max_steps: int | str = 64, split_nodes: bool | list[str] = True, every: int | None = EVERY,
+        auto_share: list[int] | None = None) -> dict[str, Any]:
     """Restore (full checkpoint + the per-step log), train to ``last``; ``kill_at``: rank 1 dies by SIGKILL right
     after ``maybe_save`` of that step; ``every``: full checkpoints every that many steps (None: no interval save,
-    only the last step's); ``split_nodes``: each rank its own node, or one node, or the node of each rank. Returns {"start", "losses" {step: loss}, "state", "recovery", "held"}."""
+    only the last step's); ``split_nodes``: each rank its own node, or one node, or the node of each rank;
+    ``auto_share``: per rank, the share of the shared memory a ``max_steps="auto"`` ring may take (1/that: a rank
+    whose node had less room). Returns {"start", "losses" {step: loss}, "state", "recovery", "held", "ring"}."""
+    if auto_share is not None:
+        from liferaft.tiers import steplog, stepplan
+
+        steplog.AUTO_SHARE = stepplan.AUTO_SHARE = auto_share[rank]
     st = build(kind, opt_name, world)
     node = split_nodes[rank] if isinstance(split_nodes, list) else f"node{rank}" if split_nodes else "node0"
     tier = MemoryTier("steplog-test", node=node, base=base, timeout=30)
@@ -159,7 +166,7 @@ def job(rank: int, world: int, root: str, base: str, kind: str, opt_name: str, l
     assert log is not None
     out = {"start": start, "losses": losses, "state": snapshot(st), "recovery": dict(log.last_recovery),
            "held": log.held_steps(), "durable": log.durable, "diverged": len(log._sender.diverged),
-           "unsent": log._sender.saved_bytes}
+           "unsent": log._sender.saved_bytes, "ring": log.max_steps}
     mgr.close()
     return out
 

@@ -217,6 +217,19 @@ def test_retention_frees_records_once_a_full_checkpoint_is_durable(tmp_path):
     assert len(slots) <= 3
 
 
+def test_an_auto_ring_takes_the_smallest_size_any_rank_found_and_stays_in_step(tmp_path):
+    # rank 1's node has room for 4 records in its share (a share of 1/2^40 of its shared memory), rank 0's for
+    # 256: both rings hold 4, so that a ring voted full is full on both and both take the same synchronous save
+    small = run_ranks(job, 2, str(tmp_path / "r"), str(tmp_path / "shm"), "ddp", "sgd", 14, None, "auto", True,
+                      None, [4, 1 << 40], timeout=180)
+    for rank in range(2):
+        assert small[rank]["ring"] == 4, small[rank]
+        assert all(s > small[rank]["durable"] for s in small[rank]["held"]) and len(small[rank]["held"]) <= 4
+    big = run_ranks(job, 2, str(tmp_path / "r2"), str(tmp_path / "shm2"), "ddp", "sgd", 14, None, "auto", True,
+                    None, timeout=180)
+    assert big[0]["ring"] == big[1]["ring"] > 4               # (the default share: the cap, or what fits)
+
+
 @pytest.mark.parametrize("opt", ["adamw", "sgd"])
 def test_replay_makes_no_collective_under_fsdp2(opt):
     assert run_ranks(replay_alone, 2, opt, timeout=60, pg_timeout=20) == [True, True]

@@ -15,6 +15,8 @@ from torch import nn
 import liferaft
 from liferaft import CheckpointManager, MemoryTier, StepLogOptions, TierOptions
 from liferaft.errors import CorruptCheckpointError, InvalidStateError, OptionsError
+from liferaft.tiers import stepplan
+from liferaft.tiers.steplist import slot_name
 from liferaft.tiers.steprecord import PROLOGUE, parse_record, read_header, read_record
 
 
@@ -60,10 +62,65 @@ def _tensors(st: dict) -> dict:
     return out
 
 
-@pytest.mark.parametrize("bad", [{"replicas": -1}, {"max_steps": 1}, {"replicas": True}, {"max_steps": 2.5}])
+@pytest.mark.parametrize("bad", [{"replicas": -1}, {"max_steps": 1}, {"replicas": True}, {"max_steps": 2.5},
+                                 {"max_steps": "Auto"}, {"max_steps": True}, {"max_steps": None}])
 def test_options_are_checked(bad):
     with pytest.raises(OptionsError):
         StepLogOptions(**bad)
+
+
+def test_the_default_ring_is_sized_from_the_first_record_and_the_shared_memory(tmp_path):
+    assert StepLogOptions().max_steps == "auto"
+    tier = MemoryTier("unit", node="n0", base=str(tmp_path / "shm"))
+    mgr = CheckpointManager(str(tmp_path / "root"), every_steps=10 ** 6,
+                            tiers=TierOptions(memory=tier, memory_every=10 ** 6, drain=False),
+                            step_log=StepLogOptions(replicas=1), async_save=False)
+    st = _state()
+    mgr.restore(st)
+    log = mgr._steplog
+    assert log is not None and log.max_steps == stepplan.AUTO_MIN           # (until the first record)
+    for step in range(3):
+        _step(st, step)
+        mgr.maybe_save(step, st)
+    vfs = os.statvfs(log.root)
+    first = min(log._held, key=log._held.__getitem__)
+    header = read_header(log.root, slot_name(0, first))
+    assert header is not None
+    want, fits = stepplan.ring_size(header.header_off, vfs.f_blocks * vfs.f_frsize, 1, 0)   # (its tensors' bytes)
+    assert fits and log.max_steps == want and stepplan.AUTO_MIN <= want <= stepplan.AUTO_MAX
+    mgr.close()
+
+
+@pytest.mark.parametrize(("record", "shm", "here", "kept", "want", "fits"), [
+    (1 << 20, 64 << 30, 1, 0, stepplan.AUTO_MAX, True),                      # small records: the cap
+    (100 << 20, 64 << 30, 8, 1, 10, True),                                   # 16 GiB / 8 ranks / 2 copies
+    (1 << 30, 64 << 30, 8, 1, stepplan.AUTO_MIN, False),                     # even 4 do not fit: 4, warned
+    (0, 0, 0, 0, stepplan.AUTO_MIN, False),                                  # no shared memory seen
+])
+def test_ring_size(record, shm, here, kept, want, fits):
+    got, ok = stepplan.ring_size(record, shm, here, kept)
+    assert (got, ok) == (want, fits)
+    per = (record + stepplan.AUTO_SLACK) * (1 + kept)
+    if ok and got < stepplan.AUTO_MAX:
+        assert got * per * max(1, here) <= shm // stepplan.AUTO_SHARE < (got + 1) * per * max(1, here)
+
+
+def test_a_ring_that_does_not_fit_its_share_warns(tmp_path, monkeypatch):
+    monkeypatch.setattr(stepplan, "AUTO_SHARE", 1 << 40)       # (a node whose shared memory holds no 4 records)
+    from liferaft.tiers import steplog as steplog_mod
+    monkeypatch.setattr(steplog_mod, "AUTO_SHARE", 1 << 40)
+    tier = MemoryTier("unit", node="n0", base=str(tmp_path / "shm"))
+    mgr = CheckpointManager(str(tmp_path / "root"), every_steps=10 ** 6,
+                            tiers=TierOptions(memory=tier, memory_every=10 ** 6, drain=False),
+                            step_log=StepLogOptions(replicas=1), async_save=False)
+    st = _state()
+    mgr.restore(st)
+    with pytest.warns(UserWarning, match="shared memory"):
+        for step in range(3):
+            _step(st, step)
+            mgr.maybe_save(step, st)
+    assert mgr._steplog is not None and mgr._steplog.max_steps == stepplan.AUTO_MIN
+    mgr.close()
 
 
 def test_a_step_log_needs_a_memory_tier(tmp_path):

@@ -169,7 +169,8 @@ class CheckpointManager:
             self._saves = SavesInFlight(self._tiers, process_group)
             self._steplog: StepLog | None = None
             if step_log is not None and tiers is not None:
-                self._steplog = StepLog(tiers.memory, replicas=step_log.replicas, max_steps=step_log.max_steps,
+                self._steplog = StepLog(tiers.memory, replicas=step_log.replicas,
+                                        max_steps=step_log.max_steps if isinstance(step_log.max_steps, int) else None,
                                         process_group=process_group, timeout=self.save_options.timeout,
                                         allow_pickle=self.save_options.allow_pickle, owner=root_url)
                 self._steplog.epoch = len(self._branches)

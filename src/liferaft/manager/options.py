@@ -83,18 +83,23 @@ class StepLogOptions:
     replicas: copies of each rank's records on ranks of other nodes (0: none; a lost node then loses its records
       and recovery resumes from the full checkpoint).
     max_steps: records each rank's ring holds (its memory: about ``max_steps`` × (the rank's gradient bytes +
-      the rest of the state), × (1 + replicas) per node). When half of them hold records newer than the newest
-      durable full checkpoint, ``maybe_save`` starts a full checkpoint (asynchronously with ``async_save``): the
-      ring is reused from then on and a recovery replays fewer records. If it fills all the same (a save still
-      in flight), ``maybe_save`` takes one at once, synchronously.
+      the rest of the state), × (1 + replicas) per node). When it is filling (about half of them hold records
+      newer than the newest durable full checkpoint), ``maybe_save`` starts a full checkpoint (asynchronously
+      with ``async_save``): the ring is reused from then on and a recovery replays fewer records. If it fills all
+      the same (a save still in flight), ``maybe_save`` takes one at once, synchronously. ``"auto"`` (default):
+      sized at the first record from its length, as many as fit in a quarter of the node's shared memory with the
+      node's other ranks and the replicas this rank keeps, 4 to 256 (``tiers.stepplan.ring_size``; a warning
+      where 4 do not fit). An integer (at least 2): that many, whatever they take.
     """
 
     replicas: int = 1
-    max_steps: int = 64
+    max_steps: int | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
         check_int("StepLogOptions", "replicas", self.replicas, 0)
-        check_int("StepLogOptions", "max_steps", self.max_steps, 2)
+        m = self.max_steps
+        if not (type(m) is str and m == "auto") and (type(m) is not int or m < 2):
+            raise OptionsError(f"StepLogOptions.max_steps must be 'auto' or an int >= 2, got {m!r}")
 
 
 @dataclass(frozen=True)

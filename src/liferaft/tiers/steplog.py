@@ -38,7 +38,7 @@ from liferaft.tiers.memory import MemoryTier
 from liferaft.tiers.stepcheck import check_own, check_records, lock_writer, owner_id, replay_record
 from liferaft.tiers.stepcuda import Copy, CudaCopies
 from liferaft.tiers.steplist import home_of, list_node, rank_dir, slot_name
-from liferaft.tiers.stepplan import bytearray_np, fetch_plan, newest_chain, targets
+from liferaft.tiers.stepplan import AUTO_MIN, AUTO_SHARE, bytearray_np, fetch_plan, newest_chain, ring_size, targets
 from liferaft.tiers.steprecord import (
     FORMAT,
     HELD,
@@ -73,9 +73,12 @@ class StepLog:
     need a slot still holding a record newer than the newest durable full checkpoint: the manager then saves one).
     """
 
-    def __init__(self, memory: MemoryTier, *, replicas: int, max_steps: int, process_group: Any = None,
+    def __init__(self, memory: MemoryTier, *, replicas: int, max_steps: int | None, process_group: Any = None,
                  timeout: float = 600.0, allow_pickle: bool = False, owner: str = "") -> None:
-        self.memory, self.replicas, self.max_steps = memory, replicas, max_steps
+        self.memory, self.replicas = memory, replicas
+        #: the ring's size; None given: sized by ``stepplan.ring_size`` at the first record (``AUTO_MIN`` until then)
+        self.max_steps = AUTO_MIN if max_steps is None else max_steps
+        self._auto_ring = max_steps is None
         self.allow_pickle = allow_pickle
         self.owner = owner_id(owner)
         self.root = os.path.join(memory.root, "steplog", self.owner)
@@ -275,6 +278,8 @@ class StepLog:
             #                           optimizer without state, e.g. plain SGD: no call of this record)
             rest = self._rest.capture(state, live, self._put, self.allow_pickle)
         self._cuda.fence(n_cuda)    # the rest's CUDA tensors (buffers) are read before the next forward changes them
+        if self._auto_ring:
+            self._size_ring(cur["pos"])
         cuda = self._cuda.take()
         doc = {"format": FORMAT, "checksum": RECORD_CHECKSUM, "step": step, "rank": self.rank, "world": self.world,
                "owner": self.owner, "epoch": self.epoch, "layout": self.layout[0], "calls": cur["calls"],
@@ -291,6 +296,29 @@ class StepLog:
             return
         self._publishing = (cur, doc, cuda, replicate)
         self._pending = self._pool.submit(self._publish_then_replicate, cur, doc, cuda, replicate)
+
+    def _size_ring(self, record_bytes: int) -> None:
+        """``max_steps="auto"``: the ring's size from this first record's length (``stepplan.ring_size``), the
+        smallest any rank found (collective: every rank's first record is of the same ``maybe_save``). One size
+        on every rank: a ring voted full is then full on every rank once the save in flight is done, and every
+        rank takes the same synchronous save (``manager._decide``)."""
+        self._auto_ring = False
+        try:
+            st = os.statvfs(self.root)
+            shm = st.f_blocks * st.f_frsize
+        except OSError:
+            shm = 0
+        here = sum(n == self.nodes[self.rank] for n in self.nodes)
+        size, fits = ring_size(record_bytes, shm, here, len(self.sources))
+        self.max_steps = -self.coord.all_max([-size], "step log (ring size)")[0] if self.world > 1 else size
+        if not fits:
+            warnings.warn(f"liferaft: the per-step log's records of rank {self.rank} take {record_bytes >> 20} MiB "
+                          f"each: {AUTO_MIN} of them, with the replicas kept for {len(self.sources)} other rank(s), "
+                          f"for each of the {here} rank(s) of this node, take more than 1/{AUTO_SHARE} of its "
+                          f"shared memory ({shm >> 20} MiB at {self.memory.root}); the ring holds {AUTO_MIN} "
+                          "all the same (a full checkpoint every few steps). Give /dev/shm more room (docker: "
+                          "--shm-size), or shard the gradients (FSDP), or set StepLogOptions.max_steps "
+                          "(docs/STEPLOG.md)", stacklevel=4)
 
     @property
     def replay_share(self) -> float | None:

@@ -29,6 +29,23 @@ def bytearray_np(data: bytearray) -> Any:
     return np.frombuffer(data, dtype=np.uint8)
 
 
+AUTO_SHARE = 4              # max_steps="auto": the rings of a node take at most 1/AUTO_SHARE of its shared memory
+AUTO_MIN, AUTO_MAX = 4, 256
+AUTO_SLACK = 64 << 10       # a record's header and rest of the state beyond its tensors, counted per record
+
+
+def ring_size(record_bytes: int, shm_bytes: int, ranks_on_node: int, kept: int) -> tuple[int, bool]:
+    """``StepLogOptions(max_steps="auto")``: how many records a rank's ring holds, from the length of its first
+    record (``record_bytes``), the size of the node's shared-memory file system, the ranks of the node sharing it,
+    and the rings of other ranks' records this rank keeps (``kept``: its replication sources, counted as records
+    of the same length: under DDP their gradients are held, not kept, so this overcounts). As many as fit in
+    ``1/AUTO_SHARE`` of the file system, within ``[AUTO_MIN, AUTO_MAX]``; and whether ``AUTO_MIN`` fit (else the
+    ring is ``AUTO_MIN`` all the same, and takes more than that share)."""
+    per_slot = (max(0, record_bytes) + AUTO_SLACK) * (1 + max(0, kept))
+    fits = max(0, shm_bytes) // AUTO_SHARE // max(1, ranks_on_node) // per_slot
+    return max(AUTO_MIN, min(AUTO_MAX, fits)), fits >= AUTO_MIN
+
+
 def targets(nodes: list[str], rank: int, replicas: int) -> list[int]:
     """The ranks holding copies of ``rank``'s records: the same local position on the next ``replicas`` nodes."""
     order = list(dict.fromkeys(nodes))
