@@ -105,6 +105,29 @@ def test_ring_size(record, shm, here, kept, want, fits):
         assert got * per * max(1, here) <= shm // stepplan.AUTO_SHARE < (got + 1) * per * max(1, here)
 
 
+def test_a_first_record_without_gradients_sizes_the_ring_for_them(tmp_path, monkeypatch):
+    # a first step that GradScaler skipped records no gradient: the ring is sized for the gradients all the same
+    torch.manual_seed(0)
+    model = nn.Linear(512, 512)                         # ~1 MiB of gradients per record
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    st = {"model": model, "optim": opt}
+    tier = MemoryTier("unit", node="n0", base=str(tmp_path / "shm"))
+    vfs = os.statvfs(str(tmp_path))
+    from liferaft.tiers import steplog as steplog_mod
+    share = vfs.f_blocks * vfs.f_frsize // (10 * ((1 << 20) + stepplan.AUTO_SLACK + 8192))   # room for ~10
+    monkeypatch.setattr(stepplan, "AUTO_SHARE", share)
+    monkeypatch.setattr(steplog_mod, "AUTO_SHARE", share)
+    mgr = CheckpointManager(str(tmp_path / "root"), every_steps=10 ** 6,
+                            tiers=TierOptions(memory=tier, memory_every=10 ** 6, drain=False),
+                            step_log=StepLogOptions(replicas=1), async_save=False)
+    mgr.restore(st)
+    mgr.maybe_save(0, st)                               # (hooks the optimizer)
+    mgr.maybe_save(1, st)                               # no optimizer step: a record without gradients
+    log = mgr._steplog
+    assert log is not None and 8 <= log.max_steps <= 11, log.max_steps
+    mgr.close()
+
+
 def test_a_ring_that_does_not_fit_its_share_warns(tmp_path, monkeypatch):
     monkeypatch.setattr(stepplan, "AUTO_SHARE", 1 << 40)       # (a node whose shared memory holds no 4 records)
     from liferaft.tiers import steplog as steplog_mod

@@ -278,8 +278,10 @@ class StepLog:
             #                           optimizer without state, e.g. plain SGD: no call of this record)
             rest = self._rest.capture(state, live, self._put, self.allow_pickle)
         self._cuda.fence(n_cuda)    # the rest's CUDA tensors (buffers) are read before the next forward changes them
-        if self._auto_ring:
-            self._size_ring(cur["pos"])
+        if self._auto_ring:         # (at least every parameter's gradient: a first step GradScaler skipped has none)
+            grads = sum(optsteps.local_of(p).numel() * optsteps.local_of(p).element_size()
+                        for opt in self.optimizers or [] for p in optsteps.params_of(opt))
+            self._size_ring(max(cur["pos"], PROLOGUE + grads))
         cuda = self._cuda.take()
         doc = {"format": FORMAT, "checksum": RECORD_CHECKSUM, "step": step, "rank": self.rank, "world": self.world,
                "owner": self.owner, "epoch": self.epoch, "layout": self.layout[0], "calls": cur["calls"],
