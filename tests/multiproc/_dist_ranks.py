@@ -175,3 +175,34 @@ def forged_lengths(rank: int, world: int) -> list[str]:
         c.exchange(rank, None, "after") == list(range(world)) and c.broadcast_from_zero(rank) == 0
     out.append(f"still works: {ok}")
     return out
+
+
+def forged_one_side(rank: int, world: int) -> list[str]:
+    """A message length in ``gather_to_zero`` (whose sizes only rank 0 receives) forged past the limits, or
+    negative: voted in the gather's first all-reduce, so every rank refuses it alike before anything is allocated,
+    naming the rank, and the group works after."""
+    import liferaft.dist.coordinator as C
+    import liferaft.dist.wire as W
+    from liferaft.dist import Coordinator
+    from liferaft.errors import DistributedError
+
+    c = Coordinator(timeout=20)
+    real = C.length_tensor
+    out = []
+    for kind, liar, n in [("gather", 1, 1 << 40), ("gather", 2, -7), ("gather", 0, W.MAX_MESSAGE + 1)]:
+        if rank == liar:
+            C.length_tensor = lambda _m, _n=n: real(_n)
+        try:
+            if kind == "gather":
+                c.gather_to_zero(f"rank {rank}", None, "forged gather")
+            else:
+                c.scatter_from_zero([f"for {r}" for r in range(world)] if rank == 0 else None, None, "forged scatter")
+            out.append("accepted")
+        except DistributedError as e:
+            out.append(str(e))
+        finally:
+            C.length_tensor = real
+    ok = c.gather_to_zero(rank, None, "after") == (list(range(world)) if rank == 0 else None) and \
+        c.scatter_from_zero(list(range(world)) if rank == 0 else None, None, "after") == rank
+    out.append(f"still works: {ok}")
+    return out

@@ -98,3 +98,21 @@ def test_a_length_past_the_limits_is_refused_on_every_rank_before_anything_is_al
         assert out[4].startswith("DistributedError: forged exchange: ") and "announced" in out[4], (rank, out)
         assert "did not arrive" not in out[4], (rank, out)
     assert results[0] == results[1] == results[2]
+
+
+def test_a_forged_length_in_a_gather_to_rank_zero_is_refused_by_every_rank_before_allocating():
+    """gather_to_zero's sizes reach rank 0 alone, so each rank's length is also voted in the gather's first
+    all-reduce: a length past the limits (or negative) makes every rank raise RefusedLength naming that rank,
+    before any buffer is made, and the group works after."""
+    from multiproc._dist_ranks import forged_one_side
+
+    results = run_ranks(forged_one_side, 3, timeout=120)
+    for rank, out in enumerate(results):
+        assert out[-1] == "still works: True", (rank, out)
+        assert out[0] != "accepted" and out[1] != "accepted" and out[2] != "accepted", (rank, out)
+    for rank, out in enumerate(results):
+        assert all("rank 1 announced a message of" in o for o in out[:1]), (rank, out)
+        assert "rank 2 announced a message of" in out[1] and "rank 0 announced a message of" in out[2], (rank, out)
+    assert "rank 1 announced a message of 1099511627776 bytes" in results[1][0], results[1]
+    assert "rank 2 announced a message of -7 bytes" in results[2][1], results[2]
+    assert f"rank 0 announced a message of {(1 << 33) + 1} bytes" in results[0][2], results[0]

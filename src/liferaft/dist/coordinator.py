@@ -24,10 +24,13 @@ from liferaft.dist.groups import Group, attempt, group_for, one_line, release_gr
 from liferaft.dist.wire import (
     BROADCAST_HEAD,
     LEN,
+    MAX_MESSAGE,
     RefusedLength,
     check_lengths,
+    check_one_side,
     head_size,
     head_tensor,
+    length_tensor,
     receive_buffer,
     tail_tensor,
 )
@@ -230,8 +233,12 @@ class Coordinator:
         of :meth:`exchange`: if any rank passed an ``error`` (or its payload cannot be pickled), every rank
         raises. Each message travels at its own size (its length gathered first, then one send to rank 0), so
         rank 0 holds the sum of the messages; what a rank other than 0 receives does not grow with the world
-        (one all-reduce of one number; the messages of failed ranks only when some failed). For what only rank 0
-        needs from everyone (what goes in the manifest)."""
+        (one all-reduce of two numbers; the messages of failed ranks only when some failed). A length outside 0 to
+        ``wire.MAX_MESSAGE`` is voted in that all-reduce and refused by every rank alike before anything is
+        allocated (``RefusedLength``, naming the rank; the group stays usable); rank 0 also refuses sizes unlike
+        their vote or more than ``wire.MAX_RECEIVED`` in all, alone (its group retired: a peer's send still
+        pending fails at once, one already done meets the retired group at its next collective, within the
+        timeout). For what only rank 0 needs from everyone (what goes in the manifest)."""
         if error is None:
             try:
                 data = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
@@ -244,10 +251,19 @@ class Coordinator:
         import torch
         import torch._C._distributed_c10d as c10d
 
-        if self.all_max([int(error is not None)], what)[0]:
+        n = int(length_tensor(len(data)).item()) if error is None else 0
+        bad = error is None and not 0 <= n <= MAX_MESSAGE       # (voted: refused by every rank alike, below)
+        vote = self.all_max([int(error is not None), self.rank + 1 if bad else 0], what)
+        if vote[0]:
             self.exchange(None, error, what)        # raises on every rank, naming the failed ranks
             raise DistributedError(f"{what or 'operation'} failed on a rank that sent no message")
-        size = torch.tensor([len(data)], dtype=torch.int64)
+        if vote[1]:                     # (nothing pending: the group stays usable)
+            liar = vote[1] - 1
+            raise RefusedLength(f"{what or 'gather to rank 0'}: rank {liar} announced a message of "
+                                f"{n if liar == self.rank else 'a length outside 0 to ' + str(MAX_MESSAGE)} bytes"
+                                f"{f' (0 to {MAX_MESSAGE})' if liar == self.rank else ''}: not a liferaft peer of "
+                                "this version, or its memory is damaged; restart the job")
+        size = torch.tensor([n], dtype=torch.int64)
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)] if self.rank == 0 else []
         opts = c10d.GatherOptions()
         opts.rootRank = 0
@@ -260,7 +276,12 @@ class Coordinator:
             buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)     # (alive until the send is done)
             self.isend(buf, 0, GATHER_TAG).wait()
             return None
-        bufs = {r: torch.empty(int(n.item()), dtype=torch.uint8) for r, n in enumerate(sizes) if r}
+        announced = {r: int(t.item()) for r, t in enumerate(sizes) if r}
+        try:    # (a size unlike its rank's vote, or too many bytes in all: rank 0 alone sees it, so the group goes)
+            check_one_side(announced, what or "gather to rank 0")
+        except DistributedError as e:
+            raise self._fail(e, what, e) from None
+        bufs = {r: torch.empty(n, dtype=torch.uint8) for r, n in announced.items()}
         for w in [self.irecv(buf, r, GATHER_TAG) for r, buf in bufs.items()]:
             w.wait()
         return [payload] + [pickle.loads(bufs[r].numpy().tobytes()) for r in range(1, self.world)]  # our ranks'

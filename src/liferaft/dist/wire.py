@@ -52,6 +52,27 @@ def check_lengths(sizes: list[int], world: int, what: str) -> None:
                                "metadata per rank, or gather it to rank 0")
 
 
+def check_one_side(sizes: dict[int, int], what: str, total: int = MAX_RECEIVED) -> None:
+    """Refuse lengths that one rank alone was told (``sizes``: sender rank → announced bytes) before it allocates
+    for them: a negative one, one over ``MAX_MESSAGE``, or more than ``total`` bytes in all (DistributedError
+    naming the rank and the length). Only this rank sees them, so its peers are mid-protocol: the caller retires
+    the group."""
+    for rank, n in sorted(sizes.items()):
+        if not 0 <= n <= MAX_MESSAGE:
+            raise DistributedError(f"{what}: rank {rank} announced a message of {n} bytes (0 to {MAX_MESSAGE}): "
+                                   "not a liferaft peer of this version, or its memory is damaged; restart the job")
+    if sum(sizes.values()) > total:
+        raise DistributedError(f"{what}: the ranks announced {sum(sizes.values())} bytes in all for this rank (at "
+                               f"most {total}): send less metadata per rank")
+
+
+def length_tensor(n: int) -> Any:
+    """The one-number tensor announcing a message of ``n`` bytes (gathered or scattered before the message)."""
+    import torch
+
+    return torch.tensor([n], dtype=torch.int64)
+
+
 def head_tensor(data: bytes | bytearray, size: int) -> Any:
     """The first round's tensor of ``data``: ``size`` bytes, its length (8 bytes, little-endian), then as much
     of it as fits."""
