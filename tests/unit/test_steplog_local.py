@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import itertools
 import os
+import warnings
 
 import pytest
 import torch
@@ -125,6 +126,43 @@ def test_a_first_record_without_gradients_sizes_the_ring_for_them(tmp_path, monk
     mgr.maybe_save(1, st)                               # no optimizer step: a record without gradients
     log = mgr._steplog
     assert log is not None and 8 <= log.max_steps <= 11, log.max_steps
+    mgr.close()
+
+
+@pytest.mark.parametrize("second", ["auto", 4])
+def test_a_restart_into_a_smaller_ring_drops_no_record(tmp_path, monkeypatch, second):
+    # the last run left 9 records past its only full checkpoint (step 0) in a ring of 256; this run's ring holds 4
+    # (sized so, or set so): its first record must take a free slot, not overwrite a record a recovery still
+    # needs; the ring, full, then takes a full checkpoint, which frees them
+    def manager(max_steps="auto"):
+        tier = MemoryTier("unit", node="n0", base=str(tmp_path / "shm"))
+        return CheckpointManager(str(tmp_path / "root"), every_steps=10 ** 6,
+                                 tiers=TierOptions(memory=tier, memory_every=10 ** 6, drain=False),
+                                 step_log=StepLogOptions(replicas=1, max_steps=max_steps), async_save=False)
+    st = _state()
+    mgr = manager()
+    mgr.restore(st)
+    for step in range(10):
+        _step(st, step)
+        mgr.maybe_save(step, st)
+    assert mgr._steplog is not None and mgr._steplog.max_steps > 9
+    mgr._steplog.close()                        # (as a crash leaves them: the records stay in shared memory)
+    mgr._steplog = None
+    mgr.close()
+    from liferaft.tiers import steplog as steplog_mod
+    monkeypatch.setattr(stepplan, "AUTO_SHARE", 1 << 40)
+    monkeypatch.setattr(steplog_mod, "AUTO_SHARE", 1 << 40)
+    st = _state()
+    mgr = manager(second)
+    assert mgr.restore(st) == 9
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*ring.*is full.*")
+        warnings.filterwarnings("ignore", message=".*shared memory.*")
+        _step(st, 10)
+        mgr.maybe_save(10, st)
+    log = mgr._steplog
+    assert log is not None and log.max_steps == 4 and 10 in log._held.values()
+    assert log.durable == 10 and not log.held_steps()         # (the full ring's save, at once: one rank)
     mgr.close()
 
 

@@ -18,6 +18,7 @@ a warning naming the file. Records at or below the newest durable full checkpoin
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import shutil
 import threading
@@ -207,9 +208,17 @@ class StepLog:
             return f
 
     def _free_slot(self) -> int:
+        """The slot for the next record: a free one of the ring (no record, or one at or below the durable step);
+        in a ring that holds records beyond its size (a restart into a smaller ring: the last run's records are
+        kept until a full checkpoint, which ``full`` now asks for), the first free slot past them; else the
+        oldest record's, dropped with a warning (a full ring whose save failed)."""
+        def free(s: int) -> bool:
+            return s != self._busy and (s not in self._held or self._held[s] <= self.durable)
         for s in range(self.max_steps):
-            if s != self._busy and (s not in self._held or self._held[s] <= self.durable):
+            if free(s):
                 return s
+        if self._held and max(self._held) >= self.max_steps:
+            return next(s for s in itertools.count(self.max_steps) if free(s))
         oldest = min(self._held, key=self._held.__getitem__)
         self._share.spoil(max(self._held.values()))
         warnings.warn(f"liferaft: the per-step log's ring ({self.max_steps} steps) is full; dropping the record of "
