@@ -97,13 +97,61 @@ def test_the_default_ring_is_sized_from_the_first_record_and_the_shared_memory(t
     (100 << 20, 64 << 30, 8, 1, 10, True),                                   # 16 GiB / 8 ranks / 2 copies
     (1 << 30, 64 << 30, 8, 1, stepplan.AUTO_MIN, False),                     # even 4 do not fit: 4, warned
     (0, 0, 0, 0, stepplan.AUTO_MIN, False),                                  # no shared memory seen
+    (1 << 30, 1 << 40, 1, 0, 252, True),                                     # a slot takes 1/64 more than 1 GiB
 ])
 def test_ring_size(record, shm, here, kept, want, fits):
     got, ok = stepplan.ring_size(record, shm, here, kept)
     assert (got, ok) == (want, fits)
-    per = (record + stepplan.AUTO_SLACK) * (1 + kept)
+    per = (record + max(stepplan.AUTO_SLACK, record >> 6)) * (1 + kept)
     if ok and got < stepplan.AUTO_MAX:
         assert got * per * max(1, here) <= shm // stepplan.AUTO_SHARE < (got + 1) * per * max(1, here)
+
+
+@pytest.mark.parametrize(("files", "kept", "want"), [(1024, 1, 64), (1024, 0, 128), (40, 1, stepplan.AUTO_MIN),
+                                                     (1 << 20, 1, stepplan.AUTO_MAX), (None, 3, stepplan.AUTO_MAX)])
+def test_the_ring_leaves_most_file_descriptors_to_the_process(files, kept, want):
+    # two descriptors per slot file (its own and its mapping's), for its ring and the rings it keeps for others
+    assert stepplan.ring_size(1 << 10, 1 << 40, 1, kept, files) == (want, True)
+
+
+def test_records_after_the_first_take_slots_of_their_own_size(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Linear(512, 512)                         # ~1 MiB records: a slot grown by doubling would take 2 MiB
+    st = {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.1)}
+    tier = MemoryTier("unit", node="n0", base=str(tmp_path / "shm"))
+    mgr = CheckpointManager(str(tmp_path / "root"), every_steps=10 ** 6,
+                            tiers=TierOptions(memory=tier, memory_every=10 ** 6, drain=False),
+                            step_log=StepLogOptions(replicas=1), async_save=False)
+    mgr.restore(st)
+    for step in range(5):
+        model(torch.randn(2, 512)).sum().backward()
+        st["optim"].step()
+        st["optim"].zero_grad()
+        mgr.maybe_save(step, st)
+    log = mgr._steplog
+    assert log is not None
+    length = log._last_len
+    later = [log._files[slot_name(0, s)].capacity for s in sorted(log._held)[1:]]
+    assert later and all(length <= c <= length + max(stepplan.AUTO_SLACK, length >> 6) for c in later), (length, later)
+    mgr.close()
+
+
+def test_a_first_record_that_fails_still_sizes_the_ring(tmp_path):
+    # (its peers size theirs at this call: a rank whose record raised votes too, and does not vote again later)
+    st = _state()
+    mgr = _manager(tmp_path)
+    mgr._steplog._auto_ring, mgr._steplog.max_steps = True, stepplan.AUTO_MIN      # (as max_steps="auto")
+    mgr.restore(st)
+    _step(st, 0)
+    mgr.maybe_save(0, st)                               # (hooks the optimizer)
+    st["weird"] = object()                              # not a value a record can hold
+    _step(st, 1)
+    with pytest.raises(liferaft.errors.LiferaftError):
+        mgr.maybe_save(1, st)
+    log = mgr._steplog
+    assert not log._auto_ring and log.max_steps == stepplan.AUTO_MAX
+    del st["weird"]
+    mgr.close()
 
 
 def test_a_first_record_without_gradients_sizes_the_ring_for_them(tmp_path, monkeypatch):
@@ -161,8 +209,11 @@ def test_a_restart_into_a_smaller_ring_drops_no_record(tmp_path, monkeypatch, se
         _step(st, 10)
         mgr.maybe_save(10, st)
     log = mgr._steplog
-    assert log is not None and log.max_steps == 4 and 10 in log._held.values()
+    assert log is not None and log.max_steps == 4
     assert log.durable == 10 and not log.held_steps()         # (the full ring's save, at once: one rank)
+    # the slots past the ring (the last run's records, and step 10's, taken past them) are gone once free
+    assert sorted(os.listdir(os.path.join(log.root, "r00000"))) == [f"slot-{i:04d}" for i in range(4)]
+    assert max(log._held) < 4
     mgr.close()
 
 

@@ -98,7 +98,7 @@ class StepLogOptions:
     def __post_init__(self) -> None:
         check_int("StepLogOptions", "replicas", self.replicas, 0)
         m = self.max_steps
-        if not (type(m) is str and m == "auto") and (type(m) is not int or m < 2):
+        if not (isinstance(m, str) and m == "auto") and (not isinstance(m, int) or isinstance(m, bool) or m < 2):
             raise OptionsError(f"StepLogOptions.max_steps must be 'auto' or an int >= 2, got {m!r}")
 
 

@@ -39,7 +39,16 @@ from liferaft.tiers.memory import MemoryTier
 from liferaft.tiers.stepcheck import check_own, check_records, lock_writer, owner_id, replay_record
 from liferaft.tiers.stepcuda import Copy, CudaCopies
 from liferaft.tiers.steplist import home_of, list_node, rank_dir, slot_name
-from liferaft.tiers.stepplan import AUTO_MIN, AUTO_SHARE, bytearray_np, fetch_plan, newest_chain, ring_size, targets
+from liferaft.tiers.stepplan import (
+    AUTO_MAX,
+    AUTO_MIN,
+    AUTO_SHARE,
+    bytearray_np,
+    fetch_plan,
+    newest_chain,
+    ring_size,
+    targets,
+)
 from liferaft.tiers.steprecord import (
     FORMAT,
     HELD,
@@ -80,6 +89,7 @@ class StepLog:
         #: the ring's size; None given: sized by ``stepplan.ring_size`` at the first record (``AUTO_MIN`` until then)
         self.max_steps = AUTO_MIN if max_steps is None else max_steps
         self._auto_ring = max_steps is None
+        self._last_len = 0                          # the last record's length (its slot's reservation)
         self.allow_pickle = allow_pickle
         self.owner = owner_id(owner)
         self.root = os.path.join(memory.root, "steplog", self.owner)
@@ -193,7 +203,8 @@ class StepLog:
             slot = self._free_slot()
             rel = slot_name(self.rank, slot)
             f = self._file(rel)
-            f.reserve(PROLOGUE)
+            # (sized once to the last record, as a ring's records are alike: no doubling up to it, no room past it)
+            f.reserve(max(PROLOGUE, self._last_len), whole=self._last_len > 0)
             f.write(0, bytes(PROLOGUE))                  # no record in this slot until the new prologue
             self._held.pop(slot, None)
             self._cur = {"slot": slot, "file": f, "pos": PROLOGUE, "calls": [], "plain": [], "gen": self._gen}
@@ -283,9 +294,14 @@ class StepLog:
         cur = self._begin()
         live = optsteps.LiveIds(self.optimizers or [])      # (found only if the walk meets a tensor: most steps do not)
         n_cuda = len(self._cuda.pending)
-        with self.suspended():      # (the full walk's get_optimizer_state_dict runs a placeholder step on an
-            #                           optimizer without state, e.g. plain SGD: no call of this record)
-            rest = self._rest.capture(state, live, self._put, self.allow_pickle)
+        try:
+            with self.suspended():      # (the full walk's get_optimizer_state_dict runs a placeholder step on an
+                #                           optimizer without state, e.g. plain SGD: no call of this record)
+                rest = self._rest.capture(state, live, self._put, self.allow_pickle)
+        except BaseException:
+            if self._auto_ring:         # (the peers size their rings now: this rank votes too, then raises)
+                self._size_ring(None)
+            raise
         self._cuda.fence(n_cuda)    # the rest's CUDA tensors (buffers) are read before the next forward changes them
         if self._auto_ring:         # (at least every parameter's gradient: a first step GradScaler skipped has none)
             grads = sum(optsteps.local_of(p).numel() * optsteps.local_of(p).element_size()
@@ -308,11 +324,12 @@ class StepLog:
         self._publishing = (cur, doc, cuda, replicate)
         self._pending = self._pool.submit(self._publish_then_replicate, cur, doc, cuda, replicate)
 
-    def _size_ring(self, record_bytes: int) -> None:
+    def _size_ring(self, record_bytes: int | None) -> None:
         """``max_steps="auto"``: the ring's size from this first record's length (``stepplan.ring_size``), the
-        smallest any rank found (collective: every rank's first record is of the same ``maybe_save``). One size
-        on every rank: a ring voted full is then full on every rank once the save in flight is done, and every
-        rank takes the same synchronous save (``manager._decide``)."""
+        smallest any rank found (collective: every rank's first record is of the same ``maybe_save``; None: this
+        rank's record failed, it votes for nothing smaller). One size on every rank: a ring voted full is then
+        full on every rank once the save in flight is done, and every rank takes the same synchronous save
+        (``manager._decide``)."""
         self._auto_ring = False
         try:
             st = os.statvfs(self.root)
@@ -320,10 +337,14 @@ class StepLog:
         except OSError:
             shm = 0
         here = sum(n == self.nodes[self.rank] for n in self.nodes)
-        size, fits = ring_size(record_bytes, shm, here, len(self.sources))
+        files = _descriptor_limit()
+        size, fits = ring_size(record_bytes or 0, shm, here, len(self.sources), files) if record_bytes is not None \
+            else (AUTO_MAX, True)
         self.max_steps = -self.coord.all_max([-size], "step log (ring size)")[0] if self.world > 1 else size
+        self._trim()
         if not fits:
-            warnings.warn(f"liferaft: the per-step log's records of rank {self.rank} take {record_bytes >> 20} MiB "
+            warnings.warn(f"liferaft: the per-step log's records of rank {self.rank} take "
+                          f"{(record_bytes or 0) / 2 ** 20:.2f} MiB "
                           f"each: {AUTO_MIN} of them, with the replicas kept for {len(self.sources)} other rank(s), "
                           f"for each of the {here} rank(s) of this node, take more than 1/{AUTO_SHARE} of its "
                           f"shared memory ({shm >> 20} MiB at {self.memory.root}); the ring holds {AUTO_MIN} "
@@ -350,6 +371,7 @@ class StepLog:
         f.reserve(off + len(header))
         f.write(off, header)
         f.write(0, prologue(off + len(header), off, len(header), digest(header)))
+        self._last_len = off + len(header)
         return off + len(header)
 
     def _publish_then_replicate(self, cur: dict[str, Any], doc: dict[str, Any], cuda: list[Copy],
@@ -401,6 +423,20 @@ class StepLog:
             self._lag = self._recorded - step
         self.durable = max(self.durable, step)
         self._share.durable(step)
+        self._trim()
+
+    def _trim(self) -> None:
+        """Remove this rank's slot files past the ring whose record is at or below the durable step (a restart
+        into a smaller ring left them): the ring never takes them again, their memory goes back to the node."""
+        for s in [s for s, st in self._held.items() if s >= self.max_steps and st <= self.durable and s != self._busy]:
+            rel = slot_name(self.rank, s)
+            with self._lock:
+                f = self._files.pop(rel, None)
+            if f is not None:
+                f.close()
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(self.root, rel))
+            del self._held[s]
 
     def _rebase(self, step: int) -> None:
         """The state now stands on the full checkpoint ``step`` (restored): it is the newest base of this run's
@@ -686,6 +722,16 @@ class StepLog:
         """Free this node's records (a clean exit of the job). Not collective."""
         self.close()
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _descriptor_limit() -> int | None:
+    """This process's soft limit of open files (None: unknown or unlimited)."""
+    try:
+        import resource
+    except ImportError:         # (not a POSIX host)
+        return None
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return None if soft == resource.RLIM_INFINITY or soft <= 0 else soft
 
 
 __all__ = ["StepLog"]

@@ -31,19 +31,26 @@ def bytearray_np(data: bytearray) -> Any:
 
 AUTO_SHARE = 4              # max_steps="auto": the rings of a node take at most 1/AUTO_SHARE of its shared memory
 AUTO_MIN, AUTO_MAX = 4, 256
-AUTO_SLACK = 64 << 10       # a record's header and rest of the state beyond its tensors, counted per record
+AUTO_SLACK = 64 << 10       # a slot's room beyond its record (``stepslot.Slot.reserve(whole=True)``: at least this,
+#                             1/64 of the record above 4 MiB), counted per slot
+AUTO_FDS = 4                # the rings' slot files take at most 1/AUTO_FDS of the process's descriptors
 
 
-def ring_size(record_bytes: int, shm_bytes: int, ranks_on_node: int, kept: int) -> tuple[int, bool]:
+def ring_size(record_bytes: int, shm_bytes: int, ranks_on_node: int, kept: int,
+              max_files: int | None = None) -> tuple[int, bool]:
     """``StepLogOptions(max_steps="auto")``: how many records a rank's ring holds, from the length of its first
     record (``record_bytes``), the size of the node's shared-memory file system, the ranks of the node sharing it,
     and the rings of other ranks' records this rank keeps (``kept``: its replication sources, counted as records
     of the same length: under DDP their gradients are held, not kept, so this overcounts). As many as fit in
-    ``1/AUTO_SHARE`` of the file system, within ``[AUTO_MIN, AUTO_MAX]``; and whether ``AUTO_MIN`` fit (else the
-    ring is ``AUTO_MIN`` all the same, and takes more than that share)."""
-    per_slot = (max(0, record_bytes) + AUTO_SLACK) * (1 + max(0, kept))
+    ``1/AUTO_SHARE`` of the file system, each slot counted as it is reserved (the record and its slack), within
+    ``[AUTO_MIN, AUTO_MAX]`` and, with ``max_files`` (the process's descriptor limit), at most what
+    ``1/AUTO_FDS`` of them hold open (two per slot file: its descriptor and its mapping's); and whether
+    ``AUTO_MIN`` fit the memory (else the ring is ``AUTO_MIN`` all the same, and takes more than that share)."""
+    record = max(0, record_bytes)
+    per_slot = (record + max(AUTO_SLACK, record >> 6)) * (1 + max(0, kept))
     fits = max(0, shm_bytes) // AUTO_SHARE // max(1, ranks_on_node) // per_slot
-    return max(AUTO_MIN, min(AUTO_MAX, fits)), fits >= AUTO_MIN
+    cap = AUTO_MAX if max_files is None else min(AUTO_MAX, max_files // AUTO_FDS // (2 * (1 + max(0, kept))))
+    return max(AUTO_MIN, min(cap, fits)), fits >= AUTO_MIN
 
 
 def targets(nodes: list[str], rank: int, replicas: int) -> list[int]:
