@@ -38,7 +38,7 @@ def _step(st: dict, step: int) -> None:
     st["seen"] += 5
 
 
-def _manager(tmp_path, max_steps: int = 16, every: int = 4) -> CheckpointManager:
+def _manager(tmp_path, max_steps: int | str = 16, every: int = 4) -> CheckpointManager:
     tier = MemoryTier("unit", node="n0", base=str(tmp_path / "shm"))
     return CheckpointManager(str(tmp_path / "root"), every_steps=every,
                              tiers=TierOptions(memory=tier, memory_every=10 ** 6, drain=False),
@@ -72,10 +72,7 @@ def test_options_are_checked(bad):
 
 def test_the_default_ring_is_sized_from_the_first_record_and_the_shared_memory(tmp_path):
     assert StepLogOptions().max_steps == "auto"
-    tier = MemoryTier("unit", node="n0", base=str(tmp_path / "shm"))
-    mgr = CheckpointManager(str(tmp_path / "root"), every_steps=10 ** 6,
-                            tiers=TierOptions(memory=tier, memory_every=10 ** 6, drain=False),
-                            step_log=StepLogOptions(replicas=1), async_save=False)
+    mgr = _manager(tmp_path, "auto", 10 ** 6)
     st = _state()
     mgr.restore(st)
     log = mgr._steplog
@@ -118,10 +115,7 @@ def test_records_after_the_first_take_slots_of_their_own_size(tmp_path):
     torch.manual_seed(0)
     model = nn.Linear(512, 512)                         # ~1 MiB records: a slot grown by doubling would take 2 MiB
     st = {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.1)}
-    tier = MemoryTier("unit", node="n0", base=str(tmp_path / "shm"))
-    mgr = CheckpointManager(str(tmp_path / "root"), every_steps=10 ** 6,
-                            tiers=TierOptions(memory=tier, memory_every=10 ** 6, drain=False),
-                            step_log=StepLogOptions(replicas=1), async_save=False)
+    mgr = _manager(tmp_path, "auto", 10 ** 6)
     mgr.restore(st)
     for step in range(5):
         model(torch.randn(2, 512)).sum().backward()
@@ -221,10 +215,7 @@ def test_a_ring_that_does_not_fit_its_share_warns(tmp_path, monkeypatch):
     monkeypatch.setattr(stepplan, "AUTO_SHARE", 1 << 40)       # (a node whose shared memory holds no 4 records)
     from liferaft.tiers import steplog as steplog_mod
     monkeypatch.setattr(steplog_mod, "AUTO_SHARE", 1 << 40)
-    tier = MemoryTier("unit", node="n0", base=str(tmp_path / "shm"))
-    mgr = CheckpointManager(str(tmp_path / "root"), every_steps=10 ** 6,
-                            tiers=TierOptions(memory=tier, memory_every=10 ** 6, drain=False),
-                            step_log=StepLogOptions(replicas=1), async_save=False)
+    mgr = _manager(tmp_path, "auto", 10 ** 6)
     st = _state()
     mgr.restore(st)
     with pytest.warns(UserWarning, match="shared memory"):
