@@ -32,20 +32,18 @@ import torch
 
 from liferaft.codecs.checksum import digest, stream
 from liferaft.dist import Coordinator
-from liferaft.errors import CorruptCheckpointError, InvalidStateError, LiferaftError
+from liferaft.errors import InvalidStateError, LiferaftError
 from liferaft.state import optsteps
 from liferaft.state.values import encode_value
+from liferaft.tiers import steprecover
 from liferaft.tiers.memory import MemoryTier
-from liferaft.tiers.stepcheck import check_own, check_records, lock_writer, owner_id, replay_record
+from liferaft.tiers.stepcheck import lock_writer, owner_id
 from liferaft.tiers.stepcuda import Copy, CudaCopies
-from liferaft.tiers.steplist import home_of, list_node, rank_dir, slot_name
+from liferaft.tiers.steplist import rank_dir, slot_name
 from liferaft.tiers.stepplan import (
     AUTO_MAX,
     AUTO_MIN,
     AUTO_SHARE,
-    bytearray_np,
-    fetch_plan,
-    newest_chain,
     ring_size,
     targets,
 )
@@ -54,18 +52,15 @@ from liferaft.tiers.steprecord import (
     HELD,
     PROLOGUE,
     RECORD_CHECKSUM,
-    Header,
     Held,
     as_bytes,
     encode_header,
     entry_of,
-    fill_held,
     prologue,
     read_header,
-    read_record,
     tensor_entry,
 )
-from liferaft.tiers.steprest import RestCapture, restore_rest
+from liferaft.tiers.steprest import RestCapture
 from liferaft.tiers.stepsend import Sender
 from liferaft.tiers.stepshare import ReplayShare
 from liferaft.tiers.stepslot import Slot as _Slot
@@ -529,120 +524,8 @@ class StepLog:
 
     def recover(self, state: Any, full: int) -> int:
         """Replay the records after the full checkpoint ``full`` (just restored into ``state``); return the step
-        the state is now at. Collective: three small exchanges (listing, fetch errors, check outcome) plus the
-        records a rank's node lacks, sent by a holder; the replay itself is local. Each record is read once and
-        verified once; the gradients are replayed from views into the record's bytes; the rest of the state is
-        loaded once, from the last record. ``last_recovery`` says what it did and how long each phase took."""
-        clock = [time.perf_counter()]
-        self.wait()
-        self.attach(state)
-        self._rebase(full)
-        kept: dict[int, tuple[Header, bytearray, str]] = {}     # this rank's own records, read and verified
-        listing = self.coord.run(lambda: self._list(full, kept), "step log (listing)")
-        refused = sorted({v[0] for held in listing for k, v in held.items() if k[0] < 0})
-        listing = [{k: v for k, v in held.items() if k[0] >= 0} for held in listing]
-        n, why = newest_chain(listing, full, self.world)
-        newest = max((s for held in listing for (r, s) in held), default=full)
-        if not why and newest > n:          # a gap: never silent
-            lacking = [r for r in range(self.world) if not any((r, n + 1) in held for held in listing)]
-            why = f"no node holds the record of step {n + 1} of rank(s) {lacking} (records up to step {newest} " \
-                  "are held; a step without maybe_save, a lost node and its replica, or a process killed while its " \
-                  "record was written: on a GPU, in the background after maybe_save)"
-        plan = [] if n <= full else fetch_plan(listing, self.nodes, full, n)
-        clock.append(time.perf_counter())
-        records: dict[int, Any] = {}        # (kept on this rank: only the outcome is exchanged, not the bytes)
-        self.coord.run(lambda: records.update(self._gather(kept, plan, full, n)), "step log (fetch)")
-        clock.append(time.perf_counter())
-        outcome = check_own(records, full, n, self.rank, self.owner, self.world, self.layout)
-        if outcome == ("ok",):
-            outcome = check_records(records, state, self.optimizers or [], self.allow_pickle, full, n)
-        clock.append(time.perf_counter())
-        outcomes = self.coord.exchange(outcome, None, "step log (check)")
-        layout = [o[1] for o in outcomes if o[0] == "layout"]
-        bad = [o for o in outcomes if o[0] == "bad"]
-        if layout:
-            why = f"the per-step log was written by another layout ({layout[0]}); it replays only into the " \
-                  "layout that wrote it"
-            n = full
-        elif bad:
-            n = min(o[2] for o in bad) - 1
-            why = "; ".join(o[1] for o in bad)
-        if refused and not layout:
-            why = "; ".join([why] * bool(why) + refused)
-        if why:
-            warnings.warn(f"liferaft: the per-step log resumes at step {n} instead of past it: {why}", stacklevel=3)
-        clock.append(time.perf_counter())
-        rest_loads = 0
-        self._replaying = True
-        try:
-            for j in range(full + 1, n + 1):
-                replay_record(*records[j], self.optimizers or [], self.allow_pickle)
-            clock.append(time.perf_counter())
-            if n > full:
-                header, data = records[n]
-                restore_rest(state, header.doc["rest"], memoryview(data), header,
-                             optsteps.tensor_ids(self.optimizers or []), self.allow_pickle)
-                rest_loads += 1
-        finally:
-            self._replaying = False
-        records.clear()
-        clock.append(time.perf_counter())
-        self._forget_collectively(n, "step log (forget the future)")
-        self._expect = n + 1
-        clock.append(time.perf_counter())
-        phases = ("listing", "fetch", "check", "agree", "replay", "rest", "forget")     # (clock's intervals)
-        self.last_recovery = {"full": full, "replayed_to": n, "replayed": max(0, n - full),
-                              "fetched": sum(1 for p in plan if p[2] == self.rank), "rest_loads": rest_loads,
-                              "why": why, "timings": {k: b - a for k, a, b in zip(phases, clock, clock[1:])}}
-        return n
-
-    def _list(self, full: int, kept: dict[int, tuple[Header, bytearray, str]]) -> dict[tuple[int, int],
-                                                                                      tuple[str, int, int]]:
-        """``steplist.list_node`` for this rank; notes the slots of its own records and the held replicas."""
-        got = list_node(self.root, self.nodes, self.rank, self.world, self.owner, full, kept, self.live)
-        self._thin = got.thin
-        self._held.update(got.slots)
-        return got.records
-
-    def _gather(self, kept: dict[int, tuple[Header, bytearray, str]], plan: list[tuple[int, int, int, str, int]],
-                full: int, n: int) -> dict[int, tuple[Header | None, Any, str]]:
-        """This rank's records full+1..n as (header if verified already, bytes, where): its own, read by ``_list``,
-        or received per ``plan`` (step, holder, rank, slot name, length) — and then kept in its node's ring too.
-        A record this rank cannot serve (read or fill failed since the listing) goes as zeros, refused by the
-        receiver's check: its peer never waits out a timeout for it."""
-        works, got = [], {}
-        for tag, (step, holder, rank, rel, length) in enumerate(plan):
-            if holder == self.rank:
-                try:
-                    raw = read_record(self.root, rel, length)
-                    held = self._thin.get(rel)
-                    home = home_of(self.root, self.rank, held, kept) if held is not None else None
-                    if held is not None:            # the gradients a record of this node holds
-                        if home is None:
-                            raise CorruptCheckpointError(f"{rel}: the record its held gradients are in is gone")
-                        fill_held(raw, held, home, os.path.join(self.root, rel))
-                except (LiferaftError, OSError) as e:
-                    warnings.warn(f"liferaft: cannot send the step record {rel} to rank {rank}: {e}", stacklevel=2)
-                    raw = bytearray(length)
-                data = torch.from_numpy(bytearray_np(raw))
-                works.append(self.coord.isend(data, rank, tag))
-            if rank == self.rank:
-                buf = torch.empty(length, dtype=torch.uint8)
-                works.append(self.coord.irecv(buf, holder, tag))
-                got[step] = (buf, rel)
-        for w in works:
-            w.wait()
-        out: dict[int, tuple[Header | None, Any, str]] = {}
-        for step in range(full + 1, n + 1):
-            if step in got:
-                buf, rel = got[step]
-                data = memoryview(buf.numpy())
-                self._store(rel, data)
-                self._held[int(rel.rsplit("-", 1)[1])] = step
-                out[step] = (None, data, os.path.join(self.root, rel) + " (from a peer)")
-            else:
-                out[step] = kept[step]
-        return out
+        the state is now at (``tiers.steprecover.recover``). Collective."""
+        return steprecover.recover(self, state, full)
 
     def resume_at(self, state: Any, step: int) -> None:
         """The state was restored to the full checkpoint ``step`` on request (``restore(state, step=K)``): hook the

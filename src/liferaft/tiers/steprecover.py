@@ -1,0 +1,147 @@
+"""Recovery of the per-step log (``tiers.steplog.StepLog.recover``): after the newest full checkpoint K is restored,
+every rank lists the records its node holds, the ranks agree on the newest step N whose records K+1..N are all held
+by some live node, fetch what their node lacks from a holder, check every record, replay K+1..N through the live
+optimizers with the hooks off, and load record N's rest of the state (docs/STEPLOG.md)."""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from liferaft.errors import CorruptCheckpointError, LiferaftError
+from liferaft.state import optsteps
+from liferaft.tiers.stepcheck import check_own, check_records, replay_record
+from liferaft.tiers.steplist import home_of, list_node
+from liferaft.tiers.stepplan import bytearray_np, fetch_plan, newest_chain
+from liferaft.tiers.steprecord import Header, fill_held, read_record
+from liferaft.tiers.steprest import restore_rest
+
+if TYPE_CHECKING:
+    from liferaft.tiers.steplog import StepLog
+
+
+def recover(log: StepLog, state: Any, full: int) -> int:
+    """Replay the records after the full checkpoint ``full`` (just restored into ``state``); return the step
+    the state is now at. Collective: three small exchanges (listing, fetch errors, check outcome) plus the
+    records a rank's node lacks, sent by a holder; the replay itself is local. Each record is read once and
+    verified once; the gradients are replayed from views into the record's bytes; the rest of the state is
+    loaded once, from the last record. ``last_recovery`` says what it did and how long each phase took."""
+    clock = [time.perf_counter()]
+    log.wait()
+    log.attach(state)
+    log._rebase(full)
+    kept: dict[int, tuple[Header, bytearray, str]] = {}     # this rank's own records, read and verified
+    listing = log.coord.run(lambda: _list(log, full, kept), "step log (listing)")
+    refused = sorted({v[0] for held in listing for k, v in held.items() if k[0] < 0})
+    listing = [{k: v for k, v in held.items() if k[0] >= 0} for held in listing]
+    n, why = newest_chain(listing, full, log.world)
+    newest = max((s for held in listing for (r, s) in held), default=full)
+    if not why and newest > n:          # a gap: never silent
+        lacking = [r for r in range(log.world) if not any((r, n + 1) in held for held in listing)]
+        why = f"no node holds the record of step {n + 1} of rank(s) {lacking} (records up to step {newest} " \
+              "are held; a step without maybe_save, a lost node and its replica, or a process killed while its " \
+              "record was written: on a GPU, in the background after maybe_save)"
+    plan = [] if n <= full else fetch_plan(listing, log.nodes, full, n)
+    clock.append(time.perf_counter())
+    records: dict[int, Any] = {}        # (kept on this rank: only the outcome is exchanged, not the bytes)
+    log.coord.run(lambda: records.update(_gather(log, kept, plan, full, n)), "step log (fetch)")
+    clock.append(time.perf_counter())
+    outcome = check_own(records, full, n, log.rank, log.owner, log.world, log.layout)
+    if outcome == ("ok",):
+        outcome = check_records(records, state, log.optimizers or [], log.allow_pickle, full, n)
+    clock.append(time.perf_counter())
+    outcomes = log.coord.exchange(outcome, None, "step log (check)")
+    layout = [o[1] for o in outcomes if o[0] == "layout"]
+    bad = [o for o in outcomes if o[0] == "bad"]
+    if layout:
+        why = f"the per-step log was written by another layout ({layout[0]}); it replays only into the " \
+              "layout that wrote it"
+        n = full
+    elif bad:
+        n = min(o[2] for o in bad) - 1
+        why = "; ".join(o[1] for o in bad)
+    if refused and not layout:
+        why = "; ".join([why] * bool(why) + refused)
+    if why:
+        warnings.warn(f"liferaft: the per-step log resumes at step {n} instead of past it: {why}", stacklevel=4)
+    clock.append(time.perf_counter())
+    rest_loads = 0
+    log._replaying = True
+    try:
+        for j in range(full + 1, n + 1):
+            replay_record(*records[j], log.optimizers or [], log.allow_pickle)
+        clock.append(time.perf_counter())
+        if n > full:
+            header, data = records[n]
+            restore_rest(state, header.doc["rest"], memoryview(data), header,
+                         optsteps.tensor_ids(log.optimizers or []), log.allow_pickle)
+            rest_loads += 1
+    finally:
+        log._replaying = False
+    records.clear()
+    clock.append(time.perf_counter())
+    log._forget_collectively(n, "step log (forget the future)")
+    log._expect = n + 1
+    clock.append(time.perf_counter())
+    phases = ("listing", "fetch", "check", "agree", "replay", "rest", "forget")     # (clock's intervals)
+    log.last_recovery = {"full": full, "replayed_to": n, "replayed": max(0, n - full),
+                          "fetched": sum(1 for p in plan if p[2] == log.rank), "rest_loads": rest_loads,
+                          "why": why, "timings": {k: b - a for k, a, b in zip(phases, clock, clock[1:])}}
+    return n
+
+
+def _list(log: StepLog, full: int, kept: dict[int, tuple[Header, bytearray, str]]) -> dict[tuple[int, int],
+                                                                                         tuple[str, int, int]]:
+    """``steplist.list_node`` for this rank; notes the slots of its own records and the held replicas."""
+    got = list_node(log.root, log.nodes, log.rank, log.world, log.owner, full, kept, log.live)
+    log._thin = got.thin
+    log._held.update(got.slots)
+    return got.records
+
+
+def _gather(log: StepLog, kept: dict[int, tuple[Header, bytearray, str]], plan: list[tuple[int, int, int, str, int]],
+            full: int, n: int) -> dict[int, tuple[Header | None, Any, str]]:
+    """This rank's records full+1..n as (header if verified already, bytes, where): its own, read by ``_list``,
+    or received per ``plan`` (step, holder, rank, slot name, length) — and then kept in its node's ring too.
+    A record this rank cannot serve (read or fill failed since the listing) goes as zeros, refused by the
+    receiver's check: its peer never waits out a timeout for it."""
+    works, got = [], {}
+    for tag, (step, holder, rank, rel, length) in enumerate(plan):
+        if holder == log.rank:
+            try:
+                raw = read_record(log.root, rel, length)
+                held = log._thin.get(rel)
+                home = home_of(log.root, log.rank, held, kept) if held is not None else None
+                if held is not None:            # the gradients a record of this node holds
+                    if home is None:
+                        raise CorruptCheckpointError(f"{rel}: the record its held gradients are in is gone")
+                    fill_held(raw, held, home, os.path.join(log.root, rel))
+            except (LiferaftError, OSError) as e:
+                warnings.warn(f"liferaft: cannot send the step record {rel} to rank {rank}: {e}", stacklevel=2)
+                raw = bytearray(length)
+            data = torch.from_numpy(bytearray_np(raw))
+            works.append(log.coord.isend(data, rank, tag))
+        if rank == log.rank:
+            buf = torch.empty(length, dtype=torch.uint8)
+            works.append(log.coord.irecv(buf, holder, tag))
+            got[step] = (buf, rel)
+    for w in works:
+        w.wait()
+    out: dict[int, tuple[Header | None, Any, str]] = {}
+    for step in range(full + 1, n + 1):
+        if step in got:
+            buf, rel = got[step]
+            data = memoryview(buf.numpy())
+            log._store(rel, data)
+            log._held[int(rel.rsplit("-", 1)[1])] = step
+            out[step] = (None, data, os.path.join(log.root, rel) + " (from a peer)")
+        else:
+            out[step] = kept[step]
+    return out
+
+
+__all__ = ["recover"]
