@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -20,8 +20,7 @@ from liferaft.tiers.stepplan import bytearray_np, fetch_plan, newest_chain
 from liferaft.tiers.steprecord import Header, fill_held, read_record
 from liferaft.tiers.steprest import restore_rest
 
-if TYPE_CHECKING:
-    from liferaft.tiers.steplog import StepLog
+StepLog = Any       # (a tiers.steplog.StepLog: not imported, which imports this module)
 
 
 def recover(log: StepLog, state: Any, full: int) -> int:
