@@ -172,6 +172,36 @@ def test_a_first_record_without_gradients_sizes_the_ring_for_them(tmp_path, monk
 
 
 @pytest.mark.parametrize("second", ["auto", 4])
+def test_a_restart_into_a_smaller_ring_removes_the_slots_past_it(tmp_path, monkeypatch, second):
+    # the last run's records all at or below its last full checkpoint (step 9): not listed by the recovery, their
+    # slot files past this run's ring go at its first record
+    st = _state()
+    mgr = _manager(tmp_path, "auto", 10 ** 6)
+    mgr.restore(st)
+    for step in range(10):
+        _step(st, step)
+        mgr.maybe_save(step, st, force=step == 9)
+    assert mgr._steplog is not None and len(os.listdir(os.path.join(mgr._steplog.root, "r00000"))) >= 9
+    mgr.close()
+    if second == "auto":
+        from liferaft.tiers import steplog as steplog_mod
+        monkeypatch.setattr(stepplan, "AUTO_SHARE", 1 << 40)
+        monkeypatch.setattr(steplog_mod, "AUTO_SHARE", 1 << 40)
+    st = _state()
+    mgr = _manager(tmp_path, second, 10 ** 6)
+    assert mgr.restore(st) == 9
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*shared memory.*")
+        _step(st, 10)
+        mgr.maybe_save(10, st)
+    log = mgr._steplog
+    assert log is not None and log.max_steps == 4
+    assert all(int(n.removeprefix("slot-")) < 4 for n in os.listdir(os.path.join(log.root, "r00000")))
+    assert 10 in log._held.values()
+    mgr.close()
+
+
+@pytest.mark.parametrize("second", ["auto", 4])
 def test_a_restart_into_a_smaller_ring_drops_no_record(tmp_path, monkeypatch, second):
     # the last run left 9 records past its only full checkpoint (step 0) in a ring of 256; this run's ring holds 4
     # (sized so, or set so): its first record must take a free slot, not overwrite a record a recovery still

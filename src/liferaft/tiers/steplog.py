@@ -85,6 +85,7 @@ class StepLog:
         self.max_steps = AUTO_MIN if max_steps is None else max_steps
         self._auto_ring = max_steps is None
         self._last_len = 0                          # the last record's length (its slot's reservation)
+        self._scanned = False                       # whether this run's first record looked for stale slots
         self.allow_pickle = allow_pickle
         self.owner = owner_id(owner)
         self.root = os.path.join(memory.root, "steplog", self.owner)
@@ -302,6 +303,9 @@ class StepLog:
             grads = sum(optsteps.local_of(p).numel() * optsteps.local_of(p).element_size()
                         for opt in self.optimizers or [] for p in optsteps.params_of(opt))
             self._size_ring(max(cur["pos"], PROLOGUE + grads))
+        if not self._scanned:       # (this run's first record: a last run's slots past this ring go)
+            self._scanned = True
+            self._trim(scan=True)
         cuda = self._cuda.take()
         doc = {"format": FORMAT, "checksum": RECORD_CHECKSUM, "step": step, "rank": self.rank, "world": self.world,
                "owner": self.owner, "epoch": self.epoch, "layout": self.layout[0], "calls": cur["calls"],
@@ -336,7 +340,6 @@ class StepLog:
         size, fits = ring_size(record_bytes or 0, shm, here, len(self.sources), files) if record_bytes is not None \
             else (AUTO_MAX, True)
         self.max_steps = -self.coord.all_max([-size], "step log (ring size)")[0] if self.world > 1 else size
-        self._trim()
         if not fits:
             warnings.warn(f"liferaft: the per-step log's records of rank {self.rank} take "
                           f"{(record_bytes or 0) / 2 ** 20:.2f} MiB "
@@ -420,10 +423,25 @@ class StepLog:
         self._share.durable(step)
         self._trim()
 
-    def _trim(self) -> None:
+    def _trim(self, scan: bool = False) -> None:
         """Remove this rank's slot files past the ring whose record is at or below the durable step (a restart
-        into a smaller ring left them): the ring never takes them again, their memory goes back to the node."""
-        for s in [s for s, st in self._held.items() if s >= self.max_steps and st <= self.durable and s != self._busy]:
+        into a smaller ring left them): the ring never takes them again, their memory goes back to the node.
+        ``scan``: also those past the ring holding no record a recovery listed (the ring's sizing: a last run's
+        slots whose records were at or below its full checkpoint, or never published)."""
+        gone = {s for s, st in self._held.items() if s >= self.max_steps and st <= self.durable}
+        if scan:
+            try:
+                names = os.listdir(os.path.join(self.root, rank_dir(self.rank)))
+            except OSError:
+                names = []
+            for name in names:
+                idx = name.removeprefix("slot-")
+                if name.startswith("slot-") and idx.isdigit() and int(idx) >= self.max_steps and \
+                        self._held.get(int(idx), -1) <= self.durable:
+                    gone.add(int(idx))
+        if self._cur is not None:
+            gone.discard(self._cur["slot"])         # (the record being written: taken past a smaller ring)
+        for s in sorted(gone - {self._busy}):
             rel = slot_name(self.rank, s)
             with self._lock:
                 f = self._files.pop(rel, None)
@@ -431,7 +449,7 @@ class StepLog:
                 f.close()
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(self.root, rel))
-            del self._held[s]
+            self._held.pop(s, None)
 
     def _rebase(self, step: int) -> None:
         """The state now stands on the full checkpoint ``step`` (restored): it is the newest base of this run's
