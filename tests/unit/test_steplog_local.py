@@ -241,6 +241,120 @@ def test_a_restart_into_a_smaller_ring_drops_no_record(tmp_path, monkeypatch, se
     mgr.close()
 
 
+def _drops_are_errors():
+    w = warnings.catch_warnings()
+    w.__enter__()
+    warnings.filterwarnings("error", message=".*ring.*is full.*")
+    return w
+
+
+def test_the_records_a_recovery_listed_are_kept_before_the_auto_ring_is_sized(tmp_path):
+    # full checkpoint at 5, records 6..9 in slots 0..3; at the restart the ring is AUTO_MIN (4) until its first
+    # record: that record must not drop record 6, which a second crash still needs
+    st = _state()
+    mgr = _manager(tmp_path, "auto", 5)
+    mgr.restore(st)
+    for step in range(10):
+        _step(st, step)
+        mgr.maybe_save(step, st)
+    mgr.close()
+    st = _state()
+    mgr = _manager(tmp_path, "auto", 10 ** 6)
+    assert mgr.restore(st) == 9
+    w = _drops_are_errors()
+    try:
+        for step in (10, 11):
+            _step(st, step)
+            mgr.maybe_save(step, st)
+    finally:
+        w.__exit__(None, None, None)
+    mgr.close()
+    st = _state()
+    mgr = _manager(tmp_path, "auto", 10 ** 6)
+    assert mgr.restore(st) == 11
+    mgr.close()
+
+
+def test_a_step_taken_before_a_restore_is_not_recorded_with_the_next(tmp_path):
+    st = _state()
+    mgr = _manager(tmp_path)
+    mgr.restore(st)
+    for step in range(6):
+        _step(st, step)
+        mgr.maybe_save(step, st)
+    _step(st, 6)                                        # a step then given up: no maybe_save, a restore instead
+    assert mgr.restore(st) == 5
+    _step(st, 6)
+    mgr.maybe_save(6, st)
+    log = mgr._steplog
+    slot = next(k for k, v in log._held.items() if v == 6)
+    header = read_header(log.root, slot_name(0, slot))
+    assert header is not None and len(header.doc["calls"]) == 1
+    mgr.close()
+
+
+def test_a_rollback_not_yet_gone_on_keeps_the_records_after_it(tmp_path):
+    # records up to 9 (full checkpoints at 0, 4, 8); restore(step=4), one optimizer step, then a crash before any
+    # maybe_save: the rollback never went on, and a restart resumes at 9
+    st = _state()
+    mgr = _manager(tmp_path)
+    mgr.restore(st)
+    for step in range(10):
+        _step(st, step)
+        mgr.maybe_save(step, st)
+    mgr.close()
+    st = _state()
+    mgr = _manager(tmp_path)
+    assert mgr.restore(st, step=4) == 4
+    w = _drops_are_errors()
+    try:
+        _step(st, 5)                                    # (its record takes a slot: not one holding 5..9)
+    finally:
+        w.__exit__(None, None, None)
+    mgr._steplog.close()                                # (a crash: nothing more)
+    mgr._steplog = None
+    mgr.close()
+    st = _state()
+    mgr = _manager(tmp_path)
+    assert mgr.restore(st) == 9
+    mgr.close()
+
+
+def test_growth_past_the_ring_is_bounded(tmp_path):
+    mgr = _manager(tmp_path, 4, 10 ** 6)
+    log = mgr._steplog
+    log.durable, log._listed = 10, 14
+    log._held = {0: 11, 1: 12, 2: 13, 3: 14}                # listed records, still needed: the next goes past
+    assert log._free_slot() == 4
+    log._held.update({4: 15, 5: 16, 6: 17})                 # this run's own: 3 of 4
+    assert log._free_slot() == 7
+    log._held[7] = 18                                       # 4 of this run's own (saves failing): drop the oldest
+    with pytest.warns(UserWarning, match="ring.*is full"):
+        assert log._free_slot() == 0
+    log._listed = None
+    log._held = {0: 11, 1: 12, 2: 13, 3: 14}                # nothing listed: a full ring drops, as ever
+    with pytest.warns(UserWarning, match="ring.*is full"):
+        assert log._free_slot() == 0
+    mgr.close()
+
+
+def test_stray_files_in_a_ring_folder_are_left_alone(tmp_path):
+    st = _state()
+    mgr = _manager(tmp_path, 4, 10 ** 6)
+    mgr.restore(st)
+    folder = os.path.join(mgr._steplog.root, "r00000")
+    os.makedirs(folder, exist_ok=True)
+    for name in ("slot-\u00b2", "slot-5", "notes.txt", "slot-00012"):
+        with open(os.path.join(folder, name), "w") as f:
+            f.write("x")
+    for step in range(3):
+        _step(st, step)
+        mgr.maybe_save(step, st)
+    left = set(os.listdir(folder))
+    assert {"slot-\u00b2", "slot-5", "notes.txt"} <= left and "slot-00012" in left   # (00012: not a slot name)
+    mgr.close()
+
+
 def test_a_ring_that_does_not_fit_its_share_warns(tmp_path, monkeypatch):
     monkeypatch.setattr(stepplan, "AUTO_SHARE", 1 << 40)       # (a node whose shared memory holds no 4 records)
     from liferaft.tiers import steplog as steplog_mod

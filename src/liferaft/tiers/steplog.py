@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import re
 import shutil
 import threading
 import time
@@ -66,6 +67,7 @@ from liferaft.tiers.stepshare import ReplayShare
 from liferaft.tiers.stepslot import Slot as _Slot
 
 ALIGN = 64
+_SLOT = re.compile(r"slot-([0-9]{4,})", re.ASCII)      # a slot file's name (``steplist.slot_name``)
 _STREAMED = 1 << 20     # a tensor of at least this many bytes is copied and hashed in pieces of _PIECE
 _PIECE = 256 << 10
 
@@ -86,6 +88,9 @@ class StepLog:
         self._auto_ring = max_steps is None
         self._last_len = 0                          # the last record's length (its slot's reservation)
         self._scanned = False                       # whether this run's first record looked for stale slots
+        #: the newest step of the records a recovery (or a rollback) listed in this rank's ring: never dropped
+        #: for room while newer than the durable step (``_free_slot``)
+        self._listed: int | None = None
         self.allow_pickle = allow_pickle
         self.owner = owner_id(owner)
         self.root = os.path.join(memory.root, "steplog", self.owner)
@@ -216,15 +221,20 @@ class StepLog:
 
     def _free_slot(self) -> int:
         """The slot for the next record: a free one of the ring (no record, or one at or below the durable step);
-        in a ring that holds records beyond its size (a restart into a smaller ring: the last run's records are
-        kept until a full checkpoint, which ``full`` now asks for), the first free slot past them; else the
-        oldest record's, dropped with a warning (a full ring whose save failed)."""
+        while records a recovery listed (the last run's, up to ``_listed``) are still needed, and this run's own
+        records newer than the durable step fill fewer than ``max_steps`` slots, the first free slot past them
+        (a restart into a smaller ring, or before an auto ring is sized: they are kept until a full checkpoint,
+        which ``full`` then asks for); else the oldest record's, dropped with a warning (a full ring whose save
+        failed)."""
         def free(s: int) -> bool:
             return s != self._busy and (s not in self._held or self._held[s] <= self.durable)
         for s in range(self.max_steps):
             if free(s):
                 return s
-        if self._held and max(self._held) >= self.max_steps:
+        listed = self._listed if self._listed is not None else -1
+        needed = any(self.durable < st <= listed for st in self._held.values())
+        ours = sum(st > max(listed, self.durable) for st in self._held.values())
+        if needed and ours < self.max_steps:
             return next(s for s in itertools.count(self.max_steps) if free(s))
         oldest = min(self._held, key=self._held.__getitem__)
         self._share.spoil(max(self._held.values()))
@@ -435,10 +445,10 @@ class StepLog:
             except OSError:
                 names = []
             for name in names:
-                idx = name.removeprefix("slot-")
-                if name.startswith("slot-") and idx.isdigit() and int(idx) >= self.max_steps and \
-                        self._held.get(int(idx), -1) <= self.durable:
-                    gone.add(int(idx))
+                m = _SLOT.fullmatch(name)
+                if m and int(m[1]) >= self.max_steps and self._held.get(int(m[1]), -1) <= self.durable and \
+                        name == slot_name(self.rank, int(m[1])).rsplit("/", 1)[1]:
+                    gone.add(int(m[1]))
         if self._cur is not None:
             gone.discard(self._cur["slot"])         # (the record being written: taken past a smaller ring)
         for s in sorted(gone - {self._busy}):
@@ -548,14 +558,43 @@ class StepLog:
     def resume_at(self, state: Any, step: int) -> None:
         """The state was restored to the full checkpoint ``step`` on request (``restore(state, step=K)``): hook the
         optimizers and replay nothing. The records newer than ``step`` stay (a later ``restore()`` may still
-        replay them) until this run records its first step: that step starts another future, so the first
-        ``record`` drops them then (collectively). Collective."""
+        replay them; their slots are listed now, so that no record takes one) until this run records its first
+        step: that step starts another future, so the first ``record`` drops them then (collectively).
+        Collective."""
         self.wait()
+        self.discard()
         self.attach(state)
         self._rebase(step)
-        self._held.clear()
+        self._held = self._own_records_after(step)
+        self._listed = max(self._held.values(), default=None)
         self._diverged_at = step
         self._expect = step + 1
+
+    def _own_records_after(self, step: int) -> dict[int, int]:
+        """{slot: step} of this rank's records newer than ``step`` in its ring (headers only: what a slot holds)."""
+        out: dict[int, int] = {}
+        try:
+            names = os.listdir(os.path.join(self.root, rank_dir(self.rank)))
+        except OSError:
+            return out
+        for name in names:
+            m = _SLOT.fullmatch(name)
+            if not m:
+                continue
+            try:
+                h = read_header(self.root, f"{rank_dir(self.rank)}/{name}")
+            except (LiferaftError, OSError):
+                h = None
+            if h is not None and h.step > step:
+                out[int(m[1])] = h.step
+        return out
+
+    def discard(self) -> None:
+        """Forget the record being captured (a restore: the optimizer steps taken before it are not this run's;
+        a record holding them would replay them)."""
+        if self._cur is not None:
+            self._cuda.drop(0)
+            self._cur = None
 
     def go_on(self) -> None:
         """The run goes on after ``resume_at(K)`` (its first record, or the manager's first save): the records newer
@@ -583,6 +622,8 @@ class StepLog:
         for slot, s in list(self._held.items()):
             if s > step:
                 del self._held[slot]
+        if self._listed is not None and self._listed > step:
+            self._listed = step if step > self.durable else None
         if not os.path.isdir(self.root) or min(r for r, m in enumerate(self.nodes) if m == self.memory.node) \
                 != self.rank:
             return
@@ -600,6 +641,7 @@ class StepLog:
         """No full checkpoint to resume from: hook ``state``'s optimizers and drop this node's records of an
         earlier run (they replay onto nothing). Collective."""
         self.wait()
+        self.discard()
         self.attach(state)
         self._forget_collectively(-1, "step log (fresh start)")
 

@@ -31,6 +31,7 @@ def recover(log: StepLog, state: Any, full: int) -> int:
     loaded once, from the last record. ``last_recovery`` says what it did and how long each phase took."""
     clock = [time.perf_counter()]
     log.wait()
+    log.discard()
     log.attach(state)
     log._rebase(full)
     kept: dict[int, tuple[Header, bytearray, str]] = {}     # this rank's own records, read and verified
@@ -84,6 +85,7 @@ def recover(log: StepLog, state: Any, full: int) -> int:
     records.clear()
     clock.append(time.perf_counter())
     log._forget_collectively(n, "step log (forget the future)")
+    log._listed = n if n > full else None       # (records full+1..n: needed until a newer full checkpoint)
     log._expect = n + 1
     clock.append(time.perf_counter())
     phases = ("listing", "fetch", "check", "agree", "replay", "rest", "forget")     # (clock's intervals)
