@@ -241,6 +241,17 @@ def test_a_restart_into_a_smaller_ring_drops_no_record(tmp_path, monkeypatch, se
     mgr.close()
 
 
+def _trained(tmp_path, steps: int, *options) -> tuple[dict, CheckpointManager]:
+    """A fresh state and manager (``_manager(tmp_path, *options)``), restored and trained for steps 0..steps-1."""
+    st = _state()
+    mgr = _manager(tmp_path, *options)
+    mgr.restore(st)
+    for step in range(steps):
+        _step(st, step)
+        mgr.maybe_save(step, st)
+    return st, mgr
+
+
 def _drops_are_errors():
     w = warnings.catch_warnings()
     w.__enter__()
@@ -251,12 +262,7 @@ def _drops_are_errors():
 def test_the_records_a_recovery_listed_are_kept_before_the_auto_ring_is_sized(tmp_path):
     # full checkpoint at 5, records 6..9 in slots 0..3; at the restart the ring is AUTO_MIN (4) until its first
     # record: that record must not drop record 6, which a second crash still needs
-    st = _state()
-    mgr = _manager(tmp_path, "auto", 5)
-    mgr.restore(st)
-    for step in range(10):
-        _step(st, step)
-        mgr.maybe_save(step, st)
+    _, mgr = _trained(tmp_path, 10, "auto", 5)
     mgr.close()
     st = _state()
     mgr = _manager(tmp_path, "auto", 10 ** 6)
@@ -276,12 +282,7 @@ def test_the_records_a_recovery_listed_are_kept_before_the_auto_ring_is_sized(tm
 
 
 def test_a_step_taken_before_a_restore_is_not_recorded_with_the_next(tmp_path):
-    st = _state()
-    mgr = _manager(tmp_path)
-    mgr.restore(st)
-    for step in range(6):
-        _step(st, step)
-        mgr.maybe_save(step, st)
+    st, mgr = _trained(tmp_path, 6)
     _step(st, 6)                                        # a step then given up: no maybe_save, a restore instead
     assert mgr.restore(st) == 5
     _step(st, 6)
@@ -296,12 +297,7 @@ def test_a_step_taken_before_a_restore_is_not_recorded_with_the_next(tmp_path):
 def test_a_rollback_not_yet_gone_on_keeps_the_records_after_it(tmp_path):
     # records up to 9 (full checkpoints at 0, 4, 8); restore(step=4), one optimizer step, then a crash before any
     # maybe_save: the rollback never went on, and a restart resumes at 9
-    st = _state()
-    mgr = _manager(tmp_path)
-    mgr.restore(st)
-    for step in range(10):
-        _step(st, step)
-        mgr.maybe_save(step, st)
+    _, mgr = _trained(tmp_path, 10)
     mgr.close()
     st = _state()
     mgr = _manager(tmp_path)
