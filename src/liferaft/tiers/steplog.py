@@ -440,15 +440,7 @@ class StepLog:
         slots whose records were at or below its full checkpoint, or never published)."""
         gone = {s for s, st in self._held.items() if s >= self.max_steps and st <= self.durable}
         if scan:
-            try:
-                names = os.listdir(os.path.join(self.root, rank_dir(self.rank)))
-            except OSError:
-                names = []
-            for name in names:
-                m = _SLOT.fullmatch(name)
-                if m and int(m[1]) >= self.max_steps and self._held.get(int(m[1]), -1) <= self.durable and \
-                        name == slot_name(self.rank, int(m[1])).rsplit("/", 1)[1]:
-                    gone.add(int(m[1]))
+            gone |= {s for s in self._own_slots() if s >= self.max_steps and self._held.get(s, -1) <= self.durable}
         if self._cur is not None:
             gone.discard(self._cur["slot"])         # (the record being written: taken past a smaller ring)
         for s in sorted(gone - {self._busy}):
@@ -570,23 +562,26 @@ class StepLog:
         self._diverged_at = step
         self._expect = step + 1
 
-    def _own_records_after(self, step: int) -> dict[int, int]:
-        """{slot: step} of this rank's records newer than ``step`` in its ring (headers only: what a slot holds)."""
-        out: dict[int, int] = {}
+    def _own_slots(self) -> list[int]:
+        """The slots whose files are in this rank's ring folder (names exactly as ``slot_name`` makes them; any other
+        file there is not a slot)."""
         try:
             names = os.listdir(os.path.join(self.root, rank_dir(self.rank)))
         except OSError:
-            return out
-        for name in names:
-            m = _SLOT.fullmatch(name)
-            if not m:
-                continue
+            return []
+        found = ((name, _SLOT.fullmatch(name)) for name in names)
+        return [int(m[1]) for name, m in found if m and slot_name(self.rank, int(m[1])).endswith("/" + name)]
+
+    def _own_records_after(self, step: int) -> dict[int, int]:
+        """{slot: step} of this rank's records newer than ``step`` in its ring (headers only: what a slot holds)."""
+        out: dict[int, int] = {}
+        for s in self._own_slots():
             try:
-                h = read_header(self.root, f"{rank_dir(self.rank)}/{name}")
+                h = read_header(self.root, slot_name(self.rank, s))
             except (LiferaftError, OSError):
                 h = None
             if h is not None and h.step > step:
-                out[int(m[1])] = h.step
+                out[s] = h.step
         return out
 
     def discard(self) -> None:
