@@ -384,10 +384,11 @@ def test_a_slot_never_shrinks_when_two_threads_reserve_it(tmp_path):
 
 
 @pytest.mark.parametrize("head", [(0, 1, -1, 2), (0, 1, (1 << 62), 2), (0, 1, 100, (1 << 40)), (-1, 1, 100, 2),
-                                  (0, 1, 100, -5)])
+                                  (0, 1, 100, -5), (0, 1, 63, 0), (0, 1, 0, 2)])
 def test_an_absurd_announcement_from_a_peer_is_refused_before_anything_is_allocated(head):
     """stepsend._announced: a peer's (slot, step, length, gradients) outside the record limits raises
-    DistributedError naming the peer (a LiferaftError, not a bare OSError), before rows are allocated for it."""
+    DistributedError naming the peer (a LiferaftError, not a bare OSError), before rows are allocated for it; a
+    length shorter than a prologue is no record, unless it is 0 with no gradients (the peer has none of the step)."""
     from liferaft.errors import DistributedError, LiferaftError
     from liferaft.tiers.stepsend import _announced
 
@@ -395,6 +396,7 @@ def test_an_absurd_announcement_from_a_peer_is_refused_before_anything_is_alloca
         _announced(3, torch.tensor(head, dtype=torch.int64))
     assert isinstance(err.value, LiferaftError)
     assert _announced(3, torch.tensor([0, 1, 100, 2], dtype=torch.int64)) == 2
+    assert _announced(3, torch.tensor([0, -1, 0, 0], dtype=torch.int64)) == 0     # no record there (Sender.skip)
 
 
 def test_a_record_a_few_bytes_longer_than_the_last_fits_its_slot_without_doubling_it(tmp_path):

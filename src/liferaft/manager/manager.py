@@ -363,41 +363,44 @@ class CheckpointManager:
         step = check_step(step, "maybe_save")
         self._loop.call(time.perf_counter(), self._saves.busy,     # (what a save in flight costs the loop)
                         self._tiers is not None and self._tiers.busy, self._saves.stall)
-        self._go_on()
-        if self._steplog is not None:
-            self._steplog.record(step, state)   # this step's record (the gradients were captured in step())
-            if self._tiers is not None and self._tiers.auto is not None:
-                # where the log covers what the memory tier covers (as many replicas, no parity), such a failure
-                # costs the replay since the last full checkpoint, not the work: the memory tier's Young/Daly
-                # interval is stretched accordingly (not while the chain has a hole, nor for CUDA records)
-                share = self._steplog.replay_share
-                mem = self._tiers.memory
-                covers = self._steplog.replicas >= mem.replicas and not mem.parity
-                self._tiers.auto.loss = share if share is not None and covers else 1.0
-        reason = "force" if force else self.save_policy.due(step, time.monotonic(), self._last_step,
-                                                            self._last_time, self.interval_s)
         log = self._steplog
-        local = Views(reason == "every_seconds", self._preemption.signalled,
-                      self._tiers is not None and self._tiers.due(step))
         voting = self._voting()
         vote, self._vote = (self._vote, None) if voting else (None, self._vote)
-        voted = Views.of(vote.result()) if vote is not None else None   # (cast at the end of the previous call)
-        taken = voted is not None       # a vote taken (or reduced) in this call: one is cast, whatever raises
+        taken = False       # this call's vote taken: one taken and one cast per call on every rank, whatever raised
         try:
+            self._go_on()
+            if log is not None:
+                log.record(step, state)     # this step's record (the gradients were captured in step())
+                if self._tiers is not None and self._tiers.auto is not None:
+                    # where the log covers what the memory tier covers (as many replicas, no parity), such a
+                    # failure costs the replay since the last full checkpoint, not the work: the memory tier's
+                    # Young/Daly interval is stretched accordingly (not while the chain has a hole, nor for CUDA
+                    # records)
+                    share = log.replay_share
+                    mem = self._tiers.memory
+                    covers = log.replicas >= mem.replicas and not mem.parity
+                    self._tiers.auto.loss = share if share is not None and covers else 1.0
+            reason = "force" if force else self.save_policy.due(step, time.monotonic(), self._last_step,
+                                                                self._last_time, self.interval_s)
+            local = Views(reason == "every_seconds", self._preemption.signalled,
+                          self._tiers is not None and self._tiers.due(step))
             self._settle()              # (this rank's view of the saves in flight; the votes make it common)
             local = local._replace(log_full=log is not None and log.full,
                                    log_half=log is not None and log.save_due and not self._saves.busy)
             self._last_call = step
             if voting:
                 auto_memory = self._tiers is not None and self._tiers.auto is not None
-                if voted is None:       # (the first call: no vote cast yet, this call's reduced now)
-                    voted = Views.of(self.coord.all_max(local.ints(), "maybe_save (agree)"))
-                    taken = True
+                taken = True            # (cast at the end of the previous call; the first call's reduced now)
+                voted = Views.of(vote.result() if vote is not None else
+                                 self.coord.all_max(local.ints(), "maybe_save (agree)"))
                 reason, local = agree(reason, local, voted, auto_memory)
             started = self._decide(step, state, metrics, force, reason, local)
         except BaseException:
-            if taken:                   # (one vote taken and one cast per call on every rank, whatever raised)
+            if voting:                  # (the record, the accounting or the save raised on this rank alone, maybe)
                 with contextlib.suppress(LiferaftError):
+                    if not taken:
+                        _ = vote.result() if vote is not None else \
+                            self.coord.all_max(Views().ints(), "maybe_save (agree)")
                     self._vote = self.coord.all_max_start(self._votes(step).ints(), "maybe_save (agree)")
             raise
         if voting:
@@ -444,6 +447,10 @@ class CheckpointManager:
             if self._saves.busy:
                 self.wait()
             full_log = self._steplog is not None and self._steplog.full
+            if self._voting():
+                # (agreed again: a record one rank forgot, its background publish failed twice, leaves its ring
+                # short of full where the others' is full; a rank left out of the synchronous save would hang it)
+                full_log = self.coord.all_max([int(full_log)], "maybe_save (ring full)")[0] > 0
         if full_log and self._last_step != step:
             reason = reason or "step log full"
         elif views.log_half:

@@ -287,41 +287,41 @@ class StepLog:
         if self._cur is None and step == self._recorded:
             return                          # maybe_save called again for the same step: recorded already
         self._share.record(time.perf_counter())
-        self.wait()                         # the previous record is on its replicas (≤ 1 step lost with a node)
-        self.go_on()
-        if self._expect is not None and step > self._expect:
-            self._share.spoil(step)
-            gap = f"{self._expect}" if step == self._expect + 1 else f"{self._expect}..{step - 1}"
-            warnings.warn(f"liferaft: maybe_save was not called for step {gap}: the per-step log's record of step "
-                          f"{step} holds those optimizer steps too, and a recovery stops at the gap (step "
-                          f"{self._expect - 1}) until the next full checkpoint; call maybe_save after every step "
-                          "(docs/STEPLOG.md)", stacklevel=3)
-        self._expect = step + 1
-        cur = self._begin()
-        live = optsteps.LiveIds(self.optimizers or [])      # (found only if the walk meets a tensor: most steps do not)
-        n_cuda = len(self._cuda.pending)
         try:
+            self.wait()                     # the previous record is on its replicas (≤ 1 step lost with a node)
+            self.go_on()
+            if self._expect is not None and step > self._expect:
+                self._share.spoil(step)
+                gap = f"{self._expect}" if step == self._expect + 1 else f"{self._expect}..{step - 1}"
+                warnings.warn(f"liferaft: maybe_save was not called for step {gap}: the per-step log's record of "
+                              f"step {step} holds those optimizer steps too, and a recovery stops at the gap (step "
+                              f"{self._expect - 1}) until the next full checkpoint; call maybe_save after every "
+                              "step (docs/STEPLOG.md)", stacklevel=3)
+            self._expect = step + 1
+            cur = self._begin()
+            live = optsteps.LiveIds(self.optimizers or [])  # (found only if the walk meets a tensor: most steps not)
+            n_cuda = len(self._cuda.pending)
             with self.suspended():      # (the full walk's get_optimizer_state_dict runs a placeholder step on an
                 #                           optimizer without state, e.g. plain SGD: no call of this record)
                 rest = self._rest.capture(state, live, self._put, self.allow_pickle)
+            self._cuda.fence(n_cuda)    # the rest's CUDA tensors (buffers): read before the next forward changes them
+            if self._auto_ring:         # (at least every parameter's gradient: a first step GradScaler skipped has
+                #                           none)
+                grads = sum(optsteps.local_of(p).numel() * optsteps.local_of(p).element_size()
+                            for opt in self.optimizers or [] for p in optsteps.params_of(opt))
+                self._size_ring(max(cur["pos"], PROLOGUE + grads))
+            if not self._scanned:       # (this run's first record: a last run's slots past this ring go)
+                self._scanned = True
+                self._trim(scan=True)
+            cuda = self._cuda.take()
+            doc = {"format": FORMAT, "checksum": RECORD_CHECKSUM, "step": step, "rank": self.rank,
+                   "world": self.world, "owner": self.owner, "epoch": self.epoch, "layout": self.layout[0],
+                   "calls": cur["calls"], "rest": rest}
+            length = 0 if cuda else self._publish(cur, doc, cuda)     # (CPU: published before anything is noted)
         except BaseException:
-            if self._auto_ring:         # (the peers size their rings now: this rank votes too, then raises)
-                self._size_ring(None)
+            self._failed(step)
             raise
-        self._cuda.fence(n_cuda)    # the rest's CUDA tensors (buffers) are read before the next forward changes them
-        if self._auto_ring:         # (at least every parameter's gradient: a first step GradScaler skipped has none)
-            grads = sum(optsteps.local_of(p).numel() * optsteps.local_of(p).element_size()
-                        for opt in self.optimizers or [] for p in optsteps.params_of(opt))
-            self._size_ring(max(cur["pos"], PROLOGUE + grads))
-        if not self._scanned:       # (this run's first record: a last run's slots past this ring go)
-            self._scanned = True
-            self._trim(scan=True)
-        cuda = self._cuda.take()
-        doc = {"format": FORMAT, "checksum": RECORD_CHECKSUM, "step": step, "rank": self.rank, "world": self.world,
-               "owner": self.owner, "epoch": self.epoch, "layout": self.layout[0], "calls": cur["calls"],
-               "rest": rest}
         replicate = bool(self.targets or self.sources)
-        length = 0 if cuda else self._publish(cur, doc, cuda)     # (CPU: published before anything is noted)
         self._held[cur["slot"]] = step
         self._cur, self._recorded = None, step
         if replicate or cuda:
@@ -332,6 +332,21 @@ class StepLog:
             return
         self._publishing = (cur, doc, cuda, replicate)
         self._pending = self._pool.submit(self._publish_then_replicate, cur, doc, cuda, replicate)
+
+    def _failed(self, step: int) -> None:
+        """``record(step)`` raised, maybe on this rank alone (a full /dev/shm, a value it cannot encode): this rank
+        has no record of ``step``. What its peers do for the step still happens here, so that the ranks' exchanges
+        stay in step: the auto ring's size vote (this rank votes for nothing smaller), and, with replicas, the
+        step's replication exchange, with nothing sent (the peers' records still received and kept) — unless the
+        replication before it is still in flight (an interrupted wait: the exchanges then stay one apart, and
+        the peers' next wait fails at their timeout). A recovery stops before ``step`` (the chain has a hole)
+        until a full checkpoint, which ``save_due`` asks for at once."""
+        self._lost = step if self._lost is None else max(self._lost, step)
+        self._share.spoil(step)
+        if (self.targets or self.sources) and self._pending is None:
+            self._pending = self._pool.submit(self._sender.skip, RECORD_CHECKSUM)
+        if self._auto_ring:
+            self._size_ring(None)
 
     def _size_ring(self, record_bytes: int | None) -> None:
         """``max_steps="auto"``: the ring's size from this first record's length (``stepplan.ring_size``), the

@@ -109,11 +109,14 @@ def _valid(rows: list[list[int]], length: int) -> bool:
 
 def _announced(src: int, head: torch.Tensor) -> int:
     """The number of gradient rows rank ``src`` announced in ``head`` (slot, step, record length, gradients), each
-    field checked before anything is allocated for it: DistributedError naming the rank otherwise."""
+    field checked before anything is allocated for it: DistributedError naming the rank otherwise. 0 bytes and
+    no gradients: no record of that step there (``Sender.skip``)."""
     slot, _, length, grads = (int(v) for v in head)
-    if not (0 <= length <= MAX_RECORD_BYTES and 0 <= grads <= MAX_GRADS and slot >= 0):
+    if not ((length == 0 == grads or PROLOGUE <= length <= MAX_RECORD_BYTES) and 0 <= grads <= MAX_GRADS
+            and slot >= 0):
         raise DistributedError(f"per-step log replication: rank {src} announced a step record of {length} bytes "
-                               f"and {grads} gradients in slot {slot} (at most {MAX_RECORD_BYTES} bytes and "
+                               f"and {grads} gradients in slot {slot} (0 bytes and none, or {PROLOGUE} to "
+                               f"{MAX_RECORD_BYTES} bytes and at most "
                                f"{MAX_GRADS} gradients): not a liferaft peer of this version, or its record is "
                                "damaged; the replication of its records stops (restart the job)")
     return grads
@@ -149,6 +152,12 @@ class Sender:
         finally:
             own.release()
 
+    def skip(self, algo: str = "xxh3_64") -> None:
+        """This rank has no record of the step its peers replicate now (its ``record`` failed): the exchange goes
+        on with nothing sent (announced as slot 0, step -1, 0 bytes, no gradients), the sources' records received
+        and stored as usual, so that every rank's exchanges stay in step with its peers'."""
+        self._run(0, -1, 0, [], memoryview(b""), algo)
+
     def _run(self, slot: int, step: int, length: int, entries: list[dict[str, Any] | None],
              own: memoryview, algo: str) -> None:
         rows = _rows(entries, own, algo)
@@ -179,6 +188,8 @@ class Sender:
         self.saved_bytes = sum(r[1] for t in self.targets for r, m in zip(mine, got[t].tolist(), strict=True)
                                if m and r[1] > 0)
         for s, buf in recvs:
+            if heads[s][2] == 0:
+                continue                    # (no record of the step there: ``skip``)
             self._store(s, heads[s], listed[s], masks[s], spans_of[s], buf, slot, step, mine, own)
 
     def _swap(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]], tag: int) -> None:
