@@ -56,8 +56,8 @@ def one_rank_fails(rank: int, world: int, root: str, base: str, where: str, at: 
     for step in range(16):
         train_step(st, rank, step)
         if rank == 0 and where == "forget" and step == at:
-            newest = max(log._held, key=log._held.__getitem__)
-            log._held.pop(newest)                           # (what StepLog._publish_again does)
+            newest = max(log.ring.held, key=log.ring.held.__getitem__)
+            log.ring.held.pop(newest)                           # (what StepLog._publish_again does)
         if step == signal_at and rank == 1:
             os.kill(os.getpid(), signal.SIGUSR1)
         try:

@@ -81,7 +81,7 @@ def test_the_default_ring_is_sized_from_the_first_record_and_the_shared_memory(t
         _step(st, step)
         mgr.maybe_save(step, st)
     vfs = os.statvfs(log.root)
-    first = min(log._held, key=log._held.__getitem__)
+    first = min(log.ring.held, key=log.ring.held.__getitem__)
     header = read_header(log.root, slot_name(0, first))
     assert header is not None
     want, fits = stepplan.ring_size(header.header_off, vfs.f_blocks * vfs.f_frsize, 1, 0)   # (its tensors' bytes)
@@ -125,7 +125,7 @@ def test_records_after_the_first_take_slots_of_their_own_size(tmp_path):
     log = mgr._steplog
     assert log is not None
     length = log._last_len
-    later = [log._files[slot_name(0, s)].capacity for s in sorted(log._held)[1:]]
+    later = [log._files[slot_name(0, s)].capacity for s in sorted(log.ring.held)[1:]]
     assert later and all(length <= c <= length + max(stepplan.AUTO_SLACK, length >> 6) for c in later), (length, later)
     mgr.close()
 
@@ -134,7 +134,7 @@ def test_a_first_record_that_fails_still_sizes_the_ring(tmp_path):
     # (its peers size theirs at this call: a rank whose record raised votes too, and does not vote again later)
     st = _state()
     mgr = _manager(tmp_path)
-    mgr._steplog._auto_ring, mgr._steplog.max_steps = True, stepplan.AUTO_MIN      # (as max_steps="auto")
+    mgr._steplog.ring.auto, mgr._steplog.ring.size = True, stepplan.AUTO_MIN      # (as max_steps="auto")
     mgr.restore(st)
     _step(st, 0)
     mgr.maybe_save(0, st)                               # (hooks the optimizer)
@@ -143,7 +143,7 @@ def test_a_first_record_that_fails_still_sizes_the_ring(tmp_path):
     with pytest.raises(liferaft.errors.LiferaftError):
         mgr.maybe_save(1, st)
     log = mgr._steplog
-    assert not log._auto_ring and log.max_steps == stepplan.AUTO_MAX
+    assert not log.ring.auto and log.max_steps == stepplan.AUTO_MAX
     del st["weird"]
     mgr.close()
 
@@ -197,7 +197,7 @@ def test_a_restart_into_a_smaller_ring_removes_the_slots_past_it(tmp_path, monke
     log = mgr._steplog
     assert log is not None and log.max_steps == 4
     assert all(int(n.removeprefix("slot-")) < 4 for n in os.listdir(os.path.join(log.root, "r00000")))
-    assert 10 in log._held.values()
+    assert 10 in log.ring.held.values()
     mgr.close()
 
 
@@ -237,7 +237,7 @@ def test_a_restart_into_a_smaller_ring_drops_no_record(tmp_path, monkeypatch, se
     assert log.durable == 10 and not log.held_steps()         # (the full ring's save, at once: one rank)
     # the slots past the ring (the last run's records, and step 10's, taken past them) are gone once free
     assert sorted(os.listdir(os.path.join(log.root, "r00000"))) == [f"slot-{i:04d}" for i in range(4)]
-    assert max(log._held) < 4
+    assert max(log.ring.held) < 4
     mgr.close()
 
 
@@ -288,7 +288,7 @@ def test_a_step_taken_before_a_restore_is_not_recorded_with_the_next(tmp_path):
     _step(st, 6)
     mgr.maybe_save(6, st)
     log = mgr._steplog
-    slot = next(k for k, v in log._held.items() if v == 6)
+    slot = next(k for k, v in log.ring.held.items() if v == 6)
     header = read_header(log.root, slot_name(0, slot))
     assert header is not None and len(header.doc["calls"]) == 1
     mgr.close()
@@ -319,16 +319,16 @@ def test_a_rollback_not_yet_gone_on_keeps_the_records_after_it(tmp_path):
 def test_growth_past_the_ring_is_bounded(tmp_path):
     mgr = _manager(tmp_path, 4, 10 ** 6)
     log = mgr._steplog
-    log.durable, log._listed = 10, 14
-    log._held = {0: 11, 1: 12, 2: 13, 3: 14}                # listed records, still needed: the next goes past
+    log.ring.durable, log.ring.listed = 10, 14
+    log.ring.held = {0: 11, 1: 12, 2: 13, 3: 14}                # listed records, still needed: the next goes past
     assert log._free_slot() == 4
-    log._held.update({4: 15, 5: 16, 6: 17})                 # this run's own: 3 of 4
+    log.ring.held.update({4: 15, 5: 16, 6: 17})                 # this run's own: 3 of 4
     assert log._free_slot() == 7
-    log._held[7] = 18                                       # 4 of this run's own (saves failing): drop the oldest
+    log.ring.held[7] = 18                                       # 4 of this run's own (saves failing): drop the oldest
     with pytest.warns(UserWarning, match="ring.*is full"):
         assert log._free_slot() == 0
-    log._listed = None
-    log._held = {0: 11, 1: 12, 2: 13, 3: 14}                # nothing listed: a full ring drops, as ever
+    log.ring.listed = None
+    log.ring.held = {0: 11, 1: 12, 2: 13, 3: 14}                # nothing listed: a full ring drops, as ever
     with pytest.warns(UserWarning, match="ring.*is full"):
         assert log._free_slot() == 0
     mgr.close()
@@ -395,7 +395,7 @@ def test_maybe_save_twice_for_one_step_records_it_once(tmp_path):
     mgr.maybe_save(0, st)
     mgr.maybe_save(0, st, force=True)
     log = mgr._steplog
-    assert log is not None and sorted(log._held.values()) == [0]
+    assert log is not None and sorted(log.ring.held.values()) == [0]
     mgr.close()
 
 
@@ -661,7 +661,7 @@ def test_once_a_full_checkpoint_is_measured_the_next_one_starts_later_than_half_
         _step(st, step)
         assert not mgr._steplog.full, step
         mgr.maybe_save(step, st)
-    lag = mgr._steplog._lag
+    lag = mgr._steplog.ring.lag
     saved = sorted(i.step for i in mgr.steps())
     gaps = [b - a for a, b in itertools.pairwise(saved)]
     mgr.close()

@@ -12,6 +12,7 @@ this rank's own folder, filled and verified here. Nothing here talks to other ra
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -20,6 +21,7 @@ from liferaft.tiers.stepplan import verify_record
 from liferaft.tiers.steprecord import Header, Held, fill_held, held_home, read_header, read_held, read_record
 
 Kept = dict[int, tuple[Header, bytearray, str]]      # step -> this rank's own record: header, bytes, path
+_SLOT = re.compile(r"slot-([0-9]{4,})", re.ASCII)      # a slot file's name (``slot_name``)
 
 
 def rank_dir(rank: int) -> str:
@@ -28,6 +30,47 @@ def rank_dir(rank: int) -> str:
 
 def slot_name(rank: int, slot: int) -> str:
     return f"{rank_dir(rank)}/slot-{slot:04d}"
+
+
+def own_slots(root: str, rank: int) -> list[int]:
+    """The slots whose files are in ``rank``'s ring folder (names exactly as ``slot_name`` makes them; any other
+    file there is not a slot)."""
+    try:
+        names = os.listdir(os.path.join(root, rank_dir(rank)))
+    except OSError:
+        return []
+    found = ((name, _SLOT.fullmatch(name)) for name in names)
+    return [int(m[1]) for name, m in found if m and slot_name(rank, int(m[1])).endswith("/" + name)]
+
+
+def records_after(root: str, rank: int, step: int) -> dict[int, int]:
+    """{slot: step} of ``rank``'s records newer than ``step`` in its ring (headers only, checked: a damaged one
+    is no record)."""
+    out: dict[int, int] = {}
+    for s in own_slots(root, rank):
+        try:
+            h = read_header(root, slot_name(rank, s))
+        except (LiferaftError, OSError):
+            h = None
+        if h is not None and h.step > step:
+            out[s] = h.step
+    return out
+
+
+def remove_after(root: str, step: int) -> None:
+    """Remove every record newer than ``step`` in the node's folders under ``root`` (own and replicas; headers
+    checked: a file that is no record stays)."""
+    if not os.path.isdir(root):
+        return
+    for d in os.listdir(root):
+        folder = os.path.join(root, d)
+        for name in os.listdir(folder) if os.path.isdir(folder) else ():
+            try:
+                h = read_header(root, f"{d}/{name}")
+            except (LiferaftError, OSError):
+                h = None
+            if h is not None and h.step > step:
+                os.unlink(os.path.join(folder, name))
 
 
 @dataclass

@@ -18,9 +18,7 @@ a warning naming the file. Records at or below the newest durable full checkpoin
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
-import re
 import shutil
 import threading
 import time
@@ -33,14 +31,14 @@ import torch
 
 from liferaft.codecs.checksum import digest, stream
 from liferaft.dist import Coordinator
-from liferaft.errors import InvalidStateError, LiferaftError
+from liferaft.errors import InvalidStateError
 from liferaft.state import optsteps
 from liferaft.state.values import encode_value
 from liferaft.tiers import steprecover
 from liferaft.tiers.memory import MemoryTier
 from liferaft.tiers.stepcheck import lock_writer, owner_id
 from liferaft.tiers.stepcuda import Copy, CudaCopies
-from liferaft.tiers.steplist import rank_dir, slot_name
+from liferaft.tiers.steplist import own_slots, rank_dir, records_after, remove_after, slot_name
 from liferaft.tiers.stepplan import (
     AUTO_MAX,
     AUTO_MIN,
@@ -58,16 +56,15 @@ from liferaft.tiers.steprecord import (
     encode_header,
     entry_of,
     prologue,
-    read_header,
     tensor_entry,
 )
 from liferaft.tiers.steprest import RestCapture
+from liferaft.tiers.stepring import Ring
 from liferaft.tiers.stepsend import Sender
 from liferaft.tiers.stepshare import ReplayShare
 from liferaft.tiers.stepslot import Slot as _Slot
 
 ALIGN = 64
-_SLOT = re.compile(r"slot-([0-9]{4,})", re.ASCII)      # a slot file's name (``steplist.slot_name``)
 _STREAMED = 1 << 20     # a tensor of at least this many bytes is copied and hashed in pieces of _PIECE
 _PIECE = 256 << 10
 
@@ -83,14 +80,10 @@ class StepLog:
     def __init__(self, memory: MemoryTier, *, replicas: int, max_steps: int | None, process_group: Any = None,
                  timeout: float = 600.0, allow_pickle: bool = False, owner: str = "") -> None:
         self.memory, self.replicas = memory, replicas
-        #: the ring's size; None given: sized by ``stepplan.ring_size`` at the first record (``AUTO_MIN`` until then)
-        self.max_steps = AUTO_MIN if max_steps is None else max_steps
-        self._auto_ring = max_steps is None
+        #: the ring's bookkeeping; its size None given: sized by ``stepplan.ring_size`` at the first record
+        self.ring = Ring(max_steps)
         self._last_len = 0                          # the last record's length (its slot's reservation)
         self._scanned = False                       # whether this run's first record looked for stale slots
-        #: the newest step of the records a recovery (or a rollback) listed in this rank's ring: never dropped
-        #: for room while newer than the durable step (``_free_slot``)
-        self._listed: int | None = None
         self.allow_pickle = allow_pickle
         self.owner = owner_id(owner)
         self.root = os.path.join(memory.root, "steplog", self.owner)
@@ -105,12 +98,8 @@ class StepLog:
         self.layout = ("", "")
         self._hooks: list[Any] = []
         self._replaying = False
-        self._held: dict[int, int] = {}          # own slot -> step of the record it holds
         self._files: dict[str, _Slot] = {}      # rel -> open slot file (own ring and replicas)
-        self.durable = -1
         self._cur: dict[str, Any] | None = None   # the record being captured
-        self._recorded: int | None = None           # the step of the last record published
-        self._lag: int | None = None                # records published while the last full checkpoint became durable
         self._diverged_at: int | None = None        # restore(step=K): records > K dropped at the next record
         #: the manager's rollbacks so far (every record says how many: ``epoch``), and whether a record of ``step``
         #: written at ``epoch`` belongs to its run (``manager.rollback.live``; set by the manager)
@@ -122,11 +111,9 @@ class StepLog:
         #: the record the background is publishing (cur, doc, copies, replicate): published again by ``wait``
         #: if that fails
         self._publishing: tuple[dict[str, Any], dict[str, Any], list[Copy], bool] | None = None
-        self._lost: int | None = None            # the step of a record that could not be published
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="liferaft-steplog")
         self._pending: Future[None] | None = None
         self._lock = threading.Lock()
-        self._busy = -1                          # the own slot the background is reading or writing
         self._rest = RestCapture()
         self._thin: dict[str, Held] = {}        # (a recovery's listing) replica slot -> its held trailer
         self._sender = Sender(self.root, self.bg, self.rank, self.targets, self.sources, slot_name, self._slot)
@@ -207,7 +194,7 @@ class StepLog:
             # (sized once to the last record, as a ring's records are alike: no doubling up to it, no room past it)
             f.reserve(max(PROLOGUE, self._last_len), whole=self._last_len > 0)
             f.write(0, bytes(PROLOGUE))                  # no record in this slot until the new prologue
-            self._held.pop(slot, None)
+            self.ring.held.pop(slot, None)
             self._cur = {"slot": slot, "file": f, "pos": PROLOGUE, "calls": [], "plain": [], "gen": self._gen}
             self._gen ^= 1
         return self._cur
@@ -220,27 +207,13 @@ class StepLog:
             return f
 
     def _free_slot(self) -> int:
-        """The slot for the next record: a free one of the ring (no record, or one at or below the durable step);
-        while records a recovery listed (the last run's, up to ``_listed``) are still needed, and this run's own
-        records newer than the durable step fill fewer than ``max_steps`` slots, the first free slot past them
-        (a restart into a smaller ring, or before an auto ring is sized: they are kept until a full checkpoint,
-        which ``full`` then asks for); else the oldest record's, dropped with a warning (a full ring whose save
-        failed)."""
-        def free(s: int) -> bool:
-            return s != self._busy and (s not in self._held or self._held[s] <= self.durable)
-        for s in range(self.max_steps):
-            if free(s):
-                return s
-        listed = self._listed if self._listed is not None else -1
-        needed = any(self.durable < st <= listed for st in self._held.values())
-        ours = sum(st > max(listed, self.durable) for st in self._held.values())
-        if needed and ours < self.max_steps:
-            return next(s for s in itertools.count(self.max_steps) if free(s))
-        oldest = min(self._held, key=self._held.__getitem__)
-        self._share.spoil(max(self._held.values()))
-        warnings.warn(f"liferaft: the per-step log's ring ({self.max_steps} steps) is full; dropping the record of "
-                      f"step {self._held[oldest]} (a recovery now resumes from the full checkpoint)", stacklevel=4)
-        return oldest
+        """The slot for the next record (``Ring.free_slot``); a record dropped for it is warned about."""
+        slot, dropped = self.ring.free_slot()
+        if dropped is not None:
+            self._share.spoil(max(self.ring.held.values()))
+            warnings.warn(f"liferaft: the per-step log's ring ({self.max_steps} steps) is full; dropping the record "
+                          f"of step {dropped} (a recovery now resumes from the full checkpoint)", stacklevel=4)
+        return slot
 
     def _put(self, t: torch.Tensor) -> dict[str, Any]:
         """Store tensor ``t`` at the record's next offset; its header entry (CUDA: copied to pinned memory on a side
@@ -284,7 +257,7 @@ class StepLog:
         prologue is written last: a record cut short is no record)."""
         if self.attach(state):
             return                          # hooked just now: this step's calls were not seen
-        if self._cur is None and step == self._recorded:
+        if self._cur is None and step == self.ring.recorded:
             return                          # maybe_save called again for the same step: recorded already
         self._share.record(time.perf_counter())
         try:
@@ -305,7 +278,7 @@ class StepLog:
                 #                           optimizer without state, e.g. plain SGD: no call of this record)
                 rest = self._rest.capture(state, live, self._put, self.allow_pickle)
             self._cuda.fence(n_cuda)    # the rest's CUDA tensors (buffers): read before the next forward changes them
-            if self._auto_ring:         # (at least every parameter's gradient: a first step GradScaler skipped has
+            if self.ring.auto:         # (at least every parameter's gradient: a first step GradScaler skipped has
                 #                           none)
                 grads = sum(optsteps.local_of(p).numel() * optsteps.local_of(p).element_size()
                             for opt in self.optimizers or [] for p in optsteps.params_of(opt))
@@ -322,10 +295,10 @@ class StepLog:
             self._failed(step)
             raise
         replicate = bool(self.targets or self.sources)
-        self._held[cur["slot"]] = step
-        self._cur, self._recorded = None, step
+        self.ring.held[cur["slot"]] = step
+        self._cur, self.ring.recorded = None, step
         if replicate or cuda:
-            self._busy = cur["slot"]        # (read or written in the background: not reused until it is done)
+            self.ring.busy = cur["slot"]        # (read or written in the background: not reused until it is done)
         if not cuda:
             if replicate:
                 self._pending = self._pool.submit(self._replicate, cur["slot"], step, length, cur["plain"])
@@ -341,11 +314,11 @@ class StepLog:
         replication before it is still in flight (an interrupted wait: the exchanges then stay one apart, and
         the peers' next wait fails at their timeout). A recovery stops before ``step`` (the chain has a hole)
         until a full checkpoint, which ``save_due`` asks for at once."""
-        self._lost = step if self._lost is None else max(self._lost, step)
+        self.ring.lost = step if self.ring.lost is None else max(self.ring.lost, step)
         self._share.spoil(step)
         if (self.targets or self.sources) and self._pending is None:
             self._pending = self._pool.submit(self._sender.skip, RECORD_CHECKSUM)
-        if self._auto_ring:
+        if self.ring.auto:
             self._size_ring(None)
 
     def _size_ring(self, record_bytes: int | None) -> None:
@@ -354,7 +327,7 @@ class StepLog:
         rank's record failed, it votes for nothing smaller). One size on every rank: a ring voted full is then
         full on every rank once the save in flight is done, and every rank takes the same synchronous save
         (``manager._decide``)."""
-        self._auto_ring = False
+        self.ring.auto = False
         try:
             st = os.statvfs(self.root)
             shm = st.f_blocks * st.f_frsize
@@ -364,7 +337,7 @@ class StepLog:
         files = _descriptor_limit()
         size, fits = ring_size(record_bytes or 0, shm, here, len(self.sources), files) if record_bytes is not None \
             else (AUTO_MAX, True)
-        self.max_steps = -self.coord.all_max([-size], "step log (ring size)")[0] if self.world > 1 else size
+        self.ring.size = -self.coord.all_max([-size], "step log (ring size)")[0] if self.world > 1 else size
         if not fits:
             warnings.warn(f"liferaft: the per-step log's records of rank {self.rank} take "
                           f"{(record_bytes or 0) / 2 ** 20:.2f} MiB "
@@ -404,47 +377,41 @@ class StepLog:
         try:
             length = self._publish(cur, doc, cuda)
         except BaseException:
-            self._busy = -1
+            self.ring.busy = -1
             raise
         self._publishing = None
         if replicate:
-            self._replicate(cur["slot"], doc["step"], length, cur["plain"])     # (frees _busy when done)
+            self._replicate(cur["slot"], doc["step"], length, cur["plain"])     # (frees ring.busy when done)
         else:
-            self._busy = -1
+            self.ring.busy = -1
+
+    @property
+    def max_steps(self) -> int:
+        """The ring's size (``Ring.size``)."""
+        return self.ring.size
+
+    @property
+    def durable(self) -> int:
+        """The newest durable full checkpoint's step (``Ring.durable``)."""
+        return self.ring.durable
 
     @property
     def full(self) -> bool:
-        """Whether every slot holds a record newer than the newest durable full checkpoint (counted by steps, not by
-        slots: the same on every rank once they agree on the durable step, whichever slots each rank used)."""
-        return sum(s > self.durable for s in self._held.values()) >= self.max_steps
+        """``Ring.full``: every slot holds a record newer than the newest durable full checkpoint."""
+        return self.ring.full
 
     def full_after_next(self, durable: int | None = None) -> bool:
-        """Whether the ring is full once one more record is published (the manager votes on it a step ahead),
-        counting a full checkpoint of step ``durable`` as durable (a save seen finished, accounted next call)."""
-        floor = max(self.durable, -1 if durable is None else durable)
-        return sum(s > floor for s in self._held.values()) + 1 >= self.max_steps
+        """``Ring.full_after_next``: full once one more record is published (a save of ``durable`` counted)."""
+        return self.ring.full_after_next(durable)
 
     @property
     def save_due(self) -> bool:
-        """Whether the manager should start an asynchronous full checkpoint now, so that the ring is freed before
-        it fills: the records newer than the newest durable one leave at most ``2 × lag + 3`` slots free, ``lag``
-        the records published while the last full checkpoint became durable (measured by ``mark_durable``; the
-        3: the vote's step, the record it starts at, one spare) — never before half the ring holds such records,
-        and at half the ring until a full checkpoint has been measured."""
-        if self._lost is not None and self._lost > self.durable:
-            return True                     # a record is missing: only a full checkpoint makes later steps count
-        newer = sum(s > self.durable for s in self._held.values())
-        half = max(1, self.max_steps // 2)
-        if self._lag is None:
-            return newer >= half
-        return newer >= max(half, self.max_steps - (2 * self._lag + 3))
+        """``Ring.save_due``: whether the manager should start an asynchronous full checkpoint now."""
+        return self.ring.save_due
 
     def mark_durable(self, step: int) -> None:
-        """A full checkpoint of ``step`` is durable: records up to it are free (their slots reused). Measures how
-        many records were published meanwhile (``save_due`` plans the next one by it)."""
-        if step > self.durable and self._recorded is not None and self._recorded >= step:
-            self._lag = self._recorded - step
-        self.durable = max(self.durable, step)
+        """A full checkpoint of ``step`` is durable: records up to it are free (their slots reused)."""
+        self.ring.mark_durable(step)
         self._share.durable(step)
         self._trim()
 
@@ -453,12 +420,7 @@ class StepLog:
         into a smaller ring left them): the ring never takes them again, their memory goes back to the node.
         ``scan``: also those past the ring holding no record a recovery listed (the ring's sizing: a last run's
         slots whose records were at or below its full checkpoint, or never published)."""
-        gone = {s for s, st in self._held.items() if s >= self.max_steps and st <= self.durable}
-        if scan:
-            gone |= {s for s in self._own_slots() if s >= self.max_steps and self._held.get(s, -1) <= self.durable}
-        if self._cur is not None:
-            gone.discard(self._cur["slot"])         # (the record being written: taken past a smaller ring)
-        for s in sorted(gone - {self._busy}):
+        for s in self.ring.past(own_slots(self.root, self.rank) if scan else [], self._cur["slot"] if self._cur else None):
             rel = slot_name(self.rank, s)
             with self._lock:
                 f = self._files.pop(rel, None)
@@ -466,19 +428,18 @@ class StepLog:
                 f.close()
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(self.root, rel))
-            self._held.pop(s, None)
 
     def _rebase(self, step: int) -> None:
         """The state now stands on the full checkpoint ``step`` (restored): it is the newest base of this run's
         records, even where a newer one was durable before (a rollback removed it, or it did not load): records
         after ``step`` are kept until a newer full checkpoint is durable, never reused as if covered by the old
         one. The replay share is measured afresh."""
-        self.durable = step
+        self.ring.durable = step
         self._share = ReplayShare()
 
     def held_steps(self) -> list[int]:
         """Steps of this rank's records that a recovery could still need (newer than the durable checkpoint)."""
-        return sorted(s for s in self._held.values() if s > self.durable)
+        return self.ring.held_steps()
 
     def wait(self) -> None:
         """Wait for the replication (and a background publish) in flight; raise what it raised. A record whose
@@ -510,8 +471,8 @@ class StepLog:
         try:
             length = self._publish(cur, doc, cuda)
         except BaseException as e:      # (interrupted too: the record is not whole)
-            self._held.pop(cur["slot"], None)
-            self._lost = doc["step"]
+            self.ring.held.pop(cur["slot"], None)
+            self.ring.lost = doc["step"]
             self._share.spoil(doc["step"])
             if not isinstance(e, Exception):
                 raise
@@ -519,8 +480,8 @@ class StepLog:
                            f"the next full checkpoint, a recovery resumes at step {doc['step'] - 1} at the latest")
             raise first from None
         if replicate:
-            self._busy = cur["slot"]
-            self._replicate(cur["slot"], doc["step"], length, cur["plain"])     # (frees _busy)
+            self.ring.busy = cur["slot"]
+            self._replicate(cur["slot"], doc["step"], length, cur["plain"])     # (frees ring.busy)
 
     # ------------------------------------------------------------------ replication
 
@@ -530,10 +491,10 @@ class StepLog:
         try:
             self._sender.run(slot, step, length, plain, RECORD_CHECKSUM)
         finally:
-            self._busy = -1
+            self.ring.busy = -1
         # the slot the next record will likely take gets its pages now, off the training thread (a slot's pages
         # are allocated once: until the ring has gone round once, every record takes a fresh slot)
-        nxt = next((s for s in range(self.max_steps) if s != slot and self._held.get(s, -1) <= self.durable), None)
+        nxt = self.ring.next_free(slot)
         if nxt is not None:
             try:
                 self._file(slot_name(self.rank, nxt)).reserve(length, whole=True)
@@ -572,32 +533,10 @@ class StepLog:
         self.discard()
         self.attach(state)
         self._rebase(step)
-        self._held = self._own_records_after(step)
-        self._listed = max(self._held.values(), default=None)
+        self.ring.held = records_after(self.root, self.rank, step)
+        self.ring.listed = max(self.ring.held.values(), default=None)
         self._diverged_at = step
         self._expect = step + 1
-
-    def _own_slots(self) -> list[int]:
-        """The slots whose files are in this rank's ring folder (names exactly as ``slot_name`` makes them; any other
-        file there is not a slot)."""
-        try:
-            names = os.listdir(os.path.join(self.root, rank_dir(self.rank)))
-        except OSError:
-            return []
-        found = ((name, _SLOT.fullmatch(name)) for name in names)
-        return [int(m[1]) for name, m in found if m and slot_name(self.rank, int(m[1])).endswith("/" + name)]
-
-    def _own_records_after(self, step: int) -> dict[int, int]:
-        """{slot: step} of this rank's records newer than ``step`` in its ring (headers only: what a slot holds)."""
-        out: dict[int, int] = {}
-        for s in self._own_slots():
-            try:
-                h = read_header(self.root, slot_name(self.rank, s))
-            except (LiferaftError, OSError):
-                h = None
-            if h is not None and h.step > step:
-                out[s] = h.step
-        return out
 
     def discard(self) -> None:
         """Forget the record being captured (a restore: the optimizer steps taken before it are not this run's;
@@ -629,23 +568,9 @@ class StepLog:
     def _forget_after(self, step: int) -> None:
         """Drop this node's records newer than ``step`` (a future the resumed run does not share). Only inside
         ``_forget_collectively``."""
-        for slot, s in list(self._held.items()):
-            if s > step:
-                del self._held[slot]
-        if self._listed is not None and self._listed > step:
-            self._listed = step if step > self.durable else None
-        if not os.path.isdir(self.root) or min(r for r, m in enumerate(self.nodes) if m == self.memory.node) \
-                != self.rank:
-            return
-        for d in os.listdir(self.root):
-            folder = os.path.join(self.root, d)
-            for name in os.listdir(folder) if os.path.isdir(folder) else ():
-                try:
-                    h = read_header(self.root, f"{d}/{name}")
-                except (LiferaftError, OSError):
-                    h = None
-                if h is not None and h.step > step:
-                    os.unlink(os.path.join(folder, name))
+        self.ring.forget_after(step)
+        if min(r for r, m in enumerate(self.nodes) if m == self.memory.node) == self.rank:
+            remove_after(self.root, step)
 
     def start_fresh(self, state: Any) -> None:
         """No full checkpoint to resume from: hook ``state``'s optimizers and drop this node's records of an

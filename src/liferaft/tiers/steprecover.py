@@ -85,7 +85,7 @@ def recover(log: StepLog, state: Any, full: int) -> int:
     records.clear()
     clock.append(time.perf_counter())
     log._forget_collectively(n, "step log (forget the future)")
-    log._listed = n if n > full else None       # (records full+1..n: needed until a newer full checkpoint)
+    log.ring.listed = n if n > full else None       # (records full+1..n: needed until a newer full checkpoint)
     log._expect = n + 1
     clock.append(time.perf_counter())
     phases = ("listing", "fetch", "check", "agree", "replay", "rest", "forget")     # (clock's intervals)
@@ -100,7 +100,7 @@ def _list(log: StepLog, full: int, kept: dict[int, tuple[Header, bytearray, str]
     """``steplist.list_node`` for this rank; notes the slots of its own records and the held replicas."""
     got = list_node(log.root, log.nodes, log.rank, log.world, log.owner, full, kept, log.live)
     log._thin = got.thin
-    log._held.update(got.slots)
+    log.ring.held.update(got.slots)
     return got.records
 
 
@@ -138,7 +138,7 @@ def _gather(log: StepLog, kept: dict[int, tuple[Header, bytearray, str]], plan: 
             buf, rel = got[step]
             data = memoryview(buf.numpy())
             log._store(rel, data)
-            log._held[int(rel.rsplit("-", 1)[1])] = step
+            log.ring.held[int(rel.rsplit("-", 1)[1])] = step
             out[step] = (None, data, os.path.join(log.root, rel) + " (from a peer)")
         else:
             out[step] = kept[step]
