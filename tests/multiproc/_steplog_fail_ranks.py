@@ -1,5 +1,10 @@
-"""Rank functions for ``test_steplog_fail.py``: the job of ``_steplog_ranks`` under a preemption signal, where rank
-0's per-step log fails once on that rank alone and the loop catches the error and goes on."""
+"""Rank functions for ``test_steplog_fail.py``: the job of ``_steplog_ranks`` where rank 0's per-step log fails on
+that rank alone and the loop catches the error and goes on.
+
+``"background"`` runs every record through the background publish a CUDA record takes (this machine has no GPU:
+``_deferred`` stands in for the CUDA layer only, as ``tests/unit/test_steplog_deferred.py``'s fixture does — each
+tensor copied into its generation's buffer at capture, written, hashed and published by the background thread,
+with real slot files, ranks and exchanges)."""
 
 from __future__ import annotations
 
@@ -8,31 +13,89 @@ import signal
 import warnings
 from typing import Any
 
-from multiproc._steplog_ranks import build, train_step
+import torch
+from multiproc._steplog_ranks import build, snapshot, train_step
 
 import liferaft
 from liferaft import CheckpointManager, JobOptions, MemoryTier, PreemptionOptions, StepLogOptions, TierOptions
+from liferaft.tiers import stepcuda, steplog
+from liferaft.tiers.steplist import slot_name
 from liferaft.tiers.steplog import StepLog
+from liferaft.tiers.steprecord import read_header
+
+
+class _Done:
+    def synchronize(self) -> None:
+        pass
+
+
+def _deferred() -> None:
+    """Every record's tensors through ``CudaCopies`` and the background publish (in this process only)."""
+    def enqueue(self: Any, t: torch.Tensor, off: int, gen: int) -> dict:
+        key = (off, tuple(t.shape), t.dtype)
+        pinned = self._pinned[gen].get(key)
+        if pinned is None:
+            pinned = self._pinned[gen][key] = torch.empty(t.shape, dtype=t.dtype)
+        pinned.copy_(t)
+        entry: dict = {}
+        self.pending.append((pinned, _Done(), off, entry, torch.device("cpu")))
+        return entry
+
+    def put(self: Any, t: torch.Tensor) -> dict:
+        cur = self._cur
+        off = cur["pos"]
+        cur["pos"] = off + (t.numel() * t.element_size() + steplog.ALIGN - 1) // steplog.ALIGN * steplog.ALIGN
+        cur["file"].reserve(cur["pos"])
+        return self._cuda.enqueue(t, off, cur["gen"])
+
+    stepcuda.CudaCopies.enqueue = enqueue          # type: ignore[method-assign]
+    stepcuda.CudaCopies.fence = lambda self, since: None     # type: ignore[method-assign]
+    steplog.StepLog._put = put                     # type: ignore[method-assign]
+
+
+def _manager(rank: int, root: str, base: str, every: int, max_steps: int | str) -> CheckpointManager:
+    tier = MemoryTier("steplog-fail", node=f"node{rank}", base=base, timeout=20)
+    return CheckpointManager(root, save_policy=liferaft.SavePolicy(every_steps=every),
+                             tiers=TierOptions(memory=tier, memory_every=10 ** 6, drain=False),
+                             step_log=StepLogOptions(replicas=1, max_steps=max_steps),
+                             preemption=PreemptionOptions(signals=[signal.SIGUSR1]),
+                             job=JobOptions(job_id="steplog-fail", lease_ttl=5.0),
+                             save_options=liferaft.SaveOptions(timeout=20))
+
+
+def _inject(log: StepLog, rank: int, where: str, at: int) -> None:
+    """Rank 0's record of ``at`` fails: its walk of the state (``capture``) or the writing of its header
+    (``publish``: a full /dev/shm) once, or the background publish's header and again at its retry
+    (``background``)."""
+    obj, name = (log._rest, "capture") if where == "capture" else (log, "_publish")
+    real = getattr(obj, name)
+    left = [2 if where == "background" else 1]
+
+    def fail(*args: Any, **kwargs: Any) -> Any:
+        step = args[1]["step"] if name == "_publish" else log._expect - 1
+        if rank == 0 and step == at and left[0]:
+            left[0] -= 1
+            raise OSError(28, f"injected: no space left on the shared memory ({name} of step {at})")
+        return real(*args, **kwargs)
+
+    setattr(obj, name, fail)
 
 
 def one_rank_fails(rank: int, world: int, root: str, base: str, where: str, at: int, signal_at: int | None,
-                   max_steps: int | str) -> dict[str, Any]:
-    """Train steps 0..15 under DDP/SGD, full checkpoints every 6 steps; rank 1 gets SIGUSR1 after step
+                   max_steps: int | str, retry: bool = False, every: int = 6) -> dict[str, Any]:
+    """Train steps 0..15 under DDP/SGD, full checkpoints every ``every`` steps; rank 1 gets SIGUSR1 after step
     ``signal_at`` (a preemption: every rank must stop at the same step). At step ``at`` on rank 0 alone:
-    ``where="capture"`` / ``"publish"``: the record's walk of the state, or the writing of its header, fails (a
-    full /dev/shm: no record of ``at`` on that rank);
-    ``where="forget"``: the newest record is forgotten before ``maybe_save`` (as a background publish that failed
-    twice leaves it), so that rank's ring is one short of full where the others' is full (the ring is kept from
-    freeing itself early: no "step log filling" saves). Returns {"caught", "stopped", "committed", "ring",
-    "held", "durable"}."""
+    ``where="capture"`` / ``"publish"`` / ``"background"``: its record fails (``_inject``: no record of ``at`` on
+    that rank); ``where="forget"``: the newest record is forgotten before ``maybe_save`` (as a background publish
+    that failed twice leaves it), so that rank's ring is one short of full where the others' is full (the ring
+    is kept from freeing itself early: no "step log filling" saves). ``retry``: every rank calls ``maybe_save``
+    of ``at`` again (rank 0's record of it made then, kept on its node only). Returns {"caught" (steps whose maybe_save
+    raised), "stopped", "committed", "ring", "held", "durable", "unsent" (bytes the last replication did not
+    send: its peer held them, the ranks' exchanges in step)}."""
+    if where == "background":
+        _deferred()
     st = build("ddp", "sgd", world)
-    tier = MemoryTier("steplog-fail", node=f"node{rank}", base=base, timeout=20)
-    mgr = CheckpointManager(root, save_policy=liferaft.SavePolicy(every_steps=6),
-                            tiers=TierOptions(memory=tier, memory_every=10 ** 6, drain=False),
-                            step_log=StepLogOptions(replicas=1, max_steps=max_steps),
-                            preemption=PreemptionOptions(signals=[signal.SIGUSR1]),
-                            job=JobOptions(job_id="steplog-fail", lease_ttl=5.0),
-                            save_options=liferaft.SaveOptions(timeout=20))
+    mgr = _manager(rank, root, base, every, max_steps)
     mgr.restore(st)
     log = mgr._steplog
     assert log is not None
@@ -42,17 +105,10 @@ def one_rank_fails(rank: int, world: int, root: str, base: str, where: str, at: 
             def save_due(self) -> bool:
                 return False
         log.__class__ = NoEarlySaves
-    caught, stopped = [0], -1
-    if where in ("capture", "publish"):
-        obj, name = (log._rest, "capture") if where == "capture" else (log, "_publish")
-        real = getattr(obj, name)
-
-        def fail(*args: Any, **kwargs: Any) -> Any:
-            if rank == 0 and log._expect == at + 1 and not caught[0]:
-                raise OSError(28, f"injected: no space left on the shared memory ({name} of step {at})")
-            return real(*args, **kwargs)
-
-        setattr(obj, name, fail)
+    caught: list[int] = []
+    stopped = -1
+    if where != "forget":
+        _inject(log, rank, where, at)
     for step in range(16):
         train_step(st, rank, step)
         if rank == 0 and where == "forget" and step == at:
@@ -65,13 +121,55 @@ def one_rank_fails(rank: int, world: int, root: str, base: str, where: str, at: 
                 warnings.simplefilter("ignore")             # (the gap the failed record leaves)
                 mgr.maybe_save(step, st)
         except OSError:
-            caught[0] += 1
+            caught.append(step)
+        if retry and step == at:
+            mgr.maybe_save(step, st)
+        if caught and caught[-1] == step:
             continue
         if mgr.preempted:
             stopped = step
             break
-    out = {"caught": caught[0], "stopped": stopped, "ring": log.max_steps, "held": log.held_steps(),
-           "durable": log.durable}
+    log.wait()
+    out = {"caught": caught, "stopped": stopped, "ring": log.max_steps, "held": log.held_steps(),
+           "durable": log.durable, "unsent": log._sender.saved_bytes}
     mgr.close()
     out["committed"] = [i.step for i in mgr.steps() if i.status == "committed"]
     return out
+
+
+def saved_at_the_failed_step(rank: int, world: int, root: str, base: str, at: int, last: int) -> dict[str, Any]:
+    """Every rank saves ``at`` explicitly (an end-of-epoch checkpoint, say), then rank 0's record of ``at`` fails
+    (``publish``: its hole is covered by that checkpoint, no other is taken); train to ``last``; a fresh manager restores: the full checkpoint ``at`` and the records
+    after it. Returns the recovery, how many optimizer steps each record holds, and whether the recovered state is
+    the trained one."""
+    st = build("ddp", "sgd", world)
+    mgr = _manager(rank, root, base, 1000, 64)
+    mgr.restore(st)
+    log = mgr._steplog
+    assert log is not None
+    caught: list[int] = []
+    _inject(log, rank, "publish", at)
+    for step in range(last + 1):
+        train_step(st, rank, step)
+        if step == at:
+            mgr.save(step, st)
+            mgr.wait()
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                mgr.maybe_save(step, st)
+        except OSError:
+            caught.append(step)
+    log.wait()
+    calls = {s: len(read_header(log.root, slot_name(rank, sl)).doc["calls"]) for sl, s in log.ring.held.items()}
+    truth = snapshot(st)
+    mgr.close()
+    st2 = build("ddp", "sgd", world)
+    mgr2 = _manager(rank, root, base, 1000, 64)
+    start = mgr2.restore(st2)
+    assert mgr2._steplog is not None
+    recovery = dict(mgr2._steplog.last_recovery)
+    got = snapshot(st2)
+    mgr2.close()
+    return {"caught": caught, "calls": calls, "start": start, "full": recovery["full"],
+            "differs": sorted(k for k in truth if truth[k] != got.get(k))}

@@ -1,29 +1,40 @@
-"""The per-step log failing on one rank alone (a replication that failed, a record forgotten) while the loop
-catches the error and goes on: the ranks stay in step — one vote taken and one cast per ``maybe_save`` on every
-rank, the ring's size and its fullness agreed — so that a preemption stops them at the same step and every save is
-taken by all."""
+"""The per-step log failing on one rank alone (a full /dev/shm on one node, a background publish that failed twice,
+a record forgotten) while the loop catches the error and goes on: the ranks stay in step — the failing rank's
+``maybe_save`` still makes the call's decisions with the others (the saves they take, the vote taken and cast)
+before it raises, the auto ring's size and a full ring are agreed, the replication exchanges stay paired (the
+peers' gradients still left home) — so that a preemption stops every rank at the same step, every save is taken
+by all, and a recovery is bitwise."""
 
 from __future__ import annotations
 
 import pytest
-from multiproc._steplog_fail_ranks import one_rank_fails
+from multiproc._steplog_fail_ranks import one_rank_fails, saved_at_the_failed_step
 
 from liferaft.testing import run_ranks
 
 
-@pytest.mark.parametrize("where,at,max_steps", [("capture", 1, "auto"), ("publish", 9, "auto"), ("publish", 9, 64)])
-def test_a_record_that_fails_on_one_rank_keeps_the_ranks_in_step(tmp_path, where, at, max_steps):
-    # capture at 1: an auto ring is sized at that record (an all-reduce): the failing rank votes too; the
-    # replication of the step goes on with nothing from that rank (else the peers' exchanges were one ahead for
-    # the rest of the run, and the last one hung at close)
-    out = run_ranks(one_rank_fails, 2, str(tmp_path / "r"), str(tmp_path / "shm"), where, at, 11, max_steps,
+@pytest.mark.parametrize("where,at,max_steps,retry", [
+    ("capture", 1, "auto", False),  # the record that sizes an auto ring (an all-reduce): the failing rank votes too
+    ("publish", 9, "auto", False),
+    ("publish", 9, 64, False),
+    ("publish", 9, 64, True),       # every rank calls maybe_save(9) again: rank 0 records it, keeps it home
+    ("publish", 6, 64, False),      # a step the others save at (every 6): the failing rank saves with them
+    ("publish", 0, "auto", False),  # the first call: no vote cast yet, the first full checkpoint
+    ("background", 5, 64, False),   # the background publish (CUDA records) fails, then its retry: no exchange lost
+])
+def test_a_record_that_fails_on_one_rank_keeps_the_ranks_in_step(tmp_path, where, at, max_steps, retry):
+    out = run_ranks(one_rank_fails, 2, str(tmp_path / "r"), str(tmp_path / "shm"), where, at, 11, max_steps, retry,
                     timeout=150)
-    assert out[0]["caught"] == 1 and out[1]["caught"] == 0
+    # (in the background, the failure is seen at the next step's maybe_save, which waits for it)
+    assert out[0]["caught"] == [at + (where == "background")] and out[1]["caught"] == [], out
     assert out[0]["stopped"] == out[1]["stopped"] == 12, out      # the signal after 11: acted on at 12 by both
     assert out[0]["committed"] == out[1]["committed"] and 12 in out[0]["committed"], out
     assert out[0]["ring"] == out[1]["ring"], out
-    # the hole in rank 0's chain asks every rank for a full checkpoint at once (voted at the end of the next call)
-    assert any(at < s <= at + 3 for s in out[0]["committed"]), out
+    # the hole in rank 0's chain asks every rank for a full checkpoint at once (voted at the end of the next call;
+    # or the save of that very step covers it)
+    assert any(at <= s <= at + 3 for s in out[0]["committed"]), out
+    # the replication's exchanges are still of the same step on both ranks: the peer's DDP gradients stay home
+    assert out[0]["unsent"] > 0 and out[1]["unsent"] > 0, out
 
 
 def test_a_ring_full_on_one_rank_only_takes_the_synchronous_save_on_every_rank(tmp_path):
@@ -31,6 +42,17 @@ def test_a_ring_full_on_one_rank_only_takes_the_synchronous_save_on_every_rank(t
     # before the call of 4, so its ring holds 3 records where rank 1's holds 4 (voted full at the end of 3)
     out = run_ranks(one_rank_fails, 2, str(tmp_path / "r"), str(tmp_path / "shm"), "forget", 3, None, 4,
                     timeout=150)
-    assert out[0]["caught"] == out[1]["caught"] == 0
+    assert out[0]["caught"] == out[1]["caught"] == []
     assert out[0]["committed"] == out[1]["committed"] and 4 in out[0]["committed"], out
     assert out[0]["durable"] == out[1]["durable"], out
+
+
+def test_a_full_checkpoint_at_the_failed_step_replays_each_later_step_once(tmp_path):
+    # the failed record's optimizer step stayed in the record being written: the next record held two steps, and
+    # a recovery from a full checkpoint of the failed step replayed it twice (silently wrong weights)
+    out = run_ranks(saved_at_the_failed_step, 2, str(tmp_path / "r"), str(tmp_path / "shm"), 3, 6, timeout=150)
+    assert out[0]["caught"] == [3] and out[1]["caught"] == []
+    for rank in range(2):
+        assert out[rank]["full"] == 3 and out[rank]["start"] == 6, out[rank]
+        assert max(out[rank]["calls"].values()) == 1, out[rank]["calls"]     # (5: the GradScaler skips it)
+        assert out[rank]["differs"] == [], out[rank]["differs"]

@@ -167,11 +167,13 @@ def test_a_record_that_cannot_be_published_names_its_step_and_a_full_checkpoint_
     mgr.maybe_save(4, st)
     _step(st, 5)
     with pytest.raises(FileAccessError, match="injected") as e:
-        mgr.maybe_save(5, st)
+        mgr.maybe_save(5, st)       # (raised once the call's decisions are made: the full checkpoint the hole asks)
     assert "record of step 4 was not published" in str(e.value.__notes__)
-    assert mgr._steplog.save_due                # only a full checkpoint makes the steps after it count again
-    assert mgr.maybe_save(5, st)                # step 5 again: recorded, and a full checkpoint of it taken
-    assert not mgr._steplog.save_due
+    assert "still started a save" in str(e.value.__notes__)
+    mgr.wait()
+    assert 5 in [i.step for i in mgr.steps() if i.status == "committed"]    # only a full checkpoint makes the
+    assert not mgr._steplog.save_due                                       # steps after the hole count again
+    assert not mgr.maybe_save(5, st)            # step 5 again: recorded (its calls kept), no second save
     for s in range(6, 9):
         _step(st, s)
         mgr.maybe_save(s, st)

@@ -367,10 +367,14 @@ class CheckpointManager:
         voting = self._voting()
         vote, self._vote = (self._vote, None) if voting else (None, self._vote)
         taken = False       # this call's vote taken: one taken and one cast per call on every rank, whatever raised
+        failed: Exception | None = None     # this step's record failed (maybe on this rank alone): raised at the end
         try:
             self._go_on()
             if log is not None:
-                log.record(step, state)     # this step's record (the gradients were captured in step())
+                try:
+                    log.record(step, state)     # this step's record (the gradients were captured in step())
+                except Exception as e:  # noqa: BLE001 - raised once this call's decisions are made, as the peers'
+                    failed = e
                 if self._tiers is not None and self._tiers.auto is not None:
                     # where the log covers what the memory tier covers (as many replicas, no parity), such a
                     # failure costs the replay since the last full checkpoint, not the work: the memory tier's
@@ -394,7 +398,7 @@ class CheckpointManager:
                 voted = Views.of(vote.result() if vote is not None else
                                  self.coord.all_max(local.ints(), "maybe_save (agree)"))
                 reason, local = agree(reason, local, voted, auto_memory)
-            started = self._decide(step, state, metrics, force, reason, local)
+            started = self._decide(step, state, metrics, force, reason, local, voting)
         except BaseException:
             if voting:                  # (the record, the accounting or the save raised on this rank alone, maybe)
                 with contextlib.suppress(LiferaftError):
@@ -405,6 +409,11 @@ class CheckpointManager:
             raise
         if voting:
             self._vote = self.coord.all_max_start(self._votes(step).ints(), "maybe_save (agree)")
+        if failed is not None:
+            # (after the decisions every rank makes alike: a peer saving this step finds this rank in the save)
+            failed.add_note(f"liferaft: the per-step record of step {step} failed on this rank; this maybe_save "
+                            f"still {'started a save' if started else 'made its decisions'} with the other ranks")
+            raise failed
         return started
 
     def _voting(self) -> bool:
@@ -429,7 +438,7 @@ class CheckpointManager:
                      log is not None and log.save_due and not self._saves.busy)
 
     def _decide(self, step: int, state: Any, metrics: Mapping[str, float] | None, force: bool, reason: str | None,
-                views: Views) -> bool:
+                views: Views, voting: bool) -> bool:
         preempt, log_full = views.preempt, views.log_full
         if preempt:
             reason = reason or "preemption"
@@ -447,7 +456,7 @@ class CheckpointManager:
             if self._saves.busy:
                 self.wait()
             full_log = self._steplog is not None and self._steplog.full
-            if self._voting():
+            if voting:
                 # (agreed again: a record one rank forgot, its background publish failed twice, leaves its ring
                 # short of full where the others' is full; a rank left out of the synchronous save would hang it)
                 full_log = self.coord.all_max([int(full_log)], "maybe_save (ring full)")[0] > 0

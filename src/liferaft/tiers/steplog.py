@@ -31,7 +31,7 @@ import torch
 
 from liferaft.codecs.checksum import digest, stream
 from liferaft.dist import Coordinator
-from liferaft.errors import InvalidStateError
+from liferaft.errors import InvalidStateError, LiferaftError
 from liferaft.state import optsteps
 from liferaft.state.values import encode_value
 from liferaft.tiers import steprecover
@@ -106,6 +106,10 @@ class StepLog:
         self.epoch = 0
         self.live: Callable[[int, int], bool] = lambda step, epoch: True
         self._expect: int | None = None             # the step the next record should be of (None: unknown)
+        #: a failed record's (step, calls, plain entries) still in the record being written: kept for a retry of
+        #: that step, dropped by the record of any other step (``_failed``)
+        self._stale: tuple[int, int, int] | None = None
+        self._skipped: int | None = None            # the last step whose replication exchange was held empty
         self._cuda = CudaCopies()                # the CUDA tensors' copies (tiers.stepcuda)
         self._gen = 0                            # the pinned generation of the next record (records alternate)
         #: the record the background is publishing (cur, doc, copies, replicate): published again by ``wait``
@@ -259,6 +263,11 @@ class StepLog:
             return                          # hooked just now: this step's calls were not seen
         if self._cur is None and step == self.ring.recorded:
             return                          # maybe_save called again for the same step: recorded already
+        if self._stale is not None and self._stale[0] != step and self._cur is not None:
+            _, calls, plain = self._stale   # (a failed record's optimizer step: not this record's)
+            del self._cur["calls"][:calls]
+            del self._cur["plain"][:plain]
+        self._stale = None
         self._share.record(time.perf_counter())
         try:
             self.wait()                     # the previous record is on its replicas (≤ 1 step lost with a node)
@@ -294,7 +303,8 @@ class StepLog:
         except BaseException:
             self._failed(step)
             raise
-        replicate = bool(self.targets or self.sources)
+        # (a retry of a failed record whose exchange was held empty: kept here only, the peers' exchanges in step)
+        replicate = bool(self.targets or self.sources) and self._skipped != step
         self.ring.held[cur["slot"]] = step
         self._cur, self.ring.recorded = None, step
         if replicate or cuda:
@@ -313,11 +323,17 @@ class StepLog:
         step's replication exchange, with nothing sent (the peers' records still received and kept) — unless the
         replication before it is still in flight (an interrupted wait: the exchanges then stay one apart, and
         the peers' next wait fails at their timeout). A recovery stops before ``step`` (the chain has a hole)
-        until a full checkpoint, which ``save_due`` asks for at once."""
+        until a full checkpoint, which ``save_due`` asks for at once. The calls captured for it stay for a retry of
+        ``step`` (recorded then, on this node only when its exchange was held empty); the record of any other step
+        drops them (kept, a full checkpoint of ``step`` followed by the next record would replay them twice)."""
         self.ring.lost = step if self.ring.lost is None else max(self.ring.lost, step)
         self._share.spoil(step)
+        cur = self._cur
+        self._stale = (step, len(cur["calls"]), len(cur["plain"])) if cur is not None else None
+        self._expect = step + 1
         if (self.targets or self.sources) and self._pending is None:
             self._pending = self._pool.submit(self._sender.skip, RECORD_CHECKSUM)
+            self._skipped = step
         if self.ring.auto:
             self._size_ring(None)
 
@@ -476,6 +492,10 @@ class StepLog:
             self._share.spoil(doc["step"])
             if not isinstance(e, Exception):
                 raise
+            if replicate:           # (the step's exchange, with nothing sent: the peers' stay in step with this one)
+                self._skipped = doc["step"]
+                with contextlib.suppress(LiferaftError):
+                    self._sender.skip(RECORD_CHECKSUM)
             first.add_note(f"liferaft: the per-step record of step {doc['step']} was not published ({e}); until "
                            f"the next full checkpoint, a recovery resumes at step {doc['step'] - 1} at the latest")
             raise first from None
@@ -544,6 +564,7 @@ class StepLog:
         if self._cur is not None:
             self._cuda.drop(0)
             self._cur = None
+        self._stale = None
 
     def go_on(self) -> None:
         """The run goes on after ``resume_at(K)`` (its first record, or the manager's first save): the records newer
