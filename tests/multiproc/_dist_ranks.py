@@ -206,3 +206,36 @@ def forged_one_side(rank: int, world: int) -> list[str]:
         c.scatter_from_zero(list(range(world)) if rank == 0 else None, None, "after") == rank
     out.append(f"still works: {ok}")
     return out
+
+
+def swapped_among(rank: int, world: int) -> list[object]:
+    """``Coordinator.swap_among`` on 3 ranks: ranks 0 and 2 swap, rank 1 alone; short messages (one round) and
+    long ones (past the head: a second round), a long and a short one crossing; then rank 2 forges a length past
+    the limits: rank 0 refuses it before allocating anything for it, naming rank 2 (and retires its group)."""
+    import liferaft.dist.coordinator as C
+    import liferaft.dist.wire as W
+    from liferaft.dist import Coordinator
+    from liferaft.errors import DistributedError
+
+    c = Coordinator(timeout=10)
+    group = (0, 2) if rank != 1 else (1,)
+    out: list[object] = []
+    for n0, n2 in [(10, 20), (W.HEAD * 3, W.HEAD * 5), (W.HEAD * 2, 3), (0, W.HEAD - W.LEN)]:
+        n = n0 if rank == 0 else n2 if rank == 2 else 7
+        out.append(c.swap_among(group, b"x" * n + bytes([rank]), (0x5100, 0x5101), "swap"))
+    real = C.head_tensor
+
+    def forged(data: bytes, size: int) -> object:
+        t = real(data, size)
+        t[:W.LEN] = torch.frombuffer(bytearray((W.MAX_MESSAGE + 1).to_bytes(W.LEN, "little")), dtype=torch.uint8)
+        return t
+    if rank == 2:
+        C.head_tensor = forged
+    try:
+        c.swap_among(group, b"y", (0x5102, 0x5103), "forged swap")
+        out.append("accepted")
+    except DistributedError as e:
+        out.append(str(e))
+    finally:
+        C.head_tensor = real
+    return out

@@ -116,3 +116,21 @@ def test_a_forged_length_in_a_gather_to_rank_zero_is_refused_by_every_rank_befor
     assert "rank 1 announced a message of 1099511627776 bytes" in results[1][0], results[1]
     assert "rank 2 announced a message of -7 bytes" in results[2][1], results[2]
     assert f"rank 0 announced a message of {(1 << 33) + 1} bytes" in results[0][2], results[0]
+
+
+def test_swap_among_exchanges_within_a_group_in_one_round_or_two_and_refuses_a_forged_length():
+    """``Coordinator.swap_among`` (a host's ranks exchanging their read spans): every message arrives whole and
+    in place, one round for short ones, a second for the rest of long ones, groups apart from each other; a length
+    past the limits is refused before anything is allocated, naming the rank."""
+    from multiproc._dist_ranks import swapped_among
+
+    from liferaft.dist.wire import HEAD, LEN
+
+    results = run_ranks(swapped_among, 3, timeout=120)
+    sizes = [(10, 20), (HEAD * 3, HEAD * 5), (HEAD * 2, 3), (0, HEAD - LEN)]
+    for i, (n0, n2) in enumerate(sizes):
+        both = {0: b"x" * n0 + bytes([0]), 2: b"x" * n2 + bytes([2])}
+        assert results[0][i] == both and results[2][i] == both, i
+        assert results[1][i] == {1: b"x" * 7 + bytes([1])}, i
+    assert "rank 2 announced a message of" in results[0][-1], results[0][-1]
+    assert results[1][-1] == "accepted"           # (alone in its group: nothing to receive)

@@ -13,7 +13,6 @@ followed by an exchange, so every rank raises when any rank fails and nothing ha
 from __future__ import annotations
 
 import os
-import pickle
 import time
 import warnings
 import zlib
@@ -109,7 +108,7 @@ def _load(reader: Reader, state: Any, coord: Coordinator, opts: LoadOptions, str
     plans: list[_LoadPlan] = []
     mode = "peers" if holders is not None else _share_mode(reader, coord, opts)
     all_keys = reader.keys
-    width = len(all_keys) + 6
+    width = len(all_keys) + 8
     # what steers the load's collective steps must be the same on every rank (strict=(rank == 0) raised on one
     # rank after planning and left the others in the next collective, crossing the next call's messages)
     # (ignore_keys as a set: the same keys in another order are the same option; share_reads may differ, the
@@ -132,9 +131,12 @@ def _load(reader: Reader, state: Any, coord: Coordinator, opts: LoadOptions, str
             shm.sweep_stale()
         mine.append((spans, hosted))
         code = _MODES.index(mode)
-        # (one all-reduce: which keys some rank loads, whether every rank chose the same way of sharing, and
-        # whether any rank misses or skips keys: what a rank receives does not grow with the world)
-        return None, [*p.covered, code, -code, int(bool(p.missing)), int(bool(p.skipped)), agreed, -agreed]
+        hid = _host_id(hosted[0]) if hosted is not None else 0
+        # (one all-reduce: which keys some rank loads, whether every rank chose the same way of sharing, whether
+        # any rank misses or skips keys, whether every rank is on one host: what a rank receives does not grow
+        # with the world)
+        return None, [*p.covered, code, -code, int(bool(p.missing)), int(bool(p.skipped)), agreed, -agreed,
+                      hid, -hid]
     _, voted = coord.run_max(planned, width, "load (planning)")
     n = len(all_keys)
     if voted[n + 4] != -voted[n + 5]:
@@ -153,10 +155,14 @@ def _load(reader: Reader, state: Any, coord: Coordinator, opts: LoadOptions, str
         skipped = tuple(sorted({k for _, s in lists for k in s}))
     shares = False                  # (mode "host": whether the ranks of any host share, the same on every rank)
     if mode == "host":
-        mates = coord.peers_alike(_host_id(mine[0][1][0]), "load (planning)")     # (the ranks of this host)
+        # (every rank on one host, as the vote's largest and smallest host ids say: they are the host's ranks, and
+        # every rank plans the host's sharing from the same spans, so each knows whether any rank shares)
+        one_host = voted[n + 6] == -voted[n + 7]
+        mates = tuple(range(coord.world)) if one_host else \
+            coord.peers_alike(_host_id(mine[0][1][0]), "load (planning)")     # (the ranks of this host)
         spans_of = _mates_spans(coord, mates, mine[0])
         sharing = _host_sharing(spans_of, mates, coord.world, opts)
-        shares = bool(coord.all_max([int(bool(sharing))], "load (planning)")[0])
+        shares = bool(sharing) if one_host else bool(coord.all_max([int(bool(sharing))], "load (planning)")[0])
     elif mode and holders is None:
         # (spans shared over the process group, within a host: a span another host needs too is read there as
         # well, which costs its network what sending it would; what a rank receives grows with its host's ranks)
@@ -226,28 +232,9 @@ def _share_mode(reader: Reader, coord: Coordinator, opts: LoadOptions) -> str | 
 
 def _mates_spans(coord: Coordinator, host: Sequence[int], mine: tuple[Any, Any]) -> dict[int, Any]:
     """The spans and decoded sizes (``mine``: this rank's) of this rank and of the other ranks of its ``host``
-    (the ranks of this host, ``Coordinator.peers_alike``), exchanged among those ranks only (a length, then the
-    pickled spans, sent to each): what a rank receives grows with its host's ranks and their reads, not with the
-    job's (collective over each host's ranks)."""
-    mates = [r for r in host if r != coord.rank]
-    out = {coord.rank: mine}
-    if not mates:
-        return out
-    data = torch.frombuffer(bytearray(pickle.dumps(mine, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
-    size = torch.tensor([data.numel()], dtype=torch.int64)
-    sizes = {r: torch.zeros(1, dtype=torch.int64) for r in mates}
-    works = [coord.irecv(sizes[r], r, SPAN_SIZE_TAG) for r in mates]
-    works += [coord.isend(size, r, SPAN_SIZE_TAG) for r in mates]
-    for w in works:
-        w.wait()
-    bufs = {r: torch.empty(int(sizes[r].item()), dtype=torch.uint8) for r in mates}
-    works = [coord.irecv(bufs[r], r, SPAN_TAG) for r in mates]
-    works += [coord.isend(data, r, SPAN_TAG) for r in mates]
-    for w in works:
-        w.wait()
-    for r in mates:
-        out[r] = pickle.loads(bufs[r].numpy().tobytes())      # (our own ranks' messages)
-    return out
+    (the ranks of this host), exchanged among those ranks only (``Coordinator.swap_among``): what a rank receives
+    grows with its host's ranks and their reads, not with the job's (collective over each host's ranks)."""
+    return coord.swap_among(host, mine, (SPAN_SIZE_TAG, SPAN_TAG), "load (planning: the spans of this host's ranks)")
 
 
 #: how a load shares its reads (``_share_mode``), as the number each rank votes with

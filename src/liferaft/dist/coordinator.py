@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 from liferaft.dist.groups import Group, attempt, group_for, one_line, release_groups
 from liferaft.dist.wire import (
     BROADCAST_HEAD,
+    HEAD,
     LEN,
     MAX_MESSAGE,
     RefusedLength,
@@ -374,6 +375,41 @@ class Coordinator:
             self.isend(torch.tensor([data.numel()], dtype=torch.int64), 0, tags[0]).wait()
             self.isend(data, 0, tags[1]).wait()
         return None
+
+    def swap_among(self, ranks: Sequence[int], payload: Any, tags: tuple[int, int], what: str) -> dict[int, Any]:
+        """``{r: payload of rank r}`` for each of ``ranks`` (this rank among them), sent point to point among those
+        ranks only: a head of ``HEAD`` bytes to each (the pickled message's length and first bytes, tag
+        ``tags[0]``: a short message takes one round), then the rest of a long one (tag ``tags[1]``). The lengths
+        a rank is told are checked before anything is allocated for them (refused: DistributedError, and the
+        group goes, its peers mid-exchange). Collective over ``ranks``."""
+        import torch
+
+        mates = [r for r in ranks if r != self.rank]
+        out = {self.rank: payload}
+        if not mates:
+            return out
+        data = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
+        room = HEAD - LEN
+        heads = {r: torch.empty(HEAD, dtype=torch.uint8) for r in mates}
+        head = head_tensor(data, HEAD)
+        for w in [self.irecv(heads[r], r, tags[0]) for r in mates] + [self.isend(head, r, tags[0]) for r in mates]:
+            w.wait()
+        raw = {r: heads[r].numpy().tobytes() for r in mates}
+        sizes = {r: int.from_bytes(raw[r][:LEN], "little") for r in mates}
+        try:
+            check_one_side(sizes, what)
+        except DistributedError as e:
+            raise self._fail(e, what, e) from None
+        long = {r: receive_buffer(raw[r], room, sizes[r]) for r in mates if sizes[r] > room}
+        works = [self.irecv(tail, r, tags[1]) for r, (_, tail) in long.items()]
+        if len(data) > room:
+            tail = tail_tensor(data, room, len(data) - room)
+            works += [self.isend(tail, r, tags[1]) for r in mates]
+        for w in works:
+            w.wait()
+        for r in mates:
+            out[r] = pickle.loads(long[r][0] if r in long else raw[r][LEN:LEN + sizes[r]])     # (our own ranks')
+        return out
 
     def gather_int_to_zero(self, value: int, what: str) -> list[int] | None:
         """Every rank's 64-bit ``value`` on rank 0, in rank order (None on the other ranks): one gather, each rank
