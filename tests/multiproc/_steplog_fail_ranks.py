@@ -63,13 +63,13 @@ def _manager(rank: int, root: str, base: str, every: int, max_steps: int | str) 
                              save_options=liferaft.SaveOptions(timeout=20))
 
 
-def _inject(log: StepLog, rank: int, where: str, at: int) -> None:
+def _inject(log: StepLog, rank: int, where: str, at: int, times: int = 1) -> None:
     """Rank 0's record of ``at`` fails: its walk of the state (``capture``) or the writing of its header
-    (``publish``: a full /dev/shm) once, or the background publish's header and again at its retry
+    (``publish``: a full /dev/shm) ``times`` times, or the background publish's header and again at its retry
     (``background``)."""
     obj, name = (log._rest, "capture") if where == "capture" else (log, "_publish")
     real = getattr(obj, name)
-    left = [2 if where == "background" else 1]
+    left = [2 if where == "background" else times]
 
     def fail(*args: Any, **kwargs: Any) -> Any:
         step = args[1]["step"] if name == "_publish" else log._expect - 1
@@ -82,14 +82,14 @@ def _inject(log: StepLog, rank: int, where: str, at: int) -> None:
 
 
 def one_rank_fails(rank: int, world: int, root: str, base: str, where: str, at: int, signal_at: int | None,
-                   max_steps: int | str, retry: bool = False, every: int = 6) -> dict[str, Any]:
+                   max_steps: int | str, retry: int = 0, every: int = 6) -> dict[str, Any]:
     """Train steps 0..15 under DDP/SGD, full checkpoints every ``every`` steps; rank 1 gets SIGUSR1 after step
     ``signal_at`` (a preemption: every rank must stop at the same step). At step ``at`` on rank 0 alone:
     ``where="capture"`` / ``"publish"`` / ``"background"``: its record fails (``_inject``: no record of ``at`` on
     that rank); ``where="forget"``: the newest record is forgotten before ``maybe_save`` (as a background publish
     that failed twice leaves it), so that rank's ring is one short of full where the others' is full (the ring
     is kept from freeing itself early: no "step log filling" saves). ``retry``: every rank calls ``maybe_save``
-    of ``at`` again (rank 0's record of it made then, kept on its node only). Returns {"caught" (steps whose maybe_save
+    of ``at`` again (rank 0's record of it made then, kept on its node only); 2: rank 0's fails again. Returns {"caught" (steps whose maybe_save
     raised), "stopped", "committed", "ring", "held", "durable", "unsent" (bytes the last replication did not
     send: its peer held them, the ranks' exchanges in step)}."""
     if where == "background":
@@ -108,7 +108,7 @@ def one_rank_fails(rank: int, world: int, root: str, base: str, where: str, at: 
     caught: list[int] = []
     stopped = -1
     if where != "forget":
-        _inject(log, rank, where, at)
+        _inject(log, rank, where, at, max(1, retry))
     for step in range(16):
         train_step(st, rank, step)
         if rank == 0 and where == "forget" and step == at:
@@ -123,7 +123,10 @@ def one_rank_fails(rank: int, world: int, root: str, base: str, where: str, at: 
         except OSError:
             caught.append(step)
         if retry and step == at:
-            mgr.maybe_save(step, st)
+            try:
+                mgr.maybe_save(step, st)
+            except OSError:
+                caught.append(step)
         if caught and caught[-1] == step:
             continue
         if mgr.preempted:
@@ -173,3 +176,37 @@ def saved_at_the_failed_step(rank: int, world: int, root: str, base: str, at: in
     mgr2.close()
     return {"caught": caught, "calls": calls, "start": start, "full": recovery["full"],
             "differs": sorted(k for k in truth if truth[k] != got.get(k))}
+
+
+def rolled_back_after_a_failed_record(rank: int, world: int, root: str, base: str, at: int, back: int,
+                                      last: int) -> dict[str, Any]:
+    """Full checkpoints every ``back`` steps; rank 0's record of ``at`` fails (its exchange held empty); train to
+    ``last``; every rank rolls back to ``back`` (``restore(step=back)``) and trains to ``last`` again. Returns
+    {"caught", "unsent" (per step after the rollback: bytes the replication did not send)}; close must not
+    time out."""
+    st = build("ddp", "sgd", world)
+    mgr = _manager(rank, root, base, back, 64)
+    mgr.restore(st)
+    log = mgr._steplog
+    assert log is not None
+    _inject(log, rank, "publish", at)
+    caught, unsent = [], {}
+    for step in range(last + 1):
+        train_step(st, rank, step)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                mgr.maybe_save(step, st)
+        except OSError:
+            caught.append(step)
+    mgr.wait()
+    mgr.restore(st, step=back)
+    for step in range(back + 1, last + 1):
+        train_step(st, rank, step)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            mgr.maybe_save(step, st)
+        log.wait()
+        unsent[step] = log._sender.saved_bytes
+    mgr.close()
+    return {"caught": caught, "unsent": unsent}

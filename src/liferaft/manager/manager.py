@@ -22,7 +22,7 @@ from typing import Any, Self
 from liferaft.core.commit import guard_commits
 from liferaft.core.load import load
 from liferaft.dist import Coordinator, MaxVote
-from liferaft.errors import LiferaftError, OptionsError, ReadOnlyRootError
+from liferaft.errors import DistributedError, LiferaftError, OptionsError, ReadOnlyRootError
 from liferaft.manager.identity import this_job
 from liferaft.manager.inflight import Finished, SavesInFlight
 from liferaft.manager.lease import LEASE, Lease, record_start
@@ -373,6 +373,8 @@ class CheckpointManager:
             if log is not None:
                 try:
                     log.record(step, state)     # this step's record (the gradients were captured in step())
+                except DistributedError:
+                    raise               # (a lost peer, a broken group: every rank sees it, no decision is shared)
                 except Exception as e:  # noqa: BLE001 - raised once this call's decisions are made, as the peers'
                     failed = e
                 if self._tiers is not None and self._tiers.auto is not None:
@@ -399,7 +401,9 @@ class CheckpointManager:
                                  self.coord.all_max(local.ints(), "maybe_save (agree)"))
                 reason, local = agree(reason, local, voted, auto_memory)
             started = self._decide(step, state, metrics, force, reason, local, voting)
-        except BaseException:
+        except BaseException as e:
+            if failed is not None:      # (the record's error, held until the end: not lost behind this one)
+                e.add_note(f"liferaft: the per-step record of step {step} had failed on this rank too: {failed!r}")
             if voting:                  # (the record, the accounting or the save raised on this rank alone, maybe)
                 with contextlib.suppress(LiferaftError):
                     if not taken:
@@ -408,7 +412,13 @@ class CheckpointManager:
                     self._vote = self.coord.all_max_start(self._votes(step).ints(), "maybe_save (agree)")
             raise
         if voting:
-            self._vote = self.coord.all_max_start(self._votes(step).ints(), "maybe_save (agree)")
+            try:
+                self._vote = self.coord.all_max_start(self._votes(step).ints(), "maybe_save (agree)")
+            except BaseException as e:
+                if failed is not None:
+                    e.add_note(f"liferaft: the per-step record of step {step} had failed on this rank too: "
+                               f"{failed!r}")
+                raise
         if failed is not None:
             # (after the decisions every rank makes alike: a peer saving this step finds this rank in the save)
             failed.add_note(f"liferaft: the per-step record of step {step} failed on this rank; this maybe_save "

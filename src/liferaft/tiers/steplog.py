@@ -331,7 +331,8 @@ class StepLog:
         cur = self._cur
         self._stale = (step, len(cur["calls"]), len(cur["plain"])) if cur is not None else None
         self._expect = step + 1
-        if (self.targets or self.sources) and self._pending is None:
+        if (self.targets or self.sources) and self._pending is None and self._skipped != step:
+            # (once per step: a retry that fails again holds no second exchange, as the peers' retry holds none)
             self._pending = self._pool.submit(self._sender.skip, RECORD_CHECKSUM)
             self._skipped = step
         if self.ring.auto:
@@ -564,7 +565,8 @@ class StepLog:
         if self._cur is not None:
             self._cuda.drop(0)
             self._cur = None
-        self._stale = None
+        # (a step number before the restore names another step after it: retried, held or recorded, none is it)
+        self._stale = self._skipped = self.ring.recorded = None
 
     def go_on(self) -> None:
         """The run goes on after ``resume_at(K)`` (its first record, or the manager's first save): the records newer
