@@ -18,6 +18,7 @@ from multiproc._steplog_ranks import build, snapshot, train_step
 
 import liferaft
 from liferaft import CheckpointManager, JobOptions, MemoryTier, PreemptionOptions, StepLogOptions, TierOptions
+from liferaft.state import optsteps
 from liferaft.tiers import stepcuda, steplog
 from liferaft.tiers.steplist import slot_name
 from liferaft.tiers.steplog import StepLog
@@ -66,7 +67,26 @@ def _manager(rank: int, root: str, base: str, every: int, max_steps: int | str) 
 def _inject(log: StepLog, rank: int, where: str, at: int, times: int = 1) -> None:
     """Rank 0's record of ``at`` fails: its walk of the state (``capture``) or the writing of its header
     (``publish``: a full /dev/shm) ``times`` times, or the background publish's header and again at its retry
-    (``background``)."""
+    (``background``), or the copy of a gradient in ``optimizer.step()``'s hook (``hook``: the step itself must
+    run, as on the other ranks)."""
+    if where == "hook":             # (the gradients' copy in step ``at``'s optimizer.step: the last record, at - 1)
+        capture, put = log._capture, log._put
+
+        def no_room(t: Any) -> Any:
+            raise OSError(28, f"injected: no space left on the shared memory (a gradient of step {at})")
+
+        def hook(*args: Any, **kwargs: Any) -> Any:
+            if rank == 0 and log._expect == at:
+                log._put = no_room
+            try:
+                return capture(*args, **kwargs)
+            finally:
+                log._put = put
+        log._capture = hook
+        for h in log._hooks:        # (the hooks call the bound method they were given: hook them again)
+            h.remove()
+        log._hooks = optsteps.hook_optimizers(log.optimizers, log._capture)
+        return
     obj, name = (log._rest, "capture") if where == "capture" else (log, "_publish")
     real = getattr(obj, name)
     left = [2 if where == "background" else times]
@@ -107,7 +127,7 @@ def one_rank_fails(rank: int, world: int, root: str, base: str, where: str, at: 
         log.__class__ = NoEarlySaves
     caught: list[int] = []
     stopped = -1
-    if where != "forget":
+    if where not in ("forget", "none"):
         _inject(log, rank, where, at, max(1, retry))
     for step in range(16):
         train_step(st, rank, step)
@@ -134,7 +154,7 @@ def one_rank_fails(rank: int, world: int, root: str, base: str, where: str, at: 
             break
     log.wait()
     out = {"caught": caught, "stopped": stopped, "ring": log.max_steps, "held": log.held_steps(),
-           "durable": log.durable, "unsent": log._sender.saved_bytes}
+           "durable": log.durable, "unsent": log._sender.saved_bytes, "state": snapshot(st)}
     mgr.close()
     out["committed"] = [i.step for i in mgr.steps() if i.status == "committed"]
     return out

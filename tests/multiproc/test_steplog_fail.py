@@ -12,6 +12,8 @@ from multiproc._steplog_fail_ranks import one_rank_fails, rolled_back_after_a_fa
 
 from liferaft.testing import run_ranks
 
+_RUN: dict = {}         # the run without failures (its training does not depend on where a failure is injected)
+
 
 @pytest.mark.parametrize("where,at,max_steps,retry", [
     ("capture", 1, "auto", 0),  # the record that sizes an auto ring (an all-reduce): the failing rank votes too
@@ -22,6 +24,8 @@ from liferaft.testing import run_ranks
     ("publish", 6, 64, 0),      # a step the others save at (every 6): the failing rank saves with them
     ("publish", 0, "auto", 0),  # the first call: no vote cast yet, the first full checkpoint
     ("background", 5, 64, 0),   # the background publish (CUDA records) fails, then its retry: no exchange lost
+    ("hook", 9, 64, 0),             # a gradient's copy in optimizer.step(): the step runs all the same
+    ("hook", 9, 64, 1),             # ... and a retry of maybe_save(9) makes no record of it (one step missing)
 ])
 def test_a_record_that_fails_on_one_rank_keeps_the_ranks_in_step(tmp_path, where, at, max_steps, retry):
     out = run_ranks(one_rank_fails, 2, str(tmp_path / "r"), str(tmp_path / "shm"), where, at, 11, max_steps, retry,
@@ -36,6 +40,12 @@ def test_a_record_that_fails_on_one_rank_keeps_the_ranks_in_step(tmp_path, where
     assert any(at <= s <= at + 3 for s in out[0]["committed"]), out
     # the replication's exchanges are still of the same step on both ranks: the peer's DDP gradients stay home
     assert out[0]["unsent"] > 0 and out[1]["unsent"] > 0, out
+    # the training itself is the uninterrupted one's, bit for bit (no optimizer step skipped on the failing rank)
+    ref = _RUN.get("ref") or _RUN.setdefault("ref", run_ranks(one_rank_fails, 2, str(tmp_path / "ref"),
+                                                              str(tmp_path / "ref-shm"), "none", at, 11, 64,
+                                                              timeout=150))
+    for rank in range(2):
+        assert out[rank]["state"] == ref[rank]["state"], rank
 
 
 def test_a_ring_full_on_one_rank_only_takes_the_synchronous_save_on_every_rank(tmp_path):

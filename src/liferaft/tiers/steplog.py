@@ -110,6 +110,9 @@ class StepLog:
         #: that step, dropped by the record of any other step (``_failed``)
         self._stale: tuple[int, int, int] | None = None
         self._skipped: int | None = None            # the last step whose replication exchange was held empty
+        #: a gradient's copy that failed in the step hook (``_capture``): the record being written misses a step
+        self._broken: OSError | None = None
+        self._unrecorded: int | None = None         # a step whose record cannot be made (its capture broke)
         self._cuda = CudaCopies()                # the CUDA tensors' copies (tiers.stepcuda)
         self._gen = 0                            # the pinned generation of the next record (records alternate)
         #: the record the background is publishing (cur, doc, copies, replicate): published again by ``wait``
@@ -138,14 +141,20 @@ class StepLog:
         return True
 
     def _capture(self, index: int, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        """Step pre-hook: copy what this ``step()`` consumes into the record being written."""
-        if self._replaying:
+        """Step pre-hook: copy what this ``step()`` consumes into the record being written. A copy that fails for
+        want of room (an OSError: a full /dev/shm, on this rank alone maybe) does not stop the step — its peers
+        take theirs — but breaks the record: ``record`` raises it (``_broken``)."""
+        if self._replaying or self._broken is not None:
             return
         if any(a is not None for a in args[1:]) or kwargs.get("closure") is not None:   # (args[0]: the optimizer)
             raise InvalidStateError(f"{type(opt).__qualname__}.step() was given positional arguments (a closure?): "
                                     "the per-step log replays steps without closures (docs/STEPLOG.md)")
         self._share.step(time.perf_counter())
-        cur = self._begin()
+        try:
+            cur = self._begin()
+        except OSError as e:
+            self._broken = e
+            return
         pos, n_plain, n_cuda = cur["pos"], len(cur["plain"]), len(self._cuda.pending)
         try:
             grads = []
@@ -164,13 +173,17 @@ class StepLog:
             attrs = optsteps.amp_attrs(opt)     # GradScaler's grad_scale/found_inf on a fused optimizer
             if attrs:
                 call["attrs"] = {k: self._value(v, k) for k, v in attrs.items()}
-        except BaseException:
-            # (this step() does not run: nothing of it stays in the record, whose space is asked for again next time)
+        except BaseException as e:
+            # (nothing of this step() stays in the record, whose space is asked for again next time; it runs only
+            # if the copy failed for want of room: the record is broken then)
             self._cuda.fence(n_cuda)
             cur["pos"] = pos
             del cur["plain"][n_plain:]
             self._cuda.drop(n_cuda)
-            raise
+            if not isinstance(e, OSError):
+                raise
+            self._broken = e
+            return
         self._cuda.fence(n_cuda)       # (the optimizer's kernels, or one changing its gradients, wait for the copies)
         cur["calls"].append(call)
 
@@ -261,8 +274,8 @@ class StepLog:
         prologue is written last: a record cut short is no record)."""
         if self.attach(state):
             return                          # hooked just now: this step's calls were not seen
-        if self._cur is None and step == self.ring.recorded:
-            return                          # maybe_save called again for the same step: recorded already
+        if self._cur is None and step in (self.ring.recorded, self._unrecorded):
+            return                          # maybe_save called again for the same step: recorded already (or never)
         if self._stale is not None and self._stale[0] != step and self._cur is not None:
             _, calls, plain = self._stale   # (a failed record's optimizer step: not this record's)
             del self._cur["calls"][:calls]
@@ -272,6 +285,8 @@ class StepLog:
         try:
             self.wait()                     # the previous record is on its replicas (≤ 1 step lost with a node)
             self.go_on()
+            if self._broken is not None:
+                raise self._broken          # (an optimizer step of it was not captured: no record of it can be)
             if self._expect is not None and step > self._expect:
                 self._share.spoil(step)
                 gap = f"{self._expect}" if step == self._expect + 1 else f"{self._expect}..{step - 1}"
@@ -330,6 +345,11 @@ class StepLog:
         self._share.spoil(step)
         cur = self._cur
         self._stale = (step, len(cur["calls"]), len(cur["plain"])) if cur is not None else None
+        if self._broken is not None:        # (a capture broke: what the record holds is no step, not even on retry)
+            self._broken, self._unrecorded, self._stale = None, step, None
+            if cur is not None:
+                self._cuda.drop(0)
+                self._cur = None
         self._expect = step + 1
         if (self.targets or self.sources) and self._pending is None and self._skipped != step:
             # (once per step: a retry that fails again holds no second exchange, as the peers' retry holds none)
@@ -566,7 +586,7 @@ class StepLog:
             self._cuda.drop(0)
             self._cur = None
         # (a step number before the restore names another step after it: retried, held or recorded, none is it)
-        self._stale = self._skipped = self.ring.recorded = None
+        self._stale = self._skipped = self.ring.recorded = self._broken = self._unrecorded = None
 
     def go_on(self) -> None:
         """The run goes on after ``resume_at(K)`` (its first record, or the manager's first save): the records newer
