@@ -2,9 +2,7 @@
 that rank alone and the loop catches the error and goes on.
 
 ``"background"`` runs every record through the background publish a CUDA record takes (this machine has no GPU:
-``_deferred`` stands in for the CUDA layer only, as ``tests/unit/test_steplog_deferred.py``'s fixture does — each
-tensor copied into its generation's buffer at capture, written, hashed and published by the background thread,
-with real slot files, ranks and exchanges)."""
+``cudastandin`` stands in for the CUDA layer only)."""
 
 from __future__ import annotations
 
@@ -13,7 +11,7 @@ import signal
 import warnings
 from typing import Any
 
-import torch
+from cudastandin import copy_to_generation, put_deferred
 from multiproc._steplog_ranks import build, snapshot, train_step
 
 import liferaft
@@ -32,26 +30,9 @@ class _Done:
 
 def _deferred() -> None:
     """Every record's tensors through ``CudaCopies`` and the background publish (in this process only)."""
-    def enqueue(self: Any, t: torch.Tensor, off: int, gen: int) -> dict:
-        key = (off, tuple(t.shape), t.dtype)
-        pinned = self._pinned[gen].get(key)
-        if pinned is None:
-            pinned = self._pinned[gen][key] = torch.empty(t.shape, dtype=t.dtype)
-        pinned.copy_(t)
-        entry: dict = {}
-        self.pending.append((pinned, _Done(), off, entry, torch.device("cpu")))
-        return entry
-
-    def put(self: Any, t: torch.Tensor) -> dict:
-        cur = self._cur
-        off = cur["pos"]
-        cur["pos"] = off + (t.numel() * t.element_size() + steplog.ALIGN - 1) // steplog.ALIGN * steplog.ALIGN
-        cur["file"].reserve(cur["pos"])
-        return self._cuda.enqueue(t, off, cur["gen"])
-
-    stepcuda.CudaCopies.enqueue = enqueue          # type: ignore[method-assign]
+    stepcuda.CudaCopies.enqueue = lambda self, t, off, gen: copy_to_generation(self, t, off, gen, _Done())
     stepcuda.CudaCopies.fence = lambda self, since: None     # type: ignore[method-assign]
-    steplog.StepLog._put = put                     # type: ignore[method-assign]
+    steplog.StepLog._put = put_deferred                     # type: ignore[method-assign]
 
 
 def _manager(rank: int, root: str, base: str, every: int, max_steps: int | str) -> CheckpointManager:
@@ -160,6 +141,17 @@ def one_rank_fails(rank: int, world: int, root: str, base: str, where: str, at: 
     return out
 
 
+def _maybe_save(mgr: CheckpointManager, step: int, st: Any, caught: list[int]) -> None:
+    """``maybe_save``; an OSError (the injected failure) noted in ``caught`` (the warnings of the gap it leaves
+    silenced)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            mgr.maybe_save(step, st)
+    except OSError:
+        caught.append(step)
+
+
 def saved_at_the_failed_step(rank: int, world: int, root: str, base: str, at: int, last: int) -> dict[str, Any]:
     """Every rank saves ``at`` explicitly (an end-of-epoch checkpoint, say), then rank 0's record of ``at`` fails
     (``publish``: its hole is covered by that checkpoint, no other is taken); train to ``last``; a fresh manager restores: the full checkpoint ``at`` and the records
@@ -177,12 +169,7 @@ def saved_at_the_failed_step(rank: int, world: int, root: str, base: str, at: in
         if step == at:
             mgr.save(step, st)
             mgr.wait()
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                mgr.maybe_save(step, st)
-        except OSError:
-            caught.append(step)
+        _maybe_save(mgr, step, st, caught)
     log.wait()
     calls = {s: len(read_header(log.root, slot_name(rank, sl)).doc["calls"]) for sl, s in log.ring.held.items()}
     truth = snapshot(st)
@@ -210,15 +197,11 @@ def rolled_back_after_a_failed_record(rank: int, world: int, root: str, base: st
     log = mgr._steplog
     assert log is not None
     _inject(log, rank, "publish", at)
-    caught, unsent = [], {}
+    caught: list[int] = []
+    unsent = {}
     for step in range(last + 1):
         train_step(st, rank, step)
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                mgr.maybe_save(step, st)
-        except OSError:
-            caught.append(step)
+        _maybe_save(mgr, step, st, caught)
     mgr.wait()
     mgr.restore(st, step=back)
     for step in range(back + 1, last + 1):

@@ -17,6 +17,7 @@ import warnings
 
 import pytest
 import torch
+from cudastandin import copy_to_generation, put_deferred
 from test_steplog_local import _manager, _run, _state, _step, _tensors
 
 from liferaft.errors import FileAccessError
@@ -41,14 +42,7 @@ def deferred(monkeypatch):
     def enqueue(self, t, off, gen):
         if draining[gen]:
             races.append((off, gen))
-        key = (off, tuple(t.shape), t.dtype)
-        pinned = self._pinned[gen].get(key)
-        if pinned is None:
-            pinned = self._pinned[gen][key] = torch.empty(t.shape, dtype=t.dtype)
-        pinned.copy_(t)
-        entry: dict = {}
-        self.pending.append((pinned, _SlowCopy(0.01), off, entry, torch.device("cpu")))
-        return entry
+        return copy_to_generation(self, t, off, gen, _SlowCopy(0.01))
 
     drain = stepcuda.CudaCopies.drain
 
@@ -59,18 +53,10 @@ def deferred(monkeypatch):
         finally:
             draining[gen] -= 1
 
-    def put_deferred(self, t):                  # (StepLog._put, its CUDA branch for every tensor)
-        cur = self._cur
-        off = cur["pos"]
-        n = t.numel() * t.element_size()
-        cur["pos"] = off + (n + steplog.ALIGN - 1) // steplog.ALIGN * steplog.ALIGN
-        cur["file"].reserve(cur["pos"])
-        return self._cuda.enqueue(t, off, cur["gen"])
-
     monkeypatch.setattr(stepcuda.CudaCopies, "enqueue", enqueue)
     monkeypatch.setattr(stepcuda.CudaCopies, "fence", lambda self, since: None)
     monkeypatch.setattr(stepcuda.CudaCopies, "drain", draining_drain)
-    monkeypatch.setattr(steplog.StepLog, "_put", put_deferred)
+    monkeypatch.setattr(steplog.StepLog, "_put", put_deferred)      # (its CUDA branch for every tensor)
     return races
 
 

@@ -10,6 +10,19 @@ import pytest
 from test_steplog_local import _manager, _state, _step
 
 
+def _trained_to(tmp_path, at: int):
+    """A manager whose record of step ``at`` fails, the state trained to ``at`` (maybe_save called before it)."""
+    st = _state()
+    mgr = _manager(tmp_path, 16, 4)
+    mgr.restore(st)
+    _failing(mgr, at)
+    for s in range(at + 1):
+        _step(st, s)
+        if s < at:
+            mgr.maybe_save(s, st)
+    return st, mgr
+
+
 def _failing(mgr, at: int) -> None:
     log = mgr._steplog
     publish = log._publish
@@ -22,14 +35,7 @@ def _failing(mgr, at: int) -> None:
 
 
 def test_the_record_error_is_raised_after_the_save_of_that_step(tmp_path):
-    st = _state()
-    mgr = _manager(tmp_path, 16, 4)
-    mgr.restore(st)
-    _failing(mgr, 4)
-    for s in range(5):
-        _step(st, s)
-        if s < 4:
-            mgr.maybe_save(s, st)
+    st, mgr = _trained_to(tmp_path, 4)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with pytest.raises(OSError, match="injected") as e:
@@ -40,10 +46,7 @@ def test_the_record_error_is_raised_after_the_save_of_that_step(tmp_path):
 
 
 def test_a_save_that_fails_after_the_record_failed_names_both(tmp_path):
-    st = _state()
-    mgr = _manager(tmp_path, 16, 4)
-    mgr.restore(st)
-    _failing(mgr, 4)
+    st, mgr = _trained_to(tmp_path, 4)
     real = mgr._save
 
     def save(step, *a, **k):
@@ -51,10 +54,6 @@ def test_a_save_that_fails_after_the_record_failed_names_both(tmp_path):
             raise RuntimeError("injected: the save failed too")
         return real(step, *a, **k)
     mgr._save = save
-    for s in range(5):
-        _step(st, s)
-        if s < 4:
-            mgr.maybe_save(s, st)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with pytest.raises(RuntimeError, match="the save failed too") as e:
