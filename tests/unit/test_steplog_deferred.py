@@ -226,3 +226,73 @@ def test_an_interrupted_wait_leaves_the_publish_running_and_close_waits_for_it(t
     assert mgr.restore(st) == 2
     mgr.close()
     assert _same(st, ref)
+
+
+class _Interrupted:
+    """The pending work as a wait interrupted by Ctrl-C sees it: ``result()`` raises once, not done."""
+
+    def __init__(self, real) -> None:
+        self.real, self.left = real, 1
+
+    def result(self):
+        if self.left:
+            self.left -= 1
+            raise KeyboardInterrupt
+        return self.real.result()
+
+    def done(self) -> bool:
+        return self.real.done() if not self.left else False
+
+    def exception(self):
+        return self.real.exception()
+
+
+def test_a_broken_capture_after_an_interrupted_wait_keeps_the_generations_apart(tmp_path, deferred, monkeypatch):
+    """Record 3 is still being published in the background (its wait interrupted by Ctrl-C) when step 4's capture
+    breaks and its record is dropped: the next record must not take record 3's pinned generation (found by a
+    review: it did, and record 3 was published, checksum valid, with step 5's gradients)."""
+    from liferaft.tiers.steplist import slot_name
+    from liferaft.tiers.steprecord import read_header, read_record
+
+    st, mgr = _started(tmp_path)
+    for step in range(3):
+        _step(st, step)
+        mgr.maybe_save(step, st)
+    log = mgr._steplog
+    gate = threading.Event()
+    drain = stepcuda.CudaCopies.drain
+
+    def held(self, f, copies, gen):             # (record 3's publish waits here until the end)
+        gate.wait(10)
+        return drain(self, f, copies, gen)
+    monkeypatch.setattr(stepcuda.CudaCopies, "drain", held)
+    grads = {}
+
+    def seen(opt, args, kwargs) -> None:        # (the gradient each step consumes)
+        grads[len(grads)] = opt.param_groups[0]["params"][0].grad.clone()
+    hook = st["optim"].register_step_pre_hook(seen)
+    _step(st, 3)
+    mgr.maybe_save(3, st)                       # published in the background, held at its drain
+    put = log._put
+
+    def no_room(t):
+        raise OSError(errno.ENOSPC, "injected: no room")
+    log._put = no_room
+    _step(st, 4)                                # its capture breaks: the step runs
+    log._put = put
+    log._pending = _Interrupted(log._pending)
+    with pytest.raises(KeyboardInterrupt):
+        mgr.maybe_save(4, st)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _step(st, 5)                            # its copies: not into record 3's generation
+    hook.remove()
+    gate.set()
+    log.wait()
+    slot = next(s for s, v in log.ring.held.items() if v == 3)
+    header = read_header(log.root, slot_name(0, slot))
+    data = read_record(log.root, slot_name(0, slot), header.length)
+    e = header.doc["calls"][0]["grads"][0]
+    got = torch.frombuffer(bytearray(data[e["off"]:e["off"] + e["len"]]), dtype=torch.float32).reshape(grads[0].shape)
+    mgr.close()
+    assert torch.equal(got, grads[0]) and not deferred, (torch.equal(got, grads[2]), deferred)

@@ -62,3 +62,35 @@ def test_a_save_that_fails_after_the_record_failed_names_both(tmp_path):
     assert "no space left for the record" in str(e.value.__notes__)
     mgr._save = real
     mgr.close()
+
+
+@pytest.mark.parametrize("error", [RuntimeError("injected: CUDA out of memory (pinned buffers)"),
+                                   MemoryError("injected: no memory for the copy")])
+def test_a_capture_that_fails_on_one_rank_lets_the_step_run_and_maybe_save_raises(tmp_path, error):
+    """Not only a full /dev/shm: whatever a gradient's copy meets on this rank alone (no pinned memory, no memory)
+    must not skip this rank's optimizer step (its peers take theirs); ``maybe_save`` raises it."""
+    import torch
+
+    st = _state()
+    mgr = _manager(tmp_path, 16, 4)
+    mgr.restore(st)
+    for s in range(2):
+        _step(st, s)
+        mgr.maybe_save(s, st)
+    log = mgr._steplog
+    put = log._put
+
+    def fail(t):
+        raise error
+    log._put = fail
+    before = st["model"][0].weight.detach().clone()
+    _step(st, 2)
+    log._put = put
+    assert not torch.equal(before, st["model"][0].weight)             # the optimizer stepped
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(type(error), match="injected"):
+            mgr.maybe_save(2, st)
+    _step(st, 3)
+    mgr.maybe_save(3, st)                                               # and the log goes on
+    mgr.close()

@@ -111,7 +111,7 @@ class StepLog:
         self._stale: tuple[int, int, int] | None = None
         self._skipped: int | None = None            # the last step whose replication exchange was held empty
         #: a gradient's copy that failed in the step hook (``_capture``): the record being written misses a step
-        self._broken: OSError | None = None
+        self._broken: Exception | None = None
         self._unrecorded: int | None = None         # a step whose record cannot be made (its capture broke)
         self._cuda = CudaCopies()                # the CUDA tensors' copies (tiers.stepcuda)
         self._gen = 0                            # the pinned generation of the next record (records alternate)
@@ -141,9 +141,10 @@ class StepLog:
         return True
 
     def _capture(self, index: int, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        """Step pre-hook: copy what this ``step()`` consumes into the record being written. A copy that fails for
-        want of room (an OSError: a full /dev/shm, on this rank alone maybe) does not stop the step — its peers
-        take theirs — but breaks the record: ``record`` raises it (``_broken``)."""
+        """Step pre-hook: copy what this ``step()`` consumes into the record being written. A copy that fails (a
+        full /dev/shm, no pinned memory: on this rank alone, maybe) does not stop the step — its peers take
+        theirs — but breaks the record: ``record`` raises it (``_broken``). What every rank meets alike (a closure,
+        sparse gradients: InvalidStateError) is raised here, before the step."""
         if self._replaying or self._broken is not None:
             return
         if any(a is not None for a in args[1:]) or kwargs.get("closure") is not None:   # (args[0]: the optimizer)
@@ -152,7 +153,7 @@ class StepLog:
         self._share.step(time.perf_counter())
         try:
             cur = self._begin()
-        except OSError as e:
+        except Exception as e:  # noqa: BLE001 - raised by record(), after the step (this rank's alone, maybe)
             self._broken = e
             return
         pos, n_plain, n_cuda = cur["pos"], len(cur["plain"]), len(self._cuda.pending)
@@ -180,7 +181,7 @@ class StepLog:
             cur["pos"] = pos
             del cur["plain"][n_plain:]
             self._cuda.drop(n_cuda)
-            if not isinstance(e, OSError):
+            if isinstance(e, InvalidStateError) or not isinstance(e, Exception):
                 raise
             self._broken = e
             return
@@ -349,7 +350,9 @@ class StepLog:
             self._broken, self._unrecorded, self._stale = None, step, None
             if cur is not None:
                 self._cuda.drop(0)
-                self._cur = None
+                # (its pinned generation reused: the record before it may still be drained from the other one, a
+                # wait for it interrupted)
+                self._cur, self._gen = None, cur["gen"]
         self._expect = step + 1
         if (self.targets or self.sources) and self._pending is None and self._skipped != step:
             # (once per step: a retry that fails again holds no second exchange, as the peers' retry holds none)
@@ -584,7 +587,7 @@ class StepLog:
         a record holding them would replay them)."""
         if self._cur is not None:
             self._cuda.drop(0)
-            self._cur = None
+            self._cur, self._gen = None, self._cur["gen"]   # (the generations alternate from the last record's)
         # (a step number before the restore names another step after it: retried, held or recorded, none is it)
         self._stale = self._skipped = self.ring.recorded = self._broken = self._unrecorded = None
 
