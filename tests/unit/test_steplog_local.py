@@ -17,7 +17,7 @@ import liferaft
 from liferaft import CheckpointManager, MemoryTier, StepLogOptions, TierOptions
 from liferaft.errors import CorruptCheckpointError, InvalidStateError, OptionsError
 from liferaft.tiers import stepplan
-from liferaft.tiers.steplist import slot_name
+from liferaft.tiers.steplist import remove_after, slot_name
 from liferaft.tiers.steprecord import PROLOGUE, parse_record, read_header, read_record
 
 
@@ -665,3 +665,31 @@ def test_once_a_full_checkpoint_is_measured_the_next_one_starts_later_than_half_
     mgr.close()
     assert saved[0] == 0 and lag == 0, (saved, lag)
     assert len(gaps) >= 4 and all(g == 13 for g in gaps), (saved, lag)            # 16 - 3, later than half: 8
+
+
+def test_removing_the_records_after_a_rollback_stays_inside_the_log(tmp_path):
+    """``steplist.remove_after`` removes the node's records newer than the step, and nothing through a link: a
+    folder of the log swapped for a link to records elsewhere keeps them (and a linked slot file its target)."""
+    st = _state()
+    mgr = _manager(tmp_path)
+    mgr.restore(st)
+    for step in range(6):
+        _step(st, step)
+        mgr.maybe_save(step, st)
+    root = mgr._steplog.root
+    mine = sorted(glob.glob(os.path.join(root, "r*", "slot-*")))
+    newest = {p: read_header(root, os.path.relpath(p, root)) for p in mine}
+    assert any(h is not None and h.step > 2 for h in newest.values())
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    for p in mine:
+        with open(p, "rb") as f, open(outside / os.path.basename(p), "wb") as g:
+            g.write(f.read())
+    os.symlink(outside, os.path.join(root, "r00007"))
+    os.symlink(outside / os.path.basename(mine[0]), os.path.join(os.path.dirname(mine[0]), "slot-9999"))
+    remove_after(root, 2)
+    assert sorted(os.listdir(outside)) == sorted(os.path.basename(p) for p in mine)
+    assert os.path.islink(os.path.join(os.path.dirname(mine[0]), "slot-9999"))
+    for p, h in newest.items():
+        assert os.path.exists(p) == (h is None or h.step <= 2), p
+    mgr.close()

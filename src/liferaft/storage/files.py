@@ -135,13 +135,14 @@ def open_folder(root: str, parts: Sequence[str], shown: str | None = None, *, cr
 
 
 def open_read(root: str, rel: str, *, limit: int | None = None, direct: bool = False,
-              error: type[Exception] | None = None, shown: str | None = None) -> int:
+              error: type[Exception] | None = None, shown: str | None = None, folder: int | None = None) -> int:
     """A descriptor of the regular file ``root/rel`` open for reading (blocking), no link followed below ``root``
     and its size at most ``limit``. ``direct`` adds ``O_DIRECT`` (EINVAL from a file system without it is
-    raised as it is). ``shown`` names the file in messages (default: its path)."""
+    raised as it is). ``shown`` names the file in messages (default: its path). ``folder``: the descriptor of
+    ``rel``'s folder, already opened (``open_folder``; kept open): the file is opened in it."""
     parts = parts_of(rel, root)
     shown = shown or os.path.join(root, *parts)
-    at = open_folder(root, parts[:-1], shown, error=error)
+    at = open_folder(root, parts[:-1], shown, error=error) if folder is None else folder
     try:
         flags = os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW | _CLOEXEC | (os.O_DIRECT if direct else 0)
         try:
@@ -149,7 +150,8 @@ def open_read(root: str, rel: str, *, limit: int | None = None, direct: bool = F
         except OSError as e:
             raise _refuse(at, parts[-1], shown, e, error) from None
     finally:
-        os.close(at)
+        if folder is None:
+            os.close(at)
     return _checked(fd, shown, limit, error)
 
 

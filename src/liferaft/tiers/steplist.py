@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from liferaft.errors import LiferaftError
+from liferaft.storage.files import open_folder
 from liferaft.tiers.stepplan import verify_record
 from liferaft.tiers.steprecord import Header, Held, fill_held, held_home, read_header, read_held, read_record
 
@@ -59,18 +60,27 @@ def records_after(root: str, rank: int, step: int) -> dict[int, int]:
 
 def remove_after(root: str, step: int) -> None:
     """Remove every record newer than ``step`` in the node's folders under ``root`` (own and replicas; headers
-    checked: a file that is no record stays)."""
-    if not os.path.isdir(root):
+    checked: a file that is no record stays). A folder is opened without following a link, and its files are
+    read and removed through that descriptor: nothing outside ``root`` is read or removed, whatever is swapped in."""
+    try:
+        names = os.listdir(root)
+    except OSError:
         return
-    for d in os.listdir(root):
-        folder = os.path.join(root, d)
-        for name in os.listdir(folder) if os.path.isdir(folder) else ():
-            try:
-                h = read_header(root, f"{d}/{name}")
-            except (LiferaftError, OSError):
-                h = None
-            if h is not None and h.step > step:
-                os.unlink(os.path.join(folder, name))
+    for d in names:
+        try:
+            at = open_folder(root, [d])
+        except (LiferaftError, OSError):
+            continue                        # a link, a file: not a ring folder
+        try:
+            for name in os.listdir(at):
+                try:
+                    h = read_header(root, f"{d}/{name}", folder=at)
+                except (LiferaftError, OSError):
+                    h = None
+                if h is not None and h.step > step:
+                    os.unlink(name, dir_fd=at)
+        finally:
+            os.close(at)
 
 
 @dataclass

@@ -207,12 +207,12 @@ def _int(v: Any, path: str, what: str, hi: int = MAX_INT) -> int:
     return v
 
 
-def read_header(root: str, rel: str) -> Header | None:
+def read_header(root: str, rel: str, folder: int | None = None) -> Header | None:
     """The header of the record in ``root/rel`` (the prologue and header only are read); None when the slot holds
     no record (its prologue zeroed: being written, or invalidated). Raises CorruptCheckpointError naming the file
-    for anything else that is not a valid header."""
+    for anything else that is not a valid header. ``folder``: ``rel``'s folder already open (``files.open_read``)."""
     path = os.path.join(root, rel)
-    fd = open_read(root, rel, limit=MAX_RECORD_BYTES)
+    fd = open_read(root, rel, limit=MAX_RECORD_BYTES, folder=folder)
     try:
         size = os.fstat(fd).st_size
         head = os.pread(fd, PROLOGUE, 0)
