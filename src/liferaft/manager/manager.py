@@ -21,7 +21,7 @@ from typing import Any, Self
 
 from liferaft.core.commit import guard_commits
 from liferaft.core.load import load
-from liferaft.dist import Coordinator, MaxVote
+from liferaft.dist import Coordinator
 from liferaft.errors import DistributedError, LiferaftError, OptionsError, ReadOnlyRootError
 from liferaft.manager.identity import this_job
 from liferaft.manager.inflight import Finished, SavesInFlight
@@ -55,11 +55,17 @@ from liferaft.manager.preemption import Preemption
 from liferaft.manager.rollback import Branches, check_pins, check_step, live, pinned_after
 from liferaft.manager.startup import RootStart
 from liferaft.manager.tiering import Tiers, first_that_loads
-from liferaft.manager.voting import Views, agree
+from liferaft.manager.voting import Ballot, Views, agree
 from liferaft.options import LoadOptions, LoadResult, SaveOptions, check_path
 from liferaft.storage import Storage, resolve
 from liferaft.tiers.stepcheck import owner_id
 from liferaft.tiers.steplog import StepLog
+
+
+def _note_record(e: BaseException, failed: Exception | None, step: int) -> None:
+    """Name the per-step record's error held by ``maybe_save`` (``failed``) on the error ``e`` raised instead."""
+    if failed is not None:
+        e.add_note(f"liferaft: the per-step record of step {step} had failed on this rank too: {failed!r}")
 
 
 def _run_all(calls: list[Callable[[], object] | None]) -> BaseException | None:
@@ -127,7 +133,7 @@ class CheckpointManager:
         self.coord = Coordinator(process_group, self.save_options.timeout)
         self.preempted = False
         self._preemption = Preemption(self.preemption)
-        self._vote: MaxVote | None = None      # the votes cast at the end of the last maybe_save, under way
+        self._ballot = Ballot(self.coord)       # the votes of the maybe_save calls (``voting``)
         self._last_call: int | None = None     # the step of the last maybe_save
         self._loop = LoopCost()                 # what the saves in flight cost the loop (the auto interval's cost)
         self._last_step: int | None = None
@@ -365,8 +371,8 @@ class CheckpointManager:
                         self._tiers is not None and self._tiers.busy, self._saves.stall)
         log = self._steplog
         voting = self._voting()
-        vote, self._vote = (self._vote, None) if voting else (None, self._vote)
-        taken = False       # this call's vote taken: one taken and one cast per call on every rank, whatever raised
+        if voting:
+            self._ballot.begin()
         failed: Exception | None = None     # this step's record failed (maybe on this rank alone): raised at the end
         try:
             self._go_on()
@@ -377,15 +383,7 @@ class CheckpointManager:
                     raise               # (a lost peer, a broken group: every rank sees it, no decision is shared)
                 except Exception as e:  # noqa: BLE001 - raised once this call's decisions are made, as the peers'
                     failed = e
-                if self._tiers is not None and self._tiers.auto is not None:
-                    # where the log covers what the memory tier covers (as many replicas, no parity), such a
-                    # failure costs the replay since the last full checkpoint, not the work: the memory tier's
-                    # Young/Daly interval is stretched accordingly (not while the chain has a hole, nor for CUDA
-                    # records)
-                    share = log.replay_share
-                    mem = self._tiers.memory
-                    covers = log.replicas >= mem.replicas and not mem.parity
-                    self._tiers.auto.loss = share if share is not None and covers else 1.0
+                self._log_covers(log)
             reason = "force" if force else self.save_policy.due(step, time.monotonic(), self._last_step,
                                                                 self._last_time, self.interval_s)
             local = Views(reason == "every_seconds", self._preemption.signalled,
@@ -396,28 +394,18 @@ class CheckpointManager:
             self._last_call = step
             if voting:
                 auto_memory = self._tiers is not None and self._tiers.auto is not None
-                taken = True            # (cast at the end of the previous call; the first call's reduced now)
-                voted = Views.of(vote.result() if vote is not None else
-                                 self.coord.all_max(local.ints(), "maybe_save (agree)"))
-                reason, local = agree(reason, local, voted, auto_memory)
+                reason, local = agree(reason, local, self._ballot.take(local), auto_memory)
             started = self._decide(step, state, metrics, force, reason, local, voting)
         except BaseException as e:
-            if failed is not None:      # (the record's error, held until the end: not lost behind this one)
-                e.add_note(f"liferaft: the per-step record of step {step} had failed on this rank too: {failed!r}")
+            _note_record(e, failed, step)   # (the record's error, held until the end: not lost behind this one)
             if voting:                  # (the record, the accounting or the save raised on this rank alone, maybe)
-                with contextlib.suppress(LiferaftError):
-                    if not taken:
-                        _ = vote.result() if vote is not None else \
-                            self.coord.all_max(Views().ints(), "maybe_save (agree)")
-                    self._vote = self.coord.all_max_start(self._votes(step).ints(), "maybe_save (agree)")
+                self._ballot.on_error(lambda: self._votes(step))
             raise
         if voting:
             try:
-                self._vote = self.coord.all_max_start(self._votes(step).ints(), "maybe_save (agree)")
+                self._ballot.cast(self._votes(step))
             except BaseException as e:
-                if failed is not None:
-                    e.add_note(f"liferaft: the per-step record of step {step} had failed on this rank too: "
-                               f"{failed!r}")
+                _note_record(e, failed, step)
                 raise
         if failed is not None:
             # (after the decisions every rank makes alike: a peer saving this step finds this rank in the save)
@@ -425,6 +413,16 @@ class CheckpointManager:
                             f"still {'started a save' if started else 'made its decisions'} with the other ranks")
             raise failed
         return started
+
+    def _log_covers(self, log: StepLog) -> None:
+        """Where the per-step log covers what the memory tier covers (as many replicas, no parity), a failure costs
+        the replay since the last full checkpoint, not the work: the memory tier's Young/Daly interval is stretched
+        accordingly (not while the chain has a hole, nor for CUDA records)."""
+        if self._tiers is not None and self._tiers.auto is not None:
+            share = log.replay_share
+            mem = self._tiers.memory
+            covers = log.replicas >= mem.replicas and not mem.parity
+            self._tiers.auto.loss = share if share is not None and covers else 1.0
 
     def _voting(self) -> bool:
         """Whether the ranks vote at each ``maybe_save`` (``voting``): with more than one rank, when a decision
@@ -678,14 +676,13 @@ class CheckpointManager:
     def _finish_saves(self) -> None:
         """Take the vote the last ``maybe_save`` cast (every rank cast one; a preemption signal in it is only
         warned of), then wait for the save in flight."""
-        if self._vote is not None:
-            vote, self._vote = self._vote, None
-            if vote.result()[1] and not self.preempted:
-                warnings.warn("liferaft: a preemption signal reached a rank at the last maybe_save before "
-                              f"close() (step {self._last_call}); with several ranks a signal is acted on at "
-                              "the maybe_save after the one that saw it, so it was not saved: save the last "
-                              "step explicitly (SavePolicy(last_step=...) or mgr.save) (docs/MANAGER.md)",
-                              stacklevel=7)         # (the caller of close())
+        last = self._ballot.last()
+        if last is not None and last.preempt and not self.preempted:
+            warnings.warn("liferaft: a preemption signal reached a rank at the last maybe_save before "
+                          f"close() (step {self._last_call}); with several ranks a signal is acted on at "
+                          "the maybe_save after the one that saw it, so it was not saved: save the last "
+                          "step explicitly (SavePolicy(last_step=...) or mgr.save) (docs/MANAGER.md)",
+                          stacklevel=7)         # (the caller of close())
         self.wait()
 
     def __enter__(self) -> Self:
