@@ -74,20 +74,37 @@ class Peers(Protocol):
 
 def _batches(units: Sequence[tuple[ReadUnit, torch.dtype]], max_read: int) -> list[_Batch]:
     """Coalesce units into physical reads of whole pages (so that storage may use O_DIRECT), at most
-    ``max_read`` bytes each. (Measured: reading the partial units of a resharding load through the page cache
-    instead, to share it between the ranks of a node, was not faster here.)"""
+    ``max_read`` bytes each, the last ones shorter (``tail_cap``): the caller's thread verifies and copies one
+    read while the next is in flight, so what follows the device is the last read's verify and copy only.
+    (Measured: reading the partial units of a resharding load through the page cache instead, to share it between
+    the ranks of a node, was not faster here.)"""
     out: list[_Batch] = []
-    for unit, dtype in sorted(units, key=lambda ud: (ud[0].file, ud[0].file_offset)):
+    ordered = sorted(units, key=lambda ud: (ud[0].file, ud[0].file_offset))
+    left = sum(u.length for u, _ in ordered)
+    cap = max_read
+    for unit, dtype in ordered:
         lo = unit.file_offset // PAGE * PAGE
         hi = -(-(unit.file_offset + unit.length) // PAGE) * PAGE
         last = out[-1] if out else None
         if last is not None and last.file == unit.file and lo <= last.offset + last.length + PAGE \
-                and max(hi, last.offset + last.length) - last.offset <= max_read:
+                and max(hi, last.offset + last.length) - last.offset <= cap:
             last.length = max(hi, last.offset + last.length) - last.offset
             last.units.append((unit, dtype))
         else:
+            cap = tail_cap(left, max_read)
             out.append(_Batch(unit.file, lo, hi - lo, [(unit, dtype)]))
+        left -= unit.length
     return out
+
+
+TAIL_MIN = 2 << 20      # the shortest read the tail of a load is cut into
+
+
+def tail_cap(left: int, max_read: int) -> int:
+    """The most bytes of a physical read that starts with ``left`` bytes of the load still to read: ``max_read``,
+    or half of what is left near the end (at least ``TAIL_MIN``), so that the reads shrink toward the end and the
+    last one's verify and copy, which nothing overlaps, is short (32 MiB: ~7 ms here; 2 MiB: ~0.5 ms)."""
+    return min(max_read, max(TAIL_MIN, left // 2 // PAGE * PAGE))
 
 
 MIN_BATCH = 4 << 20     # the smallest physical read a load is cut into (a request's own cost stays small)
