@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import glob
 import os
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 from liferaft import CheckpointManager, JobOptions, MemoryTier, StepLogOptions, TierOptions
+from liferaft.errors import CorruptCheckpointError
 
 
 def _manager(path, job: str = "unit", every: int = 4) -> CheckpointManager:
@@ -177,11 +179,20 @@ def _forge(doc: dict, how: str) -> None:
         doc["rest"]["tensors"].pop(first_rest)
     elif how == "rest-shape":
         doc["rest"]["tensors"][first_rest][0]["shape"] = [1, 1]
+    elif how == "hyper-huge":                           # of a number's kind, too large for torch's float
+        call["groups"][0]["lr"] = 10 ** 400
+    elif how in ("hyper-amsgrad", "hyper-capturable", "hyper-foreach"):     # a flag fixed when the optimizer was made
+        call["groups"][0][how.removeprefix("hyper-")] = True
+    elif how == "rest-groups":
+        doc["rest"]["values"]["optim.param_groups"] = 5
+    elif how == "rest-groups-params":
+        doc["rest"]["values"]["optim.param_groups"][0]["params"] = []
 
 
 @pytest.mark.parametrize("how", ["optimizer-index", "grad-shape", "grad-dtype", "grads-missing", "groups-extra",
                                  "hyper-type", "hyper-unknown", "kwargs", "attrs", "call-malformed", "rest-missing",
-                                 "rest-shape"])
+                                 "rest-shape", "hyper-huge", "hyper-amsgrad", "hyper-capturable", "hyper-foreach",
+                                 "rest-groups", "rest-groups-params"])
 def test_a_record_that_does_not_fit_stops_the_replay_before_it(tmp_path, how):
     from liferaft.codecs.checksum import digest
     from liferaft.tiers.steprecord import encode_header, prologue
@@ -527,4 +538,70 @@ def test_records_after_a_rollback_below_the_newest_full_checkpoint_are_kept_unti
     mgr = _manager(tmp_path, every=10 ** 6)
     assert mgr.restore(st) == 11
     assert all(torch.equal(v, ref[k]) for k, v in st["model"].state_dict().items())
+    mgr.close()
+
+
+class _Counter:
+    """A user's stateful object whose ``load_state_dict`` refuses what it never saved (a negative count)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def state_dict(self) -> dict:
+        return {"n": self.n}
+
+    def load_state_dict(self, sd: dict) -> None:
+        if sd["n"] < 0:
+            raise ValueError(f"a count of {sd['n']}")
+        self.n = sd["n"]
+
+
+def _counted() -> dict:
+    return {**_plain(), "count": _Counter()}
+
+
+def _counted_step(st: dict, step: int) -> None:
+    _plain_step(st, step)
+    st["count"].n += 1
+
+
+def test_a_record_whose_replay_fails_after_its_checks_is_removed_and_named_on_every_rank(tmp_path):
+    """What no check can see (a user object refusing a value in its load_state_dict, a torch error in a replayed
+    step): the replay raises a CorruptCheckpointError naming the step, with the records from it removed, so a
+    restore again resumes before it, bit for bit."""
+    from liferaft.codecs.checksum import digest
+    from liferaft.tiers.steprecord import encode_header, prologue
+
+    ref, m = _train(tmp_path / "ref", _counted, _counted_step, 6)
+    m.close()
+    _, m = _train(tmp_path / "run", _counted, _counted_step, 7)     # full 4, records 5, 6, 7
+    m.close()
+    for path, h in _records(tmp_path / "run"):
+        if h.step == 7:
+            key = next(k for k in h.doc["rest"]["values"] if k.startswith("count"))
+            h.doc["rest"]["values"][key] = -3
+            raw = encode_header(h.doc)
+            with open(path, "r+b") as f:
+                f.seek(h.header_off)
+                f.write(raw)
+                f.seek(0)
+                f.write(prologue(h.header_off + len(raw), h.header_off, len(raw), digest(raw)))
+    st = _counted()
+    mgr = _manager(tmp_path / "run")
+    with pytest.raises(CorruptCheckpointError, match=r"step 7.*a count of -3.*resumes at step 6"):
+        mgr.restore(st)
+    st = _counted()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                      # (nothing left to warn of: the records end at 6)
+        assert mgr.restore(st) == 6
+    assert _same(st, ref) and st["count"].n == ref["count"].n == 7
+    _counted_step(st, 7)                # (the state made anew is the one hooked: its step is recorded)
+    mgr.maybe_save(7, st)
+    mgr.close()
+    ref7, m = _train(tmp_path / "ref7", _counted, _counted_step, 7)
+    m.close()
+    st = _counted()
+    mgr = _manager(tmp_path / "run")
+    assert mgr.restore(st) == 7
+    assert _same(st, ref7) and st["count"].n == 8
     mgr.close()

@@ -28,7 +28,14 @@ from liferaft.core.native import NativeReader
 from liferaft.core.open import open_reader
 from liferaft.core.process import in_call
 from liferaft.dist import Coordinator
-from liferaft.errors import DistributedError, InvalidStateError, LossyCheckpointError, OptionsError, StateMismatchError
+from liferaft.errors import (
+    CorruptCheckpointError,
+    DistributedError,
+    InvalidStateError,
+    LossyCheckpointError,
+    OptionsError,
+    StateMismatchError,
+)
 from liferaft.formats.base import Box, BoxRead, Reader, TensorSpec
 from liferaft.formats.detect import NAMES
 from liferaft.options import LoadOptions, LoadResult, check_options, check_path
@@ -40,6 +47,7 @@ from liferaft.state.matching import (
     drop_absent,
     matches_emptied,
     not_persisted,
+    param_groups_malformed,
     param_groups_mismatch,
     param_groups_regrouped,
     settle_missing,
@@ -506,6 +514,10 @@ def _check_statefuls(plan: _LoadPlan, index: dict[str, int], coord: Coordinator,
                   f"key {key_of(spath)!r}")
     kept = []
     for path, value in plan.assign:
+        damaged = param_groups_malformed(flat, path, value)
+        if damaged is not None:
+            raise CorruptCheckpointError(f"{plan.reader.url}: {damaged}: the checkpoint is damaged; nothing was "
+                                         "loaded. Restore from another checkpoint")
         problem = param_groups_mismatch(flat, path, value)
         regrouped = param_groups_regrouped(flat, path, value) if problem is None else None
         if regrouped is not None and strict:

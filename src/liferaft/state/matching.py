@@ -127,6 +127,25 @@ def param_groups_mismatch(flat: FlatState, path: tuple[PathPart, ...], saved_gro
             f"keys ({'; '.join(parts)}): it was saved by another kind of optimizer")
 
 
+def param_groups_malformed(flat: FlatState, path: tuple[PathPart, ...], saved_groups: Any) -> str | None:
+    """Where ``path`` is an optimizer's ``param_groups``: what makes the checkpoint's ``saved_groups`` no list of
+    param groups (each a dict with string keys and a ``params`` list of parameter names, as every optimizer
+    state dict holds), which torch's loaders would fail on or, worse, half apply; None when well formed or not
+    an optimizer's."""
+    if _live_groups(flat, path) is None:
+        return None
+    what = f"key {key_of(path)!r}"
+    if not isinstance(saved_groups, (list, tuple)):
+        return f"{what}: the checkpoint's param_groups are a {type(saved_groups).__name__}, not a list of groups"
+    for i, g in enumerate(saved_groups):
+        if not isinstance(g, dict) or not all(isinstance(k, str) for k in g):
+            return f"{what}: param group {i} of the checkpoint is a {type(g).__name__}, not a dict of hyperparameters"
+        params = g.get("params")
+        if not isinstance(params, (list, tuple)) or not all(isinstance(p, str) for p in params):
+            return f"{what}: param group {i} of the checkpoint has no list of parameter names ('params')"
+    return None
+
+
 def _partition(groups: Any) -> list[tuple[set[str], dict[str, Any]]] | None:
     """[(a group's parameter names, the group)], or None for what is no list of groups with name lists."""
     if not isinstance(groups, (list, tuple)) or not all(isinstance(g, dict) for g in groups):
@@ -150,10 +169,13 @@ def param_groups_regrouped(flat: FlatState, path: tuple[PathPart, ...], saved_gr
     saved = _partition(saved_groups)
     if live is None or saved is None:
         return None
-    common = set().union(*(p for p, _ in live)) & set().union(*(p for p, _ in saved))
+    every = set().union(*(p for p, _ in live))
+    common = every & set().union(*(p for p, _ in saved))
     live_sets = [p & common for p, _ in live]
     saved_sets = [p & common for p, _ in saved]
-    if sorted(map(sorted, live_sets)) == sorted(map(sorted, saved_sets)):
+    # (a live parameter in no saved group: torch's loader leaves its group without hyperparameters — no lr, no
+    # betas — and the next step fails, or worse; so it is regrouped too, whatever the common ones show)
+    if common == every and sorted(map(sorted, live_sets)) == sorted(map(sorted, saved_sets)):
         return None
     merged, odd = [], []
     for i, ((params, group), mine) in enumerate(zip(live, live_sets, strict=True)):
@@ -163,6 +185,11 @@ def param_groups_regrouped(flat: FlatState, path: tuple[PathPart, ...], saved_gr
             odd.append(i)
         else:
             merged.append({**{k: v for k, v in match.items() if k != "params"}, "params": list(group["params"])})
+    lost = sorted(every - common)
+    if lost:
+        return (f"key {key_of(path)!r}: the live optimizer's parameters {lost[:4]}{' ...' if len(lost) > 4 else ''} "
+                "are in no param group of the checkpoint's: their groups would be left without hyperparameters (lr, "
+                "betas, ...)"), merged
     shown = "; ".join(f"live group {i}: {sorted(live_sets[i])[:4]}" for i in odd[:3]) or \
         f"the checkpoint's groups {[sorted(s)[:4] for s in saved_sets][:3]}"
     return (f"key {key_of(path)!r}: the checkpoint's param_groups group the parameters otherwise than the live "

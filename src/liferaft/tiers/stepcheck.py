@@ -28,6 +28,7 @@ from liferaft.errors import CheckpointBusyError, CorruptCheckpointError, Liferaf
 from liferaft.state import optsteps
 from liferaft.state.dtypes import dtype_name
 from liferaft.state.flatten import flatten
+from liferaft.state.matching import param_groups_malformed, param_groups_mismatch, param_groups_regrouped
 from liferaft.state.values import decode_value
 from liferaft.tiers.stepplan import verify_record
 from liferaft.tiers.steprecord import Header, parse_record, tensor_at, tensor_view
@@ -58,6 +59,26 @@ def _kind(v: Any) -> Any:
     if isinstance(v, (list, tuple)):
         return ("seq", tuple(_kind(x) for x in v))
     return type(v).__qualname__
+
+
+def _odd_setting(v: Any, live: Any) -> str | None:
+    """What a recorded hyperparameter ``v`` of the live one's kind (``_kind``) may not be: an integer too large
+    for a float (torch converts the numbers: 400 digits raise there), or a setting other than a number — a flag,
+    None, a string: ``amsgrad``, ``foreach``, ``capturable``, ``nesterov`` — other than the live group's. Those
+    are fixed when the optimizer is made; the live value is the full checkpoint's, and a record that changes one
+    since would replay another algorithm, or fail half way through the step (``amsgrad`` without its state).
+    None: fine."""
+    if isinstance(v, (list, tuple)):
+        return next((o for o in map(_odd_setting, v, live) if o is not None), None)
+    if isinstance(v, bool) or v is None or isinstance(v, str):
+        return None if v == live else f"{str(v)[:40]!r} where the live group holds {str(live)[:40]!r} (a setting " \
+            "fixed when the optimizer was made)"
+    if isinstance(v, int):
+        try:
+            float(v)
+        except OverflowError:
+            return f"{str(v)[:40]}..., an integer too large for a float"
+    return None
 
 
 def _recorded_kind(v: Any, key: str, path: str, allow_pickle: bool) -> Any:
@@ -109,6 +130,10 @@ def _check_call(call: Any, opts: list[torch.optim.Optimizer], path: str, allow_p
             if got != want:
                 raise _bad(path, f"sets hyperparameter {k!r} of param group {j} of {name} {i} to a {got}, the "
                                  f"group holds a {want}")
+            odd = None if isinstance(got, tuple) and got[0] == "tensor" else \
+                _odd_setting(decode_value(v, k, allow_pickle), live[k])
+            if odd is not None:
+                raise _bad(path, f"sets hyperparameter {k!r} of param group {j} of {name} {i} to {odd}")
     names, anything = _accepts(opt)
     if not isinstance(kwargs, dict):
         raise _bad(path, f"has malformed keyword arguments for {name} {i}")
@@ -149,8 +174,14 @@ def check_rest(flat: Any, rest: Any, path: str, live: set[int], allow_pickle: bo
             if got != want:
                 raise _bad(path, f"has key {leaf.key!r} as {got[1]} {list(got[2])}, the live state as {want[1]} "
                                  f"{list(want[2])}")
+    paths = {key: p for key, p, _ in flat.values}
     for key, v in rest["values"].items():
-        decode_value(v, key, allow_pickle)
+        value = decode_value(v, key, allow_pickle)
+        at = paths.get(key)
+        problem = None if at is None else param_groups_malformed(flat, at, value) or \
+            param_groups_mismatch(flat, at, value) or (param_groups_regrouped(flat, at, value) or (None,))[0]
+        if problem is not None:         # (written by this optimizer: its groups are the live ones, by name)
+            raise _bad(path, f"has {problem}")
 
 
 def check_record(header: Any, state: Any, optimizers: list[torch.optim.Optimizer], live: set[int],

@@ -131,10 +131,19 @@ class StepLog:
 
     # ------------------------------------------------------------------ capture
 
-    def attach(self, state: Any) -> bool:
-        """Find the optimizers in ``state`` and hook them (once); True if this call attached."""
+    def attach(self, state: Any, again: bool = False) -> bool:
+        """Find the optimizers in ``state`` and hook them (once); True if this call attached. ``again`` (a restore:
+        the state may be made anew, e.g. after a restore that raised): if ``state``'s optimizers are other objects
+        than the hooked ones, those are unhooked and these hooked."""
         if self.optimizers is not None:
-            return False
+            if not again:
+                return False
+            found = optsteps.find_optimizers(state)
+            if [id(o) for o in found] == [id(o) for o in self.optimizers]:
+                return False
+            for h in self._hooks:
+                h.remove()
+            self._hooks, self.optimizers = [], None
         self.optimizers = optsteps.find_optimizers(state)
         self.layout = optsteps.layout_of(self.optimizers, self.world)
         self._hooks = optsteps.hook_optimizers(self.optimizers, self._capture)
@@ -575,7 +584,7 @@ class StepLog:
         Collective."""
         self.wait()
         self.discard()
-        self.attach(state)
+        self.attach(state, again=True)
         self._rebase(step)
         self.ring.held = records_after(self.root, self.rank, step)
         self.ring.listed = max(self.ring.held.values(), default=None)
@@ -598,10 +607,11 @@ class StepLog:
             self._forget_collectively(self._diverged_at, "step log (forget the future)")
             self._diverged_at = None
 
-    def _forget_collectively(self, step: int, what: str) -> None:
+    def _forget_collectively(self, step: int, what: str, report: Any = None) -> list[Any]:
         """``_forget_after(step)`` on one rank per node, every rank waiting until every node's is done (no rank
-        publishes a record the removal could take), then each rank's slot files open on a removed file closed."""
-        self.coord.run(lambda: self._forget_after(step), what)
+        publishes a record the removal could take), then each rank's slot files open on a removed file closed.
+        Returns every rank's ``report`` (rank order), exchanged on the way."""
+        reports = self.coord.run(lambda: (self._forget_after(step), report)[1], what)
         for rel, f in list(self._files.items()):
             try:
                 same = os.stat(os.path.join(self.root, rel)).st_ino == os.fstat(f.fd).st_ino
@@ -610,6 +620,7 @@ class StepLog:
             if not same and (self._cur is None or self._cur["file"] is not f):
                 f.close()
                 del self._files[rel]
+        return reports
 
     def _forget_after(self, step: int) -> None:
         """Drop this node's records newer than ``step`` (a future the resumed run does not share). Only inside
@@ -623,7 +634,7 @@ class StepLog:
         earlier run (they replay onto nothing). Collective."""
         self.wait()
         self.discard()
-        self.attach(state)
+        self.attach(state, again=True)
         self._forget_collectively(-1, "step log (fresh start)")
 
     def close(self) -> None:

@@ -32,7 +32,7 @@ def recover(log: StepLog, state: Any, full: int) -> int:
     clock = [time.perf_counter()]
     log.wait()
     log.discard()
-    log.attach(state)
+    log.attach(state, again=True)
     log._rebase(full)
     kept: dict[int, tuple[Header, bytearray, str]] = {}     # this rank's own records, read and verified
     listing = log.coord.run(lambda: _list(log, full, kept), "step log (listing)")
@@ -70,21 +70,27 @@ def recover(log: StepLog, state: Any, full: int) -> int:
         warnings.warn(f"liferaft: the per-step log resumes at step {n} instead of past it: {why}", stacklevel=4)
     clock.append(time.perf_counter())
     rest_loads = 0
+    failed: tuple[int, str] | None = None      # a record the checks passed that its replay still fails on
+    at = full
     log._replaying = True
     try:
-        for j in range(full + 1, n + 1):
-            replay_record(*records[j], log.optimizers or [], log.allow_pickle)
+        for at in range(full + 1, n + 1):
+            replay_record(*records[at], log.optimizers or [], log.allow_pickle)
         clock.append(time.perf_counter())
         if n > full:
             header, data = records[n]
             restore_rest(state, header.doc["rest"], memoryview(data), header,
                          optsteps.tensor_ids(log.optimizers or []), log.allow_pickle)
             rest_loads += 1
+    except Exception as e:  # noqa: BLE001 - reported on every rank below, with the records from it removed
+        failed = (at, f"{type(e).__name__}: {str(e)[:300]}")
     finally:
         log._replaying = False
     records.clear()
     clock.append(time.perf_counter())
-    log._forget_collectively(n, "step log (forget the future)")
+    fails = [(f, r) for r, f in enumerate(log._forget_collectively(n, "step log (forget the future)", failed)) if f]
+    if fails:
+        _replay_failed(log, fails)
     log.ring.listed = n if n > full else None       # (records full+1..n: needed until a newer full checkpoint)
     log._expect = n + 1
     clock.append(time.perf_counter())
@@ -93,6 +99,22 @@ def recover(log: StepLog, state: Any, full: int) -> int:
                           "fetched": sum(1 for p in plan if p[2] == log.rank), "rest_loads": rest_loads,
                           "why": why, "timings": {k: b - a for k, a, b in zip(phases, clock, clock[1:])}}
     return n
+
+
+def _replay_failed(log: StepLog, fails: list[tuple[tuple[int, str], int]]) -> None:
+    """A record that passed every check failed in its replay (or the load of its rest of the state) on the ranks
+    of ``fails`` ((step, why), rank): the live state holds part of a step, which no later step repairs. The
+    records from the first such step on are removed on every node (collective), and every rank raises: a
+    ``restore`` again resumes at the step before it."""
+    k = min(f[0] for f, _ in fails)
+    log._forget_collectively(k - 1, "step log (forget the records from the one whose replay failed)")
+    log.ring.listed = None
+    log._expect = None
+    shown = "; ".join(f"rank {r}, step {f[0]}: {f[1]}" for f, r in fails[:4])
+    raise CorruptCheckpointError(f"liferaft: the replay of the per-step log failed ({shown}); the live state holds "
+                                 f"part of a replayed step and must not be trained on. The records from step {k} "
+                                 f"on are removed from every node: call restore(state) again, it resumes at step "
+                                 f"{k - 1} at most")
 
 
 def _list(log: StepLog, full: int, kept: dict[int, tuple[Header, bytearray, str]]) -> dict[tuple[int, int],
