@@ -56,6 +56,31 @@ def test_malformed_values_are_corrupt(bad):
         decode_value(bad, "k")
 
 
+def _b64(b: bytes) -> str:
+    import base64
+
+    return base64.b64encode(b).decode()
+
+
+@pytest.mark.parametrize("dtype,data", [("f4,i4", bytes(8)), ("V8", bytes(8)), ("(2,)f4", bytes(8)),
+                                        ("float32", bytes(4)), ("f4", bytes(4)), ("|b1", b"\x02"),
+                                        ("|b1", b"\xff")])
+@pytest.mark.parametrize("tag", ["$ndarray", "$npscalar"])
+def test_numpy_values_of_a_dtype_encode_value_never_writes_are_corrupt(tag, dtype, data):
+    """Structured, raw-void and sub-array dtypes, a dtype not in its canonical form (``dtype.str``), a bool byte
+    other than 0 or 1: refused naming the key (FORMAT.md: what ``encode_value`` writes, nothing else)."""
+    body = {"dtype": dtype, "data": _b64(data), **({"shape": [1]} if tag == "$ndarray" else {})}
+    with pytest.raises(CorruptCheckpointError, match="key 'k'"):
+        decode_value({tag: body}, "k")
+
+
+@pytest.mark.parametrize("v", [np.array([True, False]), np.array([1.5], dtype=">f4"), np.array(["ab"]),
+                               np.bool_(False), np.float32(2.0)])
+def test_numpy_values_of_every_plain_dtype_still_round_trip(v):
+    got = decode_value(encode_value(v, "k"), "k")
+    assert type(got) is type(v) and got.dtype == v.dtype and np.array_equal(got, v)
+
+
 @pytest.mark.parametrize("v", [np.complex128(1 + 2j), np.complex64(-0.5 + 3j), np.float16(1.5), np.int8(-3),
                                np.bool_(True), np.uint64(2 ** 63)])
 def test_numpy_scalars_round_trip_with_their_type(v):

@@ -207,10 +207,12 @@ def scan(f: Any, what: str) -> tuple[Any, dict[int, int]]:
     return obj, at
 
 
-def scan_legacy(path: str, what: str) -> None:
-    """The legacy (pre-zip) format: loaded to the meta device (nothing allocated), the storages it declares
-    together no larger than the file that must hold them, every tensor inside its storage."""
+def scan_legacy(path: Any, what: str) -> None:
+    """The legacy (pre-zip) format (``path``: its name, or the file open at its start): loaded to the meta device
+    (nothing allocated), the storages it declares together no larger than the file that must hold them, every
+    tensor inside its storage."""
     try:
+        size = os.fstat(path.fileno()).st_size if hasattr(path, "fileno") else os.path.getsize(path)
         obj = torch.load(path, map_location="meta", weights_only=True)
     except pickle.UnpicklingError as e:
         raise _refused_pickle(what, e) from e
@@ -222,7 +224,7 @@ def scan_legacy(path: str, what: str) -> None:
     found = list(tensors_in(obj))
     storage_of = {t.untyped_storage()._cdata: (f"of {k!r}", t.untyped_storage().nbytes()) for k, t in found
                   if t.layout == torch.strided and not t.is_nested and not t.is_quantized}
-    total, size = sum(n for _, n in storage_of.values()), os.path.getsize(path)
+    total = sum(n for _, n in storage_of.values())
     if total > size:
         raise CorruptCheckpointError(f"{what}: its storages declare {total} bytes, the file has {size}; "
                                      "truncated or crafted")

@@ -215,24 +215,35 @@ def torch_file_state(path: str | os.PathLike[str]) -> Any:
     by its record and every tensor inside its storage. Any refusal is a LiferaftError naming the file (and the
     key where there is one)."""
     p = os.fspath(path)
-    os.close(files.open_path(p))        # a regular file (a FIFO would hang every reader below): else refused
-    if not zipfile.is_zipfile(p):
-        with open(p, "rb") as f:
+    # one descriptor for every read (a regular file, checked once: a FIFO or another file swapped in by name later
+    # is never opened); torch.load maps it by its /proc/self/fd name where there is one
+    with os.fdopen(files.open_path(p), "rb") as f:
+        if not zipfile.is_zipfile(f):
+            f.seek(0)
             head = f.read(16)
-        if not head.startswith(b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"):
-            raise CorruptCheckpointError(f"{p}: not a torch.save file (neither a zip archive nor torch's legacy "
-                                         "format), nor any other checkpoint format liferaft reads")
-        scan_legacy(p, p)                       # storages and views checked before anything is allocated
-    else:
-        with open(p, "rb") as f:
+            if not head.startswith(b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"):
+                raise CorruptCheckpointError(f"{p}: not a torch.save file (neither a zip archive nor torch's legacy "
+                                             "format), nor any other checkpoint format liferaft reads")
+            f.seek(0)
+            scan_legacy(f, p)                   # storages and views checked before anything is allocated
+        else:
+            f.seek(0)
             scan(f, p)                          # every storage within its record, every view within its storage
+        own = f"/proc/self/fd/{f.fileno()}"
+        name = own if os.path.exists(own) else p
+        return _load_weights(name, p)
+
+
+def _load_weights(name: str, p: str) -> Any:
+    """``torch.load(name, weights_only=True)``, memory-mapped where the archive allows it; ``p`` names the file in
+    errors."""
     try:
         try:
-            return torch.load(p, weights_only=True, mmap=True, map_location="cpu")
+            return torch.load(name, weights_only=True, mmap=True, map_location="cpu")
         except RuntimeError as e:
             if "mmap" not in str(e):
                 raise
-            return torch.load(p, weights_only=True, map_location="cpu")    # the legacy (non-zip) format
+            return torch.load(name, weights_only=True, map_location="cpu")     # the legacy (non-zip) format
     except pickle.UnpicklingError as e:
         why = next((x.strip() for x in str(e).splitlines() if "WeightsUnpickler error" in x),
                    (str(e).splitlines() or [""])[0])
@@ -287,10 +298,12 @@ class TorchFileReader(Reader):
     def verify(self, progress: Callable[[int], None] | None = None) -> CheckReport:
         """Every zip record read with its CRC-32 checked (torch.save's legacy format carries none)."""
         p, unchecked = self.url, []
-        if zipfile.is_zipfile(p):
-            with os.fdopen(files.open_path(p), "rb") as f:
+        with os.fdopen(files.open_path(p), "rb") as f:
+            zipped = zipfile.is_zipfile(f)
+            if zipped:
+                f.seek(0)
                 records, crc_bytes, nbytes, faults, no_crc = check_zip(f, f"file {os.path.basename(p)!r}", progress)
-        else:
+        if not zipped:
             records = crc_bytes = no_crc = 0
             nbytes, faults = os.path.getsize(p), []
             unchecked.append("torch.save's legacy (pre-zip) format carries no checksums")

@@ -174,8 +174,15 @@ def _array_dtype(body: Any, fields: set[str]) -> np.dtype:
         dt = np.dtype(body["dtype"])
     except (TypeError, ValueError, SyntaxError):
         raise _Bad(f"unknown numpy dtype {body['dtype']!r}") from None
-    _need(not dt.hasobject and dt.itemsize > 0, f"numpy dtype {body['dtype']!r} holds objects or no bytes")
+    _need(_plain_dtype(dt) and dt.itemsize > 0 and dt.str == body["dtype"],
+          f"numpy dtype {body['dtype']!r} is not one encode_value writes (objects, fields, a sub-array, raw void, "
+          "no bytes, or not in its canonical form)")
     return dt
+
+
+def _bool_bytes(data: bytes, dt: np.dtype) -> None:
+    """A bool array's bytes are 0 or 1 (numpy reads any other byte as a bool that is neither)."""
+    _need(dt.kind != "b" or not data.strip(b"\0\1"), "a bool holds a byte other than 0 or 1")
 
 
 def _decode_tag(tag: str, body: Any, key: str, allow_pickle: bool) -> Any:
@@ -211,11 +218,13 @@ def _decode_checked(tag: str, body: Any, key: str, allow_pickle: bool) -> Any:
         for d in shape:
             n *= d
         _need(n * dt.itemsize == len(data), f"{len(data)} data bytes for shape {shape} of {dt.str}")
+        _bool_bytes(data, dt)
         return np.frombuffer(data, dtype=dt).reshape(shape).copy()
     if tag == "$npscalar":
         dt = _array_dtype(body, {"dtype", "data"})
         data = _b64_body(body["data"])
         _need(len(data) == dt.itemsize, f"{len(data)} data bytes for one {dt.str}")
+        _bool_bytes(data, dt)
         return np.frombuffer(data, dtype=dt)[0]
     if tag == "$tuple":
         return tuple(decode_value(x, key, allow_pickle) for x in _items(body))

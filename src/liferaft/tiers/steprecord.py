@@ -253,8 +253,9 @@ def _header(head: bytes, raw: bytes, length: int, off: int, path: str) -> Header
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise _fail(path, f"is not a {FORMAT} header")
     _int(doc.get("step"), path, "step")
-    _int(doc.get("world"), path, "world size", MAX_WORLD_SIZE)
-    _int(doc.get("rank"), path, "rank", max(0, doc["world"] - 1))
+    if _int(doc.get("world"), path, "world size", MAX_WORLD_SIZE) < 1:
+        raise _fail(path, "has a world size of 0")
+    _int(doc.get("rank"), path, "rank", doc["world"] - 1)
     if not isinstance(doc.get("layout"), str) or not isinstance(doc.get("calls"), list) or \
             not isinstance(doc.get("rest"), dict):
         raise _fail(path, "header lacks layout, calls or rest")
