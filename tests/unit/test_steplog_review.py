@@ -588,7 +588,7 @@ def test_a_record_whose_replay_fails_after_its_checks_is_removed_and_named_on_ev
                 f.write(prologue(h.header_off + len(raw), h.header_off, len(raw), digest(raw)))
     st = _counted()
     mgr = _manager(tmp_path / "run")
-    with pytest.raises(CorruptCheckpointError, match=r"step 7.*a count of -3.*resumes at step 6"):
+    with pytest.raises(CorruptCheckpointError, match=r"step 7.*a count of -3.*state anew.*resumes at step 6"):
         mgr.restore(st)
     st = _counted()
     with warnings.catch_warnings():

@@ -30,6 +30,7 @@ PyTorch DCP (``set_optimizer_state_dict`` / ``set_model_state_dict`` strict) tre
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
@@ -127,11 +128,22 @@ def param_groups_mismatch(flat: FlatState, path: tuple[PathPart, ...], saved_gro
             f"keys ({'; '.join(parts)}): it was saved by another kind of optimizer")
 
 
+def _param_id(p: Any) -> bool:
+    """A parameter's name in a param group: its name (``get_optimizer_state_dict``) or, for an optimizer no one
+    module owns (``MethodAdapter``) and torch's own ``state_dict()``, its index."""
+    return isinstance(p, str) or (isinstance(p, int) and not isinstance(p, bool))
+
+
+def _order(names: set[Any]) -> list[Any]:
+    """``names`` sorted (names and indices alike: a checkpoint may hold either)."""
+    return sorted(names, key=lambda p: (isinstance(p, str), p))
+
+
 def param_groups_malformed(flat: FlatState, path: tuple[PathPart, ...], saved_groups: Any) -> str | None:
     """Where ``path`` is an optimizer's ``param_groups``: what makes the checkpoint's ``saved_groups`` no list of
-    param groups (each a dict with string keys and a ``params`` list of parameter names, as every optimizer
-    state dict holds), which torch's loaders would fail on or, worse, half apply; None when well formed or not
-    an optimizer's."""
+    param groups (each a dict with string keys and a ``params`` list of parameter names or indices, as every
+    optimizer state dict holds), which torch's loaders would fail on or, worse, half apply; None when well formed
+    or not an optimizer's."""
     if _live_groups(flat, path) is None:
         return None
     what = f"key {key_of(path)!r}"
@@ -141,8 +153,8 @@ def param_groups_malformed(flat: FlatState, path: tuple[PathPart, ...], saved_gr
         if not isinstance(g, dict) or not all(isinstance(k, str) for k in g):
             return f"{what}: param group {i} of the checkpoint is a {type(g).__name__}, not a dict of hyperparameters"
         params = g.get("params")
-        if not isinstance(params, (list, tuple)) or not all(isinstance(p, str) for p in params):
-            return f"{what}: param group {i} of the checkpoint has no list of parameter names ('params')"
+        if not isinstance(params, (list, tuple)) or not all(_param_id(p) for p in params):
+            return f"{what}: param group {i} of the checkpoint has no list of parameter names or indices ('params')"
     return None
 
 
@@ -153,7 +165,7 @@ def _partition(groups: Any) -> list[tuple[set[str], dict[str, Any]]] | None:
     out = []
     for g in groups:
         params = g.get("params")
-        if not isinstance(params, (list, tuple)) or not all(isinstance(p, str) for p in params):
+        if not isinstance(params, (list, tuple)) or not all(_param_id(p) for p in params):
             return None
         out.append((set(params), g))
     return out
@@ -173,9 +185,10 @@ def param_groups_regrouped(flat: FlatState, path: tuple[PathPart, ...], saved_gr
     common = every & set().union(*(p for p, _ in saved))
     live_sets = [p & common for p, _ in live]
     saved_sets = [p & common for p, _ in saved]
-    # (a live parameter in no saved group: torch's loader leaves its group without hyperparameters — no lr, no
-    # betas — and the next step fails, or worse; so it is regrouped too, whatever the common ones show)
-    if common == every and sorted(map(sorted, live_sets)) == sorted(map(sorted, saved_sets)):
+    # (a live group none of whose parameters a saved group holds: torch's loader leaves it without hyperparameters
+    # — no lr, no betas — and the next step fails; a group of saved and new parameters takes its saved group's)
+    left_out = [i for i, (s, (p, _)) in enumerate(zip(live_sets, live, strict=True)) if p and not s]
+    if not left_out and Counter(map(frozenset, live_sets)) == Counter(map(frozenset, saved_sets)):
         return None
     merged, odd = [], []
     for i, ((params, group), mine) in enumerate(zip(live, live_sets, strict=True)):
@@ -185,13 +198,13 @@ def param_groups_regrouped(flat: FlatState, path: tuple[PathPart, ...], saved_gr
             odd.append(i)
         else:
             merged.append({**{k: v for k, v in match.items() if k != "params"}, "params": list(group["params"])})
-    lost = sorted(every - common)
-    if lost:
-        return (f"key {key_of(path)!r}: the live optimizer's parameters {lost[:4]}{' ...' if len(lost) > 4 else ''} "
-                "are in no param group of the checkpoint's: their groups would be left without hyperparameters (lr, "
-                "betas, ...)"), merged
-    shown = "; ".join(f"live group {i}: {sorted(live_sets[i])[:4]}" for i in odd[:3]) or \
-        f"the checkpoint's groups {[sorted(s)[:4] for s in saved_sets][:3]}"
+    if left_out:
+        lost = sorted(map(str, live[left_out[0]][0]))
+        return (f"key {key_of(path)!r}: no param group of the checkpoint's holds any parameter of live group "
+                f"{left_out[0]} ({lost[:4]}{' ...' if len(lost) > 4 else ''}): it would be left without "
+                "hyperparameters (lr, betas, ...)"), merged
+    shown = "; ".join(f"live group {i}: {_order(live_sets[i])[:4]}" for i in odd[:3]) or \
+        f"the checkpoint's groups {[_order(s)[:4] for s in saved_sets][:3]}"
     return (f"key {key_of(path)!r}: the checkpoint's param_groups group the parameters otherwise than the live "
             f"optimizer's (no saved group holds exactly the parameters of {shown}): its hyperparameters (lr, "
             "weight decay, ...) would reach other parameters than they were saved for"), merged

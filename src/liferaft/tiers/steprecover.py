@@ -103,18 +103,20 @@ def recover(log: StepLog, state: Any, full: int) -> int:
 
 def _replay_failed(log: StepLog, fails: list[tuple[tuple[int, str], int]]) -> None:
     """A record that passed every check failed in its replay (or the load of its rest of the state) on the ranks
-    of ``fails`` ((step, why), rank): the live state holds part of a step, which no later step repairs. The
-    records from the first such step on are removed on every node (collective), and every rank raises: a
-    ``restore`` again resumes at the step before it."""
+    of ``fails`` ((step, why), rank): the live state holds part of a step, which no later step repairs (and maybe
+    optimizer state the full checkpoint has none for: a load into it is refused). The records from the first such
+    step on are removed on every node (collective), and every rank raises: a ``restore`` into a state made anew
+    resumes at the step before it."""
     k = min(f[0] for f, _ in fails)
     log._forget_collectively(k - 1, "step log (forget the records from the one whose replay failed)")
     log.ring.listed = None
     log._expect = None
     shown = "; ".join(f"rank {r}, step {f[0]}: {f[1]}" for f, r in fails[:4])
     raise CorruptCheckpointError(f"liferaft: the replay of the per-step log failed ({shown}); the live state holds "
-                                 f"part of a replayed step and must not be trained on. The records from step {k} "
-                                 f"on are removed from every node: call restore(state) again, it resumes at step "
-                                 f"{k - 1} at most")
+                                 f"part of a replayed step (optimizer state included) and must not be trained on. "
+                                 f"The records from step {k} on are removed from every node: make the state anew "
+                                 f"(model and optimizers, as at the start of the run) and call restore on it; it "
+                                 f"resumes at step {k - 1} at most")
 
 
 def _list(log: StepLog, full: int, kept: dict[int, tuple[Header, bytearray, str]]) -> dict[tuple[int, int],
