@@ -697,8 +697,7 @@ def test_removing_the_records_after_a_rollback_stays_inside_the_log(tmp_path):
 
 @pytest.mark.parametrize("world,rank", [(0, 0), (2, 2), (-1, 0), (True, 0)])
 def test_a_record_of_no_world_or_a_rank_outside_it_is_refused(tmp_path, world, rank):
-    from liferaft.codecs.checksum import digest
-    from liferaft.tiers.steprecord import encode_header, prologue
+    from liferaft.testing.tamper import rewrite_step_header
 
     _run(tmp_path, 5)
     path = min(glob.glob(str(tmp_path / "shm" / "**" / "slot-*"), recursive=True))
@@ -706,11 +705,6 @@ def test_a_record_of_no_world_or_a_rank_outside_it_is_refused(tmp_path, world, r
     h = read_header(root, rel)
     assert h is not None
     h.doc["world"], h.doc["rank"] = world, rank
-    raw = encode_header(h.doc)
-    with open(path, "r+b") as f:
-        f.seek(h.header_off)
-        f.write(raw)
-        f.seek(0)
-        f.write(prologue(h.header_off + len(raw), h.header_off, len(raw), digest(raw)))
+    rewrite_step_header(path, h)
     with pytest.raises(CorruptCheckpointError, match="world size|rank"):
         read_header(root, rel)

@@ -194,8 +194,7 @@ def _forge(doc: dict, how: str) -> None:
                                  "rest-shape", "hyper-huge", "hyper-amsgrad", "hyper-capturable", "hyper-foreach",
                                  "rest-groups", "rest-groups-params"])
 def test_a_record_that_does_not_fit_stops_the_replay_before_it(tmp_path, how):
-    from liferaft.codecs.checksum import digest
-    from liferaft.tiers.steprecord import encode_header, prologue
+    from liferaft.testing.tamper import rewrite_step_header
 
     ref, m = _train(tmp_path / "ref", _plain, _plain_step, 5)
     m.close()
@@ -206,12 +205,7 @@ def test_a_record_that_does_not_fit_stops_the_replay_before_it(tmp_path, how):
         if h.step != 6:
             continue
         _forge(h.doc, how)                  # valid checksums, contents that do not fit the live state
-        raw = encode_header(h.doc)
-        with open(path, "r+b") as f:
-            f.seek(h.header_off)
-            f.write(raw)
-            f.seek(0)
-            f.write(prologue(h.header_off + len(raw), h.header_off, len(raw), digest(raw)))
+        rewrite_step_header(path, h)
         forged = path
     assert forged is not None
     st = _plain()
@@ -569,8 +563,7 @@ def test_a_record_whose_replay_fails_after_its_checks_is_removed_and_named_on_ev
     """What no check can see (a user object refusing a value in its load_state_dict, a torch error in a replayed
     step): the replay raises a CorruptCheckpointError naming the step, with the records from it removed, so a
     restore again resumes before it, bit for bit."""
-    from liferaft.codecs.checksum import digest
-    from liferaft.tiers.steprecord import encode_header, prologue
+    from liferaft.testing.tamper import rewrite_step_header
 
     ref, m = _train(tmp_path / "ref", _counted, _counted_step, 6)
     m.close()
@@ -580,12 +573,7 @@ def test_a_record_whose_replay_fails_after_its_checks_is_removed_and_named_on_ev
         if h.step == 7:
             key = next(k for k in h.doc["rest"]["values"] if k.startswith("count"))
             h.doc["rest"]["values"][key] = -3
-            raw = encode_header(h.doc)
-            with open(path, "r+b") as f:
-                f.seek(h.header_off)
-                f.write(raw)
-                f.seek(0)
-                f.write(prologue(h.header_off + len(raw), h.header_off, len(raw), digest(raw)))
+            rewrite_step_header(path, h)
     st = _counted()
     mgr = _manager(tmp_path / "run")
     with pytest.raises(CorruptCheckpointError, match=r"step 7.*a count of -3.*state anew.*resumes at step 6"):

@@ -9,7 +9,9 @@ mutated bytes reach ``decode_manifest`` (what an attacker who writes a whole che
   NaN / Infinity are written as such), then it is written back and sealed;
 - ``write_manifest_bytes(path, data)``: any bytes as the manifest, sealed;
 - ``reseal(path)``: recompute ``manifest_size`` / ``manifest_hash`` in ``COMMIT`` for the manifest on disk;
-- ``rewrite_marker(path, edit)``: ``edit`` the marker's JSON document (no re-sealing: the marker is the seal).
+- ``rewrite_marker(path, edit)``: ``edit`` the marker's JSON document (no re-sealing: the marker is the seal);
+- ``rewrite_step_header(file, header)``: a per-step log's record file given ``header.doc`` (as edited), its
+  prologue's length and digest recomputed (checksums valid: what a writer of the node's memory can do).
 
 Local (POSIX) checkpoints only. Nothing here checks anything: it writes what it is told.
 """
@@ -24,7 +26,8 @@ from typing import Any
 from liferaft.codecs.checksum import digest
 from liferaft.format.layout import COMMIT_MARKER
 
-__all__ = ["read_manifest", "reseal", "rewrite_manifest", "rewrite_marker", "write_manifest_bytes"]
+__all__ = ["read_manifest", "reseal", "rewrite_manifest", "rewrite_marker", "rewrite_step_header",
+           "write_manifest_bytes"]
 
 
 def _marker(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -74,3 +77,16 @@ def rewrite_marker(path: str | os.PathLike[str], edit: Callable[[dict[str, Any]]
     marker = _marker(path)
     out = edit(marker)
     _put(os.path.join(os.fspath(path), COMMIT_MARKER), json.dumps(marker if out is None else out).encode())
+
+
+def rewrite_step_header(file: str | os.PathLike[str], header: Any) -> None:
+    """Write ``header.doc`` (a ``tiers.steprecord.Header`` read from ``file``, its document edited) back into the
+    step record ``file`` at its header's offset, and the prologue with the new length and digest."""
+    from liferaft.tiers.steprecord import encode_header, prologue
+
+    raw = encode_header(header.doc)
+    with open(file, "r+b") as f:
+        f.seek(header.header_off)
+        f.write(raw)
+        f.seek(0)
+        f.write(prologue(header.header_off + len(raw), header.header_off, len(raw), digest(raw)))
