@@ -16,6 +16,7 @@ import torch
 
 import liferaft
 from liferaft.cli.progress import Progress
+from liferaft.storage.files import walk
 
 REPR_LIMIT = 80
 
@@ -187,7 +188,7 @@ def run_verify(args: argparse.Namespace) -> int:
     def total() -> int:
         return sum(t.nbytes for t in liferaft.inspect(p).tensors) if fmt == "liferaft" else \
             os.path.getsize(p) if os.path.isfile(p) else \
-            sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(p) for f in fs)
+            sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in walk(p) for f in fs)
 
     try:
         with Progress(total, "verify", None if not args.json else False) as tick:

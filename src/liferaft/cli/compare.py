@@ -13,6 +13,7 @@ import liferaft
 from liferaft.cli.args import number
 from liferaft.cli.progress import FolderGrowth, Progress
 from liferaft.errors import OptionsError
+from liferaft.storage.files import walk
 
 FORMATS = ["liferaft", "safetensors", "hf", "torch", "dcp"]
 
@@ -58,7 +59,7 @@ def _tree_bytes(path: str) -> int:
     """Bytes of the local file ``path``, or of the files under the local folder ``path``."""
     if os.path.isfile(path):
         return os.path.getsize(path)
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in walk(path) for f in fs)
 
 
 def run_convert(args: argparse.Namespace) -> int:
@@ -100,7 +101,7 @@ def _renames(pairs: list[list[str]] | None) -> list[tuple[str, str]]:
     for a, b in pairs or []:
         try:
             re.compile(a).sub(b, "")
-        except (re.error, RecursionError, OverflowError) as e:
+        except (re.error, RecursionError, OverflowError, IndexError) as e:
             raise OptionsError(f"--rename {a!r} {b!r}: not a valid regular expression and replacement: {e}") \
                 from None
         out.append((a, b))

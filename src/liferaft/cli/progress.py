@@ -8,6 +8,8 @@ import threading
 from collections.abc import Callable
 from typing import Any, Self
 
+from liferaft.storage.files import walk
+
 
 class Progress:
     """``with Progress(total, "verify") as tick: ... tick(nbytes)``; silent unless stderr is a terminal. ``total``
@@ -48,7 +50,7 @@ class FolderGrowth:
         if os.path.isfile(self.path):
             return os.path.getsize(self.path)
         total = 0
-        for folder, _, files in os.walk(self.path):
+        for folder, _, files in walk(self.path):
             for f in files:
                 try:
                     total += os.path.getsize(os.path.join(folder, f))

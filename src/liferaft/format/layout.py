@@ -101,9 +101,14 @@ def parse_step(name: str) -> int | None:
 
 def step_like(name: str) -> int | None:
     """The number a first component ``step-<digits>`` claims, canonical or not (``step-10``, torchtitan's DCP
-    folders): for listing such folders as what they are, never for restoring or deleting them (``parse_step``)."""
+    folders): for listing such folders as what they are, never for restoring or deleting them (``parse_step``).
+    A number of 2**63 or more is no step (``maybe_save``, ``restore(step=)`` and ``pin`` take none): None."""
     head = name.split("/", 1)[0]
     digits = head[len(STEP_PREFIX):]
-    if head.startswith(STEP_PREFIX) and digits.isdigit() and digits.isascii() and len(digits) <= 4300:
-        return int(digits)
+    if head.startswith(STEP_PREFIX) and digits.isdigit() and digits.isascii() and len(digits.lstrip("0")) <= 19:
+        step = int(digits)
+        return step if step <= _MAX_STEP else None     # (a step every API takes: [0, 2**63))
     return None
+
+
+_MAX_STEP = 2 ** 63 - 1

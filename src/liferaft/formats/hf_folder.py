@@ -212,7 +212,7 @@ def hf_files(folder: str, error: type[Exception] = OptionsError) -> dict[str, st
     where = roots(folder)
     out = {}
     seen = 0
-    for d, dirs, fs in os.walk(folder):
+    for d, dirs, fs in files.walk(folder):
         seen += len(dirs) + len(fs)            # (every entry walked counts: a big tree of hidden files too)
         if seen > 8 * MAX_FILES:
             raise error(f"{folder}: more than {8 * MAX_FILES} files and folders; not a model folder")

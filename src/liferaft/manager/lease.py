@@ -61,6 +61,9 @@ class LeaseInfo:
     ttl: float | None = None        # the holder's ttl: stale after that long without renewal
 
 
+_MAX_PID = 2 ** 31 - 1      # a pid_t: no process of any system has a larger one (a lease naming one is damaged)
+
+
 def _read(storage: Storage) -> LeaseInfo | None:
     """The lease under the root, or None when there is none or it is damaged (not strict JSON, a field missing or
     out of range): a damaged lease protects nothing, so it is treated as absent and overwritten by ``acquire``."""
@@ -70,7 +73,7 @@ def _read(storage: Storage) -> LeaseInfo | None:
         if not isinstance(raw, dict):
             return None
         started, ttl, pid = raw.get("started"), raw.get("ttl"), raw["pid"]
-        if type(pid) is not int or not 0 <= pid <= MAX_INT or started is not None and (
+        if type(pid) is not int or not 0 <= pid <= _MAX_PID or started is not None and (
                 type(started) is not int or not 0 <= started <= MAX_INT):
             return None
         return LeaseInfo(job_id=str(raw["job_id"]), host=str(raw["host"]), pid=pid,
@@ -105,8 +108,8 @@ def _pid_alive(pid: int, started: int | None = None) -> bool:
     """Whether process ``pid`` (started at ``started``, where known) runs on this machine."""
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
+    except (ProcessLookupError, OverflowError):
+        return False                            # (no such process; a pid no system has)
     except PermissionError:
         pass                                    # another user's process: alive
     if started is not None:

@@ -255,16 +255,23 @@ def write_pins(storage: Storage, pins: Iterable[int]) -> None:
 
 def delete_step(storage: Storage, step: int) -> bool:
     """Delete the step folder of ``step`` under the root ``storage`` (its canonical name ``step_name(step)``, every
-    name in it: a link is removed, never followed): marker first, so that a crash halfway leaves an incomplete
-    step (removed at the next start), never a committed step with missing files. Whether anything was there to
-    delete (an entry of that name that is not a folder is never touched: False)."""
+    name liferaft writes in it: a link is removed, never followed): marker first, so that a crash halfway leaves
+    an incomplete step (removed at the next start), never a committed step with missing files. A file liferaft
+    never writes there (a user's notes) stays, and with it the folder, no longer a checkpoint (a warning names
+    it; the starts after leave it too). Whether anything was there to delete (an entry of that name that is not a
+    folder is never touched: False)."""
     prefix = step_name(step) + "/"
     names = [name for name in storage.list() if name.startswith(prefix)]
     if prefix + COMMIT_MARKER in names:
         storage.delete(prefix + COMMIT_MARKER)
+    kept = [name for name in names if not is_layout_name(name[len(prefix):])]
     for name in names:
-        if name != prefix + COMMIT_MARKER:
+        if name != prefix + COMMIT_MARKER and name not in kept:
             storage.delete(name)           # (through the root: empty folders go too)
+    if kept:
+        shown = ", ".join(repr(n[len(prefix):]) for n in kept[:3]) + (" ..." if len(kept) > 3 else "")
+        warnings.warn(f"liferaft: step {step} under {storage.url} was deleted but for files liferaft does not write "
+                      f"({shown}): they stay in {step_name(step)}/, which is no checkpoint any more", stacklevel=2)
     return bool(names)
 
 

@@ -493,7 +493,7 @@ class PosixStorage(Storage):
         top = self._top
         if not self._folder_ok():
             return out
-        for dirpath, dirs, names in os.walk(top):
+        for dirpath, dirs, names in files.walk(top):
             rel = os.path.relpath(dirpath, top)
             for f in names + [d for d in dirs if os.path.islink(os.path.join(dirpath, d))]:
                 out.append(f if rel == "." else f"{rel.replace(os.sep, '/')}/{f}")

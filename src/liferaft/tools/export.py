@@ -67,14 +67,18 @@ def renamer(rename: Sequence[tuple[str, str]] | None) -> Callable[[str], str]:
         try:
             p = re.compile(pair[0])
             p.sub(pair[1], "")                  # (checks the replacement's group references)
-        except (re.error, RecursionError, OverflowError) as e:
+        except (re.error, RecursionError, OverflowError, IndexError) as e:
             raise OptionsError(f"rename: {pair[0]!r} -> {pair[1]!r} is not a valid regular expression and "
                                f"replacement: {e}") from None
         pats.append((p, pair[1]))
 
     def apply(key: str) -> str:
         for p, r in pats:
-            key = p.sub(r, key)
+            try:
+                key = p.sub(r, key)
+            except (re.error, IndexError) as e:     # (a group the replacement names, seen at the first match)
+                raise OptionsError(f"rename: {p.pattern!r} -> {r!r}: the replacement does not fit the pattern "
+                                   f"({e}), at key {key[:200]!r}") from None
         return key
     return apply
 

@@ -7,7 +7,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from liferaft.errors import LiferaftError
+from liferaft.errors import LiferaftError, OptionsError
 from liferaft.manager.lease import Lease
 from liferaft.manager.listing import (
     StepInfo,
@@ -38,7 +38,6 @@ def _pins(storage: Storage) -> frozenset[int]:
 
 def _root(root: str | os.PathLike[str] | Storage) -> Storage:
     """The storage of a manager root; a path that is itself a checkpoint (of any format) is refused, naming it."""
-    from liferaft.errors import OptionsError
     from liferaft.formats.detect import NAMES, detect_names, sniff
     from liferaft.options import check_path
 
@@ -156,7 +155,8 @@ def gc(root: str | os.PathLike[str] | Storage, *, keep_last: int | None = None, 
     holding any file liferaft never writes there: a ``torch.save`` file, a user's notes). Takes the
     root's lease first, so it refuses
     (CheckpointBusyError) while a training job writes there (waiting first up to the holder's ttl, bounded:
-    ``on_wait(message)`` says so when the wait begins). Deletion is marker-first, as the manager's."""
+    ``on_wait(message)`` says so when the wait begins). Deletion is marker-first, as the manager's. A ``metric``
+    no committed step records is refused (OptionsError, nothing deleted: a typo would keep only the newest)."""
     storage = _root(root)
     policy = RetentionPolicy(keep_last=keep_last, keep_every=keep_every, keep_best=keep_best, metric=metric,
                              mode=mode)
@@ -168,6 +168,12 @@ def gc(root: str | os.PathLike[str] | Storage, *, keep_last: int | None = None, 
         branches = read_branches(storage)                       # (a damaged BRANCHES too)
         listing = _listing(storage, pins)                       # (steps of other formats: never deleted)
         committed = [i.step for i in listing if i.status == "committed"]
+        if metric is not None and committed and not any(metric in (i.metrics or {}) for i in listing):
+            # (offline, every step's metrics are known: a name none records is a typo, which would delete all
+            # but the newest; a running manager's later steps may still record it)
+            named = sorted({k for i in listing for k in (i.metrics or {})})
+            raise OptionsError(f"gc: no committed step under {storage.url} records the metric {metric!r} (they "
+                               f"record: {', '.join(map(repr, named[:10])) or 'none'}); nothing was deleted")
         keep = kept_steps(listing, policy, pins, ranked=lambda i: live(i.step, i.epoch, branches))
         doomed = [i for i in listing if i.status == "committed" and i.step not in keep]
         if incomplete:              # (never a folder holding files liferaft does not write: as the manager's start)

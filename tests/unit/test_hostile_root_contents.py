@@ -1,0 +1,138 @@
+"""What a manager's root holds besides liferaft's own files, read as hostile input (a review with crafted roots,
+helper-111): a LEASE naming a pid no system has, folders nested thousands deep, a user's file inside a step folder
+that retention, gc or a rollback removes, a step number past 2**63, a rename whose replacement names a group the
+pattern lacks. Each is a clear LiferaftError or handled — never a raw exception, never a deleted file liferaft did
+not write."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import warnings
+
+import pytest
+import torch
+from clirun import liferaft_cli
+
+import liferaft
+from liferaft.errors import OptionsError
+
+
+def _root(tmp_path, steps=range(3)) -> str:
+    root = str(tmp_path / "root")
+    with liferaft.CheckpointManager(root, every_steps=1, async_save=False) as m:
+        for s in steps:
+            m.maybe_save(s, {"w": torch.full((4,), float(s))})
+    return root
+
+
+@pytest.mark.parametrize("pid", [2 ** 31, 2 ** 40, 2 ** 63 - 1])
+def test_a_lease_naming_a_pid_no_system_has_is_no_lease(tmp_path, pid):
+    root = _root(tmp_path, [0])
+    with open(os.path.join(root, "LEASE"), "w") as f:
+        json.dump({"job_id": "x", "host": socket.gethostname(), "pid": pid, "renewed_unix": time.time(),
+                   "ttl": 30}, f)
+    with liferaft.CheckpointManager(root, every_steps=1, async_save=False) as m:
+        m.save(1, {"w": torch.ones(4)})
+    r = liferaft_cli("gc", root, "--keep-last", "1", timeout=120)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+
+
+def _deep(folder: str, depth: int = 1200) -> None:
+    os.makedirs(folder)
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        for _ in range(depth):                          # (relative to a descriptor: paths stay short)
+            os.mkdir("a", dir_fd=fd)
+            nxt = os.open("a", os.O_RDONLY, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+    finally:
+        os.close(fd)
+
+
+def test_folders_nested_thousands_deep_under_a_root_block_nothing(tmp_path):
+    root = _root(tmp_path, [0])
+    _deep(os.path.join(root, "step-0000000001"))
+    assert [s.step for s in liferaft.ls(root) if s.status == "committed"] == [0]
+    st = {"w": torch.zeros(4)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with liferaft.CheckpointManager(root, every_steps=1, async_save=False) as m:
+            assert m.restore(st) == 0
+            m.save(2, st)
+    r = liferaft_cli("ls", root, timeout=120)
+    assert r.returncode in (0, 1) and "Traceback" not in r.stderr and "RecursionError" not in r.stderr, r.stderr
+
+
+def test_retention_gc_and_a_rollback_leave_a_users_file_in_a_step_folder(tmp_path):
+    root = _root(tmp_path)
+    for s in (0, 1):
+        with open(os.path.join(root, f"step-000000000{s}", "notes.txt"), "w") as f:
+            f.write(f"mine {s}")
+    with pytest.warns(UserWarning, match="files liferaft does not write.*notes.txt"):
+        report = liferaft.gc(root, keep_last=1)
+    assert report.deleted == (0, 1)
+    for s in (0, 1):
+        with open(os.path.join(root, f"step-000000000{s}", "notes.txt")) as f:
+            assert f.read() == f"mine {s}"
+    assert [i.step for i in liferaft.ls(root) if i.status == "committed"] == [2]
+    # a rollback: restore(step=K), then the next save removes the steps after K — not the user's file among them
+    st = {"w": torch.zeros(4)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")                 # (the start's: steps 0 and 1 hold files it leaves)
+        with liferaft.CheckpointManager(root, every_steps=1, async_save=False) as m:
+            m.maybe_save(3, {"w": torch.full((4,), 3.0)})
+    with open(os.path.join(root, "step-0000000003", "notes.txt"), "w") as f:
+        f.write("mine 3")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with liferaft.CheckpointManager(root, every_steps=1, async_save=False) as m:
+            assert m.restore(st, step=2) == 2
+            m.maybe_save(3, {"w": torch.full((4,), 33.0)})
+    with open(os.path.join(root, "step-0000000003", "notes.txt")) as f:
+        assert f.read() == "mine 3"
+    st = {"w": torch.zeros(4)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with liferaft.CheckpointManager(root, every_steps=1, async_save=False) as m:
+            assert m.restore(st) == 3 and torch.equal(st["w"], torch.full((4,), 33.0))
+
+
+def test_a_step_folder_numbered_past_2_63_is_no_step(tmp_path):
+    root = _root(tmp_path, [0])
+    liferaft.save(os.path.join(root, "step-99999999999999999999"), {"w": torch.ones(4)})
+    assert 99999999999999999999 not in {i.step for i in liferaft.ls(root)}
+    st = {"w": torch.zeros(4)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with liferaft.CheckpointManager(root, every_steps=1, async_save=False) as m:
+            assert m.restore(st) == 0
+            m.maybe_save(1, st)
+    assert os.path.isdir(os.path.join(root, "step-99999999999999999999"))
+
+
+def test_a_rename_whose_replacement_names_a_missing_group_is_an_options_error(tmp_path):
+    src = str(tmp_path / "ck")
+    liferaft.save(src, {"w": torch.ones(2)})
+    with pytest.raises(OptionsError, match="rename"):
+        liferaft.convert(src, str(tmp_path / "x.pt"), to="torch", rename=[("(?P<a>w)", r"\g<b>")])
+    for args in (["convert", src, str(tmp_path / "y.pt"), "--to", "torch"], ["diff", src, src]):
+        r = liferaft_cli(*args, "--rename", "(?P<a>w)", r"\g<b>", timeout=120)
+        assert r.returncode != 0 and "Traceback" not in r.stderr and "internal error" not in r.stderr, r.stderr
+        assert "rename" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_gc_by_a_metric_no_step_records_deletes_nothing(tmp_path):
+    root = str(tmp_path / "root")
+    with liferaft.CheckpointManager(root, every_steps=1, async_save=False) as m:
+        for s in range(3):
+            m.maybe_save(s, {"w": torch.full((4,), float(s))}, metrics={"loss": 3.0 - s})
+    with pytest.raises(OptionsError, match="'los'.*'loss'"):
+        liferaft.gc(root, keep_best=1, metric="los")
+    r = liferaft_cli("gc", root, "--keep-best", "1", "--metric", "los", timeout=120)
+    assert r.returncode != 0 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert [i.step for i in liferaft.ls(root) if i.status == "committed"] == [0, 1, 2]
+    assert liferaft.gc(root, keep_best=1, metric="loss").deleted == (0, 1)
