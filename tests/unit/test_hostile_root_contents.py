@@ -53,52 +53,73 @@ def _deep(folder: str, depth: int = 1200) -> None:
         os.close(fd)
 
 
+def _remove_deep(folder: str) -> None:
+    """Remove ``_deep``'s chain without recursion (pytest's own clean-up of old temporary folders recurses, as
+    ``shutil.rmtree`` does: a chain left behind would break a later session): one level at a time, the folder's
+    one child renamed up in its place."""
+    spare = os.path.join(os.path.dirname(folder), ".deep-next")
+    while os.path.isdir(folder):
+        inner = os.path.join(folder, "a")
+        deeper = os.path.isdir(inner)
+        if deeper:
+            os.rename(inner, spare)
+        os.rmdir(folder)
+        if not deeper:
+            return
+        os.rename(spare, folder)
+
+
 def test_folders_nested_thousands_deep_under_a_root_block_nothing(tmp_path):
     root = _root(tmp_path, [0])
-    _deep(os.path.join(root, "step-0000000001"))
-    assert [s.step for s in liferaft.ls(root) if s.status == "committed"] == [0]
-    st = {"w": torch.zeros(4)}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with liferaft.CheckpointManager(root, every_steps=1, async_save=False) as m:
-            assert m.restore(st) == 0
-            m.save(2, st)
-    r = liferaft_cli("ls", root, timeout=120)
-    assert r.returncode in (0, 1) and "Traceback" not in r.stderr and "RecursionError" not in r.stderr, r.stderr
+    deep = os.path.join(root, "step-0000000001")
+    _deep(deep)
+    try:
+        assert [s.step for s in liferaft.ls(root) if s.status == "committed"] == [0]
+        st = {"w": torch.zeros(4)}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with liferaft.CheckpointManager(root, every_steps=1, async_save=False) as m:
+                assert m.restore(st) == 0
+                m.save(2, st)
+        r = liferaft_cli("ls", root, timeout=120)
+        assert r.returncode in (0, 1) and "Traceback" not in r.stderr and "RecursionError" not in r.stderr, r.stderr
+    finally:
+        _remove_deep(deep)
 
 
 def test_retention_gc_and_a_rollback_leave_a_users_file_in_a_step_folder(tmp_path):
+    """Even where warnings are errors: what is left is a folder of the user's files, nothing of liferaft's, which
+    nothing warns about again (a warning raised there would stop the rollback half way, or every start)."""
+    warnings.simplefilter("error")
     root = _root(tmp_path)
     for s in (0, 1):
         with open(os.path.join(root, f"step-000000000{s}", "notes.txt"), "w") as f:
             f.write(f"mine {s}")
-    with pytest.warns(UserWarning, match="files liferaft does not write.*notes.txt"):
-        report = liferaft.gc(root, keep_last=1)
+    report = liferaft.gc(root, keep_last=1)
     assert report.deleted == (0, 1)
+    assert os.listdir(os.path.join(root, "step-0000000000")) == ["notes.txt"]
     for s in (0, 1):
         with open(os.path.join(root, f"step-000000000{s}", "notes.txt")) as f:
             assert f.read() == f"mine {s}"
     assert [i.step for i in liferaft.ls(root) if i.status == "committed"] == [2]
     # a rollback: restore(step=K), then the next save removes the steps after K — not the user's file among them
     st = {"w": torch.zeros(4)}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")                 # (the start's: steps 0 and 1 hold files it leaves)
-        with liferaft.CheckpointManager(root, every_steps=1, async_save=False) as m:
-            m.maybe_save(3, {"w": torch.full((4,), 3.0)})
-    with open(os.path.join(root, "step-0000000003", "notes.txt"), "w") as f:
-        f.write("mine 3")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with liferaft.CheckpointManager(root, every_steps=1, async_save=False) as m:
-            assert m.restore(st, step=2) == 2
-            m.maybe_save(3, {"w": torch.full((4,), 33.0)})
-    with open(os.path.join(root, "step-0000000003", "notes.txt")) as f:
-        assert f.read() == "mine 3"
+    with liferaft.CheckpointManager(root, every_steps=1, async_save=False, keep_last=2) as m:
+        m.maybe_save(3, {"w": torch.full((4,), 3.0)})
+        m.maybe_save(4, {"w": torch.full((4,), 4.0)})           # (retention drops 2: nothing of the user's there)
+    for s in (3, 4):
+        with open(os.path.join(root, f"step-000000000{s}", "notes.txt"), "w") as f:
+            f.write(f"mine {s}")
+    with liferaft.CheckpointManager(root, every_steps=1, async_save=False) as m:
+        assert m.restore(st, step=3) == 3
+        m.maybe_save(4, {"w": torch.full((4,), 44.0)})           # (the rollback removes the old 4 first)
+    for s in (3, 4):
+        with open(os.path.join(root, f"step-000000000{s}", "notes.txt")) as f:
+            assert f.read() == f"mine {s}"
     st = {"w": torch.zeros(4)}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with liferaft.CheckpointManager(root, every_steps=1, async_save=False) as m:
-            assert m.restore(st) == 3 and torch.equal(st["w"], torch.full((4,), 33.0))
+    with liferaft.CheckpointManager(root, every_steps=1, async_save=False) as m:
+        assert m.restore(st) == 4 and torch.equal(st["w"], torch.full((4,), 44.0))
+    assert [i.step for i in liferaft.ls(root) if i.status == "committed"] == [3, 4]
 
 
 def test_a_step_folder_numbered_past_2_63_is_no_step(tmp_path):
@@ -136,3 +157,14 @@ def test_gc_by_a_metric_no_step_records_deletes_nothing(tmp_path):
     assert r.returncode != 0 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert [i.step for i in liferaft.ls(root) if i.status == "committed"] == [0, 1, 2]
     assert liferaft.gc(root, keep_best=1, metric="loss").deleted == (0, 1)
+
+
+def test_a_planted_shared_memory_name_with_a_pid_no_system_has_is_swept_not_fatal(tmp_path, monkeypatch):
+    from liferaft.core.chunks import shm
+
+    monkeypatch.setattr(shm, "SHM_DIR", str(tmp_path))      # (the seam tests use: a folder of their own)
+    planted = tmp_path / "liferaft-load-99999999999-0123456789abcdef-r0"
+    planted.write_bytes(b"")
+    os.utime(planted, (946684800, 946684800))
+    shm.sweep_stale()
+    assert not planted.exists()

@@ -257,22 +257,18 @@ def delete_step(storage: Storage, step: int) -> bool:
     """Delete the step folder of ``step`` under the root ``storage`` (its canonical name ``step_name(step)``, every
     name liferaft writes in it: a link is removed, never followed): marker first, so that a crash halfway leaves
     an incomplete step (removed at the next start), never a committed step with missing files. A file liferaft
-    never writes there (a user's notes) stays, and with it the folder, no longer a checkpoint (a warning names
-    it; the starts after leave it too). Whether anything was there to delete (an entry of that name that is not a
-    folder is never touched: False)."""
+    never writes there (a user's notes) stays, and with it the folder, no longer a checkpoint (``ls`` lists it
+    as incomplete; the starts after leave it, silently while it holds nothing of liferaft's). Whether anything of
+    liferaft's was there to delete (an entry of that name that is not a folder is never touched: False)."""
     prefix = step_name(step) + "/"
     names = [name for name in storage.list() if name.startswith(prefix)]
     if prefix + COMMIT_MARKER in names:
         storage.delete(prefix + COMMIT_MARKER)
-    kept = [name for name in names if not is_layout_name(name[len(prefix):])]
-    for name in names:
-        if name != prefix + COMMIT_MARKER and name not in kept:
+    ours = [name for name in names if is_layout_name(name[len(prefix):])]
+    for name in ours:
+        if name != prefix + COMMIT_MARKER:
             storage.delete(name)           # (through the root: empty folders go too)
-    if kept:
-        shown = ", ".join(repr(n[len(prefix):]) for n in kept[:3]) + (" ..." if len(kept) > 3 else "")
-        warnings.warn(f"liferaft: step {step} under {storage.url} was deleted but for files liferaft does not write "
-                      f"({shown}): they stay in {step_name(step)}/, which is no checkpoint any more", stacklevel=2)
-    return bool(names)
+    return bool(ours)
 
 
 def remove_leftovers(storage: Storage, listing: list[StepInfo], warn: Callable[[str], None] | None = None) -> None:
@@ -294,10 +290,13 @@ def remove_leftovers(storage: Storage, listing: list[StepInfo], warn: Callable[[
         if is_probe_name(name):            # a killed I/O probe's file (in use by a live probe: it reads and writes
             storage.delete(name)           # through its descriptor, so removing the name harms nothing)
     foreign = foreign_steps(names) if names else {}
+    ours = {_parse_step(name) for name in names if is_layout_name(name.partition("/")[2])}
     for info in listing:
         if info.status == "incomplete" and info.step in needed:
             say(f"liferaft: step {info.step} has no commit marker but committed steps reference its chunks; keeping "
                 "its files")
+        elif info.status == "incomplete" and info.step in foreign and info.step not in ours:
+            pass                            # (nothing of liferaft's left in it: a folder of the user's files)
         elif info.status == "incomplete" and info.step in foreign:
             say(f"liferaft: {info.path} has no commit marker but holds files liferaft does not write "
                 f"({foreign[info.step]!r}...): not a leftover of an interrupted save; leaving it")

@@ -110,8 +110,8 @@ def sweep_stale(min_age: float = 3600.0) -> int:
                 continue
             os.kill(int(found.group(1)), 0)
             continue                                    # alive (or not ours to signal): leave it
-        except ProcessLookupError:
-            pass
+        except (ProcessLookupError, OverflowError):
+            pass                                        # (no such process; a pid no system has: ≥ 2**31)
         except OSError:
             continue
         try:
