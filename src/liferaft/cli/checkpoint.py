@@ -16,7 +16,7 @@ import torch
 
 import liferaft
 from liferaft.cli.progress import Progress
-from liferaft.storage.files import walk
+from liferaft.storage import walk
 
 REPR_LIMIT = 80
 

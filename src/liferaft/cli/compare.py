@@ -13,7 +13,7 @@ import liferaft
 from liferaft.cli.args import number
 from liferaft.cli.progress import FolderGrowth, Progress
 from liferaft.errors import OptionsError
-from liferaft.storage.files import walk
+from liferaft.storage import walk
 
 FORMATS = ["liferaft", "safetensors", "hf", "torch", "dcp"]
 

@@ -8,7 +8,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, Self
 
-from liferaft.storage.files import walk
+from liferaft.storage import walk
 
 
 class Progress:

@@ -7,10 +7,11 @@ from collections.abc import Callable
 
 from liferaft.errors import StorageError
 from liferaft.storage.base import FileWriter, Storage
+from liferaft.storage.files import walk
 from liferaft.storage.memory import MemoryStorage
 from liferaft.storage.posix import PosixStorage, fsync_dir
 
-__all__ = ["FileWriter", "MemoryStorage", "PosixStorage", "Storage", "fsync_dir", "register_scheme", "resolve"]
+__all__ = ["FileWriter", "MemoryStorage", "PosixStorage", "Storage", "fsync_dir", "register_scheme", "resolve", "walk"]
 
 
 def _s3(rest: str) -> Storage:
