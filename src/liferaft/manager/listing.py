@@ -258,8 +258,9 @@ def delete_step(storage: Storage, step: int) -> bool:
     name liferaft writes in it: a link is removed, never followed): marker first, so that a crash halfway leaves
     an incomplete step (removed at the next start), never a committed step with missing files. A file liferaft
     never writes there (a user's notes) stays, and with it the folder, no longer a checkpoint (``ls`` lists it
-    as incomplete; the starts after leave it, silently while it holds nothing of liferaft's). Whether anything of
-    liferaft's was there to delete (an entry of that name that is not a folder is never touched: False)."""
+    as incomplete; the starts after leave it, with their warning about such folders). No warning here: raised as
+    an error, it would stop a rollback half way. Whether anything of liferaft's was there to delete (an entry of
+    that name that is not a folder is never touched: False)."""
     prefix = step_name(step) + "/"
     names = [name for name in storage.list() if name.startswith(prefix)]
     if prefix + COMMIT_MARKER in names:
@@ -290,13 +291,10 @@ def remove_leftovers(storage: Storage, listing: list[StepInfo], warn: Callable[[
         if is_probe_name(name):            # a killed I/O probe's file (in use by a live probe: it reads and writes
             storage.delete(name)           # through its descriptor, so removing the name harms nothing)
     foreign = foreign_steps(names) if names else {}
-    ours = {_parse_step(name) for name in names if is_layout_name(name.partition("/")[2])}
     for info in listing:
         if info.status == "incomplete" and info.step in needed:
             say(f"liferaft: step {info.step} has no commit marker but committed steps reference its chunks; keeping "
                 "its files")
-        elif info.status == "incomplete" and info.step in foreign and info.step not in ours:
-            pass                            # (nothing of liferaft's left in it: a folder of the user's files)
         elif info.status == "incomplete" and info.step in foreign:
             say(f"liferaft: {info.path} has no commit marker but holds files liferaft does not write "
                 f"({foreign[info.step]!r}...): not a leftover of an interrupted save; leaving it")
