@@ -29,6 +29,17 @@ def _root(tmp_path, steps=range(3)) -> str:
     return root
 
 
+def _restore_and_save(root: str, restored: int, then: int) -> None:
+    """A manager on ``root`` restores ``restored`` (the start's warnings about what it leaves ignored), saves
+    ``then``."""
+    st = {"w": torch.zeros(4)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with liferaft.CheckpointManager(root, every_steps=1, async_save=False) as m:
+            assert m.restore(st) == restored
+            m.save(then, st)
+
+
 @pytest.mark.parametrize("pid", [2 ** 31, 2 ** 40, 2 ** 63 - 1])
 def test_a_lease_naming_a_pid_no_system_has_is_no_lease(tmp_path, pid):
     root = _root(tmp_path, [0])
@@ -76,12 +87,7 @@ def test_folders_nested_thousands_deep_under_a_root_block_nothing(tmp_path):
     _deep(deep)
     try:
         assert [s.step for s in liferaft.ls(root) if s.status == "committed"] == [0]
-        st = {"w": torch.zeros(4)}
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with liferaft.CheckpointManager(root, every_steps=1, async_save=False) as m:
-                assert m.restore(st) == 0
-                m.save(2, st)
+        _restore_and_save(root, 0, 2)
         r = liferaft_cli("ls", root, timeout=120)
         assert r.returncode in (0, 1) and "Traceback" not in r.stderr and "RecursionError" not in r.stderr, r.stderr
     finally:
@@ -129,12 +135,7 @@ def test_a_step_folder_numbered_past_2_63_is_no_step(tmp_path):
     root = _root(tmp_path, [0])
     liferaft.save(os.path.join(root, "step-99999999999999999999"), {"w": torch.ones(4)})
     assert 99999999999999999999 not in {i.step for i in liferaft.ls(root)}
-    st = {"w": torch.zeros(4)}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with liferaft.CheckpointManager(root, every_steps=1, async_save=False) as m:
-            assert m.restore(st) == 0
-            m.maybe_save(1, st)
+    _restore_and_save(root, 0, 1)
     assert os.path.isdir(os.path.join(root, "step-99999999999999999999"))
 
 

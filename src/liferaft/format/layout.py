@@ -105,8 +105,9 @@ def step_like(name: str) -> int | None:
     A number of 2**63 or more is no step (``maybe_save``, ``restore(step=)`` and ``pin`` take none): None."""
     head = name.split("/", 1)[0]
     digits = head[len(STEP_PREFIX):]
-    if head.startswith(STEP_PREFIX) and digits.isdigit() and digits.isascii() and len(digits.lstrip("0")) <= 19:
-        step = int(digits)
+    significant = digits.lstrip("0")
+    if head.startswith(STEP_PREFIX) and digits.isdigit() and digits.isascii() and len(significant) <= 19:
+        step = int(significant or "0")          # (never more digits than int() takes, however many zeros lead)
         return step if step <= _MAX_STEP else None     # (a step every API takes: [0, 2**63))
     return None
 
