@@ -87,10 +87,11 @@ def write_commit(storage: Storage, save_id: str, manifest: Manifest) -> CommitRe
     return record
 
 
-#: Checks run right before a commit marker is put under a folder: (folder URL, check) by a token; one passing is
-#: enough. A ``CheckpointManager`` registers its lease's check for its root (``guard_commits``): a save of a job
-#: that lost the root to another job (frozen longer than its lease's ttl, say) commits nothing there, even one
-#: already running.
+#: Checks run right before a commit marker is put under a folder, and before a step under it is deleted
+#: (``check_guards``; ``manager.listing.delete_step``): (folder URL, check) by a token; one passing is enough. A
+#: ``CheckpointManager`` (and ``liferaft gc``) registers its lease's check for its root (``guard_commits``): a job
+#: that lost the root to another job (frozen longer than its lease's ttl, say) commits and deletes nothing there,
+#: even in a save or a retention pass already running.
 _GUARDS: dict[object, tuple[str, Callable[[], None]]] = {}
 _GUARDS_LOCK = threading.Lock()
 
@@ -108,11 +109,21 @@ def guard_commits(folder_url: str, check: Callable[[], None]) -> Callable[[], No
     return stop
 
 
+def check_guards(url: str) -> None:
+    """Raise what the guards of the folders above ``url`` (``guard_commits``) raise, unless one passes (none
+    registered: pass). Called before anything under ``url`` is committed or deleted."""
+    _guarded(_checks_of(url))
+
+
+def _checks_of(url: str) -> list[Callable[[], None]]:
+    with _GUARDS_LOCK:
+        return [c for prefix, c in _GUARDS.values() if url.startswith(prefix)]
+
+
 def publish_commit(storage: Storage, record: CommitRecord) -> None:
     """Put the manifest, make it durable, then put the marker atomically (every data file must be there); the
     guards of the folders above it (``guard_commits``) run first and again right before the marker."""
-    with _GUARDS_LOCK:
-        checks = [c for prefix, c in _GUARDS.values() if storage.url.startswith(prefix)]
+    checks = _checks_of(storage.url)
     _guarded(checks)
     storage.put_atomic(record.manifest_name, record.manifest)
     storage.sync()

@@ -35,6 +35,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+from liferaft.core.commit import guard_commits
 from liferaft.errors import CheckpointBusyError, LiferaftError, ReadOnlyRootError, StorageError
 from liferaft.format import jsonsafe
 from liferaft.format.limits import MAX_INT, MAX_ROOT_FILE_BYTES, MAX_UNIX_TIME
@@ -314,6 +315,11 @@ class Lease:
         other = _read(self.storage)
         if not self._ours(other):
             raise CheckpointBusyError(self._lost_to(other))
+
+    def guard(self) -> Callable[[], None]:
+        """Have every commit and step deletion under the root in this process check this lease first
+        (``core.commit.guard_commits``) until the returned function is called."""
+        return guard_commits(self.storage.url, self.check)
 
     def _renew(self) -> None:
         while not self._stop.wait(self.ttl / 3):

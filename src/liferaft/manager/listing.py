@@ -10,7 +10,7 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from liferaft.core.commit import check_files, open_checkpoint
+from liferaft.core.commit import check_files, check_guards, open_checkpoint
 from liferaft.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -260,8 +260,11 @@ def delete_step(storage: Storage, step: int) -> bool:
     never writes there (a user's notes) stays, and with it the folder, no longer a checkpoint (``ls`` lists it
     as incomplete; the starts after leave it, with their warning about such folders). No warning here: raised as
     an error, it would stop a rollback half way. Whether anything of liferaft's was there to delete (an entry of
-    that name that is not a folder is never touched: False)."""
+    that name that is not a folder is never touched: False). The guards registered for the root
+    (``core.commit.guard_commits``: the lease of the manager or ``gc`` holding it) run first: a process that lost the
+    root to another job deletes nothing there (CheckpointBusyError)."""
     prefix = step_name(step) + "/"
+    check_guards(storage.url.rstrip("/") + "/" + prefix)
     names = [name for name in storage.list() if name.startswith(prefix)]
     if prefix + COMMIT_MARKER in names:
         storage.delete(prefix + COMMIT_MARKER)

@@ -19,7 +19,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, Self
 
-from liferaft.core.commit import guard_commits
 from liferaft.core.load import load
 from liferaft.dist import Coordinator
 from liferaft.errors import DistributedError, LiferaftError, OptionsError, ReadOnlyRootError
@@ -207,9 +206,10 @@ class CheckpointManager:
         except ReadOnlyRootError as e:          # restore only: no lease, no clean-up, no start record
             return [], str(e), self._root_start.read_branches()
         branches = self._root_start.read_branches()
-        # (every commit under the root checks the lease right before its marker: a save already running when
-        # another job took the root over commits nothing)
-        self._unguard = guard_commits(self.storage.url, self._lease.check)
+        # (every commit under the root checks the lease right before its marker, every deletion of a step before
+        # it: a save or retention pass already running when another job took the root over commits and deletes
+        # nothing)
+        self._unguard = self._lease.guard()
         starts = record_start(self.storage) if learn else []
         assert self._deleter is not None        # (rank 0's: the start's pass runs before any retention pass)
         self._root_start.begin(self._deleter)

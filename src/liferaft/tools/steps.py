@@ -161,8 +161,10 @@ def gc(root: str | os.PathLike[str] | Storage, *, keep_last: int | None = None, 
     policy = RetentionPolicy(keep_last=keep_last, keep_every=keep_every, keep_best=keep_best, metric=metric,
                              mode=mode)
     lease = None if dry_run else Lease(storage, job_id=f"liferaft-gc:{uuid.uuid4().hex}")
+    unguard: Callable[[], None] = lambda: None
     if lease is not None:
         lease.acquire(on_wait)
+        unguard = lease.guard()       # (each deletion checks the lease first)
     try:
         pins = read_pins(storage)                               # (a damaged PINS refuses: nothing deleted)
         branches = read_branches(storage)                       # (a damaged BRANCHES too)
@@ -185,5 +187,6 @@ def gc(root: str | os.PathLike[str] | Storage, *, keep_last: int | None = None, 
         return GcReport(deleted=tuple(i.step for i in doomed), kept=tuple(sorted(keep & set(committed))),
                         freed_bytes=freed, dry_run=dry_run)
     finally:
+        unguard()
         if lease is not None:
             lease.release()

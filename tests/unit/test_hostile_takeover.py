@@ -1,0 +1,154 @@
+"""A job that lost its root to another job deletes nothing there (hostile review helper-114).
+
+Retention runs after a save is accounted for (the next ``maybe_save``), in a background thread: a job frozen
+longer than its lease's ttl (SIGSTOP, a hung node) that comes back must not run the retention pass its last save
+queued against the steps the new holder wrote; nor may a root path swapped for a link to another root between two
+steps make retention delete there. Every step deletion checks the lease first (``core.commit.guard_commits``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+
+import pytest
+import torch
+
+import liferaft
+from liferaft import CheckpointBusyError, CheckpointManager, JobOptions
+from liferaft.manager.lease import Lease
+from liferaft.storage import resolve
+
+
+def _state(step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(4096, generator=g)}
+
+
+def _committed(root: str) -> list[str]:
+    return sorted(d for d in os.listdir(root) if os.path.exists(os.path.join(root, d, "COMMIT")))
+
+
+def _wait_commit(root: str, step: int) -> None:
+    marker = os.path.join(root, f"step-{step:010d}", "COMMIT")
+    deadline = time.monotonic() + 60
+    while not os.path.exists(marker):
+        assert time.monotonic() < deadline, "the async save never committed"
+        time.sleep(0.01)
+
+
+def test_retention_after_the_lease_was_taken_deletes_nothing(tmp_path):
+    """A's async save of step 2 commits; another job then takes the root (its lease written over A's) and saves
+    steps 5-7; A's next maybe_save accounts for step 2 and queues its retention pass (keep_last=1): it must
+    delete neither the new holder's steps nor A's own older ones, and say why."""
+    root = str(tmp_path / "root")
+    mgr = CheckpointManager(root, keep_last=1, async_save=True, job=JobOptions(job_id="A"))
+    try:
+        mgr.save(1, _state(1))
+        mgr.wait()
+        mgr.save(2, _state(2))
+        _wait_commit(root, 2)
+        for s in (5, 6, 7):       # (job B's steps: written here before its lease, which this process's saves check)
+            liferaft.save(os.path.join(root, f"step-{s:010d}"), _state(s))
+        Lease(resolve(root), "B")._write()          # job B took the root over (as its acquire writes it)
+        before = _committed(root)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            with pytest.raises(CheckpointBusyError, match="lost its lease"):
+                mgr.maybe_save(3, _state(3), force=True)
+            mgr._deleter.shutdown(wait=True)        # (the retention pass queued for step 2 has run)
+        assert _committed(root) == before
+        assert any("lost its lease" in str(w.message) for w in seen), [str(w.message) for w in seen]
+    finally:
+        mgr.close()
+    for s in (5, 6, 7):
+        got = {"w": torch.zeros(4096)}
+        liferaft.load(os.path.join(root, f"step-{s:010d}"), got)
+        assert torch.equal(got["w"], _state(s)["w"])
+
+
+def test_root_swapped_for_a_link_to_another_root(tmp_path):
+    """The root's path replaced by a link to another job's root between two steps: the retention of A's last
+    save deletes nothing there (the lease read through the link is not A's)."""
+    root, other = str(tmp_path / "R"), str(tmp_path / "O")
+    for s in range(4):
+        liferaft.save(os.path.join(other, f"step-{s:010d}"), _state(s))
+    mgr = CheckpointManager(root, keep_last=1, async_save=True, job=JobOptions(job_id="A"))
+    try:
+        mgr.save(1, _state(1))
+        mgr.wait()
+        mgr.save(2, _state(2))
+        _wait_commit(root, 2)
+        os.rename(root, root + ".old")
+        os.symlink(other, root)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with pytest.raises(CheckpointBusyError):
+                mgr.maybe_save(3, _state(3), force=True)
+            mgr._deleter.shutdown(wait=True)
+    finally:
+        mgr.close()
+    assert _committed(other) == [f"step-{s:010d}" for s in range(4)]
+    assert _committed(root + ".old") == ["step-0000000001", "step-0000000002"]
+
+
+_FROZEN = textwrap.dedent("""
+    import os, sys, time, torch
+    from liferaft import CheckpointManager, JobOptions
+    root = sys.argv[1]
+    mgr = CheckpointManager(root, keep_last=1, async_save=True, job=JobOptions(job_id="A", lease_ttl=1.5))
+    for s in range(3):
+        mgr.maybe_save(s, {"w": torch.full((4096,), float(s))}, force=True)
+    while not os.path.exists(os.path.join(root, "step-0000000002", "COMMIT")):
+        time.sleep(0.01)
+    print("ready", flush=True)
+    sys.stdin.readline()                            # (stopped here: a step that outlives the lease)
+    try:
+        mgr.maybe_save(3, {"w": torch.full((4096,), 3.0)}, force=True)
+    except Exception as e:
+        print("raised", type(e).__name__, flush=True)
+    try:
+        mgr.close()
+    except Exception as e:
+        print("close raised", type(e).__name__, flush=True)
+""")
+
+
+def test_frozen_job_comes_back_after_another_took_the_root(tmp_path):
+    """Real processes: job A is stopped (SIGSTOP) in a step right after its async save committed; job B takes the
+    stale lease, restores and saves; A continues (SIGCONT) and calls maybe_save: B's steps are all there."""
+    root = str(tmp_path / "root")
+    a = subprocess.Popen([sys.executable, "-c", _FROZEN, root], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         text=True)
+    try:
+        assert a.stdout is not None and a.stdin is not None
+        assert a.stdout.readline().strip() == "ready"
+        os.kill(a.pid, signal.SIGSTOP)
+        b = CheckpointManager(root, keep_last=10, async_save=False, job=JobOptions(job_id="B", lease_ttl=1.5))
+        try:
+            got = {"w": torch.zeros(4096)}
+            assert b.restore(got) == 2
+            for s in range(3, 7):
+                b.maybe_save(s, {"w": torch.full((4096,), 100.0 + s)}, force=True)
+            os.kill(a.pid, signal.SIGCONT)
+            a.stdin.write("go\n")
+            a.stdin.flush()
+            out, _ = a.communicate(timeout=120)
+            assert "raised CheckpointBusyError" in out, out
+            assert {2, 3, 4, 5, 6} <= {i.step for i in b.steps() if i.status == "committed"}
+        finally:
+            b.close()
+    finally:
+        if a.poll() is None:
+            os.kill(a.pid, signal.SIGCONT)
+            a.kill()
+            a.wait()
+    for s in range(3, 7):
+        got = {"w": torch.zeros(4096)}
+        liferaft.load(os.path.join(root, f"step-{s:010d}"), got)
+        assert torch.equal(got["w"], torch.full((4096,), 100.0 + s))
