@@ -1,5 +1,5 @@
 """liferaft behind PyTorch Lightning: a real ``Trainer.fit`` under torchrun (DDP over gloo, CPU) saving through
-``LiferaftCheckpointIO``, killed with SIGKILL mid-epoch, resumed with ``ckpt_path="last"`` on 2, 1 and 3 processes:
+``LiferaftCheckpointIO``, killed with SIGKILL mid-epoch, resumed with ``ckpt_path="last"`` on 2 and 1 processes (growing to 3: test_transformers.py):
 the state the resumed runs start from is the last checkpoint's (parameters, optimizer and scheduler, loops), and on
 the same world size the losses continue bit for bit where the killed run left off. In one process: the plugin's
 contract (async saves waited for, Lightning's own ``torch.save`` checkpoints still load, links never followed,
@@ -38,7 +38,7 @@ def _rows(out: str, name: str) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-def test_fit_killed_mid_epoch_resumes_from_last_on_2_1_and_3_processes(tmp_path):
+def test_fit_killed_mid_epoch_resumes_from_last_on_2_and_1_processes(tmp_path):
     out, ck = str(tmp_path / "out"), str(tmp_path / "ck")
     os.makedirs(out)
     first = _fit(out, ck, 2, KILL_AT, "fresh")
@@ -52,7 +52,7 @@ def test_fit_killed_mid_epoch_resumes_from_last_on_2_1_and_3_processes(tmp_path)
     assert max(killed) == KILL_AT
     pristine = str(tmp_path / "ck-as-killed")
     shutil.copytree(ck, pristine, symlinks=True)
-    for world in (2, 1, 3):                 # each from the checkpoints as the killed run left them (same paths:
+    for world in (2, 1):                    # each from the checkpoints as the killed run left them (same paths:
         shutil.rmtree(ck)                   # ModelCheckpoint's state names its files)
         shutil.copytree(pristine, ck, symlinks=True)
         done = _fit(out, ck, world, -1, "last")
