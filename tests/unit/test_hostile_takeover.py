@@ -152,3 +152,42 @@ def test_frozen_job_comes_back_after_another_took_the_root(tmp_path):
         got = {"w": torch.zeros(4096)}
         liferaft.load(os.path.join(root, f"step-{s:010d}"), got)
         assert torch.equal(got["w"], torch.full((4096,), 100.0 + s))
+
+
+def _run_state(run: int, step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(run * 100_000 + step)
+    return {"w": torch.randn(8192, generator=g), "run": torch.tensor([run]), "step": torch.tensor([step])}
+
+
+def _tiered(root: str, base: str, node: str) -> CheckpointManager:
+    tier = liferaft.MemoryTier("J", node=node, base=base, replicas=0, keep=1)
+    return CheckpointManager(root, every_steps=5, async_save=False,
+                             tiers=liferaft.TierOptions(tier, memory_every=1), job=JobOptions(job_id="J"))
+
+
+def test_a_node_memory_of_the_run_before_is_not_restored_after_the_run_went_on_from_an_older_step(tmp_path):
+    """Run 1 on node n1 saves steps 0-10 to memory, its save of step 10 to the root never commits (INTENT says
+    10); run 2 on node n2 (no copy of 10 in its memory) restores the root's step 5 and trains 6-10 its own way,
+    committing step 10; run 3, back on n1, must restore run 2's step 10, not the copy of run 1's step 10 that n1's
+    memory still holds (helper-114: restored silently)."""
+    root, base = str(tmp_path / "root"), str(tmp_path / "shm")
+    one = _tiered(root, base, "n1")
+    for s in range(11):
+        one.maybe_save(s, _run_state(1, s))
+    one.close()
+    import shutil
+
+    shutil.rmtree(os.path.join(root, "step-0000000010"))     # (the root's save of step 10 never committed)
+    two = _tiered(root, base, "n2")
+    got = _run_state(0, 0)
+    assert two.restore(got) == 5 and int(got["run"]) == 1
+    for s in range(6, 11):
+        two.maybe_save(s, _run_state(2, s))
+    two.close()
+    three = _tiered(root, base, "n1")
+    try:
+        got = _run_state(0, 0)
+        assert three.restore(got) == 10
+        assert int(got["run"]) == 2 and torch.equal(got["w"], _run_state(2, 10)["w"])
+    finally:
+        three.close()

@@ -137,6 +137,7 @@ class CheckpointManager:
         self._loop = LoopCost()                 # what the saves in flight cost the loop (the auto interval's cost)
         self._last_step: int | None = None
         self._rolled_back: int | None = None    # restore(state, step=K): the steps after K go at the next save
+        self._forked: int | None = None         # restore(state) went on from a step older than INTENT (``_fork``)
         self._damaged: set[int] = set()         # committed steps the last restore skipped as damaged
         # a full save was started by this manager or restored: with a step log, its records have a base to replay
         # onto (the same on every rank: saves start collectively)
@@ -340,6 +341,10 @@ class CheckpointManager:
             self._steplog.resume_at(state, done)    # exactly the step asked for: nothing replayed
         elif self._steplog is not None:         # the steps after it, replayed from the per-step log
             done = self._steplog.recover(state, done)
+        # the newest step that loads is older than one a manager began to save (``INTENT``): the run goes on from
+        # it, and any copy of a newer step (a node's memory that this restore could not reach, a save cut short)
+        # belongs to the run before; recorded as a new epoch at the next save (``rollback``), nothing removed
+        self._forked = done if step is None and intent is not None and done < intent else None
         self._last_step, self._last_time = done, time.monotonic()
         return done
 
@@ -501,6 +506,8 @@ class CheckpointManager:
         then rank 0 records the rollback in ``BRANCHES`` and removes the steps after K from the root and the remote
         tier, every node from its memory tier, every rank its per-step log's records. A read-only root: nothing."""
         after = self._rolled_back
+        if after is None and self._forked is not None and not self.read_only:
+            self._fork(self._forked)
         if after is None or self.read_only:
             return
         self.wait()                             # (no save in flight writes a step the removal would miss)
@@ -524,6 +531,21 @@ class CheckpointManager:
         if self._steplog is not None:
             self._steplog.epoch = len(self._branches)
         self._rolled_back, self._damaged = None, set()
+
+    def _fork(self, step: int) -> None:
+        """The first save after a restore that went on from ``step``, older than the root's ``INTENT``: a new epoch
+        whose branch is ``step`` is recorded in ``BRANCHES`` (rank 0; every rank learns it), so that no restore takes
+        a copy of a newer step saved before it, from any tier (``rollback.live``). Nothing is removed: the newer
+        copies under the root are leftovers the start removed or damaged steps a restore skipped."""
+        def record() -> Branches:
+            if self.coord.rank == 0:
+                self._root_start.fork(step)
+            return self._root_start.branches if self.coord.rank == 0 else ()
+
+        self._branches = self.coord.run(record, "restore (a new epoch from an older step)")[0]
+        if self._steplog is not None:
+            self._steplog.epoch = len(self._branches)
+        self._forked = None
 
     def save(self, step: int, state: Any, metrics: Mapping[str, float] | None = None) -> None:
         """Save now, whatever the policies say (same waiting rules as ``maybe_save``)."""

@@ -118,6 +118,15 @@ class RootStart:
         forget_after(self.storage, step, listing)
         self._newest = step
 
+    def fork(self, step: int) -> None:
+        """A run going on from ``step`` after a restore found nothing newer that loads, though a newer one was begun
+        (``INTENT``): a new epoch recorded in ``BRANCHES`` with ``step`` as its branch, nothing removed (the copies
+        of newer steps anywhere are the run before's: ``rollback.live``)."""
+        self.wait()
+        self.branches = self.branches + ((len(self.branches) + 1, step),)
+        write_branches(self.storage, self.branches)
+        self._changed = True
+
     def gone_back(self) -> None:
         """The rollback ``go_back`` recorded is done on every rank: the next one is another."""
         self._going_back = None
