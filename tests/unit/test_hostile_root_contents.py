@@ -146,8 +146,27 @@ def test_a_rename_whose_replacement_names_a_missing_group_is_an_options_error(tm
         liferaft.convert(src, str(tmp_path / "x.pt"), to="torch", rename=[("(?P<a>w)", r"\g<b>")])
     for args in (["convert", src, str(tmp_path / "y.pt"), "--to", "torch"], ["diff", src, src]):
         r = liferaft_cli(*args, "--rename", "(?P<a>w)", r"\g<b>", timeout=120)
-        assert r.returncode != 0 and "Traceback" not in r.stderr and "internal error" not in r.stderr, r.stderr
-        assert "rename" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        # (a usage error: exit status 2, argparse's usage and one error line naming the pair; docs/API.md)
+        assert r.returncode == 2 and "Traceback" not in r.stderr and "internal error" not in r.stderr, r.stderr
+        assert "--rename" in r.stderr.strip().splitlines()[-1], r.stderr
+    for args in (["convert", src, str(tmp_path / "y.pt"), "--to", "torch"], ["diff", src, src]):
+        r = liferaft_cli(*args, "--rename", "(", "x", timeout=120)     # a regex that does not compile (helper-113)
+        assert r.returncode == 2 and "not a valid regular expression" in r.stderr.strip().splitlines()[-1], r.stderr
+
+
+def test_gc_with_no_policy_is_an_error_and_deletes_nothing(tmp_path):
+    """docs/cli/gc.md: no policy given is an error (helper-113: it deleted nothing and exited 0, after taking and
+    releasing the root's lease); --incomplete alone is a policy (the leftovers of interrupted saves)."""
+    root = str(tmp_path / "root")
+    with liferaft.CheckpointManager(root, every_steps=1, async_save=False) as m:
+        for s in range(3):
+            m.maybe_save(s, {"w": torch.full((4,), float(s))})
+    with pytest.raises(OptionsError, match="no policy"):
+        liferaft.gc(root)
+    r = liferaft_cli("gc", root, timeout=120)
+    assert r.returncode == 1 and "no policy" in r.stderr, r.stderr
+    assert sorted(os.listdir(root)).count("step-0000000000") == 1
+    assert liferaft.gc(root, incomplete=True).deleted == ()
 
 
 def test_gc_by_a_metric_no_step_records_deletes_nothing(tmp_path):

@@ -100,3 +100,29 @@ def test_an_adamw_checkpoint_with_a_never_stepped_parameter_still_loads(tmp_path
         opt2 = torch.optim.AdamW(m2.parameters(), lr=1e-3)
         liferaft.load(path, {"model": m2, "optim": opt2})
         assert set(opt2.state) == {m2[0].weight, m2[0].bias}
+
+
+def test_groups_a_scheduler_extended_load_into_an_optimizer_without_one(tmp_path):
+    """A run with an LR scheduler (its param groups hold ``initial_lr``) loaded for fine-tuning or evaluation into
+    the same optimizer without a scheduler: no mismatch, as torch's own load_state_dict (helper-113: refused as
+    "another kind of optimizer"). The reverse — the live optimizer's scheduler would read keys the load removes —
+    is refused naming the scheduler's keys."""
+    m = torch.nn.Linear(4, 3)
+    o = torch.optim.AdamW(m.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(o, 2)
+    m(torch.ones(2, 4)).sum().backward()
+    o.step()
+    sched.step()
+    liferaft.save(str(tmp_path / "with"), {"model": m, "optim": o})
+    m2 = torch.nn.Linear(4, 3)
+    o2 = torch.optim.AdamW(m2.parameters(), lr=0.5)
+    liferaft.load(str(tmp_path / "with"), {"model": m2, "optim": o2})
+    assert o2.param_groups[0]["lr"] == 0.1 and torch.equal(o2.state[m2.weight]["exp_avg"], o.state[m.weight]["exp_avg"])
+    o2.step()
+    m3 = torch.nn.Linear(4, 3)
+    liferaft.save(str(tmp_path / "without"), {"model": m3, "optim": torch.optim.AdamW(m3.parameters())})
+    m4 = torch.nn.Linear(4, 3)
+    o4 = torch.optim.AdamW(m4.parameters())
+    torch.optim.lr_scheduler.OneCycleLR(o4, 1.0, total_steps=10)
+    with pytest.raises(liferaft.StateMismatchError, match="max_lr.*scheduler"):
+        liferaft.load(str(tmp_path / "without"), {"model": m4, "optim": o4})

@@ -7,6 +7,7 @@ import argparse
 import math
 import re
 from collections.abc import Callable
+from typing import Any
 
 
 def integer(low: int = 0, high: int | None = None) -> Callable[[str], int]:
@@ -64,4 +65,20 @@ def regex(text: str) -> str:
     except (re.error, RecursionError, OverflowError) as e:
         raise argparse.ArgumentTypeError(f"not a valid regular expression {text!r}: {e}") from None
     return text
+
+
+class RenamePair(argparse.Action):
+    """``--rename REGEX REPLACEMENT`` (repeatable, appended in order): a pair whose regex does not compile or whose
+    replacement names a group the regex lacks is a usage error (exit status 2) naming it."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        a, b = values
+        try:
+            re.compile(a).sub(b, "")
+        except (re.error, RecursionError, OverflowError, IndexError) as e:
+            parser.error(f"{option_string} {a!r} {b!r}: not a valid regular expression and replacement: {e}")
+        pairs = list(getattr(namespace, self.dest, None) or [])
+        pairs.append([a, b])
+        setattr(namespace, self.dest, pairs)
 

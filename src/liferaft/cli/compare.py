@@ -10,7 +10,7 @@ import re
 from typing import Any
 
 import liferaft
-from liferaft.cli.args import number
+from liferaft.cli.args import RenamePair, number
 from liferaft.cli.progress import FolderGrowth, Progress
 from liferaft.errors import OptionsError
 from liferaft.storage import walk
@@ -26,7 +26,7 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("b", metavar="B")
     p.add_argument("--key", "-k", dest="keys", action="append", metavar="GLOB", help="only keys matching; repeatable")
     p.add_argument("--tolerance", type=number(0), default=0.0, help="max abs difference still counted as equal")
-    p.add_argument("--rename", nargs=2, action="append", metavar=("REGEX", "REPLACEMENT"),
+    p.add_argument("--rename", nargs=2, action=RenamePair, metavar=("REGEX", "REPLACEMENT"),
                    help="rename B's keys to A's names before comparing (applied in order); repeatable")
     p.add_argument("--module", metavar="KEY", help="compare A's subtree KEY with all of B (an hf export of that "
                    "module): A's keys under KEY, B's keys read as KEY.<key>")
@@ -49,7 +49,7 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--max-shard-size", type=number(1e-6, 1e6), default=5.0, help="GB per safetensors shard (default 5)")
     p.add_argument("--dtype", help="cast floating-point tensors on export (e.g. bfloat16)")
     p.add_argument("--key", "-k", dest="keys", action="append", metavar="GLOB", help="only keys matching; repeatable")
-    p.add_argument("--rename", nargs=2, action="append", metavar=("REGEX", "REPLACEMENT"),
+    p.add_argument("--rename", nargs=2, action=RenamePair, metavar=("REGEX", "REPLACEMENT"),
                    help="rename keys by regex (applied in order); repeatable")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=run_convert)

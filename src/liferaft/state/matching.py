@@ -96,6 +96,13 @@ def settle_missing(flat: FlatState, missing: Iterable[str],
     return [k for k in missing if k in gone], absent
 
 
+#: Keys torch's LR schedulers add to an optimizer's param groups (``initial_lr`` every one of them; OneCycleLR the
+#: others, CyclicLR the momentum ones, SWALR ``swa_lr``). Saved groups that have some the live ones lack (a run with
+#: a scheduler loaded for fine-tuning or evaluation without it) are no mismatch: torch loads them, nothing reads
+#: them. Live groups that have some the saved lack are: the live scheduler would read a key the load removes.
+SCHEDULER_KEYS = frozenset({"initial_lr", "max_lr", "min_lr", "max_momentum", "base_momentum", "swa_lr"})
+
+
 def _group_keys(groups: Any) -> set[str] | None:
     if not isinstance(groups, (list, tuple)) or not all(isinstance(g, dict) for g in groups):
         return None
@@ -114,18 +121,24 @@ def _live_groups(flat: FlatState, path: tuple[PathPart, ...]) -> Any:
 
 def param_groups_mismatch(flat: FlatState, path: tuple[PathPart, ...], saved_groups: Any) -> str | None:
     """Where ``path`` is the ``param_groups`` of an optimizer in the state: a description of how the key set of
-    the checkpoint's ``saved_groups`` differs from the live optimizer's (None: same keys, or not an optimizer's)."""
+    the checkpoint's ``saved_groups`` differs from the live optimizer's (None: same keys, only saved keys an LR
+    scheduler adds (``SCHEDULER_KEYS``), or not an optimizer's)."""
     live = _group_keys(_live_groups(flat, path))
     saved = _group_keys(saved_groups)
-    if live is None or saved is None or live == saved:
+    if live is None or saved is None or live == saved or (not live - saved and saved - live <= SCHEDULER_KEYS):
         return None
     parts = []
     if live - saved:
         parts.append(f"the checkpoint's lack {sorted(live - saved)}")
     if saved - live:
         parts.append(f"only the checkpoint's have {sorted(saved - live)}")
+    why = "it was saved by another kind of optimizer"
+    if (live ^ saved) & SCHEDULER_KEYS:
+        why += (f", or beside another LR scheduler than the live one ({', '.join(sorted((live ^ saved) & SCHEDULER_KEYS))}"
+                ": keys a scheduler adds to the groups; create the scheduler as the run that saved did, or load "
+                "non-strict)")
     return (f"key {key_of(path)!r}: the param_groups of the checkpoint and of the live optimizer have different "
-            f"keys ({'; '.join(parts)}): it was saved by another kind of optimizer")
+            f"keys ({'; '.join(parts)}): {why}")
 
 
 def _param_id(p: Any) -> bool:

@@ -156,10 +156,14 @@ def gc(root: str | os.PathLike[str] | Storage, *, keep_last: int | None = None, 
     root's lease first, so it refuses
     (CheckpointBusyError) while a training job writes there (waiting first up to the holder's ttl, bounded:
     ``on_wait(message)`` says so when the wait begins). Deletion is marker-first, as the manager's. A ``metric``
-    no committed step records is refused (OptionsError, nothing deleted: a typo would keep only the newest)."""
-    storage = _root(root)
+    no committed step records is refused (OptionsError, nothing deleted: a typo would keep only the newest), and so
+    is a call with no policy and not ``incomplete`` (it would delete nothing)."""
     policy = RetentionPolicy(keep_last=keep_last, keep_every=keep_every, keep_best=keep_best, metric=metric,
                              mode=mode)
+    if not policy.deletes_anything and not incomplete:
+        raise OptionsError("gc: no policy given (keep_last, keep_every or keep_best; or incomplete=True for the "
+                           "leftovers of interrupted saves): it would delete nothing")
+    storage = _root(root)
     lease = None if dry_run else Lease(storage, job_id=f"liferaft-gc:{uuid.uuid4().hex}")
     unguard: Callable[[], None] = lambda: None
     if lease is not None:
