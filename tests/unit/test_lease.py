@@ -209,3 +209,34 @@ def test_a_lease_from_the_future_is_refused_saying_how_to_clear_it(tmp_path):
     lease = Lease(resolve(root), "me", ttl=0.5, max_wait=1.0)
     with pytest.raises(CheckpointBusyError, match="in the future .* delete .*LEASE"):
         lease.acquire()
+
+
+def test_a_holder_stalled_past_its_ttl_fences_itself(tmp_path):
+    """A holder whose last renewal began a ttl or more ago (its process stopped or starved that long: a newcomer
+    may be taking the root over right now) takes its lease as lost although the file still names it: ``check``
+    (every commit and step deletion) refuses, and its renewal thread never writes the lease again, so a newcomer
+    that waited for it to go stale holds the root alone (helper-114: a holder stopped between its renewal's read and
+    its write replaced the newcomer's lease, and the newcomer's saves stopped while the stale job's went on)."""
+    root = str(tmp_path / "root")
+    os.makedirs(root)
+    a = Lease(resolve(root), "A", ttl=1.0)
+    a.acquire()
+    try:
+        a.check()
+        assert a._written is not None
+        a._written -= 1.5                   # (its last renewal began 1.5 s ago: stalled past the ttl)
+        with pytest.raises(CheckpointBusyError, match="not renewed for"):
+            a.check()
+        b = Lease(resolve(root), "B", ttl=1.0)
+        b.acquire()                         # (waits until A's lease, no longer renewed, is stale)
+        try:
+            time.sleep(1.2)                 # (A's renewal thread ran meanwhile)
+            b.check()
+            with open(os.path.join(root, LEASE)) as f:
+                assert json.load(f)["job_id"] == "B"
+            with pytest.raises(CheckpointBusyError):
+                a.check()
+        finally:
+            b.release()
+    finally:
+        a.release()

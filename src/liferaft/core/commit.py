@@ -122,13 +122,17 @@ def _checks_of(url: str) -> list[Callable[[], None]]:
 
 def publish_commit(storage: Storage, record: CommitRecord) -> None:
     """Put the manifest, make it durable, then put the marker atomically (every data file must be there); the
-    guards of the folders above it (``guard_commits``) run first and again right before the marker."""
+    guards of the folders above it (``guard_commits``) run first, again right before the marker and once after it
+    (a guard failing then raises, the marker put)."""
     checks = _checks_of(storage.url)
     _guarded(checks)
     storage.put_atomic(record.manifest_name, record.manifest)
     storage.sync()
     _guarded(checks)
     storage.put_atomic(COMMIT_MARKER, record.marker)
+    # (and once after: a process stopped between the check and the marker for longer than its lease's ttl may have
+    # put it over a newcomer's; raising here keeps the save from removing the files its manifest does not name)
+    _guarded(checks)
 
 
 def _guarded(checks: list[Callable[[], None]]) -> None:

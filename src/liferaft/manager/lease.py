@@ -176,6 +176,7 @@ class Lease:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
+        self._written: float | None = None      # monotonic time the last write of this lease began (``_lapsed``)
 
     # ------------------------------------------------------------------ who holds it
 
@@ -294,8 +295,26 @@ class Lease:
             pass
 
     def _write(self) -> None:
+        began = time.monotonic()
         info = LeaseInfo(**{**asdict(self.me), "renewed_unix": time.time()})
         self.storage.put_atomic(LEASE, json.dumps(asdict(info)).encode())
+        self._written = began
+
+    def _lapsed(self, since: float | None = None) -> str | None:
+        """Why this holder must take its lease as lost although the file still names it: its last write (or
+        ``since``) began a ttl or more ago (the process was stopped or starved that long), so a newcomer may have
+        found it stale and be taking the root over right now; a write or commit it made now could land over the
+        newcomer's. None while renewed in time. (A holder fences itself: no lease store here offers a
+        compare-and-swap.)"""
+        since = self._written if since is None else since
+        if since is None:
+            return None
+        idle = time.monotonic() - since
+        if idle < self.ttl:
+            return None
+        return (f"{self.storage.url}: this job's lease was not renewed for {idle:.0f} s, its ttl is {self.ttl:g} s "
+                "(the process was stopped or starved that long): another job may be taking the root over, so this "
+                "job no longer writes there; restart it to take the lease again")
 
     def _ours(self, other: LeaseInfo | None) -> bool:
         return other is not None and other.token == self.me.token
@@ -312,6 +331,9 @@ class Lease:
             raise self.error
         if self.error is not None:
             raise CheckpointBusyError(f"{self.storage.url}: renewing the lease failed: {self.error}")
+        lapsed = self._lapsed()
+        if lapsed is not None:
+            raise CheckpointBusyError(lapsed)
         other = _read(self.storage)
         if not self._ours(other):
             raise CheckpointBusyError(self._lost_to(other))
@@ -328,7 +350,16 @@ class Lease:
                 if not self._ours(other):      # taken over: never write over another job's lease
                     self.error = CheckpointBusyError(self._lost_to(other))
                     return
-                self._write()
+                before = self._written
+                lapsed = self._lapsed()
+                if lapsed is None:
+                    self._write()
+                    # (a write that ended a ttl after the last began: stopped after the check, it may have replaced
+                    # a newcomer's lease; this job stops writing, and the newcomer, finding this job's, stops too)
+                    lapsed = self._lapsed(before)
+                if lapsed is not None:
+                    self.error = CheckpointBusyError(lapsed)
+                    return
                 self.error = None       # (renewed: a failed renewal before it, a passing EIO, is over)
             except OSError as e:        # surfaces at the next check() (before the next save and its commit)
                 self.error = e
