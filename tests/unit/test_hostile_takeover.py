@@ -191,3 +191,33 @@ def test_a_node_memory_of_the_run_before_is_not_restored_after_the_run_went_on_f
         assert int(got["run"]) == 2 and torch.equal(got["w"], _run_state(2, 10)["w"])
     finally:
         three.close()
+
+
+_TIER_HOLDER = textwrap.dedent("""
+    import sys
+    from liferaft import MemoryTier
+    tier = MemoryTier("train", node="n", base=sys.argv[1], replicas=0)
+    print("held", flush=True)
+    sys.stdin.readline()
+""")
+
+
+def test_two_live_processes_of_one_memory_tier_namespace_are_refused(tmp_path):
+    """Two jobs given the same MemoryTier job id on one node at once (helper-114: their saves removed and published
+    each other's files; committed root steps without their data, raw FileNotFoundErrors): the second is refused
+    when its tier is made, before anything changes; a tier made again in the same process, and one made after the
+    holder died (kill -9), are not."""
+    base = str(tmp_path / "shm")
+    holder = subprocess.Popen([sys.executable, "-c", _TIER_HOLDER, base], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        with pytest.raises(CheckpointBusyError, match="same MemoryTier job id"):
+            liferaft.MemoryTier("train", node="n", base=base, replicas=0)
+        liferaft.MemoryTier("train", node="other", base=base, replicas=0)     # (another node's namespace)
+        liferaft.MemoryTier("other", node="n", base=base, replicas=0)         # (another job id)
+    finally:
+        holder.kill()
+        holder.wait()
+    liferaft.MemoryTier("train", node="n", base=base, replicas=0)
+    liferaft.MemoryTier("train", node="n", base=base, replicas=0)             # (made again in this process)

@@ -29,7 +29,7 @@ import torch
 
 from liferaft.core.commit import CommitRecord, open_checkpoint, publish_commit, read_commit, read_marker
 from liferaft.dist import Coordinator
-from liferaft.errors import CorruptCheckpointError, DistributedError, LiferaftError, OptionsError
+from liferaft.errors import CheckpointBusyError, CorruptCheckpointError, DistributedError, LiferaftError, OptionsError
 from liferaft.format.layout import COMMIT_MARKER, DATA_DIR, data_file_rank, manifest_name, parse_step, step_name
 from liferaft.format.limits import MAX_INT
 from liferaft.format.manifest import decode_commit_marker
@@ -37,7 +37,7 @@ from liferaft.options import LoadOptions, SaveOptions
 from liferaft.storage.base import FileWriter, Storage
 from liferaft.storage.files import plain_component
 from liferaft.storage.posix import PosixStorage
-from liferaft.tiers import parity
+from liferaft.tiers import namespace, parity
 
 DEFAULT_BASE = "/dev/shm/liferaft"
 PIECE = 4 << 20             # bytes per message when copying a file between ranks, and per request of a drain
@@ -87,8 +87,13 @@ class MemoryTier:
         self.storage = PosixStorage(self.root, direct_io=False)
         self.coord = Coordinator(process_group, timeout)
         self.bg = Coordinator(process_group, timeout, channel="tier")      # created here, used by the thread
-        self.nodes: list[str] = self.coord.exchange(self.node, None, "memory tier (nodes)")
+        busy = namespace.hold(self.root, self.coord.rank)       # (one live process per rank of the namespace)
+        seen: list[tuple[str, str | None]] = self.coord.exchange((self.node, busy), None, "memory tier (nodes)")
+        self.nodes: list[str] = [n for n, _ in seen]
         self.rank, self.world = self.coord.rank, self.coord.world
+        why = next((b for _, b in seen if b is not None), None)
+        if why is not None:                 # (on every rank: one refused is the whole tier refused)
+            raise CheckpointBusyError(why)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.drained: int | None = None
@@ -379,6 +384,7 @@ class MemoryTier:
         self.wait()
         self._buffers = Buffers()           # (the copies' kept buffers go too)
         shutil.rmtree(self.root, ignore_errors=True)
+        namespace.let_go(self.root, self.rank)
 
 
 def newest_complete(everyone: list[dict[int, Any]],
