@@ -16,7 +16,7 @@ import torch
 
 from liferaft import CheckpointManager, JobOptions, PreemptionOptions, TierOptions
 from liferaft.errors import LiferaftError
-from liferaft.manager.listing import INTENT, read_branches, read_intent
+from liferaft.manager.listing import INTENT, read_branches, read_intent, read_intent_at
 from liferaft.tiers.memory import MemoryTier
 
 NO_SIGNALS = PreemptionOptions(signals=())
@@ -128,7 +128,8 @@ def test_an_intent_that_does_not_hold_makes_the_restore_list(tmp_path, shm, plan
 def test_a_rollback_removes_the_newer_steps_everywhere_and_records_the_branch(tmp_path, shm):
     """restore(step=2) then a save: the run goes on from 2, so the rollback is recorded in BRANCHES and the newer
     steps go from the root and the memory tier before anything is saved (left there, the next restore would resume
-    on the abandoned future); INTENT is never lowered; a later restore takes the new step."""
+    on the abandoned future); INTENT is the new epoch's (the old epoch's 6 no longer counts: a restart below it is no
+    fork of the new run); a later restore takes the new step."""
     root = str(tmp_path / "root")
     _run(root, shm, range(7), memory_every=1)                          # root: 0 2 4 6 (drained), memory: 6
     with CheckpointManager(root, preemption=NO_SIGNALS, async_save=False,
@@ -137,7 +138,7 @@ def test_a_rollback_removes_the_newer_steps_everywhere_and_records_the_branch(tm
         assert mgr.restore(got, step=2) == 2
         assert [i.step for i in mgr.steps()] == [0, 2, 4, 6]            # (nothing removed until the run goes on)
         mgr.save(3, _state(3.0))
-        assert read_intent(mgr.storage) == 6 and read_branches(mgr.storage) == ((1, 2),)
+        assert read_intent_at(mgr.storage) == (3, 1) and read_branches(mgr.storage) == ((1, 2),)
         assert [i.step for i in mgr.steps() if i.status == "committed"] == [0, 2, 3]
         assert all(s <= 3 for s in mgr._tiers.local_steps())
     with CheckpointManager(root, preemption=NO_SIGNALS, tiers=TierOptions(_tier(shm))) as mgr:

@@ -192,21 +192,39 @@ def read_pins(storage: Storage) -> frozenset[int]:
 
 def read_intent(storage: Storage) -> int | None:
     """The step ``INTENT`` under the root holds: the newest step a manager of this root began to save (to the root,
-    or drained to the remote tier); None if there is none or it does not hold (unreadable, not strict JSON, not
-    ``{"format": 1, "step": <int in [0, 2**63)>}``, a link or not a regular file on a local root): no record, so
-    the caller lists instead. Never raises."""
+    or drained to the remote tier) in the root's current epoch; None if there is none or it does not hold
+    (unreadable, not strict JSON, not ``{"format": 1, "step": <int in [0, 2**63)>}``, a link or not a regular file
+    on a local root): no record, so the caller lists instead. Never raises."""
+    got = read_intent_at(storage)
+    return None if got is None else got[0]
+
+
+def read_intent_at(storage: Storage) -> tuple[int, int] | None:
+    """``INTENT``'s (step, epoch): the epoch (the root's rollbacks, ``BRANCHES``) its step was begun in, 0 when it
+    records none (written before epochs were); None as ``read_intent``. Never raises."""
     try:
         raw = storage.read_all(INTENT, MAX_ROOT_FILE_BYTES)
         doc = jsonsafe.loads(raw, f"{storage.url}/{INTENT}", MAX_ROOT_FILE_BYTES)
     except (OSError, LiferaftError, ValueError):
         return None
     step = doc.get("step") if isinstance(doc, dict) and doc.get("format") == 1 else None
-    return step if type(step) is int and 0 <= step <= MAX_INT else None
+    if type(step) is not int or not 0 <= step <= MAX_INT:
+        return None
+    epoch = doc.get("epoch", 0)
+    return step, epoch if type(epoch) is int and 0 <= epoch <= MAX_INT else 0
 
 
-def write_intent(storage: Storage, step: int) -> None:
-    """Rank 0, holding the lease, before a save of ``step`` starts: record it in ``INTENT`` (atomically replaced)."""
-    storage.put_atomic(INTENT, json.dumps({"format": 1, "step": int(step)}).encode())
+def _guarded(storage: Storage, name: str) -> None:
+    """Before rank 0 writes ``name`` under the root: the guards of the root (``core.commit.guard_commits``: the
+    lease of the manager holding it) pass, or CheckpointBusyError (a job that lost the root writes nothing there)."""
+    check_guards(storage.url.rstrip("/") + "/" + name)
+
+
+def write_intent(storage: Storage, step: int, epoch: int = 0) -> None:
+    """Rank 0, holding the lease, before a save of ``step`` starts in ``epoch``: record it in ``INTENT``
+    (atomically replaced)."""
+    _guarded(storage, INTENT)
+    storage.put_atomic(INTENT, json.dumps({"format": 1, "step": int(step), "epoch": int(epoch)}).encode())
 
 
 #: the key of a manifest's ``extra`` under which the manager records the root's rollbacks before the save (its
@@ -246,10 +264,12 @@ def read_branches(storage: Storage) -> tuple[tuple[int, int], ...]:
 
 def write_branches(storage: Storage, branches: Iterable[tuple[int, int]]) -> None:
     """Rank 0, holding the lease, before a rollback removes anything: record ``branches`` (atomically replaced)."""
+    _guarded(storage, BRANCHES)
     storage.put_atomic(BRANCHES, json.dumps([list(b) for b in branches]).encode())
 
 
 def write_pins(storage: Storage, pins: Iterable[int]) -> None:
+    _guarded(storage, PINS)
     storage.put_atomic(PINS, json.dumps(sorted(pins)).encode())
 
 
@@ -388,6 +408,7 @@ __all__ = [
     "lossy_state_of",
     "read_branches",
     "read_intent",
+    "read_intent_at",
     "read_pins",
     "remove_leftovers",
     "restore_candidates",

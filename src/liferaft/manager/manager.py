@@ -34,7 +34,7 @@ from liferaft.manager.listing import (  # noqa: F401 - PINS, _parse_step: re-exp
     apply_retention,
     list_steps,
     lossy_state_of,
-    read_intent,
+    read_intent_at,
     read_pins,
     restore_candidates,
     step_name,
@@ -294,7 +294,12 @@ class CheckpointManager:
     def _restore(self, state: Any, step: int | None, strict: bool) -> int | None:
         # the newest step any manager of this root began to save (one small read, no listing): memory answers
         # alone when it holds one at least that new, and the start's listing is used only if it is that new
-        intent = self.coord.run_on_zero(lambda: read_intent(self.storage), "restore (intent)")
+        # (and the root's rollbacks as rank 0 knows them: a rollback or fork recorded by a save that then failed)
+        intent_at, self._branches = self.coord.run_on_zero(
+            lambda: (read_intent_at(self.storage), self._root_start.branches), "restore (intent)")
+        if self._steplog is not None:
+            self._steplog.epoch = len(self._branches)
+        intent = intent_at[0] if intent_at is not None else None
         listing: list[StepInfo] | None = None
 
         def root_listing() -> list[StepInfo]:       # (collective; once, and not at all when memory answers)
@@ -341,10 +346,13 @@ class CheckpointManager:
             self._steplog.resume_at(state, done)    # exactly the step asked for: nothing replayed
         elif self._steplog is not None:         # the steps after it, replayed from the per-step log
             done = self._steplog.recover(state, done)
-        # the newest step that loads is older than one a manager began to save (``INTENT``): the run goes on from
+        # the newest step that loads is older than one a manager began to save in this epoch (``INTENT``), and the
+        # root holds no committed step newer (none skipped as damaged: those stay the run's): the run goes on from
         # it, and any copy of a newer step (a node's memory that this restore could not reach, a save cut short)
         # belongs to the run before; recorded as a new epoch at the next save (``rollback``), nothing removed
-        self._forked = done if step is None and intent is not None and done < intent else None
+        newer = any(i.step > done and i.status == "committed" and self._live(i) for i in listing or ())
+        self._forked = done if step is None and intent_at is not None and intent_at[1] == len(self._branches) \
+            and done < intent_at[0] and not newer else None
         self._last_step, self._last_time = done, time.monotonic()
         return done
 
@@ -556,7 +564,7 @@ class CheckpointManager:
 
     def _begin_save(self, step: int) -> None:
         """Wait for the previous save (its error is raised here, as itself), check the lease and record the step in
-        the root's ``INTENT`` (never lowered) before anything of it is written, on every rank."""
+        the root's ``INTENT`` (never lowered within an epoch) before anything of it is written, on every rank."""
         self._check_writable()
         self.wait()
         lease = self._lease

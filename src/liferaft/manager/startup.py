@@ -6,8 +6,9 @@ At its start a manager (rank 0, holding the lease) lists the root and removes wh
 for a listing of the root (a LIST of every key on an object store) before the memory tier answers: the first save,
 ``steps()`` and ``close()`` wait for it, its warnings are given on the thread that waits, and the first restore uses
 its listing while the root is as it was listed. Before a save of a step starts, ``RootStart.begin_save`` refuses it
-behind the root's newest step (``rollback``) and records it in the root's ``INTENT`` (never lowered): a restore that
-finds memory holding a step of the run at least that new lists nothing. A rollback (``go_back``) is recorded in
+behind the root's newest step (``rollback``) and records it in the root's ``INTENT`` with the root's epoch (never
+lowered within an epoch; the first save of a new epoch records its own): a restore that finds memory holding a step
+of the run at least that new lists nothing. A rollback (``go_back``) is recorded in
 the root's ``BRANCHES`` before the steps after it are removed.
 The manager holds one; it never imports the manager.
 """
@@ -22,7 +23,7 @@ from liferaft.manager.listing import (
     StepInfo,
     list_steps,
     read_branches,
-    read_intent,
+    read_intent_at,
     read_pins,
     remove_leftovers,
     write_branches,
@@ -43,7 +44,7 @@ class RootStart:
         self._warnings: list[str] = []
         self._listing: list[StepInfo] | None = None
         self._changed = False           # a save started: the start's listing is out of date
-        self._intent: int | None = None  # the step INTENT holds, once read or written
+        self._intent: tuple[int, int] | None = None  # INTENT's (step, epoch), once read or written
         self._newest: int | None = None  # the newest committed step a save must not go behind, once known
         self.branches: Branches = ()     # the root's rollbacks (``BRANCHES``), read by ``read_branches``
         self._going_back: int | None = None  # the rollback recorded in BRANCHES whose removal is not done yet
@@ -106,13 +107,14 @@ class RootStart:
     def go_back(self, step: int, listing: list[StepInfo]) -> None:
         """A rollback to ``step`` (a pinned step after it raises first, nothing recorded or removed): recorded in
         ``BRANCHES`` (the new epoch), then the steps after it removed, newest first (``rollback.forget_after``).
-        ``INTENT`` is never lowered: a copy at least that new that a restore finds in memory is taken only if it is
+        ``INTENT`` is not lowered here: a copy at least that new that a restore finds in memory is taken only if it is
         the run's (``rollback.live``)."""
         self.wait()
         check_pins(listing, step, self.storage.url)
         if self._going_back != step:            # (a retry after a failed removal records no second rollback)
-            self.branches = self.branches + ((len(self.branches) + 1, step),)
-            write_branches(self.storage, self.branches)
+            branches = self.branches + ((len(self.branches) + 1, step),)
+            write_branches(self.storage, branches)      # (the lease checked first: ``listing.write_branches``)
+            self.branches = branches
             self._going_back = step
         self._changed = True
         forget_after(self.storage, step, listing)
@@ -123,8 +125,9 @@ class RootStart:
         (``INTENT``): a new epoch recorded in ``BRANCHES`` with ``step`` as its branch, nothing removed (the copies
         of newer steps anywhere are the run before's: ``rollback.live``)."""
         self.wait()
-        self.branches = self.branches + ((len(self.branches) + 1, step),)
-        write_branches(self.storage, self.branches)
+        branches = self.branches + ((len(self.branches) + 1, step),)
+        write_branches(self.storage, branches)          # (the lease checked first: ``listing.write_branches``)
+        self.branches = branches
         self._changed = True
 
     def gone_back(self) -> None:
@@ -148,11 +151,13 @@ class RootStart:
 
     def intend(self, step: int) -> None:
         """Before a save of ``step`` starts (after the lease check): the clean-up done, then ``step`` recorded in the
-        root's ``INTENT`` unless it holds a newer one."""
+        root's ``INTENT`` unless it holds a newer one of the root's current epoch (one of an earlier epoch, before a
+        rollback or a fork, is replaced)."""
         self.wait()
         self._changed = True
         if self._intent is None:
-            self._intent = read_intent(self.storage)
-        if self._intent is None or step > self._intent:
-            write_intent(self.storage, step)
-            self._intent = step
+            self._intent = read_intent_at(self.storage)
+        epoch = len(self.branches)
+        if self._intent is None or step > self._intent[0] or self._intent[1] < epoch:
+            write_intent(self.storage, step, epoch)
+            self._intent = (step, epoch)
