@@ -221,3 +221,59 @@ def test_two_live_processes_of_one_memory_tier_namespace_are_refused(tmp_path):
         holder.wait()
     liferaft.MemoryTier("train", node="n", base=base, replicas=0)
     liferaft.MemoryTier("train", node="n", base=base, replicas=0)             # (made again in this process)
+
+
+def _plant_intent(root: str, step: int) -> None:
+    """INTENT as a save of ``step`` cut short leaves it (epoch 0)."""
+    with open(os.path.join(root, "INTENT"), "w") as f:
+        f.write(f'{{"format": 1, "step": {step}}}')
+
+
+def test_a_fork_is_not_recorded_by_a_job_that_lost_the_root(tmp_path):
+    """A restore below INTENT goes on from an older step (a fork, recorded in BRANCHES at the next save); the job
+    then loses its lease: its maybe_save records nothing (helper-115: BRANCHES written before the lease check
+    abandoned the new holder's whole run)."""
+    root = str(tmp_path / "root")
+    liferaft.save(os.path.join(root, "step-0000000010"), _state(10))
+    _plant_intent(root, 20)
+    mgr = CheckpointManager(root, async_save=False, job=JobOptions(job_id="A"))
+    try:
+        got = {"w": torch.zeros(4096)}
+        assert mgr.restore(got) == 10
+        Lease(resolve(root), "B")._write()
+        with pytest.raises(CheckpointBusyError):
+            mgr.maybe_save(11, _state(11), force=True)
+        assert not os.path.exists(os.path.join(root, "BRANCHES"))
+    finally:
+        mgr.close()
+
+
+def test_a_newer_committed_step_the_restore_skipped_keeps_the_run_on_its_epoch(tmp_path):
+    """Step 20 committed and pinned, but unreadable at this restore (damaged, or a read that failed for a moment):
+    the restore goes on from 10 without a fork — step 20 stays a step of the run (helper-115: it was abandoned, a
+    later restore(step=20) refused it, gc would delete it)."""
+    root = str(tmp_path / "root")
+    with CheckpointManager(root, async_save=False, job=JobOptions(job_id="A")) as mgr:
+        mgr.save(10, _state(10))
+        mgr.save(20, _state(20))
+        mgr.pin(20)
+    data = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(root, "step-0000000020")) for f in fs
+            if f.endswith(".bin")]
+    saved = {p: open(p, "rb").read() for p in data}
+    for p in data:
+        with open(p, "r+b") as f:
+            f.write(b"\xff" * 64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with CheckpointManager(root, async_save=False, job=JobOptions(job_id="A")) as mgr:
+            got = {"w": torch.zeros(4096)}
+            assert mgr.restore(got) == 10
+            mgr.save(11, _state(11))
+    assert not os.path.exists(os.path.join(root, "BRANCHES"))
+    for p, b in saved.items():                      # (the read error passes)
+        with open(p, "wb") as f:
+            f.write(b)
+    with CheckpointManager(root, async_save=False, job=JobOptions(job_id="A")) as mgr:
+        got = {"w": torch.zeros(4096)}
+        assert mgr.restore(got, step=20) == 20 and torch.equal(got["w"], _state(20)["w"])
+    assert liferaft.gc(root, keep_last=1, dry_run=True).deleted == (10, 11)
