@@ -152,3 +152,60 @@ def test_load_takes_a_dcp_checkpoint_as_source(tmp_path):
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in model.state_dict().items())
     with pytest.raises(liferaft.StateMismatchError, match="does not match the DCP"):
         liferaft.load(str(tmp_path / "dcp"), {"model": fresh})
+
+
+def _training(seed: int = 0):
+    torch.manual_seed(seed)
+    m = torch.nn.Linear(4, 3)
+    o = torch.optim.AdamW(m.parameters(), lr=0.1)
+    s = torch.optim.lr_scheduler.StepLR(o, 2, gamma=0.5)
+    return m, o, s
+
+
+@pytest.mark.parametrize("via", ["torch", "dcp"])
+def test_a_scheduler_and_rng_round_trip_through_a_foreign_format_and_load_into_live_objects(tmp_path, via):
+    """liferaft → torch.save / DCP → liferaft, then loaded into the same live objects: the scheduler and the RNG
+    streams, which the foreign format holds as plain dicts (kept whole, one key, by the import), load entry by entry
+    into the live objects, bit for bit (helper-113: refused, 'sched.step_size' missing and 'sched' unexpected)."""
+    m, o, s = _training()
+    for _ in range(3):
+        m(torch.ones(2, 4)).sum().backward()
+        o.step()
+        s.step()
+    rng = liferaft.RNGState()
+    src, mid, back = str(tmp_path / "ck"), str(tmp_path / f"x.{via}"), str(tmp_path / "back")
+    liferaft.save(src, {"model": m, "optim": o, "sched": s, "rng": rng, "step": 3})
+    expected_rng = torch.rand(4)                    # (what the saved streams draw next)
+    (to_torch if via == "torch" else to_dcp)(src, mid)
+    (from_torch if via == "torch" else from_dcp)(mid, back)
+    for path in (mid, back):
+        torch.manual_seed(99)
+        m2, o2, s2 = _training(seed=1)
+        r = liferaft.load(path, {"model": m2, "optim": o2, "sched": s2, "rng": liferaft.RNGState(), "step": 0})
+        assert not r.missing_keys and not r.unexpected_keys
+        assert s2.state_dict() == s.state_dict() and o2.param_groups[0]["lr"] == o.param_groups[0]["lr"]
+        assert torch.equal(m2.weight, m.weight) and torch.equal(o2.state[m2.weight]["exp_avg"],
+                                                                o.state[m.weight]["exp_avg"])
+        assert torch.equal(torch.rand(4), expected_rng)
+
+
+def test_a_plain_dict_a_live_object_takes_only_part_of_is_unexpected(tmp_path):
+    """A plain dict saved whole where the state holds a scheduler: an entry the scheduler lacks leaves the dict
+    unexpected (strict: refused, nothing loaded; not strict: the entries that match load, the dict is listed), and an
+    entry the dict lacks is missing."""
+    m, o, s = _training()
+    for _ in range(3):
+        o.step()
+        s.step()
+    extra = {**s.state_dict(), "not_a_field": 1}
+    liferaft.save(str(tmp_path / "extra"), {"sched": extra})
+    m2, o2, s2 = _training()
+    with pytest.raises(liferaft.StateMismatchError, match="'sched'"):
+        liferaft.load(str(tmp_path / "extra"), {"sched": s2})
+    assert s2.state_dict() != s.state_dict()
+    r = liferaft.load(str(tmp_path / "extra"), {"sched": s2}, strict=False)
+    assert r.unexpected_keys == ("sched",) and s2.state_dict() == s.state_dict()
+    short = {k: v for k, v in s.state_dict().items() if k != "gamma"}
+    liferaft.save(str(tmp_path / "short"), {"sched": short})
+    with pytest.raises(liferaft.StateMismatchError, match="sched.gamma"):
+        liferaft.load(str(tmp_path / "short"), {"sched": s2})

@@ -12,6 +12,7 @@ followed by an exchange, so every rank raises when any rank fails and nothing ha
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 import warnings
@@ -44,6 +45,7 @@ from liferaft.staging.pool import PAGE
 from liferaft.state.dtypes import torch_dtype
 from liferaft.state.flatten import FlatState, PathPart, flatten, key_of
 from liferaft.state.matching import (
+    covers,
     drop_absent,
     matches_emptied,
     not_persisted,
@@ -51,6 +53,7 @@ from liferaft.state.matching import (
     param_groups_mismatch,
     param_groups_regrouped,
     settle_missing,
+    value_within,
 )
 from liferaft.state.values import PerRank, as_leaf, per_rank_leaf
 from liferaft.storage import Storage
@@ -364,6 +367,8 @@ class _LoadPlan:
         self.absent: list[tuple[PathPart, ...]] = []   # optional subtrees the checkpoint lacks (state.matching)
         self.skipped: list[str] = []                   # checkpoint keys the state does not persist
         self.lossy: dict[str, dict[str, Any]] = {}
+        self.inner: dict[str, list[tuple[PathPart, ...]]] = {}     # saved value key -> the paths taken out of it
+        self.saved_value = functools.cache(reader.value)            # (decoded once however many paths it serves)
 
     def want(self, spec: TensorSpec, boxes: list[tuple[Box, torch.Tensor]]) -> None:
         self.requests.extend((spec.key, box, local) for box, local in boxes)
@@ -437,6 +442,8 @@ def _plan_load(reader: Reader, flat: FlatState, coord: Coordinator, opts: LoadOp
     check_tied(reader, check_disjoint((k, i, local) for (k, i), (_, local) in dests.items()), dests)
     for key, path, _ in flat.values:
         _plan_value(plan, key, path, index, coord, opts)
+    for outer, taken in plan.inner.items():             # (a saved value the state took only part of: unexpected)
+        plan.covered[index[outer]] = int(covers(plan.saved_value(outer), taken))
     _check_statefuls(plan, index, coord, strict)
     plan.missing, plan.absent = settle_missing(flat, plan.missing, reader.classes, index)
     for k in reader.values if plan.absent else ():
@@ -497,6 +504,11 @@ def _plan_value(plan: _LoadPlan, key: str, path: tuple, index: dict[str, int], c
         plan.assign.append((path, reader.joined_value(key, parts)))
         for p in parts:
             plan.covered[index[p]] = 1
+    elif (inside := value_within(reader.values, plan.saved_value, path)) is not None:
+        outer, depth, value = inside                    # (inside a plain value saved whole: covered once all taken)
+        plan.assign.append((path, value))
+        plan.inner.setdefault(outer, []).append(path[depth:])
+        return
     else:
         plan.missing.append(key)
         return

@@ -331,12 +331,12 @@ class Lease:
             raise self.error
         if self.error is not None:
             raise CheckpointBusyError(f"{self.storage.url}: renewing the lease failed: {self.error}")
-        lapsed = self._lapsed()
-        if lapsed is not None:
-            raise CheckpointBusyError(lapsed)
         other = _read(self.storage)
         if not self._ours(other):
             raise CheckpointBusyError(self._lost_to(other))
+        lapsed = self._lapsed()
+        if lapsed is not None:
+            raise CheckpointBusyError(lapsed)
 
     def guard(self) -> Callable[[], None]:
         """Have every commit and step deletion under the root in this process check this lease first

@@ -31,7 +31,7 @@ PyTorch DCP (``set_optimizer_state_dict`` / ``set_model_state_dict`` strict) tre
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import Any
 
 from liferaft.format.manifest import PathPart
@@ -248,3 +248,43 @@ def not_persisted(flat: FlatState, saved: Iterable[str]) -> list[str]:
         return []
     wanted = {k for k, _ in _leaf_paths(flat)}
     return sorted(k for k in saved if k in flat.not_persisted and k not in wanted)
+
+
+def value_within(saved: Collection[str], get: Callable[[str], Any],
+                 path: tuple[PathPart, ...]) -> tuple[str, int, Any] | None:
+    """Where the state's plain value at ``path`` has no key of its own in a checkpoint but lies inside a plain
+    value the checkpoint holds at an ancestor of it: (that key, the ancestor's length, the value found), else None
+    (pure but for ``get``, which decodes a saved value). A liferaft save keeps a container of plain values whole (one
+    key), and a stateful object's entries as keys of their own: a scheduler that a foreign format stored as a
+    plain dict (``torch.save``, DCP, converted by ``liferaft convert``) is found here entry by entry."""
+    for i in range(len(path) - 1, 0, -1):
+        key = key_of(path[:i])
+        if key not in saved:
+            continue
+        value = get(key)
+        for part in path[i:]:
+            held = isinstance(value, Mapping) and part in value or \
+                isinstance(value, (list, tuple)) and type(part) is int and 0 <= part < len(value)
+            if not held:
+                return None
+            value = value[part]
+        return key, i, value
+    return None
+
+
+def leaves_of(value: Any, at: tuple[PathPart, ...] = ()) -> Iterator[tuple[PathPart, ...]]:
+    """The paths of the leaves of a plain value, dicts and lists walked (pure; an empty container is a leaf)."""
+    if isinstance(value, Mapping) and value:
+        for k, v in value.items():
+            yield from leaves_of(v, at + (k,))
+    elif isinstance(value, (list, tuple)) and value:
+        for n, v in enumerate(value):
+            yield from leaves_of(v, at + (n,))
+    else:
+        yield at
+
+
+def covers(value: Any, taken: Collection[tuple[PathPart, ...]]) -> bool:
+    """Whether the paths ``taken`` out of the plain ``value`` (``value_within``) cover every leaf of it (pure)."""
+    return all(any(leaf[:len(t)] == t for t in taken) for leaf in leaves_of(value))
+
