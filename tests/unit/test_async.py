@@ -208,3 +208,40 @@ def test_a_failed_save_leaves_the_pool_usable(tmp_path, mode):
     save_with(mode, str(tmp_path / "good"), state)
     got = liferaft.read(str(tmp_path / "good"))
     assert all(torch.equal(got[k], v) for k, v in state.items())
+
+
+def test_a_sync_save_writes_large_host_tensors_uncopied_and_the_same_bytes_as_a_copy(tmp_path):
+    """A synchronous save hands a large contiguous host tensor lying 64 bytes into a page (as torch's CPU allocator
+    gives large ones out, and as its file range lies: save_plan.place) to storage from its own memory: the ring is
+    not touched. A tensor elsewhere in a page (a view at an odd offset) goes through the ring. Either way the data
+    file holds the same bytes as a save that copies everything (async), and loads bit for bit."""
+    _process.PROCESS.pool = _process.PROCESS.ring = None
+    big = _at_phase(4 << 20, 64)                    # 16 MiB, 64 bytes into a page (as a fresh large allocation)
+    liferaft.save(str(tmp_path / "a"), {"w": big})
+    ring = _process.PROCESS.ring
+    assert ring is not None and ring.high_water == 0        # (uncopied)
+    odd = _at_phase(4 << 20, 128)                   # (elsewhere in a page: a heap block, a view at an offset)
+    liferaft.save(str(tmp_path / "b"), {"w": big, "v": odd})
+    assert _process.PROCESS.ring.high_water >= odd.numel() * 4
+    save_with("async-blocking", str(tmp_path / "c"), {"w": big, "v": odd})
+    files = [sorted(p.read_bytes() for p in (tmp_path / d).rglob("*.bin")) for d in ("b", "c")]
+    assert files[0] == files[1]
+    from liferaft.core.commit import open_checkpoint
+    from liferaft.storage import resolve
+
+    manifest = open_checkpoint(resolve(str(tmp_path / "b")))
+    assert all(c.byte_offset % 4096 == 64 for t in manifest.tensors for c in t.chunks)
+    got = liferaft.read(str(tmp_path / "b"))
+    assert torch.equal(got["w"], big) and torch.equal(got["v"], odd)
+
+
+def _at_phase(numel: int, phase: int) -> torch.Tensor:
+    """A contiguous float32 tensor of ``numel`` random values lying ``phase`` bytes into a page (whatever the
+    allocator gave: a large tensor is one cache line into a page when mmap-ed, anywhere when carved from the heap)."""
+    buf = torch.empty(numel + 2048)
+    skip = ((phase - buf.data_ptr()) % 4096) // 4
+    t = buf[skip:skip + numel]
+    t.copy_(torch.randn(numel))
+    assert t.data_ptr() % 4096 == phase and t.is_contiguous()
+    return t
+

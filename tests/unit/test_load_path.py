@@ -114,8 +114,9 @@ def test_corrupt_block_never_reaches_its_target(tmp_path):
     ref = {"w": torch.randn(1 << 20)}                                        # 4 MiB: 64 blocks of 64 KiB
     liferaft.save(str(tmp_path / "ck"), ref, options=SaveOptions(block_size=64 << 10, compression="off"))
     (f,) = _data_files(str(tmp_path / "ck"))
+    start = os.path.getsize(f) - (4 << 20)                                   # (where the chunk starts in the file)
     with open(f, "r+b") as fh:                                               # flip a byte in block 40
-        fh.seek(40 * (64 << 10) + 17)
+        fh.seek(start + 40 * (64 << 10) + 17)
         b = fh.read(1)
         fh.seek(-1, 1)
         fh.write(bytes([b[0] ^ 0xFF]))

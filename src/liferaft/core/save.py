@@ -81,7 +81,8 @@ def _save(path: PathLike, state: Any, process_group: ProcessGroup | None, opts: 
         nbytes = staged_size(prep.writes, prep.sources, 1 << 20)     # (with the padding of the smallest pieces)
         pool = PROCESS.ring_for(nbytes, opts.memory_budget, pin)
         policy = dataclasses.replace(prep.policy, foreground=True)      # (training waits: every core encodes)
-        outcome = write_streamed(prep.storage, prep.writes, prep.sources, pool, policy)
+        # (the state does not change until this call returns: raw chunks of host tensors go uncopied)
+        outcome = write_streamed(prep.storage, prep.writes, prep.sources, pool, policy, sources_stable=True)
         prep.storage.sync()   # this rank's new folder entries are durable too, not only its file
         return outcome
 

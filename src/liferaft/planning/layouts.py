@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from liferaft.format.layout import data_file_name
 from liferaft.format.manifest import DTYPE_ITEMSIZE
 from liferaft.planning.geometry import Box, numel, split_box
-from liferaft.planning.save_plan import PAGE, PAGE_ALIGN_MIN, TensorMeta, WriteItem, _align
+from liferaft.planning.save_plan import TensorMeta, WriteItem, place
 
 
 @dataclass(frozen=True)
@@ -145,7 +145,7 @@ def plan_own(tensors: Sequence[tuple[TensorMeta, Layout]], rank: int, save_id: s
     fname = data_file_name(save_id, rank)
     pos, out = 0, []
     for nbytes, _, key, box, held in mine:
-        pos = _align(pos, max(alignment, PAGE) if nbytes >= PAGE_ALIGN_MIN else alignment)
+        pos = place(pos, nbytes, alignment)
         out.append(WriteItem(key=key, offsets=box[0], sizes=box[1], file=fname, byte_offset=pos, length=nbytes,
                              parent=None if held == box else held))
         pos += nbytes

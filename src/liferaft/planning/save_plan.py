@@ -138,11 +138,28 @@ def _stored_per_rank(metas: Sequence[RankMeta], per_rank: Mapping[str, tuple[int
 
 
 PAGE = 4096
-PAGE_ALIGN_MIN = 1 << 20      # chunks this large start on a 4 KiB page: writable and readable with O_DIRECT
+PAGE_ALIGN_MIN = 1 << 20      # chunks this large start PAGE_PHASE bytes into a 4 KiB page (``place``)
+#: Where in a page a large chunk starts: the offset within a page of a large host tensor's memory as torch's CPU
+#: allocator hands it out (a 64-byte aligned block of an mmap-ed region: one cache line past a page boundary), so
+#: that a synchronous save writes such a tensor with O_DIRECT straight from its memory, uncopied
+#: (``core.chunks.writer``); the staging pool's pieces are placed alike. A constant: the same state gives the same
+#: files on every save path, whatever the addresses.
+PAGE_PHASE = 64
 
 
 def _align(n: int, alignment: int) -> int:
     return -(-n // alignment) * alignment
+
+
+def place(pos: int, nbytes: int, alignment: int) -> int:
+    """The file position of a chunk of ``nbytes`` laid out after ``pos`` (pure): the next multiple of ``alignment``;
+    a chunk of ``PAGE_ALIGN_MIN`` bytes or more starts ``PAGE_PHASE`` bytes into the next page (``alignment`` at
+    most ``PAGE_PHASE``: a larger one keeps its chunks on a page)."""
+    if nbytes < PAGE_ALIGN_MIN:
+        return _align(pos, alignment)
+    if alignment > PAGE_PHASE:
+        return _align(pos, max(alignment, PAGE))
+    return _align(max(0, pos - PAGE_PHASE), PAGE) + PAGE_PHASE
 
 
 def plan_save(metas: Sequence[RankMeta], save_id: str, alignment: int = 64,
@@ -217,7 +234,7 @@ def plan_save(metas: Sequence[RankMeta], save_id: str, alignment: int = 64,
         fname = data_file_name(save_id, rank)
         pos, out = 0, []
         for key, box, nbytes, held in items:
-            pos = _align(pos, max(alignment, PAGE) if nbytes >= PAGE_ALIGN_MIN else alignment)
+            pos = place(pos, nbytes, alignment)
             out.append(WriteItem(key=key, offsets=box[0], sizes=box[1], file=fname, byte_offset=pos, length=nbytes,
                                  parent=None if held == box else held))
             pos += nbytes

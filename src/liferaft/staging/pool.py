@@ -56,15 +56,17 @@ class BufferPool:
         end = self._head
         return end - start if end > start else self.capacity - start + end
 
-    def _fit(self, n: int, align: int) -> int | None:
+    def _fit(self, n: int, align: int, phase: int = 0) -> int | None:
+        """Where a region of ``n`` bytes starting ``phase`` bytes past a multiple of ``align`` fits now (None:
+        nowhere until regions are released)."""
         if not self._live:
-            return 0
+            return phase
         tail = self._live[0][0]
-        head = -(-self._head // align) * align
+        head = -(-(self._head - phase) // align) * align + phase
         if self._head > tail:
             if head + n <= self.capacity:
                 return head
-            return 0 if n <= tail else None
+            return phase if phase + n <= tail else None
         return head if head + n <= tail else None
 
     @property
@@ -73,18 +75,18 @@ class BufferPool:
         return self._generation
 
     def acquire(self, nbytes: int, timeout: float | None = None, align: int = ALIGN,
-                generation: int | None = None) -> tuple[int, torch.Tensor]:
-        """A region of ``nbytes`` (≤ capacity) starting at a multiple of ``align`` (64 or 4096) as
-        ``(start, uint8 tensor view)``; waits for room. Raises PoolClosedError if the pool was reset since
-        ``generation`` (or while waiting)."""
-        size = self._size(nbytes)
+                generation: int | None = None, phase: int = 0) -> tuple[int, torch.Tensor]:
+        """A region of ``nbytes`` (≤ capacity) starting ``phase`` bytes past a multiple of ``align`` (64 or 4096;
+        ``phase`` a multiple of 64 below it) as ``(start, uint8 tensor view)``; waits for room. Raises
+        PoolClosedError if the pool was reset since ``generation`` (or while waiting)."""
+        size = self._size(nbytes + phase) - phase
         with self._cond:
             if generation is None:
                 generation = self._generation
             while True:
                 if self._generation != generation:
                     raise PoolClosedError("the buffer pool was reset while waiting for room")
-                start = self._fit(min(size, self.capacity), align)
+                start = self._fit(size, align, phase)
                 if start is not None:
                     break
                 self.waiting += 1
@@ -96,14 +98,14 @@ class BufferPool:
             self._take(start, size)
         return start, self.buffer[start:start + nbytes]
 
-    def try_acquire(self, nbytes: int, align: int = ALIGN, generation: int | None = None
+    def try_acquire(self, nbytes: int, align: int = ALIGN, generation: int | None = None, phase: int = 0
                     ) -> tuple[int, torch.Tensor] | None:
         """As ``acquire``, but None at once when there is no room now (never waits, never counts as waiting)."""
-        size = self._size(nbytes)
+        size = self._size(nbytes + phase) - phase
         with self._cond:
             if generation is not None and self._generation != generation:
                 raise PoolClosedError("the buffer pool was reset")
-            start = self._fit(min(size, self.capacity), align)
+            start = self._fit(size, align, phase)
             if start is None:
                 return None
             self._take(start, size)

@@ -17,14 +17,14 @@ import math
 import queue
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from liferaft.planning.geometry import Box
-from liferaft.planning.save_plan import WriteItem
+from liferaft.planning.save_plan import PAGE_ALIGN_MIN, PAGE_PHASE, WriteItem
 from liferaft.staging.pool import ALIGN, PAGE, BufferPool
 
 DIRECT_MIN = 64 << 10
@@ -44,7 +44,7 @@ def streamed_piece_limit(capacity: int) -> int:
 class Piece:
     item: int                   # index into this rank's write items
     offset: int                 # byte offset within the chunk
-    region: int                 # pool region start, to release after writing
+    region: int                 # pool region start, to release after writing (-1: a view of the source, no region)
     data: torch.Tensor          # uint8 view into the pool
     event: Any = None           # CUDA event to wait for before reading ``data``
 
@@ -104,9 +104,17 @@ def staged_size(items: Sequence[WriteItem], sources: Mapping[tuple[str, Box], to
     total = 0
     for w in items:
         src = sources[(w.key, (w.offsets, w.sizes))]
+        phase = _phase_of(w.length)
         for a, b, _ in _ranges(src, w.length, piece_limit):
-            total = -(-total // _align_of(b - a)) * _align_of(b - a) + -(-(b - a) // ALIGN) * ALIGN
+            align = _align_of(b - a)
+            total = -(-(total - phase) // align) * align + phase + -(-(b - a) // ALIGN) * ALIGN
     return total
+
+
+def _phase_of(length: int) -> int:
+    """Bytes a piece of a chunk of ``length`` bytes lies into its pool region: ``PAGE_PHASE`` for a large chunk,
+    whose file range starts that far into a page (``save_plan.place``): the piece then lies as its range does."""
+    return PAGE_PHASE if length >= PAGE_ALIGN_MIN else 0
 
 
 def _align_of(nbytes: int) -> int:
@@ -115,11 +123,14 @@ def _align_of(nbytes: int) -> int:
 
 
 def stage(items: Sequence[WriteItem], sources: Mapping[tuple[str, Box], torch.Tensor], pool: BufferPool,
-          out: PieceQueue, piece_limit: int, timeout: float | None = None) -> float:
+          out: PieceQueue, piece_limit: int, timeout: float | None = None,
+          in_place: Callable[[int, torch.Tensor], bool] | None = None) -> float:
     """Copy every item into the pool and queue its pieces (then END); return the seconds spent copying.
 
     Blocks while the pool is full (the writer frees it), after handing over every piece staged before. On error,
-    queues StageFailed and re-raises.
+    queues StageFailed and re-raises. ``in_place(index, source)``: whether an item's pieces are views of its source
+    instead of copies (``region`` -1, no pool memory: a synchronous save, whose sources do not change until it
+    returns, writes a contiguous host tensor straight from its memory — O_DIRECT from there where its pages allow).
     """
     streams: dict[torch.device, Any] = {}   # one side stream per CUDA device the sources live on
     copy_s = 0.0
@@ -140,11 +151,19 @@ def stage(items: Sequence[WriteItem], sources: Mapping[tuple[str, Box], torch.Te
                 if stream is None:
                     stream = streams[src.device] = torch.cuda.Stream(device=src.device)
                     stream.wait_stream(torch.cuda.current_stream(src.device))
-            for a, b, rows in _ranges(src, w.length, min(piece_limit, pool.capacity)):
-                got = pool.try_acquire(b - a, _align_of(b - a), generation)
+            if in_place is not None and in_place(idx, src):
+                flat = src.reshape(-1).view(torch.uint8)
+                for a in range(0, w.length, piece_limit):
+                    batch.append(Piece(item=idx, offset=a, region=-1, data=flat[a:a + piece_limit]))
+                    flush()
+                continue
+            phase = _phase_of(w.length)
+            # (pieces of whole pages, in regions ``phase`` bytes into a page: they lie in memory as in the file)
+            for a, b, rows in _ranges(src, w.length, min(piece_limit, pool.capacity - (PAGE if phase else 0))):
+                got = pool.try_acquire(b - a, _align_of(b - a), generation, phase)
                 if got is None:             # (no room now: the writer gets what is staged, then frees room)
                     flush()
-                    got = pool.acquire(b - a, timeout, _align_of(b - a), generation)
+                    got = pool.acquire(b - a, timeout, _align_of(b - a), generation, phase)
                 region, view = got
                 t0 = time.perf_counter()
                 event = _copy(src, view, a, b, rows, stream)

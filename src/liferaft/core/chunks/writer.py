@@ -8,7 +8,9 @@ Per chunk, in plan order, the writer
   on fewer than 64 bits);
 - else encodes it (lossless byte planes + zstd where that pays, or an opt-in lossy codec) on the codec worker
   threads while it goes on with the next chunks (``core.chunks.encoding``: encoding overlaps the writes), or
-  writes the raw pieces straight from the pool (O_DIRECT for page-aligned pieces).
+  writes the raw pieces straight from the pool (O_DIRECT for the whole pages of large chunks: their pieces lie in
+  the pool as their ranges do in the file, ``save_plan.place``), or, in a synchronous save, a large chunk of a
+  contiguous host tensor straight from the tensor's memory (``write_streamed``'s ``sources_stable``).
 Chunks are laid out one after the other in the order written, so the file holds only what was written.
 Deciding reuse or encoding needs the whole chunk: a chunk is held in the pool until complete, unless the pool
 is too small for it, or the stager waits for room that only this chunk's release would make: then it is written
@@ -34,7 +36,7 @@ from liferaft.core.chunks.encoding import EncodeQueue, InFlight
 from liferaft.errors import StorageError
 from liferaft.format.manifest import CHECKSUM_ALGO, ChunkRecord
 from liferaft.planning.geometry import Box
-from liferaft.planning.save_plan import PAGE, PAGE_ALIGN_MIN, WriteItem
+from liferaft.planning.save_plan import PAGE, PAGE_ALIGN_MIN, PAGE_PHASE, WriteItem, place
 from liferaft.staging.pool import BufferPool
 from liferaft.staging.stager import Piece, PieceQueue, StageFailed, stage, streamed_piece_limit
 from liferaft.storage.base import FileWriter, Storage
@@ -110,20 +112,29 @@ class WriteOutcome:
 
 
 def write_streamed(storage: Storage, items: Sequence[WriteItem], sources: Mapping[tuple[str, Box], torch.Tensor],
-                   pool: BufferPool, policy: ChunkPolicy) -> WriteOutcome:
+                   pool: BufferPool, policy: ChunkPolicy, sources_stable: bool = False) -> WriteOutcome:
     """Write ``items`` (all in one file) from ``sources[(key, box)]`` through ``pool``; durable on return.
 
     A staging thread copies pieces of at most a quarter of the pool into it while this thread writes the
-    previous ones, so memory stays within the pool however large the state. On error the partial file is
-    removed and the error re-raised.
+    previous ones, so memory stays within the pool however large the state. ``sources_stable`` (a synchronous
+    save: nothing changes the sources until it returns): a large chunk written raw from a contiguous host tensor
+    that lies ``PAGE_PHASE`` bytes into a page, as its file range does (``save_plan.place``), is hashed and
+    written straight from the tensor's memory: its whole pages go to storage with O_DIRECT, uncopied. On error the
+    partial file is removed and the error re-raised.
     """
     pieces = PieceQueue()
     limit = streamed_piece_limit(pool.capacity)
     copy_s = [0.0]
 
+    def in_place(idx: int, src: torch.Tensor) -> bool:
+        """A chunk written raw from a contiguous host tensor whose address keeps the file's alignment: no copy."""
+        return not policy.decides(items[idx]) and src.device.type == "cpu" and src.is_contiguous() and \
+            items[idx].length >= PAGE_ALIGN_MIN and policy.alignment <= PAGE_PHASE and \
+            src.data_ptr() % PAGE == PAGE_PHASE
+
     def run_stage() -> None:
         with contextlib.suppress(BaseException):   # queued as StageFailed for the writer, which raises it
-            copy_s[0] = stage(items, sources, pool, pieces, limit)
+            copy_s[0] = stage(items, sources, pool, pieces, limit, in_place=in_place if sources_stable else None)
 
     stager = threading.Thread(target=run_stage, name="liferaft-stager", daemon=True)
     stager.start()
@@ -157,7 +168,7 @@ class _File:
         a page (``put_frames`` writes it from a page-aligned copy, so that it goes to storage with O_DIRECT:
         through the page cache, a write on these VMs runs at a fraction of the disk's speed)."""
         n = sum(len(x) for x in frames)
-        return self.start(n, n >= PAGE_ALIGN_MIN), n
+        return self.start(n), n
 
     def put_frames(self, frames: Sequence[bytes], pos: int, n: int) -> None:
         """Write ``frames`` (``n`` bytes in all) back to back at ``pos`` (from ``reserve_frames``)."""
@@ -168,17 +179,19 @@ class _File:
             from liferaft.staging.pool import page_aligned_empty
 
             self._scratch = None
-            self._scratch = page_aligned_empty(max(n, 1 << 20))
-        buf = memoryview(self._scratch.numpy()).cast("B")
+            self._scratch = page_aligned_empty(max(n, 1 << 20) + PAGE)
+        phase = pos % PAGE                          # (the copy lies as the file range does within a page)
+        buf = memoryview(self._scratch.numpy()).cast("B")[phase:]
         at = 0
         for x in frames:
             buf[at:at + len(x)] = x
             at += len(x)
         self.pwrite(buf[:n], pos)
 
-    def start(self, nbytes: int, page: bool) -> int:
-        """Reserve ``nbytes`` at the next aligned position (a page boundary when ``page``); return it."""
-        pos = _align(self.end, max(self.alignment, PAGE) if page else self.alignment)
+    def start(self, nbytes: int) -> int:
+        """Reserve ``nbytes`` at the next position ``save_plan.place`` gives (a large chunk ``PAGE_PHASE`` bytes into
+        a page: where a large host tensor lies in memory, and the pool's large pieces); return it."""
+        pos = place(self.end, nbytes, self.alignment)
         self.end = pos + nbytes
         return pos
 
@@ -220,12 +233,12 @@ def write_staged(storage: Storage, items: Sequence[WriteItem], pieces: PieceQueu
             hasher = BlockHasher(choose_block_size(w.length, policy.block_size), CHECKSUM_ALGO, whole=True)
             decide = policy.decides(w) and w.length <= pool.capacity     # (else it could never be held whole)
             got = 0
-            base = f.start(w.length, w.length >= PAGE_ALIGN_MIN) if not decide else 0
+            base = f.start(w.length) if not decide else 0
             while got < w.length:
                 piece = _next(pieces, pool, waiting_ok=not (decide and held), encoding=encoding, behind=behind)
                 if piece is None:                       # the stager is out of room: stream this chunk raw
                     decide = False
-                    base = f.start(w.length, w.length >= PAGE_ALIGN_MIN)
+                    base = f.start(w.length)
                     encoding.drain()        # (pool regions are released in the order they were taken)
                     for p in held:
                         _write_behind(behind, f, p, base, out, pool)
@@ -338,7 +351,8 @@ def _write_behind(behind: WriteBehind, f: _File, piece: Piece, base: int, out: W
         mv = memoryview(piece.data.numpy()).cast("B")
         f.pwrite(mv, base + piece.offset)
         del mv
-        pool.release(piece.region)
+        if piece.region >= 0:
+            pool.release(piece.region)
 
     behind.submit(job)
 
@@ -349,7 +363,8 @@ def _release_behind(behind: WriteBehind, held: Sequence[Piece], pool: BufferPool
 
     def job() -> None:
         for r in regions:
-            pool.release(r)
+            if r >= 0:
+                pool.release(r)
 
     behind.submit(job)
 
@@ -405,7 +420,7 @@ def _write_held_raw(f: _File, behind: WriteBehind, w: WriteItem, held: Sequence[
                     sums: tuple[tuple[str, ...], str | None], block_size: int, out: WriteOutcome) -> StoredChunk:
     """Place a whole held chunk raw and hand its write to the I/O thread (the caller releases ``held`` after it,
     with ``_release_behind``)."""
-    pos = f.start(w.length, w.length >= PAGE_ALIGN_MIN)
+    pos = f.start(w.length)
     pieces = list(held)
 
     def job() -> None:
