@@ -8,7 +8,9 @@ steps make retention delete there. Every step deletion checks the lease first (`
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -175,8 +177,6 @@ def test_a_node_memory_of_the_run_before_is_not_restored_after_the_run_went_on_f
     for s in range(11):
         one.maybe_save(s, _run_state(1, s))
     one.close()
-    import shutil
-
     shutil.rmtree(os.path.join(root, "step-0000000010"))     # (the root's save of step 10 never committed)
     two = _tiered(root, base, "n2")
     got = _run_state(0, 0)
@@ -277,3 +277,107 @@ def test_a_newer_committed_step_the_restore_skipped_keeps_the_run_on_its_epoch(t
         got = {"w": torch.zeros(4096)}
         assert mgr.restore(got, step=20) == 20 and torch.equal(got["w"], _state(20)["w"])
     assert liferaft.gc(root, keep_last=1, dry_run=True).deleted == (10, 11)
+
+
+_FORKED_HOLDER = textwrap.dedent("""
+    import os, sys, time
+    from liferaft import MemoryTier
+    tier = MemoryTier("train", node="n", base=sys.argv[1], replicas=0)
+    if os.fork() == 0:                  # (a DataLoader worker, say: it outlives its parent's kill -9)
+        time.sleep(60)
+        os._exit(0)
+    print("held", flush=True)
+    time.sleep(60)
+""")
+
+
+def test_a_forked_child_does_not_keep_its_parents_namespace_lock(tmp_path):
+    """A rank's forked child (a DataLoader worker busy in __getitem__) outlives the rank's kill -9: the restarted
+    rank takes its namespace at once (helper-116: refused until the orphan ended, a restart attempt lost); and
+    release() of one tier leaves the namespace locked for as long as its process lives."""
+    base = str(tmp_path / "shm")
+    holder = subprocess.Popen([sys.executable, "-c", _FORKED_HOLDER, base], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        with pytest.raises(CheckpointBusyError):
+            liferaft.MemoryTier("train", node="n", base=base, replicas=0)
+        os.kill(holder.pid, signal.SIGKILL)                 # (the rank; its child lives on)
+        holder.wait()
+        liferaft.MemoryTier("train", node="n", base=base, replicas=0)
+    finally:
+        os.killpg(holder.pid, signal.SIGKILL)
+
+
+_RELEASER = textwrap.dedent("""
+    import sys
+    from liferaft import MemoryTier
+    tier = MemoryTier("train", node="n", base=sys.argv[1], replicas=0)
+    tier.release()                      # (its node's namespace folder removed; the process goes on)
+    print("released", flush=True)
+    sys.stdin.readline()
+""")
+
+
+def test_a_released_namespace_stays_locked_while_its_process_lives(tmp_path):
+    base = str(tmp_path / "shm")
+    holder = subprocess.Popen([sys.executable, "-c", _RELEASER, base], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "released"
+        shutil.rmtree(os.path.join(base, "train"), ignore_errors=True)
+        with pytest.raises(CheckpointBusyError, match="same MemoryTier job id"):
+            liferaft.MemoryTier("train", node="n", base=base, replicas=0)
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_namespace_lock_that_cannot_be_made_is_a_clear_error(tmp_path):
+    base = str(tmp_path / "shm")
+    os.makedirs(os.path.join(base, ".locks", "train", "n", "rank-0.lock"))     # (a folder where the lock belongs)
+    with pytest.raises(CheckpointBusyError, match="cannot be made"):
+        liferaft.MemoryTier("train", node="n", base=base, replicas=0)
+
+
+def test_a_value_saved_per_rank_or_as_a_list_is_never_looked_into():
+    """``value_within`` walks dicts only, by keys of the part's own type: a per-rank value's rows are the ranks'
+    (helper-116: a 2-rank value loaded both ranks' rows into one object, silently), a saved list is no object's
+    entries."""
+    from liferaft.state.matching import value_within
+    from liferaft.state.values import PerRank
+
+    saved = {"x": PerRank([["a"], ["b"]]), "l": ["p", "q"], "d": {0: "int", "0": "str"}}
+    assert value_within(saved.__contains__, saved.__getitem__, ("x", 0)) is None
+    assert value_within(saved.__contains__, saved.__getitem__, ("l", 1)) is None
+    assert value_within(saved.__contains__, saved.__getitem__, ("d", 0)) == ("d", 1, "int")
+    assert value_within(saved.__contains__, saved.__getitem__, ("d", "0")) == ("d", 1, "str")
+
+
+def test_an_ignored_saved_dict_is_not_loaded_into_the_live_object(tmp_path):
+    """``LoadOptions(ignore_keys=...)``: a saved dict the load ignores is no source for a live object's entries
+    (helper-116: the live scheduler was overwritten from it)."""
+    m = torch.nn.Linear(2, 2)
+    o = torch.optim.SGD(m.parameters(), lr=0.1)
+    s = torch.optim.lr_scheduler.StepLR(o, 2)
+    saved = {**s.state_dict(), "last_epoch": 7}
+    liferaft.save(str(tmp_path / "ck"), {"sched": saved})
+    r = liferaft.load(str(tmp_path / "ck"), {"sched": s}, strict=False,
+                      options=liferaft.LoadOptions(ignore_keys=("sched",)))
+    assert s.last_epoch == 0 and "sched.last_epoch" in r.missing_keys
+
+
+def test_an_intent_without_an_epoch_counts_as_this_epochs(tmp_path):
+    """An INTENT written before INTENT recorded epochs, on a root that was rolled back: a restore below it still
+    records a fork (helper-116: read as epoch 0, it recorded none)."""
+    root = str(tmp_path / "root")
+    liferaft.save(os.path.join(root, "step-0000000005"), _state(5))
+    with open(os.path.join(root, "BRANCHES"), "w") as f:
+        f.write("[[1, 5]]")
+    _plant_intent(root, 10)
+    with CheckpointManager(root, async_save=False, job=JobOptions(job_id="A")) as mgr:
+        got = {"w": torch.zeros(4096)}
+        assert mgr.restore(got) == 5
+        mgr.save(6, _state(6))
+    with open(os.path.join(root, "BRANCHES")) as f:
+        assert json.load(f) == [[1, 5], [2, 5]]

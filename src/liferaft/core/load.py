@@ -504,7 +504,8 @@ def _plan_value(plan: _LoadPlan, key: str, path: tuple, index: dict[str, int], c
         plan.assign.append((path, reader.joined_value(key, parts)))
         for p in parts:
             plan.covered[index[p]] = 1
-    elif (inside := value_within(reader.values, plan.saved_value, path)) is not None:
+    elif (inside := value_within(lambda k: k in reader.values and not opts.ignores(k), plan.saved_value,
+                                 path)) is not None:
         outer, depth, value = inside                    # (inside a plain value saved whole: covered once all taken)
         plan.assign.append((path, value))
         plan.inner.setdefault(outer, []).append(path[depth:])

@@ -314,7 +314,8 @@ class Lease:
             return None
         return (f"{self.storage.url}: this job's lease was not renewed for {idle:.0f} s, its ttl is {self.ttl:g} s "
                 "(the process was stopped or starved that long): another job may be taking the root over, so this "
-                "job no longer writes there; restart it to take the lease again")
+                "job no longer writes there; restart it to take the lease again (a job whose own steps stall it "
+                "that long needs a longer JobOptions(lease_ttl=...))")
 
     def _ours(self, other: LeaseInfo | None) -> bool:
         return other is not None and other.token == self.me.token

@@ -199,9 +199,9 @@ def read_intent(storage: Storage) -> int | None:
     return None if got is None else got[0]
 
 
-def read_intent_at(storage: Storage) -> tuple[int, int] | None:
-    """``INTENT``'s (step, epoch): the epoch (the root's rollbacks, ``BRANCHES``) its step was begun in, 0 when it
-    records none (written before epochs were); None as ``read_intent``. Never raises."""
+def read_intent_at(storage: Storage) -> tuple[int, int | None] | None:
+    """``INTENT``'s (step, epoch): the epoch (the root's rollbacks, ``BRANCHES``) its step was begun in, None when it
+    records none (written before epochs were) or none that holds; None as ``read_intent``. Never raises."""
     try:
         raw = storage.read_all(INTENT, MAX_ROOT_FILE_BYTES)
         doc = jsonsafe.loads(raw, f"{storage.url}/{INTENT}", MAX_ROOT_FILE_BYTES)
@@ -210,8 +210,8 @@ def read_intent_at(storage: Storage) -> tuple[int, int] | None:
     step = doc.get("step") if isinstance(doc, dict) and doc.get("format") == 1 else None
     if type(step) is not int or not 0 <= step <= MAX_INT:
         return None
-    epoch = doc.get("epoch", 0)
-    return step, epoch if type(epoch) is int and 0 <= epoch <= MAX_INT else 0
+    epoch = doc.get("epoch")
+    return step, epoch if type(epoch) is int and 0 <= epoch <= MAX_INT else None
 
 
 def _guarded(storage: Storage, name: str) -> None:

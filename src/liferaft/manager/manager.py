@@ -351,8 +351,10 @@ class CheckpointManager:
         # it, and any copy of a newer step (a node's memory that this restore could not reach, a save cut short)
         # belongs to the run before; recorded as a new epoch at the next save (``rollback``), nothing removed
         newer = any(i.step > done and i.status == "committed" and self._live(i) for i in listing or ())
-        self._forked = done if step is None and intent_at is not None and intent_at[1] == len(self._branches) \
-            and done < intent_at[0] and not newer else None
+        # (an INTENT of an older epoch is the run before a rollback's; one that records no epoch, or a later one,
+        # is taken as this epoch's: a fork too many records an epoch, one too few may restore an abandoned copy)
+        self._forked = done if step is None and intent_at is not None and done < intent_at[0] and not newer and \
+            (intent_at[1] is None or intent_at[1] >= len(self._branches)) else None
         self._last_step, self._last_time = done, time.monotonic()
         return done
 

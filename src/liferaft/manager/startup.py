@@ -44,7 +44,7 @@ class RootStart:
         self._warnings: list[str] = []
         self._listing: list[StepInfo] | None = None
         self._changed = False           # a save started: the start's listing is out of date
-        self._intent: tuple[int, int] | None = None  # INTENT's (step, epoch), once read or written
+        self._intent: tuple[int, int | None] | None = None  # INTENT's (step, epoch), once read or written
         self._newest: int | None = None  # the newest committed step a save must not go behind, once known
         self.branches: Branches = ()     # the root's rollbacks (``BRANCHES``), read by ``read_branches``
         self._going_back: int | None = None  # the rollback recorded in BRANCHES whose removal is not done yet
@@ -151,13 +151,13 @@ class RootStart:
 
     def intend(self, step: int) -> None:
         """Before a save of ``step`` starts (after the lease check): the clean-up done, then ``step`` recorded in the
-        root's ``INTENT`` unless it holds a newer one of the root's current epoch (one of an earlier epoch, before a
-        rollback or a fork, is replaced)."""
+        root's ``INTENT`` unless it holds a newer one of the root's current epoch (one of another epoch, or of none
+        it records, is replaced)."""
         self.wait()
         self._changed = True
         if self._intent is None:
             self._intent = read_intent_at(self.storage)
         epoch = len(self.branches)
-        if self._intent is None or step > self._intent[0] or self._intent[1] < epoch:
+        if self._intent is None or step > self._intent[0] or self._intent[1] != epoch:
             write_intent(self.storage, step, epoch)
             self._intent = (step, epoch)

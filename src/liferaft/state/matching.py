@@ -36,6 +36,7 @@ from typing import Any
 
 from liferaft.format.manifest import PathPart
 from liferaft.state.flatten import FlatState, key_of
+from liferaft.state.values import PerRank
 
 
 def _under(path: tuple[PathPart, ...], prefix: tuple[PathPart, ...]) -> bool:
@@ -250,36 +251,36 @@ def not_persisted(flat: FlatState, saved: Iterable[str]) -> list[str]:
     return sorted(k for k in saved if k in flat.not_persisted and k not in wanted)
 
 
-def value_within(saved: Collection[str], get: Callable[[str], Any],
+def value_within(has: Callable[[str], bool], get: Callable[[str], Any],
                  path: tuple[PathPart, ...]) -> tuple[str, int, Any] | None:
-    """Where the state's plain value at ``path`` has no key of its own in a checkpoint but lies inside a plain
-    value the checkpoint holds at an ancestor of it: (that key, the ancestor's length, the value found), else None
-    (pure but for ``get``, which decodes a saved value). A liferaft save keeps a container of plain values whole (one
-    key), and a stateful object's entries as keys of their own: a scheduler that a foreign format stored as a
-    plain dict (``torch.save``, DCP, converted by ``liferaft convert``) is found here entry by entry."""
+    """Where the state's plain value at ``path`` has no key of its own in a checkpoint but lies inside a plain dict
+    the checkpoint holds at an ancestor of it (``has``: a saved value key the load may use): (that key, the
+    ancestor's length, the value found), else None (pure but for ``get``, which decodes a saved value). A liferaft
+    save keeps a container of plain values whole (one key), and a stateful object's entries as keys of their own: a
+    scheduler that a foreign format stored as a plain dict (``torch.save``, DCP, converted by ``liferaft
+    convert``) is found here entry by entry. Only dicts are walked, by keys of the same type as the path's parts (a
+    saved list is no object's entries; a value saved per rank, ``PerRank``, is never looked into: its rows are the
+    ranks', not entries)."""
     for i in range(len(path) - 1, 0, -1):
         key = key_of(path[:i])
-        if key not in saved:
+        if not has(key):
             continue
         value = get(key)
         for part in path[i:]:
-            held = isinstance(value, Mapping) and part in value or \
-                isinstance(value, (list, tuple)) and type(part) is int and 0 <= part < len(value)
-            if not held:
+            if isinstance(value, PerRank) or not isinstance(value, dict) or \
+                    not any(k == part and type(k) is type(part) for k in value):
                 return None
             value = value[part]
-        return key, i, value
+        return None if isinstance(value, PerRank) else (key, i, value)
     return None
 
 
 def leaves_of(value: Any, at: tuple[PathPart, ...] = ()) -> Iterator[tuple[PathPart, ...]]:
-    """The paths of the leaves of a plain value, dicts and lists walked (pure; an empty container is a leaf)."""
-    if isinstance(value, Mapping) and value:
+    """The paths of the leaves of a plain value, dicts walked (pure; an empty dict, and any other value, is a
+    leaf)."""
+    if isinstance(value, dict) and value:
         for k, v in value.items():
             yield from leaves_of(v, at + (k,))
-    elif isinstance(value, (list, tuple)) and value:
-        for n, v in enumerate(value):
-            yield from leaves_of(v, at + (n,))
     else:
         yield at
 

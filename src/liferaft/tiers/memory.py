@@ -87,7 +87,7 @@ class MemoryTier:
         self.storage = PosixStorage(self.root, direct_io=False)
         self.coord = Coordinator(process_group, timeout)
         self.bg = Coordinator(process_group, timeout, channel="tier")      # created here, used by the thread
-        busy = namespace.hold(self.root, self.coord.rank)       # (one live process per rank of the namespace)
+        busy = namespace.hold(base, job_id, self.node, self.coord.rank)     # (one live process per namespace rank)
         seen: list[tuple[str, str | None]] = self.coord.exchange((self.node, busy), None, "memory tier (nodes)")
         self.nodes: list[str] = [n for n, _ in seen]
         self.rank, self.world = self.coord.rank, self.coord.world
@@ -383,8 +383,7 @@ class MemoryTier:
         collective."""
         self.wait()
         self._buffers = Buffers()           # (the copies' kept buffers go too)
-        shutil.rmtree(self.root, ignore_errors=True)
-        namespace.let_go(self.root, self.rank)
+        shutil.rmtree(self.root, ignore_errors=True)     # (the ranks' locks live apart: ``tiers.namespace``)
 
 
 def newest_complete(everyone: list[dict[int, Any]],

@@ -1,11 +1,19 @@
-"""One live process per rank of a memory-tier namespace: two jobs given the same ``MemoryTier`` job id on one node
-(two experiments, two launches) must not save into it at once.
+"""Exclusive locks of shared-memory namespaces: one live process per rank of a memory tier's namespace (two jobs
+given the same ``MemoryTier`` job id on one node must not save into it at once) and one live writer per rank of a
+per-step log (``tiers.stepcheck.lock_writer``).
 
-Each rank holds an exclusive ``flock`` on ``<namespace>/.rank-<r>.lock`` from its tier's construction until its
-process ends (the kernel frees it; a kill -9 included). A process holds it once: a tier made again in the same
-process (a manager re-created after a failure) keeps holding it. Sequential use of a job id (``srun`` steps of one
-allocation) is allowed, as documented in docs/TIERS.md; concurrent use is refused with CheckpointBusyError naming
-the namespace, before anything there changes.
+A lock is an exclusive ``flock`` on a small file, held through one descriptor until it is closed or the process
+ends (the kernel frees it; a kill -9 included). A child made by ``fork`` (a DataLoader worker) would share that
+descriptor's lock and keep it past its parent's death, refusing the restarted rank while it lives: in a forked
+child every lock descriptor is pointed at ``/dev/null`` (``os.register_at_fork``, registered at the first lock,
+never at import), so the child holds none and its copies of the descriptor numbers stay harmless to close.
+
+The memory tier's lock files live apart from the namespace (``<base>/.locks/<job>/<node>/rank-<r>.lock``): a
+``release()``, which removes the node's namespace folder, must not remove the lock files other live ranks hold
+(a new file at the same path would let a second job in). A tier made again in the same process keeps holding its
+rank's lock; a forked child holds none. Sequential use of a job id (``srun`` steps of one allocation) is allowed,
+as docs/TIERS.md says; concurrent use is refused with CheckpointBusyError naming the namespace, before anything
+there changes.
 """
 
 from __future__ import annotations
@@ -14,34 +22,77 @@ import fcntl
 import os
 import threading
 
-_HELD: dict[str, int] = {}          # lock path -> descriptor, held until the process ends
 _LOCK = threading.Lock()
+_FDS: set[int] = set()              # every lock descriptor this process holds (pointed at /dev/null in a child)
+_HELD: dict[str, int] = {}          # memory-tier lock path -> descriptor, held until the process ends
+_PID = os.getpid()                  # the process ``_HELD`` belongs to (a forked child's copy is not its own)
+_registered = False
 
 
-def hold(namespace: str, rank: int) -> str | None:
-    """Take (or keep) this process's lock of ``rank`` in ``namespace`` (created if missing); None when held, else
-    why not (another live process holds it)."""
-    path = os.path.join(namespace, f".rank-{rank}.lock")
-    with _LOCK:
-        if path in _HELD:
-            return None
-        os.makedirs(namespace, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            return (f"{namespace}: rank {rank} of this memory-tier namespace is in use by another live process: two "
-                    "jobs given the same MemoryTier job id on one node must not run at once (their saves would "
-                    "remove and publish each other's files); give each its own job id")
-        _HELD[path] = fd
-        return None
+def _forked() -> None:
+    """In a child made by ``fork``: let go of the parent's locks without closing the parent's (shared) lock."""
+    global _PID
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        for fd in _FDS:
+            try:
+                os.dup2(null, fd)
+            except OSError:
+                pass
+    finally:
+        os.close(null)
+    _FDS.clear()
+    _HELD.clear()
+    _PID = os.getpid()
 
 
-def let_go(namespace: str, rank: int) -> None:
-    """Release this process's lock of ``rank`` in ``namespace`` (``MemoryTier.release``: the namespace is gone)."""
-    path = os.path.join(namespace, f".rank-{rank}.lock")
-    with _LOCK:
-        fd = _HELD.pop(path, None)
-    if fd is not None:
+def exclusive(path: str) -> int | None:
+    """An exclusive lock on ``path`` (created if missing, never through a link) as a descriptor, or None when
+    another live process (or another descriptor of this one) holds it. OSError when the file cannot be opened."""
+    global _registered
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
         os.close(fd)
+        return None
+    with _LOCK:
+        if not _registered:
+            os.register_at_fork(after_in_child=_forked)
+            _registered = True
+        _FDS.add(fd)
+    return fd
+
+
+def let_go(fd: int) -> None:
+    """Close a descriptor ``exclusive`` returned (its lock with it)."""
+    with _LOCK:
+        _FDS.discard(fd)
+    os.close(fd)
+
+
+def _tier_lock(base: str, job_id: str, node: str, rank: int) -> str:
+    return os.path.join(base, ".locks", job_id, node, f"rank-{rank}.lock")
+
+
+def hold(base: str, job_id: str, node: str, rank: int) -> str | None:
+    """Take (or keep) this process's lock of ``rank`` in the memory-tier namespace ``base/job_id/node``; None when
+    held, else why not (another live process holds it, or the lock file cannot be made: what the caller raises on
+    every rank)."""
+    path = _tier_lock(base, job_id, node, rank)
+    with _LOCK:
+        if _PID == os.getpid() and path in _HELD:
+            return None
+    where = os.path.join(base, job_id, node)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = exclusive(path)
+    except OSError as e:
+        return f"{where}: the lock of rank {rank} of this memory-tier namespace ({path}) cannot be made: {e}"
+    if fd is None:
+        return (f"{where}: rank {rank} of this memory-tier namespace is in use by another live process: two jobs "
+                "given the same MemoryTier job id on one node must not run at once (their saves would remove and "
+                "publish each other's files); give each its own job id")
+    with _LOCK:
+        _HELD[path] = fd
+    return None

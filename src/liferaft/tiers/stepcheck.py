@@ -16,7 +16,6 @@ per namespace and rank).
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import inspect
 import os
@@ -30,6 +29,7 @@ from liferaft.state.dtypes import dtype_name
 from liferaft.state.flatten import flatten
 from liferaft.state.matching import param_groups_malformed, param_groups_mismatch, param_groups_regrouped
 from liferaft.state.values import decode_value
+from liferaft.tiers import namespace
 from liferaft.tiers.stepplan import verify_record
 from liferaft.tiers.steprecord import Header, parse_record, tensor_at, tensor_view
 
@@ -224,16 +224,14 @@ def owner_id(owner: str) -> str:
 
 
 def lock_writer(root: str, name: str) -> int:
-    """An exclusive ``flock`` on ``root/<name>.lock``, as a file descriptor (held until the StepLog closes it, freed
-    by the kernel when the process dies): a second live StepLog of the same namespace and rank is refused."""
+    """An exclusive ``flock`` on ``root/<name>.lock``, as a file descriptor (held until the StepLog closes it with
+    ``namespace.let_go``, freed by the kernel when the process dies; none in a forked child): a second live StepLog
+    of the same namespace and rank is refused."""
     path = os.path.join(root, f"{name}.lock")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
+    fd = namespace.exclusive(path)          # (a forked child holds none of it: ``tiers.namespace``)
+    if fd is None:
         raise CheckpointBusyError(f"{path}: another live manager of the same root writes this per-step log (rank "
-                                  f"{name}); close() it first, or give this manager another root") from None
+                                  f"{name}); close() it first, or give this manager another root")
     return fd
 
 

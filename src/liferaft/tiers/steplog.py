@@ -34,7 +34,7 @@ from liferaft.dist import Coordinator
 from liferaft.errors import InvalidStateError, LiferaftError
 from liferaft.state import optsteps
 from liferaft.state.values import encode_value
-from liferaft.tiers import steprecover
+from liferaft.tiers import namespace, steprecover
 from liferaft.tiers.memory import MemoryTier
 from liferaft.tiers.stepcheck import lock_writer, owner_id
 from liferaft.tiers.stepcuda import Copy, CudaCopies
@@ -650,7 +650,7 @@ class StepLog:
                 f.close()
             self._files.clear()
             if self._writer >= 0:
-                os.close(self._writer)
+                namespace.let_go(self._writer)
                 self._writer = -1
 
     def release(self) -> None:
