@@ -84,6 +84,8 @@ class MemoryTier:
         self.job_id, self.node, self.replicas, self.keep, self.parity = job_id, node, replicas, keep, parity
         self.process_group, self.timeout, self.bandwidth = process_group, timeout, bandwidth
         self.root = os.path.join(base, job_id, self.node)
+        #: where this node's namespace locks live, apart from ``root`` (which ``release()`` removes)
+        self.locks = namespace.locks_of(base, job_id, self.node)
         self.storage = PosixStorage(self.root, direct_io=False)
         self.coord = Coordinator(process_group, timeout)
         self.bg = Coordinator(process_group, timeout, channel="tier")      # created here, used by the thread

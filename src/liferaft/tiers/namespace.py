@@ -71,8 +71,13 @@ def let_go(fd: int) -> None:
     os.close(fd)
 
 
+def locks_of(base: str, job_id: str, node: str) -> str:
+    """The folder of the locks of the memory-tier namespace ``base/job_id/node`` (and of its per-step logs)."""
+    return os.path.join(base, ".locks", job_id, node)
+
+
 def _tier_lock(base: str, job_id: str, node: str, rank: int) -> str:
-    return os.path.join(base, ".locks", job_id, node, f"rank-{rank}.lock")
+    return os.path.join(locks_of(base, job_id, node), f"rank-{rank}.lock")
 
 
 def hold(base: str, job_id: str, node: str, rank: int) -> str | None:

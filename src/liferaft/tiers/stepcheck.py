@@ -227,6 +227,7 @@ def lock_writer(root: str, name: str) -> int:
     """An exclusive ``flock`` on ``root/<name>.lock``, as a file descriptor (held until the StepLog closes it with
     ``namespace.let_go``, freed by the kernel when the process dies; none in a forked child): a second live StepLog
     of the same namespace and rank is refused."""
+    os.makedirs(root, exist_ok=True)
     path = os.path.join(root, f"{name}.lock")
     fd = namespace.exclusive(path)          # (a forked child holds none of it: ``tiers.namespace``)
     if fd is None:

@@ -91,7 +91,8 @@ class StepLog:
         self.coord = Coordinator(process_group, timeout, channel="steplog")
         self.bg = Coordinator(process_group, timeout, channel="steplog-bg")     # used by the replication thread
         self.rank, self.world, self.nodes = self.coord.rank, self.coord.world, memory.nodes
-        self._writer = lock_writer(self.root, rank_dir(self.rank))     # one live writer per rank of this namespace
+        # one live writer per rank of this namespace (its lock apart from the namespace, which a release removes)
+        self._writer = lock_writer(os.path.join(memory.locks, "steplog", self.owner), rank_dir(self.rank))
         self.targets = targets(self.nodes, self.rank, replicas)
         self.sources = [r for r in range(self.world) if self.rank in targets(self.nodes, r, replicas)]
         self.optimizers: list[torch.optim.Optimizer] | None = None
