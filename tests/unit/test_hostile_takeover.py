@@ -44,17 +44,24 @@ def _wait_commit(root: str, step: int) -> None:
         time.sleep(0.01)
 
 
+def _two_saves_the_second_in_flight(root: str) -> CheckpointManager:
+    """Job A (keep_last=1, async) with step 1 accounted for and step 2 committed but not yet accounted for: the
+    retention pass of step 2 runs at A's next call."""
+    mgr = CheckpointManager(root, keep_last=1, async_save=True, job=JobOptions(job_id="A"))
+    mgr.save(1, _state(1))
+    mgr.wait()
+    mgr.save(2, _state(2))
+    _wait_commit(root, 2)
+    return mgr
+
+
 def test_retention_after_the_lease_was_taken_deletes_nothing(tmp_path):
     """A's async save of step 2 commits; another job then takes the root (its lease written over A's) and saves
     steps 5-7; A's next maybe_save accounts for step 2 and queues its retention pass (keep_last=1): it must
     delete neither the new holder's steps nor A's own older ones, and say why."""
     root = str(tmp_path / "root")
-    mgr = CheckpointManager(root, keep_last=1, async_save=True, job=JobOptions(job_id="A"))
+    mgr = _two_saves_the_second_in_flight(root)
     try:
-        mgr.save(1, _state(1))
-        mgr.wait()
-        mgr.save(2, _state(2))
-        _wait_commit(root, 2)
         for s in (5, 6, 7):       # (job B's steps: written here before its lease, which this process's saves check)
             liferaft.save(os.path.join(root, f"step-{s:010d}"), _state(s))
         Lease(resolve(root), "B")._write()          # job B took the root over (as its acquire writes it)
@@ -80,12 +87,8 @@ def test_root_swapped_for_a_link_to_another_root(tmp_path):
     root, other = str(tmp_path / "R"), str(tmp_path / "O")
     for s in range(4):
         liferaft.save(os.path.join(other, f"step-{s:010d}"), _state(s))
-    mgr = CheckpointManager(root, keep_last=1, async_save=True, job=JobOptions(job_id="A"))
+    mgr = _two_saves_the_second_in_flight(root)
     try:
-        mgr.save(1, _state(1))
-        mgr.wait()
-        mgr.save(2, _state(2))
-        _wait_commit(root, 2)
         os.rename(root, root + ".old")
         os.symlink(other, root)
         with warnings.catch_warnings():
