@@ -60,7 +60,14 @@ def save(path: PathLike, state: Any, *, process_group: ProcessGroup | None = Non
     ``async_save`` pool when the process has one), kept for later saves: a copy into it overlaps the direct
     (O_DIRECT) write of the previous piece, so no page cache is filled and extra memory stays bounded: the ring,
     plus, for compressed chunks, the frames being encoded (4 chunks at most) and those waiting to be written
-    (``core.chunks.behind.LIMIT``, 64 MiB).
+    (``core.chunks.behind.LIMIT``, 64 MiB). A large chunk of a host tensor lying where its file range lies within a
+    page (64 bytes in: ``planning.save_plan.place``; a large tensor as torch's allocator gives it out) is written
+    from the tensor's own memory, uncopied.
+
+    The state must not change until ``save`` returns (it is the caller's training step that waits): a tensor
+    another thread writes into meanwhile leaves a checkpoint whose checksums do not match that tensor's stored
+    bytes — committed, and refused by every load and ``verify`` naming the chunk. To keep training while saving,
+    use ``async_save``, whose snapshot is taken before it returns.
     """
     check_path(path, "save(path=...)")
     opts = check_options(options, SaveOptions, "save")

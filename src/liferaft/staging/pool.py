@@ -14,15 +14,17 @@ from collections import deque
 import torch
 
 from liferaft.errors import LiferaftError
+from liferaft.planning.save_plan import PAGE_PHASE
 
 ALIGN = 64            # every region starts at a multiple of this
-PAGE = 4096           # regions asked for with align=PAGE can be written with O_DIRECT
+PAGE = 4096           # regions asked for with align=PAGE lie PAGE_PHASE bytes into a page (as large chunks in files)
 
 
-def page_aligned_empty(nbytes: int, pin: bool = False) -> torch.Tensor:
-    """An uninitialised uint8 tensor of ``nbytes`` whose first byte is page aligned (usable with O_DIRECT)."""
-    raw = torch.empty(nbytes + PAGE, dtype=torch.uint8, pin_memory=pin)
-    skip = (-raw.data_ptr()) % PAGE
+def page_aligned_empty(nbytes: int, pin: bool = False, phase: int = 0) -> torch.Tensor:
+    """An uninitialised uint8 tensor of ``nbytes`` whose first byte lies ``phase`` bytes past a page boundary (0:
+    page aligned, usable with O_DIRECT)."""
+    raw = torch.empty(nbytes + PAGE + phase, dtype=torch.uint8, pin_memory=pin)
+    skip = (-raw.data_ptr()) % PAGE + phase
     return raw[skip:skip + nbytes]
 
 
@@ -36,7 +38,9 @@ class BufferPool:
     def __init__(self, capacity: int, pin: bool = False) -> None:
         self.capacity = max(PAGE, -(-capacity // PAGE) * PAGE)
         self.pinned = pin
-        self.buffer = page_aligned_empty(self.capacity, pin)
+        # (``PAGE_PHASE`` bytes into a page: a region at a multiple of PAGE lies in memory as a large chunk's range
+        # lies in its data file, ``planning.save_plan.place``, so that its whole pages go to storage with O_DIRECT)
+        self.buffer = page_aligned_empty(self.capacity, pin, PAGE_PHASE)
         self._cond = threading.Condition()
         self._live: deque[tuple[int, int]] = deque()   # (start, size) in allocation order
         self._head = 0
@@ -56,17 +60,15 @@ class BufferPool:
         end = self._head
         return end - start if end > start else self.capacity - start + end
 
-    def _fit(self, n: int, align: int, phase: int = 0) -> int | None:
-        """Where a region of ``n`` bytes starting ``phase`` bytes past a multiple of ``align`` fits now (None:
-        nowhere until regions are released)."""
+    def _fit(self, n: int, align: int) -> int | None:
         if not self._live:
-            return phase
+            return 0
         tail = self._live[0][0]
-        head = -(-(self._head - phase) // align) * align + phase
+        head = -(-self._head // align) * align
         if self._head > tail:
             if head + n <= self.capacity:
                 return head
-            return phase if phase + n <= tail else None
+            return 0 if n <= tail else None
         return head if head + n <= tail else None
 
     @property
@@ -75,18 +77,18 @@ class BufferPool:
         return self._generation
 
     def acquire(self, nbytes: int, timeout: float | None = None, align: int = ALIGN,
-                generation: int | None = None, phase: int = 0) -> tuple[int, torch.Tensor]:
-        """A region of ``nbytes`` (≤ capacity) starting ``phase`` bytes past a multiple of ``align`` (64 or 4096;
-        ``phase`` a multiple of 64 below it) as ``(start, uint8 tensor view)``; waits for room. Raises
-        PoolClosedError if the pool was reset since ``generation`` (or while waiting)."""
-        size = self._size(nbytes + phase) - phase
+                generation: int | None = None) -> tuple[int, torch.Tensor]:
+        """A region of ``nbytes`` (≤ capacity) starting at a multiple of ``align`` (64 or 4096) as
+        ``(start, uint8 tensor view)``; waits for room. Raises PoolClosedError if the pool was reset since
+        ``generation`` (or while waiting)."""
+        size = self._size(nbytes)
         with self._cond:
             if generation is None:
                 generation = self._generation
             while True:
                 if self._generation != generation:
                     raise PoolClosedError("the buffer pool was reset while waiting for room")
-                start = self._fit(size, align, phase)
+                start = self._fit(min(size, self.capacity), align)
                 if start is not None:
                     break
                 self.waiting += 1
@@ -98,14 +100,14 @@ class BufferPool:
             self._take(start, size)
         return start, self.buffer[start:start + nbytes]
 
-    def try_acquire(self, nbytes: int, align: int = ALIGN, generation: int | None = None, phase: int = 0
+    def try_acquire(self, nbytes: int, align: int = ALIGN, generation: int | None = None
                     ) -> tuple[int, torch.Tensor] | None:
         """As ``acquire``, but None at once when there is no room now (never waits, never counts as waiting)."""
-        size = self._size(nbytes + phase) - phase
+        size = self._size(nbytes)
         with self._cond:
             if generation is not None and self._generation != generation:
                 raise PoolClosedError("the buffer pool was reset")
-            start = self._fit(size, align, phase)
+            start = self._fit(min(size, self.capacity), align)
             if start is None:
                 return None
             self._take(start, size)

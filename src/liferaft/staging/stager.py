@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from liferaft.planning.geometry import Box
-from liferaft.planning.save_plan import PAGE_ALIGN_MIN, PAGE_PHASE, WriteItem
+from liferaft.planning.save_plan import WriteItem
 from liferaft.staging.pool import ALIGN, PAGE, BufferPool
 
 DIRECT_MIN = 64 << 10
@@ -104,21 +104,14 @@ def staged_size(items: Sequence[WriteItem], sources: Mapping[tuple[str, Box], to
     total = 0
     for w in items:
         src = sources[(w.key, (w.offsets, w.sizes))]
-        phase = _phase_of(w.length)
         for a, b, _ in _ranges(src, w.length, piece_limit):
-            align = _align_of(b - a)
-            total = -(-(total - phase) // align) * align + phase + -(-(b - a) // ALIGN) * ALIGN
+            total = -(-total // _align_of(b - a)) * _align_of(b - a) + -(-(b - a) // ALIGN) * ALIGN
     return total
 
 
-def _phase_of(length: int) -> int:
-    """Bytes a piece of a chunk of ``length`` bytes lies into its pool region: ``PAGE_PHASE`` for a large chunk,
-    whose file range starts that far into a page (``save_plan.place``): the piece then lies as its range does."""
-    return PAGE_PHASE if length >= PAGE_ALIGN_MIN else 0
-
-
 def _align_of(nbytes: int) -> int:
-    """Large pieces start on a page, so that the writer can hand them to O_DIRECT."""
+    """Large pieces start at a multiple of a page in the pool (``PAGE_PHASE`` bytes into a page of memory, as a large
+    chunk's range in its file), so that the writer can hand them to O_DIRECT."""
     return PAGE if nbytes >= DIRECT_MIN else ALIGN
 
 
@@ -157,13 +150,11 @@ def stage(items: Sequence[WriteItem], sources: Mapping[tuple[str, Box], torch.Te
                     batch.append(Piece(item=idx, offset=a, region=-1, data=flat[a:a + piece_limit]))
                     flush()
                 continue
-            phase = _phase_of(w.length)
-            # (pieces of whole pages, in regions ``phase`` bytes into a page: they lie in memory as in the file)
-            for a, b, rows in _ranges(src, w.length, min(piece_limit, pool.capacity - (PAGE if phase else 0))):
-                got = pool.try_acquire(b - a, _align_of(b - a), generation, phase)
+            for a, b, rows in _ranges(src, w.length, min(piece_limit, pool.capacity)):
+                got = pool.try_acquire(b - a, _align_of(b - a), generation)
                 if got is None:             # (no room now: the writer gets what is staged, then frees room)
                     flush()
-                    got = pool.acquire(b - a, timeout, _align_of(b - a), generation, phase)
+                    got = pool.acquire(b - a, timeout, _align_of(b - a), generation)
                 region, view = got
                 t0 = time.perf_counter()
                 event = _copy(src, view, a, b, rows, stream)

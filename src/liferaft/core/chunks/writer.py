@@ -175,12 +175,12 @@ class _File:
         if n < PAGE_ALIGN_MIN:
             self.pwrite(b"".join(frames), pos)
             return
-        if self._scratch is None or self._scratch.numel() < n:
+        phase = pos % PAGE                          # (the copy lies as the file range does within a page)
+        if self._scratch is None or self._scratch.numel() < n + phase:
             from liferaft.staging.pool import page_aligned_empty
 
             self._scratch = None
             self._scratch = page_aligned_empty(max(n, 1 << 20) + PAGE)
-        phase = pos % PAGE                          # (the copy lies as the file range does within a page)
         buf = memoryview(self._scratch.numpy()).cast("B")[phase:]
         at = 0
         for x in frames:
