@@ -139,3 +139,20 @@ def test_a_chunk_as_large_as_the_pool_is_still_referenced(tmp_path, rows):
         steps = mgr.steps()
     assert [s.depends_on for s in steps] == [(), (0,), (0,)]
     assert all(own_bytes(root, s) < 8192 for s in (1, 2))
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_an_unchanged_chunk_as_large_as_the_pool_is_referenced(tmp_path, asynchronous):
+    """memory_budget equal to the chunk: the unchanged chunk is still held whole and referenced by the next
+    saves (helper-117: written again at every save once large pieces took 64 bytes more than the pool)."""
+    root = str(tmp_path / "root")
+    state = {"frozen": torch.randn(4 << 20), "step": 0}      # one 16 MiB chunk
+    with liferaft.CheckpointManager(root, every_steps=1, async_save=asynchronous,
+                                    save_policy=liferaft.SavePolicy(full_every=5),
+                                    save_options=liferaft.SaveOptions(memory_budget=16 << 20)) as mgr:
+        for step in range(3):
+            state["step"] = step
+            mgr.maybe_save(step, state)
+    own = [sum(os.path.getsize(os.path.join(a, f)) for a, _, fs in os.walk(os.path.join(root, f"step-{s:010d}"))
+               for f in fs if f.endswith(".bin")) for s in range(3)]
+    assert own[0] >= 16 << 20 and own[1] == own[2] == 0
