@@ -275,3 +275,33 @@ def test_a_chunk_as_large_as_the_pool_is_still_held_whole(tmp_path, mode):
     res = save_with(mode, str(tmp_path / "ck"), {"w": w}, memory_budget=16 << 20, compression="on")
     assert res.bytes_written < (8 << 20)
     assert torch.equal(liferaft.read(str(tmp_path / "ck"))["w"], w)
+
+
+@pytest.mark.parametrize("alignment", [64, 4096])
+@pytest.mark.parametrize("mode", ["sync", "async-blocking"])
+def test_large_chunks_go_to_storage_with_o_direct_whatever_the_alignment(tmp_path, mode, alignment):
+    """The whole pages of a large chunk are written with O_DIRECT, from the tensor (sync) or the pool, whether
+    chunks start 64 bytes into a page (alignment 64) or on a page (a larger alignment: helper-118, every byte went
+    through the page cache since the pool's buffer lay 64 bytes into a page)."""
+    from liferaft.storage import PosixStorage
+    from liferaft.storage import posix as _posix
+
+    sent = [0]
+    real = _posix._PosixWriter._write_direct
+
+    def counted(self, mv, offset):
+        done = real(self, mv, offset)
+        sent[0] += done
+        return done
+
+    _posix._PosixWriter._write_direct = counted
+    try:
+        w = _at_phase(4 << 20, 64 if alignment == 64 else 0)            # 16 MiB
+        store = PosixStorage(str(tmp_path / "ck"), direct_io=True, inflight=1)
+        if not _posix._PosixWriter(str(tmp_path / "probe"), direct=True)._direct_fd():
+            pytest.skip("this file system refuses O_DIRECT")
+        save_with(mode, store, {"w": w}, alignment=alignment)
+    finally:
+        _posix._PosixWriter._write_direct = real
+    assert sent[0] >= 0.99 * (16 << 20), sent[0]         # (a piece's partial first and last pages: the cache)
+    assert torch.equal(liferaft.read(str(tmp_path / "ck"))["w"], w)

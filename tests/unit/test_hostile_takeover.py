@@ -384,3 +384,10 @@ def test_an_intent_without_an_epoch_counts_as_this_epochs(tmp_path):
         mgr.save(6, _state(6))
     with open(os.path.join(root, "BRANCHES")) as f:
         assert json.load(f) == [[1, 5], [2, 5]]
+
+
+def test_a_job_id_named_like_the_lock_folder_is_refused(tmp_path):
+    """A MemoryTier job id '.locks' would make its namespace the folder of every job's locks, and its release()
+    remove another job's live lock files (helper-118)."""
+    with pytest.raises(liferaft.OptionsError, match=".locks"):
+        liferaft.MemoryTier(".locks", node="jobA", base=str(tmp_path / "shm"))

@@ -32,6 +32,7 @@ from liferaft.core.phases import PreparedSave, finish_save, prepare_save
 from liferaft.core.process import CALLS, PROCESS, AsyncSaveHandle, finish_at_exit, in_call
 from liferaft.dist import Coordinator, release_groups
 from liferaft.options import SaveOptions, SaveResult, check_options, check_path
+from liferaft.planning.save_plan import page_phase
 from liferaft.staging.pool import BufferPool
 from liferaft.staging.stager import PIECE_LIMIT, PieceQueue, stage, staged_size, streamed_piece_limit
 from liferaft.storage import resolve
@@ -85,7 +86,8 @@ def _save(path: PathLike, state: Any, process_group: ProcessGroup | None, opts: 
     def write() -> WriteOutcome:
         nonlocal pool
         pin = torch.cuda.is_available() and any(t.is_cuda for t in prep.sources.values())
-        nbytes = staged_size(prep.writes, prep.sources, 1 << 20)     # (with the padding of the smallest pieces)
+        nbytes = staged_size(prep.writes, prep.sources, 1 << 20,     # (with the padding of the smallest pieces)
+                             page_phase(prep.policy.alignment))
         pool = PROCESS.ring_for(nbytes, opts.memory_budget, pin)
         policy = dataclasses.replace(prep.policy, foreground=True)      # (training waits: every core encodes)
         # (the state does not change until this call returns: raw chunks of host tensors go uncopied)
@@ -133,7 +135,7 @@ def _start(prep: PreparedSave, coord: Coordinator, bg: Coordinator, opts: SaveOp
     """Start the stager and the writer of a prepared async save (``async_save``)."""
     items = prep.writes
     pin = torch.cuda.is_available() and any(t.is_cuda for t in prep.sources.values())
-    nbytes = staged_size(items, prep.sources, PIECE_LIMIT)
+    nbytes = staged_size(items, prep.sources, PIECE_LIMIT, page_phase(prep.policy.alignment))
     pool = PROCESS.pool_for(nbytes, opts.memory_budget, pin)
     handle = AsyncSaveHandle(prep.storage.url)
     pieces = PieceQueue()
@@ -142,7 +144,7 @@ def _start(prep: PreparedSave, coord: Coordinator, bg: Coordinator, opts: SaveOp
     def run_stage() -> None:
         t0 = time.perf_counter()
         try:
-            stage(items, prep.sources, pool, pieces, limit)
+            stage(items, prep.sources, pool, pieces, limit, phase=page_phase(prep.policy.alignment))
         except BaseException as e:  # noqa: BLE001 - reported via the handle and the writer
             handle._stage_error = e
         prep.timings["stage"] = time.perf_counter() - t0

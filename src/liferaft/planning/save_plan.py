@@ -151,6 +151,11 @@ def _align(n: int, alignment: int) -> int:
     return -(-n // alignment) * alignment
 
 
+def page_phase(alignment: int) -> int:
+    """Where in a page ``place`` starts large chunks for ``alignment``: ``PAGE_PHASE``, or 0 above it (pure)."""
+    return PAGE_PHASE if alignment <= PAGE_PHASE else 0
+
+
 def place(pos: int, nbytes: int, alignment: int) -> int:
     """The file position of a chunk of ``nbytes`` laid out after ``pos`` (pure): the next multiple of ``alignment``;
     a chunk of ``PAGE_ALIGN_MIN`` bytes or more starts ``PAGE_PHASE`` bytes into the next page (``alignment`` at

@@ -60,15 +60,22 @@ class BufferPool:
         end = self._head
         return end - start if end > start else self.capacity - start + end
 
-    def _fit(self, n: int, align: int) -> int | None:
+    def _fit(self, n: int, align: int, at: int = 0) -> int | None:
+        """Where a region of ``n`` bytes starting ``at`` bytes past a multiple of ``align`` fits now, else at a
+        multiple of ``align`` (written through the page cache then, never refused: a region as large as the pool
+        fits an empty pool); None: nowhere until regions are released."""
+        got = self._fit_at(n, align, at)
+        return got if got is not None or not at else self._fit_at(n, align, 0)
+
+    def _fit_at(self, n: int, align: int, at: int) -> int | None:
         if not self._live:
-            return 0
+            return at if at + n <= self.capacity else None
         tail = self._live[0][0]
-        head = -(-self._head // align) * align
+        head = -(-(self._head - at) // align) * align + at
         if self._head > tail:
             if head + n <= self.capacity:
                 return head
-            return 0 if n <= tail else None
+            return at if at + n <= tail else None
         return head if head + n <= tail else None
 
     @property
@@ -77,18 +84,21 @@ class BufferPool:
         return self._generation
 
     def acquire(self, nbytes: int, timeout: float | None = None, align: int = ALIGN,
-                generation: int | None = None) -> tuple[int, torch.Tensor]:
-        """A region of ``nbytes`` (≤ capacity) starting at a multiple of ``align`` (64 or 4096) as
-        ``(start, uint8 tensor view)``; waits for room. Raises PoolClosedError if the pool was reset since
+                generation: int | None = None, phase: int = PAGE_PHASE) -> tuple[int, torch.Tensor]:
+        """A region of ``nbytes`` (≤ capacity) as ``(start, uint8 tensor view)``, at a multiple of ``align`` (64 or
+        4096); with ``align`` a page, its memory lies ``phase`` bytes into a page (``PAGE_PHASE``: the region starts
+        at a multiple of a page of the pool, whose buffer starts that far into a page; 0: a page earlier, for files
+        whose large chunks start on a page). Waits for room. Raises PoolClosedError if the pool was reset since
         ``generation`` (or while waiting)."""
         size = self._size(nbytes)
+        at = (phase - PAGE_PHASE) % align if align == PAGE else 0
         with self._cond:
             if generation is None:
                 generation = self._generation
             while True:
                 if self._generation != generation:
                     raise PoolClosedError("the buffer pool was reset while waiting for room")
-                start = self._fit(min(size, self.capacity), align)
+                start = self._fit(min(size, self.capacity), align, at)
                 if start is not None:
                     break
                 self.waiting += 1
@@ -100,14 +110,15 @@ class BufferPool:
             self._take(start, size)
         return start, self.buffer[start:start + nbytes]
 
-    def try_acquire(self, nbytes: int, align: int = ALIGN, generation: int | None = None
-                    ) -> tuple[int, torch.Tensor] | None:
+    def try_acquire(self, nbytes: int, align: int = ALIGN, generation: int | None = None,
+                    phase: int = PAGE_PHASE) -> tuple[int, torch.Tensor] | None:
         """As ``acquire``, but None at once when there is no room now (never waits, never counts as waiting)."""
         size = self._size(nbytes)
+        at = (phase - PAGE_PHASE) % align if align == PAGE else 0
         with self._cond:
             if generation is not None and self._generation != generation:
                 raise PoolClosedError("the buffer pool was reset")
-            start = self._fit(min(size, self.capacity), align)
+            start = self._fit(min(size, self.capacity), align, at)
             if start is None:
                 return None
             self._take(start, size)

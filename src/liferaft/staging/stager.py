@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from liferaft.planning.geometry import Box
-from liferaft.planning.save_plan import WriteItem
+from liferaft.planning.save_plan import PAGE_PHASE, WriteItem
 from liferaft.staging.pool import ALIGN, PAGE, BufferPool
 
 DIRECT_MIN = 64 << 10
@@ -99,13 +99,18 @@ def _split(shape: tuple[int, ...], itemsize: int, limit: int, prefix: tuple[Any,
             yield from _split(shape[1:], itemsize, limit, prefix + (r,), base + r * row)
 
 
-def staged_size(items: Sequence[WriteItem], sources: Mapping[tuple[str, Box], torch.Tensor], piece_limit: int) -> int:
-    """Pool bytes a snapshot of ``items`` takes when staged in one go (pieces rounded up to the pool alignment)."""
+def staged_size(items: Sequence[WriteItem], sources: Mapping[tuple[str, Box], torch.Tensor], piece_limit: int,
+                phase: int = PAGE_PHASE) -> int:
+    """Pool bytes a snapshot of ``items`` takes when staged in one go (pieces rounded up to the pool alignment,
+    large ones placed as ``stage`` places them for ``phase``)."""
     total = 0
+    at = (phase - PAGE_PHASE) % PAGE
     for w in items:
         src = sources[(w.key, (w.offsets, w.sizes))]
         for a, b, _ in _ranges(src, w.length, piece_limit):
-            total = -(-total // _align_of(b - a)) * _align_of(b - a) + -(-(b - a) // ALIGN) * ALIGN
+            align = _align_of(b - a)
+            skip = at if align == PAGE else 0
+            total = -(-(total - skip) // align) * align + skip + -(-(b - a) // ALIGN) * ALIGN
     return total
 
 
@@ -117,13 +122,15 @@ def _align_of(nbytes: int) -> int:
 
 def stage(items: Sequence[WriteItem], sources: Mapping[tuple[str, Box], torch.Tensor], pool: BufferPool,
           out: PieceQueue, piece_limit: int, timeout: float | None = None,
-          in_place: Callable[[int, torch.Tensor], bool] | None = None) -> float:
+          in_place: Callable[[int, torch.Tensor], bool] | None = None, phase: int = PAGE_PHASE) -> float:
     """Copy every item into the pool and queue its pieces (then END); return the seconds spent copying.
 
     Blocks while the pool is full (the writer frees it), after handing over every piece staged before. On error,
     queues StageFailed and re-raises. ``in_place(index, source)``: whether an item's pieces are views of its source
     instead of copies (``region`` -1, no pool memory: a synchronous save, whose sources do not change until it
     returns, writes a contiguous host tensor straight from its memory — O_DIRECT from there where its pages allow).
+    ``phase``: where in a page large pieces lie in the pool, as their chunks' ranges do in the file
+    (``save_plan.place``: ``PAGE_PHASE``, or 0 with an alignment above it).
     """
     streams: dict[torch.device, Any] = {}   # one side stream per CUDA device the sources live on
     copy_s = 0.0
@@ -151,10 +158,10 @@ def stage(items: Sequence[WriteItem], sources: Mapping[tuple[str, Box], torch.Te
                     flush()
                 continue
             for a, b, rows in _ranges(src, w.length, min(piece_limit, pool.capacity)):
-                got = pool.try_acquire(b - a, _align_of(b - a), generation)
+                got = pool.try_acquire(b - a, _align_of(b - a), generation, phase)
                 if got is None:             # (no room now: the writer gets what is staged, then frees room)
                     flush()
-                    got = pool.acquire(b - a, timeout, _align_of(b - a), generation)
+                    got = pool.acquire(b - a, timeout, _align_of(b - a), generation, phase)
                 region, view = got
                 t0 = time.perf_counter()
                 event = _copy(src, view, a, b, rows, stream)

@@ -74,8 +74,9 @@ class MemoryTier:
             raise OptionsError(f"MemoryTier: parity is the number of nodes per parity group (at least 2), or 0 for "
                                f"none, got {parity!r}")
         replicas = 0 if parity else replicas
-        if replicas < 0 or keep < 1 or not plain_component(job_id):
-            raise OptionsError(f"MemoryTier: need a job id that is one plain folder name (not '.' or '..', no '/', "
+        if replicas < 0 or keep < 1 or not plain_component(job_id) or job_id == namespace.LOCKS:
+            raise OptionsError(f"MemoryTier: need a job id that is one plain folder name (not '.', '..' or "
+                               f"'{namespace.LOCKS}', no '/', "
                                f"'\\' or NUL), replicas ≥ 0, keep ≥ 1 (got {job_id!r}, {replicas}, {keep})")
         node = node or default_node()
         if not plain_component(node):

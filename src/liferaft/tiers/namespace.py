@@ -22,16 +22,23 @@ import fcntl
 import os
 import threading
 
-_LOCK = threading.Lock()
+_LOCK = threading.Lock()            # held across every open, lock and close below, and across a fork
 _FDS: set[int] = set()              # every lock descriptor this process holds (pointed at /dev/null in a child)
-_HELD: dict[str, int] = {}          # memory-tier lock path -> descriptor, held until the process ends
-_PID = os.getpid()                  # the process ``_HELD`` belongs to (a forked child's copy is not its own)
+_HELD: dict[str, tuple[int, int]] = {}      # memory-tier lock path -> (descriptor, the pid that took it)
 _registered = False
 
 
-def _forked() -> None:
+def _before_fork() -> None:
+    _LOCK.acquire()                 # (no descriptor is half taken or half let go while the process forks)
+
+
+def _after_fork_in_parent() -> None:
+    _LOCK.release()
+
+
+def _after_fork_in_child() -> None:
     """In a child made by ``fork``: let go of the parent's locks without closing the parent's (shared) lock."""
-    global _PID
+    global _LOCK
     null = os.open(os.devnull, os.O_RDWR)
     try:
         for fd in _FDS:
@@ -43,23 +50,24 @@ def _forked() -> None:
         os.close(null)
     _FDS.clear()
     _HELD.clear()
-    _PID = os.getpid()
+    _LOCK = threading.Lock()        # (the parent's was held by the forking thread)
 
 
 def exclusive(path: str) -> int | None:
     """An exclusive lock on ``path`` (created if missing, never through a link) as a descriptor, or None when
     another live process (or another descriptor of this one) holds it. OSError when the file cannot be opened."""
     global _registered
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        return None
     with _LOCK:
         if not _registered:
-            os.register_at_fork(after_in_child=_forked)
+            os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                                after_in_child=_after_fork_in_child)
             _registered = True
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return None
         _FDS.add(fd)
     return fd
 
@@ -68,12 +76,15 @@ def let_go(fd: int) -> None:
     """Close a descriptor ``exclusive`` returned (its lock with it)."""
     with _LOCK:
         _FDS.discard(fd)
-    os.close(fd)
+        os.close(fd)
+
+
+LOCKS = ".locks"                    # the folder of the locks under a tier's base (no job id may be named so)
 
 
 def locks_of(base: str, job_id: str, node: str) -> str:
     """The folder of the locks of the memory-tier namespace ``base/job_id/node`` (and of its per-step logs)."""
-    return os.path.join(base, ".locks", job_id, node)
+    return os.path.join(base, LOCKS, job_id, node)
 
 
 def _tier_lock(base: str, job_id: str, node: str, rank: int) -> str:
@@ -86,7 +97,7 @@ def hold(base: str, job_id: str, node: str, rank: int) -> str | None:
     every rank)."""
     path = _tier_lock(base, job_id, node, rank)
     with _LOCK:
-        if _PID == os.getpid() and path in _HELD:
+        if _HELD.get(path, (-1, -1))[1] == os.getpid():
             return None
     where = os.path.join(base, job_id, node)
     try:
@@ -99,5 +110,5 @@ def hold(base: str, job_id: str, node: str, rank: int) -> str | None:
                 "given the same MemoryTier job id on one node must not run at once (their saves would remove and "
                 "publish each other's files); give each its own job id")
     with _LOCK:
-        _HELD[path] = fd
+        _HELD[path] = (fd, os.getpid())
     return None

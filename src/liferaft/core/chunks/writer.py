@@ -36,7 +36,7 @@ from liferaft.core.chunks.encoding import EncodeQueue, InFlight
 from liferaft.errors import StorageError
 from liferaft.format.manifest import CHECKSUM_ALGO, ChunkRecord
 from liferaft.planning.geometry import Box
-from liferaft.planning.save_plan import PAGE, PAGE_ALIGN_MIN, PAGE_PHASE, WriteItem, place
+from liferaft.planning.save_plan import PAGE, PAGE_ALIGN_MIN, WriteItem, page_phase, place
 from liferaft.staging.pool import BufferPool
 from liferaft.staging.stager import Piece, PieceQueue, StageFailed, stage, streamed_piece_limit
 from liferaft.storage.base import FileWriter, Storage
@@ -118,7 +118,7 @@ def write_streamed(storage: Storage, items: Sequence[WriteItem], sources: Mappin
     A staging thread copies pieces of at most a quarter of the pool into it while this thread writes the
     previous ones, so memory stays within the pool however large the state. ``sources_stable`` (a synchronous
     save: nothing changes the sources until it returns): a large chunk written raw from a contiguous host tensor
-    that lies ``PAGE_PHASE`` bytes into a page, as its file range does (``save_plan.place``), is hashed and
+    that lies where its file range does within a page (``save_plan.place``, ``page_phase``), is hashed and
     written straight from the tensor's memory: its whole pages go to storage with O_DIRECT, uncopied. On error the
     partial file is removed and the error re-raised.
     """
@@ -129,12 +129,12 @@ def write_streamed(storage: Storage, items: Sequence[WriteItem], sources: Mappin
     def in_place(idx: int, src: torch.Tensor) -> bool:
         """A chunk written raw from a contiguous host tensor whose address keeps the file's alignment: no copy."""
         return not policy.decides(items[idx]) and src.device.type == "cpu" and src.is_contiguous() and \
-            items[idx].length >= PAGE_ALIGN_MIN and policy.alignment <= PAGE_PHASE and \
-            src.data_ptr() % PAGE == PAGE_PHASE
+            items[idx].length >= PAGE_ALIGN_MIN and src.data_ptr() % PAGE == page_phase(policy.alignment)
 
     def run_stage() -> None:
         with contextlib.suppress(BaseException):   # queued as StageFailed for the writer, which raises it
-            copy_s[0] = stage(items, sources, pool, pieces, limit, in_place=in_place if sources_stable else None)
+            copy_s[0] = stage(items, sources, pool, pieces, limit, in_place=in_place if sources_stable else None,
+                              phase=page_phase(policy.alignment))
 
     stager = threading.Thread(target=run_stage, name="liferaft-stager", daemon=True)
     stager.start()
