@@ -36,8 +36,9 @@ def test_a_record_that_fails_on_one_rank_keeps_the_ranks_in_step(tmp_path, where
     assert out[0]["committed"] == out[1]["committed"] and 12 in out[0]["committed"], out
     assert out[0]["ring"] == out[1]["ring"], out
     # the hole in rank 0's chain asks every rank for a full checkpoint at once (voted at the end of the next call;
-    # or the save of that very step covers it)
-    assert any(at <= s <= at + 3 for s in out[0]["committed"]), out
+    # or the save of that very step covers it), once a save still in flight is done: the first full checkpoint's,
+    # started at step 0, may take a few steps on a loaded machine (2..5 for a hole at 1 in six runs side by side)
+    assert any(at <= s <= at + 4 for s in out[0]["committed"]), out
     # the replication's exchanges are still of the same step on both ranks: the peer's DDP gradients stay home
     assert out[0]["unsent"] > 0 and out[1]["unsent"] > 0, out
     # the training itself is the uninterrupted one's, bit for bit (no optimizer step skipped on the failing rank)
