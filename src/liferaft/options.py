@@ -254,6 +254,10 @@ class SaveOptions:
             raise OptionsError(f"SaveOptions.alignment must be a power of two, got {self.alignment}")
         if _depth(self.metadata) > MAX_NESTING:     # (a manifest a reader would refuse is never written)
             raise OptionsError(f"SaveOptions.metadata nests more than {MAX_NESTING} levels of lists and dicts")
+        bad = _non_str_key(self.metadata)           # (json.dumps would turn 1 into "1" silently)
+        if bad is not None:
+            raise OptionsError(f"SaveOptions.metadata must be plain JSON data (str keys, numbers, strings, lists, "
+                               f"dicts): the key {bad!r} is a {type(bad).__name__}, not a str")
         try:
             json.dumps(dict(self.metadata), allow_nan=False)
         except (TypeError, ValueError) as e:
@@ -366,6 +370,26 @@ class LoadResult:
     #: chunk tables this rank read (format version 4, docs/FORMAT.md §4.6: those of the ranks that wrote the
     #: boxes it loads; None: the checkpoint has none)
     tables_read: int | None = None
+
+
+def _non_str_key(v: Any) -> Any:
+    """The first key of a dict in ``v`` (lists and dicts walked, without recursion, at most ``MAX_NESTING`` deep:
+    ``_depth`` refuses deeper ones first) that is not a str; None if there is none."""
+    todo = [(v, 1)]
+    while todo:
+        x, d = todo.pop()
+        if isinstance(x, Mapping):
+            for k in x:
+                if not isinstance(k, str):
+                    return k
+            items: Any = x.values()
+        elif isinstance(x, (list, tuple)):
+            items = x
+        else:
+            continue
+        if d <= MAX_NESTING:
+            todo.extend((y, d + 1) for y in items)
+    return None
 
 
 def _depth(v: Any) -> int:

@@ -263,3 +263,12 @@ def test_a_damaged_remote_step_is_skipped_for_the_one_before(tmp_path, shm):
             assert mgr.restore(got) == 0
         assert any("step 1" in str(w.message) and "trying step 0" in str(w.message) for w in caught)
         assert torch.equal(got["w"], _state(0.0)["w"])
+
+
+def test_save_options_metadata_keys_must_be_strings():
+    """JSON would turn a key 1 into "1" silently: refused, naming it (helper-113), at any depth."""
+    with pytest.raises(liferaft.OptionsError, match="key 1 is a int"):
+        liferaft.SaveOptions(metadata={1: 2})
+    with pytest.raises(liferaft.OptionsError, match="key 2.5"):
+        liferaft.SaveOptions(metadata={"a": [{"b": {2.5: 1}}]})
+    assert liferaft.SaveOptions(metadata={"a": [1, {"b": 2}]}).metadata == {"a": [1, {"b": 2}]}

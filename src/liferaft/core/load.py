@@ -342,10 +342,10 @@ def _mismatch_message(url: str, what: str, missing: tuple[str, ...], unexpected:
     parts = [f"{url}: the state does not match the {what} (nothing was loaded)."]
     if missing:
         parts.append(f"Missing from the checkpoint: {', '.join(repr(k) for k in missing[:10])}"
-                     + (f" and {len(missing) - 10} more" if len(missing) > 10 else ""))
+                     + (f" and {len(missing) - 10} more" if len(missing) > 10 else "") + ".")
     if unexpected:
         parts.append(f"In the checkpoint but not in the state: {', '.join(repr(k) for k in unexpected[:10])}"
-                     + (f" and {len(unexpected) - 10} more" if len(unexpected) > 10 else ""))
+                     + (f" and {len(unexpected) - 10} more" if len(unexpected) > 10 else "") + ".")
     parts.append("Pass strict=False to load the keys that match and list the others in the result.")
     return " ".join(parts)
 

@@ -582,7 +582,7 @@ class CheckpointManager:
         """The save options of a save by this manager (its manifest ``extra`` says why and by whom)."""
         meta = {**dict(self.save_options.metadata), "step": step, "reason": reason, EPOCH_KEY: len(self._branches),
                 ROOT_KEY: self._owner,
-                "metrics": {k: float(v) for k, v in (metrics or {}).items()}, "job_id": self.job_id,
+                "metrics": {str(k): float(v) for k, v in (metrics or {}).items()}, "job_id": self.job_id,
                 "since_full": since_full, **({"lossy_state": self.lossy_state} if self.lossy_state else {})}
         return replace(self.save_options, metadata=meta)
 
