@@ -57,8 +57,14 @@ def _child(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=pg_timeout))
+        try:
+            dist.init_process_group("gloo", rank=rank, world_size=world,
+                                    timeout=datetime.timedelta(seconds=pg_timeout))
+        except Exception as e:      # (the port taken meanwhile: the parent launches again on another)
+            if "EADDRINUSE" in str(e) or "address already in use" in str(e):
+                results.put((rank, None, "port"))
+                return
+            raise
         try:
             out = fn(rank, world, *args)
         finally:
@@ -71,7 +77,23 @@ def _child(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0,
               pg_timeout: float = 60.0, env: dict[str, str] | None = None) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes; see the module doc."""
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes; see the module doc. A port another
+    process took between ``free_port`` and the rendezvous (tests side by side) launches again on another, before
+    ``fn`` ran anywhere (at most 5 times)."""
+    for _ in range(4):
+        try:
+            return _run_ranks(fn, world_size, args, timeout, pg_timeout, env)
+        except _PortTaken:
+            continue
+    return _run_ranks(fn, world_size, args, timeout, pg_timeout, env)
+
+
+class _PortTaken(Exception):
+    """Rank 0 could not listen on the rendezvous port (another process took it since it was found free)."""
+
+
+def _run_ranks(fn: Callable[..., Any], world_size: int, args: tuple, timeout: float, pg_timeout: float,
+               env: dict[str, str] | None) -> list[Any]:
     ctx = _context()
     results = ctx.Queue()
     port = free_port()
@@ -99,10 +121,12 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
                         if results.empty():
                             errors[r] = f"process died with exit code {p.exitcode}"
                 continue
+            if ok is None:                  # (the port was taken: the others wait for a rendezvous that never comes)
+                raise _PortTaken()
             (out if ok else errors)[rank] = value
     finally:
         for p in procs:
-            p.join(timeout=5 if not errors else 0.5)
+            p.join(timeout=5 if not errors and len(out) == world_size else 0.5)
             if p.is_alive():
                 p.kill()
                 p.join()
