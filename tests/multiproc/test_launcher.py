@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import socket
 
-import liferaft.testing.launcher as launcher
-from liferaft.testing import run_ranks
+from liferaft.testing import launcher, run_ranks
 
 
 def test_a_rendezvous_port_taken_meanwhile_is_launched_again(monkeypatch):
