@@ -12,7 +12,6 @@ from typing import Any, Literal, TypeVar, get_args
 
 from liferaft.errors import OptionsError
 from liferaft.format.limits import MAX_NESTING, MIN_CHUNK_BYTES
-from liferaft.planning.load_plan import DEFAULT_MAX_READ
 from liferaft.planning.references import DEFAULT_MIN_SHARE
 from liferaft.planning.save_plan import DEFAULT_CHUNK_BYTES
 
@@ -271,7 +270,9 @@ class LoadOptions:
 
     allow_pickle: trust and unpickle pickled values.
     timeout: seconds any rank waits for the others at each step, as for save (finite, > 0, at most 30 days).
-    max_read_bytes: largest single read, i.e. the scratch buffer a load allocates (4 KiB to 64 GiB).
+    max_read_bytes: largest single read, i.e. each scratch buffer a load allocates (4 KiB to 64 GiB). None
+        (default): the storage's ``read_size`` (local disk 8 MiB: small buffers stay in the CPU's cache, see
+        ``storage.posix.DISK_READ_SIZE``; RAM 4 MiB; object stores 32 MiB, split into parallel requests).
     atomic: read and verify every byte on every rank before any byte is copied into the state, so that even a
         checksum failure leaves the state untouched; costs a second read of the data (usually from the page
         cache). Without it, a checksum failure still stops the load before the bad bytes land, but tensors
@@ -311,7 +312,7 @@ class LoadOptions:
     atomic: bool = False
     share_reads: bool | None = None
     timeout: float = 600.0
-    max_read_bytes: int = DEFAULT_MAX_READ
+    max_read_bytes: int | None = None
     ignore_keys: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -320,7 +321,7 @@ class LoadOptions:
             check_bool(o, name, getattr(self, name))
         check_bool(o, "share_reads", self.share_reads, none=True)
         check_number(o, "timeout", self.timeout, 0, MAX_TIMEOUT, above=True)
-        check_int(o, "max_read_bytes", self.max_read_bytes, MIN_READ_BYTES, MAX_READ_BYTES)
+        check_int(o, "max_read_bytes", self.max_read_bytes, MIN_READ_BYTES, MAX_READ_BYTES, none=True)
         if type(self.ignore_keys) is not tuple or not all(type(k) is str and k for k in self.ignore_keys):
             raise OptionsError(f"{o}.ignore_keys must be a tuple of non-empty key strings, got "
                                f"{self.ignore_keys!r}")

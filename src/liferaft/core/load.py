@@ -126,6 +126,8 @@ def _load(reader: Reader, state: Any, coord: Coordinator, opts: LoadOptions, str
     # sharing mode's own vote settles it)
     agreed = zlib.crc32(repr((strict, opts.allow_pickle, opts.exact, opts.atomic, opts.max_read_bytes,
                               sorted(set(opts.ignore_keys)))).encode()) & 0x7FFF_FFFF
+    if isinstance(reader, NativeReader):
+        opts = reader.options               # (max_read_bytes resolved for its storage: the same on every rank)
     mine: list[Any] = []        # this rank's spans and decoded sizes, and its host key (mode "host")
 
     def planned() -> tuple[None, list[int]]:

@@ -9,6 +9,7 @@ verified ``format.manifest.Manifest``, read-only) and ``storage`` (where it lies
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -76,7 +77,10 @@ class NativeReader(Reader):
     def __init__(self, storage: Storage, manifest: Manifest, options: LoadOptions | None = None,
                  tables: TableSource | None = None) -> None:
         self.storage, self.manifest = storage, manifest
-        self.options = options or LoadOptions()
+        opts = options or LoadOptions()
+        #: the options, ``max_read_bytes`` resolved (None: the storage's ``read_size``)
+        self.options = opts if opts.max_read_bytes is not None else \
+            dataclasses.replace(opts, max_read_bytes=storage.read_size)
         self.entries = manifest.tensor_map()
         self._tables = tables
         self._values = {v.key: v for v in manifest.values}

@@ -155,12 +155,12 @@ class VerifyReport:
 
 
 @in_call
-def check(path: str | os.PathLike[str], *, max_read_bytes: int = 32 << 20,
+def check(path: str | os.PathLike[str], *, max_read_bytes: int | None = None,
           progress: Callable[[int], None] | None = None) -> CheckReport:
     """What ``verify`` checks, reported instead of raised: every fault found, and what could not be checked. A
     safetensors file whose header is damaged is a fault of the report (its folder's index must be usable)."""
     check_path(path, "verify(path=...)")
-    check_int("verify", "max_read_bytes", max_read_bytes, MIN_READ_BYTES, MAX_READ_BYTES)
+    check_int("verify", "max_read_bytes", max_read_bytes, MIN_READ_BYTES, MAX_READ_BYTES, none=True)
     if format_of(path) == "safetensors":         # each file's damage is a fault, not a refusal to look
         from liferaft.formats.safetensors import verify_files
 
@@ -172,13 +172,13 @@ def check(path: str | os.PathLike[str], *, max_read_bytes: int = 32 << 20,
         reader.close()
 
 
-def verify(path: str | os.PathLike[str], *, max_read_bytes: int = 32 << 20,
+def verify(path: str | os.PathLike[str], *, max_read_bytes: int | None = None,
            progress: Callable[[int], None] | None = None) -> VerifyReport:
     """Read and check the checkpoint at ``path`` as far as its format allows; raise CorruptCheckpointError listing
     every fault found. A liferaft checkpoint: every data file present with its recorded size and every block of
     every chunk re-hashed. A DCP folder or ``torch.save`` file: every zip record's CRC-32. safetensors: the header
     and layout checked and every byte read (they carry no checksums). ``progress`` is called with the bytes of
-    each read (for a progress bar)."""
+    each read (for a progress bar). ``max_read_bytes``: the largest read (None: the storage's ``read_size``)."""
     report = check(path, max_read_bytes=max_read_bytes, progress=progress)
     if report.faults:
         shown = "\n  ".join(report.faults[:20])

@@ -12,6 +12,12 @@ from collections.abc import Callable
 
 from liferaft.errors import CorruptCheckpointError
 
+#: ``Storage.read_size`` unless a backend says otherwise: 32 MiB.
+READ_SIZE = 32 << 20
+#: ``Storage.read_size`` of a backend held in RAM (tmpfs, in-process): a load's scratch buffers are fresh
+#: memory, first touched at ~1 GB/s on a VM, while RAM reads at memcpy speed (``tiers.memory`` restores).
+RAM_READ_SIZE = 4 << 20
+
 
 def check_limit(url: str, name: str, size: int, limit: int | None) -> None:
     """CorruptCheckpointError when the file ``name`` of ``size`` bytes is larger than ``limit`` (``read_all``)."""
@@ -45,6 +51,10 @@ class Storage(ABC):
     #: True when a read is a copy from RAM (tmpfs, an in-process store): no device latency to hide, so a load
     #: streams the bytes through a small buffer that stays in the CPU's cache (``core.chunks.memread``).
     memory_speed: bool = False
+    #: The largest read a load asks of this storage unless ``LoadOptions.max_read_bytes`` says otherwise (the
+    #: size of each of its scratch buffers). Large by default: a remote store splits a read into parallel
+    #: requests (``S3Storage``: parts of ``part_size``). A local backend may answer smaller (``PosixStorage``).
+    read_size: int = READ_SIZE
 
     @property
     @abstractmethod

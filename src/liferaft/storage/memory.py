@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from liferaft.storage.base import FileWriter, Storage, check_limit
+from liferaft.storage.base import RAM_READ_SIZE, FileWriter, Storage, check_limit
 
 _LOCK = threading.Lock()
 _STORES: dict[str, dict[str, bytearray]] = {}
@@ -38,6 +38,7 @@ class MemoryStorage(Storage):
 
     process_local = True
     memory_speed = True
+    read_size = RAM_READ_SIZE
 
     def __init__(self, name: str) -> None:
         self.name = name.strip("/")

@@ -23,7 +23,15 @@ from typing import ClassVar
 
 from liferaft.errors import CorruptCheckpointError, OptionsError, StorageError, UnsafePathError
 from liferaft.storage import files, iopath, memfs
-from liferaft.storage.base import FileWriter, Storage
+from liferaft.storage.base import RAM_READ_SIZE, FileWriter, Storage
+
+#: ``PosixStorage.read_size`` on a device. A load reads into a few scratch buffers while its caller's thread
+#: verifies and copies the one before; buffers this small stay in the CPU's cache, so the device's write into
+#: them and the verify and copy out of them run at cache speed. Measured on this project's VM (0.54 GB, cold,
+#: O_DIRECT): 8 MiB reads into 2 buffers load in 0.81 of the time 32 MiB reads take (0.335 s against 0.418 s,
+#: the medians of five runs each), and the device's own limit, reads into one prefaulted buffer, is 1.8 GB/s
+#: with that buffer at 8 MiB against 1.3–1.5 GB/s at 32 MiB or across a buffer of the file's size.
+DISK_READ_SIZE = 8 << 20
 
 _PAGE = 4096
 
@@ -275,6 +283,12 @@ class PosixStorage(Storage):
         finally:
             os.close(fd)
         return (lambda direct: self.open_read(name, direct=direct)), size
+
+    @property
+    def read_size(self) -> int:  # type: ignore[override]
+        """The largest read a load asks of this folder by default: ``DISK_READ_SIZE`` on a device,
+        ``RAM_READ_SIZE`` on a file system held in RAM."""
+        return RAM_READ_SIZE if self.memory_speed else DISK_READ_SIZE
 
     @property
     def url(self) -> str:

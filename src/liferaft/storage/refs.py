@@ -20,6 +20,7 @@ class ReferencingStorage(Storage):
         self.process_local = inner.process_local
         self.remote = inner.remote
         self.memory_speed = inner.memory_speed
+        self.read_size = inner.read_size
         self._siblings: dict[str, Storage] = {}
 
     def route(self, name: str) -> tuple[Storage, str]:

@@ -41,9 +41,6 @@ from liferaft.tiers import namespace, parity
 
 DEFAULT_BASE = "/dev/shm/liferaft"
 PIECE = 4 << 20             # bytes per message when copying a file between ranks, and per request of a drain
-#: A restore's largest read (``LoadOptions.max_read_bytes``) unless the caller's options say otherwise: the load's
-#: staging buffers are fresh memory, first touched at ~1 GB/s on a VM, while shared memory reads at memcpy speed.
-MEMORY_READ = 4 << 20
 
 
 def default_node() -> str:
@@ -321,7 +318,7 @@ class MemoryTier:
             from_fallback = self._complete_commit(step, holder, set(need) - have if mixed else set(), fallback)
         holders = file_holders(everyone, step, need, have)
         self.last_load = load_held(st, state, holders=holders, process_group=self.process_group, strict=strict,
-                                   options=_memory_reads(options))
+                                   options=options)
         mine = {n for r, held in enumerate(everyone) if self.nodes[r] == self.node for n in held.get(step, ((), {}))[1]}
         self.last_restore = {"step": step, "files_from_peers": len(set(need) & have - mine),
                              "files_from_fallback": from_fallback, "bytes_from_peers": self.last_load.bytes_received,
@@ -412,14 +409,6 @@ def _headers(everyone: list[dict[int, Any]], step: int) -> dict[int, Any]:
 
 def _rebuildable(everyone: list[dict[int, Any]], step: int, missing: set[str], have: set[str]) -> bool:
     return parity.rebuildable(_headers(everyone, step), have, missing)
-
-
-def _memory_reads(options: LoadOptions | None) -> LoadOptions:
-    """``options`` with ``MEMORY_READ`` as the largest read where they keep the default."""
-    opts = options or LoadOptions()
-    if opts.max_read_bytes != LoadOptions().max_read_bytes:
-        return opts
-    return LoadOptions(**{**opts.__dict__, "max_read_bytes": MEMORY_READ})
 
 
 def file_holders(everyone: list[dict[int, Any]], step: int, need: Sequence[str],

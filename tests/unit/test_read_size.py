@@ -1,0 +1,122 @@
+"""The largest read of a load: ``LoadOptions.max_read_bytes``, or by default the storage's ``read_size``.
+
+A local disk reads fastest into small scratch buffers that stay in the CPU's cache (``storage.posix``), RAM too; an
+object store splits a large read into parallel requests. The tests load through a ``PosixStorage`` that records
+the size of every read it serves (the real reads, on real files).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import liferaft
+from liferaft.core.native import NativeReader
+from liferaft.core.open import open_reader
+from liferaft.errors import OptionsError
+from liferaft.options import LoadOptions, SaveOptions
+from liferaft.storage import MemoryStorage, PosixStorage, memfs
+from liferaft.storage.base import RAM_READ_SIZE, READ_SIZE
+from liferaft.storage.posix import DISK_READ_SIZE
+from liferaft.storage.refs import with_references
+
+
+class _Recording(PosixStorage):
+    """A ``PosixStorage`` that keeps the length of every ``read_into``."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.reads: list[int] = []
+
+    def read_into(self, name: str, offset: int, out: memoryview) -> int:
+        self.reads.append(len(memoryview(out).cast("B")))
+        return super().read_into(name, offset, out)
+
+
+def _state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    # 24 MiB in one chunk (chunk_bytes 32 MiB below), and small tensors
+    return {"big": torch.randn(6 << 20, generator=g), "small": torch.randn(1000, generator=g),
+            "w": torch.randn(512, 300, generator=g)}
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def _disk_folder(tmp_path) -> str:
+    if memfs.in_memory(str(tmp_path)):
+        pytest.skip("the test folder is on a file system in RAM here")
+    return str(tmp_path / "ck")
+
+
+def test_each_backend_names_its_read_size(tmp_path):
+    disk = _disk_folder(tmp_path)
+    os.makedirs(disk)
+    assert PosixStorage(disk).read_size == DISK_READ_SIZE == 8 << 20
+    assert MemoryStorage("read-size-test").read_size == RAM_READ_SIZE == 4 << 20
+    assert with_references(PosixStorage(disk)).read_size == DISK_READ_SIZE     # (the wrapper forwards it)
+    if os.path.isdir("/dev/shm") and memfs.in_memory("/dev/shm"):
+        assert PosixStorage("/dev/shm").read_size == RAM_READ_SIZE
+    from liferaft.storage.s3 import S3Storage
+
+    assert S3Storage("s3://bucket/prefix", endpoint_url="http://127.0.0.1:1").read_size == READ_SIZE == 32 << 20
+
+
+def test_options_take_none_or_a_size():
+    assert LoadOptions().max_read_bytes is None
+    assert LoadOptions(max_read_bytes=4096).max_read_bytes == 4096
+    for bad in (0, 4095, True, 1.5, "8M", (64 << 30) + 1):
+        with pytest.raises(OptionsError, match="max_read_bytes"):
+            LoadOptions(max_read_bytes=bad)
+
+
+def test_a_reader_resolves_the_default_from_its_storage(tmp_path):
+    disk = _disk_folder(tmp_path)
+    liferaft.save(disk, _state())
+    reader = open_reader(disk, LoadOptions())
+    try:
+        assert isinstance(reader, NativeReader) and reader.options.max_read_bytes == DISK_READ_SIZE
+    finally:
+        reader.close()
+    reader = open_reader(disk, LoadOptions(max_read_bytes=1 << 20))
+    try:
+        assert reader.options.max_read_bytes == 1 << 20
+    finally:
+        reader.close()
+
+
+@pytest.mark.parametrize("atomic", [False, True])
+def test_a_default_load_reads_at_most_the_storage_read_size(tmp_path, atomic):
+    disk = _disk_folder(tmp_path)
+    ref = _state()
+    liferaft.save(disk, ref, options=SaveOptions(chunk_bytes=32 << 20, compression="off"))
+    st = _Recording(disk)
+    got = {k: torch.zeros_like(v) for k, v in ref.items()}
+    liferaft.load(st, got, options=LoadOptions(atomic=atomic))
+    assert all(_bits(got[k]) == _bits(ref[k]) for k in ref)
+    data = [n for n in st.reads if n > 4096]        # (the data reads; the commit marker and manifest are small)
+    assert data and max(data) <= DISK_READ_SIZE
+    assert sum(data) >= 24 << 20                    # (every byte of the big chunk was read, in several reads)
+
+
+def test_an_explicit_max_read_bytes_wins(tmp_path):
+    disk = _disk_folder(tmp_path)
+    ref = _state()
+    liferaft.save(disk, ref, options=SaveOptions(chunk_bytes=32 << 20, compression="off"))
+    st = _Recording(disk)
+    got = {k: torch.zeros_like(v) for k, v in ref.items()}
+    liferaft.load(st, got, options=LoadOptions(max_read_bytes=32 << 20))
+    assert all(_bits(got[k]) == _bits(ref[k]) for k in ref)
+    assert max(st.reads) > DISK_READ_SIZE           # (the 24 MiB chunk in one read)
+
+
+def test_verify_takes_none_as_the_default_and_checks_a_size(tmp_path):
+    disk = _disk_folder(tmp_path)
+    liferaft.save(disk, _state(), options=SaveOptions(chunk_bytes=32 << 20, compression="off"))
+    report = liferaft.verify(disk)
+    assert report.bytes_checked >= 24 << 20
+    with pytest.raises(OptionsError, match="max_read_bytes"):
+        liferaft.verify(disk, max_read_bytes=0)
