@@ -33,6 +33,14 @@ class StorageConformance:
         buf = bytearray(4)
         assert st.read_into("data/a/r0.bin", 3, memoryview(buf)) == 4 and bytes(buf) == b"lowo"
 
+    def test_read_size_is_a_whole_number_of_pages_a_load_takes(self, st: Storage) -> None:
+        # (the largest read a load asks by default: LoadOptions.max_read_bytes' range, whole pages)
+        from liferaft.options import LoadOptions
+
+        n = st.read_size
+        assert type(n) is int and n % 4096 == 0
+        assert LoadOptions(max_read_bytes=n).max_read_bytes == n
+
     def test_short_read_at_end_of_file(self, st: Storage) -> None:
         st.put_atomic("x", b"abc")
         buf = bytearray(10)
