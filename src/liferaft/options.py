@@ -14,6 +14,7 @@ from liferaft.errors import OptionsError
 from liferaft.format.limits import MAX_NESTING, MIN_CHUNK_BYTES
 from liferaft.planning.references import DEFAULT_MIN_SHARE
 from liferaft.planning.save_plan import DEFAULT_CHUNK_BYTES
+from liferaft.storage.base import MAX_READ_BYTES, MIN_READ_BYTES
 
 #: ``SaveOptions.compression``: lossless compression where it pays ("auto"), always ("on") or never ("off").
 Compression = Literal["auto", "on", "off"]
@@ -31,8 +32,6 @@ _O = TypeVar("_O")
 
 #: Longest ``timeout`` (seconds) an option takes: 30 days (collectives take it as a ``timedelta`` in milliseconds).
 MAX_TIMEOUT = 30 * 86400.0
-#: Bounds of ``LoadOptions.max_read_bytes``: a page, and 64 GiB (the scratch buffer a load allocates).
-MIN_READ_BYTES, MAX_READ_BYTES = 4096, 64 << 30
 #: Largest byte count any size option takes (chunk_bytes, memory_budget, block_size, alignment): 1 PiB.
 MAX_BYTES = 1 << 50
 

@@ -124,10 +124,10 @@ def _load(reader: Reader, state: Any, coord: Coordinator, opts: LoadOptions, str
     # rank after planning and left the others in the next collective, crossing the next call's messages)
     # (ignore_keys as a set: the same keys in another order are the same option; share_reads may differ, the
     # sharing mode's own vote settles it)
+    if isinstance(reader, NativeReader):
+        opts = reader.options       # (max_read_bytes resolved: where None, the size the ranks agreed on, core.open)
     agreed = zlib.crc32(repr((strict, opts.allow_pickle, opts.exact, opts.atomic, opts.max_read_bytes,
                               sorted(set(opts.ignore_keys)))).encode()) & 0x7FFF_FFFF
-    if isinstance(reader, NativeReader):
-        opts = reader.options               # (max_read_bytes resolved for its storage: the same on every rank)
     mine: list[Any] = []        # this rank's spans and decoded sizes, and its host key (mode "host")
 
     def planned() -> tuple[None, list[int]]:

@@ -39,6 +39,7 @@ from liferaft.planning.load_plan import plan_reads
 from liferaft.state.tree import build_tree
 from liferaft.state.values import PerRank, decode_value
 from liferaft.storage import Storage
+from liferaft.storage.base import read_size_of
 
 
 def decode_entry_value(v: ValueEntry, allow_pickle: bool) -> Any:
@@ -75,12 +76,13 @@ class NativeReader(Reader):
     ``manifest`` stays the index."""
 
     def __init__(self, storage: Storage, manifest: Manifest, options: LoadOptions | None = None,
-                 tables: TableSource | None = None) -> None:
+                 tables: TableSource | None = None, read_size: int | None = None) -> None:
         self.storage, self.manifest = storage, manifest
         opts = options or LoadOptions()
-        #: the options, ``max_read_bytes`` resolved (None: the storage's ``read_size``)
+        #: the options, ``max_read_bytes`` resolved where None: ``read_size`` (the ranks' agreed size,
+        #: ``core.open``), else the storage's (``Storage.read_size``)
         self.options = opts if opts.max_read_bytes is not None else \
-            dataclasses.replace(opts, max_read_bytes=storage.read_size)
+            dataclasses.replace(opts, max_read_bytes=read_size or read_size_of(storage))
         self.entries = manifest.tensor_map()
         self._tables = tables
         self._values = {v.key: v for v in manifest.values}

@@ -17,6 +17,7 @@ from liferaft.formats.base import Reader
 from liferaft.formats.detect import Format, detect, sniff
 from liferaft.options import LoadOptions, check_options, check_path
 from liferaft.storage import Storage, resolve
+from liferaft.storage.base import read_size_of
 from liferaft.storage.refs import with_references
 
 PathLike = str | os.PathLike[str]
@@ -71,9 +72,9 @@ def open_reader(path: PathLike | Storage, options: LoadOptions | None = None, *,
             index = open_checkpoint(storage, tables=False)
             return NativeReader(storage, index, opts,
                                 tables=TableSource(storage, index, codec_names()) if index.tabled else None)
-        manifest = _open_on_ranks(storage, coord)
+        manifest, size = _open_on_ranks(storage, coord, opts.max_read_bytes is None)
         lazy = TableSource(storage, manifest, codec_names()) if manifest.tabled else None
-        return NativeReader(storage, manifest, opts, tables=lazy)
+        return NativeReader(storage, manifest, opts, tables=lazy, read_size=size)
     if coord is None:
         return _open_foreign(os.fspath(path), fmt)
     opened: list[Reader] = []
@@ -81,23 +82,27 @@ def open_reader(path: PathLike | Storage, options: LoadOptions | None = None, *,
     return opened[0]
 
 
-def _open_on_ranks(storage: Storage, coord: Coordinator) -> Manifest:
+def _open_on_ranks(storage: Storage, coord: Coordinator, sized: bool) -> tuple[Manifest, int | None]:
     """``open_checkpoint`` collectively: rank 0 reads the commit marker and the manifest and checks the manifest's
     bytes against the marker (``read_verified``), every rank gets those bytes and decodes them itself, at the
     same time (``decode_verified``: the same bytes and codecs, the same manifest; a pickled decoded manifest took
     longer to pickle and unpickle than to decode; nothing kept for reuse: a job's ranks do not hold a manifest
     after the load), and rank 0 checks the references (siblings' manifests, read from storage). Any rank's
-    failure raises on every rank."""
+    failure raises on every rank. Also the read size the ranks agree on (``sized``: this rank takes its storage's
+    ``read_size``): the smallest ``read_size`` of the ranks that take it (None where no rank does), so that every
+    rank plans its reads and the host's sharing alike (ranks reading one checkpoint from a disk and from a copy
+    in RAM answer 8 and 4 MiB)."""
     data, name = coord.run_on_zero(lambda: read_verified(storage), "load (open)")
     opened: list[Manifest] = []
 
-    def decode() -> None:
+    def decode() -> int:
         manifest = decode_verified(storage, data, name, tables=False)     # (chunk tables: read as needed)
         if coord.rank == 0:
             check_references(storage, manifest)
         opened.append(manifest)
-    coord.run(decode, "load (open)")
-    return opened[0]
+        return read_size_of(storage) if sized else 0
+    sizes = [n for n in coord.run(decode, "load (open)") if n]
+    return opened[0], min(sizes) if sizes else None
 
 
 def _open_foreign(path: str, fmt: Format) -> Reader:

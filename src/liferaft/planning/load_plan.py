@@ -16,6 +16,8 @@ from liferaft.format.manifest import CHECKSUM_ALGO, ChunkRecord, TensorEntry
 from liferaft.planning.geometry import Box, byte_span, intersect, split_for_reading, strides
 
 DEFAULT_MAX_READ = 32 * 1024 * 1024
+#: hash blocks a read of a chunk may always hold, whatever ``max_read`` (``plan_reads``)
+READ_BLOCKS = 8
 
 
 @dataclass(frozen=True)
@@ -144,12 +146,15 @@ def _units_general(key: str, chunk: ChunkRecord, itemsize: int, wanted: Sequence
 def plan_reads(entry: TensorEntry, wanted: Sequence[tuple[int, Box]], max_read: int = DEFAULT_MAX_READ) -> list[ReadUnit]:
     """Reads that fill the ``wanted`` boxes (``(target index, global box)``) of tensor ``entry``.
 
-    ``max_read`` bounds the bytes of one read (the scratch buffer a reader needs), except that a read always
-    holds at least one whole hash block.
+    ``max_read`` bounds the bytes of one read (the scratch buffer a reader needs), except that a read of a chunk
+    may always hold ``READ_BLOCKS`` of its hash blocks: a part of a chunk is read as whole blocks, at most one
+    more at each end than it needs, and a read of few blocks would read many twice (4 MiB blocks cut for 8 MiB
+    reads: every block read twice).
     """
     units: list[ReadUnit] = []
     for chunk in _candidates(entry, wanted):
-        units.extend(_units_for_chunk(entry.key, chunk, entry.itemsize, wanted, max(max_read, chunk.block_size)))
+        units.extend(_units_for_chunk(entry.key, chunk, entry.itemsize, wanted,
+                                      max(max_read, READ_BLOCKS * chunk.block_size)))
     return units
 
 

@@ -10,13 +10,29 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
-from liferaft.errors import CorruptCheckpointError
+from liferaft.errors import CorruptCheckpointError, StorageError
 
 #: ``Storage.read_size`` unless a backend says otherwise: 32 MiB.
 READ_SIZE = 32 << 20
 #: ``Storage.read_size`` of a backend held in RAM (tmpfs, in-process): a load's scratch buffers are fresh
 #: memory, first touched at ~1 GB/s on a VM, while RAM reads at memcpy speed (``tiers.memory`` restores).
 RAM_READ_SIZE = 4 << 20
+#: Bounds of a load's largest read (``LoadOptions.max_read_bytes``, ``Storage.read_size``): a page, and 64 GiB
+#: (each scratch buffer a load allocates).
+MIN_READ_BYTES, MAX_READ_BYTES = 4096, 64 << 30
+
+
+def read_size_of(storage: Storage) -> int:
+    """``storage.read_size``, checked: whole pages between ``MIN_READ_BYTES`` and ``MAX_READ_BYTES``, else a
+    StorageError naming the backend (a backend's own value, not an option the caller passed)."""
+    n = storage.read_size
+    if type(n) is not int or not MIN_READ_BYTES <= n <= MAX_READ_BYTES or n % MIN_READ_BYTES:
+        inner = getattr(storage, "inner", None)        # (a wrapper, ``storage.refs``: the backend it wraps)
+        shown = type(inner if isinstance(inner, Storage) else storage).__name__
+        raise StorageError(f"{shown} at {storage.url}: read_size must be a whole number of 4 KiB "
+                           f"pages between {MIN_READ_BYTES} and {MAX_READ_BYTES} bytes (the largest read a load "
+                           f"asks of it), not {n!r}; fix the backend, or pass LoadOptions(max_read_bytes=...)")
+    return n
 
 
 def check_limit(url: str, name: str, size: int, limit: int | None) -> None:

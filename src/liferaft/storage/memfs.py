@@ -2,7 +2,8 @@
 to hide, and a load streams it through a small cache-resident buffer instead (``core.chunks.memread``).
 
 Decided from this process's mount table (``/proc/self/mountinfo``): the file system of the longest mount point
-above the folder. Only the speed of a load depends on the answer, never which bytes it reads; where the table
+above the folder. Only the speed of a load depends on the answer, never which bytes it reads (the ranks of a
+load agree on one read size, ``core.open``); where the table
 cannot be read (not Linux), the answer is False (the device path, correct everywhere).
 """
 

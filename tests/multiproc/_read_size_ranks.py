@@ -1,0 +1,43 @@
+"""Rank bodies of test_read_size_ranks: ranks whose storages answer different read sizes load one checkpoint."""
+
+from __future__ import annotations
+
+import torch
+
+import liferaft
+from liferaft.options import LoadOptions, SaveOptions
+
+
+def reference() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(11)
+    return {"a": torch.randn(2048, 1024, generator=g), "b": torch.randn(6144, 1024, generator=g),
+            "s": torch.randn(64, 64, generator=g)}
+
+
+def save_rows(rank: int, world: int, path: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    st = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in reference().items()}
+    liferaft.save(path, st, options=SaveOptions(compression="off"))
+
+
+def load(rank: int, world: int, paths: list[str], reads: list[int | None], layout: str) -> tuple:
+    """Load ``paths[rank]`` with ``max_read_bytes=reads[rank]`` into full tensors (``layout`` "full") or column
+    shards ("cols"); (outcome, bit-exact, the resolved max_read_bytes or the error)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    ref = reference()
+    if layout == "full":
+        st = {k: torch.zeros_like(v) for k, v in ref.items()}
+    else:
+        mesh = init_device_mesh("cpu", (world,))
+        st = {k: distribute_tensor(torch.zeros_like(v), mesh, [Shard(1)]) for k, v in ref.items()}
+    try:
+        liferaft.load(paths[rank], st, options=LoadOptions(timeout=30, max_read_bytes=reads[rank]))
+    except liferaft.LiferaftError as e:
+        return ("error", False, f"{type(e).__name__}: {e}")
+    got = {k: (v.full_tensor() if layout != "full" else v) for k, v in st.items()}
+    return ("ok", all(torch.equal(got[k], ref[k]) for k in ref), None)

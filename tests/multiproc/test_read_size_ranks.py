@@ -1,0 +1,43 @@
+"""The ranks of a load agree on one read size (``core.open``): where ``LoadOptions.max_read_bytes`` is None each
+takes the smallest ``Storage.read_size`` of the ranks, so ranks reading one checkpoint from a disk (8 MiB) and
+from a copy in RAM (4 MiB) plan their reads and the host's shared spans alike. Before, they planned apart and
+waited for each other's messages until the timeout."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+
+import pytest
+from multiproc import _read_size_ranks as R
+
+from liferaft.storage import memfs
+from liferaft.testing import run_ranks
+
+
+@pytest.fixture
+def copies(tmp_path):
+    if memfs.in_memory(str(tmp_path)) or not (os.path.isdir("/dev/shm") and memfs.in_memory("/dev/shm")):
+        pytest.skip("needs a disk folder and /dev/shm in RAM")
+    disk = str(tmp_path / "ck")
+    run_ranks(R.save_rows, 2, disk, timeout=150.0)
+    ram = f"/dev/shm/liferaft-test-{uuid.uuid4().hex}"
+    shutil.copytree(disk, ram)
+    yield disk, ram
+    shutil.rmtree(ram, ignore_errors=True)
+
+
+@pytest.mark.parametrize("layout", ["full", "cols"])
+def test_ranks_on_storages_of_different_read_sizes_agree(copies, layout):
+    disk, ram = copies
+    out = run_ranks(R.load, 2, [ram, disk], [None, None], layout, timeout=150.0)
+    assert all(o[0] == "ok" and o[1] for o in out), out
+
+
+def test_a_default_and_the_same_explicit_size_agree(copies):
+    disk, _ = copies
+    out = run_ranks(R.load, 2, [disk, disk], [None, 8 << 20], "cols", timeout=150.0)
+    assert all(o[0] == "ok" and o[1] for o in out), out
+    out = run_ranks(R.load, 2, [disk, disk], [None, 4 << 20], "cols", timeout=150.0)
+    assert all(o[0] == "error" and "different strict= or LoadOptions" in o[2] for o in out), out
