@@ -14,18 +14,18 @@ def reference() -> dict[str, torch.Tensor]:
             "s": torch.randn(64, 64, generator=g)}
 
 
-def save_rows(rank: int, world: int, path: str) -> None:
+def save_rows(rank: int, world: int, path: str, block_size: int | None = None) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (world,))
     st = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in reference().items()}
-    liferaft.save(path, st, options=SaveOptions(compression="off"))
+    liferaft.save(path, st, options=SaveOptions(compression="off", block_size=block_size, chunk_bytes=128 << 20))
 
 
 def load(rank: int, world: int, paths: list[str], reads: list[int | None], layout: str) -> tuple:
     """Load ``paths[rank]`` with ``max_read_bytes=reads[rank]`` into full tensors (``layout`` "full") or column
-    shards ("cols"); (outcome, bit-exact, the resolved max_read_bytes or the error)."""
+    shards ("cols"); (outcome, bit-exact, the error or the bytes received from peers)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -36,8 +36,8 @@ def load(rank: int, world: int, paths: list[str], reads: list[int | None], layou
         mesh = init_device_mesh("cpu", (world,))
         st = {k: distribute_tensor(torch.zeros_like(v), mesh, [Shard(1)]) for k, v in ref.items()}
     try:
-        liferaft.load(paths[rank], st, options=LoadOptions(timeout=30, max_read_bytes=reads[rank]))
+        res = liferaft.load(paths[rank], st, options=LoadOptions(timeout=30, max_read_bytes=reads[rank]))
     except liferaft.LiferaftError as e:
         return ("error", False, f"{type(e).__name__}: {e}")
     got = {k: (v.full_tensor() if layout != "full" else v) for k, v in st.items()}
-    return ("ok", all(torch.equal(got[k], ref[k]) for k in ref), None)
+    return ("ok", all(torch.equal(got[k], ref[k]) for k in ref), res.bytes_received)

@@ -41,3 +41,16 @@ def test_a_default_and_the_same_explicit_size_agree(copies):
     assert all(o[0] == "ok" and o[1] for o in out), out
     out = run_ranks(R.load, 2, [disk, disk], [None, 4 << 20], "cols", timeout=150.0)
     assert all(o[0] == "error" and "different strict= or LoadOptions" in o[2] for o in out), out
+
+
+def test_large_hash_blocks_are_still_shared(tmp_path):
+    # rows saved in 4 MiB hash blocks, loaded as columns: each rank needs every block; one reads, the other
+    # receives through the host's memory (a first fix let reads grow to 8 blocks, past the slots' size: nothing
+    # was shared, every block read by both ranks)
+    if not (os.path.isdir("/dev/shm") and memfs.in_memory("/dev/shm")):
+        pytest.skip("needs /dev/shm in RAM")
+    path = str(tmp_path / "ck")
+    run_ranks(R.save_rows, 2, path, 4 << 20, timeout=150.0)
+    out = run_ranks(R.load, 2, [path, path], [None, None], "cols", timeout=150.0)
+    assert all(o[0] == "ok" and o[1] for o in out), out
+    assert sum(o[2] for o in out) >= 16 << 20, out

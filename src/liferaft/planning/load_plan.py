@@ -16,8 +16,6 @@ from liferaft.format.manifest import CHECKSUM_ALGO, ChunkRecord, TensorEntry
 from liferaft.planning.geometry import Box, byte_span, intersect, split_for_reading, strides
 
 DEFAULT_MAX_READ = 32 * 1024 * 1024
-#: hash blocks a read of a chunk may always hold, whatever ``max_read`` (``plan_reads``)
-READ_BLOCKS = 8
 
 
 @dataclass(frozen=True)
@@ -93,6 +91,29 @@ def _units_for_chunk(key: str, chunk: ChunkRecord, itemsize: int, wanted: Sequen
     return _units_general(key, chunk, itemsize, wanted, max_read)
 
 
+def _row_pieces(local: Box, sizes: Sequence[int], itemsize: int, bs: int, max_read: int) -> list[Box] | None:
+    """``local`` (a box of a chunk of ``sizes``) cut on the chunk's hash-block grid into pieces of at most
+    ``max_read // bs`` blocks, when it is whole rows of the chunk and a block holds whole rows; else None. Pieces
+    cut anywhere else (``split_for_reading``) are read as whole blocks, one more at each end than they need, so
+    pieces of a block or two (4 MiB blocks, 8 MiB reads) read every block twice."""
+    row = itemsize
+    for d in sizes[1:]:
+        row *= d
+    if not sizes or row == 0 or bs % row or tuple(local[0][1:]) != (0,) * (len(sizes) - 1) or \
+            tuple(local[1][1:]) != tuple(sizes[1:]):
+        return None
+    per_block = bs // row
+    step = max(1, max_read // bs) * per_block             # rows per piece: whole blocks
+    lo, hi = local[0][0], local[0][0] + local[1][0]
+    out = []
+    r = lo
+    while r < hi:
+        end = min(hi, (r // step + 1) * step)               # the next multiple of ``step`` rows
+        out.append(((r,) + tuple(local[0][1:]), (end - r,) + tuple(local[1][1:])))
+        r = end
+    return out
+
+
 def _units_general(key: str, chunk: ChunkRecord, itemsize: int, wanted: Sequence[tuple[int, Box]],
                    max_read: int) -> list[ReadUnit]:
     bs = chunk.block_size
@@ -103,7 +124,8 @@ def _units_general(key: str, chunk: ChunkRecord, itemsize: int, wanted: Sequence
         if inter is None:
             continue
         local = (tuple(o - c for o, c in zip(inter[0], chunk.offsets)), inter[1])
-        for piece in split_for_reading(local, chunk.sizes, itemsize, bs, max(max_read - 2 * bs, bs)):
+        for piece in _row_pieces(local, chunk.sizes, itemsize, bs, max_read) or \
+                split_for_reading(local, chunk.sizes, itemsize, bs, max(max_read - 2 * bs, bs)):
             lo, hi = byte_span(piece, chunk.sizes, itemsize)
             glob = tuple(p + c for p, c in zip(piece[0], chunk.offsets))
             dest_off = tuple(g - d for g, d in zip(glob, dest[0]))
@@ -146,15 +168,12 @@ def _units_general(key: str, chunk: ChunkRecord, itemsize: int, wanted: Sequence
 def plan_reads(entry: TensorEntry, wanted: Sequence[tuple[int, Box]], max_read: int = DEFAULT_MAX_READ) -> list[ReadUnit]:
     """Reads that fill the ``wanted`` boxes (``(target index, global box)``) of tensor ``entry``.
 
-    ``max_read`` bounds the bytes of one read (the scratch buffer a reader needs), except that a read of a chunk
-    may always hold ``READ_BLOCKS`` of its hash blocks: a part of a chunk is read as whole blocks, at most one
-    more at each end than it needs, and a read of few blocks would read many twice (4 MiB blocks cut for 8 MiB
-    reads: every block read twice).
+    ``max_read`` bounds the bytes of one read (the scratch buffer a reader needs), except that a read always
+    holds at least one whole hash block.
     """
     units: list[ReadUnit] = []
     for chunk in _candidates(entry, wanted):
-        units.extend(_units_for_chunk(entry.key, chunk, entry.itemsize, wanted,
-                                      max(max_read, READ_BLOCKS * chunk.block_size)))
+        units.extend(_units_for_chunk(entry.key, chunk, entry.itemsize, wanted, max(max_read, chunk.block_size)))
     return units
 
 
