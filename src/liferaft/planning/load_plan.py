@@ -91,26 +91,48 @@ def _units_for_chunk(key: str, chunk: ChunkRecord, itemsize: int, wanted: Sequen
     return _units_general(key, chunk, itemsize, wanted, max_read)
 
 
-def _row_pieces(local: Box, sizes: Sequence[int], itemsize: int, bs: int, max_read: int) -> list[Box] | None:
-    """``local`` (a box of a chunk of ``sizes``) cut on the chunk's hash-block grid into pieces of at most
-    ``max_read // bs`` blocks, when it is whole rows of the chunk and a block holds whole rows; else None. Pieces
-    cut anywhere else (``split_for_reading``) are read as whole blocks, one more at each end than they need, so
-    pieces of a block or two (4 MiB blocks, 8 MiB reads) read every block twice."""
+def _clip(box: Box, sizes: Sequence[int], itemsize: int, lo: int, hi: int) -> list[Box]:
+    """The sub-boxes of ``box`` (chunk-local, the chunk of ``sizes``) holding exactly its elements whose bytes lie
+    in ``[lo, hi)`` of the chunk's row-major bytes (``lo``, ``hi`` multiples of ``itemsize``), in row-major order:
+    its whole rows there as one box, a row the bounds cut through as boxes of that row (recursively)."""
+    if not sizes:                               # (a 0-dim chunk: its one element starts at byte 0)
+        return [box] if lo <= 0 < hi else []
+    (o0, *orest), (n0, *nrest) = box
+    if not sizes[1:]:
+        a, b = max(o0, lo // itemsize), min(o0 + n0, hi // itemsize)
+        return [((a,), (b - a,))] if a < b else []
     row = itemsize
     for d in sizes[1:]:
         row *= d
-    if not sizes or row == 0 or bs % row or tuple(local[0][1:]) != (0,) * (len(sizes) - 1) or \
-            tuple(local[1][1:]) != tuple(sizes[1:]):
-        return None
-    per_block = bs // row
-    step = max(1, max_read // bs) * per_block             # rows per piece: whole blocks
-    lo, hi = local[0][0], local[0][0] + local[1][0]
-    out = []
-    r = lo
-    while r < hi:
-        end = min(hi, (r // step + 1) * step)               # the next multiple of ``step`` rows
-        out.append(((r,) + tuple(local[0][1:]), (end - r,) + tuple(local[1][1:])))
-        r = end
+    first, last = max(o0, lo // row), min(o0 + n0, -(-hi // row))     # the rows that reach into [lo, hi)
+    out: list[Box] = []
+    r = first
+    while r < last:
+        if r * row >= lo and (r + 1) * row <= hi:                       # whole rows: as many as lie inside
+            end = min(last, hi // row)
+            out.append(((r, *orest), (end - r, *nrest)))
+            r = end
+            continue
+        for sub_o, sub_n in _clip((tuple(orest), tuple(nrest)), sizes[1:], itemsize, max(0, lo - r * row),
+                                  min(row, hi - r * row)):
+            out.append(((r, *sub_o), (1, *sub_n)))
+        r += 1
+    return out
+
+
+def _grid_pieces(local: Box, sizes: Sequence[int], itemsize: int, bs: int, max_read: int) -> list[Box]:
+    """``local`` (a box of a chunk of ``sizes``) cut on the chunk's hash-block grid: into windows of
+    ``max(1, max_read // bs)`` whole blocks, each window's part split further where it has holes of a block or
+    more (``split_for_reading``). A piece cut anywhere else is read as whole blocks, the ones it starts and ends
+    in shared with its neighbours, which then read them again (pieces of a block or two — 4 MiB blocks, 8 MiB
+    reads — read every block twice); a window's pieces share blocks only with each other, and are read
+    together (``_units_general``)."""
+    window = max(1, max_read // bs) * bs
+    lo, hi = byte_span(local, sizes, itemsize)
+    out: list[Box] = []
+    for w in range(lo // window * window, hi, window):
+        for part in _clip(local, sizes, itemsize, w, w + window):
+            out.extend(split_for_reading(part, sizes, itemsize, bs, window))
     return out
 
 
@@ -124,8 +146,7 @@ def _units_general(key: str, chunk: ChunkRecord, itemsize: int, wanted: Sequence
         if inter is None:
             continue
         local = (tuple(o - c for o, c in zip(inter[0], chunk.offsets)), inter[1])
-        for piece in _row_pieces(local, chunk.sizes, itemsize, bs, max_read) or \
-                split_for_reading(local, chunk.sizes, itemsize, bs, max(max_read - 2 * bs, bs)):
+        for piece in _grid_pieces(local, chunk.sizes, itemsize, bs, max_read):
             lo, hi = byte_span(piece, chunk.sizes, itemsize)
             glob = tuple(p + c for p, c in zip(piece[0], chunk.offsets))
             dest_off = tuple(g - d for g, d in zip(glob, dest[0]))
@@ -154,11 +175,12 @@ def _units_general(key: str, chunk: ChunkRecord, itemsize: int, wanted: Sequence
                               delta=chunk.delta, checksum=chunk.checksum))
         group.clear()
 
+    per = max(1, max_read // bs)            # blocks of a window (``_grid_pieces``): a read holds one window
     for p in pieces:
         if group:
             g_lo = group[0][0]
             g_hi = max(q[1] for q in group)
-            if p[0] > g_hi or (max(g_hi, p[1]) - g_lo) * bs > max_read:
+            if p[0] > g_hi or (max(g_hi, p[1]) - g_lo) * bs > max_read or p[0] // per != g_lo // per:
                 flush()
         group.append(p)
     flush()
