@@ -7,6 +7,7 @@ the bytes come out exact, for any shape, dtype, block size and read size (a seed
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -54,7 +55,7 @@ def test_parts_of_chunks_read_each_block_once_exactly(seed):
                 spans.setdefault(u.file, []).append((u.file_offset, u.file_offset + u.length))
             for file_spans in spans.values():
                 file_spans.sort()
-                assert all(a[1] <= b[0] for a, b in zip(file_spans, file_spans[1:])), (bs, max_read, file_spans)
+                assert all(a[1] <= b[0] for a, b in itertools.pairwise(file_spans)), (bs, max_read, file_spans)
 
 
 def test_whole_rows_that_start_inside_a_large_block():

@@ -25,12 +25,12 @@ from liferaft.errors import CorruptCheckpointError, OptionsError, StorageError, 
 from liferaft.storage import files, iopath, memfs
 from liferaft.storage.base import RAM_READ_SIZE, FileWriter, Storage
 
-#: ``PosixStorage.read_size`` on a device. A load reads into a few scratch buffers while its caller's thread
-#: verifies and copies the one before; buffers this small stay in the CPU's cache, so the device's write into
-#: them and the verify and copy out of them run at cache speed. Measured on this project's VM (0.54 GB, cold,
-#: O_DIRECT): 8 MiB reads into 2 buffers load in 0.81 of the time 32 MiB reads take (0.335 s against 0.418 s,
-#: the medians of five runs each), and the device's own limit, reads into one prefaulted buffer, is 1.8 GB/s
-#: with that buffer at 8 MiB against 1.3–1.5 GB/s at 32 MiB or across a buffer of the file's size.
+#: ``PosixStorage.read_size`` on a device. A load reads into two scratch buffers while its caller's thread
+#: verifies and copies the one before. Measured on this project's VM (0.54 GB, cold, O_DIRECT, interleaved):
+#: loads reading 8 MiB at a time take 0.85 of the time 32 MiB reads take (0.328 s against 0.382 s, medians of
+#: 8 pairs; 0.343 against 0.402, ``benchmarks/bench_readsize.py``), 4 MiB about as long as 8. Buffers this
+#: small stay in the CPU's cache while they are verified and copied; the device's own reads into one reused
+#: 8 MiB buffer ran faster than into two 32 MiB ones in most runs (1.7–1.8 against 1.3–1.6 GB/s).
 DISK_READ_SIZE = 8 << 20
 
 _PAGE = 4096
