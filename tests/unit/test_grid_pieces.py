@@ -67,3 +67,16 @@ def test_whole_rows_that_start_inside_a_large_block():
     got, nread = run_units(units, data, [box], torch.float32)
     assert torch.equal(got[0], g[19:83])
     assert nread == 5 * (64 << 10)                       # (blocks 1..5: rows 16..95; cut anywhere: 8 blocks)
+
+
+def test_a_narrow_column_of_wide_rows_visits_only_the_windows_it_has_bytes_in(monkeypatch):
+    # a 1-wide column of a (64, 2**16) fp32 chunk in 4 KiB blocks and reads: 64 blocks hold its bytes, among
+    # 4096 windows of its span; each window was clipped (seconds of planning for larger chunks)
+    g = torch.zeros(64, 1 << 16)
+    entry, data = saved_entry(g, [((0, 0), (64, 1 << 16))], 4096)
+    calls = []
+    real = lp._clip
+    monkeypatch.setattr(lp, "_clip", lambda *a: calls.append(1) or real(*a))
+    units = lp.plan_reads(entry, [(0, ((0, 5), (64, 1)))], 4096)
+    assert len(units) == 64 and sum(u.length for u in units) == 64 * 4096
+    assert len(calls) <= 2 * 64

@@ -126,13 +126,17 @@ def _grid_pieces(local: Box, sizes: Sequence[int], itemsize: int, bs: int, max_r
     more (``split_for_reading``). A piece cut anywhere else is read as whole blocks, the ones it starts and ends
     in shared with its neighbours, which then read them again (pieces of a block or two — 4 MiB blocks, 8 MiB
     reads — read every block twice); a window's pieces share blocks only with each other, and are read
-    together (``_units_general``)."""
+    together (``_units_general``). A wanted range that a window's edge cuts through takes two reads where it
+    would fit one (the same bytes)."""
     window = max(1, max_read // bs) * bs
-    lo, hi = byte_span(local, sizes, itemsize)
     out: list[Box] = []
-    for w in range(lo // window * window, hi, window):
-        for part in _clip(local, sizes, itemsize, w, w + window):
-            out.extend(split_for_reading(part, sizes, itemsize, bs, window))
+    # (first the runs without holes of a block: a narrow column of wide rows spans many windows it has no byte
+    # in, and visiting each made planning take seconds)
+    for run in split_for_reading(local, sizes, itemsize, bs, 1 << 62):
+        lo, hi = byte_span(run, sizes, itemsize)
+        for w in range(lo // window * window, hi, window):
+            for part in _clip(run, sizes, itemsize, w, w + window):
+                out.extend(split_for_reading(part, sizes, itemsize, bs, window))
     return out
 
 
