@@ -312,9 +312,12 @@ LIMITS = [("memcpy_1t_s", "memcpy into prefaulted tensors, 1 thread"),
           ("write_fsync_s", "Python write + fsync, one file"),
           ("direct_write_s", "O_DIRECT write + fsync from an aligned 64 MiB buffer"), ("read_s", "read of that file")]
 INFLIGHT = (1, 4)                # requests in flight of the path grid (threads, 8 MiB requests)
-GRID = [(f"{io}_{mode}_{k}_s", f"{io} {'O_DIRECT' if mode == 'direct' else 'buffered'}, {k} in flight, 8 MiB "
+#: the grid's paths: O_DIRECT from buffers of 4 KiB pages, O_DIRECT from 2 MiB (transparent huge) pages, which
+#: reach the device in larger pieces (``liferaft.storage.iobuf``), and the page cache
+MODES = {"direct": "O_DIRECT", "hugedirect": "O_DIRECT from 2 MiB pages", "buffered": "buffered"}
+GRID = [(f"{io}_{mode}_{k}_s", f"{io} {MODES[mode]}, {k} in flight, 8 MiB "
          f"requests{' + fsync' if io == 'write' else ' (cold)'}")
-        for io in ("write", "read") for mode in ("direct", "buffered") for k in INFLIGHT]
+        for io in ("write", "read") for mode in MODES for k in INFLIGHT]
 LIMITS += GRID
 
 
@@ -383,19 +386,23 @@ def limits_op(tmp: str, cfg: W.Config, idle: float) -> dict[str, Any]:
         out["read_mode"] = f"buffered after fadvise(DONTNEED) (O_DIRECT refused: {e.strerror})"
         drop_cache(file)
         out["read_s"] = _read_file(file, buf, 0)
-    for mode in ("direct", "buffered"):
-        flag = os.O_DIRECT if mode == "direct" else 0
+    from liferaft.storage.iobuf import huge_buffer
+
+    huge = huge_buffer(len(buf))
+    huge[:] = b"\0" * len(huge)             # (prefaulted, as ``buf``)
+    for mode in MODES:
+        flag = os.O_DIRECT if mode != "buffered" else 0
         for k in INFLIGHT:
             time.sleep(idle / 4)
-            out[f"write_{mode}_{k}_s"] = _grid_write(file, buf, out["bytes"], flag, k)
+            out[f"write_{mode}_{k}_s"] = _grid_write(file, huge if mode == "hugedirect" else buf, out["bytes"], flag, k)
             if os.path.exists(file):
                 drop_cache(file)
-            out[f"read_{mode}_{k}_s"] = _grid_read(file, buf, out["bytes"], flag, k)
+            out[f"read_{mode}_{k}_s"] = _grid_read(file, buf, out["bytes"], flag, k, mode == "hugedirect")
     os.unlink(file)
     return out
 
 
-def _grid_write(file: str, buf: mmap.mmap, nbytes: int, flag: int, inflight: int) -> float:
+def _grid_write(file: str, buf: mmap.mmap | memoryview, nbytes: int, flag: int, inflight: int) -> float:
     """Seconds to write ``nbytes`` in 8 MiB requests from ``buf`` with ``inflight`` threads, plus fsync; NaN
     where the file system refuses ``flag``."""
     from concurrent.futures import ThreadPoolExecutor
@@ -421,16 +428,19 @@ def _grid_write(file: str, buf: mmap.mmap, nbytes: int, flag: int, inflight: int
     return time.perf_counter() - t0
 
 
-def _grid_read(file: str, buf: mmap.mmap, nbytes: int, flag: int, inflight: int) -> float:
-    """Seconds to read the file cold in 8 MiB requests with ``inflight`` threads; NaN where ``flag`` is refused."""
+def _grid_read(file: str, buf: mmap.mmap, nbytes: int, flag: int, inflight: int, huge: bool = False) -> float:
+    """Seconds to read the file cold in 8 MiB requests with ``inflight`` threads, into a buffer per thread (of
+    2 MiB pages where ``huge``); NaN where ``flag`` is refused."""
     from concurrent.futures import ThreadPoolExecutor
+
+    from liferaft.storage.iobuf import huge_buffer
 
     try:
         fd = os.open(file, os.O_RDONLY | flag)
     except OSError:
         return float("nan")
     req, size = 8 << 20, os.fstat(fd).st_size
-    bufs = [mmap.mmap(-1, req) for _ in range(inflight)]
+    bufs: list[Any] = [huge_buffer(req) if huge else mmap.mmap(-1, req) for _ in range(inflight)]
     local = threading.local()
 
     def one(at: int) -> None:

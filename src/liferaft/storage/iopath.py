@@ -58,6 +58,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from liferaft.format.layout import PROBE_PREFIX, is_probe_name  # noqa: F401 - is_probe_name: for callers
+from liferaft.storage.iobuf import huge_buffer
 
 PAGE = 4096
 MIN_RESIDENT = 0.5          # the least share of a request's pages in the page cache for it to read through it
@@ -321,7 +322,7 @@ def in_parallel(fn: Callable[[int, int], int], parts: list[tuple[int, int]]) -> 
     return out
 
 
-def _write(fd: int, buf: mmap.mmap, inflight: int) -> None:
+def _write(fd: int, buf: memoryview, inflight: int) -> None:
     def one(pos: int, n: int) -> int:
         with memoryview(buf)[pos:pos + n] as view:     # (released on a failure too: ``_close_probe``)
             done = 0
@@ -335,7 +336,7 @@ def _write(fd: int, buf: mmap.mmap, inflight: int) -> None:
     os.fsync(fd)
 
 
-def _read(fd: int, buf: mmap.mmap, inflight: int, nbytes: int) -> float:
+def _read(fd: int, buf: memoryview, inflight: int, nbytes: int) -> float:
     """Read the first ``nbytes`` of ``fd`` in ``PROBE_REQUEST`` requests, ``inflight`` at a time, into ``buf``
     (reused: request ``at`` lands at ``at % len(buf)``); return ``steady_rate`` of the reads."""
     def one(pos: int, n: int) -> int:
@@ -418,8 +419,8 @@ def probe(folder: str) -> Probe:
     else it is ``PROBE_PREFIX``... in ``folder`` (``is_probe_name``), removed after."""
     t0 = time.perf_counter()
     fd, name = _probe_file(folder)
-    buf = mmap.mmap(-1, PROBE_BYTES)
-    buf.write(b"\x5a" * PROBE_BYTES)                   # prefaulted, page aligned
+    buf = huge_buffer(PROBE_BYTES)                     # (the memory a load's or a save's requests come from)
+    buf[:] = b"\x5a" * PROBE_BYTES                      # prefaulted
     try:
         write, _ = _rounds(lambda direct, k: _time_write(fd, buf, direct, k))
         filled = _fill(fd, buf, READ_BYTES)
@@ -429,7 +430,7 @@ def probe(folder: str) -> Probe:
     return Probe(write=write, read=read, seconds=time.perf_counter() - t0)
 
 
-def _close_probe(fd: int, name: str | None, buf: mmap.mmap) -> None:
+def _close_probe(fd: int, name: str | None, buf: memoryview) -> None:
     """Close (and remove) the probe file first, whatever failed, so that neither its name nor the space it holds
     outlives the probe; then the buffer, unless a failed request's traceback still holds a view of it (it goes
     with the traceback)."""
@@ -441,10 +442,10 @@ def _close_probe(fd: int, name: str | None, buf: mmap.mmap) -> None:
                 os.unlink(name)
         finally:
             with contextlib.suppress(BufferError):
-                buf.close()
+                buf.release()
 
 
-def _time_write(fd: int, buf: mmap.mmap, direct: bool, k: int) -> tuple[float, float] | None:
+def _time_write(fd: int, buf: memoryview, direct: bool, k: int) -> tuple[float, float] | None:
     """(write + fsync bytes per second of one path on the probe file ``fd``, 0); None where the file system
     refuses O_DIRECT."""
     os.ftruncate(fd, 0)
@@ -460,7 +461,7 @@ def _time_write(fd: int, buf: mmap.mmap, direct: bool, k: int) -> tuple[float, f
         return None
 
 
-def _fill(fd: int, buf: mmap.mmap, nbytes: int) -> int:
+def _fill(fd: int, buf: memoryview, nbytes: int) -> int:
     """Make the probe file ``fd`` up to ``nbytes`` long (copies of ``buf``, through the page cache), on the device;
     return its length: shorter, in whole pages, where the file system has no room for all of it (the reads are
     then timed on what fits; 0: no read figures)."""
@@ -480,7 +481,7 @@ def _fill(fd: int, buf: mmap.mmap, nbytes: int) -> int:
     return at
 
 
-def _time_read(fd: int, buf: mmap.mmap, direct: bool, k: int, nbytes: int) -> tuple[float, float] | None:
+def _time_read(fd: int, buf: memoryview, direct: bool, k: int, nbytes: int) -> tuple[float, float] | None:
     """(0, cold read bytes per second of one path: ``_read`` of the first ``nbytes`` of ``fd`` after dropping
     them from the page cache); None where the file system refuses O_DIRECT."""
     if not _set_direct(fd, direct):
@@ -509,8 +510,8 @@ def probe_reads(open_file: Callable[[bool], int], size: int) -> Probe | None:
                 return None
         finally:
             os.close(fd)
-    buf = mmap.mmap(-1, max(min(n, PROBE_BYTES), PAGE))
-    buf.write(b"\0" * len(buf))
+    buf = huge_buffer(max(min(n, PROBE_BYTES), PAGE))
+    buf[:] = b"\0" * len(buf)
 
     def measure(direct: bool, k: int) -> tuple[float, float] | None:
         try:
@@ -529,7 +530,7 @@ def probe_reads(open_file: Callable[[bool], int], size: int) -> Probe | None:
         _, read = _rounds(measure) if n else ({}, {})
     finally:
         with contextlib.suppress(BufferError):       # (a failed request's traceback may hold a view of it)
-            buf.close()
+            buf.release()
     return Probe(write={}, read=read, seconds=time.perf_counter() - t0)
 
 
