@@ -31,7 +31,7 @@ import torch
 from liferaft.codecs import frames, registry
 from liferaft.codecs.base import EncodedChunk
 from liferaft.codecs.checksum import CHECKSUM_BITS, BlockHasher, block_hashes, choose_block_size
-from liferaft.core.chunks.behind import WriteBehind
+from liferaft.core.chunks.behind import Write, WriteBehind
 from liferaft.core.chunks.encoding import EncodeQueue, InFlight
 from liferaft.errors import StorageError
 from liferaft.format.manifest import CHECKSUM_ALGO, ChunkRecord
@@ -324,6 +324,8 @@ def _next(pieces: PieceQueue, pool: BufferPool, waiting_ok: bool, encoding: Enco
     while True:
         encoding.collect()
         behind.check()
+        if pool.waiting or not behind.busy:
+            behind.kick()   # (the writes kept back to be joined go once the I/O thread is idle or room is needed)
         try:
             piece = pieces.get(timeout=None if waiting_ok and not encoding and not behind else 0.005)
         except queue.Empty:
@@ -346,15 +348,9 @@ def _write_behind(behind: WriteBehind, f: _File, piece: Piece, base: int, out: W
                   pool: BufferPool) -> None:
     """Hand ``piece`` (hashed) to the I/O thread, which writes it at ``base`` + its offset and releases it."""
     out.bytes_written += piece.data.numel()
-
-    def job() -> None:
-        mv = memoryview(piece.data.numpy()).cast("B")
-        f.pwrite(mv, base + piece.offset)
-        del mv
-        if piece.region >= 0:
-            pool.release(piece.region)
-
-    behind.submit(job)
+    region = piece.region
+    behind.submit(Write(f.pwrite, piece.data, base + piece.offset,
+                        (lambda: pool.release(region)) if region >= 0 else None))
 
 
 def _release_behind(behind: WriteBehind, held: Sequence[Piece], pool: BufferPool) -> None:
@@ -421,15 +417,8 @@ def _write_held_raw(f: _File, behind: WriteBehind, w: WriteItem, held: Sequence[
     """Place a whole held chunk raw and hand its write to the I/O thread (the caller releases ``held`` after it,
     with ``_release_behind``)."""
     pos = f.start(w.length)
-    pieces = list(held)
-
-    def job() -> None:
-        for p in pieces:
-            mv = memoryview(p.data.numpy()).cast("B")
-            f.pwrite(mv, pos + p.offset)
-            del mv
-
-    behind.submit(job)
+    for p in held:
+        behind.submit(Write(f.pwrite, p.data, pos + p.offset))
     out.bytes_written += w.length
     return StoredChunk(file=w.file, byte_offset=pos, block_size=block_size, hashes=sums[0], digest=sums[1])
 

@@ -1,0 +1,149 @@
+"""core.chunks.behind: consecutive raw writes (``Write``) join into one request; everything else keeps its order."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+import liferaft
+from liferaft.core.chunks import behind
+from liferaft.core.chunks.behind import JOIN, Write, WriteBehind
+
+
+class Sink:
+    """A file-like target recording each request (offset, bytes) and, in one log, the order of requests and
+    callbacks."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[int, bytes]] = []
+        self.log: list[str] = []
+
+    def put(self, view: memoryview, offset: int) -> None:
+        self.requests.append((offset, bytes(view)))
+        self.log.append(f"put {offset} {len(view)}")
+
+
+def _after(sink: Sink, name: str):
+    return lambda: sink.log.append(f"after {name}")
+
+
+def test_consecutive_writes_go_as_one_request_then_their_callbacks_in_order():
+    sink, wb = Sink(), WriteBehind()
+    buf = torch.arange(64, dtype=torch.uint8).repeat(64)         # 4096 bytes
+    for i in range(4):
+        wb.submit(Write(sink.put, buf[i * 100:(i + 1) * 100], 1000 + i * 100, _after(sink, str(i))))
+    wb.flush()
+    assert sink.requests == [(1000, bytes(buf[:400].numpy()))]
+    assert sink.log == ["put 1000 400", "after 0", "after 1", "after 2", "after 3"]
+
+
+@pytest.mark.parametrize("gap", ["memory", "file", "storage", "target"])
+def test_writes_that_do_not_follow_stay_separate(gap):
+    sink, other, wb = Sink(), Sink(), WriteBehind()
+    buf = torch.zeros(1000, dtype=torch.uint8)
+    second = {"memory": (sink.put, buf[110:210], 100), "file": (sink.put, buf[100:200], 101),
+              "storage": (sink.put, buf.clone()[100:200], 100), "target": (other.put, buf[100:200], 100)}[gap]
+    wb.submit(Write(sink.put, buf[:100], 0))
+    wb.submit(Write(*second))
+    wb.flush()
+    assert [o for o, _ in sink.requests + other.requests] == [0, second[2]]
+
+
+def test_a_run_is_at_most_join_bytes():
+    sink, wb = Sink(), WriteBehind()
+    piece = JOIN // 3 + 1
+    buf = torch.zeros(piece * 7, dtype=torch.uint8)
+    for i in range(7):
+        wb.submit(Write(sink.put, buf[i * piece:(i + 1) * piece], i * piece))
+    wb.flush()
+    sizes = [len(b) for _, b in sink.requests]
+    assert sum(sizes) == 7 * piece and max(sizes) <= JOIN and len(sizes) == 4     # 2 + 2 + 2 + 1 pieces
+
+
+def test_another_job_sends_the_run_first_and_keeps_the_order():
+    sink, wb = Sink(), WriteBehind()
+    buf = torch.zeros(300, dtype=torch.uint8)
+    wb.submit(Write(sink.put, buf[:100], 0, _after(sink, "a")))
+    wb.submit(Write(sink.put, buf[100:200], 100, _after(sink, "b")))
+    wb.submit(lambda: sink.log.append("job"))
+    wb.submit(Write(sink.put, buf[200:300], 200, _after(sink, "c")))   # follows b, but after the job: a new run
+    wb.flush()
+    assert sink.log == ["put 0 200", "after a", "after b", "job", "put 200 100", "after c"]
+
+
+def test_kick_sends_the_kept_run_and_busy_counts_only_what_was_sent():
+    sink, wb = Sink(), WriteBehind()
+    gate = threading.Event()
+    buf = torch.zeros(200, dtype=torch.uint8)
+    wb.submit(Write(sink.put, buf[:100], 0, gate.set))
+    assert wb and not wb.busy and sink.requests == []       # kept back: nothing sent yet
+    wb.kick()
+    assert gate.wait(10)
+    wb.flush()
+    assert sink.requests == [(0, bytes(100))] and not wb
+
+
+def test_close_drops_the_kept_run():
+    sink, wb = Sink(), WriteBehind()
+    buf = torch.zeros(200, dtype=torch.uint8)
+    wb.submit(lambda: None)                                   # (the thread runs)
+    wb.submit(Write(sink.put, buf[:100], 0, _after(sink, "a")))
+    wb.close()
+    assert sink.requests == [] and "after a" not in sink.log and not wb
+
+
+def test_a_failed_joined_write_runs_no_callback_and_is_raised():
+    wb = WriteBehind()
+    after: list[int] = []
+    buf = torch.zeros(200, dtype=torch.uint8)
+
+    def put(view: memoryview, offset: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    wb.submit(Write(put, buf[:100], 0, lambda: after.append(0)))
+    wb.submit(Write(put, buf[100:200], 100, lambda: after.append(1)))
+    with pytest.raises(OSError, match="No space"):
+        wb.flush()
+    assert after == []
+    wb.close()
+
+
+@pytest.mark.parametrize("budget_mib", [2, 64])
+def test_saves_of_many_small_chunks_through_a_small_pool_join_and_round_trip(tmp_path, budget_mib, monkeypatch):
+    """Pieces staged one after the other in the pool join (fewer requests than chunks) while the I/O thread is
+    busy (each request here takes at least 2 ms, as a slow disk's would), the bytes come back exact, and a pool
+    that holds only a few pieces never waits for a run the writer keeps back (it would hang)."""
+    import time
+
+    from liferaft.storage import posix
+
+    calls = []
+    real, real_pwrite = behind._Joined.__call__, posix._PosixWriter.pwrite
+
+    def counted(self):
+        calls.append(len(self.writes))
+        real(self)
+
+    def slow(self, data, offset):
+        time.sleep(0.002)
+        real_pwrite(self, data, offset)
+
+    monkeypatch.setattr(behind._Joined, "__call__", counted)
+    monkeypatch.setattr(posix._PosixWriter, "pwrite", slow)
+    g = torch.Generator().manual_seed(1)
+    state = {f"t{i}": torch.randn(128, 512, generator=g) for i in range(96)}       # 96 chunks of 256 KiB
+    for mode in ("async", "sync"):
+        path = os.path.join(tmp_path, mode)
+        calls.clear()
+        opts = liferaft.SaveOptions(memory_budget=budget_mib << 20, compression="off")
+        if mode == "async":
+            liferaft.async_save(path, state, options=opts).wait()
+        else:
+            liferaft.save(path, state, options=opts)
+        back = {k: torch.zeros_like(v) for k, v in state.items()}
+        liferaft.load(path, back)
+        assert all(torch.equal(back[k], state[k]) for k in state)
+        assert sum(calls) == 96 and len(calls) < 96, calls
