@@ -16,12 +16,14 @@ Contract:
   failed, and never waits for pool room that a dropped job would have given back);
 - ``close`` stops the thread, running no further job and raising nothing (the error path: the caller raises its
   own error, then aborts the file — no write may still be running when the file is closed);
-- raw writes submitted as ``Write`` jobs are joined on the I/O thread: a ``Write`` and those queued right after it
-  whose bytes follow it both in memory (one tensor storage) and in the file go to storage as one request of at
-  most ``JOIN`` bytes, their ``after`` callbacks run after it in order (the 1 MiB pieces of consecutive chunks
-  staged one after the other in the pool reach the device as 8 MiB requests: O_DIRECT from the pool's huge pages
-  ran 1.6 GB/s in 1 MiB requests, 3.2 in 8 MiB ones here). Only jobs already queued are joined: a write is
-  never held back waiting for the next one;
+- raw writes submitted as ``Write`` jobs are joined: a ``Write`` whose bytes follow the previous one's both in
+  memory (one tensor storage) and in the file joins the run kept back on the submitting side, which goes to the
+  I/O thread as one request of at most ``JOIN`` bytes (then each write's ``after``, a pool region's release, in
+  order) when it reaches ``JOIN``, before any other job, at ``flush``, or at ``kick``: the writer kicks whenever
+  the I/O thread is idle or the stager waits for room, so a run grows only while the device is busy and never
+  holds back room the stager needs. The 1 MiB pieces of consecutive chunks staged one after the other in the
+  pool then reach the device as requests of several MiB (O_DIRECT from the pool's huge pages here: 2.5 GB/s in
+  2 MiB requests, 3.2 in 8 MiB ones); ``close`` drops the kept run;
 - memory stays bounded: a job holds a pool region until it has run (the stager cannot take more than the pool
   holds), and memory a job holds besides (``submit(..., holds=n)``: a chunk's encoded frames) is bounded by
   ``limit``: ``submit`` waits until the jobs queued before hold less than ``limit`` (or none), so that at most
