@@ -5,13 +5,15 @@ times in an interleaved order, drops both from the page cache and times:
 
 - the device: O_DIRECT reads of liferaft's data file in 8 MiB requests into one reused 8 MiB buffer, into two
   alternating 8 MiB buffers, into two alternating 32 MiB buffers, and across a buffer of the file's size (where
-  a load's bytes must land in the end);
-- ``liferaft.load`` into zeroed tensors at ``max_read_bytes`` 4, 8 (the default on a local disk:
-  ``storage.posix.DISK_READ_SIZE``), 16 and 32 MiB (the default before 2026-12-07), every load checked
+  a load's bytes must land in the end), all of 4 KiB pages; and into two alternating buffers of transparent huge
+  pages (``storage.iobuf``, what liferaft reads into), in 8 and in 16 MiB requests;
+- ``liferaft.load`` into zeroed tensors at ``max_read_bytes`` 4, 8 (the default on a local disk on 2026-12-07),
+  16 (the default since: ``storage.posix.DISK_READ_SIZE``) and 32 MiB (the default before), every load checked
   bit-exact;
 - ``dcp.load`` into the same tensors;
 - the device's writes from the sources a save has: O_DIRECT writes + fsync of 1 MiB pieces from one large
-  mapping against from 1 MiB tensors torch allocated one by one (each its own mapping).
+  mapping against from 1 MiB tensors torch allocated one by one (each its own mapping), and of 8 MiB pieces of
+  one mapping of huge pages (a save's pool, its pieces' writes joined).
 
 Prints seconds (median [min–max]) and CPU seconds per GB. Loads run in this one process (a ``gc.collect()``
 before each), unlike ``bench_sync``'s fresh process per operation: compare the rows with each other.
@@ -41,7 +43,15 @@ from _common import ROOT, cpu_seconds, drop_cache, machine  # sets up the paths
 MiB = 1 << 20
 
 
-def _aligned(nbytes: int) -> memoryview:
+def _aligned(nbytes: int, huge: bool = False) -> memoryview:
+    """A prefaulted page-aligned buffer of 4 KiB pages, or of transparent huge pages (``storage.iobuf``: what
+    liferaft's own I/O buffers are)."""
+    from liferaft.storage.iobuf import huge_buffer
+
+    if huge:
+        v = huge_buffer(nbytes)
+        v[:] = b"\0" * nbytes
+        return v
     m = mmap.mmap(-1, nbytes)
     m.write(b"\0" * nbytes)                 # (prefaulted)
     return memoryview(m)
@@ -112,9 +122,12 @@ def main() -> int:
         targets = W.build_state(cfg, "full", filled=False)
         one, two8, two32 = [_aligned(8 * MiB)], [_aligned(8 * MiB) for _ in range(2)], \
             [_aligned(32 * MiB) for _ in range(2)]
+        huge_two8, huge_two16 = [_aligned(8 * MiB, True) for _ in range(2)], [_aligned(16 * MiB, True) for _ in range(2)]
         whole = [_aligned(-(-os.path.getsize(data) // 4096) * 4096)]
         big = _aligned(512 * MiB + 8192)
         pieces_big = [big[64 + i * MiB:64 + (i + 1) * MiB] for i in range(512)]
+        huge_big = _aligned(512 * MiB + 8192, True)
+        huge_8 = [huge_big[64 + i * 8 * MiB:64 + (i + 1) * 8 * MiB] for i in range(64)]
         pieces_tensors = [memoryview(t.numpy()).cast("B") for t in tensors]
 
         def load(mrb: int | None) -> Callable[[], None]:
@@ -127,15 +140,21 @@ def main() -> int:
             ("device: O_DIRECT read, two 8 MiB buffers", lambda: _direct_read(data, two8), nbytes),
             ("device: O_DIRECT read, two 32 MiB buffers", lambda: _direct_read(data, two32), nbytes),
             ("device: O_DIRECT read across a buffer of the file's size", lambda: _direct_read(data, whole), nbytes),
+            ("device: O_DIRECT read, two 8 MiB buffers of 2 MiB pages", lambda: _direct_read(data, huge_two8),
+             nbytes),
+            ("device: O_DIRECT read, two 16 MiB buffers of 2 MiB pages, 16 MiB requests",
+             lambda: _direct_read(data, huge_two16, 16 * MiB), nbytes),
             ("liferaft.load, max_read_bytes 4 MiB", load(4 * MiB), nbytes),
-            ("liferaft.load, max_read_bytes 8 MiB (default)", load(None), nbytes),
-            ("liferaft.load, max_read_bytes 16 MiB", load(16 * MiB), nbytes),
-            ("liferaft.load, max_read_bytes 32 MiB (default before)", load(32 * MiB), nbytes),
+            ("liferaft.load, max_read_bytes 8 MiB (the default 2026-12-07)", load(8 * MiB), nbytes),
+            ("liferaft.load, max_read_bytes 16 MiB (default)", load(None), nbytes),
+            ("liferaft.load, max_read_bytes 32 MiB (the default before 2026-12-07)", load(32 * MiB), nbytes),
             ("dcp.load", lambda: dcp.load(targets, checkpoint_id=dc, no_dist=True), nbytes),
             ("device: O_DIRECT write of 1 MiB pieces from one mapping", lambda: _direct_write(work, pieces_big),
              512 * MiB),
             ("device: O_DIRECT write of 1 MiB tensors, each its own mapping",
              lambda: _direct_write(work, pieces_tensors), 512 * MiB),
+            ("device: O_DIRECT write of 8 MiB pieces from one mapping of 2 MiB pages",
+             lambda: _direct_write(work, huge_8), 512 * MiB),
         ]
         times: dict[str, list[float]] = {c[0]: [] for c in cases}
         cpus: dict[str, list[float]] = {c[0]: [] for c in cases}

@@ -1,5 +1,5 @@
 """The ranks of a load agree on one read size (``core.open``): where ``LoadOptions.max_read_bytes`` is None each
-takes the smallest ``Storage.read_size`` of the ranks, so ranks reading one checkpoint from a disk (8 MiB) and
+takes the smallest ``Storage.read_size`` of the ranks, so ranks reading one checkpoint from a disk (16 MiB) and
 from a copy in RAM (4 MiB) plan their reads and the host's shared spans alike. Before, they planned apart and
 waited for each other's messages until the timeout."""
 
@@ -13,6 +13,7 @@ import pytest
 from multiproc import _read_size_ranks as R
 
 from liferaft.storage import memfs
+from liferaft.storage.posix import DISK_READ_SIZE
 from liferaft.testing import run_ranks
 
 
@@ -37,7 +38,7 @@ def test_ranks_on_storages_of_different_read_sizes_agree(copies, layout):
 
 def test_a_default_and_the_same_explicit_size_agree(copies):
     disk, _ = copies
-    out = run_ranks(R.load, 2, [disk, disk], [None, 8 << 20], "cols", timeout=150.0)
+    out = run_ranks(R.load, 2, [disk, disk], [None, DISK_READ_SIZE], "cols", timeout=150.0)
     assert all(o[0] == "ok" and o[1] for o in out), out
     out = run_ranks(R.load, 2, [disk, disk], [None, 4 << 20], "cols", timeout=150.0)
     assert all(o[0] == "error" and "different strict= or LoadOptions" in o[2] for o in out), out

@@ -26,12 +26,12 @@ from liferaft.storage import files, iopath, memfs
 from liferaft.storage.base import RAM_READ_SIZE, FileWriter, Storage
 
 #: ``PosixStorage.read_size`` on a device. A load reads into two scratch buffers while its caller's thread
-#: verifies and copies the one before. Measured on this project's VM (0.54 GB, cold, O_DIRECT, interleaved):
-#: loads reading 8 MiB at a time take 0.85 of the time 32 MiB reads take (0.328 s against 0.382 s, medians of
-#: 8 pairs; 0.343 against 0.402, ``benchmarks/bench_readsize.py``), 4 MiB about as long as 8. Buffers this
-#: small stay in the CPU's cache while they are verified and copied; the device's own reads into one reused
-#: 8 MiB buffer ran faster than into two 32 MiB ones in most runs (1.7–1.8 against 1.3–1.6 GB/s).
-DISK_READ_SIZE = 8 << 20
+#: verifies and copies the one before. Measured on this project's VM (0.54 GB, cold, O_DIRECT,
+#: ``benchmarks/bench_readsize.py``, 5 interleaved reps, two runs): since the buffers are of transparent huge
+#: pages (``storage.iobuf``), loads reading 16 MiB at a time took 0.317 and 0.315 s, 8 MiB 0.339 and 0.356 s,
+#: 32 MiB 0.303 and 0.343 s (wider spread). With buffers of 4 KiB pages 8 MiB had been best (0.343 against
+#: 0.402 s at 32 MiB): per request the device then took ~1 MiB pieces, and small buffers stayed in the cache.
+DISK_READ_SIZE = 16 << 20
 
 _PAGE = 4096
 
