@@ -29,7 +29,7 @@ from typing import Any
 import _bench_ranks as W
 import torch
 import torch.distributed as dist
-from _common import PeakRss, cpu_now, drop_cache, med_range
+from _common import PeakRss, cpu_now, drop_cache, med_range, small_pages
 
 UPDATE_ELEMS = 256
 TAIL_STEPS = 10     # steps the loop runs on after the save is durable: with the steps before it, the slowdown's base
@@ -375,7 +375,7 @@ def limits_op(tmp: str, cfg: W.Config, idle: float) -> dict[str, Any]:
         os.close(fd)
     out["write_fsync_s"] = time.perf_counter() - t0
     drop_cache(file)
-    buf = mmap.mmap(-1, 64 << 20)
+    buf = small_pages(64 << 20)
     buf.write(b"\0" * len(buf))              # prefault the (page-aligned) buffer
     out["direct_write_s"] = _direct_write(os.path.join(tmp, "limits-direct.bin"), buf, out["bytes"])
     time.sleep(idle)
@@ -440,7 +440,7 @@ def _grid_read(file: str, buf: mmap.mmap, nbytes: int, flag: int, inflight: int,
     except OSError:
         return float("nan")
     req, size = 8 << 20, os.fstat(fd).st_size
-    bufs: list[Any] = [huge_buffer(req) if huge else mmap.mmap(-1, req) for _ in range(inflight)]
+    bufs: list[Any] = [huge_buffer(req) if huge else small_pages(req) for _ in range(inflight)]
     local = threading.local()
 
     def one(at: int) -> None:

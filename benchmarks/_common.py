@@ -49,6 +49,21 @@ def drop_cache(root: str) -> None:
             os.close(fd)
 
 
+def small_pages(nbytes: int) -> Any:
+    """An anonymous shared mapping of ``nbytes`` kept in 4 KiB pages (``MADV_NOHUGEPAGE``, where THP would
+    otherwise back it: shmem THP ``always``): the limits rows that say "O_DIRECT" mean buffers of small pages,
+    the rows "from 2 MiB pages" ``liferaft.storage.iobuf``'s."""
+    import contextlib
+    import mmap
+
+    m = mmap.mmap(-1, nbytes)
+    advise = getattr(mmap, "MADV_NOHUGEPAGE", None)
+    if advise is not None:
+        with contextlib.suppress(OSError):
+            m.madvise(advise)
+    return m
+
+
 def dir_bytes(root: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)
 

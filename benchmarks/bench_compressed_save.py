@@ -41,7 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from _common import ROOT, append_jsonl, dir_bytes, drop_cache, machine, med_range
+from _common import ROOT, append_jsonl, dir_bytes, drop_cache, machine, med_range, small_pages
 
 import liferaft
 from liferaft import LoadOptions, SaveOptions
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: dict[str, dict[str, list[float]]] = {}
     stored: dict[str, list[int]] = {m: [] for m in SAVES}
     run_id = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    buf = mmap.mmap(-1, 64 << 20)
+    buf = small_pages(64 << 20)
     buf.write(b"\0" * len(buf))                             # (a prefaulted, page-aligned source for the limit)
 
     def record(what: str, rep: int, wall: float, cpu: float, **extra: Any) -> None:

@@ -27,7 +27,6 @@ import argparse
 import ctypes
 import datetime
 import gc
-import mmap
 import os
 import shutil
 import statistics
@@ -38,7 +37,7 @@ from collections.abc import Callable
 
 import _bench_ranks as W
 import torch
-from _common import ROOT, cpu_seconds, drop_cache, machine  # sets up the paths
+from _common import ROOT, cpu_seconds, drop_cache, machine, small_pages  # sets up the paths
 
 MiB = 1 << 20
 
@@ -52,7 +51,7 @@ def _aligned(nbytes: int, huge: bool = False) -> memoryview:
         v = huge_buffer(nbytes)
         v[:] = b"\0" * nbytes
         return v
-    m = mmap.mmap(-1, nbytes)
+    m = small_pages(nbytes)
     m.write(b"\0" * nbytes)                 # (prefaulted)
     return memoryview(m)
 

@@ -2,45 +2,71 @@
 
 An O_DIRECT request goes to the block device as bios of at most ``max_segments`` physically contiguous pieces
 (``/sys/block/<dev>/queue/max_segments``: 254 on these VMs' virtio disk, with ``max_sectors_kb`` 4096). From a
-buffer of 4 KiB pages every page is a piece, so an 8 MiB request leaves as about eight requests of at most 1 MiB;
-from 2 MiB pages it leaves as two of 4 MiB. Measured here (0.5 GiB, 8 MiB requests, one in flight, interleaved):
-O_DIRECT reads 1.17 -> 2.89 GB/s and writes + fsync 1.80 -> 3.16 GB/s, where a buffered cold read ran at 2.05.
+buffer of 4 KiB pages every page is a piece, so a request leaves in bios of at most ~1 MiB; from 2 MiB pages a
+piece is 2 MiB, and a bio carries up to ``max_sectors_kb``. Measured here, the same runs, 0.25-0.5 GiB in 8 MiB
+requests: O_DIRECT reads from 4 KiB pages 0.87-1.6 GB/s against 1.95-2.9 from huge pages, writes + fsync 1.8-2.0
+against 2.4-3.2 (one request in flight; with four the 4 KiB-page reads ran 1.1-1.6, the huge-page ones 2.0-2.6).
 The page cache's own large folios are why a buffered read had looked faster than O_DIRECT on some hours.
 
-``huge_buffer(n)`` maps ``n`` bytes of private anonymous memory starting on a 2 MiB boundary (plus ``phase``) and
-asks for huge pages (``MADV_HUGEPAGE``) before anything touches it: with the kernel's THP setting ``always`` or
-``madvise`` the first touch of each 2 MiB takes one huge page. Where there are none (THP ``never``, no THP in the
-kernel, or no huge page free and none made by compaction) the same memory is simply 4 KiB pages: nothing fails.
-Nothing is touched here: like ``torch.empty`` the memory costs nothing until written or read into. Smaller than
-``HUGE_FROM`` the caller keeps its usual allocation (a huge page per small buffer would cost up to 2 MiB each).
-The cost: a buffer's resident memory is rounded up to whole 2 MiB pages, and where the kernel's ``defrag`` setting
-is ``madvise`` (the default) a first touch may compact memory to make a huge page.
+``huge_buffer(n)`` maps ``n`` bytes of private anonymous memory and asks for huge pages (``MADV_HUGEPAGE``) for
+the whole huge pages inside it before anything touches it: with the kernel's THP setting ``always`` or
+``madvise`` the first touch of each takes one huge page. Its memory stays what it holds: the buffer starts
+``PAGE - phase`` bytes before a huge-page boundary (``phase`` bytes into a page, as asked), so that only a part of
+a page lies before its first whole huge page; a last, partial huge page is advised too only when at most
+``PAGE`` bytes of it would lie past the buffer. The rest is 4 KiB pages. Resident, a buffer then costs at most
+``2 * PAGE`` bytes more than its size, as one from ``torch.empty`` does. Where there are no huge pages (THP
+``never``, a process with THP disabled, no THP in the kernel, none free and none made by compaction) the same
+memory is simply 4 KiB pages: nothing fails. Nothing is touched here: like ``torch.empty`` the memory costs
+nothing until written or read into. The cost: where the kernel's ``defrag`` setting is ``madvise`` (the
+default), a first touch may compact memory to make a huge page.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import mmap
 
-HUGE = 2 << 20          # the size (and alignment) of an x86-64 / arm64 (4 KiB granule) transparent huge page
-HUGE_FROM = 1 << 20     # buffers at least this large are mapped here (``huge_buffer``); smaller ones are not
+PAGE = mmap.PAGESIZE
+HUGE_FROM = 2 << 20     # I/O buffers at least this large are ``huge_buffer``s (a smaller one holds no huge page)
+_PMD_SIZE = "/sys/kernel/mm/transparent_hugepage/hpage_pmd_size"
+
+
+@functools.cache
+def huge_page_size() -> int:
+    """The size of a transparent huge page on this machine (``hpage_pmd_size``: 2 MiB on x86-64 and on arm64
+    with 4 KiB pages), read once; 2 MiB where the kernel does not say (no THP: the advice is then a no-op)."""
+    try:
+        with open(_PMD_SIZE, "rb") as f:
+            size = int(f.read(32).strip())
+    except (OSError, ValueError):
+        return 2 << 20
+    return size if size >= PAGE and size % PAGE == 0 and size <= 1 << 30 else 2 << 20
 
 
 def huge_buffer(nbytes: int, phase: int = 0) -> memoryview:
     """A writable memoryview of ``nbytes`` (> 0) bytes of fresh private anonymous memory whose first byte lies
-    ``phase`` (0 <= phase < HUGE) bytes past a ``HUGE`` boundary, advised for huge pages. Untouched: its content is
-    zeros on first read (like any fresh anonymous memory). The view keeps its mapping alive; the mapping is
-    unmapped when the last view of it (or of a slice of it, a tensor made from it) is gone."""
-    if nbytes <= 0 or not 0 <= phase < HUGE:
-        raise ValueError(f"huge_buffer: nbytes must be > 0 and phase in [0, {HUGE}) (got {nbytes}, {phase})")
-    span = -(-(nbytes + phase) // HUGE) * HUGE      # the whole huge pages the buffer lies in
-    m = mmap.mmap(-1, span + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    ``phase`` (0 <= phase < PAGE) bytes past a page boundary, the whole huge pages inside it advised for huge
+    pages (see the module). Untouched: its content is zeros on first read (like any fresh anonymous memory). The
+    view keeps its mapping alive; the mapping is unmapped when the last view of it (or of a slice of it, a tensor
+    made from it) is gone."""
+    if nbytes <= 0 or not 0 <= phase < PAGE:
+        raise ValueError(f"huge_buffer: nbytes must be > 0 and phase in [0, {PAGE}) (got {nbytes}, {phase})")
+    huge = huge_page_size()
+    lead = 0 if phase == 0 else huge - PAGE + phase      # where in a huge page the buffer starts
+    m = mmap.mmap(-1, 2 * huge + nbytes + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     first = ctypes.c_char.from_buffer(m)
-    skip = (-ctypes.addressof(first)) % HUGE
+    base = ctypes.addressof(first)
     del first                                   # (its export of ``m``'s buffer)
+    start = (-base) % huge + lead               # offset of the buffer in ``m``
+    lo = start + (-(base + start)) % huge       # the first whole huge page inside it
+    end = start + nbytes
+    hi = end - (base + end) % huge              # the end of its last whole huge page
+    if (base + end) % huge and huge - (base + end) % huge <= PAGE:
+        hi += huge                              # (a last partial huge page that wastes at most a page)
     advise = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advise is not None:
+    if advise is not None and hi > lo:
         with contextlib.suppress(OSError):      # (EINVAL: a kernel without THP; the memory is 4 KiB pages then)
-            m.madvise(advise, skip, span)
-    return memoryview(m)[skip + phase:skip + phase + nbytes]
+            m.madvise(advise, lo, hi - lo)
+    return memoryview(m)[start:end]

@@ -432,8 +432,8 @@ def probe(folder: str) -> Probe:
 
 def _close_probe(fd: int, name: str | None, buf: memoryview) -> None:
     """Close (and remove) the probe file first, whatever failed, so that neither its name nor the space it holds
-    outlives the probe; then the buffer, unless a failed request's traceback still holds a view of it (it goes
-    with the traceback)."""
+    outlives the probe; then this view of the buffer (its memory goes with the last view: a failed request's
+    traceback may still hold one)."""
     try:
         os.close(fd)
     finally:
@@ -441,8 +441,7 @@ def _close_probe(fd: int, name: str | None, buf: memoryview) -> None:
             if name is not None and os.path.lexists(name):
                 os.unlink(name)
         finally:
-            with contextlib.suppress(BufferError):
-                buf.release()
+            buf.release()
 
 
 def _time_write(fd: int, buf: memoryview, direct: bool, k: int) -> tuple[float, float] | None:
@@ -529,8 +528,7 @@ def probe_reads(open_file: Callable[[bool], int], size: int) -> Probe | None:
     try:
         _, read = _rounds(measure) if n else ({}, {})
     finally:
-        with contextlib.suppress(BufferError):       # (a failed request's traceback may hold a view of it)
-            buf.release()
+        buf.release()           # (the memory goes with the last view: a failed request's traceback may hold one)
     return Probe(write={}, read=read, seconds=time.perf_counter() - t0)
 
 
