@@ -41,3 +41,37 @@ def load(rank: int, world: int, paths: list[str], reads: list[int | None], layou
         return ("error", False, f"{type(e).__name__}: {e}")
     got = {k: (v.full_tensor() if layout != "full" else v) for k, v in st.items()}
     return ("ok", all(torch.equal(got[k], ref[k]) for k in ref), res.bytes_received)
+
+
+_WIDE = {"a": (4096, 2048), "b": (4096, 2048)}
+
+
+def _wide(world: int, dim: int, fill: bool) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    return {k: distribute_tensor(torch.randn(s, generator=torch.Generator().manual_seed(ord(k))) if fill
+                                 else torch.zeros(s), mesh, [Shard(dim)]) for k, s in _WIDE.items()}
+
+
+def save_wide(rank: int, world: int, path: str) -> None:
+    liferaft.save(path, _wide(world, 0, True), options=SaveOptions(compression="off"))
+
+
+def load_wide_in(rank: int, world: int, path: str, shm_dir: str) -> dict:
+    """Load ``save_wide``'s checkpoint as Shard(1) with the default read size, the host's shared reads in
+    ``shm_dir``: whether right, the bytes received from the host's other ranks, the warnings about sharing."""
+    import warnings
+
+    from liferaft.core.chunks import shm
+
+    shm.SHM_DIR = shm_dir
+    st = _wide(world, 1, False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = liferaft.load(path, st, options=LoadOptions(timeout=60, share_reads=True))
+    right = all(torch.equal(st[k].full_tensor(), torch.randn(s, generator=torch.Generator().manual_seed(ord(k))))
+                for k, s in _WIDE.items())
+    return {"right": right, "received": res.bytes_received,
+            "warned": [str(w.message)[:200] for w in caught if "shared" in str(w.message)]}

@@ -12,8 +12,8 @@ import uuid
 import pytest
 from multiproc import _read_size_ranks as R
 
+from liferaft.core.chunks.shm import SHARED_READ_SIZE
 from liferaft.storage import memfs
-from liferaft.storage.posix import DISK_READ_SIZE
 from liferaft.testing import run_ranks
 
 
@@ -38,7 +38,7 @@ def test_ranks_on_storages_of_different_read_sizes_agree(copies, layout):
 
 def test_a_default_and_the_same_explicit_size_agree(copies):
     disk, _ = copies
-    out = run_ranks(R.load, 2, [disk, disk], [None, DISK_READ_SIZE], "cols", timeout=150.0)
+    out = run_ranks(R.load, 2, [disk, disk], [None, SHARED_READ_SIZE], "cols", timeout=150.0)
     assert all(o[0] == "ok" and o[1] for o in out), out
     out = run_ranks(R.load, 2, [disk, disk], [None, 4 << 20], "cols", timeout=150.0)
     assert all(o[0] == "error" and "different strict= or LoadOptions" in o[2] for o in out), out
@@ -55,3 +55,31 @@ def test_large_hash_blocks_are_still_shared(tmp_path):
     out = run_ranks(R.load, 2, [path, path], [None, None], "cols", timeout=150.0)
     assert all(o[0] == "ok" and o[1] for o in out), out
     assert sum(o[2] for o in out) >= 16 << 20, out
+
+
+@pytest.fixture
+def docker_shm():
+    """A 64 MiB tmpfs, as Docker's default --shm-size (root only: skipped where it cannot be mounted)."""
+    import subprocess
+    import tempfile
+
+    where = tempfile.mkdtemp(prefix="liferaft-64m-shm-")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", where], capture_output=True)
+    if done.returncode != 0:
+        os.rmdir(where)
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode(errors='replace')[:200]}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", where], check=False)
+        os.rmdir(where)
+
+
+def test_four_ranks_share_reads_in_a_64_mib_shm_at_the_default_read_size(tmp_path, docker_shm):
+    """A disk's read size (16 MiB) made each reading rank's ring 2 x 16 MiB: a host of 4 found no room in a
+    64 MiB /dev/shm and every rank read everything itself (review helper-124); a load on several ranks reads at
+    most ``SHARED_READ_SIZE`` at a time."""
+    path = str(tmp_path / "ck")
+    run_ranks(R.save_wide, 4, path, timeout=300.0)
+    out = run_ranks(R.load_wide_in, 4, path, docker_shm, timeout=300.0)
+    assert all(o["right"] and o["received"] > 0 and o["warned"] == [] for o in out), out

@@ -59,7 +59,7 @@ def test_reshard_rows_to_columns_shares_the_blocks(tmp_path):
     assert all(o[0] for o in out), out
     assert all(o[2] > 0 for o in out), f"each rank should receive half of the rows: {out}"
     assert sum(o[1] - o[2] for o in out) == _nbytes(("a", "b")), out
-    # a segment's slots are sized to what its rank reads (4 MiB in all here), not to max_read_bytes (8 MiB)
+    # a segment's slots are sized to what its rank reads (4 MiB in all here), not to the read size (8 MiB)
     assert all(len(o[3]) <= 1 and all(size <= _nbytes(("a", "b")) + (64 << 10) for size in o[3]) for o in out), out
     assert sum(len(o[3]) for o in out) >= 1, out
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 from liferaft.codecs.registry import names as codec_names
+from liferaft.core.chunks.shm import SHARED_READ_SIZE
 from liferaft.core.commit import check_references, decode_verified, open_checkpoint, read_verified
 from liferaft.core.native import NativeReader
 from liferaft.core.process import in_call
@@ -91,7 +92,8 @@ def _open_on_ranks(storage: Storage, coord: Coordinator, sized: bool) -> tuple[M
     failure raises on every rank. Also the read size the ranks agree on (``sized``: this rank takes its storage's
     ``read_size``): the smallest ``read_size`` of the ranks that take it (None where no rank does), so that every
     rank plans its reads and the host's sharing alike (ranks reading one checkpoint from a disk and from a copy
-    in RAM answer 8 and 4 MiB)."""
+    in RAM answer 16 and 4 MiB); on several ranks from local storage at most ``shm.SHARED_READ_SIZE`` (the size
+    of the slots of the host's shared reads)."""
     data, name = coord.run_on_zero(lambda: read_verified(storage), "load (open)")
     opened: list[Manifest] = []
 
@@ -100,7 +102,10 @@ def _open_on_ranks(storage: Storage, coord: Coordinator, sized: bool) -> tuple[M
         if coord.rank == 0:
             check_references(storage, manifest)
         opened.append(manifest)
-        return read_size_of(storage) if sized else 0
+        if not sized:
+            return 0
+        size = read_size_of(storage)
+        return min(size, SHARED_READ_SIZE) if coord.world > 1 and not getattr(storage, "remote", False) else size
     sizes = [n for n in coord.run(decode, "load (open)") if n]
     return opened[0], min(sizes) if sizes else None
 

@@ -13,7 +13,8 @@ the whole huge pages inside it before anything touches it: with the kernel's THP
 ``madvise`` the first touch of each takes one huge page. Its memory stays what it holds: the buffer starts
 ``PAGE - phase`` bytes before a huge-page boundary (``phase`` bytes into a page, as asked), so that only a part of
 a page lies before its first whole huge page; a last, partial huge page is advised too only when at most
-``PAGE`` bytes of it would lie past the buffer. The rest is 4 KiB pages. Resident, a buffer then costs at most
+``PAGE`` bytes of it would lie past the buffer. The rest is 4 KiB pages, advised so (``MADV_NOHUGEPAGE``) for
+a kernel whose THP setting is ``always``. Resident, a buffer then costs at most
 ``2 * PAGE`` bytes more than its size, as one from ``torch.empty`` does. Where there are no huge pages (THP
 ``never``, a process with THP disabled, no THP in the kernel, none free and none made by compaction) the same
 memory is simply 4 KiB pages: nothing fails. Nothing is touched here: like ``torch.empty`` the memory costs
@@ -65,8 +66,12 @@ def huge_buffer(nbytes: int, phase: int = 0) -> memoryview:
     hi = end - (base + end) % huge              # the end of its last whole huge page
     if (base + end) % huge and huge - (base + end) % huge <= PAGE:
         hi += huge                              # (a last partial huge page that wastes at most a page)
-    advise = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advise is not None and hi > lo:
-        with contextlib.suppress(OSError):      # (EINVAL: a kernel without THP; the memory is 4 KiB pages then)
+    advise, refuse = getattr(mmap, "MADV_HUGEPAGE", None), getattr(mmap, "MADV_NOHUGEPAGE", None)
+    with contextlib.suppress(OSError):          # (EINVAL: a kernel without THP; the memory is 4 KiB pages then)
+        if advise is not None and hi > lo:
             m.madvise(advise, lo, hi - lo)
+        if refuse is not None:                  # (THP "always": nothing outside [lo, hi) becomes a huge page)
+            m.madvise(refuse, 0, lo)
+            if hi < len(m):
+                m.madvise(refuse, hi, len(m) - hi)
     return memoryview(m)[start:end]

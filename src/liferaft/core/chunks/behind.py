@@ -54,12 +54,17 @@ class Write:
     offset: int
     after: Callable[[], None] | None = None
 
+    def __post_init__(self) -> None:
+        if self.data.dtype != torch.uint8 or self.data.dim() != 1 or not self.data.is_contiguous() \
+                or self.data.device.type != "cpu":
+            raise ValueError("Write: data must be a contiguous 1-D uint8 CPU tensor (its bytes)")
+
     def follows(self, prev: Write) -> bool:
         """Whether this write's bytes come right after ``prev``'s, in memory (the same storage) and in the file,
         to the same ``put``."""
         n = prev.data.numel()
         return self.put == prev.put and self.offset == prev.offset + n and \
-            self.data.data_ptr() == prev.data.data_ptr() + n and self.data.is_contiguous() and \
+            self.data.data_ptr() == prev.data.data_ptr() + n and \
             self.data.untyped_storage().data_ptr() == prev.data.untyped_storage().data_ptr()
 
 
