@@ -270,8 +270,8 @@ class LoadOptions:
     allow_pickle: trust and unpickle pickled values.
     timeout: seconds any rank waits for the others at each step, as for save (finite, > 0, at most 30 days).
     max_read_bytes: largest single read, i.e. each scratch buffer a load allocates (4 KiB to 64 GiB). None
-        (default): the storage's ``read_size`` (local disk 16 MiB, measured, see
-        ``storage.posix.DISK_READ_SIZE``, 8 MiB on several ranks: ``core.chunks.shm.SHARED_READ_SIZE``; RAM 4 MiB; object stores 32 MiB, split into parallel requests).
+        (default): the storage's ``read_size`` (local disk 8 MiB, measured, see
+        ``storage.posix.DISK_READ_SIZE``; at most ``core.chunks.shm.SHARED_READ_SIZE`` on several ranks; RAM 4 MiB; object stores 32 MiB, split into parallel requests).
     atomic: read and verify every byte on every rank before any byte is copied into the state, so that even a
         checksum failure leaves the state untouched; costs a second read of the data (usually from the page
         cache). Without it, a checksum failure still stops the load before the bad bytes land, but tensors

@@ -1,5 +1,5 @@
 """The ranks of a load agree on one read size (``core.open``): where ``LoadOptions.max_read_bytes`` is None each
-takes the smallest ``Storage.read_size`` of the ranks, so ranks reading one checkpoint from a disk (16 MiB) and
+takes the smallest ``Storage.read_size`` of the ranks, so ranks reading one checkpoint from a disk (8 MiB) and
 from a copy in RAM (4 MiB) plan their reads and the host's shared spans alike. Before, they planned apart and
 waited for each other's messages until the timeout."""
 
@@ -76,9 +76,9 @@ def docker_shm():
 
 
 def test_four_ranks_share_reads_in_a_64_mib_shm_at_the_default_read_size(tmp_path, docker_shm):
-    """A disk's read size (16 MiB) made each reading rank's ring 2 x 16 MiB: a host of 4 found no room in a
+    """With a disk's read size at 16 MiB each reading rank's ring was 2 x 16 MiB: a host of 4 found no room in a
     64 MiB /dev/shm and every rank read everything itself (review helper-124); a load on several ranks reads at
-    most ``SHARED_READ_SIZE`` at a time."""
+    most ``SHARED_READ_SIZE`` at a time, whatever the storage's ``read_size`` (this test fails with it at 16)."""
     path = str(tmp_path / "ck")
     run_ranks(R.save_wide, 4, path, timeout=300.0)
     out = run_ranks(R.load_wide_in, 4, path, docker_shm, timeout=300.0)

@@ -55,7 +55,7 @@ def _disk_folder(tmp_path) -> str:
 def test_each_backend_names_its_read_size(tmp_path):
     disk = _disk_folder(tmp_path)
     os.makedirs(disk)
-    assert PosixStorage(disk).read_size == DISK_READ_SIZE == 16 << 20
+    assert PosixStorage(disk).read_size == DISK_READ_SIZE == 8 << 20
     assert MemoryStorage("read-size-test").read_size == RAM_READ_SIZE == 4 << 20
     assert with_references(PosixStorage(disk)).read_size == DISK_READ_SIZE     # (the wrapper forwards it)
     if os.path.isdir("/dev/shm") and memfs.in_memory("/dev/shm"):

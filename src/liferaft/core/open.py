@@ -92,7 +92,7 @@ def _open_on_ranks(storage: Storage, coord: Coordinator, sized: bool) -> tuple[M
     failure raises on every rank. Also the read size the ranks agree on (``sized``: this rank takes its storage's
     ``read_size``): the smallest ``read_size`` of the ranks that take it (None where no rank does), so that every
     rank plans its reads and the host's sharing alike (ranks reading one checkpoint from a disk and from a copy
-    in RAM answer 16 and 4 MiB); on several ranks from local storage at most ``shm.SHARED_READ_SIZE`` (the size
+    in RAM answer 8 and 4 MiB); on several ranks from local storage at most ``shm.SHARED_READ_SIZE`` (the size
     of the slots of the host's shared reads)."""
     data, name = coord.run_on_zero(lambda: read_verified(storage), "load (open)")
     opened: list[Manifest] = []

@@ -26,12 +26,13 @@ from liferaft.storage import files, iopath, memfs
 from liferaft.storage.base import RAM_READ_SIZE, FileWriter, Storage
 
 #: ``PosixStorage.read_size`` on a device. A load reads into two scratch buffers while its caller's thread
-#: verifies and copies the one before. Measured on this project's VM (0.54 GB, cold, O_DIRECT,
-#: ``benchmarks/bench_readsize.py``, 5 interleaved reps, two runs): since the buffers are of transparent huge
-#: pages (``storage.iobuf``), loads reading 16 MiB at a time took 0.317 and 0.315 s, 8 MiB 0.339 and 0.356 s,
-#: 32 MiB 0.303 and 0.343 s (wider spread). With buffers of 4 KiB pages 8 MiB had been best (0.343 against
-#: 0.402 s at 32 MiB): per request the device then took ~1 MiB pieces, and small buffers stayed in the cache.
-DISK_READ_SIZE = 16 << 20
+#: verifies and copies the one before. Measured on this project's VM (0.54 GB, cold, O_DIRECT): with buffers of
+#: 4 KiB pages loads reading 8 MiB at a time took 0.85 of the time of 32 MiB reads (0.343 against 0.402 s,
+#: ``benchmarks/bench_readsize.py``). With the buffers of transparent huge pages (``storage.iobuf``), a load in a
+#: fresh process (as a restart's is) took 0.317 and 0.331 s at 8 MiB against 0.360 and 0.386 at 16 (medians of
+#: 5, interleaved, two runs; 0.405 and 0.388 at 8 MiB of 4 KiB pages): larger buffers cost their first touch,
+#: which on these VMs runs at ~1 GB/s. Repeated loads in one process favoured 16 MiB (0.315 against 0.339 s).
+DISK_READ_SIZE = 8 << 20
 
 _PAGE = 4096
 

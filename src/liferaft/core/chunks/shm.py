@@ -47,9 +47,9 @@ SHM_DIR = "/dev/shm"
 SLOTS = 2
 #: The most a load on several ranks reads at a time from local storage, whatever its ``read_size`` (``core.open``):
 #: a rank that reads spans for its host's other ranks fills slots of up to this size, ``SLOTS`` of them, in
-#: ``SHM_DIR``; at 16 MiB (a disk's ``read_size``) a 64 MiB /dev/shm (Docker's default) had room for 3 reading
-#: ranks, and sharing was off for a host of 4 (review helper-124). A resharding load on 2 ranks was 1.03x its
-#: same-layout load at 8 MiB reads (2026-12-07).
+#: ``SHM_DIR``; at 16 MiB reads a 64 MiB /dev/shm (Docker's default) had room for 3 reading ranks, and sharing
+#: was off for a host of 4 (review helper-124). A resharding load on 2 ranks was 1.03x its same-layout load at
+#: 8 MiB reads (2026-12-07). A larger ``read_size`` (``max_read_bytes`` None) is taken down to this.
 SHARED_READ_SIZE = 8 << 20
 _NAME = re.compile(r"^liferaft-load-(\d+)-[0-9a-f]{16}-r\d+$")
 
