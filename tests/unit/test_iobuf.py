@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from liferaft.staging.pool import PAGE, BufferPool, page_aligned_empty
-from liferaft.storage.iobuf import HUGE_FROM, huge_buffer, huge_page_size
+from liferaft.storage.iobuf import HUGE_FROM, HUGE_MAX, huge_buffer, huge_page_size
 
 HUGE = huge_page_size()
 
@@ -138,12 +138,16 @@ def test_large_io_buffers_are_huge_buffers_kept_alive_by_their_tensor(phase):
     assert int(view.sum()) == 300
 
 
-def test_small_buffers_keep_torchs_allocation():
+def test_small_and_very_large_buffers_keep_torchs_allocation():
     small = page_aligned_empty(HUGE_FROM - 1, phase=64)
     assert small.data_ptr() % PAGE == 64 and small.numel() == HUGE_FROM - 1
     assert small.untyped_storage().nbytes() == HUGE_FROM - 1 + PAGE + 64       # (torch.empty's, sliced)
     large = page_aligned_empty(HUGE_FROM, phase=64)
     assert large.untyped_storage().nbytes() == HUGE_FROM                       # (the huge buffer's own)
+    assert page_aligned_empty(HUGE_MAX).untyped_storage().nbytes() == HUGE_MAX
+    # (an async save's pool of the state's size: huge pages from memory never touched cost a first save seconds)
+    larger = page_aligned_empty(HUGE_MAX + 1)
+    assert larger.untyped_storage().nbytes() == HUGE_MAX + 1 + PAGE
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs CUDA")

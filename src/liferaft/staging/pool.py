@@ -15,7 +15,7 @@ import torch
 
 from liferaft.errors import LiferaftError
 from liferaft.planning.save_plan import PAGE_PHASE
-from liferaft.storage.iobuf import HUGE_FROM, huge_buffer
+from liferaft.storage.iobuf import HUGE_FROM, HUGE_MAX, huge_buffer
 
 ALIGN = 64            # every region starts at a multiple of this
 PAGE = 4096           # regions asked for with align=PAGE lie PAGE_PHASE bytes into a page (as large chunks in files)
@@ -23,11 +23,11 @@ PAGE = 4096           # regions asked for with align=PAGE lie PAGE_PHASE bytes i
 
 def page_aligned_empty(nbytes: int, pin: bool = False, phase: int = 0) -> torch.Tensor:
     """An uninitialised uint8 tensor of ``nbytes`` whose first byte lies ``phase`` bytes past a page boundary (0:
-    page aligned, usable with O_DIRECT). Unpinned and at least ``HUGE_FROM`` bytes, its whole huge pages are
+    page aligned, usable with O_DIRECT). Unpinned and of ``HUGE_FROM`` to ``HUGE_MAX`` bytes, its whole huge pages are
     advised for transparent huge pages (``storage.iobuf``: an O_DIRECT request from them reaches the device in
     2 MiB pieces instead of 4 KiB ones; 1.3-2.5x the read speed here); pinned, it is what torch's pinned
     allocator gives."""
-    if not pin and nbytes >= HUGE_FROM:
+    if not pin and HUGE_FROM <= nbytes <= HUGE_MAX:
         return torch.frombuffer(huge_buffer(nbytes, phase), dtype=torch.uint8)
     raw = torch.empty(nbytes + PAGE + phase, dtype=torch.uint8, pin_memory=pin)
     skip = (-raw.data_ptr()) % PAGE + phase
