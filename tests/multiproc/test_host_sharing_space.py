@@ -94,3 +94,20 @@ def test_a_shared_memory_set_up_that_cannot_work_falls_back_to_own_reads(tmp_pat
     # two folders never share, silently; a set-up that fails warns only when sharing was asked for
     warned = 0 if case == "separate" or share is None else 1
     assert all(len(o["warned"]) == warned for o in out), out
+
+
+def test_a_ring_needs_room_for_its_reserved_slots_only(small_tmpfs, monkeypatch):
+    # (the others are reserved later as far as room remains: checking the whole ring made the 7th and 8th ranks of
+    # a host fail in Docker's 64 MiB default, and sharing off on every rank, review helper-125)
+    monkeypatch.setattr(shm, "SHM_DIR", small_tmpfs)
+    seg = shm.Segment.create(shm.new_name(0), 1 << 20, 2, reserve=1)     # 2 MiB in all, 1 MiB now: fits
+    try:
+        assert seg.reserved == 1
+        seg.reserve_rest()                                               # no room for the second: stays one
+        assert seg.reserved == 1
+        seg.slot(0, 1 << 20).fill_(3)
+    finally:
+        seg.close()
+    with pytest.raises(shm.SegmentSpaceError, match="slot"):
+        shm.Segment.create(shm.new_name(0), 1 << 20, 2)                  # both now: refused
+    assert os.listdir(small_tmpfs) == []

@@ -154,8 +154,9 @@ def _load(reader: Reader, state: Any, coord: Coordinator, opts: LoadOptions, str
     n = len(all_keys)
     if voted[n + 4] != -voted[n + 5]:
         raise OptionsError("load: the ranks called it with different strict= or LoadOptions (allow_pickle, exact, "
-                           "atomic, max_read_bytes, ignore_keys); nothing was loaded. Pass the same arguments on "
-                           "every rank")
+                           "atomic, max_read_bytes, ignore_keys; max_read_bytes=None is the smallest read_size of "
+                           "the ranks' storages, at most 8 MiB on several ranks from local storage); nothing was "
+                           "loaded. Pass the same arguments on every rank")
     if voted[n] != -voted[n + 1]:           # (a rank without /dev/shm): no rank shares, all alike
         mode = None
     plan = plans[0]

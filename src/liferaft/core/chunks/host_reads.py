@@ -4,8 +4,8 @@ The jobs are those of ``core.chunks.reader`` (local reads coalesced, one job per
 shared spans come in tag order on every rank of the host). ``planning.share_plan`` gives each reader runs of
 adjacent spans (``run_bytes``: up to ``max_read_bytes``), so a reader thread reads a run of plain spans with one
 large request into the next slot of this rank's segment (``core.chunks.shm``, once the receivers of the slot's
-last read are done with it; ``_group``; from a device through a private buffer of huge pages, then one copy:
-O_DIRECT into the slot's 4 KiB shared-memory pages ran at about half the speed); anything else (an encoded or delta span, a local read) alone,
+last read are done with it; ``_group``; by O_DIRECT from a device through a private buffer of huge pages, then
+one copy: O_DIRECT into the slot's 4 KiB shared-memory pages ran at about half the speed, ``_bounce``); anything else (an encoded or delta span, a local read) alone,
 into two scratch buffers. The caller's thread verifies them (a plain span in place in its slot; an encoded one is
 decoded and verified, then put into the slot) and copies its own boxes; once every span of a slot's read is done,
 one notice tells each receiver about them all — per span ``(slot, outcome, length, identity, offset)``, at most
@@ -56,6 +56,7 @@ from liferaft.planning.load_plan import ReadUnit
 from liferaft.planning.share_plan import RUN_GAP, SharedSpan, Span
 from liferaft.staging.pool import PAGE, page_aligned_empty
 from liferaft.storage.base import Storage
+from liferaft.storage.iobuf import HUGE_FROM, HUGE_MAX
 
 OK, FAILED, CORRUPT = 1, 0, 2
 MAX_BATCH = 64                  # the most spans one notice tells (the spans of one slot's read, ``_group``)
@@ -114,6 +115,22 @@ class HostReads:
         return b.role == "send" and bool(b.units) and b.units[0][0].codec is None \
             and b.units[0][0].delta is None and b.length <= self._own.slot_bytes
 
+    def _bounce(self, direct: Sequence[_Batch]) -> torch.Tensor | None:
+        """The private buffer a device's O_DIRECT reads of shared spans land in before one copy into their slot
+        (read straight into the slot's 4 KiB shared-memory pages they ran at about half the speed here), or None
+        (reads straight into the slot): only when the buffer is of huge pages (``storage.iobuf``: slots of
+        ``HUGE_FROM`` to ``HUGE_MAX`` bytes) and the storage reads its first such span by O_DIRECT (not from RAM,
+        not through the page cache)."""
+        size = self._own.slot_bytes if direct else 0
+        if not direct or self.storage.memory_speed or not HUGE_FROM <= size <= HUGE_MAX:
+            return None
+        inner, name = self.storage.route(direct[0].file) if hasattr(self.storage, "route") \
+            else (self.storage, direct[0].file)
+        io_path = getattr(inner, "io_path", None)
+        if io_path is None or not io_path(direct[0].length, False, name)[0]:
+            return None
+        return page_aligned_empty(size)
+
     @property
     def _own(self) -> Segment:
         """This rank's segment (it has one whenever it reads a shared span: ``core.load._set_up_host``)."""
@@ -144,11 +161,7 @@ class HostReads:
 
         produced = [0]
 
-        # (a device's O_DIRECT reads land in a private buffer of huge pages and are copied into the slot: read
-        # straight into the slot's 4 KiB shared-memory pages they ran at about half the speed here; from storage
-        # in RAM the reads go straight into the slot)
-        bounce = page_aligned_empty(self._own.slot_bytes) \
-            if not self.storage.memory_speed and any(self._direct(b) for b in own) else None
+        bounce = self._bounce([b for b in own if self._direct(b)])
         seg = self.host.own
         reserver = None         # reserves the slots past the first while the first is read (``Segment.reserve_rest``)
         if seg is not None and seg.reserved < seg.slots:

@@ -65,8 +65,8 @@ class SegmentSpaceError(SegmentError):
 
 def slot_size(max_read: int) -> int:
     """The size of a slot for spans of at most ``max_read`` bytes (``LoadOptions.max_read_bytes``): their whole
-    pages, since the reader of a plain span reads it straight into the slot, page aligned (so that storage may
-    use direct I/O); a multiple of the page, so that every slot of a ring starts on one."""
+    pages, since the reader of a plain span reads it into the slot page aligned (straight, or through a private
+    buffer from a device, ``host_reads``); a multiple of the page, so that every slot of a ring starts on one."""
     return -(-max_read // PAGE) * PAGE + 2 * PAGE
 
 
@@ -156,8 +156,9 @@ class Segment:
         mapped (``posix_fallocate``): a sparse file on a tmpfs too small for it (Docker's default
         ``--shm-size`` is 64 MiB) would map fine and kill the process with SIGBUS at the first write past the
         free space; a slot past ``reserved`` must not be written before ``reserve_rest`` has reserved it.
-        SegmentSpaceError, with nothing left behind, when the folder's free space is short for the whole
-        segment or the reservation is refused (ENOSPC)."""
+        SegmentSpaceError, with nothing left behind, when the folder's free space is short for the slots to
+        reserve now or the reservation is refused (ENOSPC): the others are reserved later as far as room remains
+        (``reserve_rest``), so 7 ranks of a host each reserve their first 8 MiB slot in Docker's 64 MiB default."""
         size = slot_bytes * slots
         reserve = slots if reserve is None else max(1, min(reserve, slots))
         try:
@@ -165,10 +166,10 @@ class Segment:
             free = st.f_bavail * st.f_frsize
         except OSError:
             free = size                                 # (unknown: the reservation below decides)
-        if free < size:
-            raise SegmentSpaceError(f"{SHM_DIR}: {free} bytes free, a shared-memory segment of {size} bytes "
-                                    f"({slots} x LoadOptions.max_read_bytes, in whole pages) does not fit; give it more "
-                                    f"room (docker --shm-size) or lower max_read_bytes")
+        if free < slot_bytes * reserve:
+            raise SegmentSpaceError(f"{SHM_DIR}: {free} bytes free, {reserve} slot(s) of a shared-memory segment "
+                                    f"of {slot_bytes} bytes each (LoadOptions.max_read_bytes, in whole pages) do "
+                                    f"not fit; give it more room (docker --shm-size) or lower max_read_bytes")
         try:
             fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
                          | os.O_CLOEXEC, 0o600)
