@@ -14,6 +14,7 @@ from saving import MODES, save_with
 
 import liferaft
 from liferaft.core import process as _process
+from liferaft.staging import pool as pool_module
 from liferaft.storage import register_scheme
 from liferaft.testing.faults import FailingStorage, GatedStorage
 
@@ -210,16 +211,21 @@ def test_a_failed_save_leaves_the_pool_usable(tmp_path, mode):
     assert all(torch.equal(got[k], v) for k, v in state.items())
 
 
-def test_a_sync_save_writes_large_host_tensors_uncopied_and_the_same_bytes_as_a_copy(tmp_path):
-    """A synchronous save hands a large contiguous host tensor lying 64 bytes into a page (as torch's CPU allocator
-    gives large ones out, and as its file range lies: save_plan.place) to storage from its own memory: the ring is
-    not touched. A tensor elsewhere in a page (a view at an odd offset) goes through the ring. Either way the data
-    file holds the same bytes as a save that copies everything (async), and loads bit for bit."""
+@pytest.mark.parametrize("huge", [False, True], ids=["ring of 4 KiB pages", "ring of huge pages"])
+def test_a_sync_save_writes_large_host_tensors_uncopied_and_the_same_bytes_as_a_copy(tmp_path, huge, monkeypatch):
+    """Through a ring of 4 KiB pages, a synchronous save hands a large contiguous host tensor lying 64 bytes into a
+    page (as torch's CPU allocator gives large ones out, and as its file range lies: save_plan.place) to storage
+    from its own memory: the ring is not touched. A tensor elsewhere in a page (a view at an odd offset) goes
+    through the ring. Through a ring of huge pages (``BufferPool.huge``) every tensor is copied into it (a request
+    from its 2 MiB pages reaches the device in larger pieces). Either way the data file holds the same bytes as a
+    save that copies everything (async), and loads bit for bit."""
+    monkeypatch.setattr(pool_module, "huge_pages_offered", lambda: huge)
     _process.PROCESS.pool = _process.PROCESS.ring = None
     big = _at_phase(4 << 20, 64)                    # 16 MiB, 64 bytes into a page (as a fresh large allocation)
     liferaft.save(str(tmp_path / "a"), {"w": big})
     ring = _process.PROCESS.ring
-    assert ring is not None and ring.high_water == 0        # (uncopied)
+    assert ring is not None and ring.huge is huge
+    assert (ring.high_water > 0) is huge            # (copied, or uncopied)
     odd = _at_phase(4 << 20, 128)                   # (elsewhere in a page: a heap block, a view at an offset)
     liferaft.save(str(tmp_path / "b"), {"w": big, "v": odd})
     assert _process.PROCESS.ring.high_water >= odd.numel() * 4

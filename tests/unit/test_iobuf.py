@@ -182,3 +182,33 @@ def test_pool_buffer_is_huge_and_o_direct_round_trips(tmp_path):
     finally:
         os.close(fd)
     assert torch.equal(back, data[:n])
+
+
+@pytest.mark.parametrize("text, offered", [(b"always [madvise] never\n", True), (b"[always] madvise never\n", True),
+                                           (b"always madvise [never]\n", False), (b"", False),
+                                           (b"[madvise" + b"x" * 4096, False), (None, False)])
+def test_huge_pages_are_offered_only_where_the_kernel_says_always_or_madvise(tmp_path, monkeypatch, text, offered):
+    """``huge_pages_offered`` reads the THP setting (a bounded read: a long or odd file is not taken as offering
+    them; a missing one means no THP): a ring of huge pages is copied into rather than written around."""
+    from liferaft.storage import iobuf
+
+    path = tmp_path / "enabled"
+    if text is not None:
+        path.write_bytes(text)
+    monkeypatch.setattr(iobuf, "_ENABLED", str(path))
+    iobuf.huge_pages_offered.cache_clear()
+    try:
+        assert iobuf.huge_pages_offered() is offered
+    finally:
+        iobuf.huge_pages_offered.cache_clear()
+
+
+@pytest.mark.parametrize("offered", [False, True])
+def test_a_pool_is_huge_only_unpinned_within_the_huge_range_where_offered(monkeypatch, offered):
+    from liferaft.staging import pool as pool_module
+
+    monkeypatch.setattr(pool_module, "huge_pages_offered", lambda: offered)
+    assert BufferPool(8 << 20).huge is offered
+    assert BufferPool(64 << 20).huge is offered
+    assert BufferPool(HUGE_FROM - PAGE).huge is False          # (torch's allocation: no whole huge page)
+    assert BufferPool(HUGE_MAX + PAGE).huge is False           # (an async pool of 4 KiB pages)

@@ -77,3 +77,23 @@ def test_try_acquire_never_waits_and_takes_what_acquire_would():
     pool.reset()
     with pytest.raises(PoolClosedError):
         pool.try_acquire(10, generation=gen)
+
+
+@pytest.mark.parametrize("one_thread", [False, True])
+def test_one_thread_copies_are_the_bytes_of_the_range_asked_whatever_the_source(one_thread):
+    """``stage``'s copies with ``one_thread`` (one memmove on the stager thread) give the bytes [a, b) of the
+    source's row-major bytes, as torch's ``copy_`` does: a contiguous view at an offset into its storage, a range in
+    the middle, a 0-d tensor; a source that is not contiguous goes by rows through ``copy_`` either way."""
+    import torch
+
+    from liferaft.staging.stager import _copy, _ranges
+
+    base = torch.arange(3 * 1000, dtype=torch.int32)
+    sources = [base[1000:2000], base[1:2001].view(40, 50), torch.tensor(7.5), base.view(60, 50)[:, 10:30]]
+    for src in sources:
+        flat = src.contiguous().reshape(-1).view(torch.uint8)
+        n = flat.numel()
+        for a, b, rows in _ranges(src, n, 1000) + [(0, n, None)] * src.is_contiguous():
+            view = torch.full((b - a,), 255, dtype=torch.uint8)
+            assert _copy(src, view, a, b, rows, None, one_thread) is None
+            assert torch.equal(view, flat[a:b]), (src.shape, a, b)

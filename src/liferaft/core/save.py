@@ -144,7 +144,8 @@ def _start(prep: PreparedSave, coord: Coordinator, bg: Coordinator, opts: SaveOp
     def run_stage() -> None:
         t0 = time.perf_counter()
         try:
-            stage(items, prep.sources, pool, pieces, limit, phase=page_phase(prep.policy.alignment))
+            stage(items, prep.sources, pool, pieces, limit, phase=page_phase(prep.policy.alignment),
+                  one_thread=opts.staging == "overlapped")
         except BaseException as e:  # noqa: BLE001 - reported via the handle and the writer
             handle._stage_error = e
         prep.timings["stage"] = time.perf_counter() - t0

@@ -13,6 +13,7 @@ event the writer waits on; there is no per-tensor synchronization of the caller'
 
 from __future__ import annotations
 
+import ctypes
 import math
 import queue
 import time
@@ -122,7 +123,8 @@ def _align_of(nbytes: int) -> int:
 
 def stage(items: Sequence[WriteItem], sources: Mapping[tuple[str, Box], torch.Tensor], pool: BufferPool,
           out: PieceQueue, piece_limit: int, timeout: float | None = None,
-          in_place: Callable[[int, torch.Tensor], bool] | None = None, phase: int = PAGE_PHASE) -> float:
+          in_place: Callable[[int, torch.Tensor], bool] | None = None, phase: int = PAGE_PHASE,
+          one_thread: bool = False) -> float:
     """Copy every item into the pool and queue its pieces (then END); return the seconds spent copying.
 
     Blocks while the pool is full (the writer frees it), after handing over every piece staged before. On error,
@@ -131,6 +133,9 @@ def stage(items: Sequence[WriteItem], sources: Mapping[tuple[str, Box], torch.Te
     returns, writes a contiguous host tensor straight from its memory — O_DIRECT from there where its pages allow).
     ``phase``: where in a page large pieces lie in the pool, as their chunks' ranges do in the file
     (``save_plan.place``: ``PAGE_PHASE``, or 0 with an alignment above it).
+    ``one_thread``: copy contiguous host bytes with one ``memmove`` on this thread (the GIL released) instead of
+    torch's ``copy_``, whose parallel copy starts OpenMP threads that spin once it ends: a stager that runs beside
+    training (overlapped staging, a synchronous save's stager) then takes one core, not all of them.
     """
     streams: dict[torch.device, Any] = {}   # one side stream per CUDA device the sources live on
     copy_s = 0.0
@@ -164,7 +169,7 @@ def stage(items: Sequence[WriteItem], sources: Mapping[tuple[str, Box], torch.Te
                     got = pool.acquire(b - a, timeout, _align_of(b - a), generation, phase)
                 region, view = got
                 t0 = time.perf_counter()
-                event = _copy(src, view, a, b, rows, stream)
+                event = _copy(src, view, a, b, rows, stream, one_thread)
                 copy_s += time.perf_counter() - t0
                 batch.append(Piece(item=idx, offset=a, region=region, data=view, event=event))
                 if len(batch) >= BATCH or b - a >= DIRECT_MIN:
@@ -180,7 +185,13 @@ def stage(items: Sequence[WriteItem], sources: Mapping[tuple[str, Box], torch.Te
 
 
 def _copy(src: torch.Tensor, view: torch.Tensor, a: int, b: int, rows: tuple[Any, ...] | None,
-          stream: Any) -> Any:
+          stream: Any, one_thread: bool = False) -> Any:
+    if one_thread and rows is None and stream is None and src.device.type == "cpu" and view.device.type == "cpu" \
+            and src.is_contiguous() and view.is_contiguous() and view.numel() == b - a \
+            and 0 <= a <= b <= src.numel() * src.element_size():
+        # (bounds: [a, b) lies in the contiguous source's bytes, ``_ranges``; the view holds b - a bytes)
+        ctypes.memmove(view.data_ptr(), src.data_ptr() + a, b - a)
+        return None
     if rows is None:
         part = src.reshape(-1).view(torch.uint8)[a:b] if src.numel() else src.reshape(-1).view(torch.uint8)
         dst = view

@@ -38,6 +38,21 @@ HUGE_FROM = 2 << 20     # I/O buffers at least this large are ``huge_buffer``s (
 #: buffers (2 x 8 MiB), a sync save's ring (64 MiB) and the transfer buffers stay below it.
 HUGE_MAX = (64 << 20) + 4 * PAGE       # (a 64 MiB buffer and the pages some add for alignment)
 _PMD_SIZE = "/sys/kernel/mm/transparent_hugepage/hpage_pmd_size"
+_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+@functools.cache
+def huge_pages_offered() -> bool:
+    """Whether this kernel gives transparent huge pages to memory advised for them (its THP setting, read once,
+    is ``always`` or ``madvise``); False where it says ``never`` or nothing (no THP in the kernel). A True
+    does not promise huge pages (none may be free): it is what a caller that would otherwise work around 4 KiB
+    pages decides on."""
+    try:
+        with open(_ENABLED, "rb") as f:
+            text = f.read(128).decode("ascii", "replace")
+    except OSError:
+        return False
+    return "[always]" in text or "[madvise]" in text
 
 
 @functools.cache

@@ -9,8 +9,9 @@ Per chunk, in plan order, the writer
 - else encodes it (lossless byte planes + zstd where that pays, or an opt-in lossy codec) on the codec worker
   threads while it goes on with the next chunks (``core.chunks.encoding``: encoding overlaps the writes), or
   writes the raw pieces straight from the pool (O_DIRECT for the whole pages of large chunks: their pieces lie in
-  the pool as their ranges do in the file, ``save_plan.place``), or, in a synchronous save, a large chunk of a
-  contiguous host tensor straight from the tensor's memory (``write_streamed``'s ``sources_stable``).
+  the pool as their ranges do in the file, ``save_plan.place``), or, in a synchronous save through a pool
+  of 4 KiB pages, a large chunk of a contiguous host tensor straight from the tensor's memory
+  (``write_streamed``'s ``sources_stable``).
 Chunks are laid out one after the other in the order written, so the file holds only what was written.
 Deciding reuse or encoding needs the whole chunk: a chunk is held in the pool until complete, unless the pool
 is too small for it, or the stager waits for room that only this chunk's release would make: then it is written
@@ -41,6 +42,7 @@ from liferaft.staging.pool import BufferPool
 from liferaft.staging.stager import Piece, PieceQueue, StageFailed, stage, streamed_piece_limit
 from liferaft.storage.base import FileWriter, Storage
 
+ONE_THREAD = True       # the stager copies with one thread (``staging.stager.stage``): it runs beside this writer
 ReuseKey = tuple[str, tuple[int, ...], tuple[int, ...]]       # (tensor key, offsets, sizes)
 
 
@@ -117,10 +119,15 @@ def write_streamed(storage: Storage, items: Sequence[WriteItem], sources: Mappin
 
     A staging thread copies pieces of at most a quarter of the pool into it while this thread writes the
     previous ones, so memory stays within the pool however large the state. ``sources_stable`` (a synchronous
-    save: nothing changes the sources until it returns): a large chunk written raw from a contiguous host tensor
-    that lies where its file range does within a page (``save_plan.place``, ``page_phase``), is hashed and
-    written straight from the tensor's memory: its whole pages go to storage with O_DIRECT, uncopied. On error the
-    partial file is removed and the error re-raised.
+    save: nothing changes the sources until it returns), unless the pool is huge pages (``BufferPool.huge``): a
+    large chunk written raw from a contiguous host tensor that lies where its file range does within a page
+    (``save_plan.place``, ``page_phase``), is hashed and written straight from the tensor's memory: its whole
+    pages go to storage with O_DIRECT, uncopied. Through a pool of huge pages every chunk is copied into it
+    instead (one ``memmove`` per piece on the stager thread, ``ONE_THREAD``): a request from 2 MiB pages reaches
+    the device in 2 MiB pieces, from a tensor's 4 KiB pages in 4 KiB ones, and the writer joins the pieces of
+    consecutive chunks into one request (``behind.Write``). Measured here (0.54 GB, saves after the first of a
+    process, in process): 0.32-0.37 s copied against 0.42-0.57 s in place, 8 x 64 MiB 0.22 against 0.36-0.38.
+    On error the partial file is removed and the error re-raised.
     """
     pieces = PieceQueue()
     limit = streamed_piece_limit(pool.capacity)
@@ -128,13 +135,13 @@ def write_streamed(storage: Storage, items: Sequence[WriteItem], sources: Mappin
 
     def in_place(idx: int, src: torch.Tensor) -> bool:
         """A chunk written raw from a contiguous host tensor whose address keeps the file's alignment: no copy."""
-        return not policy.decides(items[idx]) and src.device.type == "cpu" and src.is_contiguous() and \
+        return not pool.huge and not policy.decides(items[idx]) and src.device.type == "cpu" and src.is_contiguous() and \
             items[idx].length >= PAGE_ALIGN_MIN and src.data_ptr() % PAGE == page_phase(policy.alignment)
 
     def run_stage() -> None:
         with contextlib.suppress(BaseException):   # queued as StageFailed for the writer, which raises it
             copy_s[0] = stage(items, sources, pool, pieces, limit, in_place=in_place if sources_stable else None,
-                              phase=page_phase(policy.alignment))
+                              phase=page_phase(policy.alignment), one_thread=ONE_THREAD)
 
     stager = threading.Thread(target=run_stage, name="liferaft-stager", daemon=True)
     stager.start()
