@@ -195,8 +195,9 @@ class Bench:
                 f"DCP/liferaft > 1 means liferaft is faster; limit/liferaft is the share of the physical limit "
                 f"reached, against the best path the device offered in the same run (saves: the fastest durable write "
                 f"of the limits table, O_DIRECT from 4 KiB or from 2 MiB pages or buffered, 1 or 4 requests in "
-                f"flight; loads: the fastest cold read; a sync save writes large tensors from their own memory, "
-                f"of 4 KiB pages, and the rest from its pool, of 2 MiB pages), 1 = at the limit. CPU s/GB: CPU seconds (every thread, summed over ranks) per GB of "
+                f"flight; loads: the fastest cold read; a sync save copies the state through its 64 MiB ring, of "
+                f"2 MiB pages where the kernel offers them, and writes from there; each op in a fresh process is "
+                f"that process's first save, which also pays the ring's first touch), 1 = at the limit. CPU s/GB: CPU seconds (every thread, summed over ranks) per GB of "
                 f"state, what the training job pays whatever the disk's hour. liferaft's 2-rank loads: "
                 f"share_reads={self.args.share_reads}.\n")
 

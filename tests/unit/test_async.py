@@ -212,7 +212,7 @@ def test_a_failed_save_leaves_the_pool_usable(tmp_path, mode):
 
 
 @pytest.mark.parametrize("huge", [False, True], ids=["ring of 4 KiB pages", "ring of huge pages"])
-def test_a_sync_save_writes_large_host_tensors_uncopied_and_the_same_bytes_as_a_copy(tmp_path, huge, monkeypatch):
+def test_a_sync_save_writes_large_host_tensors_uncopied_or_through_a_huge_ring_the_same_bytes(tmp_path, huge, monkeypatch):
     """Through a ring of 4 KiB pages, a synchronous save hands a large contiguous host tensor lying 64 bytes into a
     page (as torch's CPU allocator gives large ones out, and as its file range lies: save_plan.place) to storage
     from its own memory: the ring is not touched. A tensor elsewhere in a page (a view at an odd offset) goes

@@ -367,3 +367,30 @@ def test_cli_commands_over_many_keys(many, capsys):
 
 def test_api_errors_are_liferaft_errors():
     assert issubclass(OptionsError, LiferaftError) and issubclass(InvalidStateError, LiferaftError)
+
+
+@pytest.mark.parametrize("keep", [0, 4096])
+@pytest.mark.parametrize("mode", ["sync", "async overlapped", "async blocking"])
+def test_a_tensor_whose_storage_was_shrunk_is_refused_by_name_before_any_byte_is_read_or_written(tmp_path, keep,
+                                                                                                 mode):
+    """A tensor whose storage was resized or freed behind its back (FSDP frees parameters so) still claims its shape:
+    a save refuses it naming the key (helper-126: a save crashed, or committed heap bytes that verified), and a load
+    into one refuses it before any byte of the state is written."""
+    w = torch.arange(1 << 15, dtype=torch.float32)
+    ok = torch.arange(100, dtype=torch.float32)
+    shrunk = torch.arange(1 << 15, dtype=torch.float32)
+    shrunk.untyped_storage().resize_(keep)
+    path = str(tmp_path / "ck")
+    with pytest.raises(InvalidStateError, match=r"key 'shrunk'.*storage holds"):
+        if mode == "sync":
+            liferaft.save(path, {"w": w, "shrunk": shrunk})
+        else:
+            liferaft.async_save(path, {"w": w, "shrunk": shrunk},
+                                options=SaveOptions(staging=mode.split()[1])).wait()
+    assert not os.path.exists(os.path.join(path, "COMMIT"))
+    liferaft.save(path, {"w": w, "ok": ok})
+    target = {"w": torch.zeros(1 << 15), "ok": torch.zeros(100)}
+    target["ok"].untyped_storage().resize_(keep // 32)             # (0 or 128 of its 400 bytes)
+    with pytest.raises(InvalidStateError, match=r"key 'ok'.*storage holds"):
+        liferaft.load(path, target)
+    assert not target["w"].any()                    # (nothing loaded)

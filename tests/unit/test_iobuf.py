@@ -184,18 +184,31 @@ def test_pool_buffer_is_huge_and_o_direct_round_trips(tmp_path):
     assert torch.equal(back, data[:n])
 
 
-@pytest.mark.parametrize("text, offered", [(b"always [madvise] never\n", True), (b"[always] madvise never\n", True),
-                                           (b"always madvise [never]\n", False), (b"", False),
-                                           (b"[madvise" + b"x" * 4096, False), (None, False)])
-def test_huge_pages_are_offered_only_where_the_kernel_says_always_or_madvise(tmp_path, monkeypatch, text, offered):
-    """``huge_pages_offered`` reads the THP setting (a bounded read: a long or odd file is not taken as offering
-    them; a missing one means no THP): a ring of huge pages is copied into rather than written around."""
+@pytest.mark.parametrize("top, per_size, status, offered", [
+    (b"always [madvise] never\n", None, None, True),
+    (b"[always] madvise never\n", b"always [inherit] madvise never\n", None, True),
+    (b"always madvise [never]\n", None, None, False),
+    (b"always madvise [never]\n", b"always inherit [madvise] never\n", None, True),    # (the size's own choice)
+    (b"always [madvise] never\n", b"always inherit madvise [never]\n", None, False),
+    (b"always [madvise] never\n", None, b"Name:\tpython\nTHP_enabled:\t0\nThreads:\t1\n", False),  # (prctl)
+    (b"always [madvise] never\n", None, b"Name:\tpython\nTHP_enabled:\t1\n", True),
+    (b"", None, None, False), (b"x" * 200 + b"[madvise]", None, None, False), (None, None, None, False)])
+def test_huge_pages_are_offered_only_where_the_kernel_gives_them_to_this_process(tmp_path, monkeypatch, top,
+                                                                                 per_size, status, offered):
+    """``huge_pages_offered`` reads the THP setting for the huge-page size where the kernel has one (else the
+    global one) and whether the process turned THP off (``THP_enabled: 0``): a bounded read (a long or odd file is
+    not taken as offering them; a missing one means no THP). A ring of huge pages is copied into rather than
+    written around."""
     from liferaft.storage import iobuf
 
-    path = tmp_path / "enabled"
-    if text is not None:
-        path.write_bytes(text)
-    monkeypatch.setattr(iobuf, "_ENABLED", str(path))
+    thp = tmp_path / "thp"
+    (thp / f"hugepages-{iobuf.huge_page_size() >> 10}kB").mkdir(parents=True)
+    for path, text in ((thp / "enabled", top), (thp / f"hugepages-{iobuf.huge_page_size() >> 10}kB" / "enabled",
+                                                 per_size), (tmp_path / "status", status)):
+        if text is not None:
+            path.write_bytes(text)
+    monkeypatch.setattr(iobuf, "_THP", str(thp))
+    monkeypatch.setattr(iobuf, "_STATUS", str(tmp_path / "status"))
     iobuf.huge_pages_offered.cache_clear()
     try:
         assert iobuf.huge_pages_offered() is offered
@@ -212,3 +225,5 @@ def test_a_pool_is_huge_only_unpinned_within_the_huge_range_where_offered(monkey
     assert BufferPool(64 << 20).huge is offered
     assert BufferPool(HUGE_FROM - PAGE).huge is False          # (torch's allocation: no whole huge page)
     assert BufferPool(HUGE_MAX + PAGE).huge is False           # (an async pool of 4 KiB pages)
+    monkeypatch.setattr(pool_module, "huge_page_size", lambda: 512 << 20)     # (arm64 with 64 KiB pages)
+    assert BufferPool(64 << 20).huge is False                   # (holds no whole huge page)

@@ -97,3 +97,31 @@ def test_one_thread_copies_are_the_bytes_of_the_range_asked_whatever_the_source(
             view = torch.full((b - a,), 255, dtype=torch.uint8)
             assert _copy(src, view, a, b, rows, None, one_thread) is None
             assert torch.equal(view, flat[a:b]), (src.shape, a, b)
+
+
+def test_the_one_thread_copy_is_one_memmove_and_a_storage_smaller_than_its_tensor_raises(monkeypatch):
+    """With ``one_thread`` a contiguous host range is one ``memmove`` (not torch's parallel copy); a source whose
+    storage was shrunk behind its back (FSDP frees parameters so) raises as torch's own copy does, never reads past
+    the storage (helper-126: the first version took the address from the tensor's claimed size: a crash, or heap
+    bytes committed in a checkpoint that verified)."""
+    import ctypes
+
+    import torch
+
+    from liferaft.staging import stager
+
+    calls = []
+    real = ctypes.memmove
+    monkeypatch.setattr(stager.ctypes, "memmove", lambda d, s, n: (calls.append(n), real(d, s, n))[1])
+    src = torch.arange(1 << 16, dtype=torch.float32)
+    view = torch.empty(4096, dtype=torch.uint8)
+    stager._copy(src, view, 8192, 12288, None, None, True)
+    assert calls == [4096] and torch.equal(view, src.view(torch.uint8)[8192:12288])
+    stager._copy(src, view, 8192, 12288, None, None, False)
+    assert calls == [4096]                          # (copy_ when not asked)
+    for keep in (0, 4096):
+        t = torch.arange(1 << 16, dtype=torch.float32)
+        t.untyped_storage().resize_(keep)
+        with pytest.raises(RuntimeError, match="out of bounds"):
+            stager._copy(t, view, 8192, 12288, None, None, True)
+    assert calls == [4096]

@@ -15,7 +15,7 @@ import torch
 
 from liferaft.errors import LiferaftError
 from liferaft.planning.save_plan import PAGE_PHASE
-from liferaft.storage.iobuf import HUGE_FROM, HUGE_MAX, huge_buffer, huge_pages_offered
+from liferaft.storage.iobuf import HUGE_FROM, HUGE_MAX, huge_buffer, huge_page_size, huge_pages_offered
 
 ALIGN = 64            # every region starts at a multiple of this
 PAGE = 4096           # regions asked for with align=PAGE lie PAGE_PHASE bytes into a page (as large chunks in files)
@@ -47,9 +47,11 @@ class BufferPool:
         # (``PAGE_PHASE`` bytes into a page: a region at a multiple of PAGE lies in memory as a large chunk's range
         # lies in its data file, ``planning.save_plan.place``, so that its whole pages go to storage with O_DIRECT)
         self.buffer = page_aligned_empty(self.capacity, pin, PAGE_PHASE)
-        #: whether ``buffer`` is a ``huge_buffer`` on a kernel that offers huge pages (O_DIRECT from it reaches the
-        #: device in large pieces; ``core.chunks.writer.write_streamed`` copies into it rather than write in place)
-        self.huge = not pin and HUGE_FROM <= self.capacity <= HUGE_MAX and huge_pages_offered()
+        #: whether ``buffer`` is a ``huge_buffer`` large enough for a huge page, where the kernel offers them to this
+        #: process (``iobuf.huge_pages_offered``): O_DIRECT from it reaches the device in large pieces, and
+        #: ``core.chunks.writer.write_streamed`` copies into it rather than write large tensors in place
+        self.huge = not pin and HUGE_FROM <= self.capacity <= HUGE_MAX and huge_page_size() <= self.capacity \
+            and huge_pages_offered()
         self._cond = threading.Condition()
         self._live: deque[tuple[int, int]] = deque()   # (start, size) in allocation order
         self._head = 0

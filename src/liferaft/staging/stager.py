@@ -135,7 +135,8 @@ def stage(items: Sequence[WriteItem], sources: Mapping[tuple[str, Box], torch.Te
     (``save_plan.place``: ``PAGE_PHASE``, or 0 with an alignment above it).
     ``one_thread``: copy contiguous host bytes with one ``memmove`` on this thread (the GIL released) instead of
     torch's ``copy_``, whose parallel copy starts OpenMP threads that spin once it ends: a stager that runs beside
-    training (overlapped staging, a synchronous save's stager) then takes one core, not all of them.
+    other work (overlapped staging beside training, a synchronous save's stager beside its writer) then takes one
+    core, not all of them.
     """
     streams: dict[torch.device, Any] = {}   # one side stream per CUDA device the sources live on
     copy_s = 0.0
@@ -189,9 +190,10 @@ def _copy(src: torch.Tensor, view: torch.Tensor, a: int, b: int, rows: tuple[Any
     if one_thread and rows is None and stream is None and src.device.type == "cpu" and view.device.type == "cpu" \
             and src.is_contiguous() and view.is_contiguous() and view.numel() == b - a \
             and 0 <= a <= b <= src.numel() * src.element_size():
-        # (bounds: [a, b) lies in the contiguous source's bytes, ``_ranges``; the view holds b - a bytes)
-        ctypes.memmove(view.data_ptr(), src.data_ptr() + a, b - a)
-        return None
+        part = src.reshape(-1).view(torch.uint8)[a:b]      # (torch checks it against the storage's bytes)
+        if part.numel() == b - a:
+            ctypes.memmove(view.data_ptr(), part.data_ptr(), b - a)
+            return None
     if rows is None:
         part = src.reshape(-1).view(torch.uint8)[a:b] if src.numel() else src.reshape(-1).view(torch.uint8)
         dst = view

@@ -416,6 +416,14 @@ class _Walker:
         if any(p.layout != torch.strided for _, p in parts):
             raise InvalidStateError(f"key {key!r}: a {parts[0][1].layout} tensor; liferaft saves dense (strided) "
                                     "tensors: save .to_dense() of it, or its indices and values")
+        for _, p in parts:
+            short = _storage_short(p)
+            if short is not None:
+                raise InvalidStateError(
+                    f"key {key!r}: the tensor's storage holds {short[0]} bytes, fewer than its shape and strides "
+                    f"reach ({short[1]}): its storage was resized or freed (FSDP frees a parameter's storage "
+                    "outside forward and backward). Pass the state the framework's state_dict gives, or tensors "
+                    "whose storage holds their data")
         if any(p.is_conj() or p.is_neg() for _, p in parts):
             if self.template:           # a load would have to write through the lazy bit
                 raise InvalidStateError(f"key {key!r}: the state holds a conjugate or negative view; load into "
@@ -426,6 +434,20 @@ class _Walker:
 
     def _value(self, path: tuple[PathPart, ...], v: Any) -> None:
         self.flat.values.append((self._claim(path), path, v))
+
+
+def _storage_short(t: torch.Tensor) -> tuple[int, int] | None:
+    """(bytes the storage of ``t`` holds, bytes its shape and strides reach) when the storage is too small (its
+    storage resized or freed behind the tensor's back, as FSDP does); None when it holds the tensor. A copy from or
+    into such a tensor by address would read or write past its storage."""
+    if t.numel() == 0:
+        return None
+    reach = (t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+    try:
+        have = t.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):     # (a tensor without a storage of its own: refused elsewhere)
+        return None
+    return (have, reach) if have < reach else None
 
 
 def _too_deep(path: tuple[PathPart, ...]) -> None:

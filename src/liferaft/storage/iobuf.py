@@ -38,21 +38,40 @@ HUGE_FROM = 2 << 20     # I/O buffers at least this large are ``huge_buffer``s (
 #: buffers (2 x 8 MiB), a sync save's ring (64 MiB) and the transfer buffers stay below it.
 HUGE_MAX = (64 << 20) + 4 * PAGE       # (a 64 MiB buffer and the pages some add for alignment)
 _PMD_SIZE = "/sys/kernel/mm/transparent_hugepage/hpage_pmd_size"
-_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
+_THP = "/sys/kernel/mm/transparent_hugepage"
+_STATUS = "/proc/self/status"
+
+
+def _setting(path: str) -> str | None:
+    """The bracketed choice of a THP setting file ("always [madvise] never" -> "madvise"); None if unreadable."""
+    try:
+        with open(path, "rb") as f:
+            text = f.read(128).decode("ascii", "replace")
+    except OSError:
+        return None
+    lo, hi = text.find("["), text.find("]")
+    return text[lo + 1:hi] if 0 <= lo < hi else None
 
 
 @functools.cache
 def huge_pages_offered() -> bool:
-    """Whether this kernel gives transparent huge pages to memory advised for them (its THP setting, read once,
-    is ``always`` or ``madvise``); False where it says ``never`` or nothing (no THP in the kernel). A True
-    does not promise huge pages (none may be free): it is what a caller that would otherwise work around 4 KiB
-    pages decides on."""
-    try:
-        with open(_ENABLED, "rb") as f:
-            text = f.read(128).decode("ascii", "replace")
-    except OSError:
+    """Whether this kernel gives this process transparent huge pages of ``huge_page_size()`` for memory advised
+    for them, read once: the setting for that size (``hugepages-<size>kB/enabled``, where the kernel has one and
+    it does not say ``inherit``), else the global one, is ``always`` or ``madvise``, and the process has not turned
+    THP off (``prctl(PR_SET_THP_DISABLE)``, inherited by its children: ``THP_enabled: 0`` in /proc/self/status).
+    False where the kernel has no THP or says ``never``. A True does not promise huge pages (none may be free):
+    it is what a caller that would otherwise work around 4 KiB pages decides on."""
+    size = _setting(f"{_THP}/hugepages-{huge_page_size() >> 10}kB/enabled")
+    if size in (None, "inherit"):
+        size = _setting(f"{_THP}/enabled")
+    if size not in ("always", "madvise"):
         return False
-    return "[always]" in text or "[madvise]" in text
+    try:
+        with open(_STATUS, "rb") as f:
+            status = f.read(16384)
+    except OSError:
+        return True
+    return b"\nTHP_enabled:\t0" not in status
 
 
 @functools.cache

@@ -125,8 +125,9 @@ def write_streamed(storage: Storage, items: Sequence[WriteItem], sources: Mappin
     pages go to storage with O_DIRECT, uncopied. Through a pool of huge pages every chunk is copied into it
     instead (one ``memmove`` per piece on the stager thread, ``ONE_THREAD``): a request from 2 MiB pages reaches
     the device in 2 MiB pieces, from a tensor's 4 KiB pages in 4 KiB ones, and the writer joins the pieces of
-    consecutive chunks into one request (``behind.Write``). Measured here (0.54 GB, saves after the first of a
-    process, in process): 0.32-0.37 s copied against 0.42-0.57 s in place, 8 x 64 MiB 0.22 against 0.36-0.38.
+    consecutive chunks into one request (``behind.Write``). Measured here, 0.54 GB: a process's second save
+    0.345-0.383 s copied against 0.441-0.495 in place (fresh processes); 8 x 64 MiB in one process 0.22 s
+    against 0.36-0.38. A process's first save pays the ring's first touch (64 MiB, resident from then on).
     On error the partial file is removed and the error re-raised.
     """
     pieces = PieceQueue()
@@ -135,8 +136,9 @@ def write_streamed(storage: Storage, items: Sequence[WriteItem], sources: Mappin
 
     def in_place(idx: int, src: torch.Tensor) -> bool:
         """A chunk written raw from a contiguous host tensor whose address keeps the file's alignment: no copy."""
-        return not pool.huge and not policy.decides(items[idx]) and src.device.type == "cpu" and src.is_contiguous() and \
-            items[idx].length >= PAGE_ALIGN_MIN and src.data_ptr() % PAGE == page_phase(policy.alignment)
+        return not pool.huge and not policy.decides(items[idx]) and src.device.type == "cpu" and \
+            src.is_contiguous() and items[idx].length >= PAGE_ALIGN_MIN and \
+            src.data_ptr() % PAGE == page_phase(policy.alignment)
 
     def run_stage() -> None:
         with contextlib.suppress(BaseException):   # queued as StageFailed for the writer, which raises it
