@@ -394,3 +394,49 @@ def test_a_tensor_whose_storage_was_shrunk_is_refused_by_name_before_any_byte_is
     with pytest.raises(InvalidStateError, match=r"key 'ok'.*storage holds"):
         liferaft.load(path, target)
     assert not target["w"].any()                    # (nothing loaded)
+
+
+class _FreesLater:
+    """A stateful object whose ``state_dict()`` (called late in the walk) frees a tensor walked before it."""
+
+    def __init__(self, victim: torch.Tensor, keep: int) -> None:
+        self.victim, self.keep = victim, keep
+
+    def state_dict(self):
+        self.victim.untyped_storage().resize_(self.keep)
+        return {}
+
+    def load_state_dict(self, sd):
+        pass
+
+
+@pytest.mark.parametrize("keep", [0, 2, 4096])
+def test_a_storage_freed_by_a_state_dict_later_in_the_walk_is_still_refused_by_name(tmp_path, keep):
+    """The storage check runs after the whole state is walked (helper-127: a ``state_dict()`` called after a
+    tensor was checked freed it; a save of a transposed tensor committed heap bytes that verified, a load into a
+    0-d tensor wrote past its storage)."""
+    base = torch.arange(512 * 512, dtype=torch.float32).reshape(512, 512)
+    with pytest.raises(InvalidStateError, match=r"key 'a'.*storage holds"):
+        liferaft.save(str(tmp_path / "s"), {"a": base.t(), "z": _FreesLater(base, keep)})
+    assert not os.path.exists(tmp_path / "s" / "COMMIT")
+    liferaft.save(str(tmp_path / "l"), {"a": torch.tensor(3.0), "b": torch.arange(10.0)})
+    zero_d, other = torch.tensor(0.0), torch.zeros(10)
+    with pytest.raises(InvalidStateError, match=r"key 'a'.*storage holds"):
+        liferaft.load(str(tmp_path / "l"), {"a": zero_d, "b": other, "z": _FreesLater(zero_d, min(keep, 2))})
+    assert not other.any()
+
+
+@pytest.mark.parametrize("staging", ["sync", "blocking", "overlapped"])
+def test_one_element_views_whose_stride_is_not_one_save_and_load(tmp_path, staging):
+    """``t[2:3, 1]`` is contiguous for torch with stride 4 (helper-127: its bytes could not be viewed, every save
+    raised)."""
+    grid = torch.arange(16.0).reshape(4, 4)
+    state = {"col": grid[2:3, 1], "cell": grid[1:2, 1:2], "c": torch.randn(4, 2, dtype=torch.complex64)[1:2, 1]}
+    path = str(tmp_path / "ck")
+    if staging == "sync":
+        liferaft.save(path, state)
+    else:
+        liferaft.async_save(path, state, options=SaveOptions(staging=staging)).wait()
+    back = {k: torch.zeros_like(v) for k, v in state.items()}
+    liferaft.load(path, back)
+    assert all(torch.equal(back[k], v) for k, v in state.items())

@@ -192,6 +192,7 @@ def test_pool_buffer_is_huge_and_o_direct_round_trips(tmp_path):
     (b"always [madvise] never\n", b"always inherit madvise [never]\n", None, False),
     (b"always [madvise] never\n", None, b"Name:\tpython\nTHP_enabled:\t0\nThreads:\t1\n", False),  # (prctl)
     (b"always [madvise] never\n", None, b"Name:\tpython\nTHP_enabled:\t1\n", True),
+    (b"always [madvise] never\n", None, b"Groups:\t" + b"1000 " * 5000 + b"\nTHP_enabled:\t0\n", False),  # (long)
     (b"", None, None, False), (b"x" * 200 + b"[madvise]", None, None, False), (None, None, None, False)])
 def test_huge_pages_are_offered_only_where_the_kernel_gives_them_to_this_process(tmp_path, monkeypatch, top,
                                                                                  per_size, status, offered):

@@ -158,7 +158,7 @@ def stage(items: Sequence[WriteItem], sources: Mapping[tuple[str, Box], torch.Te
                     stream = streams[src.device] = torch.cuda.Stream(device=src.device)
                     stream.wait_stream(torch.cuda.current_stream(src.device))
             if in_place is not None and in_place(idx, src):
-                flat = src.reshape(-1).view(torch.uint8)
+                flat = _bytes_of(src)
                 for a in range(0, w.length, piece_limit):
                     batch.append(Piece(item=idx, offset=a, region=-1, data=flat[a:a + piece_limit]))
                     flush()
@@ -185,17 +185,28 @@ def stage(items: Sequence[WriteItem], sources: Mapping[tuple[str, Box], torch.Te
     return copy_s
 
 
+def _bytes_of(src: torch.Tensor) -> torch.Tensor:
+    """The bytes of a contiguous ``src`` as a 1-D uint8 view. A tensor torch calls contiguous may still have a
+    stride other than 1 on a dimension of size 1 (one element of a column: ``t[2:3, 1]``), which ``view`` refuses;
+    its elements are adjacent all the same, so it is viewed with unit stride (``as_strided``, bounds-checked
+    against the storage by torch)."""
+    flat = src.reshape(-1)
+    if flat.numel() and flat.stride(0) != 1:
+        flat = flat.as_strided((flat.numel(),), (1,))
+    return flat.view(torch.uint8)
+
+
 def _copy(src: torch.Tensor, view: torch.Tensor, a: int, b: int, rows: tuple[Any, ...] | None,
           stream: Any, one_thread: bool = False) -> Any:
     if one_thread and rows is None and stream is None and src.device.type == "cpu" and view.device.type == "cpu" \
             and src.is_contiguous() and view.is_contiguous() and view.numel() == b - a \
             and 0 <= a <= b <= src.numel() * src.element_size():
-        part = src.reshape(-1).view(torch.uint8)[a:b]      # (torch checks it against the storage's bytes)
+        part = _bytes_of(src)[a:b]          # (torch checks it against the storage's bytes)
         if part.numel() == b - a:
             ctypes.memmove(view.data_ptr(), part.data_ptr(), b - a)
             return None
     if rows is None:
-        part = src.reshape(-1).view(torch.uint8)[a:b] if src.numel() else src.reshape(-1).view(torch.uint8)
+        part = _bytes_of(src)[a:b] if src.numel() else _bytes_of(src)
         dst = view
     else:
         part = src[rows]

@@ -416,14 +416,6 @@ class _Walker:
         if any(p.layout != torch.strided for _, p in parts):
             raise InvalidStateError(f"key {key!r}: a {parts[0][1].layout} tensor; liferaft saves dense (strided) "
                                     "tensors: save .to_dense() of it, or its indices and values")
-        for _, p in parts:
-            short = _storage_short(p)
-            if short is not None:
-                raise InvalidStateError(
-                    f"key {key!r}: the tensor's storage holds {short[0]} bytes, fewer than its shape and strides "
-                    f"reach ({short[1]}): its storage was resized or freed (FSDP frees a parameter's storage "
-                    "outside forward and backward). Pass the state the framework's state_dict gives, or tensors "
-                    "whose storage holds their data")
         if any(p.is_conj() or p.is_neg() for _, p in parts):
             if self.template:           # a load would have to write through the lazy bit
                 raise InvalidStateError(f"key {key!r}: the state holds a conjugate or negative view; load into "
@@ -498,4 +490,14 @@ def flatten(state: Any, *, template: bool = False, world: int | None = None,
         [o for o in objs if id(o) not in given]
     w.adapters = {**make_adapters(todo, world), **given}
     w.walk(state, ())
+    # (after the whole walk: a ``state_dict()`` called late in it may free the storage of a tensor walked before)
+    for leaf in w.flat.tensors:
+        for _, part in leaf.parts:
+            short = _storage_short(part)
+            if short is not None:
+                raise InvalidStateError(
+                    f"key {leaf.key!r}: the tensor's storage holds {short[0]} bytes, fewer than its shape and "
+                    f"strides reach ({short[1]}): its storage was resized or freed (FSDP frees a parameter's "
+                    "storage outside forward and backward). Pass the state the framework's state_dict gives, or "
+                    "tensors whose storage holds their data")
     return w.flat

@@ -68,7 +68,7 @@ def huge_pages_offered() -> bool:
         return False
     try:
         with open(_STATUS, "rb") as f:
-            status = f.read(16384)
+            status = f.read(1 << 20)          # (long with many supplementary groups)
     except OSError:
         return True
     return b"\nTHP_enabled:\t0" not in status
