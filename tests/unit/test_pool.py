@@ -101,8 +101,8 @@ def test_one_thread_copies_are_the_bytes_of_the_range_asked_whatever_the_source(
 
 def test_the_one_thread_copy_is_one_memmove_and_a_storage_smaller_than_its_tensor_raises(monkeypatch):
     """With ``one_thread`` a contiguous host range is one ``memmove`` (not torch's parallel copy); a source whose
-    storage was shrunk behind its back (FSDP frees parameters so) raises as torch's own copy does, never reads past
-    the storage (helper-126: the first version took the address from the tensor's claimed size: a crash, or heap
+    storage was shrunk behind its back (FSDP frees parameters so) raises (torch bounds-checks the byte view),
+    never reads past the storage (helper-126: the first version took the address from the tensor's claimed size: a crash, or heap
     bytes committed in a checkpoint that verified)."""
     import ctypes
 

@@ -158,7 +158,7 @@ def stage(items: Sequence[WriteItem], sources: Mapping[tuple[str, Box], torch.Te
                     stream = streams[src.device] = torch.cuda.Stream(device=src.device)
                     stream.wait_stream(torch.cuda.current_stream(src.device))
             if in_place is not None and in_place(idx, src):
-                flat = _bytes_of(src)
+                flat = contiguous_bytes(src)
                 for a in range(0, w.length, piece_limit):
                     batch.append(Piece(item=idx, offset=a, region=-1, data=flat[a:a + piece_limit]))
                     flush()
@@ -185,7 +185,7 @@ def stage(items: Sequence[WriteItem], sources: Mapping[tuple[str, Box], torch.Te
     return copy_s
 
 
-def _bytes_of(src: torch.Tensor) -> torch.Tensor:
+def contiguous_bytes(src: torch.Tensor) -> torch.Tensor:
     """The bytes of a contiguous ``src`` as a 1-D uint8 view. A tensor torch calls contiguous may still have a
     stride other than 1 on a dimension of size 1 (one element of a column: ``t[2:3, 1]``), which ``view`` refuses;
     its elements are adjacent all the same, so it is viewed with unit stride (``as_strided``, bounds-checked
@@ -199,14 +199,13 @@ def _bytes_of(src: torch.Tensor) -> torch.Tensor:
 def _copy(src: torch.Tensor, view: torch.Tensor, a: int, b: int, rows: tuple[Any, ...] | None,
           stream: Any, one_thread: bool = False) -> Any:
     if one_thread and rows is None and stream is None and src.device.type == "cpu" and view.device.type == "cpu" \
-            and src.is_contiguous() and view.is_contiguous() and view.numel() == b - a \
-            and 0 <= a <= b <= src.numel() * src.element_size():
-        part = _bytes_of(src)[a:b]          # (torch checks it against the storage's bytes)
+            and src.is_contiguous() and view.is_contiguous() and view.numel() == b - a:
+        part = contiguous_bytes(src)[a:b]   # (a view torch checks against the storage; clamped to the tensor)
         if part.numel() == b - a:
             ctypes.memmove(view.data_ptr(), part.data_ptr(), b - a)
             return None
     if rows is None:
-        part = _bytes_of(src)[a:b] if src.numel() else _bytes_of(src)
+        part = contiguous_bytes(src)[a:b] if src.numel() else contiguous_bytes(src)
         dst = view
     else:
         part = src[rows]

@@ -37,8 +37,8 @@ HUGE_FROM = 2 << 20     # I/O buffers at least this large are ``huge_buffer``s (
 #: instead of 0.2 (its later saves were 7 % faster: 0.30-0.33 s until durable against 0.33-0.37). A load's read
 #: buffers (2 x 8 MiB), a sync save's ring (64 MiB) and the transfer buffers stay below it.
 HUGE_MAX = (64 << 20) + 4 * PAGE       # (a 64 MiB buffer and the pages some add for alignment)
-_PMD_SIZE = "/sys/kernel/mm/transparent_hugepage/hpage_pmd_size"
 _THP = "/sys/kernel/mm/transparent_hugepage"
+_PMD_SIZE = f"{_THP}/hpage_pmd_size"
 _STATUS = "/proc/self/status"
 
 

@@ -25,6 +25,7 @@ import torch
 
 from liferaft.codecs.checksum import verify_blocks
 from liferaft.planning.load_plan import CopySpec, ReadUnit
+from liferaft.staging.stager import contiguous_bytes
 
 PIECE = 1 << 20          # bytes verified and copied together (rounded to whole hash blocks)
 
@@ -47,10 +48,7 @@ def _flat_destination(c: CopySpec, targets: Sequence[torch.Tensor], dtype: torch
     if dst.device.type != "cpu" or not dst.is_contiguous() or dst.numel() != math.prod(c.sizes) \
             or dst.dtype != dtype:
         return None                      # (a dtype other than the stored one: torch's copy_ converts it)
-    flat = dst.reshape(-1)
-    if flat.numel() and flat.stride(0) != 1:    # (is_contiguous ignores size-1 dims, and reshape keeps their
-        flat = flat.as_strided((flat.numel(),), (1,))   # stride: one element at a stride of 2 is contiguous)
-    return flat.view(torch.uint8)
+    return contiguous_bytes(dst)
 
 
 def where_of(unit: ReadUnit) -> str:

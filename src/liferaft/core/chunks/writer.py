@@ -42,7 +42,6 @@ from liferaft.staging.pool import BufferPool
 from liferaft.staging.stager import Piece, PieceQueue, StageFailed, stage, streamed_piece_limit
 from liferaft.storage.base import FileWriter, Storage
 
-ONE_THREAD = True       # the stager copies with one thread (``staging.stager.stage``): it runs beside this writer
 ReuseKey = tuple[str, tuple[int, ...], tuple[int, ...]]       # (tensor key, offsets, sizes)
 
 
@@ -123,7 +122,7 @@ def write_streamed(storage: Storage, items: Sequence[WriteItem], sources: Mappin
     large chunk written raw from a contiguous host tensor that lies where its file range does within a page
     (``save_plan.place``, ``page_phase``), is hashed and written straight from the tensor's memory: its whole
     pages go to storage with O_DIRECT, uncopied. Through a pool of huge pages every chunk is copied into it
-    instead (one ``memmove`` per piece on the stager thread, ``ONE_THREAD``): a request from 2 MiB pages reaches
+    instead (one ``memmove`` per piece on the stager thread, ``stage(one_thread=True)``): a request from 2 MiB pages reaches
     the device in 2 MiB pieces, from a tensor's 4 KiB pages in 4 KiB ones, and the writer joins the pieces of
     consecutive chunks into one request (``behind.Write``). Measured here, 0.54 GB: a process's second save
     0.345-0.383 s copied against 0.441-0.495 in place (fresh processes); 8 x 64 MiB in one process 0.22 s
@@ -143,7 +142,7 @@ def write_streamed(storage: Storage, items: Sequence[WriteItem], sources: Mappin
     def run_stage() -> None:
         with contextlib.suppress(BaseException):   # queued as StageFailed for the writer, which raises it
             copy_s[0] = stage(items, sources, pool, pieces, limit, in_place=in_place if sources_stable else None,
-                              phase=page_phase(policy.alignment), one_thread=ONE_THREAD)
+                              phase=page_phase(policy.alignment), one_thread=True)
 
     stager = threading.Thread(target=run_stage, name="liferaft-stager", daemon=True)
     stager.start()
