@@ -21,8 +21,10 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(PY) examples/demo.py
 
+# OMP_WAIT_POLICY=passive: with two workers and their ranks on the machine's cores, torch's OpenMP threads spinning
+# while they wait for work took ~15 % of the unit tests' CPU (measured: 422 → 358 CPU s, 301 → 273 s)
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
+	OMP_WAIT_POLICY=passive $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 # The fuzzing suite (tests/fuzz, docs/SECURITY.md) far longer than `make test` runs it: random seeds, FUZZ_EXAMPLES
 # examples per target, a 4 GiB address-space limit; prints the examples run per target.
