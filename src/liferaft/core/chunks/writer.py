@@ -331,9 +331,7 @@ def _next(pieces: PieceQueue, pool: BufferPool, waiting_ok: bool, encoding: Enco
     forever)."""
     while True:
         encoding.collect()
-        behind.check()
-        if pool.waiting or not behind.busy:
-            behind.kick()   # (the writes kept back to be joined go once the I/O thread is idle or room is needed)
+        behind.check()          # (the writes kept back to be joined: the I/O thread takes them once idle)
         try:
             piece = pieces.get(timeout=None if waiting_ok and not encoding and not behind else 0.005)
         except queue.Empty:
