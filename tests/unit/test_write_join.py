@@ -53,11 +53,13 @@ def test_consecutive_writes_go_as_one_request_then_their_callbacks_in_order():
 @pytest.mark.parametrize("gap", ["memory", "file", "storage", "target"])
 def test_writes_that_do_not_follow_stay_separate(gap):
     sink, other, wb = Sink(), Sink(), WriteBehind()
+    gate = _busy(wb)
     buf = torch.zeros(1000, dtype=torch.uint8)
     second = {"memory": (sink.put, buf[110:210], 100), "file": (sink.put, buf[100:200], 101),
               "storage": (sink.put, buf.clone()[100:200], 100), "target": (other.put, buf[100:200], 100)}[gap]
     wb.submit(Write(sink.put, buf[:100], 0))
     wb.submit(Write(*second))
+    gate.set()
     wb.flush()
     assert [o for o, _ in sink.requests + other.requests] == [0, second[2]]
 
@@ -121,17 +123,21 @@ def test_close_drops_the_kept_run():
 
 def test_a_failed_joined_write_runs_no_callback_and_is_raised():
     wb = WriteBehind()
+    gate = _busy(wb)
     after: list[int] = []
     buf = torch.zeros(200, dtype=torch.uint8)
+    sizes: list[int] = []
 
     def put(view: memoryview, offset: int) -> None:
+        sizes.append(len(view))
         raise OSError(28, "No space left on device")
 
     wb.submit(Write(put, buf[:100], 0, lambda: after.append(0)))
     wb.submit(Write(put, buf[100:200], 100, lambda: after.append(1)))
+    gate.set()
     with pytest.raises(OSError, match="No space"):
         wb.flush()
-    assert after == []
+    assert after == [] and sizes == [200]          # (one joined request failed: no callback of either write ran)
     wb.close()
 
 
@@ -172,6 +178,28 @@ def test_saves_of_many_small_chunks_through_a_small_pool_join_and_round_trip(tmp
         liferaft.load(path, back)
         assert all(torch.equal(back[k], state[k]) for k in state)
         assert sum(calls) == 96 and len(calls) < 96, calls
-        if mode == "sync":      # a full pool (the stager waiting for room) does not send each piece alone: measured
-            # 24 / 7 / 3 requests; 77 / 71 / 4 when the writer sent its kept run whenever the stager waited
-            assert len(calls) <= 96 // {2: 2, 8: 4, 64: 8}[budget_mib], calls
+        if mode == "sync" and budget_mib < 64:      # a full pool (the stager waiting for room) does not send each
+            # piece alone: measured 14-26 / 7-13 requests; 77 / 62-71 when the writer sent its kept run whenever the
+            # stager waited. (The 64 MiB pool is not full here; its count depends on the hashing's speed.)
+            assert len(calls) <= 96 // {2: 2, 8: 4}[budget_mib], calls
+
+
+def test_close_wakes_a_flush_waiting_in_another_thread():
+    """(helper-128) A flush waiting for jobs that close drops returns, raising that the write-behind closed."""
+    wb = WriteBehind()
+    gate = _busy(wb)
+    wb.submit(lambda: None)                                   # queued behind the busy job: dropped by close
+    raised: list[BaseException] = []
+
+    def flusher() -> None:
+        try:
+            wb.flush()
+        except BaseException as e:  # noqa: BLE001 - looked at below
+            raised.append(e)
+
+    t = threading.Thread(target=flusher)
+    t.start()
+    threading.Timer(0.05, gate.set).start()
+    wb.close()
+    t.join(10)
+    assert not t.is_alive() and raised and "closed" in str(raised[0])
