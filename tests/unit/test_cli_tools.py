@@ -109,9 +109,9 @@ def test_verify_json_and_every_fault_named(tmp_path):
         for f in fs:
             if f.endswith(".bin"):
                 with open(os.path.join(d, f), "r+b") as fh:
-                    fh.seek(10)
+                    fh.seek(4096)                      # (inside a)
                     fh.write(b"\xff\xff")
-                    fh.seek(300 * 300 * 4 + 4096)
+                    fh.seek(300 * 300 * 4 + 8192)      # (inside b, wherever its chunk starts)
                     fh.write(b"\xff\xff")
     out = run("verify", path)
     assert out.returncode == 1 and "'a'" in out.stdout and "'b'" in out.stdout and "2 fault(s)" in out.stdout

@@ -25,10 +25,14 @@ from typing import Any
 import torch
 
 from liferaft.planning.geometry import Box
-from liferaft.planning.save_plan import PAGE_PHASE, WriteItem
+from liferaft.planning.save_plan import PAGE_ALIGN_MIN, PAGE_PHASE, WriteItem
 from liferaft.staging.pool import ALIGN, PAGE, BufferPool
 
-DIRECT_MIN = 64 << 10
+#: Pieces this large start on a page of the pool (``PAGE_PHASE`` into it): where their chunks start in the file
+#: (``save_plan.place``), so that the writer sends their whole pages with O_DIRECT. The two must be one number: a
+#: piece placed on a page whose chunk is not went through the page cache (``PosixStorage``'s O_DIRECT needs the
+#: memory and the file range at the same place in a page).
+DIRECT_MIN = PAGE_ALIGN_MIN
 PIECE_LIMIT = 64 << 20      # largest piece: bounds the latency from copy to write
 BATCH = 256                 # most pieces handed over at once
 
