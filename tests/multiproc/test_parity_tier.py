@@ -57,9 +57,10 @@ def test_a_damaged_parity_is_detected_never_loaded(shm):
     run_ranks(save, 4, shm, 1, 4, 1, timeout=120)
     shutil.rmtree(_node(shm, "n0"))
     xor = os.path.join(_node(shm, "n1"), "parity", "step-0000000001", "r1.xor")
-    with open(xor, "r+b") as f:                                     # one bit of the parity rebuilding n0's file
+    with open(xor, "r+b") as f:     # one bit of the parity rebuilding n0's file, over its first chunk's bytes (its
+        f.seek(4096 + 100)          # first 64 bytes are a gap before that chunk, which no load reads)
         b = f.read(1)
-        f.seek(0)
+        f.seek(4096 + 100)
         f.write(bytes([b[0] ^ 1]))
     with pytest.raises(RankFailure, match="CorruptCheckpointError"):
         run_ranks(restore, 4, shm, 1, 4, timeout=120)

@@ -203,3 +203,40 @@ def test_close_wakes_a_flush_waiting_in_another_thread():
     wb.close()
     t.join(10)
     assert not t.is_alive() and raised and "closed" in str(raised[0])
+
+
+def test_chunks_of_half_a_mib_and_more_go_to_storage_with_o_direct(tmp_path, monkeypatch):
+    """The file places a chunk of ``PAGE_ALIGN_MIN`` bytes or more where the staging pool places its pieces
+    (``PAGE_PHASE`` into a page), so that its whole pages go with O_DIRECT: until the two thresholds were one
+    number, chunks of 512 KiB to 1 MiB (the halves of 512-wide matrices over 2 ranks) went through the page cache."""
+    import errno
+
+    from liferaft.planning.save_plan import PAGE_ALIGN_MIN, PAGE_PHASE, place
+    from liferaft.staging.stager import DIRECT_MIN
+    from liferaft.storage import posix
+
+    assert DIRECT_MIN == PAGE_ALIGN_MIN and place(100, PAGE_ALIGN_MIN, 64) % 4096 == PAGE_PHASE
+    assert place(100, PAGE_ALIGN_MIN - 1, 64) == 128                   # smaller chunks stay back to back
+    try:
+        os.close(os.open(str(tmp_path / "probe"), os.O_WRONLY | os.O_CREAT | getattr(os, "O_DIRECT", 0)))
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            pytest.skip("this file system refuses O_DIRECT")
+        raise
+    direct = [0]
+    real = posix._PosixWriter._write_direct
+
+    def counted(self, mv, offset):
+        n = real(self, mv, offset)
+        direct[0] += n
+        return n
+
+    monkeypatch.setattr(posix._PosixWriter, "_write_direct", counted)
+    g = torch.Generator().manual_seed(3)
+    state = {f"t{i}": torch.randn(401, 383, generator=g) for i in range(24)}    # 614,332 bytes: not whole pages
+    path = str(tmp_path / "ck")
+    liferaft.save(path, state, options=liferaft.SaveOptions(compression="off"))
+    assert direct[0] >= 0.95 * 24 * 401 * 383 * 4, direct                # (all but each chunk's partial pages)
+    back = {k: torch.zeros_like(v) for k, v in state.items()}
+    liferaft.load(path, back)
+    assert all(torch.equal(back[k], state[k]) for k in state)

@@ -28,10 +28,10 @@ from liferaft.planning.geometry import Box
 from liferaft.planning.save_plan import PAGE_ALIGN_MIN, PAGE_PHASE, WriteItem
 from liferaft.staging.pool import ALIGN, PAGE, BufferPool
 
-#: Pieces this large start on a page of the pool (``PAGE_PHASE`` into it): where their chunks start in the file
-#: (``save_plan.place``), so that the writer sends their whole pages with O_DIRECT. The two must be one number: a
-#: piece placed on a page whose chunk is not went through the page cache (``PosixStorage``'s O_DIRECT needs the
-#: memory and the file range at the same place in a page).
+#: The pieces of chunks this large lie in the pool where their ranges lie in a page of the file (a chunk starts
+#: ``PAGE_PHASE`` into a page: ``save_plan.place``), so that the writer sends their whole pages with O_DIRECT. The
+#: two must be one number: a piece placed on a page whose chunk is not went through the page cache
+#: (``PosixStorage``'s O_DIRECT needs the memory and the file range at the same place in a page).
 DIRECT_MIN = PAGE_ALIGN_MIN
 PIECE_LIMIT = 64 << 20      # largest piece: bounds the latency from copy to write
 BATCH = 256                 # most pieces handed over at once
@@ -109,20 +109,21 @@ def staged_size(items: Sequence[WriteItem], sources: Mapping[tuple[str, Box], to
     """Pool bytes a snapshot of ``items`` takes when staged in one go (pieces rounded up to the pool alignment,
     large ones placed as ``stage`` places them for ``phase``)."""
     total = 0
-    at = (phase - PAGE_PHASE) % PAGE
     for w in items:
         src = sources[(w.key, (w.offsets, w.sizes))]
+        align = _align_of(w.length)
         for a, b, _ in _ranges(src, w.length, piece_limit):
-            align = _align_of(b - a)
-            skip = at if align == PAGE else 0
+            skip = ((phase + a) % PAGE - PAGE_PHASE) % PAGE if align == PAGE else 0
             total = -(-(total - skip) // align) * align + skip + -(-(b - a) // ALIGN) * ALIGN
     return total
 
 
-def _align_of(nbytes: int) -> int:
-    """Large pieces start at a multiple of a page in the pool (``PAGE_PHASE`` bytes into a page of memory, as a large
-    chunk's range in its file), so that the writer can hand them to O_DIRECT."""
-    return PAGE if nbytes >= DIRECT_MIN else ALIGN
+def _align_of(chunk_bytes: int) -> int:
+    """The pieces of a large chunk lie in the pool where their ranges lie in a page of the file (a chunk's first
+    piece ``PAGE_PHASE`` bytes into a page, as ``save_plan.place`` puts the chunk), so that the writer can hand
+    them to O_DIRECT; a smaller chunk's piece follows the one before it at the next multiple of ``ALIGN``, as it
+    does in the file, so that consecutive ones join into one request (``core.chunks.behind``)."""
+    return PAGE if chunk_bytes >= DIRECT_MIN else ALIGN
 
 
 def stage(items: Sequence[WriteItem], sources: Mapping[tuple[str, Box], torch.Tensor], pool: BufferPool,
@@ -167,11 +168,13 @@ def stage(items: Sequence[WriteItem], sources: Mapping[tuple[str, Box], torch.Te
                     batch.append(Piece(item=idx, offset=a, region=-1, data=flat[a:a + piece_limit]))
                     flush()
                 continue
+            align = _align_of(w.length)
             for a, b, rows in _ranges(src, w.length, min(piece_limit, pool.capacity)):
-                got = pool.try_acquire(b - a, _align_of(b - a), generation, phase)
+                at = (phase + a) % PAGE     # (where this piece's file range lies in a page)
+                got = pool.try_acquire(b - a, align, generation, at)
                 if got is None:             # (no room now: the writer gets what is staged, then frees room)
                     flush()
-                    got = pool.acquire(b - a, timeout, _align_of(b - a), generation, phase)
+                    got = pool.acquire(b - a, timeout, align, generation, at)
                 region, view = got
                 t0 = time.perf_counter()
                 event = _copy(src, view, a, b, rows, stream, one_thread)
