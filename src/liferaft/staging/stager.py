@@ -3,7 +3,7 @@
 A piece is a byte range of one chunk's row-major bytes, at most ``piece_limit`` bytes (contiguous tensors are
 cut anywhere; non-contiguous ones at row boundaries). Pieces go to the writer in order through a ``PieceQueue``;
 the writer gives their pool regions back, so a budget smaller than the state is taken in waves. Small pieces
-travel in batches (up to ``BATCH`` pieces, a piece of ``DIRECT_MIN`` bytes or more ends one): one hand-off per
+travel in batches (up to ``BATCH`` pieces, a piece of ``BATCH_END`` bytes or more ends one): one hand-off per
 batch instead of per piece (a state of 20k small tensors spent more time handing pieces over than copying them).
 A batch is sent before the stager waits for room, so the writer always holds every piece staged before the
 wait. On CUDA the copies
@@ -35,6 +35,7 @@ from liferaft.staging.pool import ALIGN, PAGE, BufferPool
 DIRECT_MIN = PAGE_ALIGN_MIN
 PIECE_LIMIT = 64 << 20      # largest piece: bounds the latency from copy to write
 BATCH = 256                 # most pieces handed over at once
+BATCH_END = 64 << 10        # a piece this large ends its batch (the writer starts on it at once)
 
 
 def streamed_piece_limit(capacity: int) -> int:
@@ -180,7 +181,7 @@ def stage(items: Sequence[WriteItem], sources: Mapping[tuple[str, Box], torch.Te
                 event = _copy(src, view, a, b, rows, stream, one_thread)
                 copy_s += time.perf_counter() - t0
                 batch.append(Piece(item=idx, offset=a, region=region, data=view, event=event))
-                if len(batch) >= BATCH or b - a >= DIRECT_MIN:
+                if len(batch) >= BATCH or b - a >= BATCH_END:
                     flush()
         flush()
         for stream in streams.values():
