@@ -144,8 +144,9 @@ class BlockHasher:
 
     def update(self, data: memoryview) -> None:
         """Feed the next ``data``. With ``whole``, each block goes to the chunk digest right after its CRC: the
-        block is still in the CPU cache (one pass over memory, not two), and the digest (python-xxhash holds the
-        GIL) holds it one block at a time between the CRCs that release it — never a whole piece at once."""
+        block is still in the CPU cache (one pass over memory, not two). Both hashes run without the GIL (the
+        module doc; measured with python-xxhash 4.1: a thread hashing 1 GiB left another thread's loop its full
+        rate)."""
         pos, n = 0, len(data)
         bs, dg = self.block_size, self._whole
         if self._filled == 0:                      # whole blocks straight from the piece
