@@ -31,11 +31,18 @@ def _run(tmp_path, name: str, mode: str, kill_at: int) -> tuple[list[dict], dict
     return rows, torch.load(out + ".pt"), log
 
 
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+    """The run never interrupted, once for both modes (a mode changes what is saved, never what is trained: the
+    per-step mode's run ends equal to it too, which the test then also shows)."""
+    rows, state, _ = _run(tmp_path_factory.mktemp("whole"), "whole", "memory", -1)
+    assert [r["restart"] for r in rows] == [0] and rows[0]["resumed"] is None
+    return state
+
+
 @pytest.mark.parametrize("mode", ["per-step", "memory"])
-def test_a_killed_worker_is_restarted_by_torchrun_and_resumes_from_memory(tmp_path, mode):
+def test_a_killed_worker_is_restarted_by_torchrun_and_resumes_from_memory(tmp_path, mode, whole):
     kill_at = 24
-    whole_rows, whole, _ = _run(tmp_path, "whole", mode, -1)
-    assert [r["restart"] for r in whole_rows] == [0] and whole_rows[0]["resumed"] is None
     rows, killed, log = _run(tmp_path, "killed", mode, kill_at)
     assert [r["restart"] for r in rows] == [0, 1], log[-4000:]        # torchrun restarted the workers once
     if mode == "per-step":                      # the step killed after: the full save from memory + the records
