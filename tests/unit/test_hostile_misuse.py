@@ -332,11 +332,10 @@ def test_cli_read_of_a_deep_tree_is_no_traceback(tmp_path, capsys):
 
 # ------------------------------------------------------------------------------------ output linear in keys
 
-N_KEYS = 20_000          # (100,000 took 66–100 s of the suite on the 2-core machine, a third of it the fixture's two
-#                           saves; the quadratic steps this caught cost minutes at 100k and 20k² = 4e8 steps still
-#                           costs tens of seconds here against ~10 s, which the suite's durations show; at 100k keys,
-#                           under cProfile on 2026-12-06: `liferaft inspect` 13 s, `read --json` 21 s, `diff --json`
-#                           32 s; 40k took 38 s of the suite, 2026-12-08)
+N_KEYS = 40_000          # (100,000 took 66–100 s of the suite on the 2-core machine, a third of it the fixture's two
+#                           saves; the quadratic steps this caught cost minutes at 100k and 40k² = 1.6e9 steps still
+#                           costs tens of seconds here, which the suite's durations show; at 100k keys, under cProfile
+#                           on 2026-12-06: `liferaft inspect` 13 s, `read --json` 21 s, `diff --json` 32 s)
 
 
 @pytest.fixture(scope="module")
