@@ -26,7 +26,7 @@ demo: $(VENV)/.installed
 # env -u PYTHONDONTWRITEBYTECODE: where the environment sets it (these machines do), every process the tests start
 # compiled liferaft, the test helpers and the benchmarks from source again, and each test worker re-ran pytest's
 # assertion rewriting at collection: measured with process accounting over the whole suite, 1862 -> 1753 CPU s
-# (the processes the tests start 780 -> 682), 986 -> 929 s.
+# (the processes the tests exec 780 -> 682, the ranks forked 816 -> 780), 986 -> 929 s.
 # OMP_WAIT_POLICY=passive: with the workers and their ranks on the machine's cores, torch's OpenMP threads spinning
 # while they wait for work took ~15 % of the unit tests' CPU (measured: 422 → 358 CPU s, 301 → 273 s)
 test: $(VENV)/.installed

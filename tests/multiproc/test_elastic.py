@@ -45,6 +45,7 @@ def test_a_killed_worker_is_restarted_by_torchrun_and_resumes_from_memory(tmp_pa
     kill_at = 24
     rows, killed, log = _run(tmp_path, "killed", mode, kill_at)
     assert [r["restart"] for r in rows] == [0, 1], log[-4000:]        # torchrun restarted the workers once
+    assert rows[0]["resumed"] is None, rows                         # (the first start found nothing to resume)
     if mode == "per-step":                      # the step killed after: the full save from memory + the records
         assert rows[1]["resumed"] == kill_at, rows
         assert rows[1]["full"] + rows[1]["replayed"] == kill_at and rows[1]["replayed"] >= 1, rows

@@ -37,13 +37,12 @@ def free_port() -> int:
 
 
 #: What the forkserver the ranks are forked from imports once. A process has one forkserver: whatever else
-#: starts it (a test's helper) should preload these too, or every rank imports them again. ``torch._dynamo``: the
-#: first optimizer a process constructs imports it (with inductor, fx, onnx: ~0.6 CPU s here), so every rank that
-#: made one paid that import — most of the CPU of the test suite's ~1,500 rank processes (one file's ranks: 154 ->
-#: 13 CPU s). FSDP2 and DCP are what rank functions use besides; ``pytest``: the module a rank function comes from is
-#: usually a test module, imported again in every rank. (A module that is not installed is skipped.)
-PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo", "torch.distributed.fsdp",
-           "torch.distributed.checkpoint", "numpy", "liferaft", "pytest")
+#: starts it (a test's helper) should preload these too, or every rank imports them again. ``_preload`` imports
+#: what rank functions commonly import besides (``torch._dynamo`` first: every rank that constructed an optimizer
+#: imported it, ~0.6 CPU s, most of the CPU of the test suite's ~1,500 rank processes: 780 -> 234 CPU s), each
+#: only if it imports cleanly (the fork server dies on any error but an ImportError).
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "numpy", "liferaft",
+           "liferaft.testing._preload")
 
 
 def _context() -> Any:
